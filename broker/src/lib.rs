@@ -1,0 +1,1 @@
+//! # dflash-broker (being written)

@@ -1,0 +1,1 @@
+//! # dflash-cli (being written)

@@ -1,0 +1,1 @@
+//! # dflash-client (being written)

@@ -1,0 +1,21 @@
+//! # dflash-proto
+//!
+//! The `dflash.v1` wire contract, generated from `proto/dflash/v1/*.proto`.
+//!
+//! # Layout
+//! - `v1`: the generated messages, `broker_client` and `broker_server`.
+//! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
+//! - `FILE_DESCRIPTOR_SET`: the encoded descriptors, for server reflection.
+//!
+//! Depends on nothing of ours; everything else depends on it.
+
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    include!(concat!(env!("OUT_DIR"), "/dflash.v1.rs"));
+}
+
+pub mod tensor;
+
+/// Encoded `FileDescriptorSet` of every dflash proto, for tonic-reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/dflash_descriptor.bin"));

@@ -1,0 +1,1 @@
+//! # dflash-drafter-server (being written)

@@ -1,0 +1,1 @@
+//! # dflash-target-server (being written)

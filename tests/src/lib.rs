@@ -1,0 +1,1 @@
+//! # dflash-system-tests (being written)
