@@ -1,0 +1,299 @@
+//! Property tests: random interleavings of produce, deliver, ack, nack,
+//! disconnect, lease expiry, target failure and done, checked against a
+//! Jepsen-style ledger: every accepted (target, seq) ends acked exactly once
+//! or dead-lettered, never lost, and end-of-stream COMPLETE comes only after.
+
+use super::tests::{config, TestPayload};
+use super::*;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+const TARGETS: usize = 3;
+const DRAFTERS: usize = 3;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Produce { target: usize, bytes: u64 },
+    /// Repeat the last seq of a target (a retry).
+    Retry { target: usize },
+    ReconnectTarget { target: usize },
+    DisconnectTarget { target: usize },
+    Done { target: usize },
+    OpenDrafter { drafter: usize, credit: u32 },
+    CloseDrafter { drafter: usize },
+    Ack { drafter: usize, count: usize },
+    Nack { drafter: usize, poison: bool },
+    SetCredit { drafter: usize, credit: u32 },
+    Advance { seconds: u64 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..TARGETS, 1..300u64).prop_map(|(target, bytes)| Op::Produce { target, bytes }),
+        1 => (0..TARGETS).prop_map(|target| Op::Retry { target }),
+        1 => (0..TARGETS).prop_map(|target| Op::ReconnectTarget { target }),
+        1 => (0..TARGETS).prop_map(|target| Op::DisconnectTarget { target }),
+        1 => (0..TARGETS).prop_map(|target| Op::Done { target }),
+        2 => (0..DRAFTERS, 0..4u32).prop_map(|(drafter, credit)| Op::OpenDrafter { drafter, credit }),
+        1 => (0..DRAFTERS).prop_map(|drafter| Op::CloseDrafter { drafter }),
+        6 => (0..DRAFTERS, 1..4usize).prop_map(|(drafter, count)| Op::Ack { drafter, count }),
+        1 => (0..DRAFTERS, proptest::bool::weighted(0.2)).prop_map(|(drafter, poison)| Op::Nack { drafter, poison }),
+        1 => (0..DRAFTERS, 0..5u32).prop_map(|(drafter, credit)| Op::SetCredit { drafter, credit }),
+        1 => (0..40u64).prop_map(|seconds| Op::Advance { seconds }),
+    ]
+}
+
+/// The test's own bookkeeping, independent of the queue's.
+#[derive(Default)]
+struct Ledger {
+    accepted: BTreeSet<(usize, u64)>,
+    acked: BTreeMap<(usize, u64), u32>,
+    /// Delivery id → (drafter slot, target, seq) for deliveries a drafter holds.
+    held: HashMap<DeliveryId, (usize, usize, u64)>,
+    completed: bool,
+}
+
+struct World {
+    queue: Queue<TestPayload>,
+    now: Instant,
+    ledger: Ledger,
+    producer: [Option<ConnectionId>; TARGETS],
+    next_seq: [u64; TARGETS],
+    consumer: [Option<ConnectionId>; DRAFTERS],
+    target_done: [bool; TARGETS],
+}
+
+impl World {
+    fn target_name(target: usize) -> String {
+        format!("target-{target}")
+    }
+
+    fn drafter_of(&self, connection: ConnectionId) -> Option<usize> {
+        self.consumer.iter().position(|slot| *slot == Some(connection))
+    }
+
+    fn apply_effects(&mut self) -> Result<(), TestCaseError> {
+        for effect in self.queue.take_effects() {
+            match effect {
+                Effect::Deliver { connection, delivery } => {
+                    let drafter = self.drafter_of(connection);
+                    prop_assert!(drafter.is_some(), "delivery to a closed connection");
+                    prop_assert!(!self.ledger.completed, "delivery after end-of-stream");
+                    let target: usize = delivery.target_id["target-".len()..].parse().unwrap();
+                    prop_assert!(self.ledger.accepted.contains(&(target, delivery.seq)));
+                    prop_assert!(!self.ledger.acked.contains_key(&(target, delivery.seq)), "delivered after ack");
+                    self.ledger.held.insert(delivery.delivery_id, (drafter.unwrap(), target, delivery.seq));
+                }
+                Effect::EndConsumer { connection, outcome, .. } => {
+                    if outcome == RunOutcome::Complete {
+                        for key in &self.ledger.accepted {
+                            prop_assert!(
+                                self.ledger.acked.contains_key(key) || self.dead_lettered(key),
+                                "end-of-stream COMPLETE while {key:?} is neither acked nor dead-lettered"
+                            );
+                        }
+                        self.ledger.completed = true;
+                    }
+                    if let Some(drafter) = self.drafter_of(connection) {
+                        self.consumer[drafter] = None;
+                        self.ledger.held.retain(|_, (slot, ..)| *slot != drafter);
+                    }
+                }
+                Effect::CloseProducer { connection, .. } => {
+                    for slot in self.producer.iter_mut() {
+                        if *slot == Some(connection) {
+                            *slot = None;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn dead_lettered(&self, key: &(usize, u64)) -> bool {
+        self.queue
+            .snapshot(self.now)
+            .dead_letters
+            .iter()
+            .any(|dead| dead.target_id.as_ref() == World::target_name(key.0) && dead.seq == key.1)
+    }
+
+    fn step(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        let now = self.now;
+        match *op {
+            Op::Produce { target, bytes } => {
+                if let Some(connection) = self.producer[target] {
+                    let seq = self.next_seq[target];
+                    match self.queue.accept_item(connection, seq, TestPayload(bytes), now) {
+                        Ok(accepted) => {
+                            prop_assert!(!accepted.duplicate);
+                            self.ledger.accepted.insert((target, seq));
+                            self.next_seq[target] += 1;
+                        }
+                        Err(QueueError::QueueFull { .. }) => prop_assert!(!self.queue.has_room_for(bytes)),
+                        Err(QueueError::TargetAlreadyDone { .. }) | Err(QueueError::RunEnded { .. }) => {}
+                        Err(other) => prop_assert!(false, "unexpected {other}"),
+                    }
+                }
+            }
+            Op::Retry { target } => {
+                if let (Some(connection), Some(seq)) = (self.producer[target], self.next_seq[target].checked_sub(1)) {
+                    if let Ok(accepted) = self.queue.accept_item(connection, seq, TestPayload(1), now) {
+                        prop_assert!(accepted.duplicate, "a retried seq was queued twice");
+                    }
+                }
+            }
+            Op::ReconnectTarget { target } => {
+                if let Ok(opened) = self.queue.open_producer(&World::target_name(target), now) {
+                    let expected = self.next_seq[target].checked_sub(1);
+                    prop_assert_eq!(opened.resume_after_seq, expected);
+                    self.producer[target] = Some(opened.connection);
+                }
+            }
+            Op::DisconnectTarget { target } => {
+                if let Some(connection) = self.producer[target].take() {
+                    self.queue.close_producer(connection, now);
+                }
+            }
+            Op::Done { target } => {
+                let accepted = self.ledger.accepted.iter().filter(|(t, _)| *t == target).count() as u64;
+                if self.queue.report_done(&World::target_name(target), accepted, now).is_ok() {
+                    self.target_done[target] = true;
+                }
+                if accepted > 0 {
+                    let wrong = self.queue.report_done(&World::target_name(target), accepted + 1, now);
+                    prop_assert!(wrong.is_err());
+                }
+            }
+            Op::OpenDrafter { drafter, credit } => {
+                let connection =
+                    self.queue.open_consumer(&format!("drafter-{drafter}"), Credit { items: credit, bytes: 0 }, now);
+                // A replaced stream's leases are returned; forget them first.
+                self.ledger.held.retain(|_, (slot, ..)| *slot != drafter);
+                self.consumer[drafter] = connection.ok();
+            }
+            Op::CloseDrafter { drafter } => {
+                if let Some(connection) = self.consumer[drafter].take() {
+                    self.queue.close_consumer(connection, now);
+                    self.ledger.held.retain(|_, (slot, ..)| *slot != drafter);
+                }
+            }
+            Op::Ack { drafter, count } => {
+                if let Some(connection) = self.consumer[drafter] {
+                    let mine: Vec<DeliveryId> = self
+                        .ledger
+                        .held
+                        .iter()
+                        .filter(|(_, (slot, ..))| *slot == drafter)
+                        .map(|(&id, _)| id)
+                        .take(count)
+                        .collect();
+                    let outcome = self.queue.ack(connection, &mine, now);
+                    let mut acked_now = 0;
+                    for id in mine {
+                        let (_, target, seq) = self.ledger.held.remove(&id).unwrap();
+                        *self.ledger.acked.entry((target, seq)).or_default() += 1;
+                        acked_now += 1;
+                    }
+                    prop_assert_eq!(outcome.acked, acked_now);
+                }
+            }
+            Op::Nack { drafter, poison } => {
+                if let Some(connection) = self.consumer[drafter] {
+                    let mine: Vec<DeliveryId> =
+                        self.ledger.held.iter().filter(|(_, (slot, ..))| *slot == drafter).map(|(&id, _)| id).take(1).collect();
+                    let disposition = if poison { NackDisposition::DeadLetter } else { NackDisposition::Requeue };
+                    self.queue.nack(connection, &mine, disposition, "test", now);
+                    for id in mine {
+                        self.ledger.held.remove(&id);
+                    }
+                }
+            }
+            Op::SetCredit { drafter, credit } => {
+                if let Some(connection) = self.consumer[drafter] {
+                    self.queue.set_credit(connection, Credit { items: credit, bytes: 0 }, now);
+                }
+            }
+            Op::Advance { seconds } => {
+                self.now += Duration::from_secs(seconds);
+                // Expired leases are taken back; the ledger forgets them below.
+                self.queue.tick(self.now);
+            }
+        }
+        self.apply_effects()?;
+        let stale: Vec<DeliveryId> =
+            self.ledger.held.keys().copied().filter(|id| !self.queue_holds(*id)).collect();
+        for id in stale {
+            self.ledger.held.remove(&id);
+        }
+        if let Err(broken) = self.queue.check_invariants() {
+            prop_assert!(false, "invariant broken after {op:?}: {broken}");
+        }
+        for (key, count) in &self.ledger.acked {
+            prop_assert_eq!(*count, 1, "{:?} acked {} times", key, count);
+        }
+        Ok(())
+    }
+
+    fn queue_holds(&self, delivery_id: DeliveryId) -> bool {
+        self.queue.is_leased(delivery_id)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn no_item_lost_or_acked_twice_and_complete_only_at_the_end(
+        ops in proptest::collection::vec(op(), 1..200),
+        continue_on_failure in any::<bool>(),
+    ) {
+        let start = Instant::now();
+        let policy = if continue_on_failure { FailurePolicy::Continue } else { FailurePolicy::Abort };
+        let mut queue_config = config(TARGETS as u32);
+        queue_config.on_target_failure = policy;
+        let mut world = World {
+            queue: Queue::new(queue_config, start),
+            now: start,
+            ledger: Ledger::default(),
+            producer: [None; TARGETS],
+            next_seq: [0; TARGETS],
+            consumer: [None; DRAFTERS],
+            target_done: [false; TARGETS],
+        };
+        for target in 0..TARGETS {
+            world.step(&Op::ReconnectTarget { target })?;
+        }
+        for op in &ops {
+            world.step(op)?;
+        }
+        // Drain: every target reports done, one drafter acks everything.
+        for target in 0..TARGETS {
+            world.step(&Op::Done { target })?;
+        }
+        for drafter in 1..DRAFTERS {
+            world.step(&Op::CloseDrafter { drafter })?;
+        }
+        world.step(&Op::OpenDrafter { drafter: 0, credit: 3 })?;
+        for _ in 0..10_000 {
+            if world.queue.state() != RunState::Running && world.queue.state() != RunState::Draining {
+                break;
+            }
+            world.step(&Op::Ack { drafter: 0, count: 3 })?;
+        }
+        match world.queue.state() {
+            RunState::Complete => {
+                prop_assert!(world.ledger.completed);
+                for key in &world.ledger.accepted {
+                    prop_assert!(world.ledger.acked.contains_key(key) || world.dead_lettered(key), "{key:?} lost");
+                }
+                let snapshot = world.queue.snapshot(world.now);
+                prop_assert_eq!(snapshot.acked_items + snapshot.summary.dead_letters, snapshot.accepted_items);
+            }
+            RunState::Aborted => prop_assert!(!continue_on_failure, "aborted under the continue policy"),
+            other => prop_assert!(false, "run stuck in {other:?}"),
+        }
+    }
+}
