@@ -8,7 +8,20 @@
 //! - `queue`: the rules, as a synchronous state machine with no gRPC, tokio
 //!   or clock in it (time comes in as an argument). Unit and property tests
 //!   live beside it.
+//! - `config`: flags with environment fallbacks, and their validation.
+//! - `convert`: queue types ↔ `dflash.v1` messages; queue errors → status codes.
+//! - `service`: the tonic `Broker` implementation, a thin adapter that runs
+//!   queue operations under one lock and routes effects to streams.
+//! - `server`: [`serve`], which adds health and reflection and bounds shutdown.
+//! - `main.rs`: the `broker` binary (flags, logging, signals, bind).
 //!
 //! Must not depend on libtorch or any model code.
 
+pub mod config;
+pub mod convert;
 pub mod queue;
+pub mod server;
+pub mod service;
+
+pub use config::BrokerConfig;
+pub use server::{serve, ServeError};

@@ -1,1 +1,67 @@
-fn main() {}
+//! The `broker` binary: flags, logging, signals and bind; everything else is
+//! in the library.
+
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+/// The dflash broker: the shared hidden-state queue between target-servers
+/// and drafter-servers, with the completion counter and end-of-stream.
+#[derive(Debug, Parser)]
+#[command(name = "broker", version)]
+struct Cli {
+    #[command(flatten)]
+    config: dflash_broker::BrokerConfig,
+
+    /// Log format: text or json.
+    #[arg(long, env = "DFLASH_LOG_FORMAT", default_value = "text")]
+    log_format: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    if cli.log_format == "json" {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .json()
+            .init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    cli.config.validate()?;
+    let listener = tokio::net::TcpListener::bind(cli.config.listen)
+        .await
+        .map_err(|error| anyhow::anyhow!("cannot listen on {}: {error}", cli.config.listen))?;
+    let shutdown = CancellationToken::new();
+    let signal_shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        signal_shutdown.cancel();
+    });
+    dflash_broker::serve(listener, cli.config, shutdown).await?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = terminate.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

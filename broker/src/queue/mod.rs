@@ -26,12 +26,12 @@
 //!   reporting done fails; the failure policy aborts the run or counts it as
 //!   finished-with-loss.
 
+#[cfg(test)]
+mod proptests;
 mod rate;
 mod state;
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod proptests;
 
 pub use rate::RateMeter;
 pub use state::*;

@@ -14,18 +14,45 @@ const DRAFTERS: usize = 3;
 
 #[derive(Debug, Clone)]
 enum Op {
-    Produce { target: usize, bytes: u64 },
+    Produce {
+        target: usize,
+        bytes: u64,
+    },
     /// Repeat the last seq of a target (a retry).
-    Retry { target: usize },
-    ReconnectTarget { target: usize },
-    DisconnectTarget { target: usize },
-    Done { target: usize },
-    OpenDrafter { drafter: usize, credit: u32 },
-    CloseDrafter { drafter: usize },
-    Ack { drafter: usize, count: usize },
-    Nack { drafter: usize, poison: bool },
-    SetCredit { drafter: usize, credit: u32 },
-    Advance { seconds: u64 },
+    Retry {
+        target: usize,
+    },
+    ReconnectTarget {
+        target: usize,
+    },
+    DisconnectTarget {
+        target: usize,
+    },
+    Done {
+        target: usize,
+    },
+    OpenDrafter {
+        drafter: usize,
+        credit: u32,
+    },
+    CloseDrafter {
+        drafter: usize,
+    },
+    Ack {
+        drafter: usize,
+        count: usize,
+    },
+    Nack {
+        drafter: usize,
+        poison: bool,
+    },
+    SetCredit {
+        drafter: usize,
+        credit: u32,
+    },
+    Advance {
+        seconds: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -70,22 +97,37 @@ impl World {
     }
 
     fn drafter_of(&self, connection: ConnectionId) -> Option<usize> {
-        self.consumer.iter().position(|slot| *slot == Some(connection))
+        self.consumer
+            .iter()
+            .position(|slot| *slot == Some(connection))
     }
 
     fn apply_effects(&mut self) -> Result<(), TestCaseError> {
         for effect in self.queue.take_effects() {
             match effect {
-                Effect::Deliver { connection, delivery } => {
+                Effect::Deliver {
+                    connection,
+                    delivery,
+                } => {
                     let drafter = self.drafter_of(connection);
                     prop_assert!(drafter.is_some(), "delivery to a closed connection");
                     prop_assert!(!self.ledger.completed, "delivery after end-of-stream");
                     let target: usize = delivery.target_id["target-".len()..].parse().unwrap();
                     prop_assert!(self.ledger.accepted.contains(&(target, delivery.seq)));
-                    prop_assert!(!self.ledger.acked.contains_key(&(target, delivery.seq)), "delivered after ack");
-                    self.ledger.held.insert(delivery.delivery_id, (drafter.unwrap(), target, delivery.seq));
+                    prop_assert!(
+                        !self.ledger.acked.contains_key(&(target, delivery.seq)),
+                        "delivered after ack"
+                    );
+                    self.ledger.held.insert(
+                        delivery.delivery_id,
+                        (drafter.unwrap(), target, delivery.seq),
+                    );
                 }
-                Effect::EndConsumer { connection, outcome, .. } => {
+                Effect::EndConsumer {
+                    connection,
+                    outcome,
+                    ..
+                } => {
                     if outcome == RunOutcome::Complete {
                         for key in &self.ledger.accepted {
                             prop_assert!(
@@ -126,21 +168,31 @@ impl World {
             Op::Produce { target, bytes } => {
                 if let Some(connection) = self.producer[target] {
                     let seq = self.next_seq[target];
-                    match self.queue.accept_item(connection, seq, TestPayload(bytes), now) {
+                    match self
+                        .queue
+                        .accept_item(connection, seq, TestPayload(bytes), now)
+                    {
                         Ok(accepted) => {
                             prop_assert!(!accepted.duplicate);
                             self.ledger.accepted.insert((target, seq));
                             self.next_seq[target] += 1;
                         }
-                        Err(QueueError::QueueFull { .. }) => prop_assert!(!self.queue.has_room_for(bytes)),
-                        Err(QueueError::TargetAlreadyDone { .. }) | Err(QueueError::RunEnded { .. }) => {}
+                        Err(QueueError::QueueFull { .. }) => {
+                            prop_assert!(!self.queue.has_room_for(bytes))
+                        }
+                        Err(QueueError::TargetAlreadyDone { .. })
+                        | Err(QueueError::RunEnded { .. }) => {}
                         Err(other) => prop_assert!(false, "unexpected {other}"),
                     }
                 }
             }
             Op::Retry { target } => {
-                if let (Some(connection), Some(seq)) = (self.producer[target], self.next_seq[target].checked_sub(1)) {
-                    if let Ok(accepted) = self.queue.accept_item(connection, seq, TestPayload(1), now) {
+                if let (Some(connection), Some(seq)) =
+                    (self.producer[target], self.next_seq[target].checked_sub(1))
+                {
+                    if let Ok(accepted) =
+                        self.queue.accept_item(connection, seq, TestPayload(1), now)
+                    {
                         prop_assert!(accepted.duplicate, "a retried seq was queued twice");
                     }
                 }
@@ -158,18 +210,35 @@ impl World {
                 }
             }
             Op::Done { target } => {
-                let accepted = self.ledger.accepted.iter().filter(|(t, _)| *t == target).count() as u64;
-                if self.queue.report_done(&World::target_name(target), accepted, now).is_ok() {
+                let accepted = self
+                    .ledger
+                    .accepted
+                    .iter()
+                    .filter(|(t, _)| *t == target)
+                    .count() as u64;
+                if self
+                    .queue
+                    .report_done(&World::target_name(target), accepted, now)
+                    .is_ok()
+                {
                     self.target_done[target] = true;
                 }
                 if accepted > 0 {
-                    let wrong = self.queue.report_done(&World::target_name(target), accepted + 1, now);
+                    let wrong =
+                        self.queue
+                            .report_done(&World::target_name(target), accepted + 1, now);
                     prop_assert!(wrong.is_err());
                 }
             }
             Op::OpenDrafter { drafter, credit } => {
-                let connection =
-                    self.queue.open_consumer(&format!("drafter-{drafter}"), Credit { items: credit, bytes: 0 }, now);
+                let connection = self.queue.open_consumer(
+                    &format!("drafter-{drafter}"),
+                    Credit {
+                        items: credit,
+                        bytes: 0,
+                    },
+                    now,
+                );
                 // A replaced stream's leases are returned; forget them first.
                 self.ledger.held.retain(|_, (slot, ..)| *slot != drafter);
                 self.consumer[drafter] = connection.ok();
@@ -202,9 +271,19 @@ impl World {
             }
             Op::Nack { drafter, poison } => {
                 if let Some(connection) = self.consumer[drafter] {
-                    let mine: Vec<DeliveryId> =
-                        self.ledger.held.iter().filter(|(_, (slot, ..))| *slot == drafter).map(|(&id, _)| id).take(1).collect();
-                    let disposition = if poison { NackDisposition::DeadLetter } else { NackDisposition::Requeue };
+                    let mine: Vec<DeliveryId> = self
+                        .ledger
+                        .held
+                        .iter()
+                        .filter(|(_, (slot, ..))| *slot == drafter)
+                        .map(|(&id, _)| id)
+                        .take(1)
+                        .collect();
+                    let disposition = if poison {
+                        NackDisposition::DeadLetter
+                    } else {
+                        NackDisposition::Requeue
+                    };
                     self.queue.nack(connection, &mine, disposition, "test", now);
                     for id in mine {
                         self.ledger.held.remove(&id);
@@ -213,7 +292,14 @@ impl World {
             }
             Op::SetCredit { drafter, credit } => {
                 if let Some(connection) = self.consumer[drafter] {
-                    self.queue.set_credit(connection, Credit { items: credit, bytes: 0 }, now);
+                    self.queue.set_credit(
+                        connection,
+                        Credit {
+                            items: credit,
+                            bytes: 0,
+                        },
+                        now,
+                    );
                 }
             }
             Op::Advance { seconds } => {
@@ -223,8 +309,13 @@ impl World {
             }
         }
         self.apply_effects()?;
-        let stale: Vec<DeliveryId> =
-            self.ledger.held.keys().copied().filter(|id| !self.queue_holds(*id)).collect();
+        let stale: Vec<DeliveryId> = self
+            .ledger
+            .held
+            .keys()
+            .copied()
+            .filter(|id| !self.queue_holds(*id))
+            .collect();
         for id in stale {
             self.ledger.held.remove(&id);
         }

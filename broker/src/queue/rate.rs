@@ -17,7 +17,11 @@ impl RateMeter {
     pub fn new(window: Duration, now: Instant) -> Self {
         let mut samples = VecDeque::new();
         samples.push_back((now, 0, 0));
-        RateMeter { window, sample_every: window / 20, samples }
+        RateMeter {
+            window,
+            sample_every: window / 20,
+            samples,
+        }
     }
 
     /// Records the current totals (cheap; call it on every tick).
@@ -30,7 +34,10 @@ impl RateMeter {
             self.samples.push_back((now, items_total, bytes_total));
         }
         while self.samples.len() > 2
-            && self.samples.get(1).is_some_and(|&(time, _, _)| now.saturating_duration_since(time) >= self.window)
+            && self
+                .samples
+                .get(1)
+                .is_some_and(|&(time, _, _)| now.saturating_duration_since(time) >= self.window)
         {
             self.samples.pop_front();
         }
@@ -61,7 +68,11 @@ mod tests {
         let start = Instant::now();
         let mut meter = RateMeter::new(Duration::from_secs(10), start);
         for second in 1..=20u64 {
-            meter.record(start + Duration::from_secs(second), second * 5, second * 500);
+            meter.record(
+                start + Duration::from_secs(second),
+                second * 5,
+                second * 500,
+            );
         }
         let now = start + Duration::from_secs(20);
         let (items, bytes) = meter.rate(now, 100, 10_000);

@@ -115,13 +115,21 @@ pub enum QueueError {
     #[error("drafter_id is empty")]
     EmptyDrafterId,
     #[error("target {target_id:?} is not one of the {expected} expected targets (already known: {known})")]
-    TooManyTargets { target_id: String, expected: u32, known: String },
+    TooManyTargets {
+        target_id: String,
+        expected: u32,
+        known: String,
+    },
     #[error("target {target_id:?} has failed ({reason}); it can no longer produce or report done")]
     TargetFailed { target_id: String, reason: String },
     #[error("target {target_id:?} already reported done; item seq {seq} is new")]
     TargetAlreadyDone { target_id: String, seq: u64 },
     #[error("target {target_id:?}: report says {reported} items, broker accepted {accepted}")]
-    DoneCountMismatch { target_id: String, reported: u64, accepted: u64 },
+    DoneCountMismatch {
+        target_id: String,
+        reported: u64,
+        accepted: u64,
+    },
     #[error("item seq {seq}: {bytes} bytes exceeds the limit of {limit} bytes")]
     ItemTooLarge { seq: u64, bytes: u64, limit: u64 },
     #[error("queue full: {held} of {limit} bytes held")]
@@ -146,11 +154,23 @@ pub struct Delivery<P> {
 /// What the transport must do after an operation.
 #[derive(Debug, Clone)]
 pub enum Effect<P> {
-    Deliver { connection: ConnectionId, delivery: Delivery<P> },
+    Deliver {
+        connection: ConnectionId,
+        delivery: Delivery<P>,
+    },
     /// Send end-of-stream and close this consumer's stream.
-    EndConsumer { connection: ConnectionId, outcome: RunOutcome, reason: String, summary: RunSummary },
+    EndConsumer {
+        connection: ConnectionId,
+        outcome: RunOutcome,
+        reason: String,
+        summary: RunSummary,
+    },
     /// Tell this producer why and close its stream.
-    CloseProducer { connection: ConnectionId, outcome: RunOutcome, reason: String },
+    CloseProducer {
+        connection: ConnectionId,
+        outcome: RunOutcome,
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -414,25 +434,35 @@ impl<P: Payload> Queue<P> {
 
     /// A target opens its Produce stream. A stream already open for the same
     /// target is closed (ABORTED, replaced).
-    pub fn open_producer(&mut self, target_id: &str, now: Instant) -> Result<ProducerOpened, QueueError> {
+    pub fn open_producer(
+        &mut self,
+        target_id: &str,
+        now: Instant,
+    ) -> Result<ProducerOpened, QueueError> {
         self.ensure_not_ended()?;
         let key = self.target_key(target_id)?;
         let connection = self.allocate_connection();
-        let entry = self.targets.entry(key.clone()).or_insert_with(|| TargetEntry {
-            target_id: key.clone(),
-            state: TargetState::Disconnected { since: now },
-            highest_seq: None,
-            accepted_items: 0,
-            accepted_bytes: 0,
-            rejected_items: 0,
-            duplicate_items: 0,
-            last_seen: now,
-            stats: None,
-        });
+        let entry = self
+            .targets
+            .entry(key.clone())
+            .or_insert_with(|| TargetEntry {
+                target_id: key.clone(),
+                state: TargetState::Disconnected { since: now },
+                highest_seq: None,
+                accepted_items: 0,
+                accepted_bytes: 0,
+                rejected_items: 0,
+                duplicate_items: 0,
+                last_seen: now,
+                stats: None,
+            });
         entry.last_seen = now;
         match &entry.state {
             TargetState::Failed { reason } => {
-                return Err(QueueError::TargetFailed { target_id: target_id.to_string(), reason: reason.clone() })
+                return Err(QueueError::TargetFailed {
+                    target_id: target_id.to_string(),
+                    reason: reason.clone(),
+                })
             }
             TargetState::Connected { connection: old } => {
                 let old = *old;
@@ -484,12 +514,19 @@ impl<P: Payload> Queue<P> {
         if entry.state == TargetState::Done {
             entry.rejected_items += 1;
             self.rejected_items += 1;
-            return Err(QueueError::TargetAlreadyDone { target_id: target_key.to_string(), seq });
+            return Err(QueueError::TargetAlreadyDone {
+                target_id: target_key.to_string(),
+                seq,
+            });
         }
         if bytes > max_item_bytes {
             entry.rejected_items += 1;
             self.rejected_items += 1;
-            return Err(QueueError::ItemTooLarge { seq, bytes, limit: max_item_bytes });
+            return Err(QueueError::ItemTooLarge {
+                seq,
+                bytes,
+                limit: max_item_bytes,
+            });
         }
         if held.saturating_add(bytes) > limit {
             return Err(QueueError::QueueFull { held, limit });
@@ -499,7 +536,16 @@ impl<P: Payload> Queue<P> {
         entry.accepted_bytes += bytes;
         let item_id = self.next_item;
         self.next_item += 1;
-        self.items.insert(item_id, StoredItem { target_id: target_key, seq, payload, bytes, deliveries: 0 });
+        self.items.insert(
+            item_id,
+            StoredItem {
+                target_id: target_key,
+                seq,
+                payload,
+                bytes,
+                deliveries: 0,
+            },
+        );
         self.queue.push_back(item_id);
         self.queued_bytes += bytes;
         self.accepted_items += 1;
@@ -511,7 +557,11 @@ impl<P: Payload> Queue<P> {
     /// Counts an item the transport rejected before it reached the queue
     /// (a malformed sample), so status shows it.
     pub fn count_rejected(&mut self, connection: ConnectionId, now: Instant) {
-        if let Some(entry) = self.producer_connections.get(&connection).and_then(|key| self.targets.get_mut(key)) {
+        if let Some(entry) = self
+            .producer_connections
+            .get(&connection)
+            .and_then(|key| self.targets.get_mut(key))
+        {
             entry.rejected_items += 1;
             entry.last_seen = now;
         }
@@ -519,7 +569,11 @@ impl<P: Payload> Queue<P> {
     }
 
     pub fn producer_stats(&mut self, connection: ConnectionId, stats: ProducerStats, now: Instant) {
-        if let Some(entry) = self.producer_connections.get(&connection).and_then(|key| self.targets.get_mut(key)) {
+        if let Some(entry) = self
+            .producer_connections
+            .get(&connection)
+            .and_then(|key| self.targets.get_mut(key))
+        {
             entry.stats = Some(stats);
             entry.last_seen = now;
         }
@@ -540,15 +594,29 @@ impl<P: Payload> Queue<P> {
 
     /// A target reports it is finished. Idempotent; a count that differs from
     /// what was accepted changes nothing.
-    pub fn report_done(&mut self, target_id: &str, total_items: u64, now: Instant) -> Result<DoneAccepted, QueueError> {
+    pub fn report_done(
+        &mut self,
+        target_id: &str,
+        total_items: u64,
+        now: Instant,
+    ) -> Result<DoneAccepted, QueueError> {
         if self.state == RunState::Aborted {
-            return Err(QueueError::RunEnded { state: self.state, reason: self.abort_reason.clone() });
+            return Err(QueueError::RunEnded {
+                state: self.state,
+                reason: self.abort_reason.clone(),
+            });
         }
         let key = self.target_key(target_id)?;
-        let accepted = self.targets.get(&key).map_or(0, |entry| entry.accepted_items);
+        let accepted = self
+            .targets
+            .get(&key)
+            .map_or(0, |entry| entry.accepted_items);
         if let Some(entry) = self.targets.get(&key) {
             if let TargetState::Failed { reason } = &entry.state {
-                return Err(QueueError::TargetFailed { target_id: target_id.to_string(), reason: reason.clone() });
+                return Err(QueueError::TargetFailed {
+                    target_id: target_id.to_string(),
+                    reason: reason.clone(),
+                });
             }
         }
         if accepted != total_items {
@@ -558,17 +626,20 @@ impl<P: Payload> Queue<P> {
                 accepted,
             });
         }
-        let entry = self.targets.entry(key.clone()).or_insert_with(|| TargetEntry {
-            target_id: key.clone(),
-            state: TargetState::Disconnected { since: now },
-            highest_seq: None,
-            accepted_items: 0,
-            accepted_bytes: 0,
-            rejected_items: 0,
-            duplicate_items: 0,
-            last_seen: now,
-            stats: None,
-        });
+        let entry = self
+            .targets
+            .entry(key.clone())
+            .or_insert_with(|| TargetEntry {
+                target_id: key.clone(),
+                state: TargetState::Disconnected { since: now },
+                highest_seq: None,
+                accepted_items: 0,
+                accepted_bytes: 0,
+                rejected_items: 0,
+                duplicate_items: 0,
+                last_seen: now,
+                stats: None,
+            });
         entry.last_seen = now;
         let already_done = entry.state == TargetState::Done;
         // A stream still open stays usable (late duplicates are answered) until
@@ -587,12 +658,21 @@ impl<P: Payload> Queue<P> {
     /// A drafter opens its Consume stream. A stream already open under the
     /// same drafter id is ended (its leases go back to the queue). A drafter
     /// joining a finished run gets end-of-stream at once.
-    pub fn open_consumer(&mut self, drafter_id: &str, credit: Credit, now: Instant) -> Result<ConnectionId, QueueError> {
+    pub fn open_consumer(
+        &mut self,
+        drafter_id: &str,
+        credit: Credit,
+        now: Instant,
+    ) -> Result<ConnectionId, QueueError> {
         if drafter_id.is_empty() {
             return Err(QueueError::EmptyDrafterId);
         }
         let connection = self.allocate_connection();
-        if let Some(old) = self.drafters.get(drafter_id).and_then(|entry| entry.connection) {
+        if let Some(old) = self
+            .drafters
+            .get(drafter_id)
+            .and_then(|entry| entry.connection)
+        {
             self.release_consumer(old);
             self.effects.push(Effect::EndConsumer {
                 connection: old,
@@ -601,22 +681,26 @@ impl<P: Payload> Queue<P> {
                 summary: self.summary(),
             });
         }
-        let entry = self.drafters.entry(drafter_id.to_string()).or_insert_with(|| DrafterEntry {
-            connection: None,
-            credit,
-            leases: BTreeSet::new(),
-            leased_bytes: 0,
-            delivered_items: 0,
-            acked_items: 0,
-            nacked_items: 0,
-            expired_leases: 0,
-            last_seen: now,
-            stats: None,
-        });
+        let entry = self
+            .drafters
+            .entry(drafter_id.to_string())
+            .or_insert_with(|| DrafterEntry {
+                connection: None,
+                credit,
+                leases: BTreeSet::new(),
+                leased_bytes: 0,
+                delivered_items: 0,
+                acked_items: 0,
+                nacked_items: 0,
+                expired_leases: 0,
+                last_seen: now,
+                stats: None,
+            });
         entry.connection = Some(connection);
         entry.credit = credit;
         entry.last_seen = now;
-        self.consumer_connections.insert(connection, drafter_id.to_string());
+        self.consumer_connections
+            .insert(connection, drafter_id.to_string());
         self.forget_old_drafters();
         match self.state {
             RunState::Complete | RunState::Aborted => self.end_consumer(connection),
@@ -641,7 +725,12 @@ impl<P: Payload> Queue<P> {
     }
 
     /// Acks deliveries this stream holds; others are counted as stale.
-    pub fn ack(&mut self, connection: ConnectionId, delivery_ids: &[DeliveryId], now: Instant) -> AckOutcome {
+    pub fn ack(
+        &mut self,
+        connection: ConnectionId,
+        delivery_ids: &[DeliveryId],
+        now: Instant,
+    ) -> AckOutcome {
         let mut outcome = AckOutcome::default();
         for &delivery_id in delivery_ids {
             match self.take_lease(connection, delivery_id) {
@@ -686,9 +775,10 @@ impl<P: Payload> Queue<P> {
                     }
                     match disposition {
                         NackDisposition::Requeue => returned.push(item_id),
-                        NackDisposition::DeadLetter => {
-                            self.dead_letter(item_id, format!("nacked as bad by the drafter: {reason}"))
-                        }
+                        NackDisposition::DeadLetter => self.dead_letter(
+                            item_id,
+                            format!("nacked as bad by the drafter: {reason}"),
+                        ),
                     }
                 }
                 None => outcome.stale += 1,
@@ -703,14 +793,22 @@ impl<P: Payload> Queue<P> {
     }
 
     /// Renews leases of this stream (all of them when `delivery_ids` is empty).
-    pub fn extend_leases(&mut self, connection: ConnectionId, delivery_ids: &[DeliveryId], now: Instant) {
+    pub fn extend_leases(
+        &mut self,
+        connection: ConnectionId,
+        delivery_ids: &[DeliveryId],
+        now: Instant,
+    ) {
         let deadline = now + self.config.lease_timeout;
         let Some(entry) = self.consumer_entry(connection) else {
             return;
         };
         entry.last_seen = now;
-        let held: Vec<DeliveryId> =
-            if delivery_ids.is_empty() { entry.leases.iter().copied().collect() } else { delivery_ids.to_vec() };
+        let held: Vec<DeliveryId> = if delivery_ids.is_empty() {
+            entry.leases.iter().copied().collect()
+        } else {
+            delivery_ids.to_vec()
+        };
         for delivery_id in held {
             if let Some(lease) = self.leases.get_mut(&delivery_id) {
                 if lease.connection == connection {
@@ -742,7 +840,9 @@ impl<P: Payload> Queue<P> {
             .collect();
         let mut returned = Vec::new();
         for delivery_id in expired {
-            let Some(lease) = self.leases.remove(&delivery_id) else { continue };
+            let Some(lease) = self.leases.remove(&delivery_id) else {
+                continue;
+            };
             self.unlink_lease(lease.connection, delivery_id, lease.item_id);
             if let Some(entry) = self.consumer_entry(lease.connection) {
                 entry.expired_leases += 1;
@@ -757,19 +857,24 @@ impl<P: Payload> Queue<P> {
                 .targets
                 .values()
                 .filter(|entry| match entry.state {
-                    TargetState::Disconnected { since } => now.saturating_duration_since(since) > grace,
+                    TargetState::Disconnected { since } => {
+                        now.saturating_duration_since(since) > grace
+                    }
                     _ => false,
                 })
                 .map(|entry| entry.target_id.clone())
                 .collect();
             for target_id in lapsed {
-                let reason =
-                    format!("stream gone for more than {:.1}s without ReportDone", grace.as_secs_f64());
+                let reason = format!(
+                    "stream gone for more than {:.1}s without ReportDone",
+                    grace.as_secs_f64()
+                );
                 self.fail_target(&target_id, reason, now);
             }
             if let Some(timeout) = self.config.target_startup_timeout {
                 let known = self.targets.len() as u32 + self.never_connected_failures;
-                if known < self.config.expected_targets && now.saturating_duration_since(self.started_at) >= timeout
+                if known < self.config.expected_targets
+                    && now.saturating_duration_since(self.started_at) >= timeout
                 {
                     let missing = self.config.expected_targets - known;
                     self.never_connected_failures += missing;
@@ -782,8 +887,10 @@ impl<P: Payload> Queue<P> {
                 }
             }
         }
-        self.acked_rate.record(now, self.acked_items, self.acked_bytes);
-        self.accepted_rate.record(now, self.accepted_items, self.accepted_bytes);
+        self.acked_rate
+            .record(now, self.acked_items, self.acked_bytes);
+        self.accepted_rate
+            .record(now, self.accepted_items, self.accepted_bytes);
         self.dispatch(now);
     }
 
@@ -809,7 +916,10 @@ impl<P: Payload> Queue<P> {
             .values()
             .filter(|entry| matches!(entry.state, TargetState::Failed { .. }))
             .map(|entry| entry.target_id.to_string())
-            .chain((0..self.never_connected_failures).map(|index| format!("<never connected #{}>", index + 1)))
+            .chain(
+                (0..self.never_connected_failures)
+                    .map(|index| format!("<never connected #{}>", index + 1)),
+            )
             .collect();
         let announced: Vec<u64> = self
             .targets
@@ -836,9 +946,11 @@ impl<P: Payload> Queue<P> {
 
     pub fn snapshot(&self, now: Instant) -> Snapshot {
         let (acked_items_per_second, acked_bytes_per_second) =
-            self.acked_rate.rate(now, self.acked_items, self.acked_bytes);
+            self.acked_rate
+                .rate(now, self.acked_items, self.acked_bytes);
         let (accepted_items_per_second, accepted_bytes_per_second) =
-            self.accepted_rate.rate(now, self.accepted_items, self.accepted_bytes);
+            self.accepted_rate
+                .rate(now, self.accepted_items, self.accepted_bytes);
         Snapshot {
             state: self.state,
             expected_targets: self.config.expected_targets,
@@ -909,21 +1021,44 @@ impl<P: Payload> Queue<P> {
             ));
         }
         if self.items.len() as u64 != queued + leased {
-            return Err(format!("{} stored items, {queued} queued + {leased} leased", self.items.len()));
+            return Err(format!(
+                "{} stored items, {queued} queued + {leased} leased",
+                self.items.len()
+            ));
         }
-        let queued_bytes: u64 = self.queue.iter().filter_map(|id| self.items.get(id)).map(|item| item.bytes).sum();
+        let queued_bytes: u64 = self
+            .queue
+            .iter()
+            .filter_map(|id| self.items.get(id))
+            .map(|item| item.bytes)
+            .sum();
         if queued_bytes != self.queued_bytes {
-            return Err(format!("queued bytes {} != sum {queued_bytes}", self.queued_bytes));
+            return Err(format!(
+                "queued bytes {} != sum {queued_bytes}",
+                self.queued_bytes
+            ));
         }
-        let leased_bytes: u64 =
-            self.leases.values().filter_map(|lease| self.items.get(&lease.item_id)).map(|item| item.bytes).sum();
+        let leased_bytes: u64 = self
+            .leases
+            .values()
+            .filter_map(|lease| self.items.get(&lease.item_id))
+            .map(|item| item.bytes)
+            .sum();
         if leased_bytes != self.leased_bytes {
-            return Err(format!("leased bytes {} != sum {leased_bytes}", self.leased_bytes));
+            return Err(format!(
+                "leased bytes {} != sum {leased_bytes}",
+                self.leased_bytes
+            ));
         }
         if self.held_bytes() > self.config.max_held_bytes {
-            return Err(format!("held {} > cap {}", self.held_bytes(), self.config.max_held_bytes));
+            return Err(format!(
+                "held {} > cap {}",
+                self.held_bytes(),
+                self.config.max_held_bytes
+            ));
         }
-        let mut leased_items: Vec<ItemId> = self.leases.values().map(|lease| lease.item_id).collect();
+        let mut leased_items: Vec<ItemId> =
+            self.leases.values().map(|lease| lease.item_id).collect();
         leased_items.extend(self.queue.iter().copied());
         leased_items.sort_unstable();
         if leased_items.windows(2).any(|pair| pair[0] == pair[1]) {
@@ -933,7 +1068,11 @@ impl<P: Payload> Queue<P> {
             for delivery_id in &entry.leases {
                 match self.leases.get(delivery_id) {
                     Some(lease) if Some(lease.connection) == entry.connection => {}
-                    _ => return Err(format!("drafter {drafter_id} lists lease {delivery_id} it does not hold")),
+                    _ => {
+                        return Err(format!(
+                            "drafter {drafter_id} lists lease {delivery_id} it does not hold"
+                        ))
+                    }
                 }
             }
         }
@@ -987,7 +1126,10 @@ impl<P: Payload> Queue<P> {
     }
 
     fn producer_target(&self, connection: ConnectionId) -> Result<Arc<str>, QueueError> {
-        self.producer_connections.get(&connection).cloned().ok_or(QueueError::StaleConnection { connection })
+        self.producer_connections
+            .get(&connection)
+            .cloned()
+            .ok_or(QueueError::StaleConnection { connection })
     }
 
     fn consumer_entry(&mut self, connection: ConnectionId) -> Option<&mut DrafterEntry> {
@@ -997,7 +1139,11 @@ impl<P: Payload> Queue<P> {
     }
 
     fn finished_targets(&self) -> u32 {
-        self.targets.values().filter(|entry| entry.is_finished()).count() as u32 + self.never_connected_failures
+        self.targets
+            .values()
+            .filter(|entry| entry.is_finished())
+            .count() as u32
+            + self.never_connected_failures
     }
 
     /// Removes a lease held by `connection`; the item id when it was held.
@@ -1029,10 +1175,18 @@ impl<P: Payload> Queue<P> {
     fn return_to_head(&mut self, mut item_ids: Vec<ItemId>, reason: &str) {
         item_ids.sort_unstable();
         for item_id in item_ids.into_iter().rev() {
-            let Some(item) = self.items.get(&item_id) else { continue };
+            let Some(item) = self.items.get(&item_id) else {
+                continue;
+            };
             if item.deliveries >= self.config.max_deliveries {
                 let deliveries = item.deliveries;
-                self.dead_letter(item_id, format!("{reason} after {deliveries} deliveries (max {})", self.config.max_deliveries));
+                self.dead_letter(
+                    item_id,
+                    format!(
+                        "{reason} after {deliveries} deliveries (max {})",
+                        self.config.max_deliveries
+                    ),
+                );
             } else {
                 self.queued_bytes += item.bytes;
                 self.queue.push_front(item_id);
@@ -1041,7 +1195,9 @@ impl<P: Payload> Queue<P> {
     }
 
     fn dead_letter(&mut self, item_id: ItemId, reason: String) {
-        let Some(item) = self.items.remove(&item_id) else { return };
+        let Some(item) = self.items.remove(&item_id) else {
+            return;
+        };
         tracing::warn!(target_id = %item.target_id, seq = item.seq, deliveries = item.deliveries, %reason, "item dead-lettered");
         self.dead_letter_count += 1;
         if self.dead_letters.len() < MAX_LISTED_DEAD_LETTERS {
@@ -1057,9 +1213,13 @@ impl<P: Payload> Queue<P> {
 
     /// Returns a consumer's leases to the queue and marks it disconnected.
     fn release_consumer(&mut self, connection: ConnectionId) {
-        let Some(drafter_id) = self.consumer_connections.get(&connection).cloned() else { return };
+        let Some(drafter_id) = self.consumer_connections.get(&connection).cloned() else {
+            return;
+        };
         let held: Vec<DeliveryId> = match self.drafters.get(&drafter_id) {
-            Some(entry) if entry.connection == Some(connection) => entry.leases.iter().copied().collect(),
+            Some(entry) if entry.connection == Some(connection) => {
+                entry.leases.iter().copied().collect()
+            }
             _ => Vec::new(),
         };
         let mut returned = Vec::new();
@@ -1095,12 +1255,16 @@ impl<P: Payload> Queue<P> {
     }
 
     fn fail_target(&mut self, target_id: &Arc<str>, reason: String, now: Instant) {
-        let Some(entry) = self.targets.get_mut(target_id) else { return };
+        let Some(entry) = self.targets.get_mut(target_id) else {
+            return;
+        };
         if entry.is_finished() {
             return;
         }
         tracing::warn!(target_id = %target_id, %reason, "target failed");
-        entry.state = TargetState::Failed { reason: reason.clone() };
+        entry.state = TargetState::Failed {
+            reason: reason.clone(),
+        };
         self.apply_failure_policy(format!("target {target_id:?} failed: {reason}"), now);
     }
 
@@ -1126,7 +1290,11 @@ impl<P: Payload> Queue<P> {
         }
         let producers: Vec<ConnectionId> = self.producer_connections.keys().copied().collect();
         for connection in producers {
-            self.effects.push(Effect::CloseProducer { connection, outcome: RunOutcome::Aborted, reason: reason.clone() });
+            self.effects.push(Effect::CloseProducer {
+                connection,
+                outcome: RunOutcome::Aborted,
+                reason: reason.clone(),
+            });
         }
     }
 
@@ -1139,7 +1307,12 @@ impl<P: Payload> Queue<P> {
         };
         self.release_consumer(connection);
         let summary = self.summary();
-        self.effects.push(Effect::EndConsumer { connection, outcome, reason, summary });
+        self.effects.push(Effect::EndConsumer {
+            connection,
+            outcome,
+            reason,
+            summary,
+        });
     }
 
     /// Moves RUNNING → DRAINING once every expected target is finished, and
@@ -1154,7 +1327,12 @@ impl<P: Payload> Queue<P> {
             return;
         }
         if self.queue.is_empty() && self.leases.is_empty() {
-            tracing::info!(accepted = self.accepted_items, acked = self.acked_items, dead = self.dead_letter_count, "run complete");
+            tracing::info!(
+                accepted = self.accepted_items,
+                acked = self.acked_items,
+                dead = self.dead_letter_count,
+                "run complete"
+            );
             self.state = RunState::Complete;
             let consumers: Vec<ConnectionId> = self.consumer_connections.keys().copied().collect();
             for connection in consumers {
@@ -1182,7 +1360,9 @@ impl<P: Payload> Queue<P> {
                     self.queue.pop_front();
                     continue;
                 };
-                let Some(connection) = self.next_consumer_with_room(bytes) else { break };
+                let Some(connection) = self.next_consumer_with_room(bytes) else {
+                    break;
+                };
                 self.queue.pop_front();
                 self.queued_bytes -= bytes;
                 self.deliver(item_id, connection, now);
@@ -1196,13 +1376,18 @@ impl<P: Payload> Queue<P> {
             let items = entry.leases.len() as u64;
             entry.connection.is_some()
                 && items < u64::from(entry.credit.items)
-                && (items == 0 || entry.credit.bytes == 0 || entry.leased_bytes + bytes <= entry.credit.bytes)
+                && (items == 0
+                    || entry.credit.bytes == 0
+                    || entry.leased_bytes + bytes <= entry.credit.bytes)
         };
         let after = self.round_robin_after.clone();
         let candidate = match &after {
             Some(last) => self
                 .drafters
-                .range::<String, _>((std::ops::Bound::Excluded(last.clone()), std::ops::Bound::Unbounded))
+                .range::<String, _>((
+                    std::ops::Bound::Excluded(last.clone()),
+                    std::ops::Bound::Unbounded,
+                ))
                 .chain(self.drafters.range::<String, _>(..=last.clone()))
                 .find(|(_, entry)| has_room(entry)),
             None => self.drafters.iter().find(|(_, entry)| has_room(entry)),
@@ -1216,7 +1401,9 @@ impl<P: Payload> Queue<P> {
     fn deliver(&mut self, item_id: ItemId, connection: ConnectionId, now: Instant) {
         let delivery_id = self.next_delivery;
         self.next_delivery += 1;
-        let Some(item) = self.items.get_mut(&item_id) else { return };
+        let Some(item) = self.items.get_mut(&item_id) else {
+            return;
+        };
         item.deliveries += 1;
         if item.deliveries > 1 {
             self.redelivered_items += 1;
@@ -1229,7 +1416,14 @@ impl<P: Payload> Queue<P> {
             delivery_count: item.deliveries,
         };
         let bytes = item.bytes;
-        self.leases.insert(delivery_id, Lease { item_id, connection, deadline: now + self.config.lease_timeout });
+        self.leases.insert(
+            delivery_id,
+            Lease {
+                item_id,
+                connection,
+                deadline: now + self.config.lease_timeout,
+            },
+        );
         self.leased_bytes += bytes;
         self.delivered_items += 1;
         if let Some(entry) = self.consumer_entry(connection) {
@@ -1237,6 +1431,9 @@ impl<P: Payload> Queue<P> {
             entry.leased_bytes += bytes;
             entry.delivered_items += 1;
         }
-        self.effects.push(Effect::Deliver { connection, delivery });
+        self.effects.push(Effect::Deliver {
+            connection,
+            delivery,
+        });
     }
 }

@@ -34,7 +34,10 @@ fn deliveries(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, DeliveryId,
     effects
         .iter()
         .filter_map(|effect| match effect {
-            Effect::Deliver { connection, delivery } => Some((*connection, delivery.delivery_id, delivery.seq)),
+            Effect::Deliver {
+                connection,
+                delivery,
+            } => Some((*connection, delivery.delivery_id, delivery.seq)),
             _ => None,
         })
         .collect()
@@ -44,7 +47,11 @@ fn ended(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, RunOutcome)> {
     effects
         .iter()
         .filter_map(|effect| match effect {
-            Effect::EndConsumer { connection, outcome, .. } => Some((*connection, *outcome)),
+            Effect::EndConsumer {
+                connection,
+                outcome,
+                ..
+            } => Some((*connection, *outcome)),
             _ => None,
         })
         .collect()
@@ -58,12 +65,20 @@ fn shared_fifo_round_robins_across_drafters() {
     let drafter_a = queue.open_consumer("drafter-a", credit(2), now).unwrap();
     let drafter_b = queue.open_consumer("drafter-b", credit(2), now).unwrap();
     for seq in 0..4 {
-        queue.accept_item(producer, seq, TestPayload(10), now).unwrap();
+        queue
+            .accept_item(producer, seq, TestPayload(10), now)
+            .unwrap();
     }
     let delivered = deliveries(&queue.take_effects());
     assert_eq!(delivered.len(), 4);
-    let to_a = delivered.iter().filter(|(connection, ..)| *connection == drafter_a).count();
-    let to_b = delivered.iter().filter(|(connection, ..)| *connection == drafter_b).count();
+    let to_a = delivered
+        .iter()
+        .filter(|(connection, ..)| *connection == drafter_a)
+        .count();
+    let to_b = delivered
+        .iter()
+        .filter(|(connection, ..)| *connection == drafter_b)
+        .count();
     assert_eq!((to_a, to_b), (2, 2));
     // FIFO: seqs leave in acceptance order.
     let seqs: Vec<u64> = delivered.iter().map(|(_, _, seq)| *seq).collect();
@@ -76,19 +91,49 @@ fn credit_window_bounds_outstanding_items_and_bytes() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
     let producer = queue.open_producer("t", now).unwrap().connection;
-    let drafter = queue.open_consumer("d", Credit { items: 10, bytes: 250 }, now).unwrap();
+    let drafter = queue
+        .open_consumer(
+            "d",
+            Credit {
+                items: 10,
+                bytes: 250,
+            },
+            now,
+        )
+        .unwrap();
     for seq in 0..5 {
-        queue.accept_item(producer, seq, TestPayload(100), now).unwrap();
+        queue
+            .accept_item(producer, seq, TestPayload(100), now)
+            .unwrap();
     }
     let delivered = deliveries(&queue.take_effects());
-    assert_eq!(delivered.len(), 2, "250 bytes of credit hold two 100-byte items");
+    assert_eq!(
+        delivered.len(),
+        2,
+        "250 bytes of credit hold two 100-byte items"
+    );
     queue.ack(drafter, &[delivered[0].1], now);
-    assert_eq!(deliveries(&queue.take_effects()).len(), 1, "an ack frees room for one more");
+    assert_eq!(
+        deliveries(&queue.take_effects()).len(),
+        1,
+        "an ack frees room for one more"
+    );
     // An item larger than the byte window still flows when nothing is held.
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
     let producer = queue.open_producer("t", now).unwrap().connection;
-    queue.open_consumer("d", Credit { items: 4, bytes: 10 }, now).unwrap();
-    queue.accept_item(producer, 0, TestPayload(400), now).unwrap();
+    queue
+        .open_consumer(
+            "d",
+            Credit {
+                items: 4,
+                bytes: 10,
+            },
+            now,
+        )
+        .unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(400), now)
+        .unwrap();
     assert_eq!(deliveries(&queue.take_effects()).len(), 1);
 }
 
@@ -97,17 +142,32 @@ fn memory_bound_refuses_without_changing_anything() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
     let producer = queue.open_producer("t", now).unwrap().connection;
-    queue.accept_item(producer, 0, TestPayload(500), now).unwrap();
-    queue.accept_item(producer, 1, TestPayload(400), now).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(500), now)
+        .unwrap();
+    queue
+        .accept_item(producer, 1, TestPayload(400), now)
+        .unwrap();
     assert!(!queue.has_room_for(200));
-    let error = queue.accept_item(producer, 2, TestPayload(200), now).unwrap_err();
-    assert_eq!(error, QueueError::QueueFull { held: 900, limit: 1000 });
+    let error = queue
+        .accept_item(producer, 2, TestPayload(200), now)
+        .unwrap_err();
+    assert_eq!(
+        error,
+        QueueError::QueueFull {
+            held: 900,
+            limit: 1000
+        }
+    );
     assert_eq!(queue.snapshot(now).accepted_items, 2);
     // The same seq is accepted once room exists (not treated as a duplicate).
     let drafter = queue.open_consumer("d", credit(1), now).unwrap();
     let delivered = deliveries(&queue.take_effects());
     queue.ack(drafter, &[delivered[0].1], now);
-    assert_eq!(queue.accept_item(producer, 2, TestPayload(200), now), Ok(ItemAccepted { duplicate: false }));
+    assert_eq!(
+        queue.accept_item(producer, 2, TestPayload(200), now),
+        Ok(ItemAccepted { duplicate: false })
+    );
     queue.check_invariants().unwrap();
 }
 
@@ -118,14 +178,19 @@ fn disconnect_returns_leases_to_the_head_in_order() {
     let producer = queue.open_producer("t", now).unwrap().connection;
     let drafter_a = queue.open_consumer("a", credit(2), now).unwrap();
     for seq in 0..4 {
-        queue.accept_item(producer, seq, TestPayload(10), now).unwrap();
+        queue
+            .accept_item(producer, seq, TestPayload(10), now)
+            .unwrap();
     }
     let first = deliveries(&queue.take_effects());
     assert_eq!(first.iter().map(|d| d.2).collect::<Vec<_>>(), vec![0, 1]);
     queue.close_consumer(drafter_a, now);
     let drafter_b = queue.open_consumer("b", credit(10), now).unwrap();
     let redelivered = deliveries(&queue.take_effects());
-    assert_eq!(redelivered.iter().map(|d| d.2).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert_eq!(
+        redelivered.iter().map(|d| d.2).collect::<Vec<_>>(),
+        vec![0, 1, 2, 3]
+    );
     assert!(redelivered.iter().all(|d| d.0 == drafter_b));
     assert_eq!(queue.snapshot(now).redelivered_items, 2);
     queue.check_invariants().unwrap();
@@ -137,7 +202,9 @@ fn expired_lease_moves_on_and_late_ack_is_stale() {
     let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
     let producer = queue.open_producer("t", start).unwrap().connection;
     let silent = queue.open_consumer("silent", credit(1), start).unwrap();
-    queue.accept_item(producer, 0, TestPayload(10), start).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(10), start)
+        .unwrap();
     let first = deliveries(&queue.take_effects());
     let other = queue.open_consumer("other", credit(0), start).unwrap();
     queue.set_credit(other, credit(1), start);
@@ -152,10 +219,23 @@ fn expired_lease_moves_on_and_late_ack_is_stale() {
     assert_eq!(moved[0].0, other);
     let late = queue.ack(silent, &[first[0].1], start + Duration::from_secs(52));
     assert_eq!(late, AckOutcome { acked: 0, stale: 1 });
-    assert_eq!(queue.ack(other, &[moved[0].1], start + Duration::from_secs(52)).acked, 1);
+    assert_eq!(
+        queue
+            .ack(other, &[moved[0].1], start + Duration::from_secs(52))
+            .acked,
+        1
+    );
     let snapshot = queue.snapshot(start + Duration::from_secs(52));
     assert_eq!(snapshot.acked_items, 1);
-    assert_eq!(snapshot.drafters.iter().find(|d| d.drafter_id == "silent").unwrap().expired_leases, 1);
+    assert_eq!(
+        snapshot
+            .drafters
+            .iter()
+            .find(|d| d.drafter_id == "silent")
+            .unwrap()
+            .expired_leases,
+        1
+    );
     queue.check_invariants().unwrap();
 }
 
@@ -165,21 +245,43 @@ fn max_deliveries_and_poison_nack_dead_letter() {
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
     let producer = queue.open_producer("t", now).unwrap().connection;
     let drafter = queue.open_consumer("d", credit(1), now).unwrap();
-    queue.accept_item(producer, 0, TestPayload(10), now).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(10), now)
+        .unwrap();
     for _ in 0..3 {
         let delivered = deliveries(&queue.take_effects());
         assert_eq!(delivered.len(), 1);
-        queue.nack(drafter, &[delivered[0].1], NackDisposition::Requeue, "oom", now);
+        queue.nack(
+            drafter,
+            &[delivered[0].1],
+            NackDisposition::Requeue,
+            "oom",
+            now,
+        );
     }
     assert!(deliveries(&queue.take_effects()).is_empty());
     let snapshot = queue.snapshot(now);
     assert_eq!(snapshot.dead_letters.len(), 1);
     assert_eq!(snapshot.dead_letters[0].deliveries, 3);
-    assert!(snapshot.dead_letters[0].reason.contains("after 3 deliveries"), "{}", snapshot.dead_letters[0].reason);
+    assert!(
+        snapshot.dead_letters[0]
+            .reason
+            .contains("after 3 deliveries"),
+        "{}",
+        snapshot.dead_letters[0].reason
+    );
 
-    queue.accept_item(producer, 1, TestPayload(10), now).unwrap();
+    queue
+        .accept_item(producer, 1, TestPayload(10), now)
+        .unwrap();
     let delivered = deliveries(&queue.take_effects());
-    queue.nack(drafter, &[delivered[0].1], NackDisposition::DeadLetter, "hidden size 64, model wants 128", now);
+    queue.nack(
+        drafter,
+        &[delivered[0].1],
+        NackDisposition::DeadLetter,
+        "hidden size 64, model wants 128",
+        now,
+    );
     let snapshot = queue.snapshot(now);
     assert_eq!(snapshot.dead_letters.len(), 2);
     assert!(snapshot.dead_letters[1].reason.contains("hidden size 64"));
@@ -192,12 +294,19 @@ fn duplicates_are_acknowledged_not_queued_and_resume_point_is_reported() {
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
     let producer = queue.open_producer("t", now).unwrap();
     assert_eq!(producer.resume_after_seq, None);
-    queue.accept_item(producer.connection, 0, TestPayload(10), now).unwrap();
-    queue.accept_item(producer.connection, 1, TestPayload(10), now).unwrap();
+    queue
+        .accept_item(producer.connection, 0, TestPayload(10), now)
+        .unwrap();
+    queue
+        .accept_item(producer.connection, 1, TestPayload(10), now)
+        .unwrap();
     queue.close_producer(producer.connection, now);
     let again = queue.open_producer("t", now).unwrap();
     assert_eq!(again.resume_after_seq, Some(1));
-    assert_eq!(queue.accept_item(again.connection, 1, TestPayload(10), now), Ok(ItemAccepted { duplicate: true }));
+    assert_eq!(
+        queue.accept_item(again.connection, 1, TestPayload(10), now),
+        Ok(ItemAccepted { duplicate: true })
+    );
     assert_eq!(queue.snapshot(now).accepted_items, 2);
 }
 
@@ -208,12 +317,20 @@ fn newer_producer_stream_replaces_older() {
     let old = queue.open_producer("t", now).unwrap().connection;
     let new = queue.open_producer("t", now).unwrap().connection;
     let effects = queue.take_effects();
-    assert!(matches!(effects.as_slice(), [Effect::CloseProducer { connection, outcome: RunOutcome::Aborted, .. }] if *connection == old));
-    assert_eq!(queue.accept_item(old, 0, TestPayload(1), now), Err(QueueError::StaleConnection { connection: old }));
+    assert!(
+        matches!(effects.as_slice(), [Effect::CloseProducer { connection, outcome: RunOutcome::Aborted, .. }] if *connection == old)
+    );
+    assert_eq!(
+        queue.accept_item(old, 0, TestPayload(1), now),
+        Err(QueueError::StaleConnection { connection: old })
+    );
     assert!(queue.accept_item(new, 0, TestPayload(1), now).is_ok());
     // Closing the replaced stream later does not mark the target disconnected.
     queue.close_producer(old, now);
-    assert_eq!(queue.snapshot(now).targets[0].state, TargetState::Connected { connection: new });
+    assert_eq!(
+        queue.snapshot(now).targets[0].state,
+        TargetState::Connected { connection: new }
+    );
 }
 
 #[test]
@@ -223,7 +340,10 @@ fn report_done_is_idempotent_and_checks_the_count() {
     let producer = queue.open_producer("t0", now).unwrap().connection;
     queue.accept_item(producer, 0, TestPayload(1), now).unwrap();
     let mismatch = queue.report_done("t0", 5, now).unwrap_err();
-    assert_eq!(mismatch.to_string(), "target \"t0\": report says 5 items, broker accepted 1");
+    assert_eq!(
+        mismatch.to_string(),
+        "target \"t0\": report says 5 items, broker accepted 1"
+    );
     assert_eq!(queue.snapshot(now).done_targets, 0);
     let first = queue.report_done("t0", 1, now).unwrap();
     assert_eq!((first.done_targets, first.already_done), (1, false));
@@ -240,8 +360,14 @@ fn unexpected_extra_target_is_refused() {
     queue.open_producer("t0", now).unwrap();
     let error = queue.open_producer("t1", now).unwrap_err();
     assert!(matches!(error, QueueError::TooManyTargets { .. }));
-    assert_eq!(error.to_string(), "target \"t1\" is not one of the 1 expected targets (already known: t0)");
-    assert_eq!(queue.open_producer("", now).unwrap_err(), QueueError::EmptyTargetId);
+    assert_eq!(
+        error.to_string(),
+        "target \"t1\" is not one of the 1 expected targets (already known: t0)"
+    );
+    assert_eq!(
+        queue.open_producer("", now).unwrap_err(),
+        QueueError::EmptyTargetId
+    );
 }
 
 #[test]
@@ -255,7 +381,10 @@ fn end_of_stream_waits_for_every_target_and_every_ack() {
     queue.report_done("t0", 1, now).unwrap();
     queue.report_done("t1", 0, now).unwrap();
     assert_eq!(queue.state(), RunState::Draining);
-    assert!(ended(&queue.take_effects()).is_empty(), "an item is still leased");
+    assert!(
+        ended(&queue.take_effects()).is_empty(),
+        "an item is still leased"
+    );
     // The drafter holding it dies after the last target finished: the item
     // must reach another drafter before anyone gets end-of-stream.
     queue.close_consumer(drafter_a, now);
@@ -264,11 +393,17 @@ fn end_of_stream_waits_for_every_target_and_every_ack() {
     assert_eq!(redelivered.len(), 1);
     assert_ne!(redelivered[0].1, delivered[0].1);
     queue.ack(drafter_b, &[redelivered[0].1], now);
-    assert_eq!(ended(&queue.take_effects()), vec![(drafter_b, RunOutcome::Complete)]);
+    assert_eq!(
+        ended(&queue.take_effects()),
+        vec![(drafter_b, RunOutcome::Complete)]
+    );
     assert_eq!(queue.state(), RunState::Complete);
     // A drafter that connects later gets end-of-stream at once.
     let late = queue.open_consumer("late", credit(4), now).unwrap();
-    assert_eq!(ended(&queue.take_effects()), vec![(late, RunOutcome::Complete)]);
+    assert_eq!(
+        ended(&queue.take_effects()),
+        vec![(late, RunOutcome::Complete)]
+    );
     queue.check_invariants().unwrap();
 }
 
@@ -282,7 +417,10 @@ fn target_gone_past_grace_aborts_the_run() {
     queue.tick(start + Duration::from_secs(119));
     assert_eq!(queue.state(), RunState::Running);
     // Back within the grace period: resumes, nothing failed.
-    let p0 = queue.open_producer("t0", start + Duration::from_secs(119)).unwrap().connection;
+    let p0 = queue
+        .open_producer("t0", start + Duration::from_secs(119))
+        .unwrap()
+        .connection;
     queue.close_producer(p0, start + Duration::from_secs(130));
     queue.tick(start + Duration::from_secs(250));
     assert_eq!(queue.state(), RunState::Running);
@@ -297,13 +435,22 @@ fn target_gone_past_grace_aborts_the_run() {
             _ => None,
         })
         .unwrap();
-    assert!(reason.contains("\"t0\"") && reason.contains("without ReportDone"), "{reason}");
+    assert!(
+        reason.contains("\"t0\"") && reason.contains("without ReportDone"),
+        "{reason}"
+    );
 }
 
 #[test]
 fn continue_policy_counts_failed_target_as_finished_with_loss() {
     let start = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(QueueConfig { on_target_failure: FailurePolicy::Continue, ..config(2) }, start);
+    let mut queue: Queue<TestPayload> = Queue::new(
+        QueueConfig {
+            on_target_failure: FailurePolicy::Continue,
+            ..config(2)
+        },
+        start,
+    );
     let p0 = queue.open_producer("t0", start).unwrap().connection;
     let drafter = queue.open_consumer("d", credit(4), start).unwrap();
     queue.accept_item(p0, 0, TestPayload(10), start).unwrap();
@@ -317,14 +464,20 @@ fn continue_policy_counts_failed_target_as_finished_with_loss() {
     queue.ack(drafter, &[latest], start + Duration::from_secs(121));
     assert_eq!(queue.state(), RunState::Complete);
     assert_eq!(queue.summary().failed_targets, vec!["t0".to_string()]);
-    assert!(queue.report_done("t0", 1, start).is_err(), "a failed target cannot report done later");
+    assert!(
+        queue.report_done("t0", 1, start).is_err(),
+        "a failed target cannot report done later"
+    );
 }
 
 #[test]
 fn targets_that_never_connect_fail_after_the_startup_timeout() {
     let start = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(
-        QueueConfig { target_startup_timeout: Some(Duration::from_secs(60)), ..config(3) },
+        QueueConfig {
+            target_startup_timeout: Some(Duration::from_secs(60)),
+            ..config(3)
+        },
         start,
     );
     queue.open_producer("t0", start).unwrap();
@@ -332,7 +485,10 @@ fn targets_that_never_connect_fail_after_the_startup_timeout() {
     assert_eq!(queue.state(), RunState::Running);
     queue.tick(start + Duration::from_secs(60));
     assert_eq!(queue.state(), RunState::Aborted);
-    assert!(queue.snapshot(start).abort_reason.contains("2 of 3 expected targets never connected"));
+    assert!(queue
+        .snapshot(start)
+        .abort_reason
+        .contains("2 of 3 expected targets never connected"));
 }
 
 #[test]
@@ -341,11 +497,16 @@ fn replaced_drafter_returns_its_leases() {
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
     let producer = queue.open_producer("t", now).unwrap().connection;
     let first = queue.open_consumer("d", credit(1), now).unwrap();
-    queue.accept_item(producer, 0, TestPayload(10), now).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(10), now)
+        .unwrap();
     queue.take_effects();
     let second = queue.open_consumer("d", credit(1), now).unwrap();
     let effects = queue.take_effects();
     assert_eq!(ended(&effects), vec![(first, RunOutcome::Aborted)]);
-    assert_eq!(deliveries(&effects).iter().map(|d| d.0).collect::<Vec<_>>(), vec![second]);
+    assert_eq!(
+        deliveries(&effects).iter().map(|d| d.0).collect::<Vec<_>>(),
+        vec![second]
+    );
     queue.check_invariants().unwrap();
 }

@@ -1,0 +1,255 @@
+//! The broker's configuration: flags with environment-variable fallbacks.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use crate::queue::{FailurePolicy, QueueConfig};
+
+/// A configuration value that cannot work, named with the flag.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--expected-targets must be at least 1, got {0}")]
+    NoTargets(u32),
+    #[error("--max-item-bytes {item} exceeds --max-queue-bytes {queue}: such an item could never be queued")]
+    ItemLargerThanQueue { item: u64, queue: u64 },
+    #[error("--max-deliveries must be at least 1, got 0")]
+    NoDeliveries,
+    #[error("{flag} must be positive, got {value:?}")]
+    NonPositiveDuration { flag: &'static str, value: Duration },
+    #[error("{0}")]
+    Parse(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnTargetFailure {
+    /// End the run: every drafter gets end-of-stream ABORTED.
+    Abort,
+    /// Count the failed target as finished-with-loss and complete the run.
+    Continue,
+}
+
+/// Parses `250ms`, `30s`, `2m`, `1h` or a plain number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let (number, unit_seconds) = if let Some(number) = text.strip_suffix("ms") {
+        (number, 0.001)
+    } else if let Some(number) = text.strip_suffix('s') {
+        (number, 1.0)
+    } else if let Some(number) = text.strip_suffix('m') {
+        (number, 60.0)
+    } else if let Some(number) = text.strip_suffix('h') {
+        (number, 3600.0)
+    } else {
+        (text, 1.0)
+    };
+    let value: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid duration {text:?}: expected e.g. 250ms, 30s, 2m, 1h"))?;
+    if !value.is_finite() || value < 0.0 {
+        return Err(format!(
+            "invalid duration {text:?}: must be a finite, non-negative number"
+        ));
+    }
+    Ok(Duration::from_secs_f64(value * unit_seconds))
+}
+
+/// Parses a byte size: `1048576`, `64KiB`, `16MiB`, `2GiB` (also KB/MB/GB as powers of 1000).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let units: [(&str, u64); 7] = [
+        ("KiB", 1 << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("KB", 1_000),
+        ("MB", 1_000_000),
+        ("GB", 1_000_000_000),
+        ("B", 1),
+    ];
+    let (number, multiplier) = units
+        .iter()
+        .find_map(|(suffix, multiplier)| {
+            text.strip_suffix(suffix)
+                .map(|number| (number, *multiplier))
+        })
+        .unwrap_or((text, 1));
+    let value: u64 = number
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid byte size {text:?}: expected e.g. 1048576, 16MiB, 2GiB"))?;
+    value
+        .checked_mul(multiplier)
+        .ok_or_else(|| format!("byte size {text:?} overflows 64 bits"))
+}
+
+/// Everything the broker is configured with.
+#[derive(Debug, Clone, Args)]
+pub struct BrokerConfig {
+    /// Address to listen on for gRPC.
+    #[arg(long, env = "DFLASH_BROKER_LISTEN", default_value = "0.0.0.0:50051")]
+    pub listen: SocketAddr,
+
+    /// Number of target-servers that must report done before the run completes.
+    #[arg(long, env = "DFLASH_EXPECTED_TARGETS")]
+    pub expected_targets: u32,
+
+    /// Bound on sample bytes held in memory (queued plus leased). When full the
+    /// broker stops reading producer streams, so HTTP/2 flow control holds the
+    /// targets back.
+    #[arg(long, env = "DFLASH_MAX_QUEUE_BYTES", default_value = "2GiB", value_parser = parse_bytes)]
+    pub max_queue_bytes: u64,
+
+    /// Largest sample accepted, and the gRPC message size limit in both directions.
+    #[arg(long, env = "DFLASH_MAX_ITEM_BYTES", default_value = "256MiB", value_parser = parse_bytes)]
+    pub max_item_bytes: u64,
+
+    /// A delivery neither acked nor extended within this is taken back and redelivered.
+    #[arg(long, env = "DFLASH_LEASE_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub lease_timeout: Duration,
+
+    /// After this many deliveries an item that comes back goes to the dead letters.
+    #[arg(long, env = "DFLASH_MAX_DELIVERIES", default_value_t = 5)]
+    pub max_deliveries: u32,
+
+    /// How long a target's stream may be gone without ReportDone before the target fails.
+    #[arg(long, env = "DFLASH_TARGET_GRACE", default_value = "120s", value_parser = parse_duration)]
+    pub target_grace: Duration,
+
+    /// Every expected target must have connected once within this after start,
+    /// else the missing ones fail (0 waits forever).
+    #[arg(long, env = "DFLASH_TARGET_STARTUP_TIMEOUT", default_value = "30m", value_parser = parse_duration)]
+    pub target_startup_timeout: Duration,
+
+    /// What a target failure does to the run.
+    #[arg(
+        long,
+        env = "DFLASH_ON_TARGET_FAILURE",
+        value_enum,
+        default_value = "abort"
+    )]
+    pub on_target_failure: OnTargetFailure,
+
+    /// On SIGTERM/SIGINT, how long open streams get to end before they are cut.
+    #[arg(long, env = "DFLASH_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
+
+    /// HTTP/2 keepalive ping interval; a peer that does not answer within
+    /// --keepalive-timeout is dropped (and its leases returned).
+    #[arg(long, env = "DFLASH_KEEPALIVE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
+    pub keepalive_interval: Duration,
+
+    #[arg(long, env = "DFLASH_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
+    pub keepalive_timeout: Duration,
+}
+
+impl BrokerConfig {
+    /// A configuration for tests and embedding: loopback, defaults otherwise.
+    pub fn for_targets(expected_targets: u32) -> Self {
+        BrokerConfig {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            expected_targets,
+            max_queue_bytes: 2 << 30,
+            max_item_bytes: 256 << 20,
+            lease_timeout: Duration::from_secs(300),
+            max_deliveries: 5,
+            target_grace: Duration::from_secs(120),
+            target_startup_timeout: Duration::from_secs(1800),
+            on_target_failure: OnTargetFailure::Abort,
+            shutdown_timeout: Duration::from_secs(10),
+            keepalive_interval: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(20),
+        }
+    }
+
+    /// Checks the values work together; the error names the flag.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.expected_targets == 0 {
+            return Err(ConfigError::NoTargets(0));
+        }
+        if self.max_item_bytes > self.max_queue_bytes {
+            return Err(ConfigError::ItemLargerThanQueue {
+                item: self.max_item_bytes,
+                queue: self.max_queue_bytes,
+            });
+        }
+        if self.max_deliveries == 0 {
+            return Err(ConfigError::NoDeliveries);
+        }
+        for (flag, value) in [
+            ("--lease-timeout", self.lease_timeout),
+            ("--target-grace", self.target_grace),
+            ("--keepalive-interval", self.keepalive_interval),
+            ("--keepalive-timeout", self.keepalive_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::NonPositiveDuration { flag, value });
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn queue_config(&self) -> QueueConfig {
+        QueueConfig {
+            expected_targets: self.expected_targets,
+            max_held_bytes: self.max_queue_bytes,
+            max_item_bytes: self.max_item_bytes,
+            lease_timeout: self.lease_timeout,
+            max_deliveries: self.max_deliveries,
+            target_grace: self.target_grace,
+            target_startup_timeout: (!self.target_startup_timeout.is_zero())
+                .then_some(self.target_startup_timeout),
+            on_target_failure: match self.on_target_failure {
+                OnTargetFailure::Abort => FailurePolicy::Abort,
+                OnTargetFailure::Continue => FailurePolicy::Continue,
+            },
+        }
+    }
+
+    /// How often leases and target liveness are checked.
+    pub(crate) fn tick_interval(&self) -> Duration {
+        (self.lease_timeout.min(self.target_grace) / 10)
+            .clamp(Duration::from_millis(10), Duration::from_secs(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes_parse() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("soon").unwrap_err().contains("\"soon\""));
+        assert!(parse_duration("-1s").is_err());
+        assert_eq!(parse_bytes("16MiB"), Ok(16 << 20));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("1000"), Ok(1000));
+        assert!(parse_bytes("lots").unwrap_err().contains("\"lots\""));
+        assert!(parse_bytes("99999999999GiB").is_err());
+    }
+
+    #[test]
+    fn validation_names_the_flag() {
+        let mut config = BrokerConfig::for_targets(1);
+        assert_eq!(config.validate(), Ok(()));
+        config.max_item_bytes = config.max_queue_bytes + 1;
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("--max-item-bytes"));
+        let mut config = BrokerConfig::for_targets(0);
+        assert_eq!(config.validate(), Err(ConfigError::NoTargets(0)));
+        config.expected_targets = 1;
+        config.lease_timeout = Duration::ZERO;
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .starts_with("--lease-timeout"));
+    }
+}

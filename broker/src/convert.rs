@@ -1,0 +1,222 @@
+//! Conversions between the queue's domain types and the `dflash.v1` messages,
+//! and the one mapping of queue errors to gRPC status codes.
+
+use std::sync::Arc;
+
+use dflash_proto::v1 as proto;
+use tonic::Status;
+
+use crate::queue::{
+    ConsumerStats, Credit, DeadLetter, NackDisposition, Payload, ProducerStats, QueueError,
+    RunOutcome, RunState, RunSummary, Snapshot, TargetState,
+};
+
+/// The queue's payload on the wire side: the producer's item, shared so that
+/// a delivery and a redelivery never copy tensor bytes.
+#[derive(Debug, Clone)]
+pub struct WirePayload {
+    pub item: Arc<proto::Item>,
+    pub bytes: u64,
+}
+
+impl Payload for WirePayload {
+    fn size_bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+impl From<QueueError> for Status {
+    fn from(error: QueueError) -> Status {
+        let message = error.to_string();
+        match error {
+            QueueError::EmptyTargetId
+            | QueueError::EmptyDrafterId
+            | QueueError::ItemTooLarge { .. } => Status::invalid_argument(message),
+            QueueError::TooManyTargets { .. }
+            | QueueError::TargetFailed { .. }
+            | QueueError::TargetAlreadyDone { .. }
+            | QueueError::DoneCountMismatch { .. }
+            | QueueError::RunEnded { .. } => Status::failed_precondition(message),
+            QueueError::QueueFull { .. } => Status::resource_exhausted(message),
+            QueueError::StaleConnection { .. } => Status::aborted(message),
+        }
+    }
+}
+
+pub fn credit_from_proto(credit: Option<proto::Credit>) -> Credit {
+    credit.map_or(Credit { items: 1, bytes: 0 }, |credit| Credit {
+        items: credit.items,
+        bytes: credit.bytes,
+    })
+}
+
+pub fn nack_disposition_from_proto(value: i32) -> NackDisposition {
+    match proto::NackDisposition::try_from(value) {
+        Ok(proto::NackDisposition::DeadLetter) => NackDisposition::DeadLetter,
+        _ => NackDisposition::Requeue,
+    }
+}
+
+pub fn producer_stats_from_proto(stats: proto::ProducerStats) -> ProducerStats {
+    ProducerStats {
+        tokens_per_second: stats.tokens_per_second,
+        busy_fraction: stats.busy_fraction,
+        device: stats.device,
+        samples_done: stats.samples_done,
+        samples_total: stats.samples_total,
+        tokens_done: stats.tokens_done,
+    }
+}
+
+fn producer_stats_to_proto(stats: &ProducerStats) -> proto::ProducerStats {
+    proto::ProducerStats {
+        tokens_per_second: stats.tokens_per_second,
+        busy_fraction: stats.busy_fraction,
+        device: stats.device.clone(),
+        samples_done: stats.samples_done,
+        samples_total: stats.samples_total,
+        tokens_done: stats.tokens_done,
+    }
+}
+
+pub fn consumer_stats_from_proto(stats: proto::ConsumerStats) -> ConsumerStats {
+    ConsumerStats {
+        tokens_per_second: stats.tokens_per_second,
+        loss: stats.loss,
+        busy_fraction: stats.busy_fraction,
+        device: stats.device,
+        steps: stats.steps,
+        samples_trained: stats.samples_trained,
+        accuracy: stats.accuracy,
+    }
+}
+
+fn consumer_stats_to_proto(stats: &ConsumerStats) -> proto::ConsumerStats {
+    proto::ConsumerStats {
+        tokens_per_second: stats.tokens_per_second,
+        loss: stats.loss,
+        busy_fraction: stats.busy_fraction,
+        device: stats.device.clone(),
+        steps: stats.steps,
+        samples_trained: stats.samples_trained,
+        accuracy: stats.accuracy,
+    }
+}
+
+pub fn run_status(outcome: RunOutcome) -> proto::RunStatus {
+    match outcome {
+        RunOutcome::Complete => proto::RunStatus::Complete,
+        RunOutcome::Aborted => proto::RunStatus::Aborted,
+    }
+}
+
+pub fn summary_to_proto(summary: &RunSummary) -> proto::RunSummary {
+    proto::RunSummary {
+        expected_targets: summary.expected_targets,
+        done_targets: summary.done_targets,
+        failed_targets: summary.failed_targets.clone(),
+        accepted_items: summary.accepted_items,
+        accepted_bytes: summary.accepted_bytes,
+        acked_items: summary.acked_items,
+        dead_letters: summary.dead_letters,
+        expected_items: summary.expected_items,
+    }
+}
+
+fn dead_letter_to_proto(dead: &DeadLetter) -> proto::DeadLetter {
+    proto::DeadLetter {
+        target_id: dead.target_id.to_string(),
+        seq: dead.seq,
+        deliveries: dead.deliveries,
+        reason: dead.reason.clone(),
+        bytes: dead.bytes,
+    }
+}
+
+fn millis(duration: std::time::Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
+    let state = match snapshot.state {
+        RunState::Running => proto::BrokerState::Running,
+        RunState::Draining => proto::BrokerState::Draining,
+        RunState::Complete => proto::BrokerState::Complete,
+        RunState::Aborted => proto::BrokerState::Aborted,
+    };
+    proto::StatusSnapshot {
+        state: state as i32,
+        expected_targets: snapshot.expected_targets,
+        done_targets: snapshot.done_targets,
+        queued_items: snapshot.queued_items,
+        queued_bytes: snapshot.queued_bytes,
+        leased_items: snapshot.leased_items,
+        dead_letters: snapshot.summary.dead_letters,
+        targets: snapshot
+            .targets
+            .iter()
+            .map(|target| {
+                let (state, failure_reason) = match &target.state {
+                    TargetState::Connected { .. } => (proto::TargetState::Connected, String::new()),
+                    TargetState::Disconnected { .. } => {
+                        (proto::TargetState::Disconnected, String::new())
+                    }
+                    TargetState::Done => (proto::TargetState::Done, String::new()),
+                    TargetState::Failed { reason } => (proto::TargetState::Failed, reason.clone()),
+                };
+                proto::TargetStatus {
+                    target_id: target.target_id.clone(),
+                    state: state as i32,
+                    accepted_items: target.accepted_items,
+                    accepted_bytes: target.accepted_bytes,
+                    rejected_items: target.rejected_items,
+                    duplicate_items: target.duplicate_items,
+                    last_seen_ms_ago: millis(target.last_seen_ago),
+                    stats: target.stats.as_ref().map(producer_stats_to_proto),
+                    failure_reason,
+                    highest_seq: target.highest_seq,
+                }
+            })
+            .collect(),
+        drafters: snapshot
+            .drafters
+            .iter()
+            .map(|drafter| proto::DrafterStatus {
+                drafter_id: drafter.drafter_id.clone(),
+                connected: drafter.connected,
+                leased_items: drafter.leased_items,
+                delivered_items: drafter.delivered_items,
+                acked_items: drafter.acked_items,
+                nacked_items: drafter.nacked_items,
+                expired_leases: drafter.expired_leases,
+                last_seen_ms_ago: millis(drafter.last_seen_ago),
+                stats: drafter.stats.as_ref().map(consumer_stats_to_proto),
+                credit: Some(proto::Credit {
+                    items: drafter.credit.items,
+                    bytes: drafter.credit.bytes,
+                }),
+                leased_bytes: drafter.leased_bytes,
+            })
+            .collect(),
+        accepted_items: snapshot.accepted_items,
+        accepted_bytes: snapshot.accepted_bytes,
+        delivered_items: snapshot.delivered_items,
+        acked_items: snapshot.acked_items,
+        redelivered_items: snapshot.redelivered_items,
+        rejected_items: snapshot.rejected_items,
+        items_per_second: snapshot.acked_items_per_second,
+        bytes_per_second: snapshot.acked_bytes_per_second,
+        leased_bytes: snapshot.leased_bytes,
+        max_queue_bytes: snapshot.max_held_bytes,
+        abort_reason: snapshot.abort_reason.clone(),
+        dead_letter_items: snapshot
+            .dead_letters
+            .iter()
+            .map(dead_letter_to_proto)
+            .collect(),
+        uptime_ms: millis(snapshot.uptime),
+        summary: Some(summary_to_proto(&snapshot.summary)),
+        accepted_items_per_second: snapshot.accepted_items_per_second,
+        accepted_bytes_per_second: snapshot.accepted_bytes_per_second,
+    }
+}

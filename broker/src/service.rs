@@ -1,0 +1,639 @@
+//! The gRPC adapter: converts `dflash.v1` messages to queue operations and
+//! queue effects back to stream messages. All rules live in `queue`.
+//!
+//! Concurrency: one mutex around the queue and the per-stream outboxes.
+//! Every operation runs under it and dispatches its effects before it is
+//! released, so a stream's messages leave in the order the queue decided
+//! them. Nothing under the lock blocks or copies payload bytes.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::broker_server::Broker;
+use futures::Stream;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, Notify};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, info, warn};
+
+use crate::config::BrokerConfig;
+use crate::convert::{self, WirePayload};
+use crate::queue::{ConnectionId, Effect, Queue, QueueError};
+
+/// How long a new stream may take to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest accepted target or drafter id.
+const MAX_ID_LENGTH: usize = 256;
+
+type Outbox<T> = mpsc::UnboundedSender<Result<T, Status>>;
+
+/// What is guarded by the one lock.
+struct Locked {
+    queue: Queue<WirePayload>,
+    consumer_outboxes: HashMap<ConnectionId, Outbox<proto::ConsumeResponse>>,
+    producer_outboxes: HashMap<ConnectionId, Outbox<proto::ProduceResponse>>,
+}
+
+impl Locked {
+    fn dispatch(&mut self, effects: Vec<Effect<WirePayload>>) {
+        for effect in effects {
+            match effect {
+                Effect::Deliver {
+                    connection,
+                    delivery,
+                } => {
+                    let Some(outbox) = self.consumer_outboxes.get(&connection) else {
+                        continue;
+                    };
+                    let message = proto::ConsumeResponse {
+                        kind: Some(proto::consume_response::Kind::Delivery(proto::Delivery {
+                            delivery_id: delivery.delivery_id,
+                            target_id: delivery.target_id.to_string(),
+                            seq: delivery.seq,
+                            sample: delivery.payload.item.sample.clone(),
+                            delivery_count: delivery.delivery_count,
+                            trace_context: delivery.payload.item.trace_context.clone(),
+                        })),
+                    };
+                    // A closed receiver means the stream is going away; its
+                    // guard returns the lease.
+                    let _ = outbox.send(Ok(message));
+                }
+                Effect::EndConsumer {
+                    connection,
+                    outcome,
+                    reason,
+                    summary,
+                } => {
+                    if let Some(outbox) = self.consumer_outboxes.remove(&connection) {
+                        let message = proto::ConsumeResponse {
+                            kind: Some(proto::consume_response::Kind::EndOfStream(
+                                proto::EndOfStream {
+                                    status: convert::run_status(outcome) as i32,
+                                    reason,
+                                    summary: Some(convert::summary_to_proto(&summary)),
+                                },
+                            )),
+                        };
+                        let _ = outbox.send(Ok(message));
+                    }
+                }
+                Effect::CloseProducer {
+                    connection,
+                    outcome,
+                    reason,
+                } => {
+                    if let Some(outbox) = self.producer_outboxes.remove(&connection) {
+                        let message = proto::ProduceResponse {
+                            kind: Some(proto::produce_response::Kind::Closed(
+                                proto::StreamClosed {
+                                    status: convert::run_status(outcome) as i32,
+                                    reason,
+                                },
+                            )),
+                        };
+                        let _ = outbox.send(Ok(message));
+                    }
+                }
+            }
+        }
+    }
+
+    fn send_to_producer(&self, connection: ConnectionId, message: proto::produce_response::Kind) {
+        if let Some(outbox) = self.producer_outboxes.get(&connection) {
+            let _ = outbox.send(Ok(proto::ProduceResponse {
+                kind: Some(message),
+            }));
+        }
+    }
+}
+
+/// State shared by every handler and background task.
+pub(crate) struct Shared {
+    locked: Mutex<Locked>,
+    /// Woken whenever bytes may have been freed, so producers waiting for
+    /// room re-check.
+    room: Notify,
+    config: BrokerConfig,
+    /// Cancelled on shutdown: readers stop, streams end with UNAVAILABLE.
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+}
+
+impl Shared {
+    pub(crate) fn new(config: BrokerConfig, shutdown: CancellationToken) -> Arc<Self> {
+        let queue = Queue::new(config.queue_config(), Instant::now());
+        Arc::new(Shared {
+            locked: Mutex::new(Locked {
+                queue,
+                consumer_outboxes: HashMap::new(),
+                producer_outboxes: HashMap::new(),
+            }),
+            room: Notify::new(),
+            config,
+            shutdown,
+            tasks: TaskTracker::new(),
+        })
+    }
+
+    pub(crate) fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// Runs one queue operation and dispatches its effects under the lock.
+    fn with_queue<R>(&self, operation: impl FnOnce(&mut Locked, Instant) -> R) -> R {
+        let result = {
+            let mut locked = self.locked.lock();
+            let result = operation(&mut locked, Instant::now());
+            let effects = locked.queue.take_effects();
+            locked.dispatch(effects);
+            result
+        };
+        self.room.notify_waiters();
+        result
+    }
+
+    pub(crate) fn snapshot(&self) -> proto::StatusSnapshot {
+        let snapshot = self.locked.lock().queue.snapshot(Instant::now());
+        convert::snapshot_to_proto(&snapshot)
+    }
+
+    /// Periodic lease expiry, target liveness and throughput sampling.
+    pub(crate) async fn run_ticker(self: Arc<Self>) {
+        let mut interval = tokio::time::interval(self.config.tick_interval());
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = self.shutdown.cancelled() => break,
+                _ = interval.tick() => self.with_queue(|locked, now| locked.queue.tick(now)),
+            }
+        }
+    }
+
+    /// Ends every open stream with UNAVAILABLE so clients reconnect elsewhere.
+    pub(crate) fn end_all_streams(&self) {
+        let mut locked = self.locked.lock();
+        for (_, outbox) in locked.consumer_outboxes.drain() {
+            let _ = outbox.send(Err(Status::unavailable("broker is shutting down")));
+        }
+        for (_, outbox) in locked.producer_outboxes.drain() {
+            let _ = outbox.send(Err(Status::unavailable("broker is shutting down")));
+        }
+    }
+
+    pub(crate) fn run_state(&self) -> crate::queue::RunState {
+        self.locked.lock().queue.state()
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Role {
+    Producer,
+    Consumer,
+}
+
+/// Closes the stream's queue connection when the response stream is dropped
+/// (the client went away), whatever the reader task is doing.
+struct ConnectionGuard {
+    shared: Arc<Shared>,
+    connection: ConnectionId,
+    role: Role,
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        let connection = self.connection;
+        self.shared.with_queue(|locked, now| match self.role {
+            Role::Producer => {
+                locked.producer_outboxes.remove(&connection);
+                locked.queue.close_producer(connection, now);
+            }
+            Role::Consumer => {
+                locked.consumer_outboxes.remove(&connection);
+                locked.queue.close_consumer(connection, now);
+            }
+        });
+    }
+}
+
+/// A response stream that closes its queue connection when dropped.
+pub struct GuardedStream<T> {
+    inner: UnboundedReceiverStream<Result<T, Status>>,
+    _guard: ConnectionGuard,
+}
+
+impl<T> Stream for GuardedStream<T> {
+    type Item = Result<T, Status>;
+
+    fn poll_next(mut self: Pin<&mut Self>, context: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        Pin::new(&mut self.inner).poll_next(context)
+    }
+}
+
+/// The `dflash.v1.Broker` service.
+#[derive(Clone)]
+pub struct BrokerService {
+    shared: Arc<Shared>,
+}
+
+impl BrokerService {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        BrokerService { shared }
+    }
+}
+
+fn validate_id(kind: &str, id: &str) -> Result<(), Status> {
+    if id.len() > MAX_ID_LENGTH {
+        return Err(Status::invalid_argument(format!(
+            "{kind} is {} bytes long, the limit is {MAX_ID_LENGTH}",
+            id.len()
+        )));
+    }
+    if id.chars().any(char::is_control) {
+        return Err(Status::invalid_argument(format!(
+            "{kind} {id:?} contains control characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Waits for the stream's first message, which must be its hello.
+async fn first_message<T>(inbound: &mut Streaming<T>) -> Result<T, Status> {
+    match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "no hello within {}s",
+            HELLO_TIMEOUT.as_secs()
+        ))),
+        Ok(Err(status)) => Err(status),
+        Ok(Ok(None)) => Err(Status::invalid_argument("stream ended before its hello")),
+        Ok(Ok(Some(message))) => Ok(message),
+    }
+}
+
+impl BrokerService {
+    /// Validates a producer's item; the reason names the bad value.
+    fn check_item(&self, item: &proto::Item) -> Result<u64, String> {
+        let Some(sample) = &item.sample else {
+            return Err(format!("item seq {} has no sample", item.seq));
+        };
+        sample
+            .validate()
+            .map_err(|error| format!("item seq {}: {error}", item.seq))?;
+        let bytes = sample.payload_bytes();
+        if bytes > self.shared.config.max_item_bytes {
+            return Err(format!(
+                "item seq {}: {bytes} bytes exceeds the limit of {} bytes",
+                item.seq, self.shared.config.max_item_bytes
+            ));
+        }
+        Ok(bytes)
+    }
+
+    /// Reads a producer stream until it ends: accepts items (waiting for room
+    /// without reading further while the queue is full), records stats.
+    async fn read_producer(
+        self,
+        connection: ConnectionId,
+        mut inbound: Streaming<proto::ProduceRequest>,
+    ) {
+        let shared = self.shared.clone();
+        loop {
+            let message = tokio::select! {
+                _ = shared.shutdown.cancelled() => break,
+                message = inbound.message() => message,
+            };
+            let request = match message {
+                Ok(Some(request)) => request,
+                Ok(None) => break,
+                Err(status) => {
+                    debug!(connection, %status, "producer stream broke");
+                    break;
+                }
+            };
+            match request.kind {
+                Some(proto::produce_request::Kind::Item(item)) => {
+                    if !self.accept_item(connection, item).await {
+                        break;
+                    }
+                }
+                Some(proto::produce_request::Kind::Stats(stats)) => {
+                    shared.with_queue(|locked, now| {
+                        locked.queue.producer_stats(
+                            connection,
+                            convert::producer_stats_from_proto(stats),
+                            now,
+                        )
+                    })
+                }
+                Some(proto::produce_request::Kind::Hello(_)) | None => {
+                    shared.with_queue(|locked, now| {
+                        locked.queue.count_rejected(connection, now);
+                        locked.send_to_producer(
+                            connection,
+                            proto::produce_response::Kind::Rejected(proto::ItemRejected {
+                                seq: 0,
+                                reason: "unexpected message: hello was already sent, expected an item or stats"
+                                    .to_string(),
+                            }),
+                        );
+                    });
+                }
+            }
+        }
+        shared.with_queue(|locked, now| {
+            locked.producer_outboxes.remove(&connection);
+            locked.queue.close_producer(connection, now);
+        });
+    }
+
+    /// Accepts one item; false when the stream must end (replaced, run over).
+    async fn accept_item(&self, connection: ConnectionId, item: proto::Item) -> bool {
+        let shared = &self.shared;
+        let seq = item.seq;
+        let bytes = match self.check_item(&item) {
+            Ok(bytes) => bytes,
+            Err(reason) => {
+                warn!(connection, seq, %reason, "item rejected");
+                shared.with_queue(|locked, now| {
+                    locked.queue.count_rejected(connection, now);
+                    locked.send_to_producer(
+                        connection,
+                        proto::produce_response::Kind::Rejected(proto::ItemRejected {
+                            seq,
+                            reason,
+                        }),
+                    );
+                });
+                return true;
+            }
+        };
+        let payload = WirePayload {
+            item: Arc::new(item),
+            bytes,
+        };
+        loop {
+            let room = shared.room.notified();
+            tokio::pin!(room);
+            room.as_mut().enable();
+            let outcome = shared.with_queue(|locked, now| {
+                let outcome = locked
+                    .queue
+                    .accept_item(connection, seq, payload.clone(), now);
+                match &outcome {
+                    Ok(accepted) => locked.send_to_producer(
+                        connection,
+                        proto::produce_response::Kind::Accepted(proto::ItemAccepted {
+                            seq,
+                            duplicate: accepted.duplicate,
+                        }),
+                    ),
+                    Err(QueueError::QueueFull { .. } | QueueError::StaleConnection { .. }) => {}
+                    Err(error) => locked.send_to_producer(
+                        connection,
+                        proto::produce_response::Kind::Rejected(proto::ItemRejected {
+                            seq,
+                            reason: error.to_string(),
+                        }),
+                    ),
+                }
+                outcome
+            });
+            match outcome {
+                Ok(_) => return true,
+                Err(QueueError::QueueFull { .. }) => {
+                    // Stop reading this stream until room is freed: HTTP/2
+                    // flow control then holds the target back.
+                    tokio::select! {
+                        _ = shared.shutdown.cancelled() => return false,
+                        _ = &mut room => {}
+                    }
+                }
+                Err(QueueError::StaleConnection { .. } | QueueError::RunEnded { .. }) => {
+                    return false
+                }
+                Err(_) => return true,
+            }
+        }
+    }
+
+    async fn read_consumer(
+        self,
+        connection: ConnectionId,
+        mut inbound: Streaming<proto::ConsumeRequest>,
+    ) {
+        let shared = self.shared.clone();
+        loop {
+            let message = tokio::select! {
+                _ = shared.shutdown.cancelled() => break,
+                message = inbound.message() => message,
+            };
+            let request = match message {
+                Ok(Some(request)) => request,
+                Ok(None) => break,
+                Err(status) => {
+                    debug!(connection, %status, "consumer stream broke");
+                    break;
+                }
+            };
+            use proto::consume_request::Kind;
+            match request.kind {
+                Some(Kind::Ack(ack)) => {
+                    shared.with_queue(|locked, now| {
+                        locked.queue.ack(connection, &ack.delivery_ids, now)
+                    });
+                }
+                Some(Kind::Nack(nack)) => {
+                    let disposition = convert::nack_disposition_from_proto(nack.disposition);
+                    shared.with_queue(|locked, now| {
+                        locked.queue.nack(
+                            connection,
+                            &nack.delivery_ids,
+                            disposition,
+                            &nack.reason,
+                            now,
+                        )
+                    });
+                }
+                Some(Kind::Credit(credit)) => shared.with_queue(|locked, now| {
+                    locked.queue.set_credit(
+                        connection,
+                        convert::credit_from_proto(Some(credit)),
+                        now,
+                    )
+                }),
+                Some(Kind::Stats(stats)) => shared.with_queue(|locked, now| {
+                    locked.queue.consumer_stats(
+                        connection,
+                        convert::consumer_stats_from_proto(stats),
+                        now,
+                    )
+                }),
+                Some(Kind::ExtendLeases(extend)) => shared.with_queue(|locked, now| {
+                    locked
+                        .queue
+                        .extend_leases(connection, &extend.delivery_ids, now)
+                }),
+                Some(Kind::Hello(_)) | None => {
+                    debug!(connection, "ignoring a repeated hello or empty message")
+                }
+            }
+        }
+        shared.with_queue(|locked, now| {
+            locked.consumer_outboxes.remove(&connection);
+            locked.queue.close_consumer(connection, now);
+        });
+    }
+}
+
+#[tonic::async_trait]
+impl Broker for BrokerService {
+    type ProduceStream = GuardedStream<proto::ProduceResponse>;
+    type ConsumeStream = GuardedStream<proto::ConsumeResponse>;
+    type WatchStatusStream =
+        Pin<Box<dyn Stream<Item = Result<proto::StatusSnapshot, Status>> + Send>>;
+
+    async fn produce(
+        &self,
+        request: Request<Streaming<proto::ProduceRequest>>,
+    ) -> Result<Response<Self::ProduceStream>, Status> {
+        let mut inbound = request.into_inner();
+        let hello = match first_message(&mut inbound).await?.kind {
+            Some(proto::produce_request::Kind::Hello(hello)) => hello,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Produce message must be a hello with target_id",
+                ))
+            }
+        };
+        validate_id("target_id", &hello.target_id)?;
+        let (outbox, receiver) = mpsc::unbounded_channel();
+        let connection = self.shared.with_queue(|locked, now| {
+            let opened = locked.queue.open_producer(&hello.target_id, now)?;
+            let welcome = proto::produce_response::Kind::Welcome(proto::ProducerWelcome {
+                resume_after_seq: opened.resume_after_seq,
+                accepted_items: opened.accepted_items,
+            });
+            let _ = outbox.send(Ok(proto::ProduceResponse {
+                kind: Some(welcome),
+            }));
+            locked.producer_outboxes.insert(opened.connection, outbox);
+            Ok::<_, QueueError>(opened.connection)
+        })?;
+        info!(target_id = %hello.target_id, connection, "target connected");
+        let guard = ConnectionGuard {
+            shared: self.shared.clone(),
+            connection,
+            role: Role::Producer,
+        };
+        self.shared
+            .tasks
+            .spawn(self.clone().read_producer(connection, inbound));
+        Ok(Response::new(GuardedStream {
+            inner: UnboundedReceiverStream::new(receiver),
+            _guard: guard,
+        }))
+    }
+
+    async fn report_done(
+        &self,
+        request: Request<proto::ReportDoneRequest>,
+    ) -> Result<Response<proto::ReportDoneResponse>, Status> {
+        let request = request.into_inner();
+        validate_id("target_id", &request.target_id)?;
+        let done = self.shared.with_queue(|locked, now| {
+            locked
+                .queue
+                .report_done(&request.target_id, request.total_items, now)
+        })?;
+        info!(
+            target_id = %request.target_id,
+            total_items = request.total_items,
+            done_targets = done.done_targets,
+            expected_targets = done.expected_targets,
+            already_done = done.already_done,
+            "target reported done"
+        );
+        Ok(Response::new(proto::ReportDoneResponse {
+            done_targets: done.done_targets,
+            expected_targets: done.expected_targets,
+            already_done: done.already_done,
+        }))
+    }
+
+    async fn consume(
+        &self,
+        request: Request<Streaming<proto::ConsumeRequest>>,
+    ) -> Result<Response<Self::ConsumeStream>, Status> {
+        let mut inbound = request.into_inner();
+        let hello = match first_message(&mut inbound).await?.kind {
+            Some(proto::consume_request::Kind::Hello(hello)) => hello,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Consume message must be a hello with drafter_id",
+                ))
+            }
+        };
+        validate_id("drafter_id", &hello.drafter_id)?;
+        let credit = convert::credit_from_proto(hello.credit);
+        let (outbox, receiver) = mpsc::unbounded_channel();
+        let lease_timeout_ms =
+            u64::try_from(self.shared.config.lease_timeout.as_millis()).unwrap_or(u64::MAX);
+        let connection = self.shared.with_queue(|locked, now| {
+            let welcome = proto::consume_response::Kind::Welcome(proto::ConsumerWelcome {
+                summary: Some(convert::summary_to_proto(&locked.queue.summary())),
+                lease_timeout_ms,
+            });
+            let _ = outbox.send(Ok(proto::ConsumeResponse {
+                kind: Some(welcome),
+            }));
+            let connection = locked.queue.open_consumer(&hello.drafter_id, credit, now)?;
+            locked.consumer_outboxes.insert(connection, outbox);
+            Ok::<_, QueueError>(connection)
+        })?;
+        info!(drafter_id = %hello.drafter_id, connection, credit_items = credit.items, "drafter connected");
+        let guard = ConnectionGuard {
+            shared: self.shared.clone(),
+            connection,
+            role: Role::Consumer,
+        };
+        self.shared
+            .tasks
+            .spawn(self.clone().read_consumer(connection, inbound));
+        Ok(Response::new(GuardedStream {
+            inner: UnboundedReceiverStream::new(receiver),
+            _guard: guard,
+        }))
+    }
+
+    async fn get_status(
+        &self,
+        _request: Request<proto::GetStatusRequest>,
+    ) -> Result<Response<proto::StatusSnapshot>, Status> {
+        Ok(Response::new(self.shared.snapshot()))
+    }
+
+    async fn watch_status(
+        &self,
+        request: Request<proto::WatchStatusRequest>,
+    ) -> Result<Response<Self::WatchStatusStream>, Status> {
+        let interval_ms = match request.into_inner().interval_ms {
+            0 => 1000,
+            interval_ms => interval_ms.max(50),
+        };
+        let shared = self.shared.clone();
+        let shutdown = self.shared.shutdown.clone();
+        let ticks = tokio_stream::wrappers::IntervalStream::new(tokio::time::interval(
+            Duration::from_millis(u64::from(interval_ms)),
+        ));
+        let stream = futures::StreamExt::map(ticks, move |_| Ok(shared.snapshot()));
+        let stream = futures::StreamExt::take_until(stream, shutdown.cancelled_owned());
+        Ok(Response::new(Box::pin(stream)))
+    }
+}

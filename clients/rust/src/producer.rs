@@ -1,0 +1,274 @@
+//! A target's Produce stream: items go out pipelined, at most a window of
+//! them unanswered; a background task collects the broker's answers.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
+use tokio::sync::{mpsc, Mutex, Semaphore};
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
+
+use crate::ClientError;
+
+/// What the broker answered for the items of one stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProduceReport {
+    /// Newly accepted items.
+    pub accepted: u64,
+    /// Items the broker already had (answered accepted, not queued again).
+    pub duplicates: u64,
+    /// Rejected items with the broker's reason.
+    pub rejected: Vec<(u64, String)>,
+}
+
+#[derive(Default)]
+struct Answers {
+    report: ProduceReport,
+    /// Why the stream ended early, if it did.
+    failure: Option<String>,
+    closed: Option<(proto::RunStatus, String)>,
+}
+
+pub struct Producer {
+    target_id: String,
+    resume_after_seq: Option<u64>,
+    accepted_before: u64,
+    requests: Option<mpsc::Sender<proto::ProduceRequest>>,
+    /// One permit per item that may be unanswered.
+    window: Arc<Semaphore>,
+    answers: Arc<Mutex<Answers>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Producer {
+    pub(crate) async fn open(
+        mut client: GeneratedClient<Channel>,
+        target_id: &str,
+        window_items: usize,
+    ) -> Result<Self, ClientError> {
+        let (requests, receiver) = mpsc::channel(window_items.max(1));
+        let hello = proto::ProduceRequest {
+            kind: Some(proto::produce_request::Kind::Hello(proto::ProducerHello {
+                target_id: target_id.to_string(),
+            })),
+        };
+        requests
+            .send(hello)
+            .await
+            .map_err(|_| ClientError::StreamEnded {
+                stream: "Produce",
+                detail: "before hello".to_string(),
+            })?;
+        let mut responses = client
+            .produce(tokio_stream::wrappers::ReceiverStream::new(receiver))
+            .await
+            .map_err(|status| ClientError::Call {
+                call: "Produce",
+                status,
+            })?
+            .into_inner();
+        let welcome = match responses.message().await {
+            Ok(Some(proto::ProduceResponse {
+                kind: Some(proto::produce_response::Kind::Welcome(welcome)),
+            })) => welcome,
+            Ok(Some(proto::ProduceResponse {
+                kind: Some(proto::produce_response::Kind::Closed(closed)),
+            })) => {
+                return Err(ClientError::ProducerClosed {
+                    status: closed.status(),
+                    reason: closed.reason,
+                })
+            }
+            Ok(other) => {
+                return Err(ClientError::Protocol {
+                    stream: "Produce",
+                    detail: format!("expected welcome, got {other:?}"),
+                })
+            }
+            Err(status) => {
+                return Err(ClientError::Call {
+                    call: "Produce",
+                    status,
+                })
+            }
+        };
+        let window = Arc::new(Semaphore::new(window_items.max(1)));
+        let answers = Arc::new(Mutex::new(Answers::default()));
+        let reader = tokio::spawn(read_answers(responses, window.clone(), answers.clone()));
+        Ok(Producer {
+            target_id: target_id.to_string(),
+            resume_after_seq: welcome.resume_after_seq,
+            accepted_before: welcome.accepted_items,
+            requests: Some(requests),
+            window,
+            answers,
+            reader: Some(reader),
+        })
+    }
+
+    pub fn target_id(&self) -> &str {
+        &self.target_id
+    }
+
+    /// The highest seq the broker already has from this target: skip it and
+    /// everything before it.
+    pub fn resume_after_seq(&self) -> Option<u64> {
+        self.resume_after_seq
+    }
+
+    /// Items the broker had accepted from this target before this stream.
+    pub fn accepted_before(&self) -> u64 {
+        self.accepted_before
+    }
+
+    async fn failure(&self) -> Option<ClientError> {
+        let answers = self.answers.lock().await;
+        if let Some((status, reason)) = &answers.closed {
+            return Some(ClientError::ProducerClosed {
+                status: *status,
+                reason: reason.clone(),
+            });
+        }
+        answers
+            .failure
+            .as_ref()
+            .map(|detail| ClientError::StreamEnded {
+                stream: "Produce",
+                detail: detail.clone(),
+            })
+    }
+
+    /// Sends one item. Waits while the window of unanswered items is full
+    /// (and HTTP/2 flow control while the broker's queue is full).
+    pub async fn send(
+        &mut self,
+        seq: u64,
+        sample: proto::Sample,
+        trace_context: HashMap<String, String>,
+    ) -> Result<(), ClientError> {
+        if let Some(error) = self.failure().await {
+            return Err(error);
+        }
+        let permit =
+            self.window
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| ClientError::StreamEnded {
+                    stream: "Produce",
+                    detail: "answers stopped".to_string(),
+                })?;
+        // The permit is returned by the reader when the answer arrives.
+        permit.forget();
+        let request = proto::ProduceRequest {
+            kind: Some(proto::produce_request::Kind::Item(proto::Item {
+                seq,
+                sample: Some(sample),
+                trace_context,
+            })),
+        };
+        self.send_request(request).await
+    }
+
+    /// Sends the target's current stats (shown in the broker's status).
+    pub async fn send_stats(&mut self, stats: proto::ProducerStats) -> Result<(), ClientError> {
+        self.send_request(proto::ProduceRequest {
+            kind: Some(proto::produce_request::Kind::Stats(stats)),
+        })
+        .await
+    }
+
+    async fn send_request(&mut self, request: proto::ProduceRequest) -> Result<(), ClientError> {
+        let Some(requests) = &self.requests else {
+            return Err(ClientError::StreamEnded {
+                stream: "Produce",
+                detail: "already finished".to_string(),
+            });
+        };
+        if requests.send(request).await.is_err() {
+            return Err(self.failure().await.unwrap_or(ClientError::StreamEnded {
+                stream: "Produce",
+                detail: "the request stream closed".to_string(),
+            }));
+        }
+        Ok(())
+    }
+
+    /// Ends the stream and waits until every sent item is answered.
+    pub async fn finish(mut self) -> Result<ProduceReport, ClientError> {
+        self.requests.take();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.await;
+        }
+        let answers = self.answers.lock().await;
+        if let Some((status, reason)) = &answers.closed {
+            return Err(ClientError::ProducerClosed {
+                status: *status,
+                reason: reason.clone(),
+            });
+        }
+        if let Some(detail) = &answers.failure {
+            return Err(ClientError::StreamEnded {
+                stream: "Produce",
+                detail: detail.clone(),
+            });
+        }
+        Ok(answers.report.clone())
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        if let Some(reader) = self.reader.take() {
+            reader.abort();
+        }
+    }
+}
+
+async fn read_answers(
+    mut responses: tonic::Streaming<proto::ProduceResponse>,
+    window: Arc<Semaphore>,
+    answers: Arc<Mutex<Answers>>,
+) {
+    loop {
+        match responses.message().await {
+            Ok(Some(response)) => {
+                let mut answers = answers.lock().await;
+                match response.kind {
+                    Some(proto::produce_response::Kind::Accepted(accepted)) => {
+                        if accepted.duplicate {
+                            answers.report.duplicates += 1;
+                        } else {
+                            answers.report.accepted += 1;
+                        }
+                        window.add_permits(1);
+                    }
+                    Some(proto::produce_response::Kind::Rejected(rejected)) => {
+                        answers
+                            .report
+                            .rejected
+                            .push((rejected.seq, rejected.reason));
+                        window.add_permits(1);
+                    }
+                    Some(proto::produce_response::Kind::Closed(closed)) => {
+                        answers.closed = Some((closed.status(), closed.reason));
+                        window.close();
+                        return;
+                    }
+                    Some(proto::produce_response::Kind::Welcome(_)) | None => {}
+                }
+            }
+            Ok(None) => {
+                window.close();
+                return;
+            }
+            Err(status) => {
+                answers.lock().await.failure = Some(status.to_string());
+                window.close();
+                return;
+            }
+        }
+    }
+}
