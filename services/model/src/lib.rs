@@ -4,12 +4,23 @@
 //! the `dflash` CLI.
 //!
 //! # Layout
-//! - `target` (owned by the target work): Hugging Face config and safetensors
-//!   loading, the Qwen3 / Llama-3 forward with hidden-state capture at the
-//!   DFlash layer ids, shared layer primitives (RMSNorm, RoPE, SwiGLU), the
-//!   tiny model writer used by tests and `dflash init-tiny`.
+//! - `layers`: free-function layer primitives over plain tensors (RMSNorm,
+//!   RoPE incl. llama3 scaling, SwiGLU) shared by the frozen target and the
+//!   trainable drafter, numerically matching Hugging Face.
+//! - `target`: Hugging Face config and safetensors loading (single or
+//!   sharded), the Qwen3 / Llama-3 forward with hidden-state capture at the
+//!   DFlash layer ids (`build_target_layer_ids`), full logits for evaluation.
+//! - `tiny`: writes a small seeded Qwen3/Llama model directory (config,
+//!   weights, byte-level BPE tokenizer, ChatML template) for tests and
+//!   `dflash init-tiny`, so nothing is ever downloaded.
 //! - `draft` (owned by the drafter work): the DFlash draft model, its
 //!   training loss and its checkpoint format.
 //!
 //! Must not depend on tonic, tokio or the broker: model code is pure compute
 //! and runs on dedicated threads of the servers.
+
+pub mod layers;
+pub mod target;
+pub mod tiny;
+
+pub use target::ModelError;

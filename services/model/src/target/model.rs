@@ -1,0 +1,489 @@
+//! The frozen Qwen3 / Llama-3 decoder forward, with capture of the hidden
+//! states of chosen layers.
+//!
+//! The forward follows Hugging Face `Qwen3Model` / `LlamaModel` operation by
+//! operation (pre-norm residual blocks, grouped-query attention with a causal
+//! and padding mask, RoPE on positions `0..T`), so that the captured states
+//! equal `output_hidden_states` of the reference within float tolerance.
+
+use super::config::{Architecture, TargetConfig};
+use super::weights::{load_tensors, TensorRequest};
+use super::ModelError;
+use crate::layers::{apply_rotary, rms_norm, rotary_cos_sin, swiglu_mlp};
+use std::collections::HashMap;
+use std::path::Path;
+use tch::{Device, Kind, Tensor};
+
+/// File name of the model configuration inside a model directory.
+pub const CONFIG_FILE_NAME: &str = "config.json";
+
+/// The weights of one decoder layer.
+struct DecoderLayer {
+    input_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    /// Projection biases, present when `attention_bias` is set.
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    o_bias: Option<Tensor>,
+    /// Per-head RMSNorm weights of Qwen3; `None` for Llama.
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    post_attention_layernorm: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+/// A frozen target LLM loaded from a Hugging Face model directory.
+///
+/// Weights never require gradients and every forward runs under
+/// `tch::no_grad`, so no autograd graph is ever kept alive.
+pub struct TargetModel {
+    config: TargetConfig,
+    device: Device,
+    kind: Kind,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    final_norm: Tensor,
+    /// The LM head matrix `[V, H]`; a shallow clone of `embed_tokens` when
+    /// the model ties embeddings (same storage).
+    lm_head: Tensor,
+}
+
+impl std::fmt::Debug for TargetModel {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("TargetModel")
+            .field("config", &self.config)
+            .field("device", &self.device)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+fn tensor_requests(config: &TargetConfig) -> Vec<TensorRequest> {
+    let hidden = config.hidden_size;
+    let query_width = config.num_attention_heads * config.head_dim;
+    let key_value_width = config.num_key_value_heads * config.head_dim;
+    let mut requests = Vec::new();
+    let mut request = |name: String, shape: Vec<i64>| requests.push(TensorRequest { name, shape });
+    request(
+        "model.embed_tokens.weight".into(),
+        vec![config.vocab_size, hidden],
+    );
+    for layer in 0..config.num_hidden_layers {
+        let prefix = format!("model.layers.{layer}");
+        request(format!("{prefix}.input_layernorm.weight"), vec![hidden]);
+        request(
+            format!("{prefix}.self_attn.q_proj.weight"),
+            vec![query_width, hidden],
+        );
+        request(
+            format!("{prefix}.self_attn.k_proj.weight"),
+            vec![key_value_width, hidden],
+        );
+        request(
+            format!("{prefix}.self_attn.v_proj.weight"),
+            vec![key_value_width, hidden],
+        );
+        request(
+            format!("{prefix}.self_attn.o_proj.weight"),
+            vec![hidden, query_width],
+        );
+        if config.attention_bias {
+            request(format!("{prefix}.self_attn.q_proj.bias"), vec![query_width]);
+            request(
+                format!("{prefix}.self_attn.k_proj.bias"),
+                vec![key_value_width],
+            );
+            request(
+                format!("{prefix}.self_attn.v_proj.bias"),
+                vec![key_value_width],
+            );
+            request(format!("{prefix}.self_attn.o_proj.bias"), vec![hidden]);
+        }
+        if config.architecture == Architecture::Qwen3 {
+            request(
+                format!("{prefix}.self_attn.q_norm.weight"),
+                vec![config.head_dim],
+            );
+            request(
+                format!("{prefix}.self_attn.k_norm.weight"),
+                vec![config.head_dim],
+            );
+        }
+        request(
+            format!("{prefix}.post_attention_layernorm.weight"),
+            vec![hidden],
+        );
+        request(
+            format!("{prefix}.mlp.gate_proj.weight"),
+            vec![config.intermediate_size, hidden],
+        );
+        request(
+            format!("{prefix}.mlp.up_proj.weight"),
+            vec![config.intermediate_size, hidden],
+        );
+        request(
+            format!("{prefix}.mlp.down_proj.weight"),
+            vec![hidden, config.intermediate_size],
+        );
+    }
+    request("model.norm.weight".into(), vec![hidden]);
+    if !config.tie_word_embeddings {
+        request("lm_head.weight".into(), vec![config.vocab_size, hidden]);
+    }
+    requests
+}
+
+/// Removes a tensor that `load_tensors` guaranteed to be present.
+fn take(
+    tensors: &mut HashMap<String, Tensor>,
+    name: &str,
+    dir: &Path,
+) -> Result<Tensor, ModelError> {
+    tensors
+        .remove(name)
+        .ok_or_else(|| ModelError::MissingTensor {
+            path: dir.to_path_buf(),
+            tensor: name.to_string(),
+        })
+}
+
+impl TargetModel {
+    /// Loads `config.json` and the safetensors weights (single file or
+    /// sharded with an index) from `dir`, converted to `kind` on `device`.
+    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<TargetModel, ModelError> {
+        let config = TargetConfig::from_file(&dir.join(CONFIG_FILE_NAME))?;
+        let requests = tensor_requests(&config);
+        let mut tensors = tch::no_grad(|| load_tensors(dir, &requests, device, kind))?;
+        let embed_tokens = take(&mut tensors, "model.embed_tokens.weight", dir)?;
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for layer in 0..config.num_hidden_layers {
+            let prefix = format!("model.layers.{layer}");
+            let mut named = |suffix: &str| take(&mut tensors, &format!("{prefix}.{suffix}"), dir);
+            let (q_bias, k_bias, v_bias, o_bias) = if config.attention_bias {
+                (
+                    Some(named("self_attn.q_proj.bias")?),
+                    Some(named("self_attn.k_proj.bias")?),
+                    Some(named("self_attn.v_proj.bias")?),
+                    Some(named("self_attn.o_proj.bias")?),
+                )
+            } else {
+                (None, None, None, None)
+            };
+            let (q_norm, k_norm) = if config.architecture == Architecture::Qwen3 {
+                (
+                    Some(named("self_attn.q_norm.weight")?),
+                    Some(named("self_attn.k_norm.weight")?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: named("input_layernorm.weight")?,
+                q_proj: named("self_attn.q_proj.weight")?,
+                k_proj: named("self_attn.k_proj.weight")?,
+                v_proj: named("self_attn.v_proj.weight")?,
+                o_proj: named("self_attn.o_proj.weight")?,
+                q_bias,
+                k_bias,
+                v_bias,
+                o_bias,
+                q_norm,
+                k_norm,
+                post_attention_layernorm: named("post_attention_layernorm.weight")?,
+                gate_proj: named("mlp.gate_proj.weight")?,
+                up_proj: named("mlp.up_proj.weight")?,
+                down_proj: named("mlp.down_proj.weight")?,
+            });
+        }
+        let final_norm = take(&mut tensors, "model.norm.weight", dir)?;
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            take(&mut tensors, "lm_head.weight", dir)?
+        };
+        Ok(TargetModel {
+            config,
+            device,
+            kind,
+            embed_tokens,
+            layers,
+            final_norm,
+            lm_head,
+        })
+    }
+
+    pub fn config(&self) -> &TargetConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    /// The input embedding matrix `[V, H]` (the drafter embeds its blocks
+    /// with it).
+    pub fn embed_tokens_weight(&self) -> &Tensor {
+        &self.embed_tokens
+    }
+
+    /// The LM head matrix `[V, H]`; the same storage as the embeddings when
+    /// they are tied.
+    pub fn lm_head_weight(&self) -> &Tensor {
+        &self.lm_head
+    }
+
+    /// The final RMSNorm weight `[H]`, applied before the LM head.
+    pub fn final_norm_weight(&self) -> &Tensor {
+        &self.final_norm
+    }
+
+    /// Hidden states after the decoder layers in `layer_ids` (HF
+    /// `hidden_states[id + 1]`; for the last layer that is, as in HF, the
+    /// output after the final norm), concatenated on the last dimension:
+    /// `[B, T, len(layer_ids) * hidden]` in the model dtype. Layers after the
+    /// deepest requested one are not run. Padded positions (attention mask 0)
+    /// hold unspecified values; valid positions do not depend on padding.
+    pub fn capture_hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        layer_ids: &[usize],
+    ) -> Result<Tensor, ModelError> {
+        let deepest = layer_ids
+            .iter()
+            .copied()
+            .max()
+            .ok_or_else(|| ModelError::InvalidInput("layer_ids is empty".into()))?;
+        if deepest >= self.config.num_hidden_layers {
+            return Err(ModelError::InvalidInput(format!(
+                "layer id {deepest} out of range: the model has {} layers (0..={})",
+                self.config.num_hidden_layers,
+                self.config.num_hidden_layers - 1
+            )));
+        }
+        tch::no_grad(|| {
+            let last_layer = self.layers.len() - 1;
+            let mut captured: Vec<Option<Tensor>> = (0..self.layers.len()).map(|_| None).collect();
+            let wanted: Vec<bool> = (0..self.layers.len())
+                .map(|layer| layer_ids.contains(&layer))
+                .collect();
+            let _deepest_output =
+                self.run_layers(input_ids, attention_mask, deepest + 1, |layer, hidden| {
+                    if wanted[layer] {
+                        // HF replaces hidden_states[-1] by the final-normed
+                        // last_hidden_state; reproduce that for the last layer.
+                        let state = if layer == last_layer {
+                            rms_norm(hidden, &self.final_norm, self.config.rms_norm_eps)
+                        } else {
+                            hidden.shallow_clone()
+                        };
+                        captured[layer] = Some(state);
+                    }
+                })?;
+            let selected: Vec<&Tensor> = layer_ids
+                .iter()
+                .filter_map(|&layer| captured[layer].as_ref())
+                .collect();
+            Ok(Tensor::f_cat(&selected, -1)?)
+        })
+    }
+
+    /// Logits `[B, T, V]` of the full forward (all layers, final norm, LM
+    /// head), in the model dtype.
+    pub fn logits(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        tch::no_grad(|| {
+            let hidden =
+                self.run_layers(input_ids, attention_mask, self.layers.len(), |_, _| {})?;
+            let normed = rms_norm(&hidden, &self.final_norm, self.config.rms_norm_eps);
+            Ok(normed.f_linear::<Tensor>(&self.lm_head, None)?)
+        })
+    }
+
+    fn validate_inputs(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+    ) -> Result<(i64, i64), ModelError> {
+        let size = input_ids.size();
+        let [batch, length] = size[..] else {
+            return Err(ModelError::InvalidInput(format!(
+                "input_ids must be [B, T], got {size:?}"
+            )));
+        };
+        if batch == 0 || length == 0 {
+            return Err(ModelError::InvalidInput(format!(
+                "input_ids is empty: {size:?}"
+            )));
+        }
+        if input_ids.kind() != Kind::Int64 {
+            return Err(ModelError::InvalidInput(format!(
+                "input_ids must be int64, got {:?}",
+                input_ids.kind()
+            )));
+        }
+        if attention_mask.size() != size {
+            return Err(ModelError::InvalidInput(format!(
+                "attention_mask shape {:?} differs from input_ids shape {size:?}",
+                attention_mask.size()
+            )));
+        }
+        let smallest = input_ids.f_min()?.f_int64_value(&[])?;
+        let largest = input_ids.f_max()?.f_int64_value(&[])?;
+        if smallest < 0 || largest >= self.config.vocab_size {
+            return Err(ModelError::InvalidInput(format!(
+                "token ids must lie in 0..{}, got range {smallest}..={largest}",
+                self.config.vocab_size
+            )));
+        }
+        if length > self.config.max_position_embeddings {
+            return Err(ModelError::InvalidInput(format!(
+                "sequence length {length} exceeds max_position_embeddings {}",
+                self.config.max_position_embeddings
+            )));
+        }
+        Ok((batch, length))
+    }
+
+    /// Embeds and runs layers `0..layer_count`, handing each layer's output
+    /// to `observe`, and returns the last output.
+    fn run_layers(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        layer_count: usize,
+        mut observe: impl FnMut(usize, &Tensor),
+    ) -> Result<Tensor, ModelError> {
+        let (batch, length) = self.validate_inputs(input_ids, attention_mask)?;
+        let input_ids = input_ids.to_device(self.device);
+        let key_is_token = attention_mask.to_device(self.device).ne(0);
+        // [B, 1, T, T]: query t sees key s when s <= t and s is a real token.
+        let causal = Tensor::ones([length, length], (Kind::Bool, self.device)).tril(0);
+        let attention_allowed = causal
+            .unsqueeze(0)
+            .unsqueeze(0)
+            .logical_and(&key_is_token.view([batch, 1, 1, length]));
+        // HF uses cache positions 0..T for every row; right padding keeps the
+        // real tokens at the same positions.
+        let positions = Tensor::arange(length, (Kind::Int64, self.device))
+            .unsqueeze(0)
+            .expand([batch, length], true);
+        let (cos, sin) = rotary_cos_sin(
+            &positions,
+            self.config.head_dim,
+            &self.config.rope,
+            self.kind,
+            self.device,
+        );
+        let mut hidden = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+        for (index, layer) in self.layers.iter().take(layer_count).enumerate() {
+            hidden = self.decoder_layer(layer, &hidden, &attention_allowed, &cos, &sin);
+            observe(index, &hidden);
+        }
+        Ok(hidden)
+    }
+
+    fn decoder_layer(
+        &self,
+        layer: &DecoderLayer,
+        hidden: &Tensor,
+        attention_allowed: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Tensor {
+        let eps = self.config.rms_norm_eps;
+        let normed = rms_norm(hidden, &layer.input_layernorm, eps);
+        let attention = self.self_attention(layer, &normed, attention_allowed, cos, sin);
+        let hidden = hidden + attention;
+        let normed = rms_norm(&hidden, &layer.post_attention_layernorm, eps);
+        let mlp = swiglu_mlp(&normed, &layer.gate_proj, &layer.up_proj, &layer.down_proj);
+        hidden + mlp
+    }
+
+    fn self_attention(
+        &self,
+        layer: &DecoderLayer,
+        hidden: &Tensor,
+        attention_allowed: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Tensor {
+        let size = hidden.size();
+        let (batch, length) = (size[0], size[1]);
+        let config = &self.config;
+        let head_dim = config.head_dim;
+        let project_heads =
+            |weight: &Tensor, bias: Option<&Tensor>, heads: i64, norm: Option<&Tensor>| {
+                let projected = hidden
+                    .linear(weight, bias)
+                    .view([batch, length, heads, head_dim]);
+                let projected = match norm {
+                    Some(norm_weight) => rms_norm(&projected, norm_weight, config.rms_norm_eps),
+                    None => projected,
+                };
+                projected.transpose(1, 2)
+            };
+        let heads = config.num_attention_heads;
+        let key_value_heads = config.num_key_value_heads;
+        let query = project_heads(
+            &layer.q_proj,
+            layer.q_bias.as_ref(),
+            heads,
+            layer.q_norm.as_ref(),
+        );
+        let key = project_heads(
+            &layer.k_proj,
+            layer.k_bias.as_ref(),
+            key_value_heads,
+            layer.k_norm.as_ref(),
+        );
+        let value = project_heads(&layer.v_proj, layer.v_bias.as_ref(), key_value_heads, None);
+        let query = apply_rotary(&query, cos, sin);
+        let key = apply_rotary(&key, cos, sin);
+        let repeats = heads / key_value_heads;
+        let key = repeat_key_value_heads(&key, repeats);
+        let value = repeat_key_value_heads(&value, repeats);
+        let attended = Tensor::scaled_dot_product_attention(
+            &query,
+            &key,
+            &value,
+            Some(attention_allowed),
+            0.0,
+            false,
+            Some(1.0 / (head_dim as f64).sqrt()),
+            false,
+        );
+        attended
+            .transpose(1, 2)
+            .reshape([batch, length, heads * head_dim])
+            .linear(&layer.o_proj, layer.o_bias.as_ref())
+    }
+}
+
+/// HF `repeat_kv`: each key/value head serves `repeats` consecutive query
+/// heads.
+fn repeat_key_value_heads(states: &Tensor, repeats: i64) -> Tensor {
+    if repeats == 1 {
+        return states.shallow_clone();
+    }
+    let size = states.size();
+    let (batch, key_value_heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
+    states
+        .unsqueeze(2)
+        .expand([batch, key_value_heads, repeats, length, head_dim], false)
+        .reshape([batch, key_value_heads * repeats, length, head_dim])
+}
