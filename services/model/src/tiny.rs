@@ -93,7 +93,7 @@ impl TinyModelSpec {
             architecture: Architecture::Llama,
             seed: 1,
             hidden_size: 48,
-            layers: 4,
+            layers: 6,
             heads: 6,
             kv_heads: 2,
             intermediate: 96,
@@ -267,8 +267,9 @@ fn model_config(spec: &TinyModelSpec, tokenizer: &TinyTokenizer) -> Value {
             "sliding_window": null,
             "use_sliding_window": false,
         }),
-        // original_max_position_embeddings is small on purpose: with
-        // head_dim 8..16 it puts frequencies in all three llama3 bands.
+        // Llama 3.1's values; with the tiny head_dim of 8 the four
+        // wavelengths (6, 167, 4443, 118k) fall in all three llama3 bands
+        // (kept, interpolated, divided by the factor).
         Architecture::Llama => json!({
             "rope_theta": 500_000.0,
             "rope_scaling": {
@@ -276,9 +277,10 @@ fn model_config(spec: &TinyModelSpec, tokenizer: &TinyTokenizer) -> Value {
                 "factor": 8.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 1024,
+                "original_max_position_embeddings": 8192,
             },
             "tie_word_embeddings": false,
+            "max_position_embeddings": 131072,
             "mlp_bias": false,
             "pretraining_tp": 1,
         }),
