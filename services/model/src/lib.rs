@@ -19,6 +19,7 @@
 //! Must not depend on tonic, tokio or the broker: model code is pure compute
 //! and runs on dedicated threads of the servers.
 
+pub mod draft;
 pub mod layers;
 pub mod target;
 pub mod tiny;

@@ -1,0 +1,544 @@
+//! The DFlash draft network: `fc` + `hidden_norm` fuse the tapped target
+//! hidden states into one context stream, then `layers.{i}` Qwen3 decoder
+//! layers with the DFlash attention, then the final `norm`.
+//!
+//! Parameters live in a `tch::nn::VarStore` under exactly the names of the
+//! reference `DFlashDraftModel.state_dict()` (`fc.weight`,
+//! `layers.0.self_attn.q_proj.weight`, ...), so the store is the checkpoint.
+//! The target's `embed_tokens` and `lm_head` are held outside the store:
+//! they are frozen and never saved.
+//!
+//! Training packs many blocks per sequence. Attention is computed in two
+//! parts that share one softmax: each block's queries against the context
+//! positions before its anchor, and against the block's own keys. This is
+//! the same function as the reference's dense mask over
+//! `[context ‖ all blocks]`, at O(blocks·B·(T + B)) instead of
+//! O(blocks·B·(T + blocks·B)) memory.
+
+use std::path::Path;
+
+use rand::{Rng, SeedableRng};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use super::{DraftConfig, DraftError};
+use crate::layers::{apply_rotary, rms_norm, rotary_cos_sin, swiglu_mlp};
+use crate::target::weights::{load_tensors, TensorRequest};
+use crate::target::TargetConfig;
+
+/// Handles on one decoder layer's parameters (shallow clones of the
+/// `VarStore` variables, so optimizer updates are seen here).
+struct DraftLayerParameters {
+    input_layernorm: Tensor,
+    q_proj: Tensor,
+    k_proj: Tensor,
+    v_proj: Tensor,
+    o_proj: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    post_attention_layernorm: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+}
+
+/// The frozen pieces of the target the drafter reads tokens through.
+pub struct FrozenTargetHeads {
+    /// `[vocab, hidden]`: embeds the block's tokens (anchor and masks).
+    pub embed_tokens: Tensor,
+    /// `[vocab, hidden]`: turns draft hidden states into logits.
+    pub lm_head: Tensor,
+}
+
+impl FrozenTargetHeads {
+    /// Reads only the embedding and LM head of a Hugging Face target
+    /// directory (the LM head is the embedding when they are tied), so a
+    /// drafter does not hold the whole target in memory.
+    pub fn load(
+        target_dir: &Path,
+        device: Device,
+        kind: Kind,
+    ) -> Result<(TargetConfig, Self), DraftError> {
+        let config = TargetConfig::from_file(&target_dir.join(crate::target::CONFIG_FILE_NAME))?;
+        let shape = vec![config.vocab_size, config.hidden_size];
+        let mut requests = vec![TensorRequest {
+            name: EMBED_TOKENS_NAME.to_string(),
+            shape: shape.clone(),
+        }];
+        if !config.tie_word_embeddings {
+            requests.push(TensorRequest {
+                name: LM_HEAD_NAME.to_string(),
+                shape,
+            });
+        }
+        let mut tensors = tch::no_grad(|| load_tensors(target_dir, &requests, device, kind))?;
+        let missing =
+            |name: &str| DraftError::MissingParameter(format!("{}: {name}", target_dir.display()));
+        let embed_tokens = tensors
+            .remove(EMBED_TOKENS_NAME)
+            .ok_or_else(|| missing(EMBED_TOKENS_NAME))?;
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            tensors
+                .remove(LM_HEAD_NAME)
+                .ok_or_else(|| missing(LM_HEAD_NAME))?
+        };
+        Ok((
+            config,
+            FrozenTargetHeads {
+                embed_tokens,
+                lm_head,
+            },
+        ))
+    }
+}
+
+/// Tensor names of the target's embedding and LM head in HF checkpoints.
+const EMBED_TOKENS_NAME: &str = "model.embed_tokens.weight";
+const LM_HEAD_NAME: &str = "lm_head.weight";
+
+/// One forward's inputs, already batched and padded.
+pub struct BlockInputs<'a> {
+    /// `[batch, context_len, n·hidden]` tapped target states (any float kind).
+    pub target_hidden: &'a Tensor,
+    /// `[batch, blocks, block_size]` token ids of every block: the anchor
+    /// token followed by mask tokens.
+    pub block_token_ids: &'a Tensor,
+    /// `[batch, blocks]` absolute position of each block's first token; a
+    /// block sees the context positions strictly before it.
+    pub anchor_positions: &'a Tensor,
+}
+
+/// The trainable draft model plus the frozen target embedding and head.
+pub struct DraftModel {
+    config: DraftConfig,
+    var_store: VarStore,
+    fc: Tensor,
+    hidden_norm: Tensor,
+    layers: Vec<DraftLayerParameters>,
+    norm: Tensor,
+    frozen: FrozenTargetHeads,
+    /// Kind the forward computes in: f32 on the CPU, bf16 on a GPU. The
+    /// master weights in the `VarStore` stay f32 either way.
+    compute_kind: Kind,
+}
+
+impl DraftModel {
+    /// A freshly initialised model (linear weights ~ N(0, initializer_range),
+    /// norms at one, like HF `_init_weights`) drawn from a seeded generator
+    /// so that two runs with the same seed are identical.
+    pub fn new(
+        config: DraftConfig,
+        frozen: FrozenTargetHeads,
+        device: Device,
+        compute_kind: Kind,
+        seed: u64,
+    ) -> Result<Self, DraftError> {
+        config.validate()?;
+        check_frozen_shapes(&config, &frozen)?;
+        let var_store = VarStore::new(device);
+        let mut generator = rand::rngs::StdRng::seed_from_u64(seed);
+        let standard_deviation = config.initializer_range;
+        for (name, shape) in parameter_shapes(&config) {
+            let is_norm = name.ends_with("norm.weight") || name.ends_with("layernorm.weight");
+            let initial = if is_norm {
+                Tensor::ones(shape.as_slice(), (Kind::Float, Device::Cpu))
+            } else {
+                seeded_normal(&shape, standard_deviation, &mut generator)
+            };
+            add_named_variable(&var_store, &name, &initial)?;
+        }
+        Self::from_var_store(config, var_store, frozen, compute_kind)
+    }
+
+    /// Wraps a `VarStore` that already holds every parameter (for example
+    /// loaded from a checkpoint).
+    pub fn from_var_store(
+        config: DraftConfig,
+        var_store: VarStore,
+        frozen: FrozenTargetHeads,
+        compute_kind: Kind,
+    ) -> Result<Self, DraftError> {
+        config.validate()?;
+        check_frozen_shapes(&config, &frozen)?;
+        let variables = var_store.variables();
+        let fetch = |name: String| -> Result<Tensor, DraftError> {
+            variables
+                .get(&name)
+                .map(Tensor::shallow_clone)
+                .ok_or(DraftError::MissingParameter(name))
+        };
+        let layers = (0..config.num_draft_layers)
+            .map(|index| {
+                let prefix = format!("layers.{index}");
+                Ok(DraftLayerParameters {
+                    input_layernorm: fetch(format!("{prefix}.input_layernorm.weight"))?,
+                    q_proj: fetch(format!("{prefix}.self_attn.q_proj.weight"))?,
+                    k_proj: fetch(format!("{prefix}.self_attn.k_proj.weight"))?,
+                    v_proj: fetch(format!("{prefix}.self_attn.v_proj.weight"))?,
+                    o_proj: fetch(format!("{prefix}.self_attn.o_proj.weight"))?,
+                    q_norm: fetch(format!("{prefix}.self_attn.q_norm.weight"))?,
+                    k_norm: fetch(format!("{prefix}.self_attn.k_norm.weight"))?,
+                    post_attention_layernorm: fetch(format!(
+                        "{prefix}.post_attention_layernorm.weight"
+                    ))?,
+                    gate_proj: fetch(format!("{prefix}.mlp.gate_proj.weight"))?,
+                    up_proj: fetch(format!("{prefix}.mlp.up_proj.weight"))?,
+                    down_proj: fetch(format!("{prefix}.mlp.down_proj.weight"))?,
+                })
+            })
+            .collect::<Result<Vec<_>, DraftError>>()?;
+        let frozen = FrozenTargetHeads {
+            embed_tokens: frozen
+                .embed_tokens
+                .to_device(var_store.device())
+                .to_kind(compute_kind)
+                .detach(),
+            lm_head: frozen
+                .lm_head
+                .to_device(var_store.device())
+                .to_kind(compute_kind)
+                .detach(),
+        };
+        Ok(DraftModel {
+            fc: fetch("fc.weight".to_string())?,
+            hidden_norm: fetch("hidden_norm.weight".to_string())?,
+            norm: fetch("norm.weight".to_string())?,
+            layers,
+            config,
+            var_store,
+            frozen,
+            compute_kind,
+        })
+    }
+
+    pub fn config(&self) -> &DraftConfig {
+        &self.config
+    }
+
+    /// The trainable parameters, under their checkpoint names.
+    pub fn var_store(&self) -> &VarStore {
+        &self.var_store
+    }
+
+    pub fn device(&self) -> Device {
+        self.var_store.device()
+    }
+
+    pub fn compute_kind(&self) -> Kind {
+        self.compute_kind
+    }
+
+    /// Number of trainable parameters (embedding and LM head excluded).
+    pub fn num_parameters(&self) -> i64 {
+        self.var_store
+            .trainable_variables()
+            .iter()
+            .map(Tensor::numel)
+            .map(|n| n as i64)
+            .sum()
+    }
+
+    /// A master weight in the compute kind; the cast is differentiable, so
+    /// gradients reach the f32 master weight.
+    fn weight(&self, master: &Tensor) -> Tensor {
+        if master.kind() == self.compute_kind {
+            master.shallow_clone()
+        } else {
+            master.to_kind(self.compute_kind)
+        }
+    }
+
+    /// Embeds block tokens with the target's (frozen) embedding.
+    pub fn embed(&self, token_ids: &Tensor) -> Tensor {
+        Tensor::embedding(&self.frozen.embed_tokens, token_ids, -1, false, false)
+    }
+
+    /// Logits of draft hidden states through the target's (frozen) LM head,
+    /// in f32 so the softmax and cross-entropy do not lose precision.
+    pub fn logits(&self, draft_hidden: &Tensor) -> Tensor {
+        draft_hidden
+            .linear::<Tensor>(&self.frozen.lm_head, None)
+            .to_kind(Kind::Float)
+    }
+
+    /// The draft hidden states `[batch, blocks, block_size, hidden]` for
+    /// every block, before the LM head.
+    pub fn forward_blocks(&self, inputs: &BlockInputs<'_>) -> Result<Tensor, DraftError> {
+        let config = &self.config;
+        let (batch, context_len, width) = inputs.target_hidden.size3()?;
+        let (token_batch, num_blocks, block_size) = inputs.block_token_ids.size3()?;
+        let (anchor_batch, anchor_blocks) = inputs.anchor_positions.size2()?;
+        if width != config.target_hidden_width() {
+            return Err(DraftError::ShapeMismatch(format!(
+                "target hidden width {width}, the model expects {} ({} layers × hidden {})",
+                config.target_hidden_width(),
+                config.target_layer_ids.len(),
+                config.hidden_size
+            )));
+        }
+        if token_batch != batch || anchor_batch != batch || anchor_blocks != num_blocks {
+            return Err(DraftError::ShapeMismatch(format!(
+                "target hidden batch {batch}, block tokens [{token_batch}, {num_blocks}, {block_size}], anchors [{anchor_batch}, {anchor_blocks}]"
+            )));
+        }
+        let device = self.device();
+        let kind = self.compute_kind;
+        let heads = config.num_attention_heads;
+        let kv_heads = config.num_key_value_heads;
+        let head_dim = config.head_dim;
+        let queries = num_blocks * block_size;
+
+        let target_hidden = inputs.target_hidden.to_device(device).to_kind(kind);
+        let context = rms_norm(
+            &target_hidden.linear::<Tensor>(&self.weight(&self.fc), None),
+            &self.weight(&self.hidden_norm),
+            config.rms_norm_eps,
+        );
+        let anchors = inputs
+            .anchor_positions
+            .to_device(device)
+            .to_kind(Kind::Int64);
+        let block_offsets = Tensor::arange(block_size, (Kind::Int64, device));
+        let block_positions = (anchors.unsqueeze(-1) + &block_offsets).view([batch, queries]);
+        let context_positions = Tensor::arange(context_len, (Kind::Int64, device));
+        let (context_cos, context_sin) =
+            rotary_cos_sin(&context_positions, head_dim, &config.rope, kind, device);
+        let (block_cos, block_sin) =
+            rotary_cos_sin(&block_positions, head_dim, &config.rope, kind, device);
+        // Query (block, k) may read context position p only when p < anchor.
+        let context_visible = context_positions
+            .view([1, 1, context_len])
+            .lt_tensor(&anchors.unsqueeze(-1))
+            .unsqueeze(2)
+            .expand([batch, num_blocks, block_size, context_len], false)
+            .reshape([batch, 1, queries, context_len]);
+        let scale = (head_dim as f64).powf(-0.5);
+
+        let mut hidden = self
+            .embed(&inputs.block_token_ids.to_device(device))
+            .view([batch, queries, -1]);
+        for layer in &self.layers {
+            let residual = hidden.shallow_clone();
+            let normed = rms_norm(
+                &hidden,
+                &self.weight(&layer.input_layernorm),
+                config.rms_norm_eps,
+            );
+            let q_norm = self.weight(&layer.q_norm);
+            let k_norm = self.weight(&layer.k_norm);
+            let k_proj = self.weight(&layer.k_proj);
+            let v_proj = self.weight(&layer.v_proj);
+            // [batch, length, heads, head_dim] → q/k norm → [batch, heads, length, head_dim]
+            let split_heads = |projected: Tensor, head_count: i64, norm: Option<&Tensor>| {
+                let length = projected.size()[1];
+                let per_head = projected.view([batch, length, head_count, head_dim]);
+                let per_head = match norm {
+                    Some(weight) => rms_norm(&per_head, weight, config.rms_norm_eps),
+                    None => per_head,
+                };
+                per_head.transpose(1, 2)
+            };
+            let query = split_heads(
+                normed.linear::<Tensor>(&self.weight(&layer.q_proj), None),
+                heads,
+                Some(&q_norm),
+            );
+            let query = apply_rotary(&query, &block_cos, &block_sin);
+            let context_key = split_heads(
+                context.linear::<Tensor>(&k_proj, None),
+                kv_heads,
+                Some(&k_norm),
+            );
+            let context_key = apply_rotary(&context_key, &context_cos, &context_sin);
+            let context_value =
+                split_heads(context.linear::<Tensor>(&v_proj, None), kv_heads, None);
+            let block_key = split_heads(
+                normed.linear::<Tensor>(&k_proj, None),
+                kv_heads,
+                Some(&k_norm),
+            );
+            let block_key = apply_rotary(&block_key, &block_cos, &block_sin);
+            let block_value = split_heads(normed.linear::<Tensor>(&v_proj, None), kv_heads, None);
+            let (context_key, context_value, block_key, block_value) = (
+                repeat_key_value_heads(&context_key, heads / kv_heads),
+                repeat_key_value_heads(&context_value, heads / kv_heads),
+                repeat_key_value_heads(&block_key, heads / kv_heads),
+                repeat_key_value_heads(&block_value, heads / kv_heads),
+            );
+
+            let context_scores = (query.matmul(&context_key.transpose(-2, -1)) * scale)
+                .to_kind(Kind::Float)
+                .masked_fill(&context_visible.logical_not(), f64::NEG_INFINITY);
+            let block_query = query.view([batch, heads, num_blocks, block_size, head_dim]);
+            let block_scores = (block_query.matmul(
+                &block_key
+                    .view([batch, heads, num_blocks, block_size, head_dim])
+                    .transpose(-2, -1),
+            ) * scale)
+                .to_kind(Kind::Float)
+                .view([batch, heads, queries, block_size]);
+            let probabilities = Tensor::cat(&[&context_scores, &block_scores], -1)
+                .softmax(-1, Kind::Float)
+                .to_kind(kind);
+            let context_probabilities = probabilities.narrow(-1, 0, context_len);
+            let block_probabilities = probabilities
+                .narrow(-1, context_len, block_size)
+                .view([batch, heads, num_blocks, block_size, block_size]);
+            let attended = context_probabilities.matmul(&context_value)
+                + block_probabilities
+                    .matmul(&block_value.view([batch, heads, num_blocks, block_size, head_dim]))
+                    .view([batch, heads, queries, head_dim]);
+            let attended = attended
+                .transpose(1, 2)
+                .reshape([batch, queries, heads * head_dim]);
+            hidden = residual + attended.linear::<Tensor>(&self.weight(&layer.o_proj), None);
+
+            let residual = hidden.shallow_clone();
+            let normed = rms_norm(
+                &hidden,
+                &self.weight(&layer.post_attention_layernorm),
+                config.rms_norm_eps,
+            );
+            hidden = residual
+                + swiglu_mlp(
+                    &normed,
+                    &self.weight(&layer.gate_proj),
+                    &self.weight(&layer.up_proj),
+                    &self.weight(&layer.down_proj),
+                );
+        }
+        let output = rms_norm(&hidden, &self.weight(&self.norm), config.rms_norm_eps);
+        Ok(output.view([batch, num_blocks, block_size, config.hidden_size]))
+    }
+}
+
+/// Every parameter name of the reference `DFlashDraftModel.state_dict()`
+/// with its shape, in a stable order.
+pub fn parameter_shapes(config: &DraftConfig) -> Vec<(String, Vec<i64>)> {
+    let hidden = config.hidden_size;
+    let query_width = config.num_attention_heads * config.head_dim;
+    let key_value_width = config.num_key_value_heads * config.head_dim;
+    let mut shapes = vec![
+        (
+            "fc.weight".to_string(),
+            vec![hidden, config.target_hidden_width()],
+        ),
+        ("hidden_norm.weight".to_string(), vec![hidden]),
+        ("norm.weight".to_string(), vec![hidden]),
+    ];
+    for index in 0..config.num_draft_layers {
+        let prefix = format!("layers.{index}");
+        shapes.extend([
+            (format!("{prefix}.input_layernorm.weight"), vec![hidden]),
+            (
+                format!("{prefix}.self_attn.q_proj.weight"),
+                vec![query_width, hidden],
+            ),
+            (
+                format!("{prefix}.self_attn.k_proj.weight"),
+                vec![key_value_width, hidden],
+            ),
+            (
+                format!("{prefix}.self_attn.v_proj.weight"),
+                vec![key_value_width, hidden],
+            ),
+            (
+                format!("{prefix}.self_attn.o_proj.weight"),
+                vec![hidden, query_width],
+            ),
+            (
+                format!("{prefix}.self_attn.q_norm.weight"),
+                vec![config.head_dim],
+            ),
+            (
+                format!("{prefix}.self_attn.k_norm.weight"),
+                vec![config.head_dim],
+            ),
+            (
+                format!("{prefix}.post_attention_layernorm.weight"),
+                vec![hidden],
+            ),
+            (
+                format!("{prefix}.mlp.gate_proj.weight"),
+                vec![config.intermediate_size, hidden],
+            ),
+            (
+                format!("{prefix}.mlp.up_proj.weight"),
+                vec![config.intermediate_size, hidden],
+            ),
+            (
+                format!("{prefix}.mlp.down_proj.weight"),
+                vec![hidden, config.intermediate_size],
+            ),
+        ]);
+    }
+    shapes
+}
+
+/// Adds a trainable variable under a dotted name (`layers.0.mlp.up_proj.weight`):
+/// tch wants the dots as path components, not inside a variable name.
+pub(crate) fn add_named_variable(
+    var_store: &VarStore,
+    dotted_name: &str,
+    value: &Tensor,
+) -> Result<(), DraftError> {
+    let mut components: Vec<&str> = dotted_name.split('.').collect();
+    let variable_name = components.pop().unwrap_or_default();
+    let path = components
+        .iter()
+        .fold(var_store.root(), |path, component| path / *component);
+    let _ = path.f_var_copy(variable_name, value)?;
+    Ok(())
+}
+
+/// HF `repeat_kv`: key/value head `h` serves query heads `h·n_rep .. (h+1)·n_rep`.
+fn repeat_key_value_heads(states: &Tensor, repeats: i64) -> Tensor {
+    if repeats == 1 {
+        return states.shallow_clone();
+    }
+    let size = states.size();
+    let (batch, kv_heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
+    states
+        .unsqueeze(2)
+        .expand([batch, kv_heads, repeats, length, head_dim], false)
+        .reshape([batch, kv_heads * repeats, length, head_dim])
+}
+
+/// Normal samples from a seeded generator (Box–Muller), so initialisation
+/// does not depend on libtorch's global RNG, which concurrent tests share.
+fn seeded_normal(
+    shape: &[i64],
+    standard_deviation: f64,
+    generator: &mut rand::rngs::StdRng,
+) -> Tensor {
+    let count: i64 = shape.iter().product();
+    let mut values = Vec::with_capacity(count as usize);
+    while values.len() < count as usize {
+        let uniform_a: f64 = generator.random::<f64>().max(f64::MIN_POSITIVE);
+        let uniform_b: f64 = generator.random::<f64>();
+        let radius = (-2.0 * uniform_a.ln()).sqrt() * standard_deviation;
+        let angle = std::f64::consts::TAU * uniform_b;
+        values.push((radius * angle.cos()) as f32);
+        values.push((radius * angle.sin()) as f32);
+    }
+    values.truncate(count as usize);
+    Tensor::from_slice(&values).view(shape)
+}
+
+fn check_frozen_shapes(config: &DraftConfig, frozen: &FrozenTargetHeads) -> Result<(), DraftError> {
+    let expected = vec![config.vocab_size, config.hidden_size];
+    for (name, tensor) in [
+        ("embed_tokens", &frozen.embed_tokens),
+        ("lm_head", &frozen.lm_head),
+    ] {
+        if tensor.size() != expected {
+            return Err(DraftError::ShapeMismatch(format!(
+                "target {name} has shape {:?}, the draft config expects {expected:?}",
+                tensor.size()
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,319 @@
+//! The DFlash training objective: anchor sampling, block construction and
+//! the decayed, loss-masked cross-entropy.
+//!
+//! Per sequence, anchors are drawn without replacement among positions `i`
+//! with `loss_mask[i] && loss_mask[i + 1]` (so every block has at least one
+//! supervised target), at most `num_anchors` of them, sorted. Each block is
+//! `[token at anchor, MASK × (B − 1)]`; block position `k ≥ 1` predicts the
+//! token at `anchor + k` with weight `exp(−(k − 1)/γ) · loss_mask[anchor + k]`
+//! (zero past the end of the sequence), and the loss is `Σ w·CE / Σ w`.
+
+use rand::rngs::StdRng;
+use tch::{Device, Kind, Tensor};
+
+use super::model::{BlockInputs, DraftModel};
+use super::DraftError;
+
+/// Default decay γ of the per-position weights for a block size: 7 for 16,
+/// 4 for 8 (the published recipes), proportional in between.
+pub fn default_loss_decay_gamma(block_size: i64) -> f64 {
+    match block_size {
+        16 => 7.0,
+        8 => 4.0,
+        other => (other as f64 * 7.0 / 16.0).max(1.0),
+    }
+}
+
+/// One training sequence as it comes off the wire.
+#[derive(Debug)]
+pub struct TrainingSequence {
+    /// `[T]` token ids.
+    pub input_ids: Vec<i64>,
+    /// `[T]` 1 where the token is supervised (assistant tokens).
+    pub loss_mask: Vec<u8>,
+    /// `[T, n·hidden]` tapped target hidden states (any float kind, CPU).
+    pub target_hidden: Tensor,
+}
+
+impl TrainingSequence {
+    pub fn len(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.input_ids.is_empty()
+    }
+}
+
+/// Positions that may start a block: supervised and followed by a supervised token.
+pub fn anchor_candidates(loss_mask: &[u8]) -> Vec<i64> {
+    loss_mask
+        .windows(2)
+        .enumerate()
+        .filter(|(_, pair)| pair[0] != 0 && pair[1] != 0)
+        .map(|(position, _)| position as i64)
+        .collect()
+}
+
+/// Up to `num_anchors` candidates drawn without replacement, sorted.
+pub fn sample_anchors(loss_mask: &[u8], num_anchors: usize, generator: &mut StdRng) -> Vec<i64> {
+    let candidates = anchor_candidates(loss_mask);
+    if candidates.len() <= num_anchors {
+        return candidates;
+    }
+    let mut chosen: Vec<i64> = rand::seq::index::sample(generator, candidates.len(), num_anchors)
+        .into_iter()
+        .map(|index| candidates[index])
+        .collect();
+    chosen.sort_unstable();
+    chosen
+}
+
+/// A padded batch ready for the forward.
+pub struct PackedBatch {
+    /// `[batch, max_len, n·hidden]`, zero beyond each sequence's end.
+    pub target_hidden: Tensor,
+    /// `[batch, max_len]` token ids, zero-padded.
+    pub input_ids: Tensor,
+    /// `[batch, max_len]` f32 loss mask, zero-padded.
+    pub loss_mask: Tensor,
+    /// `[batch, max_anchors]` anchors, padding anchors at 0.
+    pub anchors: Tensor,
+    /// `[batch, max_anchors]` false for padding anchors.
+    pub anchor_valid: Tensor,
+    /// Real (unpadded) tokens in the batch, for throughput figures.
+    pub num_tokens: usize,
+}
+
+/// Pads sequences and their anchors into one batch. Sequences without any
+/// anchor contribute nothing to the loss but are still accepted.
+pub fn pack_batch(
+    sequences: &[TrainingSequence],
+    anchors: &[Vec<i64>],
+) -> Result<PackedBatch, DraftError> {
+    if sequences.is_empty() || sequences.len() != anchors.len() {
+        return Err(DraftError::ShapeMismatch(format!(
+            "{} sequences with {} anchor lists",
+            sequences.len(),
+            anchors.len()
+        )));
+    }
+    let max_len = sequences
+        .iter()
+        .map(TrainingSequence::len)
+        .max()
+        .unwrap_or(0) as i64;
+    let max_anchors = anchors.iter().map(Vec::len).max().unwrap_or(0).max(1) as i64;
+    let mut hidden_rows = Vec::with_capacity(sequences.len());
+    let mut ids = Vec::with_capacity(sequences.len() * max_len as usize);
+    let mut mask = Vec::with_capacity(sequences.len() * max_len as usize);
+    let mut anchor_values = Vec::with_capacity(sequences.len() * max_anchors as usize);
+    let mut anchor_valid = Vec::with_capacity(sequences.len() * max_anchors as usize);
+    for (sequence, sequence_anchors) in sequences.iter().zip(anchors) {
+        let length = sequence.len() as i64;
+        let hidden_size = sequence.target_hidden.size();
+        if hidden_size.len() != 2
+            || hidden_size[0] != length
+            || sequence.loss_mask.len() as i64 != length
+        {
+            return Err(DraftError::ShapeMismatch(format!(
+                "sequence of {length} tokens with loss mask of {} and hidden states {hidden_size:?}",
+                sequence.loss_mask.len()
+            )));
+        }
+        if let Some(bad) = sequence_anchors
+            .iter()
+            .find(|&&anchor| anchor < 0 || anchor >= length)
+        {
+            return Err(DraftError::ShapeMismatch(format!(
+                "anchor {bad} outside a sequence of {length} tokens"
+            )));
+        }
+        let padding = max_len - length;
+        hidden_rows.push(sequence.target_hidden.constant_pad_nd([0, 0, 0, padding]));
+        ids.extend(sequence.input_ids.iter().copied());
+        ids.extend(std::iter::repeat_n(0, padding as usize));
+        mask.extend(
+            sequence
+                .loss_mask
+                .iter()
+                .map(|&value| f32::from(value != 0)),
+        );
+        mask.extend(std::iter::repeat_n(0.0, padding as usize));
+        anchor_values.extend(sequence_anchors.iter().copied());
+        anchor_valid.extend(std::iter::repeat_n(true, sequence_anchors.len()));
+        let anchor_padding = max_anchors as usize - sequence_anchors.len();
+        anchor_values.extend(std::iter::repeat_n(0, anchor_padding));
+        anchor_valid.extend(std::iter::repeat_n(false, anchor_padding));
+    }
+    let batch = sequences.len() as i64;
+    Ok(PackedBatch {
+        target_hidden: Tensor::stack(&hidden_rows, 0),
+        input_ids: Tensor::from_slice(&ids).view([batch, max_len]),
+        loss_mask: Tensor::from_slice(&mask).view([batch, max_len]),
+        anchors: Tensor::from_slice(&anchor_values).view([batch, max_anchors]),
+        anchor_valid: Tensor::from_slice(&anchor_valid).view([batch, max_anchors]),
+        num_tokens: sequences.iter().map(TrainingSequence::len).sum(),
+    })
+}
+
+/// What one forward of the objective produced.
+pub struct ObjectiveOutput {
+    /// Scalar `Σ w·CE / Σ w`, differentiable.
+    pub loss: Tensor,
+    /// `[batch, blocks, block_size, hidden]` draft hidden states.
+    pub draft_hidden: Tensor,
+    /// `Σ w`, so accumulated micro-batches can be combined exactly
+    /// (backpropagate `loss · weight_sum`, divide by the total at the step).
+    pub weight_sum: f64,
+    /// Per block position `k = 1..B−1`: supervised targets predicted right
+    /// by the argmax.
+    pub correct_per_position: Vec<f64>,
+    /// Per block position `k = 1..B−1`: supervised targets.
+    pub supervised_per_position: Vec<f64>,
+}
+
+impl ObjectiveOutput {
+    /// Accuracy at each block position `k = 1..B−1` (NaN where nothing was supervised).
+    pub fn accuracy_per_position(&self) -> Vec<f64> {
+        accuracy_ratios(&self.correct_per_position, &self.supervised_per_position)
+    }
+
+    /// Accuracy over every supervised target.
+    pub fn accuracy(&self) -> f64 {
+        overall_accuracy(&self.correct_per_position, &self.supervised_per_position)
+    }
+}
+
+/// `correct / supervised` element-wise.
+pub fn accuracy_ratios(correct: &[f64], supervised: &[f64]) -> Vec<f64> {
+    correct
+        .iter()
+        .zip(supervised)
+        .map(|(correct, supervised)| correct / supervised)
+        .collect()
+}
+
+/// `Σ correct / Σ supervised`, 0 when nothing was supervised.
+pub fn overall_accuracy(correct: &[f64], supervised: &[f64]) -> f64 {
+    let supervised_total: f64 = supervised.iter().sum();
+    if supervised_total == 0.0 {
+        return 0.0;
+    }
+    correct.iter().sum::<f64>() / supervised_total
+}
+
+/// Runs the draft model over a packed batch and computes the DFlash loss.
+pub fn compute_objective(
+    model: &DraftModel,
+    batch: &PackedBatch,
+    gamma: f64,
+) -> Result<ObjectiveOutput, DraftError> {
+    let config = model.config();
+    let device = model.device();
+    let block_size = config.block_size;
+    let input_ids = batch.input_ids.to_device(device);
+    let loss_mask = batch.loss_mask.to_device(device);
+    let anchors = batch.anchors.to_device(device);
+    let anchor_valid = batch.anchor_valid.to_device(device);
+    let (batch_size, max_len) = input_ids.size2()?;
+    let num_blocks = anchors.size()[1];
+
+    let anchor_tokens = input_ids.gather(1, &anchors, false);
+    let mask_tokens = Tensor::full(
+        [batch_size, num_blocks, block_size - 1],
+        config.mask_token_id,
+        (Kind::Int64, device),
+    );
+    let block_token_ids = Tensor::cat(&[&anchor_tokens.unsqueeze(-1), &mask_tokens], -1);
+    let draft_hidden = model.forward_blocks(&BlockInputs {
+        target_hidden: &batch.target_hidden,
+        block_token_ids: &block_token_ids,
+        anchor_positions: &anchors,
+    })?;
+
+    // Targets of block positions 1..B−1.
+    let offsets = Tensor::arange_start(1, block_size, (Kind::Int64, device));
+    let label_positions = anchors.unsqueeze(-1) + &offsets;
+    let in_range = label_positions.lt(max_len);
+    let clamped_positions = label_positions.clamp_max(max_len - 1);
+    let flat_positions = clamped_positions.view([batch_size, -1]);
+    let labels = input_ids
+        .gather(1, &flat_positions, false)
+        .view_as(&clamped_positions);
+    let label_mask = loss_mask
+        .gather(1, &flat_positions, false)
+        .view_as(&clamped_positions);
+    let supervised = label_mask
+        * in_range.to_kind(Kind::Float)
+        * anchor_valid.unsqueeze(-1).to_kind(Kind::Float);
+    let decay = ((offsets.to_kind(Kind::Float) - 1.0) * (-1.0 / gamma)).exp();
+    let weights = &supervised * decay;
+
+    let logits = model.logits(&draft_hidden.narrow(2, 1, block_size - 1));
+    let log_probabilities = logits.log_softmax(-1, Kind::Float);
+    let cross_entropy = -log_probabilities
+        .gather(-1, &labels.unsqueeze(-1), false)
+        .squeeze_dim(-1);
+    let weight_sum = weights.sum(Kind::Float);
+    let loss = (&cross_entropy * &weights).sum(Kind::Float) / weight_sum.clamp_min(1e-12);
+
+    let correct = logits
+        .argmax(-1, false)
+        .eq_tensor(&labels)
+        .to_kind(Kind::Float)
+        * &supervised;
+    let correct_per_position = correct.sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float);
+    let supervised_per_position =
+        supervised.sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float);
+    Ok(ObjectiveOutput {
+        loss,
+        draft_hidden,
+        weight_sum: weight_sum.double_value(&[]),
+        correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
+        supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
+    })
+}
+
+/// A 1-D tensor's values as f64.
+pub(crate) fn tensor_to_f64_vec(tensor: &Tensor) -> Result<Vec<f64>, DraftError> {
+    let flat = tensor
+        .to_device(Device::Cpu)
+        .to_kind(Kind::Double)
+        .flatten(0, -1);
+    Ok(Vec::<f64>::try_from(&flat)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    #[test]
+    fn candidates_need_two_supervised_tokens_in_a_row() {
+        assert_eq!(
+            anchor_candidates(&[0, 1, 1, 1, 0, 1, 0, 1, 1]),
+            vec![1, 2, 7]
+        );
+        assert!(anchor_candidates(&[1]).is_empty());
+    }
+
+    #[test]
+    fn sampled_anchors_are_sorted_distinct_candidates_and_seeded() {
+        let mask = vec![1u8; 100];
+        let mut first = StdRng::seed_from_u64(7);
+        let mut second = StdRng::seed_from_u64(7);
+        let anchors = sample_anchors(&mask, 10, &mut first);
+        assert_eq!(anchors.len(), 10);
+        assert!(anchors.windows(2).all(|pair| pair[0] < pair[1]));
+        assert!(anchors.iter().all(|&anchor| (0..99).contains(&anchor)));
+        assert_eq!(anchors, sample_anchors(&mask, 10, &mut second));
+        assert_eq!(sample_anchors(&[1, 1, 0], 10, &mut first), vec![0]);
+    }
+
+    #[test]
+    fn gamma_defaults_follow_the_recipes() {
+        assert_eq!(default_loss_decay_gamma(16), 7.0);
+        assert_eq!(default_loss_decay_gamma(8), 4.0);
+    }
+}

@@ -1,0 +1,306 @@
+//! One drafter's training loop body, without any queue or thread: feed
+//! micro-batches with [`DraftTrainer::accumulate`], then take an optimizer
+//! step with [`DraftTrainer::step`]; save and resume checkpoints.
+//!
+//! Accumulation is exact: each micro-batch back-propagates its *unnormalised*
+//! `Σ w·CE`, and the step divides the gradients by the `Σ w` of all its
+//! micro-batches, so k micro-batches give the same update as one batch with
+//! all of them (up to float summation order).
+
+use std::path::Path;
+
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tch::{Device, Kind};
+
+use super::checkpoint::{
+    load_draft_model, load_training_state, save_draft_checkpoint, TrainingProgress,
+};
+use super::objective::{
+    compute_objective, overall_accuracy, pack_batch, sample_anchors, TrainingSequence,
+};
+use super::optim::{AdamW, AdamWSettings, LearningRateSchedule};
+use super::{accuracy_ratios, DraftError, DraftModel, FrozenTargetHeads};
+
+/// Hyper-parameters of the objective and the optimizer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainerSettings {
+    /// Most anchors (blocks) drawn per sequence.
+    pub num_anchors: usize,
+    /// Decay γ of the per-position loss weights.
+    pub loss_decay_gamma: f64,
+    /// Global gradient-norm bound.
+    pub max_grad_norm: f64,
+    pub adamw: AdamWSettings,
+    pub schedule: LearningRateSchedule,
+    /// Schedule length in optimizer steps; may be revised while training.
+    pub total_steps: u64,
+    /// Base seed of anchor sampling; each micro-batch derives its own
+    /// generator from it, the step and its index, so a resumed run draws the
+    /// same anchors as an uninterrupted one.
+    pub seed: u64,
+}
+
+impl TrainerSettings {
+    /// The published recipe's defaults for a block size.
+    pub fn recipe_defaults(block_size: i64, total_steps: u64) -> Self {
+        TrainerSettings {
+            num_anchors: 512,
+            loss_decay_gamma: super::default_loss_decay_gamma(block_size),
+            max_grad_norm: 1.0,
+            adamw: AdamWSettings::default(),
+            schedule: LearningRateSchedule::default(),
+            total_steps,
+            seed: 0,
+        }
+    }
+}
+
+/// What one micro-batch contributed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicroBatchReport {
+    pub loss: f64,
+    pub samples: usize,
+    pub tokens: usize,
+}
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepReport {
+    /// Optimizer steps completed, this one included.
+    pub step: u64,
+    /// `Σ w·CE / Σ w` over the step's micro-batches.
+    pub loss: f64,
+    pub accuracy: f64,
+    /// Accuracy at block positions 1..B−1.
+    pub accuracy_per_position: Vec<f64>,
+    pub learning_rate: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    pub samples: usize,
+    pub tokens: usize,
+}
+
+/// Sums over the micro-batches of the step in progress.
+#[derive(Default)]
+struct Accumulation {
+    weighted_cross_entropy: f64,
+    weight_sum: f64,
+    correct_per_position: Vec<f64>,
+    supervised_per_position: Vec<f64>,
+    samples: usize,
+    tokens: usize,
+    micro_batches: u64,
+}
+
+/// The draft model with its optimizer, schedule and progress.
+pub struct DraftTrainer {
+    model: DraftModel,
+    optimizer: AdamW,
+    settings: TrainerSettings,
+    progress: TrainingProgress,
+    accumulation: Accumulation,
+}
+
+impl DraftTrainer {
+    /// A trainer starting at step 0.
+    pub fn new(model: DraftModel, settings: TrainerSettings) -> Self {
+        let optimizer = AdamW::new(named_trainable_parameters(&model), settings.adamw.clone());
+        let progress = TrainingProgress {
+            step: 0,
+            total_steps: settings.total_steps,
+            samples_trained: 0,
+            tokens_trained: 0,
+            seed: settings.seed,
+            learning_rate: 0.0,
+            last_loss: f64::NAN,
+        };
+        DraftTrainer {
+            model,
+            optimizer,
+            settings,
+            progress,
+            accumulation: Accumulation::default(),
+        }
+    }
+
+    /// Continues from a checkpoint written by [`DraftTrainer::save_checkpoint`]:
+    /// weights, optimizer moments, step and seed. `settings.total_steps`
+    /// wins over the saved one only when it is non-zero.
+    pub fn resume(
+        checkpoint_dir: &Path,
+        frozen: FrozenTargetHeads,
+        device: Device,
+        compute_kind: Kind,
+        mut settings: TrainerSettings,
+    ) -> Result<Self, DraftError> {
+        let model = load_draft_model(checkpoint_dir, frozen, device, compute_kind)?;
+        let (progress, moments) = load_training_state(checkpoint_dir)?;
+        settings.seed = progress.seed;
+        if settings.total_steps == 0 {
+            settings.total_steps = progress.total_steps;
+        }
+        let mut trainer = DraftTrainer::new(model, settings);
+        trainer.optimizer.load_state(&moments, progress.step)?;
+        trainer.progress = TrainingProgress {
+            total_steps: trainer.settings.total_steps,
+            ..progress
+        };
+        Ok(trainer)
+    }
+
+    pub fn model(&self) -> &DraftModel {
+        &self.model
+    }
+
+    pub fn progress(&self) -> &TrainingProgress {
+        &self.progress
+    }
+
+    pub fn settings(&self) -> &TrainerSettings {
+        &self.settings
+    }
+
+    /// Revises the schedule length (when it is learned from the broker).
+    pub fn set_total_steps(&mut self, total_steps: u64) {
+        self.settings.total_steps = total_steps.max(1);
+        self.progress.total_steps = self.settings.total_steps;
+    }
+
+    /// Micro-batches accumulated since the last step.
+    pub fn pending_micro_batches(&self) -> u64 {
+        self.accumulation.micro_batches
+    }
+
+    /// Forward and backward of one micro-batch; gradients accumulate until
+    /// [`DraftTrainer::step`].
+    pub fn accumulate(
+        &mut self,
+        sequences: &[TrainingSequence],
+    ) -> Result<MicroBatchReport, DraftError> {
+        let mut generator = StdRng::seed_from_u64(anchor_seed(
+            self.settings.seed,
+            self.progress.step,
+            self.accumulation.micro_batches,
+        ));
+        let anchors: Vec<Vec<i64>> = sequences
+            .iter()
+            .map(|sequence| {
+                sample_anchors(
+                    &sequence.loss_mask,
+                    self.settings.num_anchors,
+                    &mut generator,
+                )
+            })
+            .collect();
+        let batch = pack_batch(sequences, &anchors)?;
+        let output = compute_objective(&self.model, &batch, self.settings.loss_decay_gamma)?;
+        if output.weight_sum > 0.0 {
+            (&output.loss * output.weight_sum).backward();
+        }
+        let loss = output.loss.double_value(&[]);
+        let accumulation = &mut self.accumulation;
+        accumulation.weighted_cross_entropy += loss * output.weight_sum;
+        accumulation.weight_sum += output.weight_sum;
+        add_into(
+            &mut accumulation.correct_per_position,
+            &output.correct_per_position,
+        );
+        add_into(
+            &mut accumulation.supervised_per_position,
+            &output.supervised_per_position,
+        );
+        accumulation.samples += sequences.len();
+        accumulation.tokens += batch.num_tokens;
+        accumulation.micro_batches += 1;
+        Ok(MicroBatchReport {
+            loss,
+            samples: sequences.len(),
+            tokens: batch.num_tokens,
+        })
+    }
+
+    /// Drops the gradients and sums of micro-batches not yet stepped (their
+    /// items are being handed back to the broker).
+    pub fn discard_accumulation(&mut self) {
+        self.accumulation = Accumulation::default();
+        self.optimizer.zero_grad();
+    }
+
+    /// Normalises the accumulated gradients, clips them, applies AdamW at
+    /// the scheduled learning rate and clears them.
+    pub fn step(&mut self) -> Result<StepReport, DraftError> {
+        let accumulation = std::mem::take(&mut self.accumulation);
+        if accumulation.micro_batches == 0 {
+            return Err(DraftError::ShapeMismatch(
+                "optimizer step without any micro-batch".to_string(),
+            ));
+        }
+        let learning_rate = self
+            .settings
+            .schedule
+            .learning_rate(self.progress.step, self.settings.total_steps);
+        let mut grad_norm = 0.0;
+        if accumulation.weight_sum > 0.0 {
+            self.optimizer
+                .scale_gradients(1.0 / accumulation.weight_sum);
+            grad_norm = self.optimizer.clip_grad_norm(self.settings.max_grad_norm);
+            self.optimizer.step(learning_rate);
+        }
+        self.optimizer.zero_grad();
+        let loss = if accumulation.weight_sum > 0.0 {
+            accumulation.weighted_cross_entropy / accumulation.weight_sum
+        } else {
+            f64::NAN
+        };
+        self.progress.step += 1;
+        self.progress.samples_trained += accumulation.samples as u64;
+        self.progress.tokens_trained += accumulation.tokens as u64;
+        self.progress.learning_rate = learning_rate;
+        self.progress.last_loss = loss;
+        Ok(StepReport {
+            step: self.progress.step,
+            loss,
+            accuracy: overall_accuracy(
+                &accumulation.correct_per_position,
+                &accumulation.supervised_per_position,
+            ),
+            accuracy_per_position: accuracy_ratios(
+                &accumulation.correct_per_position,
+                &accumulation.supervised_per_position,
+            ),
+            learning_rate,
+            grad_norm,
+            samples: accumulation.samples,
+            tokens: accumulation.tokens,
+        })
+    }
+
+    /// Writes weights, config, optimizer moments and progress atomically.
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<(), DraftError> {
+        save_draft_checkpoint(dir, &self.model, Some((&self.optimizer, &self.progress)))
+    }
+}
+
+fn named_trainable_parameters(model: &DraftModel) -> Vec<(String, tch::Tensor)> {
+    model.var_store().variables().into_iter().collect()
+}
+
+fn add_into(sums: &mut Vec<f64>, values: &[f64]) {
+    if sums.len() < values.len() {
+        sums.resize(values.len(), 0.0);
+    }
+    for (sum, value) in sums.iter_mut().zip(values) {
+        *sum += value;
+    }
+}
+
+/// A well-mixed seed for the anchors of one micro-batch (SplitMix64 finaliser).
+fn anchor_seed(base_seed: u64, step: u64, micro_batch: u64) -> u64 {
+    let mut mixed = base_seed
+        ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ micro_batch.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    mixed ^ (mixed >> 31)
+}
