@@ -243,3 +243,36 @@ fn loading_rejects_missing_and_unexpected_tensors() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Writes a trained checkpoint for `scripts/check_dflash_checkpoint.py`:
+/// to `$DFLASH_WRITE_DRAFT_CHECKPOINT` when set (so `make test` can hand it
+/// to the reference loader), else to a temporary folder.
+#[test]
+fn checkpoint_for_the_reference_loader_has_every_file() -> anyhow::Result<()> {
+    let mut trainer = new_trainer(5, 1e-3)?;
+    trainer.accumulate(&successor_sequences(2, 12, 4))?;
+    trainer.step()?;
+    let temporary = tempfile::tempdir()?;
+    let directory = match std::env::var_os("DFLASH_WRITE_DRAFT_CHECKPOINT") {
+        Some(path) => std::path::PathBuf::from(path),
+        None => temporary.path().join("checkpoint"),
+    };
+    trainer.save_checkpoint(&directory)?;
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(directory.join(file).is_file(), "{file} missing");
+    }
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(directory.join("config.json"))?)?;
+    assert_eq!(config["architectures"][0], "DFlashDraftModel");
+    assert_eq!(
+        config["dflash_config"]["target_layer_ids"],
+        serde_json::json!([1, 3])
+    );
+    assert_eq!(config["num_target_layers"], 6);
+    Ok(())
+}
