@@ -1,1 +1,35 @@
-//! # dflash-drafter-server (being written)
+//! # dflash-drafter-server
+//!
+//! Trains a DFlash draft model from the broker's shared hidden-state queue on
+//! one device, checkpoints it, and evaluates drafters by speculative decoding.
+//!
+//! # Layout
+//! - [`config`]: every flag (clap, with environment fallbacks) and its checks.
+//! - [`server`]: [`run`], the async side: Consume stream, credit window,
+//!   ack-after-step, nacks, lease extension, stats, schedule estimate,
+//!   reconnects, graceful stop.
+//! - [`trainer_thread`]: the dedicated training thread (owns all libtorch
+//!   state), batching by token budget, steps and checkpoints; it talks to
+//!   the async side over bounded channels only.
+//! - [`engine`]: the DFlash trainer and the synthetic stand-in behind one trait.
+//! - [`samples`]: wire sample → training sequence, with the checks that
+//!   decide dead-lettering.
+//! - [`schedule`]: the schedule-length estimate from the broker's run summary.
+//! - [`checkpoints`]: the checkpoint folder (step directories, `latest`, pruning).
+//! - [`eval`]: [`eval::evaluate`], speculative decoding to measure τ.
+//!
+//! Model code lives in `dflash-model` (`draft`, `target`); this crate adds
+//! the queue discipline and must not depend on the broker crate (tests do).
+
+pub mod checkpoints;
+pub mod config;
+pub mod engine;
+pub mod eval;
+pub mod samples;
+pub mod schedule;
+pub mod server;
+pub mod trainer_thread;
+
+pub use config::{DrafterServerConfig, ModelMode};
+pub use eval::{evaluate, EvalOptions, EvalReport};
+pub use server::{run, DrafterError, DrafterReport, RunEnd};

@@ -1,0 +1,422 @@
+//! The drafter-server's configuration: flags with environment-variable
+//! fallbacks (`clap`), parsed once in `main` and passed to [`crate::run`].
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::Args;
+use tch::{Device, Kind};
+
+/// What trains on the deliveries.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelMode {
+    /// The DFlash draft model, trained for real.
+    DFlash,
+    /// No model: each micro-batch "takes" `ms_per_1k_tokens` per thousand
+    /// tokens, then is acked, to load-test the pipeline without weights.
+    Synthetic { ms_per_1k_tokens: f64 },
+}
+
+impl FromStr for ModelMode {
+    type Err = String;
+
+    /// `dflash` or `synthetic:ms_per_1k_tokens=N`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text == "dflash" {
+            return Ok(ModelMode::DFlash);
+        }
+        let Some(options) = text.strip_prefix("synthetic") else {
+            return Err(format!(
+                "invalid --model {text:?}: expected dflash or synthetic:ms_per_1k_tokens=N"
+            ));
+        };
+        let mut ms_per_1k_tokens = 0.0;
+        for option in options
+            .trim_start_matches(':')
+            .split(',')
+            .filter(|option| !option.is_empty())
+        {
+            match option.split_once('=') {
+                Some(("ms_per_1k_tokens", value)) => {
+                    ms_per_1k_tokens = value
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|value| value.is_finite() && *value >= 0.0)
+                        .ok_or_else(|| {
+                            format!("invalid ms_per_1k_tokens {value:?} in --model {text:?}")
+                        })?;
+                }
+                _ => {
+                    return Err(format!(
+                        "unknown synthetic option {option:?} in --model {text:?}"
+                    ))
+                }
+            }
+        }
+        Ok(ModelMode::Synthetic { ms_per_1k_tokens })
+    }
+}
+
+/// Parses `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(text: &str) -> Result<Device, String> {
+    match text {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        _ => text
+            .strip_prefix("cuda:")
+            .and_then(|index| index.parse::<usize>().ok())
+            .map(Device::Cuda)
+            .ok_or_else(|| format!("invalid device {text:?}: expected cpu, cuda or cuda:N")),
+    }
+}
+
+/// Parses a comma-separated list of layer ids.
+fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
+    text.split(',')
+        .map(|part| {
+            part.trim()
+                .parse::<i64>()
+                .map_err(|_| format!("invalid layer id {part:?} in {text:?}"))
+        })
+        .collect()
+}
+
+/// Every setting of a drafter-server.
+#[derive(Debug, Clone, Args)]
+pub struct DrafterServerConfig {
+    /// Broker gRPC address.
+    #[arg(long, env = "DFLASH_BROKER", default_value = "http://127.0.0.1:50051")]
+    pub broker: String,
+
+    /// This drafter's name in the broker's status (e.g. the pod name).
+    #[arg(long, env = "DFLASH_DRAFTER_ID")]
+    pub drafter_id: String,
+
+    /// Hugging Face directory of the target model: its embedding and LM head
+    /// are loaded (frozen) and its config sets the draft's widths. Required
+    /// unless --model is synthetic.
+    #[arg(long, env = "DFLASH_TARGET_MODEL")]
+    pub target_model: Option<PathBuf>,
+
+    /// `dflash` to train the DFlash drafter, or
+    /// `synthetic:ms_per_1k_tokens=N` to consume and ack at a set rate
+    /// without any model (load tests).
+    #[arg(long, env = "DFLASH_DRAFTER_MODEL", default_value = "dflash")]
+    pub model: ModelMode,
+
+    /// Folder for checkpoints (`step-NNNNNNNN/`, plus a `latest` pointer).
+    #[arg(long, env = "DFLASH_OUTPUT")]
+    pub output: PathBuf,
+
+    /// Device to train on: cpu, cuda or cuda:N.
+    #[arg(long, env = "DFLASH_DEVICE", default_value = "cpu", value_parser = parse_device)]
+    pub device: Device,
+
+    /// Compute dtype: f32 or bf16; by default f32 on the CPU and bf16 on a
+    /// GPU. Master weights and optimizer state are f32 either way.
+    #[arg(long, env = "DFLASH_DTYPE")]
+    pub dtype: Option<String>,
+
+    /// Draft decoder layers.
+    #[arg(long, env = "DFLASH_DRAFT_LAYERS", default_value_t = 5)]
+    pub draft_layers: i64,
+
+    /// Tokens per drafted block (anchor + masks).
+    #[arg(long, env = "DFLASH_BLOCK_SIZE", default_value_t = 16)]
+    pub block_size: i64,
+
+    /// Token id of the mask token; by default the `mask_token` of the
+    /// target's tokenizer_config.json.
+    #[arg(long, env = "DFLASH_MASK_TOKEN_ID")]
+    pub mask_token_id: Option<i64>,
+
+    /// Target layers the hidden states come from, comma-separated; by
+    /// default the DFlash spacing for --draft-layers. Must match what the
+    /// target-servers send.
+    #[arg(long, env = "DFLASH_TARGET_LAYER_IDS", value_parser = parse_layer_ids)]
+    pub target_layer_ids: Option<Vec<i64>>,
+
+    /// Most anchors (training blocks) drawn per sequence.
+    #[arg(long, env = "DFLASH_NUM_ANCHORS", default_value_t = 512)]
+    pub num_anchors: usize,
+
+    /// Decay γ of the per-position loss weights exp(-(k-1)/γ); by default
+    /// 7 for block 16 and 4 for block 8.
+    #[arg(long, env = "DFLASH_LOSS_GAMMA")]
+    pub loss_gamma: Option<f64>,
+
+    /// Peak learning rate of AdamW.
+    #[arg(long, env = "DFLASH_LEARNING_RATE", default_value_t = 6e-4)]
+    pub learning_rate: f64,
+
+    /// AdamW decoupled weight decay.
+    #[arg(long, env = "DFLASH_WEIGHT_DECAY", default_value_t = 0.0)]
+    pub weight_decay: f64,
+
+    /// Fraction of the schedule spent in linear warmup before the cosine decay.
+    #[arg(long, env = "DFLASH_WARMUP_FRACTION", default_value_t = 0.04)]
+    pub warmup_fraction: f64,
+
+    /// Global gradient-norm clipping bound.
+    #[arg(long, env = "DFLASH_MAX_GRAD_NORM", default_value_t = 1.0)]
+    pub max_grad_norm: f64,
+
+    /// Micro-batches per optimizer step.
+    #[arg(long, env = "DFLASH_GRAD_ACCUMULATION", default_value_t = 1)]
+    pub grad_accumulation: u64,
+
+    /// Token budget of one micro-batch (longest sequence × sequences, i.e.
+    /// padded tokens).
+    #[arg(long, env = "DFLASH_BATCH_TOKENS", default_value_t = 16384)]
+    pub batch_tokens: usize,
+
+    /// Most samples in one optimizer step; a step is taken when this many are
+    /// held even if the token budget is not reached, so the credit window
+    /// can never stall.
+    #[arg(long, env = "DFLASH_MAX_STEP_SAMPLES", default_value_t = 64)]
+    pub max_step_samples: usize,
+
+    /// Extra deliveries requested beyond one step's worth, so the next batch
+    /// is already here when a step ends (the credit window is
+    /// max-step-samples + prefetch-samples items).
+    #[arg(long, env = "DFLASH_PREFETCH_SAMPLES", default_value_t = 8)]
+    pub prefetch_samples: usize,
+
+    /// Byte limit of the credit window (0: none).
+    #[arg(long, env = "DFLASH_CREDIT_BYTES", default_value_t = 0)]
+    pub credit_bytes: u64,
+
+    /// When no delivery has arrived for this long, train on what is held
+    /// rather than wait for a full batch (the end of a run, slow targets).
+    #[arg(long, env = "DFLASH_LINGER_MS", default_value_t = 1000)]
+    pub linger_ms: u64,
+
+    /// Length of the learning-rate schedule in optimizer steps. Without it
+    /// the length is estimated from the broker's run summary (see README).
+    #[arg(long, env = "DFLASH_TOTAL_STEPS")]
+    pub total_steps: Option<u64>,
+
+    /// Schedule length used while the broker does not know how many items
+    /// the run will have.
+    #[arg(long, env = "DFLASH_FALLBACK_TOTAL_STEPS", default_value_t = 10_000)]
+    pub fallback_total_steps: u64,
+
+    /// Write a checkpoint every this many optimizer steps (0: only at the end).
+    #[arg(long, env = "DFLASH_SAVE_EVERY", default_value_t = 1000)]
+    pub save_every: u64,
+
+    /// Step checkpoints kept; older ones are deleted.
+    #[arg(long, env = "DFLASH_KEEP_CHECKPOINTS", default_value_t = 3)]
+    pub keep_checkpoints: usize,
+
+    /// Continue from the latest checkpoint in --output when there is one.
+    #[arg(long, env = "DFLASH_RESUME", default_value_t = false)]
+    pub resume: bool,
+
+    /// Seed of the draft initialisation and anchor sampling.
+    #[arg(long, env = "DFLASH_SEED", default_value_t = 0)]
+    pub seed: u64,
+
+    /// Interval of the stats sent to the broker (and of schedule re-estimation).
+    #[arg(long, env = "DFLASH_STATS_INTERVAL_MS", default_value_t = 2000)]
+    pub stats_interval_ms: u64,
+
+    /// Bound on a graceful stop (SIGTERM): finishing the current step,
+    /// checkpointing and returning unused deliveries.
+    #[arg(long, env = "DFLASH_SHUTDOWN_TIMEOUT_MS", default_value_t = 120_000)]
+    pub shutdown_timeout_ms: u64,
+
+    /// How long to keep reconnecting to a broker that went away.
+    #[arg(long, env = "DFLASH_RECONNECT_TIMEOUT_MS", default_value_t = 60_000)]
+    pub reconnect_timeout_ms: u64,
+}
+
+/// A configuration that cannot work, naming the flag.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("--target-model is required with --model dflash")]
+    NoTargetModel,
+    #[error("--drafter-id must not be empty")]
+    EmptyDrafterId,
+    #[error("{flag} must be positive, got {value}")]
+    NotPositive { flag: &'static str, value: String },
+    #[error("--dtype {0:?} is not supported: use f32 or bf16")]
+    UnknownDtype(String),
+    #[error("--warmup-fraction must be in [0, 1), got {0}")]
+    WarmupFraction(f64),
+}
+
+impl DrafterServerConfig {
+    /// Checks values clap cannot.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.drafter_id.trim().is_empty() {
+            return Err(ConfigError::EmptyDrafterId);
+        }
+        if self.model == ModelMode::DFlash && self.target_model.is_none() {
+            return Err(ConfigError::NoTargetModel);
+        }
+        let positive_counts = [
+            ("--grad-accumulation", self.grad_accumulation as usize),
+            ("--batch-tokens", self.batch_tokens),
+            ("--max-step-samples", self.max_step_samples),
+            ("--num-anchors", self.num_anchors),
+            ("--fallback-total-steps", self.fallback_total_steps as usize),
+        ];
+        for (flag, value) in positive_counts {
+            if value == 0 {
+                return Err(ConfigError::NotPositive {
+                    flag,
+                    value: value.to_string(),
+                });
+            }
+        }
+        for (flag, value) in [
+            ("--learning-rate", self.learning_rate),
+            ("--max-grad-norm", self.max_grad_norm),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(ConfigError::NotPositive {
+                    flag,
+                    value: value.to_string(),
+                });
+            }
+        }
+        if !(0.0..1.0).contains(&self.warmup_fraction) {
+            return Err(ConfigError::WarmupFraction(self.warmup_fraction));
+        }
+        self.compute_kind()?;
+        Ok(())
+    }
+
+    /// The compute dtype: --dtype, else f32 on the CPU and bf16 on a GPU.
+    pub fn compute_kind(&self) -> Result<Kind, ConfigError> {
+        match self.dtype.as_deref() {
+            None => Ok(if self.device == Device::Cpu {
+                Kind::Float
+            } else {
+                Kind::BFloat16
+            }),
+            Some("f32" | "float32") => Ok(Kind::Float),
+            Some("bf16" | "bfloat16") => Ok(Kind::BFloat16),
+            Some(other) => Err(ConfigError::UnknownDtype(other.to_string())),
+        }
+    }
+
+    /// Credit window in items: one step's worth plus the prefetch.
+    pub fn credit_items(&self) -> u32 {
+        u32::try_from(self.max_step_samples + self.prefetch_samples).unwrap_or(u32::MAX)
+    }
+
+    pub fn linger(&self) -> Duration {
+        Duration::from_millis(self.linger_ms)
+    }
+
+    pub fn stats_interval(&self) -> Duration {
+        Duration::from_millis(self.stats_interval_ms.max(10))
+    }
+
+    pub fn shutdown_timeout(&self) -> Duration {
+        Duration::from_millis(self.shutdown_timeout_ms)
+    }
+
+    pub fn reconnect_timeout(&self) -> Duration {
+        Duration::from_millis(self.reconnect_timeout_ms)
+    }
+
+    /// A configuration with every default, for tests and the local launcher.
+    pub fn with_defaults(drafter_id: &str, broker: &str, output: PathBuf) -> Self {
+        DrafterServerConfig {
+            broker: broker.to_string(),
+            drafter_id: drafter_id.to_string(),
+            target_model: None,
+            model: ModelMode::DFlash,
+            output,
+            device: Device::Cpu,
+            dtype: None,
+            draft_layers: 5,
+            block_size: 16,
+            mask_token_id: None,
+            target_layer_ids: None,
+            num_anchors: 512,
+            loss_gamma: None,
+            learning_rate: 6e-4,
+            weight_decay: 0.0,
+            warmup_fraction: 0.04,
+            max_grad_norm: 1.0,
+            grad_accumulation: 1,
+            batch_tokens: 16384,
+            max_step_samples: 64,
+            prefetch_samples: 8,
+            credit_bytes: 0,
+            linger_ms: 1000,
+            total_steps: None,
+            fallback_total_steps: 10_000,
+            save_every: 1000,
+            keep_checkpoints: 3,
+            resume: false,
+            seed: 0,
+            stats_interval_ms: 2000,
+            shutdown_timeout_ms: 120_000,
+            reconnect_timeout_ms: 60_000,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_modes_parse() {
+        assert_eq!("dflash".parse::<ModelMode>(), Ok(ModelMode::DFlash));
+        assert_eq!(
+            "synthetic:ms_per_1k_tokens=2.5".parse::<ModelMode>(),
+            Ok(ModelMode::Synthetic {
+                ms_per_1k_tokens: 2.5
+            })
+        );
+        assert_eq!(
+            "synthetic".parse::<ModelMode>(),
+            Ok(ModelMode::Synthetic {
+                ms_per_1k_tokens: 0.0
+            })
+        );
+        assert!("synthetic:speed=3".parse::<ModelMode>().is_err());
+        assert!("synthetic:ms_per_1k_tokens=-1"
+            .parse::<ModelMode>()
+            .is_err());
+        assert!("llama".parse::<ModelMode>().is_err());
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!(parse_device("cpu"), Ok(Device::Cpu));
+        assert_eq!(parse_device("cuda:1"), Ok(Device::Cuda(1)));
+        assert!(parse_device("tpu").is_err());
+    }
+
+    #[test]
+    fn validation_names_the_flag() {
+        let mut config =
+            DrafterServerConfig::with_defaults("d", "http://x", PathBuf::from("/tmp/x"));
+        assert_eq!(config.validate(), Err(ConfigError::NoTargetModel));
+        config.model = ModelMode::Synthetic {
+            ms_per_1k_tokens: 1.0,
+        };
+        assert_eq!(config.validate(), Ok(()));
+        config.grad_accumulation = 0;
+        assert!(config
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--grad-accumulation"));
+        config.grad_accumulation = 1;
+        config.dtype = Some("f8".into());
+        assert_eq!(
+            config.validate(),
+            Err(ConfigError::UnknownDtype("f8".into()))
+        );
+        assert_eq!(config.credit_items(), 72);
+    }
+}

@@ -1,0 +1,661 @@
+//! The async side of a drafter-server: the Consume stream, the credit
+//! window, acks after steps, nacks, lease extension, stats, the schedule
+//! estimate, reconnects and the graceful stop. All compute happens on the
+//! training thread ([`crate::trainer_thread`]); this side never blocks.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use dflash_client::{BrokerClient, ClientOptions, Consumer, ConsumerEvent, ConsumerHandle};
+use dflash_proto::v1::{ConsumerStats, Credit, EndOfStream, NackDisposition, RunStatus};
+use tokio::sync::mpsc;
+use tokio::time::{interval, sleep_until, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::checkpoints::latest_checkpoint;
+use crate::config::DrafterServerConfig;
+use crate::engine::{build_engine, EngineError};
+use crate::schedule::{estimate_total_steps, ScheduleInputs};
+use crate::trainer_thread::{run_training_loop, LoopSettings, TrainerCommand, TrainerEvent};
+
+/// Errors that stop a drafter-server.
+#[derive(Debug, thiserror::Error)]
+pub enum DrafterError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("loading the model: {0}")]
+    Engine(#[from] EngineError),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("broker at {address} unreachable for {seconds:.0} s: {detail}")]
+    BrokerUnavailable {
+        address: String,
+        seconds: f64,
+        detail: String,
+    },
+    #[error("the training thread stopped unexpectedly")]
+    TrainerGone,
+    #[error("graceful stop did not finish within {0:?}")]
+    ShutdownTimedOut(Duration),
+    #[error("final checkpoint failed: {0}")]
+    FinalCheckpoint(String),
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunEnd {
+    /// The broker sent end-of-stream COMPLETE.
+    Complete,
+    /// The broker sent end-of-stream ABORTED (the process should exit non-zero).
+    Aborted { reason: String },
+    /// The shutdown token fired (SIGTERM): step finished, checkpoint written,
+    /// unused deliveries handed back.
+    Shutdown,
+}
+
+/// What a drafter-server did.
+#[derive(Debug, Clone)]
+pub struct DrafterReport {
+    pub drafter_id: String,
+    pub end: RunEnd,
+    pub steps: u64,
+    pub samples_trained: u64,
+    pub tokens_trained: u64,
+    /// Deliveries nacked to the dead letters (unusable samples).
+    pub dead_lettered: u64,
+    /// Deliveries handed back to the queue (failed batches, shutdown).
+    pub requeued: u64,
+    pub final_checkpoint: Option<PathBuf>,
+    /// Loss of the first and the last optimizer step of this process.
+    pub first_loss: Option<f64>,
+    pub last_loss: Option<f64>,
+    pub last_accuracy: Option<f64>,
+    /// Trained tokens per second from the first delivery to the end.
+    pub tokens_per_second: f64,
+    /// Compute time over wall time from the first delivery to the end.
+    pub busy_fraction: f64,
+    pub device: String,
+}
+
+impl DrafterReport {
+    /// The process exit status `main` uses: 0 for COMPLETE and a graceful
+    /// stop, 2 for ABORTED.
+    pub fn exit_code(&self) -> i32 {
+        match self.end {
+            RunEnd::Complete | RunEnd::Shutdown => 0,
+            RunEnd::Aborted { .. } => 2,
+        }
+    }
+}
+
+/// Why the main loop is stopping.
+enum Stopping {
+    Shutdown,
+    EndOfStream(EndOfStream),
+}
+
+/// Counters for stats and the report.
+#[derive(Default)]
+struct Totals {
+    steps: u64,
+    samples: u64,
+    tokens: u64,
+    dead_lettered: u64,
+    requeued: u64,
+    busy: Duration,
+    first_loss: Option<f64>,
+    last_loss: Option<f64>,
+    last_accuracy: Option<f64>,
+    first_delivery_at: Option<Instant>,
+    /// Window since the last stats message.
+    window_tokens: u64,
+    window_busy: Duration,
+}
+
+/// Runs a drafter-server until end-of-stream or `shutdown`.
+pub async fn run(
+    config: DrafterServerConfig,
+    shutdown: CancellationToken,
+) -> Result<DrafterReport, DrafterError> {
+    config.validate()?;
+    std::fs::create_dir_all(&config.output).map_err(|source| DrafterError::Io {
+        path: config.output.clone(),
+        source,
+    })?;
+    let resume_from = if config.resume {
+        latest_checkpoint(&config.output).map_err(|source| DrafterError::Io {
+            path: config.output.clone(),
+            source,
+        })?
+    } else {
+        None
+    };
+    if config.resume && resume_from.is_none() {
+        info!(output = %config.output.display(), "no checkpoint to resume from; starting fresh");
+    }
+
+    // The model loads on its own thread before any credit is granted, so a
+    // slow load never holds leases.
+    let (command_sender, command_receiver) = mpsc::channel(config.credit_items() as usize + 16);
+    let (event_sender, mut event_receiver) = mpsc::channel(256);
+    let (ready_sender, ready_receiver) = tokio::sync::oneshot::channel();
+    let loop_settings = LoopSettings {
+        batch_tokens: config.batch_tokens,
+        grad_accumulation: config.grad_accumulation,
+        max_step_samples: config.max_step_samples,
+        save_every: config.save_every,
+        keep_checkpoints: config.keep_checkpoints,
+        output: config.output.clone(),
+    };
+    let engine_config = config.clone();
+    let initial_total_steps = config.total_steps.unwrap_or(config.fallback_total_steps);
+    let trainer_thread = std::thread::Builder::new()
+        .name(format!("trainer-{}", config.drafter_id))
+        .spawn(move || {
+            match build_engine(&engine_config, resume_from.as_deref(), initial_total_steps) {
+                Ok(engine) => {
+                    let _ = ready_sender.send(Ok((engine.device_name(), engine.steps_done())));
+                    run_training_loop(engine, loop_settings, command_receiver, event_sender);
+                }
+                Err(error) => {
+                    let _ = ready_sender.send(Err(error));
+                }
+            }
+        })
+        .map_err(|source| DrafterError::Io {
+            path: PathBuf::from("<trainer thread>"),
+            source,
+        })?;
+    let (device, resumed_step) = ready_receiver
+        .await
+        .map_err(|_| DrafterError::TrainerGone)??;
+    info!(drafter_id = %config.drafter_id, device = %device, resumed_step, "trainer ready");
+
+    let mut session = Session {
+        credit: Credit {
+            items: config.credit_items(),
+            bytes: config.credit_bytes,
+        },
+        config,
+        commands: command_sender,
+        held: HashSet::new(),
+        generation: 0,
+        totals: Totals::default(),
+        device,
+        steps_done: resumed_step,
+        last_checkpoint: None,
+    };
+    let result = session.drive(&shutdown, &mut event_receiver).await;
+    // Closing the command channel ends the training loop if it is still running.
+    drop(session.commands);
+    drop(event_receiver);
+    let join_deadline = Instant::now() + Duration::from_secs(5);
+    while !trainer_thread.is_finished() && Instant::now() < join_deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if trainer_thread.is_finished() {
+        let _ = trainer_thread.join();
+    } else {
+        warn!(
+            "training thread still busy after the server stopped; leaving it to finish on its own"
+        );
+    }
+    result
+}
+
+/// The state of one server run across reconnects.
+struct Session {
+    config: DrafterServerConfig,
+    credit: Credit,
+    commands: mpsc::Sender<TrainerCommand>,
+    /// Deliveries of the current stream handed to the trainer and not yet
+    /// acked or nacked.
+    held: HashSet<u64>,
+    /// Bumped on every new Consume stream.
+    generation: u64,
+    totals: Totals,
+    device: String,
+    steps_done: u64,
+    last_checkpoint: Option<PathBuf>,
+}
+
+impl Session {
+    async fn connect(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<Option<(BrokerClient, Consumer)>, DrafterError> {
+        let deadline = Instant::now() + self.config.reconnect_timeout();
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let attempt = async {
+                let client =
+                    BrokerClient::connect(self.config.broker.clone(), ClientOptions::default())
+                        .await?;
+                let consumer = client.consume(&self.config.drafter_id, self.credit).await?;
+                Ok::<_, dflash_client::ClientError>((client, consumer))
+            };
+            let outcome = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                outcome = attempt => outcome,
+            };
+            match outcome {
+                Ok(connected) => return Ok(Some(connected)),
+                Err(error) if Instant::now() + backoff < deadline => {
+                    warn!(%error, retry_in_ms = backoff.as_millis() as u64, "cannot open the Consume stream; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(None),
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+                Err(error) => {
+                    return Err(DrafterError::BrokerUnavailable {
+                        address: self.config.broker.clone(),
+                        seconds: self.config.reconnect_timeout().as_secs_f64(),
+                        detail: error.to_string(),
+                    })
+                }
+            }
+        }
+    }
+
+    fn send_command(&self, command: TrainerCommand) -> Result<(), DrafterError> {
+        match self.commands.try_send(command) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => Err(DrafterError::TrainerGone),
+            // Only control commands can meet a full channel (deliveries are
+            // bounded by the credit window); dropping a Flush is harmless.
+            Err(mpsc::error::TrySendError::Full(_)) => Ok(()),
+        }
+    }
+
+    /// Re-estimates the schedule from the broker's status when
+    /// `--total-steps` is not set.
+    async fn refresh_total_steps(&self, client: &BrokerClient) {
+        if self.config.total_steps.is_some() {
+            return;
+        }
+        let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), client.status()).await
+        else {
+            return;
+        };
+        let summary = status.summary.unwrap_or_default();
+        let connected_drafters = status
+            .drafters
+            .iter()
+            .filter(|drafter| drafter.connected)
+            .count() as u32;
+        let total_steps = estimate_total_steps(
+            ScheduleInputs {
+                expected_items: summary.expected_items,
+                finished_items: summary.acked_items + summary.dead_letters,
+                connected_drafters: connected_drafters.max(1),
+                steps_done: self.steps_done,
+                samples_trained: self.totals.samples,
+                assumed_samples_per_step: self.config.max_step_samples as u64,
+            },
+            self.config.fallback_total_steps,
+        );
+        let _ = self.send_command(TrainerCommand::SetTotalSteps(total_steps));
+    }
+
+    /// Sends stats over the window since the last reset; `reset_window`
+    /// starts a new one (periodic stats do, per-step updates do not).
+    fn send_stats(&mut self, handle: &ConsumerHandle, window: Duration, reset_window: bool) {
+        let seconds = window.as_secs_f64().max(1e-9);
+        let stats = ConsumerStats {
+            tokens_per_second: self.totals.window_tokens as f64 / seconds,
+            loss: self.totals.last_loss.unwrap_or(0.0),
+            busy_fraction: (self.totals.window_busy.as_secs_f64() / seconds).min(1.0),
+            device: self.device.clone(),
+            steps: self.steps_done,
+            samples_trained: self.totals.samples,
+            accuracy: self.totals.last_accuracy.unwrap_or(0.0),
+        };
+        handle.send_stats(stats);
+        if reset_window {
+            self.totals.window_tokens = 0;
+            self.totals.window_busy = Duration::ZERO;
+        }
+    }
+
+    /// Acks, nacks and bookkeeping for one event of the training thread.
+    /// Returns the trainer's final answer when it has stopped.
+    fn on_event(
+        &mut self,
+        event: TrainerEvent,
+        handle: &ConsumerHandle,
+        stats_window: Duration,
+    ) -> Option<(Vec<u64>, Option<String>)> {
+        match event {
+            TrainerEvent::Rejected {
+                generation,
+                delivery_id,
+                reason,
+            } => {
+                error!(delivery_id, %reason, "sample unusable by this model; dead-lettering it");
+                if generation == self.generation && self.held.remove(&delivery_id) {
+                    handle.nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
+                    self.totals.dead_lettered += 1;
+                }
+            }
+            TrainerEvent::Stepped {
+                generation,
+                delivery_ids,
+                report,
+                busy,
+            } => {
+                self.steps_done = report.step;
+                self.totals.steps += 1;
+                self.totals.samples += report.samples as u64;
+                self.totals.tokens += report.tokens as u64;
+                self.totals.window_tokens += report.tokens as u64;
+                self.totals.busy += busy;
+                self.totals.window_busy += busy;
+                if report.loss.is_finite() {
+                    self.totals.first_loss.get_or_insert(report.loss);
+                    self.totals.last_loss = Some(report.loss);
+                }
+                self.totals.last_accuracy = Some(report.accuracy);
+                // Stats go out before the ack: the ack of the run's last item
+                // can end the stream, and the broker's final status should
+                // show this step.
+                self.send_stats(handle, stats_window, false);
+                if generation == self.generation {
+                    let current: Vec<u64> = delivery_ids
+                        .into_iter()
+                        .filter(|id| self.held.remove(id))
+                        .collect();
+                    handle.ack(current);
+                }
+                if report.step.is_power_of_two() || report.step % 100 == 0 {
+                    info!(
+                        step = report.step,
+                        loss = report.loss,
+                        accuracy = report.accuracy,
+                        learning_rate = report.learning_rate,
+                        samples = report.samples,
+                        tokens = report.tokens,
+                        "optimizer step"
+                    );
+                }
+            }
+            TrainerEvent::BatchFailed {
+                generation,
+                delivery_ids,
+                reason,
+            } => {
+                if generation == self.generation {
+                    let current: Vec<u64> = delivery_ids
+                        .into_iter()
+                        .filter(|id| self.held.remove(id))
+                        .collect();
+                    self.totals.requeued += current.len() as u64;
+                    handle.nack(current, reason, NackDisposition::Requeue);
+                }
+            }
+            TrainerEvent::CheckpointSaved { step, path } => {
+                self.last_checkpoint = Some(path);
+                self.steps_done = self.steps_done.max(step);
+            }
+            TrainerEvent::Stopped {
+                generation,
+                unused_delivery_ids,
+                final_checkpoint,
+                checkpoint_error,
+            } => {
+                if let Some(path) = final_checkpoint {
+                    self.last_checkpoint = Some(path);
+                }
+                let unused: Vec<u64> = if generation == self.generation {
+                    unused_delivery_ids
+                        .into_iter()
+                        .filter(|id| self.held.remove(id))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                return Some((unused, checkpoint_error));
+            }
+        }
+        None
+    }
+
+    async fn drive(
+        &mut self,
+        shutdown: &CancellationToken,
+        events: &mut mpsc::Receiver<TrainerEvent>,
+    ) -> Result<DrafterReport, DrafterError> {
+        let Some((mut client, mut consumer)) = self.connect(shutdown).await? else {
+            return self.stop_without_stream(events, Stopping::Shutdown).await;
+        };
+        let mut handle = consumer.handle();
+        let mut stream_open = true;
+        let mut lease_timeout = Duration::from_millis(consumer.welcome().lease_timeout_ms.max(300));
+        self.refresh_total_steps(&client).await;
+        info!(drafter_id = %self.config.drafter_id, credit_items = self.credit.items, "consuming");
+
+        let mut lease_ticker = interval(lease_timeout / 3);
+        lease_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut stats_ticker = interval(self.config.stats_interval());
+        stats_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut last_stats_at = Instant::now();
+        let mut last_delivery_at = tokio::time::Instant::now();
+        let mut flush_requested = false;
+        let mut stopping: Option<Stopping> = None;
+        let mut stop_deadline = tokio::time::Instant::now() + Duration::from_secs(u32::MAX as u64);
+
+        loop {
+            let linger_at = last_delivery_at + self.config.linger();
+            let linger_armed = !self.held.is_empty() && !flush_requested && stopping.is_none();
+            tokio::select! {
+                _ = shutdown.cancelled(), if stopping.is_none() => {
+                    info!("shutdown requested: finishing the current step, checkpointing, handing back unused deliveries");
+                    stopping = Some(Stopping::Shutdown);
+                    stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+                    self.send_command(TrainerCommand::Finish { step_accumulated: true })?;
+                }
+                next = consumer.next(), if stream_open => match next {
+                    Ok(ConsumerEvent::Delivery(delivery)) => {
+                        let delivery_id = delivery.delivery_id;
+                        if stopping.is_some() {
+                            handle.nack(vec![delivery_id], "drafter stopping".into(), NackDisposition::Requeue);
+                            self.totals.requeued += 1;
+                            continue;
+                        }
+                        self.totals.first_delivery_at.get_or_insert_with(Instant::now);
+                        last_delivery_at = tokio::time::Instant::now();
+                        flush_requested = false;
+                        self.held.insert(delivery_id);
+                        let command = TrainerCommand::Delivery { generation: self.generation, delivery: Box::new(delivery) };
+                        match self.commands.try_send(command) {
+                            Ok(()) => {}
+                            Err(mpsc::error::TrySendError::Closed(_)) => return Err(DrafterError::TrainerGone),
+                            Err(mpsc::error::TrySendError::Full(_)) => {
+                                warn!(delivery_id, "training queue full (more deliveries than credit?); requeueing");
+                                self.held.remove(&delivery_id);
+                                handle.nack(vec![delivery_id], "drafter queue full".into(), NackDisposition::Requeue);
+                            }
+                        }
+                    }
+                    Ok(ConsumerEvent::EndOfStream(end)) => {
+                        stream_open = false;
+                        let status = RunStatus::try_from(end.status).unwrap_or(RunStatus::Unspecified);
+                        info!(?status, reason = %end.reason, "end of stream");
+                        if stopping.is_none() {
+                            stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+                            self.send_command(TrainerCommand::Finish { step_accumulated: true })?;
+                        }
+                        stopping = Some(Stopping::EndOfStream(end));
+                    }
+                    Err(stream_error) => {
+                        stream_open = false;
+                        if stopping.is_some() {
+                            warn!(%stream_error, "Consume stream broke while stopping");
+                            continue;
+                        }
+                        warn!(%stream_error, held = self.held.len(), "Consume stream broke; the broker requeues our leases; reconnecting");
+                        self.generation += 1;
+                        self.held.clear();
+                        self.send_command(TrainerCommand::DiscardUnstepped)?;
+                        match self.connect(shutdown).await? {
+                            Some((new_client, new_consumer)) => {
+                                client = new_client;
+                                consumer = new_consumer;
+                                handle = consumer.handle();
+                                lease_timeout = Duration::from_millis(consumer.welcome().lease_timeout_ms.max(300));
+                                lease_ticker = interval(lease_timeout / 3);
+                                lease_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                                stream_open = true;
+                                info!(generation = self.generation, "Consume stream reopened");
+                            }
+                            None => {
+                                stopping = Some(Stopping::Shutdown);
+                                stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+                                self.send_command(TrainerCommand::Finish { step_accumulated: false })?;
+                            }
+                        }
+                    }
+                },
+                event = events.recv() => {
+                    let Some(event) = event else { return Err(DrafterError::TrainerGone) };
+                    if let Some((unused, checkpoint_error)) = self.on_event(event, &handle, last_stats_at.elapsed()) {
+                        if !unused.is_empty() {
+                            self.totals.requeued += unused.len() as u64;
+                            handle.nack(unused, "drafter stopping".into(), NackDisposition::Requeue);
+                        }
+                        self.send_stats(&handle, last_stats_at.elapsed(), true);
+                        if stream_open {
+                            self.wait_for_leases_released(&client).await;
+                        }
+                        if let Some(error) = checkpoint_error {
+                            return Err(DrafterError::FinalCheckpoint(error));
+                        }
+                        let end = match stopping.take() {
+                            Some(Stopping::EndOfStream(end)) if end.status == RunStatus::Aborted as i32 => {
+                                RunEnd::Aborted { reason: end.reason }
+                            }
+                            Some(Stopping::EndOfStream(_)) => RunEnd::Complete,
+                            Some(Stopping::Shutdown) | None => RunEnd::Shutdown,
+                        };
+                        return Ok(self.report(end));
+                    }
+                }
+                _ = lease_ticker.tick(), if stream_open => {
+                    if !self.held.is_empty() {
+                        // A long step must not lose its leases: renew all of ours.
+                        handle.extend_leases(Vec::new());
+                    }
+                }
+                _ = stats_ticker.tick(), if stream_open => {
+                    self.send_stats(&handle, last_stats_at.elapsed(), true);
+                    last_stats_at = Instant::now();
+                    self.refresh_total_steps(&client).await;
+                }
+                _ = sleep_until(linger_at), if linger_armed => {
+                    flush_requested = true;
+                    self.send_command(TrainerCommand::Flush)?;
+                }
+                _ = sleep_until(stop_deadline), if stopping.is_some() => {
+                    return Err(DrafterError::ShutdownTimedOut(self.config.shutdown_timeout()));
+                }
+            }
+        }
+    }
+
+    /// Stop when no stream could be opened (shutdown during the first connect).
+    async fn stop_without_stream(
+        &mut self,
+        events: &mut mpsc::Receiver<TrainerEvent>,
+        stopping: Stopping,
+    ) -> Result<DrafterReport, DrafterError> {
+        self.send_command(TrainerCommand::Finish {
+            step_accumulated: false,
+        })?;
+        let deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+        loop {
+            let event = tokio::time::timeout_at(deadline, events.recv())
+                .await
+                .map_err(|_| DrafterError::ShutdownTimedOut(self.config.shutdown_timeout()))?
+                .ok_or(DrafterError::TrainerGone)?;
+            if let TrainerEvent::Stopped {
+                final_checkpoint,
+                checkpoint_error,
+                ..
+            } = event
+            {
+                if let Some(error) = checkpoint_error {
+                    return Err(DrafterError::FinalCheckpoint(error));
+                }
+                self.last_checkpoint = final_checkpoint;
+                let end = match stopping {
+                    Stopping::Shutdown => RunEnd::Shutdown,
+                    Stopping::EndOfStream(_) => RunEnd::Complete,
+                };
+                return Ok(self.report(end));
+            }
+        }
+    }
+
+    /// Waits (bounded) until the broker has processed our final acks and
+    /// nacks, i.e. holds no lease of ours, so closing the stream cannot race
+    /// them; the broker would requeue the leases anyway, this only avoids
+    /// needless redeliveries.
+    async fn wait_for_leases_released(&self, client: &BrokerClient) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let Ok(Ok(status)) =
+                tokio::time::timeout(Duration::from_secs(1), client.status()).await
+            else {
+                return;
+            };
+            let leased = status
+                .drafters
+                .iter()
+                .find(|drafter| drafter.drafter_id == self.config.drafter_id && drafter.connected)
+                .map_or(0, |drafter| drafter.leased_items);
+            if leased == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn report(&self, end: RunEnd) -> DrafterReport {
+        let wall = self
+            .totals
+            .first_delivery_at
+            .map(|started| started.elapsed().as_secs_f64())
+            .unwrap_or(0.0);
+        DrafterReport {
+            drafter_id: self.config.drafter_id.clone(),
+            end,
+            steps: self.steps_done,
+            samples_trained: self.totals.samples,
+            tokens_trained: self.totals.tokens,
+            dead_lettered: self.totals.dead_lettered,
+            requeued: self.totals.requeued,
+            final_checkpoint: self.last_checkpoint.clone(),
+            first_loss: self.totals.first_loss,
+            last_loss: self.totals.last_loss,
+            last_accuracy: self.totals.last_accuracy,
+            tokens_per_second: if wall > 0.0 {
+                self.totals.tokens as f64 / wall
+            } else {
+                0.0
+            },
+            busy_fraction: if wall > 0.0 {
+                (self.totals.busy.as_secs_f64() / wall).min(1.0)
+            } else {
+                0.0
+            },
+            device: self.device.clone(),
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! The dedicated training thread. It owns the engine (and so every libtorch
+//! object), receives deliveries and control commands over a bounded
+//! channel, forms micro-batches by token budget, takes optimizer steps and
+//! checkpoints, and reports back over another bounded channel. It never
+//! talks to the broker: the async side acks, nacks and sends stats, so all
+//! stream state lives in one place.
+//!
+//! Items are acked only after the optimizer step that used them: a
+//! `Stepped` event carries exactly those delivery ids.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use dflash_model::draft::StepReport;
+use dflash_proto::v1::Delivery;
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::checkpoints::{prune_step_checkpoints, record_latest, step_dir_name};
+use crate::engine::{PreparedSample, TrainingEngine};
+
+/// What the async side asks of the training thread.
+pub enum TrainerCommand {
+    /// A delivery from the Consume stream of `generation` (bumped on every
+    /// reconnect: ids of an older stream must not be acked on a newer one).
+    Delivery {
+        generation: u64,
+        delivery: Box<Delivery>,
+    },
+    /// Nothing arrived for a while: train on what is held now.
+    Flush,
+    /// Revised schedule length.
+    SetTotalSteps(u64),
+    /// The stream broke: forget everything not yet stepped (the broker
+    /// requeues those items itself).
+    DiscardUnstepped,
+    /// Stop: step what is already accumulated (when `step_accumulated`),
+    /// write the final checkpoint, hand back the ids of unused deliveries.
+    Finish { step_accumulated: bool },
+}
+
+/// What the training thread reports.
+pub enum TrainerEvent {
+    /// A delivery's sample cannot be used by this model: dead-letter it.
+    Rejected {
+        generation: u64,
+        delivery_id: u64,
+        reason: String,
+    },
+    /// An optimizer step finished; these deliveries may now be acked.
+    Stepped {
+        generation: u64,
+        delivery_ids: Vec<u64>,
+        report: StepReport,
+        /// Time spent computing since the previous event of this kind.
+        busy: Duration,
+    },
+    /// A micro-batch or step failed; its deliveries go back to the queue.
+    BatchFailed {
+        generation: u64,
+        delivery_ids: Vec<u64>,
+        reason: String,
+    },
+    CheckpointSaved {
+        step: u64,
+        path: PathBuf,
+    },
+    /// Answer to `Finish`.
+    Stopped {
+        generation: u64,
+        unused_delivery_ids: Vec<u64>,
+        final_checkpoint: Option<PathBuf>,
+        checkpoint_error: Option<String>,
+    },
+}
+
+/// Batching and checkpoint settings of the loop.
+#[derive(Debug, Clone)]
+pub struct LoopSettings {
+    pub batch_tokens: usize,
+    pub grad_accumulation: u64,
+    pub max_step_samples: usize,
+    pub save_every: u64,
+    pub keep_checkpoints: usize,
+    pub output: PathBuf,
+}
+
+struct HeldSample {
+    delivery_id: u64,
+    prepared: PreparedSample,
+}
+
+/// The loop's state between commands.
+struct TrainingLoop {
+    engine: Box<dyn TrainingEngine>,
+    settings: LoopSettings,
+    events: mpsc::Sender<TrainerEvent>,
+    generation: u64,
+    /// Samples not yet in a micro-batch.
+    pending: Vec<HeldSample>,
+    /// Delivery ids of micro-batches accumulated but not yet stepped.
+    accumulated_ids: Vec<u64>,
+    accumulated_micro_batches: u64,
+    /// Compute time not yet reported.
+    busy: Duration,
+    /// Step of the newest checkpoint written, so the final one is not
+    /// written twice.
+    last_checkpoint_step: Option<u64>,
+}
+
+/// Runs the loop until `Finish` or until the command channel closes.
+pub fn run_training_loop(
+    engine: Box<dyn TrainingEngine>,
+    settings: LoopSettings,
+    mut commands: mpsc::Receiver<TrainerCommand>,
+    events: mpsc::Sender<TrainerEvent>,
+) {
+    let mut state = TrainingLoop {
+        engine,
+        settings,
+        events,
+        generation: 0,
+        pending: Vec::new(),
+        accumulated_ids: Vec::new(),
+        accumulated_micro_batches: 0,
+        busy: Duration::ZERO,
+        last_checkpoint_step: None,
+    };
+    while let Some(command) = commands.blocking_recv() {
+        match command {
+            TrainerCommand::Delivery {
+                generation,
+                delivery,
+            } => state.on_delivery(generation, *delivery),
+            TrainerCommand::Flush => state.flush(),
+            TrainerCommand::SetTotalSteps(total_steps) => state.engine.set_total_steps(total_steps),
+            TrainerCommand::DiscardUnstepped => state.discard(),
+            TrainerCommand::Finish { step_accumulated } => {
+                // Deliveries still queued in the channel were never used either.
+                let mut unused: Vec<u64> = Vec::new();
+                while let Ok(command) = commands.try_recv() {
+                    if let TrainerCommand::Delivery { delivery, .. } = command {
+                        unused.push(delivery.delivery_id);
+                    }
+                }
+                state.finish(step_accumulated, unused);
+                return;
+            }
+        }
+    }
+}
+
+impl TrainingLoop {
+    fn emit(&self, event: TrainerEvent) {
+        // The receiver only disappears when the server is already gone.
+        let _ = self.events.blocking_send(event);
+    }
+
+    fn held_samples(&self) -> usize {
+        self.pending.len() + self.accumulated_ids.len()
+    }
+
+    fn on_delivery(&mut self, generation: u64, delivery: Delivery) {
+        if generation != self.generation {
+            self.discard();
+            self.generation = generation;
+        }
+        let delivery_id = delivery.delivery_id;
+        let sample = delivery.sample.unwrap_or_default();
+        match self.engine.prepare(&sample) {
+            Err(error) => self.emit(TrainerEvent::Rejected {
+                generation,
+                delivery_id,
+                reason: error.to_string(),
+            }),
+            Ok(prepared) => {
+                self.pending.push(HeldSample {
+                    delivery_id,
+                    prepared,
+                });
+                self.train_what_is_ready();
+            }
+        }
+    }
+
+    /// Padded tokens of a micro-batch of these samples.
+    fn padded_tokens(samples: &[HeldSample]) -> usize {
+        samples
+            .iter()
+            .map(|held| held.prepared.tokens)
+            .max()
+            .unwrap_or(0)
+            * samples.len()
+    }
+
+    fn train_what_is_ready(&mut self) {
+        if Self::padded_tokens(&self.pending) >= self.settings.batch_tokens {
+            // Keep the newest sample for the next micro-batch when it is the
+            // one that pushed this one over the budget.
+            let keep_last = self.pending.len() > 1
+                && Self::padded_tokens(&self.pending[..self.pending.len() - 1])
+                    < self.settings.batch_tokens
+                && Self::padded_tokens(&self.pending) > self.settings.batch_tokens;
+            let carried = if keep_last { self.pending.pop() } else { None };
+            self.run_micro_batch();
+            self.pending.extend(carried);
+            if self.accumulated_micro_batches >= self.settings.grad_accumulation {
+                self.run_step();
+            }
+        }
+        if self.held_samples() >= self.settings.max_step_samples {
+            self.flush();
+        }
+    }
+
+    /// Micro-batches whatever is pending and steps whatever is accumulated.
+    fn flush(&mut self) {
+        if !self.pending.is_empty() {
+            self.run_micro_batch();
+        }
+        if self.accumulated_micro_batches > 0 {
+            self.run_step();
+        }
+    }
+
+    fn run_micro_batch(&mut self) {
+        let batch = std::mem::take(&mut self.pending);
+        let delivery_ids: Vec<u64> = batch.iter().map(|held| held.delivery_id).collect();
+        let started = Instant::now();
+        let result = self
+            .engine
+            .accumulate(batch.into_iter().map(|held| held.prepared).collect());
+        self.busy += started.elapsed();
+        match result {
+            Ok(()) => {
+                self.accumulated_ids.extend(delivery_ids);
+                self.accumulated_micro_batches += 1;
+            }
+            Err(error) => {
+                warn!(%error, samples = delivery_ids.len(), "micro-batch failed; its items and the unstepped ones go back to the queue");
+                let mut failed = std::mem::take(&mut self.accumulated_ids);
+                failed.extend(delivery_ids);
+                self.accumulated_micro_batches = 0;
+                self.engine.discard();
+                self.emit(TrainerEvent::BatchFailed {
+                    generation: self.generation,
+                    delivery_ids: failed,
+                    reason: error.to_string(),
+                });
+            }
+        }
+    }
+
+    fn run_step(&mut self) {
+        let started = Instant::now();
+        let result = self.engine.step();
+        self.busy += started.elapsed();
+        let delivery_ids = std::mem::take(&mut self.accumulated_ids);
+        self.accumulated_micro_batches = 0;
+        match result {
+            Ok(report) => {
+                let step = report.step;
+                let busy = std::mem::take(&mut self.busy);
+                self.emit(TrainerEvent::Stepped {
+                    generation: self.generation,
+                    delivery_ids,
+                    report,
+                    busy,
+                });
+                if self.settings.save_every > 0 && step % self.settings.save_every == 0 {
+                    if let Err(error) = self.save_checkpoint() {
+                        warn!(%error, step, "periodic checkpoint failed; training continues");
+                    }
+                }
+            }
+            Err(error) => {
+                self.engine.discard();
+                self.emit(TrainerEvent::BatchFailed {
+                    generation: self.generation,
+                    delivery_ids,
+                    reason: error.to_string(),
+                });
+            }
+        }
+    }
+
+    fn discard(&mut self) {
+        self.pending.clear();
+        self.accumulated_ids.clear();
+        self.accumulated_micro_batches = 0;
+        self.engine.discard();
+    }
+
+    fn save_checkpoint(&mut self) -> Result<PathBuf, String> {
+        let step = self.engine.steps_done();
+        let name = step_dir_name(step);
+        let dir = self.settings.output.join(&name);
+        if self.last_checkpoint_step == Some(step) && dir.is_dir() {
+            return Ok(dir);
+        }
+        let started = Instant::now();
+        std::fs::create_dir_all(&self.settings.output)
+            .map_err(|error| format!("{}: {error}", self.settings.output.display()))?;
+        self.engine
+            .save_checkpoint(&dir)
+            .map_err(|error| error.to_string())?;
+        record_latest(&self.settings.output, &name)
+            .map_err(|error| format!("{}: {error}", dir.display()))?;
+        if let Err(error) =
+            prune_step_checkpoints(&self.settings.output, self.settings.keep_checkpoints)
+        {
+            warn!(%error, "pruning old checkpoints failed");
+        }
+        self.busy += started.elapsed();
+        self.last_checkpoint_step = Some(step);
+        info!(step, path = %dir.display(), seconds = started.elapsed().as_secs_f64(), "checkpoint saved");
+        self.emit(TrainerEvent::CheckpointSaved {
+            step,
+            path: dir.clone(),
+        });
+        Ok(dir)
+    }
+
+    fn finish(&mut self, step_accumulated: bool, mut unused: Vec<u64>) {
+        if step_accumulated && self.accumulated_micro_batches > 0 {
+            self.run_step();
+        }
+        unused.extend(self.pending.drain(..).map(|held| held.delivery_id));
+        unused.append(&mut self.accumulated_ids);
+        self.accumulated_micro_batches = 0;
+        self.engine.discard();
+        let (final_checkpoint, checkpoint_error) = match self.save_checkpoint() {
+            Ok(path) => (Some(path), None),
+            Err(error) => (None, Some(error)),
+        };
+        self.emit(TrainerEvent::Stopped {
+            generation: self.generation,
+            unused_delivery_ids: unused,
+            final_checkpoint,
+            checkpoint_error,
+        });
+    }
+}

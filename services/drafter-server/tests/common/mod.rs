@@ -1,0 +1,207 @@
+//! Helpers of the drafter-server tests: an in-process broker on an
+//! ephemeral port, the tiny target model, producers that stream real
+//! hidden states of that model, drafter configurations sized for CPU tests,
+//! and polling waits (no fixed sleeps).
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use dflash_broker::BrokerConfig;
+use dflash_client::{BrokerClient, ClientOptions};
+use dflash_drafter_server::samples::{bf16_bytes, encode_sample};
+use dflash_drafter_server::{DrafterServerConfig, ModelMode};
+use dflash_model::target::TargetModel;
+use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
+use dflash_proto::v1 as proto;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tch::{Device, Kind, Tensor};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Target layers the test drafters (2 draft layers on the 8-layer tiny target) read.
+pub const TEST_TARGET_LAYER_IDS: [usize; 2] = [1, 5];
+
+pub struct TestBroker {
+    pub address: String,
+    pub shutdown: CancellationToken,
+    pub handle: JoinHandle<Result<(), dflash_broker::ServeError>>,
+}
+
+impl TestBroker {
+    pub async fn start(config: BrokerConfig) -> TestBroker {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let address = format!("http://{}", listener.local_addr().expect("local address"));
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(dflash_broker::serve(listener, config, shutdown.clone()));
+        TestBroker {
+            address,
+            shutdown,
+            handle,
+        }
+    }
+
+    pub async fn client(&self) -> BrokerClient {
+        BrokerClient::connect(self.address.clone(), ClientOptions::default())
+            .await
+            .expect("connect to test broker")
+    }
+
+    pub async fn status(&self) -> proto::StatusSnapshot {
+        self.client().await.status().await.expect("broker status")
+    }
+
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.handle).await;
+    }
+}
+
+/// The tiny Qwen3 target, written once per test binary.
+pub fn tiny_target_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("dflash-drafter-tests-{}", std::process::id()));
+        write_tiny_model(&dir, &TinyModelSpec::default()).expect("write tiny model");
+        dir
+    })
+}
+
+/// Token sequences of `length` over the tiny vocabulary, deterministic in `seed`.
+pub fn random_token_sequences(count: usize, length: usize, seed: u64) -> Vec<Vec<i64>> {
+    let mut generator = StdRng::seed_from_u64(seed);
+    (0..count)
+        .map(|_| {
+            (0..length)
+                .map(|_| generator.random_range(3..300))
+                .collect()
+        })
+        .collect()
+}
+
+/// Samples with the tiny target's real hidden states at [`TEST_TARGET_LAYER_IDS`];
+/// the first quarter of each sequence is an unsupervised prompt.
+pub fn target_samples(sequences: &[Vec<i64>]) -> Vec<proto::Sample> {
+    let target =
+        TargetModel::load(tiny_target_dir(), Device::Cpu, Kind::Float).expect("load tiny target");
+    sequences
+        .iter()
+        .map(|tokens| {
+            let ids = Tensor::from_slice(tokens).view([1, -1]);
+            let hidden = target
+                .capture_hidden_states(&ids, &ids.ones_like(), &TEST_TARGET_LAYER_IDS)
+                .expect("capture hidden states")
+                .get(0);
+            let width = hidden.size()[1] as u64;
+            let tokens_i32: Vec<i32> = tokens.iter().map(|&token| token as i32).collect();
+            let mask: Vec<u8> = (0..tokens.len())
+                .map(|position| u8::from(position >= tokens.len() / 4))
+                .collect();
+            encode_sample(
+                &tokens_i32,
+                &mask,
+                &bf16_bytes(&hidden).expect("bf16 bytes"),
+                width,
+            )
+        })
+        .collect()
+}
+
+/// Samples of the right token shape but a hidden width of `width`.
+pub fn samples_with_width(count: usize, length: usize, width: u64) -> Vec<proto::Sample> {
+    (0..count)
+        .map(|_| {
+            let tokens: Vec<i32> = (0..length as i32).map(|token| token + 3).collect();
+            encode_sample(
+                &tokens,
+                &vec![1; length],
+                &vec![0u8; length * width as usize * 2],
+                width,
+            )
+        })
+        .collect()
+}
+
+/// Streams `samples` as target `target_id`; reports done when `report_done`.
+pub async fn produce(
+    address: &str,
+    target_id: &str,
+    samples: Vec<proto::Sample>,
+    report_done: bool,
+) {
+    let client = BrokerClient::connect(address.to_string(), ClientOptions::default())
+        .await
+        .expect("producer connects");
+    let mut producer = client.produce(target_id).await.expect("produce stream");
+    let count = samples.len() as u64;
+    for (seq, sample) in samples.into_iter().enumerate() {
+        producer
+            .send(seq as u64, sample, Default::default())
+            .await
+            .expect("send item");
+    }
+    let report = producer.finish().await.expect("finish produce stream");
+    assert_eq!(report.accepted, count, "rejected: {:?}", report.rejected);
+    if report_done {
+        client
+            .report_done(target_id, count)
+            .await
+            .expect("report done");
+    }
+}
+
+/// A drafter configuration sized for CPU tests on the tiny target.
+pub fn test_drafter_config(drafter_id: &str, broker: &str, output: PathBuf) -> DrafterServerConfig {
+    let mut config = DrafterServerConfig::with_defaults(drafter_id, broker, output);
+    config.target_model = Some(tiny_target_dir().to_path_buf());
+    config.model = ModelMode::DFlash;
+    config.draft_layers = 2;
+    config.block_size = 4;
+    config.num_anchors = 8;
+    config.batch_tokens = 256;
+    config.max_step_samples = 4;
+    config.prefetch_samples = 2;
+    config.linger_ms = 200;
+    config.save_every = 2;
+    config.stats_interval_ms = 100;
+    config.total_steps = Some(50);
+    config.learning_rate = 1e-3;
+    config.shutdown_timeout_ms = 30_000;
+    config.reconnect_timeout_ms = 5_000;
+    config
+}
+
+/// Polls `condition` until it holds or `timeout` passes.
+pub async fn wait_until<F, Fut>(timeout: Duration, mut condition: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// This drafter's entry in a status snapshot.
+pub fn drafter_status<'a>(
+    status: &'a proto::StatusSnapshot,
+    drafter_id: &str,
+) -> Option<&'a proto::DrafterStatus> {
+    status
+        .drafters
+        .iter()
+        .find(|drafter| drafter.drafter_id == drafter_id)
+}
