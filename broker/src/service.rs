@@ -149,14 +149,22 @@ impl Shared {
 
     /// Runs one queue operation and dispatches its effects under the lock.
     fn with_queue<R>(&self, operation: impl FnOnce(&mut Locked, Instant) -> R) -> R {
-        let result = {
+        let (result, room_freed) = {
             let mut locked = self.locked.lock();
+            let held_before = locked.queue.held_bytes();
+            let state_before = locked.queue.state();
             let result = operation(&mut locked, Instant::now());
             let effects = locked.queue.take_effects();
             locked.dispatch(effects);
-            result
+            let room_freed =
+                locked.queue.held_bytes() < held_before || locked.queue.state() != state_before;
+            (result, room_freed)
         };
-        self.room.notify_waiters();
+        // Only real changes wake producers waiting for room: a waiter's own
+        // failed attempt must not wake itself into a spin.
+        if room_freed {
+            self.room.notify_waiters();
+        }
         result
     }
 

@@ -323,6 +323,10 @@ struct DrafterEntry {
     expired_leases: u64,
     last_seen: Instant,
     stats: Option<ConsumerStats>,
+    /// A lease of this stream expired: it gets no new deliveries until it
+    /// shows it is alive again (ack, nack or extend), so a hung drafter does
+    /// not keep swallowing items until they are dead-lettered.
+    stalled: bool,
 }
 
 /// Disconnected drafters kept for status beyond this are forgotten, oldest first.
@@ -695,10 +699,12 @@ impl<P: Payload> Queue<P> {
                 expired_leases: 0,
                 last_seen: now,
                 stats: None,
+                stalled: false,
             });
         entry.connection = Some(connection);
         entry.credit = credit;
         entry.last_seen = now;
+        entry.stalled = false;
         self.consumer_connections
             .insert(connection, drafter_id.to_string());
         self.forget_old_drafters();
@@ -749,6 +755,7 @@ impl<P: Payload> Queue<P> {
         }
         if let Some(entry) = self.consumer_entry(connection) {
             entry.last_seen = now;
+            entry.stalled = false;
         }
         self.dispatch(now);
         outcome
@@ -787,6 +794,7 @@ impl<P: Payload> Queue<P> {
         self.return_to_head(returned, reason);
         if let Some(entry) = self.consumer_entry(connection) {
             entry.last_seen = now;
+            entry.stalled = false;
         }
         self.dispatch(now);
         outcome
@@ -804,6 +812,7 @@ impl<P: Payload> Queue<P> {
             return;
         };
         entry.last_seen = now;
+        entry.stalled = false;
         let held: Vec<DeliveryId> = if delivery_ids.is_empty() {
             entry.leases.iter().copied().collect()
         } else {
@@ -846,6 +855,7 @@ impl<P: Payload> Queue<P> {
             self.unlink_lease(lease.connection, delivery_id, lease.item_id);
             if let Some(entry) = self.consumer_entry(lease.connection) {
                 entry.expired_leases += 1;
+                entry.stalled = true;
             }
             returned.push(lease.item_id);
         }
@@ -1375,6 +1385,7 @@ impl<P: Payload> Queue<P> {
         let has_room = |entry: &DrafterEntry| {
             let items = entry.leases.len() as u64;
             entry.connection.is_some()
+                && !entry.stalled
                 && items < u64::from(entry.credit.items)
                 && (items == 0
                     || entry.credit.bytes == 0

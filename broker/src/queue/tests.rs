@@ -447,6 +447,7 @@ fn continue_policy_counts_failed_target_as_finished_with_loss() {
     let mut queue: Queue<TestPayload> = Queue::new(
         QueueConfig {
             on_target_failure: FailurePolicy::Continue,
+            lease_timeout: Duration::from_secs(1000),
             ..config(2)
         },
         start,
@@ -458,7 +459,6 @@ fn continue_policy_counts_failed_target_as_finished_with_loss() {
     queue.report_done("t1", 0, start).unwrap();
     queue.tick(start + Duration::from_secs(121));
     assert_eq!(queue.state(), RunState::Draining);
-    // The lease expired meanwhile (30 s) and the item was redelivered: ack the latest.
     let delivered = deliveries(&queue.take_effects());
     let latest = delivered.last().unwrap().1;
     queue.ack(drafter, &[latest], start + Duration::from_secs(121));
@@ -508,5 +508,30 @@ fn replaced_drafter_returns_its_leases() {
         deliveries(&effects).iter().map(|d| d.0).collect::<Vec<_>>(),
         vec![second]
     );
+    queue.check_invariants().unwrap();
+}
+
+#[test]
+fn a_drafter_whose_lease_expired_gets_nothing_new_until_it_acks() {
+    let start = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
+    let producer = queue.open_producer("t", start).unwrap().connection;
+    let hung = queue.open_consumer("hung", credit(1), start).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(10), start)
+        .unwrap();
+    queue
+        .accept_item(producer, 1, TestPayload(10), start)
+        .unwrap();
+    let first = deliveries(&queue.take_effects());
+    assert_eq!(first.len(), 1);
+    queue.tick(start + Duration::from_secs(31));
+    assert!(
+        deliveries(&queue.take_effects()).is_empty(),
+        "the hung drafter was fed again"
+    );
+    // Signs of life: an (even stale) ack makes it eligible again.
+    queue.ack(hung, &[first[0].1], start + Duration::from_secs(32));
+    assert_eq!(deliveries(&queue.take_effects()).len(), 1);
     queue.check_invariants().unwrap();
 }

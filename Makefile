@@ -1,0 +1,46 @@
+# dflash-pipeline: `make run` runs the whole pipeline locally, `make test`
+# runs every test. Both install what they need first (libtorch once into a
+# cache folder outside the clone; nothing else beyond Rust and pip).
+
+CARGO ?= cargo
+PYTHON ?= python3
+CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
+export DFLASH_CACHE_DIR := $(CACHE_DIR)
+
+.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint bench build release fmt clean-cache
+
+all: build
+
+## One-time set-up: libtorch 2.13 (CPU) from PyPI wheels into the cache.
+setup:
+	@bash scripts/setup-libtorch.sh >/dev/null
+
+build: setup
+	$(CARGO) build --workspace
+
+release: setup
+	$(CARGO) build --release --workspace
+
+## The main job: broker + targets + drafters on the embedded tiny default, on the CPU.
+run: release
+	$(CARGO) run --release -p dflash-cli --bin dflash -- local $(ARGS)
+
+## Every test: Rust unit, property, gRPC and system tests, then the checks
+## that use external clients (grpcurl against a live broker).
+test: setup lint check-grpcurl test-rust
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+test-rust: setup
+	$(CARGO) test --workspace --no-fail-fast
+
+check-grpcurl: setup
+	bash scripts/check-grpcurl.sh
+
+bench: setup
+	$(CARGO) bench -p dflash-broker --bench throughput
+
+fmt:
+	$(CARGO) fmt --all
