@@ -1,0 +1,517 @@
+//! The device side of the pipeline: a compute thread that owns the model
+//! (or the synthetic generator) and a host-copy thread that turns device
+//! tensors into wire samples.
+//!
+//! ```text
+//! reader thread ──PlannedBatch──▶ compute thread ──ComputedBatch──▶ host-copy thread ──ReadyBatch──▶ async sender
+//!   (tokenize)       (bounded)     (forward)          (bounded)     (D2H, slice)        (bounded)   (gRPC)
+//! ```
+//!
+//! The compute thread hands each finished batch over and starts the next
+//! forward at once; the copy to host memory, the slicing into per-sample
+//! payloads and the network send happen on other threads meanwhile. Every
+//! channel is bounded, so a slow broker holds the device back instead of
+//! growing memory.
+
+use crate::batching::PlannedBatch;
+use crate::config::SyntheticSpec;
+use bytes::Bytes;
+use dflash_model::target::TargetModel;
+use dflash_proto::v1::{Dtype, Sample, Tensor as WireTensor};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tch::{Device, Kind, Tensor};
+use tokio_util::sync::CancellationToken;
+
+/// Names of the tensors of every sample (the drafter reads them by name).
+pub const INPUT_IDS: &str = "input_ids";
+pub const LOSS_MASK: &str = "loss_mask";
+pub const HIDDEN_STATES: &str = "hidden_states";
+
+/// Errors of the compute and host-copy threads.
+#[derive(Debug, thiserror::Error)]
+pub enum ComputeError {
+    #[error(transparent)]
+    Model(#[from] dflash_model::ModelError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// What produces hidden states.
+pub enum Backend {
+    Target {
+        model: Box<TargetModel>,
+        layer_ids: Vec<usize>,
+    },
+    Synthetic(SyntheticBackend),
+}
+
+/// Shape facts of the backend, known once it is loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendInfo {
+    /// Width of one token's hidden_states row: captured layers × hidden.
+    pub hidden_width: usize,
+    pub layer_ids: Vec<usize>,
+    pub vocab_size: i64,
+    /// Shown in stats: `cpu`, `cuda:0`, `synthetic`.
+    pub device_label: String,
+}
+
+impl Backend {
+    pub fn info(&self) -> BackendInfo {
+        match self {
+            Backend::Target { model, layer_ids } => BackendInfo {
+                hidden_width: layer_ids.len() * model.config().hidden_size as usize,
+                layer_ids: layer_ids.clone(),
+                vocab_size: model.config().vocab_size,
+                device_label: device_label(model.device()),
+            },
+            Backend::Synthetic(synthetic) => BackendInfo {
+                hidden_width: synthetic.row_width,
+                layer_ids: (0..synthetic.spec.layers).collect(),
+                vocab_size: synthetic.spec.vocab,
+                device_label: "synthetic".to_string(),
+            },
+        }
+    }
+}
+
+pub fn device_label(device: Device) -> String {
+    match device {
+        Device::Cpu => "cpu".to_string(),
+        Device::Cuda(index) => format!("cuda:{index}"),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// Random bf16 rows of the right width at a set token rate, without a model.
+///
+/// Rows are copied out of a small pool of random rows generated once at
+/// start-up (about as much copying per token as a real target's copy to
+/// host), so a load test measures the pipeline rather than a random number
+/// generator. The generator is self-contained and leaves libtorch's global
+/// seed alone, since a drafter may share the process.
+pub struct SyntheticBackend {
+    spec: SyntheticSpec,
+    row_width: usize,
+    /// `pool_rows` random bf16 rows, little endian.
+    pool: Vec<u8>,
+    pool_rows: usize,
+    /// When production started, for the rate limit.
+    started: Option<Instant>,
+    tokens_produced: u64,
+    /// Xorshift state for pool offsets.
+    state: u64,
+}
+
+/// Upper bound of the synthetic row pool.
+const SYNTHETIC_POOL_BYTES: usize = 64 << 20;
+
+impl SyntheticBackend {
+    pub fn new(spec: SyntheticSpec) -> Self {
+        let row_width = spec.hidden * spec.layers;
+        let row_bytes = row_width * 2;
+        let pool_rows = (SYNTHETIC_POOL_BYTES / row_bytes.max(1)).clamp(1, 1024);
+        let mut state = spec.seed ^ 0x9E37_79B9_7F4A_7C15;
+        let mut pool = Vec::with_capacity(pool_rows * row_bytes);
+        for _ in 0..pool_rows * row_width {
+            state = xorshift(state);
+            // Sum of four uniform bytes: roughly normal, mean 0, std ~1.
+            let bytes = state.to_le_bytes();
+            let sum: f32 = bytes[..4].iter().map(|&byte| f32::from(byte)).sum();
+            let value = (sum - 510.0) / 147.0;
+            // bf16 is the upper half of the f32 bit pattern.
+            pool.extend_from_slice(&((value.to_bits() >> 16) as u16).to_le_bytes());
+        }
+        SyntheticBackend {
+            row_width,
+            pool,
+            pool_rows,
+            started: None,
+            tokens_produced: 0,
+            state,
+            spec,
+        }
+    }
+
+    /// One sample's payload: `rows` consecutive pool rows from a random
+    /// offset, wrapping around.
+    fn payload(&mut self, rows: usize) -> Bytes {
+        self.state = xorshift(self.state);
+        let row_bytes = self.row_width * 2;
+        let mut row = (self.state % self.pool_rows as u64) as usize;
+        let mut payload = Vec::with_capacity(rows * row_bytes);
+        let mut remaining = rows;
+        while remaining > 0 {
+            let take = remaining.min(self.pool_rows - row);
+            payload.extend_from_slice(&self.pool[row * row_bytes..(row + take) * row_bytes]);
+            remaining -= take;
+            row = 0;
+        }
+        Bytes::from(payload)
+    }
+
+    fn produce(&mut self, batch: &PlannedBatch, stop: &CancellationToken) -> Vec<Bytes> {
+        let started = *self.started.get_or_insert_with(Instant::now);
+        let payloads = batch
+            .samples
+            .iter()
+            .map(|sample| self.payload(sample.sample.input_ids.len()))
+            .collect();
+        self.tokens_produced += batch.real_tokens() as u64;
+        if self.spec.tokens_per_second > 0.0 {
+            // Hold the set rate: wait until this many tokens are "due".
+            let due = started
+                + Duration::from_secs_f64(
+                    self.tokens_produced as f64 / self.spec.tokens_per_second,
+                );
+            while !stop.is_cancelled() {
+                let now = Instant::now();
+                if now >= due {
+                    break;
+                }
+                std::thread::sleep((due - now).min(Duration::from_millis(50)));
+            }
+        }
+        payloads
+    }
+}
+
+fn xorshift(mut state: u64) -> u64 {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    state
+}
+
+/// Hidden states of a finished batch.
+pub enum HiddenStates {
+    /// `[B, T, width]` bf16, possibly still on the device.
+    Batched(Tensor),
+    /// One payload per sample, already on the host.
+    PerSample(Vec<Bytes>),
+}
+
+/// A batch whose forward has been issued.
+pub struct ComputedBatch {
+    pub batch: PlannedBatch,
+    pub hidden: HiddenStates,
+    /// When the forward started (for the busy-time estimate).
+    pub forward_started: Instant,
+}
+
+/// One sample ready to send.
+#[derive(Debug, Clone)]
+pub struct ReadySample {
+    pub seq: u64,
+    pub line_number: u64,
+    pub tokens: u64,
+    pub sample: Sample,
+}
+
+/// Counters shared by the threads and read by the stats reporter.
+#[derive(Debug, Default)]
+pub struct PipelineCounters {
+    /// Real (non-padding) tokens whose hidden states reached host memory.
+    pub tokens_computed: AtomicU64,
+    pub samples_computed: AtomicU64,
+    /// Estimated nanoseconds the device was busy.
+    pub busy_nanos: AtomicU64,
+    /// Nanoseconds from the pipeline's epoch to the first forward start.
+    pub first_forward_nanos: AtomicU64,
+}
+
+/// Runs forwards until the input channel closes, the output channel closes
+/// or `stop` is cancelled.
+pub fn run_compute_thread(
+    mut backend: Backend,
+    batches: std::sync::mpsc::Receiver<PlannedBatch>,
+    computed: std::sync::mpsc::SyncSender<ComputedBatch>,
+    stop: CancellationToken,
+) -> Result<(), ComputeError> {
+    let _no_grad = tch::no_grad_guard();
+    while let Ok(batch) = batches.recv() {
+        if stop.is_cancelled() {
+            break;
+        }
+        let forward_started = Instant::now();
+        let hidden = match &mut backend {
+            Backend::Target { model, layer_ids } => {
+                HiddenStates::Batched(forward(model, layer_ids, &batch)?)
+            }
+            Backend::Synthetic(synthetic) => {
+                HiddenStates::PerSample(synthetic.produce(&batch, &stop))
+            }
+        };
+        let item = ComputedBatch {
+            batch,
+            hidden,
+            forward_started,
+        };
+        if computed.send(item).is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// Pads a batch, runs the capture and returns bf16 `[B, T, width]` on the
+/// device. Padding uses token id 0 with mask 0.
+fn forward(
+    model: &TargetModel,
+    layer_ids: &[usize],
+    batch: &PlannedBatch,
+) -> Result<Tensor, ComputeError> {
+    let rows = batch.samples.len();
+    let length = batch.padded_length();
+    let mut ids = vec![0i64; rows * length];
+    let mut mask = vec![0i64; rows * length];
+    for (row, sample) in batch.samples.iter().enumerate() {
+        let tokens = &sample.sample.input_ids;
+        ids[row * length..row * length + tokens.len()].copy_from_slice(tokens);
+        mask[row * length..row * length + tokens.len()].fill(1);
+    }
+    let shape = [rows as i64, length as i64];
+    let input_ids = Tensor::from_slice(&ids)
+        .view(shape)
+        .to_device(model.device());
+    let attention_mask = Tensor::from_slice(&mask)
+        .view(shape)
+        .to_device(model.device());
+    let hidden = model.capture_hidden_states(&input_ids, &attention_mask, layer_ids)?;
+    Ok(hidden.f_to_kind(Kind::BFloat16)?)
+}
+
+/// Copies finished batches to host memory, cuts them into samples and hands
+/// them to the async sender. Also keeps the device busy-time estimate: a
+/// batch's device work ends when its copy to host completes, and starts at
+/// its forward start or the end of the previous batch, whichever is later.
+pub fn run_host_copy_thread(
+    computed: std::sync::mpsc::Receiver<ComputedBatch>,
+    ready: tokio::sync::mpsc::Sender<Vec<ReadySample>>,
+    counters: Arc<PipelineCounters>,
+    epoch: Instant,
+) -> Result<(), ComputeError> {
+    let mut previous_done: Option<Instant> = None;
+    while let Ok(item) = computed.recv() {
+        let ComputedBatch {
+            batch,
+            hidden,
+            forward_started,
+        } = item;
+        let payloads = match hidden {
+            HiddenStates::PerSample(payloads) => payloads,
+            HiddenStates::Batched(tensor) => split_batch(&tensor, &batch)?,
+        };
+        let done = Instant::now();
+        let busy_from =
+            previous_done.map_or(forward_started, |previous| previous.max(forward_started));
+        previous_done = Some(done);
+        if counters.samples_computed.load(Ordering::Relaxed) == 0 {
+            let nanos = forward_started.saturating_duration_since(epoch).as_nanos() as u64;
+            counters.first_forward_nanos.store(nanos, Ordering::Relaxed);
+        }
+        counters.busy_nanos.fetch_add(
+            done.saturating_duration_since(busy_from).as_nanos() as u64,
+            Ordering::Relaxed,
+        );
+        let samples: Vec<ReadySample> = batch
+            .samples
+            .into_iter()
+            .zip(payloads)
+            .map(|(sequenced, hidden_payload)| {
+                let tokens = sequenced.sample.input_ids.len();
+                let width = (hidden_payload.len() / 2).checked_div(tokens).unwrap_or(0);
+                ReadySample {
+                    seq: sequenced.seq,
+                    line_number: sequenced.line_number,
+                    tokens: tokens as u64,
+                    sample: build_sample(
+                        &sequenced.sample.input_ids,
+                        &sequenced.sample.loss_mask,
+                        hidden_payload,
+                        width,
+                    ),
+                }
+            })
+            .collect();
+        counters.tokens_computed.fetch_add(
+            samples.iter().map(|sample| sample.tokens).sum(),
+            Ordering::Relaxed,
+        );
+        counters
+            .samples_computed
+            .fetch_add(samples.len() as u64, Ordering::Relaxed);
+        if ready.blocking_send(samples).is_err() {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// One host copy of the whole padded batch, then zero-copy slices: row `b`'s
+/// first `len_b` tokens are contiguous in `[B, T, width]`.
+fn split_batch(tensor: &Tensor, batch: &PlannedBatch) -> Result<Vec<Bytes>, ComputeError> {
+    let host = tensor.f_to_device(Device::Cpu)?.f_contiguous()?;
+    let size = host.size();
+    let [rows, length, width] = size[..] else {
+        return Err(ComputeError::Invalid(format!(
+            "hidden states have shape {size:?}, expected [B, T, width]"
+        )));
+    };
+    if rows as usize != batch.samples.len() {
+        return Err(ComputeError::Invalid(format!(
+            "hidden states have {rows} rows for {} samples",
+            batch.samples.len()
+        )));
+    }
+    let element_count = (rows * length * width) as usize;
+    let mut buffer = vec![0u8; element_count * 2];
+    host.f_copy_data_u8(&mut buffer, element_count)?;
+    let buffer = Bytes::from(buffer);
+    let row_bytes = (length * width * 2) as usize;
+    let token_bytes = (width * 2) as usize;
+    Ok(batch
+        .samples
+        .iter()
+        .enumerate()
+        .map(|(row, sample)| {
+            let start = row * row_bytes;
+            buffer.slice(start..start + sample.sample.input_ids.len() * token_bytes)
+        })
+        .collect())
+}
+
+/// The wire sample: `input_ids` int32 [T], `loss_mask` uint8 [T],
+/// `hidden_states` bf16 [T, width].
+pub fn build_sample(
+    input_ids: &[i64],
+    loss_mask: &[u8],
+    hidden_states: Bytes,
+    width: usize,
+) -> Sample {
+    let tokens = input_ids.len() as u64;
+    let id_bytes: Vec<u8> = input_ids
+        .iter()
+        .flat_map(|&id| (id as i32).to_le_bytes())
+        .collect();
+    Sample {
+        tensors: vec![
+            WireTensor::from_parts(INPUT_IDS, Dtype::I32, vec![tokens], Bytes::from(id_bytes)),
+            WireTensor::from_parts(
+                LOSS_MASK,
+                Dtype::U8,
+                vec![tokens],
+                Bytes::copy_from_slice(loss_mask),
+            ),
+            WireTensor::from_parts(
+                HIDDEN_STATES,
+                Dtype::Bf16,
+                vec![tokens, width as u64],
+                hidden_states,
+            ),
+        ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batching::SequencedSample;
+    use crate::data::EncodedSample;
+
+    fn batch_of(lengths: &[usize]) -> PlannedBatch {
+        PlannedBatch {
+            samples: lengths
+                .iter()
+                .enumerate()
+                .map(|(seq, &length)| SequencedSample {
+                    seq: seq as u64,
+                    line_number: seq as u64 + 1,
+                    sample: EncodedSample {
+                        input_ids: vec![3; length],
+                        loss_mask: vec![1; length],
+                        truncated: false,
+                    },
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn split_batch_drops_padding_rows() -> Result<(), ComputeError> {
+        // Row r, token t, channel c holds r*100 + t*10 + c.
+        let values: Vec<f32> = (0..2)
+            .flat_map(|row| {
+                (0..3).flat_map(move |token| {
+                    (0..2).map(move |channel| (row * 100 + token * 10 + channel) as f32)
+                })
+            })
+            .collect();
+        let tensor = Tensor::from_slice(&values)
+            .view([2, 3, 2])
+            .to_kind(Kind::BFloat16);
+        let payloads = split_batch(&tensor, &batch_of(&[3, 1]))?;
+        let decode = |bytes: &Bytes| -> Vec<f32> {
+            bytes
+                .chunks_exact(2)
+                .map(|pair| {
+                    f32::from_bits((u32::from(u16::from_le_bytes([pair[0], pair[1]]))) << 16)
+                })
+                .collect()
+        };
+        assert_eq!(decode(&payloads[0]), vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0]);
+        assert_eq!(decode(&payloads[1]), vec![100.0, 101.0]);
+        Ok(())
+    }
+
+    #[test]
+    fn wire_samples_validate_with_exact_names_and_dtypes() {
+        let sample = build_sample(
+            &[1, 2, 70000],
+            &[0, 1, 1],
+            Bytes::from(vec![0u8; 3 * 4 * 2]),
+            4,
+        );
+        assert_eq!(sample.validate(), Ok(()));
+        let names: Vec<&str> = sample
+            .tensors
+            .iter()
+            .map(|tensor| tensor.name.as_str())
+            .collect();
+        assert_eq!(names, vec!["input_ids", "loss_mask", "hidden_states"]);
+        assert_eq!(sample.tensors[2].shape, vec![3, 4]);
+        assert_eq!(&sample.tensors[0].data[8..12], &70000i32.to_le_bytes());
+    }
+
+    #[test]
+    fn synthetic_rows_have_the_right_size_and_honour_the_rate() {
+        let spec = SyntheticSpec {
+            hidden: 8,
+            layers: 3,
+            tokens_per_second: 2000.0,
+            ..SyntheticSpec::default()
+        };
+        let mut backend = SyntheticBackend::new(spec);
+        let batch = batch_of(&[50, 20]);
+        let started = Instant::now();
+        let stop = CancellationToken::new();
+        let first = backend.produce(&batch, &stop);
+        let second = backend.produce(&batch, &stop);
+        // 140 tokens at 2000/s take at least 70 ms.
+        assert!(started.elapsed() >= Duration::from_millis(70));
+        assert_eq!(first[0].len(), 50 * 24 * 2);
+        assert_eq!(second[1].len(), 20 * 24 * 2);
+        assert_eq!(backend.info_width(), 24);
+    }
+}
+
+#[cfg(test)]
+impl SyntheticBackend {
+    fn info_width(&self) -> usize {
+        self.row_width
+    }
+}

@@ -1,0 +1,84 @@
+//! The `target-server` binary: flags, logging, signals; the work is in
+//! [`dflash_target_server::run`].
+
+use clap::Parser;
+use dflash_target_server::{run, TargetServerConfig};
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+/// Exit code when stopped by a signal before the shard was done.
+const EXIT_INTERRUPTED: u8 = 2;
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let config = TargetServerConfig::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let shutdown = CancellationToken::new();
+    let signal_watch = tokio::spawn(cancel_on_signal(shutdown.clone()));
+    let outcome = run(config, shutdown.clone()).await;
+    signal_watch.abort();
+    match outcome {
+        Ok(report) if !report.completed => {
+            tracing::warn!(
+                sent = report.samples_sent,
+                "stopped before the shard was done; a restart resumes"
+            );
+            std::process::ExitCode::from(EXIT_INTERRUPTED)
+        }
+        Ok(report) if !report.rejected.is_empty() => {
+            let (seq, reason) = &report.rejected[0];
+            tracing::error!(rejected = report.rejected.len(), first_seq = seq, first_reason = %reason, "the broker rejected items");
+            std::process::ExitCode::FAILURE
+        }
+        Ok(report) => {
+            println!(
+                "target {} shard {}/{}: {} samples, {} tokens sent, {:.0} tokens/s, device {} busy {:.0}%",
+                report.target_id,
+                report.shard.index,
+                report.shard.count,
+                report.samples_sent,
+                report.tokens_sent,
+                report.tokens_per_second,
+                report.device,
+                report.busy_fraction * 100.0
+            );
+            std::process::ExitCode::SUCCESS
+        }
+        Err(error) => {
+            tracing::error!("{error}");
+            eprintln!("target-server: {error}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// Cancels `shutdown` on SIGINT or SIGTERM.
+async fn cancel_on_signal(shutdown: CancellationToken) {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(terminate) => terminate,
+                Err(error) => {
+                    tracing::warn!(%error, "cannot watch SIGTERM");
+                    let _ = interrupt.await;
+                    shutdown.cancel();
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+    tracing::info!("signal received; shutting down");
+    shutdown.cancel();
+}

@@ -1,0 +1,123 @@
+//! The broker side: one Produce stream that survives broken connections.
+//!
+//! The client library's `Producer` keeps at most a window of items
+//! unanswered; when its stream breaks, those items may or may not have
+//! reached the broker. This wrapper remembers the last window's worth of
+//! samples, reopens the stream (the broker's welcome says which seq it has
+//! up to), and re-sends only what came after that. Everything before the
+//! remembered window was answered, because `send` only returns once a
+//! window slot is free.
+
+use dflash_client::{BrokerClient, ClientError, ProduceReport, Producer};
+use dflash_proto::v1::{ProducerStats, Sample};
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+/// A Produce stream with reconnect-and-resume.
+pub struct ResilientProducer {
+    client: BrokerClient,
+    target_id: String,
+    producer: Producer,
+    /// The last `window` samples sent, for re-sending after a reconnect.
+    recent: VecDeque<(u64, Sample)>,
+    window: usize,
+    max_reconnects: u32,
+    pub reconnects: u32,
+}
+
+impl ResilientProducer {
+    pub async fn open(
+        client: BrokerClient,
+        target_id: &str,
+        window: usize,
+        max_reconnects: u32,
+    ) -> Result<Self, ClientError> {
+        let producer = client.produce(target_id).await?;
+        Ok(ResilientProducer {
+            client,
+            target_id: target_id.to_string(),
+            producer,
+            recent: VecDeque::with_capacity(window + 1),
+            window: window.max(1),
+            max_reconnects,
+            reconnects: 0,
+        })
+    }
+
+    /// Highest seq the broker had when the current stream opened.
+    pub fn resume_after_seq(&self) -> Option<u64> {
+        self.producer.resume_after_seq()
+    }
+
+    /// Items the broker had accepted from this target before the current
+    /// stream opened.
+    pub fn accepted_before(&self) -> u64 {
+        self.producer.accepted_before()
+    }
+
+    pub async fn send(&mut self, seq: u64, sample: Sample) -> Result<(), ClientError> {
+        self.recent.push_back((seq, sample.clone()));
+        while self.recent.len() > self.window {
+            self.recent.pop_front();
+        }
+        let mut pending: Vec<(u64, Sample)> = vec![(seq, sample)];
+        loop {
+            let mut failure = None;
+            for (seq, sample) in pending.drain(..) {
+                if let Err(error) = self.producer.send(seq, sample, HashMap::new()).await {
+                    failure = Some(error);
+                    break;
+                }
+            }
+            let Some(error) = failure else {
+                return Ok(());
+            };
+            self.reconnect(error).await?;
+            let resume = self.producer.resume_after_seq();
+            pending = self
+                .recent
+                .iter()
+                .filter(|(seq, _)| resume.is_none_or(|resume| *seq > resume))
+                .cloned()
+                .collect();
+        }
+    }
+
+    /// Reopens the stream after `error`, unless the broker closed it on
+    /// purpose or the reconnect budget is spent.
+    async fn reconnect(&mut self, error: ClientError) -> Result<(), ClientError> {
+        if matches!(error, ClientError::ProducerClosed { .. })
+            || self.reconnects >= self.max_reconnects
+        {
+            return Err(error);
+        }
+        let mut last_error = error;
+        while self.reconnects < self.max_reconnects {
+            self.reconnects += 1;
+            let backoff = Duration::from_millis(200u64.saturating_mul(1 << self.reconnects.min(5)));
+            tracing::warn!(target_id = %self.target_id, attempt = self.reconnects, error = %last_error, ?backoff, "produce stream broke; reopening");
+            tokio::time::sleep(backoff).await;
+            match self.client.produce(&self.target_id).await {
+                Ok(producer) => {
+                    tracing::info!(target_id = %self.target_id, resume_after_seq = ?producer.resume_after_seq(), "produce stream reopened");
+                    self.producer = producer;
+                    return Ok(());
+                }
+                Err(error) => last_error = error,
+            }
+        }
+        Err(last_error)
+    }
+
+    /// Stats are best effort: a failure shows up on the next send.
+    pub async fn send_stats(&mut self, stats: ProducerStats) {
+        if let Err(error) = self.producer.send_stats(stats).await {
+            tracing::debug!(%error, "stats not sent");
+        }
+    }
+
+    /// Closes the stream and waits for every answer.
+    pub async fn finish(self) -> Result<ProduceReport, ClientError> {
+        self.producer.finish().await
+    }
+}
