@@ -505,13 +505,6 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(70));
         assert_eq!(first[0].len(), 50 * 24 * 2);
         assert_eq!(second[1].len(), 20 * 24 * 2);
-        assert_eq!(backend.info_width(), 24);
-    }
-}
-
-#[cfg(test)]
-impl SyntheticBackend {
-    fn info_width(&self) -> usize {
-        self.row_width
+        assert_eq!(backend.row_width, 24);
     }
 }

@@ -26,10 +26,10 @@ const SHAREGPT: &str = r#"{"conversations": [
 
 /// From transformers (see the module comment).
 const EXPECTED_IDS: [i64; 73] = [
-    457, 115, 121, 115, 306, 109, 10, 382, 282, 257, 32, 260, 108, 112, 102, 117, 108, 362, 115, 441, 46, 458, 10,
-    457, 117, 115, 258, 10, 87, 300, 274, 267, 357, 283, 353, 63, 458, 10, 457, 394, 441, 10, 284, 357, 283, 353,
-    274, 355, 390, 46, 458, 10, 457, 117, 115, 258, 10, 381, 315, 33, 458, 10, 457, 394, 441, 10, 382, 282, 271,
-    420, 46, 458, 10,
+    457, 115, 121, 115, 306, 109, 10, 382, 282, 257, 32, 260, 108, 112, 102, 117, 108, 362, 115,
+    441, 46, 458, 10, 457, 117, 115, 258, 10, 87, 300, 274, 267, 357, 283, 353, 63, 458, 10, 457,
+    394, 441, 10, 284, 357, 283, 353, 274, 355, 390, 46, 458, 10, 457, 117, 115, 258, 10, 381, 315,
+    33, 458, 10, 457, 394, 441, 10, 382, 282, 271, 420, 46, 458, 10,
 ];
 
 /// Assistant replies and their `<|im_end|>`: positions 42..=50 ("The
@@ -57,12 +57,22 @@ fn chatml_conversation_gives_the_reference_ids_and_assistant_mask() -> Result<()
     };
     let rendered = encoder.render(&messages)?;
     ensure!(
-        rendered.starts_with("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"),
+        rendered.starts_with(
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        ),
         "{rendered:?}"
     );
     let encoded = encoder.encode(&Conversation::Messages(messages))?;
-    ensure!(encoded.input_ids == EXPECTED_IDS, "ids {:?}", encoded.input_ids);
-    ensure!(encoded.loss_mask == expected_mask(), "mask {:?}", encoded.loss_mask);
+    ensure!(
+        encoded.input_ids == EXPECTED_IDS,
+        "ids {:?}",
+        encoded.input_ids
+    );
+    ensure!(
+        encoded.loss_mask == expected_mask(),
+        "mask {:?}",
+        encoded.loss_mask
+    );
     ensure!(!encoded.truncated);
 
     // ShareGPT spelling of the same conversation: identical.
@@ -99,7 +109,9 @@ fn a_model_directory_without_tokenizer_rejects_text_lines_only() -> Result<()> {
     let encoder = ChatEncoder::from_directory(directory.path(), 4096, Some(512))?;
     let text = encoder.encode(&parse_line(CONVERSATION)?);
     ensure!(matches!(text, Err(LineError::NoTokenizer(_))), "{text:?}");
-    let ids = encoder.encode(&parse_line(r#"{"input_ids": [1, 2], "loss_mask": [0, 1]}"#)?)?;
+    let ids = encoder.encode(&parse_line(
+        r#"{"input_ids": [1, 2], "loss_mask": [0, 1]}"#,
+    )?)?;
     ensure!(ids.input_ids == vec![1, 2]);
     Ok(())
 }
@@ -107,11 +119,17 @@ fn a_model_directory_without_tokenizer_rejects_text_lines_only() -> Result<()> {
 #[test]
 fn broken_template_is_a_clear_error() -> Result<()> {
     let directory = tiny_model_dir()?;
-    std::fs::write(directory.path().join("chat_template.jinja"), "{% for m in messages %}")?;
+    std::fs::write(
+        directory.path().join("chat_template.jinja"),
+        "{% for m in messages %}",
+    )?;
     let message = ChatEncoder::from_directory(directory.path(), 4096, Some(512))
         .err()
         .map(|error| error.to_string())
         .unwrap_or_default();
-    ensure!(message.contains("chat_template.jinja") && message.contains("invalid chat template"), "{message}");
+    ensure!(
+        message.contains("chat_template.jinja") && message.contains("invalid chat template"),
+        "{message}"
+    );
     Ok(())
 }

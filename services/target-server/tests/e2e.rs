@@ -1,0 +1,304 @@
+//! target-servers on the tiny model against a real in-process broker and a
+//! test drafter: every line arrives exactly once with the right shapes and
+//! values, targets report done, end-of-stream follows; resume skips exactly
+//! what the broker has; synthetic mode streams correctly shaped states.
+
+mod common;
+
+use anyhow::{ensure, Context, Result};
+use common::*;
+use dflash_model::target::TargetModel;
+use dflash_proto::v1 as proto;
+use dflash_target_server::data::{parse_line, ChatEncoder};
+use dflash_target_server::{run, ModelSource, TargetServerConfig};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// (input_ids, loss_mask) of every line, as the encoder makes them.
+fn expected_samples(model: &std::path::Path, lines: &[String]) -> Result<Vec<(Vec<i64>, Vec<u8>)>> {
+    let encoder = ChatEncoder::from_directory(model, 3072, Some(512))?;
+    let mut samples = Vec::new();
+    for line in lines {
+        let encoded = encoder.encode(&parse_line(line)?)?;
+        samples.push((encoded.input_ids, encoded.loss_mask));
+    }
+    samples.sort();
+    Ok(samples)
+}
+
+fn delivered_samples(deliveries: &[proto::Delivery]) -> Result<Vec<(Vec<i64>, Vec<u8>)>> {
+    let mut samples = Vec::new();
+    for delivery in deliveries {
+        let sample = delivery
+            .sample
+            .as_ref()
+            .context("delivery without sample")?;
+        samples.push((
+            input_ids_of(sample)?,
+            tensor(sample, "loss_mask")?.data.to_vec(),
+        ));
+    }
+    samples.sort();
+    Ok(samples)
+}
+
+/// Shapes and dtypes of one delivered sample; returns its token count.
+fn check_shapes(sample: &proto::Sample, width: u64) -> Result<u64> {
+    sample.validate()?;
+    let ids = tensor(sample, "input_ids")?;
+    let tokens = ids.shape[0];
+    ensure!(ids.shape == vec![tokens] && ids.checked_dtype()? == proto::Dtype::I32);
+    let mask = tensor(sample, "loss_mask")?;
+    ensure!(mask.shape == vec![tokens] && mask.checked_dtype()? == proto::Dtype::U8);
+    let hidden = tensor(sample, "hidden_states")?;
+    ensure!(
+        hidden.shape == vec![tokens, width],
+        "hidden shape {:?}",
+        hidden.shape
+    );
+    ensure!(hidden.checked_dtype()? == proto::Dtype::Bf16);
+    Ok(tokens)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_targets_stream_every_line_once_then_end_of_stream() -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let model = write_model(scratch.path())?;
+    let lines = mixed_data_lines();
+    let data = scratch.path().join("train.jsonl");
+    write_lines(&data, &lines)?;
+
+    let broker = TestBroker::start(2).await?;
+    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let shutdown = CancellationToken::new();
+    let (first, second) = tokio::join!(
+        run(
+            target_config(&broker.address, "target-0", &model, &data),
+            shutdown.clone()
+        ),
+        run(
+            target_config(&broker.address, "target-1", &model, &data),
+            shutdown.clone()
+        ),
+    );
+    let (first, second) = (first?, second?);
+    let drained = drafter.await??;
+
+    for report in [&first, &second] {
+        ensure!(report.completed && report.rejected.is_empty(), "{report:?}");
+        ensure!(report.layer_ids == vec![1, 2, 3, 4, 5]);
+        ensure!(report.device == "cpu");
+        ensure!(
+            report.tokens_per_second > 0.0
+                && report.busy_fraction > 0.0
+                && report.busy_fraction <= 1.0
+        );
+    }
+    ensure!((first.shard.index, first.shard.count) == (0, 2));
+    ensure!((second.shard.index, second.shard.count) == (1, 2));
+    ensure!(first.total_accepted + second.total_accepted == lines.len() as u64);
+    ensure!(
+        first.total_accepted == 8 && second.total_accepted == 7,
+        "round-robin split of 15 records"
+    );
+
+    ensure!(
+        drained.end_of_stream.status() == proto::RunStatus::Complete,
+        "{:?}",
+        drained.end_of_stream
+    );
+    ensure!(drained.delivered_before_end == lines.len());
+    let identities: BTreeSet<(String, u64)> = drained
+        .deliveries
+        .iter()
+        .map(|delivery| (delivery.target_id.clone(), delivery.seq))
+        .collect();
+    ensure!(identities.len() == lines.len(), "duplicate deliveries");
+    ensure!(delivered_samples(&drained.deliveries)? == expected_samples(&model, &lines)?);
+
+    // Shapes, and values against a direct forward of the same tokens.
+    let reference = TargetModel::load(&model, tch::Device::Cpu, tch::Kind::Float)?;
+    for delivery in &drained.deliveries {
+        let sample = delivery
+            .sample
+            .as_ref()
+            .context("delivery without sample")?;
+        let tokens = check_shapes(sample, 5 * 64)?;
+        let ids = input_ids_of(sample)?;
+        let input = tch::Tensor::from_slice(&ids).view([1, tokens as i64]);
+        let expected =
+            reference.capture_hidden_states(&input, &input.ones_like(), &[1, 2, 3, 4, 5])?;
+        let expected: Vec<f32> = Vec::<f32>::try_from(expected.flatten(0, -1))?;
+        let actual = bf16_values(tensor(sample, "hidden_states")?);
+        let worst = expected
+            .iter()
+            .zip(&actual)
+            .map(|(expected, actual)| (expected - actual).abs() / expected.abs().max(1.0))
+            .fold(0.0f32, f32::max);
+        ensure!(
+            worst < 0.01,
+            "seq {} of {}: relative error {worst}",
+            delivery.seq,
+            delivery.target_id
+        );
+    }
+
+    let status = broker.client().await?.status().await?;
+    ensure!(status.done_targets == 2);
+    let stats: BTreeMap<String, proto::ProducerStats> = status
+        .targets
+        .iter()
+        .filter_map(|target| {
+            target
+                .stats
+                .clone()
+                .map(|stats| (target.target_id.clone(), stats))
+        })
+        .collect();
+    ensure!(stats.len() == 2, "{stats:?}");
+    for (target_id, stats) in &stats {
+        ensure!(stats.device == "cpu", "{target_id}: {stats:?}");
+        ensure!(
+            stats.tokens_done > 0 && stats.samples_done > 0 && stats.samples_total > 0,
+            "{stats:?}"
+        );
+    }
+    broker.stop().await;
+    Ok(())
+}
+
+/// A sample with the target-server's names, dtypes and width, for seeding
+/// the broker with "earlier run" items.
+fn placeholder_sample(tokens: u64, width: u64) -> proto::Sample {
+    proto::Sample {
+        tensors: vec![
+            proto::Tensor::from_parts(
+                "input_ids",
+                proto::Dtype::I32,
+                vec![tokens],
+                vec![0u8; tokens as usize * 4].into(),
+            ),
+            proto::Tensor::from_parts(
+                "loss_mask",
+                proto::Dtype::U8,
+                vec![tokens],
+                vec![1u8; tokens as usize].into(),
+            ),
+            proto::Tensor::from_parts(
+                "hidden_states",
+                proto::Dtype::Bf16,
+                vec![tokens, width],
+                vec![0u8; (tokens * width * 2) as usize].into(),
+            ),
+        ],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_target_skips_exactly_what_the_broker_accepted() -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let model = write_model(scratch.path())?;
+    let lines = mixed_data_lines();
+    let data = scratch.path().join("train.jsonl");
+    write_lines(&data, &lines)?;
+    let broker = TestBroker::start(1).await?;
+
+    // An "earlier run" of target-0 got seqs 0..=3 in before dying.
+    let client = broker.client().await?;
+    let mut earlier = client.produce("target-0").await?;
+    for seq in 0..4 {
+        earlier
+            .send(seq, placeholder_sample(3, 320), Default::default())
+            .await?;
+    }
+    let earlier_report = earlier.finish().await?;
+    ensure!(earlier_report.accepted == 4);
+
+    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let report = run(
+        target_config(&broker.address, "target-0", &model, &data),
+        CancellationToken::new(),
+    )
+    .await?;
+    let drained = drafter.await??;
+
+    ensure!(report.resume_after_seq == Some(3), "{report:?}");
+    ensure!(report.reader.skipped_for_resume == 4);
+    ensure!(report.samples_sent == lines.len() as u64 - 4);
+    ensure!(report.accepted == lines.len() as u64 - 4 && report.duplicates == 0);
+    ensure!(report.total_accepted == lines.len() as u64);
+
+    let seqs: Vec<u64> = {
+        let mut seqs: Vec<u64> = drained
+            .deliveries
+            .iter()
+            .map(|delivery| delivery.seq)
+            .collect();
+        seqs.sort_unstable();
+        seqs
+    };
+    ensure!(
+        seqs == (0..lines.len() as u64).collect::<Vec<u64>>(),
+        "{seqs:?}"
+    );
+    ensure!(drained.end_of_stream.status() == proto::RunStatus::Complete);
+
+    // The resumed run sent the samples after seq 3 of the same order a full
+    // run would: a fresh full run on another broker gives them the same seqs.
+    let fresh_broker = TestBroker::start(1).await?;
+    let fresh_drafter = spawn_drafter(fresh_broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    run(
+        target_config(&fresh_broker.address, "target-0", &model, &data),
+        CancellationToken::new(),
+    )
+    .await?;
+    let fresh = fresh_drafter.await??;
+    let by_seq = |deliveries: &[proto::Delivery]| -> Result<BTreeMap<u64, Vec<i64>>> {
+        deliveries
+            .iter()
+            .filter(|delivery| delivery.seq > 3)
+            .map(|delivery| {
+                Ok((
+                    delivery.seq,
+                    input_ids_of(delivery.sample.as_ref().context("no sample")?)?,
+                ))
+            })
+            .collect()
+    };
+    ensure!(by_seq(&drained.deliveries)? == by_seq(&fresh.deliveries)?);
+    broker.stop().await;
+    fresh_broker.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
+    let broker = TestBroker::start(1).await?;
+    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let model: ModelSource =
+        "synthetic:hidden=32,layers=3,tokens_per_s=0,samples=9,seq_len=16,vocab=1000"
+            .parse()
+            .map_err(anyhow::Error::msg)?;
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.max_batch_tokens = 64;
+    let report = run(config, CancellationToken::new()).await?;
+    let drained = drafter.await??;
+    ensure!(
+        report.completed && report.device == "synthetic" && report.total_accepted == 9,
+        "{report:?}"
+    );
+    ensure!(drained.deliveries.len() == 9);
+    for delivery in &drained.deliveries {
+        let sample = delivery.sample.as_ref().context("no sample")?;
+        ensure!(check_shapes(sample, 96)? == 16);
+        ensure!(input_ids_of(sample)?
+            .iter()
+            .all(|&id| (0..1000).contains(&id)));
+    }
+    ensure!(drained.end_of_stream.status() == proto::RunStatus::Complete);
+    broker.stop().await;
+    Ok(())
+}
