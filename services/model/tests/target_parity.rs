@@ -367,3 +367,25 @@ fn bf16_weights_stay_close_to_the_f32_reference() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn masks_that_are_not_right_padding_hide_the_masked_keys() -> Result<()> {
+    let model = TargetModel::load(&fixture_dir().join("tiny_llama"), Device::Cpu, Kind::Float)?;
+    let ids = Tensor::from_slice(&[11i64, 22, 33, 44]).view([1, 4]);
+    let full = model.capture_hidden_states(&ids, &ids.ones_like(), &[2])?;
+    let holed_mask = Tensor::from_slice(&[1i64, 0, 1, 1]).view([1, 4]);
+    let holed = model.capture_hidden_states(&ids, &holed_mask, &[2])?;
+    ensure!(bool::try_from(holed.isfinite().all())?);
+    // Position 0 sees only itself either way; later positions lose key 1.
+    let first = (full.narrow(1, 0, 1) - holed.narrow(1, 0, 1))
+        .abs()
+        .max()
+        .double_value(&[]);
+    ensure!(first < 1e-6, "{first}");
+    let last = (full.narrow(1, 3, 1) - holed.narrow(1, 3, 1))
+        .abs()
+        .max()
+        .double_value(&[]);
+    ensure!(last > 1e-3, "masking key 1 changed nothing: {last}");
+    Ok(())
+}
