@@ -4,6 +4,18 @@
 //! descriptor set is kept for server reflection (grpcurl).
 use std::path::PathBuf;
 
+/// Messages of the status snapshot, which derive `serde::Serialize`.
+const STATUS_MESSAGES: [&str; 8] = [
+    "dflash.v1.StatusSnapshot",
+    "dflash.v1.TargetStatus",
+    "dflash.v1.DrafterStatus",
+    "dflash.v1.ProducerStats",
+    "dflash.v1.ConsumerStats",
+    "dflash.v1.Credit",
+    "dflash.v1.DeadLetter",
+    "dflash.v1.RunSummary",
+];
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_files = ["dflash/v1/broker.proto"];
     for file in proto_files {
@@ -16,7 +28,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         &descriptor_path,
         prost::Message::encode_to_vec(&descriptors),
     )?;
-    tonic_prost_build::configure()
+    let mut builder = tonic_prost_build::configure();
+    // Status messages serialise to JSON (`dflash status --json`) with the
+    // proto field names and enum values by name.
+    for message in STATUS_MESSAGES {
+        builder = builder.type_attribute(message, "#[derive(serde::Serialize)]");
+    }
+    builder
+        .field_attribute(
+            "dflash.v1.StatusSnapshot.state",
+            "#[serde(serialize_with = \"crate::json::broker_state\")]",
+        )
+        .field_attribute(
+            "dflash.v1.TargetStatus.state",
+            "#[serde(serialize_with = \"crate::json::target_state\")]",
+        )
         .bytes(".")
         .file_descriptor_set_path(&descriptor_path)
         .compile_fds(descriptors)?;

@@ -4,6 +4,7 @@
 //!
 //! # Layout
 //! - `v1`: the generated messages, `broker_client` and `broker_server`.
+//! - `json`: enum names for the JSON form of status snapshots.
 //! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
 //! - `FILE_DESCRIPTOR_SET`: the encoded descriptors, for server reflection.
 //!
@@ -14,6 +15,7 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/dflash.v1.rs"));
 }
 
+pub mod json;
 pub mod tensor;
 
 /// Encoded `FileDescriptorSet` of every dflash proto, for tonic-reflection.

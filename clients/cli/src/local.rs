@@ -1,0 +1,686 @@
+//! `dflash local`: the whole pipeline on one machine, as separate processes
+//! of the real binaries talking real gRPC on loopback: one broker, T
+//! target-servers and D drafter-servers. Shows the live status while it
+//! runs, stops every child on Ctrl-C, and ends with a summary (also written
+//! as `summary.json` in the work directory) and the trained drafter's τ.
+
+use std::io::IsTerminal as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use clap::{Args, ValueEnum};
+use dflash_client::{BrokerClient, ClientOptions};
+use dflash_proto::v1 as proto;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde::Serialize;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use crate::demo::{self, DemoSpec};
+use crate::top::{self, RenderOptions};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum View {
+    /// Redraw the `dflash top` view in place (when stdout is a terminal).
+    Top,
+    /// One progress line every few seconds.
+    Lines,
+    /// Only the final summary.
+    None,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct LocalArgs {
+    /// Number of target-server processes.
+    #[arg(long, default_value_t = 2)]
+    pub targets: u32,
+
+    /// Number of drafter-server processes.
+    #[arg(long, default_value_t = 2)]
+    pub drafters: u32,
+
+    /// Target model directory (Hugging Face layout). Default: the tiny model
+    /// written by `dflash init-tiny` into the work directory.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+
+    /// Training data (JSONL). Default: data the tiny target generates itself.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+
+    /// Held-out prompts for the final τ measurement (pre-tokenized JSONL).
+    /// Default: generated with the demo data; skipped when --data is given without it.
+    #[arg(long)]
+    pub held_out: Option<PathBuf>,
+
+    /// Devices of the targets, assigned in turn (e.g. `cuda:0,cuda:1`).
+    #[arg(long, value_delimiter = ',', default_value = "cpu")]
+    pub target_devices: Vec<String>,
+
+    /// Devices of the drafters, assigned in turn.
+    #[arg(long, value_delimiter = ',', default_value = "cpu")]
+    pub drafter_devices: Vec<String>,
+
+    /// Run without a model: synthetic hidden states and synthetic training,
+    /// to load-test the plumbing.
+    #[arg(long)]
+    pub synthetic: bool,
+
+    /// Where models, data, logs, checkpoints and summary.json go.
+    /// Default: runs/local-<unix time>.
+    #[arg(long)]
+    pub workdir: Option<PathBuf>,
+
+    /// Live view while running.
+    #[arg(long, value_enum, default_value = "top")]
+    pub view: View,
+
+    /// Give up (and fail) after this many seconds.
+    #[arg(long, default_value_t = 1800)]
+    pub timeout_seconds: u64,
+
+    /// Extra flags for every target-server (one string, split on spaces).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub target_args: String,
+
+    /// Extra flags for every drafter-server (one string, split on spaces).
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub drafter_args: String,
+
+    /// Unique sequences in the generated demo data.
+    #[arg(long, default_value_t = DemoSpec::default().unique_sequences)]
+    pub demo_sequences: usize,
+
+    /// How many times the demo data repeats (more optimizer steps).
+    #[arg(long, default_value_t = DemoSpec::default().epochs)]
+    pub demo_epochs: usize,
+}
+
+/// Drafter settings for the embedded tiny default: a small drafter that
+/// learns the tiny target's continuations in a CPU-minutes run.
+const TINY_DRAFTER_FLAGS: &[&str] = &[
+    "--draft-layers",
+    "2",
+    "--block-size",
+    "8",
+    "--num-anchors",
+    "32",
+    "--learning-rate",
+    "3e-3",
+];
+const TINY_TARGET_FLAGS: &[&str] = &["--num-draft-layers", "2"];
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcessSummary {
+    pub name: String,
+    pub role: String,
+    pub device: String,
+    pub exit_code: Option<i32>,
+    pub busy_fraction: Option<f64>,
+    pub tokens_per_second: Option<f64>,
+    pub samples: u64,
+    pub loss: Option<f64>,
+    pub checkpoint: Option<PathBuf>,
+    pub log: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LocalSummary {
+    pub end_of_stream: String,
+    pub abort_reason: String,
+    pub seconds: f64,
+    pub accepted_samples: u64,
+    pub trained_samples: u64,
+    pub dead_letters: u64,
+    pub expected_samples: Option<u64>,
+    pub tokens: u64,
+    pub samples_per_second: f64,
+    pub tokens_per_second: f64,
+    pub final_loss: Option<f64>,
+    pub processes: Vec<ProcessSummary>,
+    pub acceptance_length: Option<f64>,
+    pub acceptance_length_drafter: Option<String>,
+    pub held_out_prompts: usize,
+    pub workdir: PathBuf,
+    pub ok: bool,
+}
+
+struct Managed {
+    name: String,
+    role: &'static str,
+    device: String,
+    child: Child,
+    log: PathBuf,
+    exit_code: Option<i32>,
+    output: Option<PathBuf>,
+}
+
+fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the dflash binary")?;
+    let directory = exe.parent().context("the dflash binary has no folder")?;
+    let path = directory.join(name);
+    if !path.exists() {
+        bail!(
+            "{name} not found at {} (build the workspace: `cargo build --workspace`)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+fn spawn(
+    name: &str,
+    role: &'static str,
+    device: &str,
+    program: &Path,
+    args: &[String],
+    logs: &Path,
+) -> anyhow::Result<Managed> {
+    let log = logs.join(format!("{name}.log"));
+    let file =
+        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    let child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", program.display()))?;
+    Ok(Managed {
+        name: name.to_string(),
+        role,
+        device: device.to_string(),
+        child,
+        log,
+        exit_code: None,
+        output: None,
+    })
+}
+
+fn terminate(process: &Managed) {
+    if let Some(id) = process.child.id() {
+        if let Ok(raw) = i32::try_from(id) {
+            let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
+        }
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn split_flags(text: &str) -> Vec<String> {
+    text.split_whitespace().map(str::to_string).collect()
+}
+
+async fn wait_for_broker(address: &str, deadline: Duration) -> anyhow::Result<BrokerClient> {
+    let started = Instant::now();
+    loop {
+        if let Ok(client) =
+            BrokerClient::connect(address.to_string(), ClientOptions::default()).await
+        {
+            if client.status().await.is_ok() {
+                return Ok(client);
+            }
+        }
+        if started.elapsed() > deadline {
+            bail!("the broker at {address} did not answer within {deadline:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Runs the pipeline; returns the summary (also printed and written).
+pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Result<LocalSummary> {
+    if args.targets == 0 || args.drafters == 0 {
+        bail!(
+            "--targets and --drafters must be at least 1 (got {} and {})",
+            args.targets,
+            args.drafters
+        );
+    }
+    if args.target_devices.is_empty() || args.drafter_devices.is_empty() {
+        bail!("--target-devices and --drafter-devices must name at least one device");
+    }
+    let started = Instant::now();
+    let workdir = match &args.workdir {
+        Some(workdir) => workdir.clone(),
+        None => {
+            let seconds = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            PathBuf::from(format!("runs/local-{seconds}"))
+        }
+    };
+    let logs = workdir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let workdir = workdir.canonicalize().unwrap_or(workdir);
+    let logs = workdir.join("logs");
+
+    // The model and data: what was given, or the embedded tiny default.
+    let embedded_model = args.model.is_none() && !args.synthetic;
+    let model_dir = match &args.model {
+        Some(model) => Some(model.clone()),
+        None if args.synthetic => None,
+        None => {
+            let directory = workdir.join("model");
+            dflash_model::tiny::write_tiny_model(
+                &directory,
+                &dflash_model::tiny::TinyModelSpec::default(),
+            )
+            .with_context(|| format!("writing the tiny model to {}", directory.display()))?;
+            Some(directory)
+        }
+    };
+    let (data, held_out) = match (&args.data, &model_dir) {
+        (Some(data), _) => (Some(data.clone()), args.held_out.clone()),
+        (None, Some(model_dir)) => {
+            let spec = DemoSpec {
+                unique_sequences: args.demo_sequences,
+                epochs: args.demo_epochs,
+                ..DemoSpec::default()
+            };
+            println!(
+                "dflash local: generating {} demo sequences with the target ({}x) ...",
+                spec.unique_sequences, spec.epochs
+            );
+            let generated = demo::write_demo_data(model_dir, &workdir.join("data"), &spec)?;
+            (
+                Some(generated.train),
+                args.held_out.clone().or(Some(generated.held_out)),
+            )
+        }
+        (None, None) => (None, None),
+    };
+
+    let port = free_port()?;
+    let address = format!("http://127.0.0.1:{port}");
+    let mut broker = spawn(
+        "broker",
+        "broker",
+        "-",
+        &sibling_binary("broker")?,
+        &[
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--expected-targets".into(),
+            args.targets.to_string(),
+            "--target-grace".into(),
+            "30s".into(),
+        ],
+        &logs,
+    )?;
+    let client = match wait_for_broker(&address, Duration::from_secs(30)).await {
+        Ok(client) => client,
+        Err(error) => {
+            terminate(&broker);
+            return Err(error.context(format!("see {}", broker.log.display())));
+        }
+    };
+
+    let mut children = Vec::new();
+    let target_binary = sibling_binary("target-server")?;
+    for index in 0..args.targets {
+        let device = args.target_devices[index as usize % args.target_devices.len()].clone();
+        let name = format!("target-{index}");
+        let mut flags = vec![
+            "--broker".to_string(),
+            address.clone(),
+            "--target-id".into(),
+            name.clone(),
+            "--device".into(),
+            device.clone(),
+            "--shard-index".into(),
+            index.to_string(),
+            "--num-shards".into(),
+            args.targets.to_string(),
+        ];
+        match (&model_dir, args.synthetic) {
+            (Some(model), false) => flags.extend(["--model".into(), model.display().to_string()]),
+            _ => flags.extend([
+                "--model".into(),
+                "synthetic:hidden=256,layers=2,tokens_per_s=20000,samples=200,seq_len=128".into(),
+            ]),
+        }
+        if let Some(data) = &data {
+            flags.extend(["--data".into(), data.display().to_string()]);
+        }
+        if embedded_model {
+            flags.extend(TINY_TARGET_FLAGS.iter().map(|flag| flag.to_string()));
+        }
+        flags.extend(split_flags(&args.target_args));
+        children.push(spawn(
+            &name,
+            "target",
+            &device,
+            &target_binary,
+            &flags,
+            &logs,
+        )?);
+    }
+    let drafter_binary = sibling_binary("drafter-server")?;
+    for index in 0..args.drafters {
+        let device = args.drafter_devices[index as usize % args.drafter_devices.len()].clone();
+        let name = format!("drafter-{index}");
+        let output = workdir.join("checkpoints").join(&name);
+        let mut flags = vec![
+            "--broker".to_string(),
+            address.clone(),
+            "--drafter-id".into(),
+            name.clone(),
+            "--device".into(),
+            device.clone(),
+            "--output".into(),
+            output.display().to_string(),
+        ];
+        match (&model_dir, args.synthetic) {
+            (Some(model), false) => {
+                flags.extend(["--target-model".into(), model.display().to_string()])
+            }
+            _ => flags.extend(["--model".into(), "synthetic:ms_per_1k_tokens=5".into()]),
+        }
+        if embedded_model {
+            flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
+        }
+        flags.extend(split_flags(&args.drafter_args));
+        let mut managed = spawn(&name, "drafter", &device, &drafter_binary, &flags, &logs)?;
+        managed.output = Some(output);
+        children.push(managed);
+    }
+
+    // Watch until every child has exited, Ctrl-C, or the timeout.
+    let view = if args.view == View::Top && !std::io::stdout().is_terminal() {
+        View::Lines
+    } else {
+        args.view
+    };
+    let deadline = started + Duration::from_secs(args.timeout_seconds);
+    let mut last_line = Instant::now();
+    let mut interrupted = false;
+    let mut timed_out = false;
+    loop {
+        for child in children
+            .iter_mut()
+            .filter(|child| child.exit_code.is_none())
+        {
+            if let Ok(Some(status)) = child.child.try_wait() {
+                child.exit_code = Some(status.code().unwrap_or(-1));
+            }
+        }
+        if children.iter().all(|child| child.exit_code.is_some()) {
+            break;
+        }
+        if interrupt.is_cancelled() || Instant::now() > deadline {
+            interrupted = interrupt.is_cancelled();
+            timed_out = !interrupted;
+            for child in children.iter().filter(|child| child.exit_code.is_none()) {
+                terminate(child);
+            }
+            for child in children
+                .iter_mut()
+                .filter(|child| child.exit_code.is_none())
+            {
+                match tokio::time::timeout(Duration::from_secs(60), child.child.wait()).await {
+                    Ok(Ok(status)) => child.exit_code = Some(status.code().unwrap_or(-1)),
+                    _ => {
+                        let _ = child.child.kill().await;
+                        child.exit_code = Some(-9);
+                    }
+                }
+            }
+            break;
+        }
+        if let Ok(snapshot) = client.status().await {
+            match view {
+                View::Top => {
+                    print!(
+                        "\x1b[H\x1b[2J{}",
+                        top::render(&snapshot, &address, RenderOptions { color: true })
+                    );
+                }
+                View::Lines if last_line.elapsed() >= Duration::from_secs(5) => {
+                    last_line = Instant::now();
+                    println!(
+                        "[{:>5.0}s] {:?} targets done {}/{} accepted {} trained {} queued {} leased {}",
+                        started.elapsed().as_secs_f64(),
+                        snapshot.state(),
+                        snapshot.done_targets,
+                        snapshot.expected_targets,
+                        snapshot.accepted_items,
+                        snapshot.acked_items,
+                        snapshot.queued_items,
+                        snapshot.leased_items
+                    );
+                }
+                _ => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    let snapshot = client.status().await.context("final broker status")?;
+    if view == View::Top {
+        print!(
+            "\x1b[H\x1b[2J{}",
+            top::render(&snapshot, &address, RenderOptions { color: true })
+        );
+    }
+    terminate(&broker);
+    if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(15), broker.child.wait()).await
+    {
+        broker.exit_code = status.code();
+    } else {
+        let _ = broker.child.kill().await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+
+    let processes: Vec<ProcessSummary> = children
+        .iter()
+        .map(|child| process_summary(child, &snapshot))
+        .collect();
+    let tokens: u64 = snapshot
+        .targets
+        .iter()
+        .filter_map(|target| target.stats.as_ref())
+        .map(|stats| stats.tokens_done)
+        .sum();
+    // The mean of the drafters' last reported losses.
+    let losses: Vec<f64> = processes
+        .iter()
+        .filter(|process| process.role == "drafter")
+        .filter_map(|process| process.loss)
+        .collect();
+    let final_loss = (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64);
+    let end_of_stream = match snapshot.state() {
+        proto::BrokerState::Complete => "COMPLETE",
+        proto::BrokerState::Aborted => "ABORTED",
+        proto::BrokerState::Draining => "DRAINING (not finished)",
+        _ => "RUNNING (not finished)",
+    };
+
+    // τ of the first drafter's final checkpoint on the held-out prompts.
+    let mut acceptance_length = None;
+    let mut acceptance_length_drafter = None;
+    let mut held_out_prompts = 0;
+    if let (Some(model_dir), Some(held_out)) = (&model_dir, &held_out) {
+        let checkpoint = processes
+            .iter()
+            .find_map(|process| process.checkpoint.clone());
+        if let (Some(checkpoint), false) = (checkpoint, interrupted) {
+            let prompts = demo::read_prompts(held_out)?;
+            held_out_prompts = prompts.len();
+            let model_dir = model_dir.clone();
+            let checkpoint_for_eval = checkpoint.clone();
+            let report = tokio::task::spawn_blocking(move || {
+                dflash_drafter_server::eval::evaluate(
+                    &model_dir,
+                    &checkpoint_for_eval,
+                    &prompts,
+                    40,
+                    tch::Device::Cpu,
+                )
+            })
+            .await
+            .context("evaluation thread")?
+            .context("evaluating the trained drafter")?;
+            acceptance_length = Some(report.mean_acceptance_length);
+            acceptance_length_drafter = Some(checkpoint.display().to_string());
+        }
+    }
+
+    let trained = snapshot.acked_items;
+    let ok = !interrupted
+        && !timed_out
+        && snapshot.state() == proto::BrokerState::Complete
+        && children.iter().all(|child| child.exit_code == Some(0))
+        && snapshot.dead_letters == 0
+        && final_loss.is_none_or(f64::is_finite);
+    let summary = LocalSummary {
+        end_of_stream: end_of_stream.to_string(),
+        abort_reason: snapshot.abort_reason.clone(),
+        seconds,
+        accepted_samples: snapshot.accepted_items,
+        trained_samples: trained,
+        dead_letters: snapshot.dead_letters,
+        expected_samples: snapshot
+            .summary
+            .as_ref()
+            .map(|summary| summary.expected_items)
+            .filter(|&items| items > 0),
+        tokens,
+        samples_per_second: trained as f64 / seconds.max(1e-9),
+        tokens_per_second: tokens as f64 / seconds.max(1e-9),
+        final_loss,
+        processes,
+        acceptance_length,
+        acceptance_length_drafter,
+        held_out_prompts,
+        workdir: workdir.clone(),
+        ok,
+    };
+    std::fs::write(
+        workdir.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
+    print_summary(&summary, interrupted, timed_out);
+    Ok(summary)
+}
+
+fn process_summary(child: &Managed, snapshot: &proto::StatusSnapshot) -> ProcessSummary {
+    let mut summary = ProcessSummary {
+        name: child.name.clone(),
+        role: child.role.to_string(),
+        device: child.device.clone(),
+        exit_code: child.exit_code,
+        busy_fraction: None,
+        tokens_per_second: None,
+        samples: 0,
+        loss: None,
+        checkpoint: None,
+        log: child.log.clone(),
+    };
+    if child.role == "target" {
+        if let Some(target) = snapshot
+            .targets
+            .iter()
+            .find(|target| target.target_id == child.name)
+        {
+            summary.samples = target.accepted_items;
+            if let Some(stats) = &target.stats {
+                summary.busy_fraction = Some(stats.busy_fraction);
+                summary.tokens_per_second = Some(stats.tokens_per_second);
+            }
+        }
+    } else if let Some(drafter) = snapshot
+        .drafters
+        .iter()
+        .find(|drafter| drafter.drafter_id == child.name)
+    {
+        summary.samples = drafter.acked_items;
+        if let Some(stats) = &drafter.stats {
+            summary.busy_fraction = Some(stats.busy_fraction);
+            summary.tokens_per_second = Some(stats.tokens_per_second);
+            summary.loss = Some(stats.loss);
+        }
+    }
+    if let Some(output) = &child.output {
+        summary.checkpoint = dflash_drafter_server::checkpoints::latest_checkpoint(output)
+            .ok()
+            .flatten();
+    }
+    summary
+}
+
+fn percent(value: Option<f64>) -> String {
+    value.map_or("-".to_string(), |value| format!("{:.0}%", value * 100.0))
+}
+
+fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
+    println!();
+    println!("dflash local summary ({})", summary.workdir.display());
+    if interrupted {
+        println!("  interrupted (Ctrl-C): children were stopped with SIGTERM");
+    }
+    if timed_out {
+        println!("  timed out: children were stopped with SIGTERM");
+    }
+    println!(
+        "  end-of-stream: {}{}",
+        summary.end_of_stream,
+        if summary.abort_reason.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", summary.abort_reason)
+        }
+    );
+    println!(
+        "  samples: {} accepted, {} trained, {} dead letters{}; tokens: {}",
+        summary.accepted_samples,
+        summary.trained_samples,
+        summary.dead_letters,
+        summary
+            .expected_samples
+            .map_or(String::new(), |expected| format!(
+                " (of {expected} expected)"
+            )),
+        summary.tokens
+    );
+    println!(
+        "  wall time {:.1}s, throughput {:.2} samples/s, {:.0} tokens/s",
+        summary.seconds, summary.samples_per_second, summary.tokens_per_second
+    );
+    for process in &summary.processes {
+        println!(
+            "  {:<10} {:<7} device {:<7} busy {:>4}  tok/s {:>8}  samples {:>5}  loss {:>7}  exit {}{}",
+            process.name,
+            process.role,
+            process.device,
+            percent(process.busy_fraction),
+            process.tokens_per_second.map_or("-".to_string(), |value| format!("{value:.0}")),
+            process.samples,
+            process.loss.map_or("-".to_string(), |loss| format!("{loss:.3}")),
+            process.exit_code.map_or("?".to_string(), |code| code.to_string()),
+            process.checkpoint.as_ref().map_or(String::new(), |path| format!("  checkpoint {}", path.display())),
+        );
+    }
+    if let Some(loss) = summary.final_loss {
+        println!("  final loss (mean over drafters): {loss:.4}");
+    }
+    match (
+        summary.acceptance_length,
+        &summary.acceptance_length_drafter,
+    ) {
+        (Some(tau), Some(drafter)) => println!(
+            "  τ (mean acceptance length) on {} held-out prompts: {tau:.2}  [{drafter}]",
+            summary.held_out_prompts
+        ),
+        _ => println!("  τ: not measured (no checkpoint or no held-out prompts)"),
+    }
+    println!("  logs: {}", summary.workdir.join("logs").display());
+    println!("  result: {}", if summary.ok { "OK" } else { "FAILED" });
+}

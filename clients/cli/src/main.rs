@@ -1,0 +1,180 @@
+//! The `dflash` binary: subcommand parsing and dispatch.
+
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use dflash_cli::{demo, local, top};
+use dflash_client::{BrokerClient, ClientOptions};
+use tokio_util::sync::CancellationToken;
+
+/// dflash: train DFlash speculative-decoding drafters from a target model's
+/// hidden states, with every GPU busy.
+#[derive(Debug, Parser)]
+#[command(name = "dflash", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the whole pipeline on this machine: a broker, targets and drafters
+    /// as separate processes on loopback (default: the tiny model on the CPU).
+    Local(local::LocalArgs),
+    /// Print one snapshot of the broker's status (`--json` for scripts).
+    Status {
+        #[arg(long, env = "DFLASH_BROKER", default_value = "http://127.0.0.1:50051")]
+        broker: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Live view of every target and drafter, redrawn in place; idle devices stand out.
+    Top {
+        #[arg(long, env = "DFLASH_BROKER", default_value = "http://127.0.0.1:50051")]
+        broker: String,
+        /// Redraw interval in milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        interval_ms: u64,
+    },
+    /// Speculative decoding with a trained drafter; prints the mean acceptance length τ.
+    Eval {
+        #[arg(long)]
+        target_model: PathBuf,
+        /// A drafter checkpoint directory, or a drafter-server --output folder (its latest checkpoint).
+        #[arg(long)]
+        drafter: PathBuf,
+        /// Held-out prompts, pre-tokenized JSONL (`{"input_ids": [...]}`).
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        #[arg(long, default_value = "cpu")]
+        device: String,
+    },
+    /// Write the tiny Qwen3 test model (config, weights, tokenizer, chat template) into DIR.
+    InitTiny {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Write the tiny Llama-3 instead.
+        #[arg(long)]
+        llama: bool,
+    },
+}
+
+async fn connect(broker: &str) -> anyhow::Result<BrokerClient> {
+    BrokerClient::connect(broker.to_string(), ClientOptions::default())
+        .await
+        .with_context(|| format!("connecting to the broker at {broker}"))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Local(args) => {
+            let interrupt = CancellationToken::new();
+            let on_signal = interrupt.clone();
+            tokio::spawn(async move {
+                if tokio::signal::ctrl_c().await.is_ok() {
+                    on_signal.cancel();
+                }
+            });
+            let summary = local::run(args, interrupt).await?;
+            if !summary.ok {
+                std::process::exit(1);
+            }
+        }
+        Command::Status { broker, json } => {
+            let snapshot = connect(&broker).await?.status().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&snapshot)?);
+            } else {
+                print!(
+                    "{}",
+                    top::render(&snapshot, &broker, top::RenderOptions { color: false })
+                );
+            }
+        }
+        Command::Top {
+            broker,
+            interval_ms,
+        } => {
+            let client = connect(&broker).await?;
+            let mut stream = client
+                .watch_status(Duration::from_millis(interval_ms))
+                .await?;
+            let color = std::io::stdout().is_terminal();
+            loop {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => break,
+                    message = stream.message() => match message {
+                        Ok(Some(snapshot)) => print!("\x1b[H\x1b[2J{}", top::render(&snapshot, &broker, top::RenderOptions { color })),
+                        Ok(None) => break,
+                        Err(status) => anyhow::bail!("broker status stream ended: {status}"),
+                    },
+                }
+            }
+        }
+        Command::Eval {
+            target_model,
+            drafter,
+            data,
+            max_new_tokens,
+            device,
+        } => {
+            let device =
+                dflash_drafter_server::config::parse_device(&device).map_err(anyhow::Error::msg)?;
+            let checkpoint = match dflash_drafter_server::checkpoints::latest_checkpoint(&drafter)?
+            {
+                Some(latest) if !drafter.join("config.json").exists() => latest,
+                _ => drafter.clone(),
+            };
+            let prompts = demo::read_prompts(&data)?;
+            let report = tokio::task::spawn_blocking(move || {
+                dflash_drafter_server::eval::evaluate(
+                    &target_model,
+                    &checkpoint,
+                    &prompts,
+                    max_new_tokens,
+                    device,
+                )
+            })
+            .await??;
+            println!(
+                "τ (mean acceptance length) {:.3} over {} prompts, {} verification steps, {} tokens generated, block size {}, {:.1}s",
+                report.mean_acceptance_length,
+                report.prompts,
+                report.verification_steps,
+                report.generated_tokens,
+                report.block_size,
+                report.seconds
+            );
+        }
+        Command::InitTiny { dir, seed, llama } => {
+            let mut spec = if llama {
+                dflash_model::tiny::TinyModelSpec::llama()
+            } else {
+                dflash_model::tiny::TinyModelSpec::default()
+            };
+            spec.seed = seed;
+            dflash_model::tiny::write_tiny_model(&dir, &spec)
+                .with_context(|| format!("writing the tiny model to {}", dir.display()))?;
+            println!(
+                "wrote a tiny {:?} model to {}",
+                spec.architecture,
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,411 @@
+//! `dflash top` and `dflash status`: the broker's status snapshot as a table
+//! an operator reads at a glance, with idle devices marked. Rendering is a
+//! pure function of the snapshot so it is tested without a terminal.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use dflash_proto::v1 as proto;
+
+/// A connected device busy less than this fraction of the time is IDLE.
+pub const IDLE_BUSY_FRACTION: f64 = 0.05;
+
+#[derive(Debug, Clone, Copy)]
+pub struct RenderOptions {
+    /// ANSI colours (red reverse video for idle rows).
+    pub color: bool,
+}
+
+fn human_bytes(bytes: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{value:.0} {}", UNITS[unit])
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+fn human_count(value: f64) -> String {
+    if value >= 1e6 {
+        format!("{:.1}M", value / 1e6)
+    } else if value >= 1e4 {
+        format!("{:.1}k", value / 1e3)
+    } else {
+        format!("{value:.0}")
+    }
+}
+
+fn human_duration(duration: Duration) -> String {
+    let seconds = duration.as_secs();
+    if seconds >= 3600 {
+        format!("{}h{:02}m", seconds / 3600, (seconds % 3600) / 60)
+    } else if seconds >= 60 {
+        format!("{}m{:02}s", seconds / 60, seconds % 60)
+    } else {
+        format!("{:.1}s", duration.as_secs_f64())
+    }
+}
+
+fn state_name(state: proto::BrokerState) -> &'static str {
+    match state {
+        proto::BrokerState::Running => "RUNNING",
+        proto::BrokerState::Draining => "DRAINING",
+        proto::BrokerState::Complete => "COMPLETE",
+        proto::BrokerState::Aborted => "ABORTED",
+        proto::BrokerState::Unspecified => "UNKNOWN",
+    }
+}
+
+fn target_state_name(state: proto::TargetState) -> &'static str {
+    match state {
+        proto::TargetState::Connected => "producing",
+        proto::TargetState::Disconnected => "disconnected",
+        proto::TargetState::Done => "done",
+        proto::TargetState::Failed => "FAILED",
+        proto::TargetState::Unspecified => "unknown",
+    }
+}
+
+/// Seconds until every expected item is acked at the recent rate, when the
+/// data size is known.
+pub fn eta(snapshot: &proto::StatusSnapshot) -> Option<Duration> {
+    let expected = snapshot.summary.as_ref()?.expected_items;
+    if expected == 0 || snapshot.items_per_second <= 0.0 {
+        return None;
+    }
+    let remaining = expected.saturating_sub(snapshot.acked_items + snapshot.dead_letters);
+    Some(Duration::from_secs_f64(
+        remaining as f64 / snapshot.items_per_second,
+    ))
+}
+
+/// Why a connected, idle device is idle, from what the broker knows.
+fn idle_reason_drafter(
+    snapshot: &proto::StatusSnapshot,
+    drafter: &proto::DrafterStatus,
+) -> &'static str {
+    if snapshot.queued_items == 0 && drafter.leased_items == 0 {
+        "starved: queue empty"
+    } else if drafter.credit.is_some_and(|credit| credit.items == 0) {
+        "no credit"
+    } else {
+        "holding data, not computing"
+    }
+}
+
+fn idle_reason_target(snapshot: &proto::StatusSnapshot) -> &'static str {
+    let held = snapshot.queued_bytes + snapshot.leased_bytes;
+    if snapshot.max_queue_bytes > 0 && held as f64 >= 0.95 * snapshot.max_queue_bytes as f64 {
+        "blocked: broker queue full"
+    } else {
+        "not computing"
+    }
+}
+
+struct Row {
+    role: &'static str,
+    id: String,
+    device: String,
+    state: String,
+    busy: Option<f64>,
+    tokens_per_second: Option<f64>,
+    samples: String,
+    leased: String,
+    loss: String,
+    last_seen: Duration,
+    /// Set when the device is connected and idle: why.
+    idle: Option<&'static str>,
+}
+
+fn rows(snapshot: &proto::StatusSnapshot) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for target in &snapshot.targets {
+        let stats = target.stats.clone().unwrap_or_default();
+        let state = target.state();
+        let live = state == proto::TargetState::Connected;
+        let busy = target.stats.as_ref().map(|stats| stats.busy_fraction);
+        let samples = if stats.samples_total > 0 {
+            format!(
+                "{}/{}",
+                stats.samples_done.max(target.accepted_items),
+                stats.samples_total
+            )
+        } else {
+            target.accepted_items.to_string()
+        };
+        rows.push(Row {
+            role: "target",
+            id: target.target_id.clone(),
+            device: stats.device.clone(),
+            state: if state == proto::TargetState::Failed {
+                format!("FAILED: {}", target.failure_reason)
+            } else {
+                target_state_name(state).to_string()
+            },
+            busy,
+            tokens_per_second: target.stats.as_ref().map(|stats| stats.tokens_per_second),
+            samples,
+            leased: "-".to_string(),
+            loss: "-".to_string(),
+            last_seen: Duration::from_millis(target.last_seen_ms_ago),
+            idle: (live && busy.unwrap_or(0.0) < IDLE_BUSY_FRACTION)
+                .then(|| idle_reason_target(snapshot)),
+        });
+    }
+    for drafter in &snapshot.drafters {
+        let stats = drafter.stats.clone().unwrap_or_default();
+        let busy = drafter.stats.as_ref().map(|stats| stats.busy_fraction);
+        let running = matches!(
+            snapshot.state(),
+            proto::BrokerState::Running | proto::BrokerState::Draining
+        );
+        rows.push(Row {
+            role: "drafter",
+            id: drafter.drafter_id.clone(),
+            device: stats.device.clone(),
+            state: if drafter.connected {
+                "training".to_string()
+            } else {
+                "gone".to_string()
+            },
+            busy,
+            tokens_per_second: drafter.stats.as_ref().map(|stats| stats.tokens_per_second),
+            samples: format!("{}", stats.samples_trained.max(drafter.acked_items)),
+            leased: drafter.leased_items.to_string(),
+            loss: drafter
+                .stats
+                .as_ref()
+                .map_or("-".to_string(), |stats| format!("{:.3}", stats.loss)),
+            last_seen: Duration::from_millis(drafter.last_seen_ms_ago),
+            idle: (drafter.connected && running && busy.unwrap_or(0.0) < IDLE_BUSY_FRACTION)
+                .then(|| idle_reason_drafter(snapshot, drafter)),
+        });
+    }
+    rows
+}
+
+/// The whole screen: a header line, then one row per target and drafter.
+pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOptions) -> String {
+    let mut out = String::new();
+    let held = snapshot.queued_bytes + snapshot.leased_bytes;
+    let _ = writeln!(
+        out,
+        "dflash top  {broker}  state {}  targets done {}/{}  queued {} items ({} held of {})  leased {}  dead letters {}",
+        state_name(snapshot.state()),
+        snapshot.done_targets,
+        snapshot.expected_targets,
+        snapshot.queued_items,
+        human_bytes(held as f64),
+        human_bytes(snapshot.max_queue_bytes as f64),
+        snapshot.leased_items,
+        snapshot.dead_letters,
+    );
+    let eta_text = eta(snapshot).map_or("ETA -".to_string(), |eta| {
+        format!("ETA {}", human_duration(eta))
+    });
+    let expected = snapshot
+        .summary
+        .as_ref()
+        .map_or(0, |summary| summary.expected_items);
+    let _ = writeln!(
+        out,
+        "trained {}/{} samples  throughput {:.1} items/s {}/s  accepted {} ({})  redelivered {}  rejected {}  {eta_text}  up {}",
+        snapshot.acked_items,
+        if expected > 0 { expected.to_string() } else { "?".to_string() },
+        snapshot.items_per_second,
+        human_bytes(snapshot.bytes_per_second),
+        snapshot.accepted_items,
+        human_bytes(snapshot.accepted_bytes as f64),
+        snapshot.redelivered_items,
+        snapshot.rejected_items,
+        human_duration(Duration::from_millis(snapshot.uptime_ms)),
+    );
+    if !snapshot.abort_reason.is_empty() {
+        let _ = writeln!(out, "ABORTED: {}", snapshot.abort_reason);
+    }
+    let _ = writeln!(
+        out,
+        "{:<8} {:<14} {:<8} {:<13} {:>9} {:>8} {:>11} {:>6} {:>7} {:>9}",
+        "ROLE", "ID", "DEVICE", "STATE", "BUSY", "TOK/S", "SAMPLES", "LEASED", "LOSS", "LAST SEEN"
+    );
+    for row in rows(snapshot) {
+        let busy = row
+            .busy
+            .map_or("-".to_string(), |busy| format!("{:.0}%", busy * 100.0));
+        let busy = if row.idle.is_some() {
+            format!("IDLE {busy}")
+        } else {
+            busy
+        };
+        let mut line = format!(
+            "{:<8} {:<14} {:<8} {:<13} {:>9} {:>8} {:>11} {:>6} {:>7} {:>9}",
+            row.role,
+            row.id,
+            if row.device.is_empty() {
+                "-"
+            } else {
+                &row.device
+            },
+            row.state,
+            busy,
+            row.tokens_per_second.map_or("-".to_string(), human_count),
+            row.samples,
+            row.leased,
+            row.loss,
+            human_duration(row.last_seen),
+        );
+        if let Some(reason) = row.idle {
+            line = format!("{line}  <-- IDLE ({reason})");
+            if options.color {
+                line = format!("\x1b[1;41;97m{line}\x1b[0m");
+            }
+        }
+        let _ = writeln!(out, "{line}");
+    }
+    for dead in snapshot.dead_letter_items.iter().take(5) {
+        let _ = writeln!(
+            out,
+            "dead letter: {} seq {} after {} deliveries: {}",
+            dead.target_id, dead.seq, dead.deliveries, dead.reason
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot() -> proto::StatusSnapshot {
+        proto::StatusSnapshot {
+            state: proto::BrokerState::Running as i32,
+            expected_targets: 5,
+            done_targets: 1,
+            queued_items: 0,
+            max_queue_bytes: 2 << 30,
+            items_per_second: 10.0,
+            summary: Some(proto::RunSummary {
+                expected_items: 1000,
+                ..Default::default()
+            }),
+            acked_items: 400,
+            targets: vec![proto::TargetStatus {
+                target_id: "target-0".into(),
+                state: proto::TargetState::Connected as i32,
+                stats: Some(proto::ProducerStats {
+                    busy_fraction: 0.97,
+                    device: "cuda:0".into(),
+                    tokens_per_second: 27_000.0,
+                    samples_done: 10,
+                    samples_total: 200,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            drafters: vec![
+                proto::DrafterStatus {
+                    drafter_id: "drafter-0".into(),
+                    connected: true,
+                    stats: Some(proto::ConsumerStats {
+                        busy_fraction: 0.9,
+                        device: "cuda:1".into(),
+                        loss: 2.5,
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                proto::DrafterStatus {
+                    drafter_id: "drafter-2".into(),
+                    connected: true,
+                    stats: Some(proto::ConsumerStats {
+                        busy_fraction: 0.0,
+                        device: "cuda:3".into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn idle_drafter_is_marked_with_its_reason() {
+        let screen = render(
+            &snapshot(),
+            "http://broker:50051",
+            RenderOptions { color: false },
+        );
+        let idle_line = screen
+            .lines()
+            .find(|line| line.contains("drafter-2"))
+            .unwrap();
+        assert!(idle_line.contains("IDLE 0%"), "{idle_line}");
+        assert!(
+            idle_line.contains("<-- IDLE (starved: queue empty)"),
+            "{idle_line}"
+        );
+        let busy_line = screen
+            .lines()
+            .find(|line| line.contains("drafter-0"))
+            .unwrap();
+        assert!(!busy_line.contains("IDLE"), "{busy_line}");
+        let target_line = screen
+            .lines()
+            .find(|line| line.contains("target-0"))
+            .unwrap();
+        assert!(
+            target_line.contains("97%")
+                && target_line.contains("27.0k")
+                && target_line.contains("10/200"),
+            "{target_line}"
+        );
+    }
+
+    #[test]
+    fn colour_highlights_only_idle_rows() {
+        let screen = render(&snapshot(), "b", RenderOptions { color: true });
+        let idle_line = screen
+            .lines()
+            .find(|line| line.contains("drafter-2"))
+            .unwrap();
+        assert!(idle_line.starts_with("\x1b[1;41;97m"));
+        let busy_line = screen
+            .lines()
+            .find(|line| line.contains("drafter-0"))
+            .unwrap();
+        assert!(!busy_line.contains('\x1b'));
+    }
+
+    #[test]
+    fn header_shows_progress_and_eta() {
+        let screen = render(&snapshot(), "b", RenderOptions { color: false });
+        let header: Vec<&str> = screen.lines().take(2).collect();
+        assert!(
+            header[0].contains("state RUNNING") && header[0].contains("targets done 1/5"),
+            "{}",
+            header[0]
+        );
+        // 600 items left at 10 items/s.
+        assert!(
+            header[1].contains("ETA 10m00s") && header[1].contains("trained 400/1000"),
+            "{}",
+            header[1]
+        );
+    }
+
+    #[test]
+    fn finished_run_marks_nobody_idle() {
+        let mut finished = snapshot();
+        finished.state = proto::BrokerState::Complete as i32;
+        finished.targets[0].state = proto::TargetState::Done as i32;
+        let screen = render(&finished, "b", RenderOptions { color: false });
+        assert!(!screen.contains("<-- IDLE"), "{screen}");
+    }
+}
