@@ -34,6 +34,7 @@ lint:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 test-rust: setup
+	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace --no-fail-fast
 
 check-grpcurl: setup
