@@ -18,6 +18,7 @@ use crate::config::SyntheticSpec;
 use bytes::Bytes;
 use dflash_model::target::TargetModel;
 use dflash_proto::v1::{Dtype, Sample, Tensor as WireTensor};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -201,12 +202,18 @@ pub struct ComputedBatch {
     pub hidden: HiddenStates,
     /// When the forward started (for the busy-time estimate).
     pub forward_started: Instant,
+    /// The batch's trace span: it ends when the batch reaches host memory.
+    pub span: tracing::Span,
+    /// W3C context of `span`, carried in every item of the batch.
+    pub trace_context: HashMap<String, String>,
 }
 
 /// One sample ready to send.
 #[derive(Debug, Clone)]
 pub struct ReadySample {
     pub seq: u64,
+    /// W3C trace context of the batch that made it (empty without tracing).
+    pub trace_context: HashMap<String, String>,
     pub line_number: u64,
     pub tokens: u64,
     pub sample: Sample,
@@ -237,19 +244,33 @@ pub fn run_compute_thread(
         if stop.is_cancelled() {
             break;
         }
+        let span = tracing::debug_span!(
+            target: dflash_telemetry::TRACE_TARGET,
+            "target.batch",
+            samples = batch.samples.len(),
+            tokens = batch.real_tokens(),
+            padded_length = batch.padded_length(),
+            first_seq = batch.samples.first().map(|sample| sample.seq),
+        );
+        let trace_context = dflash_telemetry::inject_context_of(&span);
         let forward_started = Instant::now();
-        let hidden = match &mut backend {
-            Backend::Target { model, layer_ids } => {
-                HiddenStates::Batched(forward(model, layer_ids, &batch)?)
-            }
-            Backend::Synthetic(synthetic) => {
-                HiddenStates::PerSample(synthetic.produce(&batch, &stop))
+        let hidden = {
+            let _entered = span.enter();
+            match &mut backend {
+                Backend::Target { model, layer_ids } => {
+                    HiddenStates::Batched(forward(model, layer_ids, &batch)?)
+                }
+                Backend::Synthetic(synthetic) => {
+                    HiddenStates::PerSample(synthetic.produce(&batch, &stop))
+                }
             }
         };
         let item = ComputedBatch {
             batch,
             hidden,
             forward_started,
+            span,
+            trace_context,
         };
         if computed.send(item).is_err() {
             break;
@@ -301,6 +322,8 @@ pub fn run_host_copy_thread(
             batch,
             hidden,
             forward_started,
+            span,
+            trace_context,
         } = item;
         let payloads = match hidden {
             HiddenStates::PerSample(payloads) => payloads,
@@ -327,6 +350,7 @@ pub fn run_host_copy_thread(
                 let width = (hidden_payload.len() / 2).checked_div(tokens).unwrap_or(0);
                 ReadySample {
                     seq: sequenced.seq,
+                    trace_context: trace_context.clone(),
                     line_number: sequenced.line_number,
                     tokens: tokens as u64,
                     sample: build_sample(
@@ -338,6 +362,7 @@ pub fn run_host_copy_thread(
                 }
             })
             .collect();
+        drop(span);
         counters.tokens_computed.fetch_add(
             samples.iter().map(|sample| sample.tokens).sum(),
             Ordering::Relaxed,

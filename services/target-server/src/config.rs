@@ -232,6 +232,10 @@ pub struct TargetServerConfig {
     #[arg(long, env = "DFLASH_MAX_RECONNECTS", default_value_t = DEFAULT_MAX_RECONNECTS)]
     pub max_reconnects: u32,
 
+    /// Log line format on stderr: text or json.
+    #[arg(long, env = "DFLASH_LOG_FORMAT", value_enum, default_value_t = dflash_telemetry::LogFormat::Text)]
+    pub log_format: dflash_telemetry::LogFormat,
+
     /// Seconds to wait for the broker to answer the last items (at the end,
     /// or on shutdown).
     #[arg(long, env = "DFLASH_FINISH_TIMEOUT_SECONDS", default_value_t = DEFAULT_FINISH_TIMEOUT_SECONDS)]
@@ -265,6 +269,7 @@ impl TargetServerConfig {
             num_shards: None,
             stats_interval_seconds: DEFAULT_STATS_INTERVAL_SECONDS,
             max_reconnects: DEFAULT_MAX_RECONNECTS,
+            log_format: dflash_telemetry::LogFormat::Text,
             finish_timeout_seconds: DEFAULT_FINISH_TIMEOUT_SECONDS,
         }
     }

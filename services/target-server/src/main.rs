@@ -4,7 +4,6 @@
 use clap::Parser;
 use dflash_target_server::{run, TargetServerConfig};
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 /// Exit code when stopped by a signal before the shard was done.
 const EXIT_INTERRUPTED: u8 = 2;
@@ -12,16 +11,18 @@ const EXIT_INTERRUPTED: u8 = 2;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let config = TargetServerConfig::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let telemetry = match dflash_telemetry::init("target-server", config.log_format) {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!("target-server: {error}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     let shutdown = CancellationToken::new();
     let signal_watch = tokio::spawn(cancel_on_signal(shutdown.clone()));
     let outcome = run(config, shutdown.clone()).await;
     signal_watch.abort();
+    telemetry.flush();
     match outcome {
         Ok(report) if !report.completed => {
             tracing::warn!(

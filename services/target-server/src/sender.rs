@@ -19,7 +19,7 @@ pub struct ResilientProducer {
     target_id: String,
     producer: Producer,
     /// The last `window` samples sent, for re-sending after a reconnect.
-    recent: VecDeque<(u64, Sample)>,
+    recent: VecDeque<(u64, Sample, HashMap<String, String>)>,
     window: usize,
     max_reconnects: u32,
     pub reconnects: u32,
@@ -55,16 +55,24 @@ impl ResilientProducer {
         self.producer.accepted_before()
     }
 
-    pub async fn send(&mut self, seq: u64, sample: Sample) -> Result<(), ClientError> {
-        self.recent.push_back((seq, sample.clone()));
+    /// Sends one item; `trace_context` is the W3C context of the span that
+    /// made it.
+    pub async fn send(
+        &mut self,
+        seq: u64,
+        sample: Sample,
+        trace_context: HashMap<String, String>,
+    ) -> Result<(), ClientError> {
+        self.recent
+            .push_back((seq, sample.clone(), trace_context.clone()));
         while self.recent.len() > self.window {
             self.recent.pop_front();
         }
-        let mut pending: Vec<(u64, Sample)> = vec![(seq, sample)];
+        let mut pending = vec![(seq, sample, trace_context)];
         loop {
             let mut failure = None;
-            for (seq, sample) in pending.drain(..) {
-                if let Err(error) = self.producer.send(seq, sample, HashMap::new()).await {
+            for (seq, sample, trace_context) in pending.drain(..) {
+                if let Err(error) = self.producer.send(seq, sample, trace_context).await {
                     failure = Some(error);
                     break;
                 }
@@ -77,7 +85,7 @@ impl ResilientProducer {
             pending = self
                 .recent
                 .iter()
-                .filter(|(seq, _)| resume.is_none_or(|resume| *seq > resume))
+                .filter(|(seq, _, _)| resume.is_none_or(|resume| *seq > resume))
                 .cloned()
                 .collect();
         }

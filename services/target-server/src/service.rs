@@ -502,7 +502,9 @@ async fn run_with_threads(
             ready = ready_receiver.recv() => {
                 let Some(samples) = ready else { break };
                 for ready_sample in samples {
-                    producer.send(ready_sample.seq, ready_sample.sample).await?;
+                    producer
+                        .send(ready_sample.seq, ready_sample.sample, ready_sample.trace_context)
+                        .await?;
                     samples_sent += 1;
                     tokens_sent += ready_sample.tokens;
                 }

@@ -302,3 +302,62 @@ async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
     broker.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_shard() -> Result<()>
+{
+    let broker = TestBroker::start(1).await?;
+    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    // 40 samples of 16 tokens at 800 tokens/s: about 0.8 s of work.
+    let model: ModelSource = "synthetic:hidden=16,layers=2,tokens_per_s=800,samples=40,seq_len=16"
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.max_batch_tokens = 32;
+    config.sort_window = 8;
+
+    let shutdown = CancellationToken::new();
+    let first_run = tokio::spawn(run(config.clone(), shutdown.clone()));
+    let client = broker.client().await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let accepted = client.status().await?.accepted_items;
+        if accepted >= 6 {
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "target made no progress"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    shutdown.cancel();
+    let interrupted = first_run.await??;
+    ensure!(!interrupted.completed, "{interrupted:?}");
+    ensure!(
+        interrupted.total_accepted >= 6 && interrupted.total_accepted < 40,
+        "{interrupted:?}"
+    );
+    ensure!(client.status().await?.done_targets == 0);
+
+    let resumed = run(config, CancellationToken::new()).await?;
+    ensure!(resumed.completed);
+    ensure!(
+        resumed.resume_after_seq == Some(interrupted.total_accepted - 1),
+        "{resumed:?}"
+    );
+    ensure!(resumed.total_accepted == 40 && resumed.duplicates == 0);
+    ensure!(resumed.samples_sent == 40 - interrupted.total_accepted);
+
+    let drained = drafter.await??;
+    let mut seqs: Vec<u64> = drained
+        .deliveries
+        .iter()
+        .map(|delivery| delivery.seq)
+        .collect();
+    seqs.sort_unstable();
+    ensure!(seqs == (0..40).collect::<Vec<u64>>(), "{seqs:?}");
+    ensure!(drained.end_of_stream.status() == proto::RunStatus::Complete);
+    broker.stop().await;
+    Ok(())
+}
