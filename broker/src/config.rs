@@ -142,6 +142,11 @@ pub struct BrokerConfig {
 
     #[arg(long, env = "DFLASH_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
+
+    /// Address for the Prometheus text endpoint (`GET /metrics`), e.g.
+    /// 0.0.0.0:9090. No endpoint when not given.
+    #[arg(long, env = "DFLASH_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl BrokerConfig {
@@ -160,6 +165,7 @@ impl BrokerConfig {
             shutdown_timeout: Duration::from_secs(10),
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),
+            metrics_listen: None,
         }
     }
 

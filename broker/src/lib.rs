@@ -12,16 +12,22 @@
 //! - `convert`: queue types ↔ `dflash.v1` messages; queue errors → status codes.
 //! - `service`: the tonic `Broker` implementation, a thin adapter that runs
 //!   queue operations under one lock and routes effects to streams.
-//! - `server`: [`serve`], which adds health and reflection and bounds shutdown.
-//! - `main.rs`: the `broker` binary (flags, logging, signals, bind).
+//! - `server`: [`serve`], which adds health and reflection, the optional
+//!   metrics endpoint, and bounds shutdown.
+//! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
+//! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).
+//!
+//! Per-item `enqueue` and `deliver` spans join the trace whose context the
+//! target put in the item (`dflash-telemetry`).
 //!
 //! Must not depend on libtorch or any model code.
 
 pub mod config;
 pub mod convert;
+pub mod metrics;
 pub mod queue;
 pub mod server;
 pub mod service;
 
 pub use config::BrokerConfig;
-pub use server::{serve, ServeError};
+pub use server::{serve, serve_with_metrics, ServeError};

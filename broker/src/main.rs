@@ -1,9 +1,9 @@
-//! The `broker` binary: flags, logging, signals and bind; everything else is
-//! in the library.
+//! The `broker` binary: flags, telemetry, signals and bind; everything else
+//! is in the library.
 
 use clap::Parser;
+use dflash_telemetry::LogFormat;
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 /// The dflash broker: the shared hidden-state queue between target-servers
 /// and drafter-servers, with the completion counter and end-of-stream.
@@ -13,23 +13,17 @@ struct Cli {
     #[command(flatten)]
     config: dflash_broker::BrokerConfig,
 
-    /// Log format: text or json.
-    #[arg(long, env = "DFLASH_LOG_FORMAT", default_value = "text")]
-    log_format: String,
+    /// Log format. Spans are exported over OTLP/gRPC when
+    /// OTEL_EXPORTER_OTLP_ENDPOINT is set.
+    #[arg(long, env = "DFLASH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    if cli.log_format == "json" {
-        tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .json()
-            .init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
+    // Held to the end of main: dropping it flushes the last spans.
+    let _telemetry = dflash_telemetry::init("dflash-broker", cli.log_format)?;
     cli.config.validate()?;
     let listener = tokio::net::TcpListener::bind(cli.config.listen)
         .await

@@ -1,6 +1,7 @@
 //! Serving the broker: the tonic server with health and reflection, the
 //! background ticker, and a shutdown bounded in time.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,13 +31,43 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("cannot listen for metrics on {address}: {source}")]
+    MetricsListen {
+        address: SocketAddr,
+        source: std::io::Error,
+    },
 }
+
+/// How long the metrics endpoint gets to stop once the broker is stopping.
+const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Serves the broker on `listener` until `shutdown` is cancelled, then ends
 /// every open stream (UNAVAILABLE), reports NOT_SERVING, and returns within
-/// `config.shutdown_timeout` even if a peer does not go away.
+/// `config.shutdown_timeout` even if a peer does not go away. When
+/// `config.metrics_listen` is set, also serves Prometheus metrics there.
 pub async fn serve(
     listener: TcpListener,
+    config: BrokerConfig,
+    shutdown: CancellationToken,
+) -> Result<(), ServeError> {
+    config.validate()?;
+    let metrics_listener = match config.metrics_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .map_err(|source| ServeError::MetricsListen { address, source })?,
+        ),
+        None => None,
+    };
+    serve_with_metrics(listener, metrics_listener, config, shutdown).await
+}
+
+/// [`serve`] with the metrics endpoint on an already bound listener (tests
+/// bind `127.0.0.1:0` to learn the port) instead of `config.metrics_listen`,
+/// or none.
+pub async fn serve_with_metrics(
+    listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
     config: BrokerConfig,
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
@@ -61,6 +92,16 @@ pub async fn serve(
         .build_v1alpha()?;
 
     let ticker = tokio::spawn(shared.clone().run_ticker());
+    let metrics_stop = CancellationToken::new();
+    let metrics = metrics_listener.map(|metrics_listener| {
+        info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");
+        let shared = shared.clone();
+        tokio::spawn(dflash_telemetry::serve_metrics(
+            metrics_listener,
+            move || shared.metrics_text(),
+            metrics_stop.clone(),
+        ))
+    });
     let local_address = listener.local_addr().ok();
     info!(address = ?local_address, expected_targets = config.expected_targets, "broker listening");
 
@@ -92,6 +133,7 @@ pub async fn serve(
             // The server ended on its own (listener failure).
             internal.cancel();
             ticker.abort();
+            stop_metrics(metrics, &metrics_stop).await;
             return match result {
                 Ok(outcome) => outcome.map_err(ServeError::from),
                 Err(join_error) => {
@@ -123,6 +165,7 @@ pub async fn serve(
         }
     }
     ticker.abort();
+    stop_metrics(metrics, &metrics_stop).await;
     let tasks = shared.tasks().clone();
     tasks.close();
     if tokio::time::timeout(Duration::from_secs(2), tasks.wait())
@@ -134,4 +177,19 @@ pub async fn serve(
     drop::<Arc<Shared>>(shared);
     info!("broker stopped");
     Ok(())
+}
+
+/// Stops the metrics endpoint (it serves until the gRPC side has drained, so
+/// the final state can still be scraped) and waits for it, bounded.
+async fn stop_metrics(metrics: Option<tokio::task::JoinHandle<()>>, stop: &CancellationToken) {
+    stop.cancel();
+    if let Some(mut metrics) = metrics {
+        if tokio::time::timeout(METRICS_STOP_TIMEOUT, &mut metrics)
+            .await
+            .is_err()
+        {
+            warn!("metrics endpoint did not stop in time");
+            metrics.abort();
+        }
+    }
 }

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::broker_server::Broker;
+use dflash_telemetry::TRACE_TARGET;
 use futures::Stream;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
@@ -21,11 +22,11 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::{debug, info, warn};
+use tracing::{debug, info, warn, Instrument};
 
 use crate::config::BrokerConfig;
 use crate::convert::{self, WirePayload};
-use crate::queue::{ConnectionId, Effect, Queue, QueueError};
+use crate::queue::{ConnectionId, Effect, Queue, QueueError, RejectReason};
 
 /// How long a new stream may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -52,6 +53,27 @@ impl Locked {
                     let Some(outbox) = self.consumer_outboxes.get(&connection) else {
                         continue;
                     };
+                    // Joins the producer's trace; disabled (and nearly free)
+                    // unless spans are exported.
+                    let span = tracing::debug_span!(
+                        target: TRACE_TARGET,
+                        "deliver",
+                        target_id = %delivery.target_id,
+                        seq = delivery.seq,
+                        delivery_id = delivery.delivery_id,
+                        delivery_count = delivery.delivery_count,
+                        drafter_id = tracing::field::Empty,
+                    );
+                    if !span.is_disabled() {
+                        if let Some(drafter_id) = self.queue.drafter_id_of(connection) {
+                            span.record("drafter_id", drafter_id);
+                        }
+                        dflash_telemetry::set_parent_from(
+                            &span,
+                            &delivery.payload.item.trace_context,
+                        );
+                    }
+                    let _entered = span.enter();
                     let message = proto::ConsumeResponse {
                         kind: Some(proto::consume_response::Kind::Delivery(proto::Delivery {
                             delivery_id: delivery.delivery_id,
@@ -173,6 +195,13 @@ impl Shared {
         convert::snapshot_to_proto(&snapshot)
     }
 
+    /// The Prometheus text exposition of the current state. The snapshot is
+    /// taken under the lock; the text is formatted after it is released.
+    pub(crate) fn metrics_text(&self) -> String {
+        let snapshot = self.locked.lock().queue.snapshot(Instant::now());
+        crate::metrics::render(&snapshot)
+    }
+
     /// Periodic lease expiry, target liveness and throughput sampling.
     pub(crate) async fn run_ticker(self: Arc<Self>) {
         let mut interval = tokio::time::interval(self.config.tick_interval());
@@ -286,19 +315,28 @@ async fn first_message<T>(inbound: &mut Streaming<T>) -> Result<T, Status> {
 }
 
 impl BrokerService {
-    /// Validates a producer's item; the reason names the bad value.
-    fn check_item(&self, item: &proto::Item) -> Result<u64, String> {
+    /// Validates a producer's item; the message names the bad value.
+    fn check_item(&self, item: &proto::Item) -> Result<u64, (RejectReason, String)> {
         let Some(sample) = &item.sample else {
-            return Err(format!("item seq {} has no sample", item.seq));
+            return Err((
+                RejectReason::Malformed,
+                format!("item seq {} has no sample", item.seq),
+            ));
         };
-        sample
-            .validate()
-            .map_err(|error| format!("item seq {}: {error}", item.seq))?;
+        sample.validate().map_err(|error| {
+            (
+                RejectReason::Malformed,
+                format!("item seq {}: {error}", item.seq),
+            )
+        })?;
         let bytes = sample.payload_bytes();
         if bytes > self.shared.config.max_item_bytes {
-            return Err(format!(
-                "item seq {}: {bytes} bytes exceeds the limit of {} bytes",
-                item.seq, self.shared.config.max_item_bytes
+            return Err((
+                RejectReason::TooLarge,
+                format!(
+                    "item seq {}: {bytes} bytes exceeds the limit of {} bytes",
+                    item.seq, self.shared.config.max_item_bytes
+                ),
             ));
         }
         Ok(bytes)
@@ -308,6 +346,7 @@ impl BrokerService {
     /// without reading further while the queue is full), records stats.
     async fn read_producer(
         self,
+        target_id: Arc<str>,
         connection: ConnectionId,
         mut inbound: Streaming<proto::ProduceRequest>,
     ) {
@@ -327,7 +366,7 @@ impl BrokerService {
             };
             match request.kind {
                 Some(proto::produce_request::Kind::Item(item)) => {
-                    if !self.accept_item(connection, item).await {
+                    if !self.accept_item(&target_id, connection, item).await {
                         break;
                     }
                 }
@@ -342,7 +381,11 @@ impl BrokerService {
                 }
                 Some(proto::produce_request::Kind::Hello(_)) | None => {
                     shared.with_queue(|locked, now| {
-                        locked.queue.count_rejected(connection, now);
+                        locked.queue.count_rejected(
+                            connection,
+                            RejectReason::UnexpectedMessage,
+                            now,
+                        );
                         locked.send_to_producer(
                             connection,
                             proto::produce_response::Kind::Rejected(proto::ItemRejected {
@@ -362,15 +405,39 @@ impl BrokerService {
     }
 
     /// Accepts one item; false when the stream must end (replaced, run over).
-    async fn accept_item(&self, connection: ConnectionId, item: proto::Item) -> bool {
+    /// The `enqueue` span joins the trace of the span that made the sample
+    /// and lasts until the item is queued, so time spent waiting for room
+    /// (backpressure) shows in the trace.
+    async fn accept_item(
+        &self,
+        target_id: &str,
+        connection: ConnectionId,
+        item: proto::Item,
+    ) -> bool {
+        let span = tracing::debug_span!(
+            target: TRACE_TARGET,
+            "enqueue",
+            target_id,
+            seq = item.seq,
+            connection,
+            outcome = tracing::field::Empty,
+        );
+        if !span.is_disabled() {
+            dflash_telemetry::set_parent_from(&span, &item.trace_context);
+        }
+        self.enqueue(connection, item).instrument(span).await
+    }
+
+    async fn enqueue(&self, connection: ConnectionId, item: proto::Item) -> bool {
         let shared = &self.shared;
         let seq = item.seq;
         let bytes = match self.check_item(&item) {
             Ok(bytes) => bytes,
-            Err(reason) => {
+            Err((reject_reason, reason)) => {
                 warn!(connection, seq, %reason, "item rejected");
+                tracing::Span::current().record("outcome", "rejected");
                 shared.with_queue(|locked, now| {
-                    locked.queue.count_rejected(connection, now);
+                    locked.queue.count_rejected(connection, reject_reason, now);
                     locked.send_to_producer(
                         connection,
                         proto::produce_response::Kind::Rejected(proto::ItemRejected {
@@ -414,7 +481,15 @@ impl BrokerService {
                 outcome
             });
             match outcome {
-                Ok(_) => return true,
+                Ok(accepted) => {
+                    let outcome = if accepted.duplicate {
+                        "duplicate"
+                    } else {
+                        "accepted"
+                    };
+                    tracing::Span::current().record("outcome", outcome);
+                    return true;
+                }
                 Err(QueueError::QueueFull { .. }) => {
                     // Stop reading this stream until room is freed: HTTP/2
                     // flow control then holds the target back.
@@ -424,9 +499,13 @@ impl BrokerService {
                     }
                 }
                 Err(QueueError::StaleConnection { .. } | QueueError::RunEnded { .. }) => {
-                    return false
+                    tracing::Span::current().record("outcome", "stream_ended");
+                    return false;
                 }
-                Err(_) => return true,
+                Err(_) => {
+                    tracing::Span::current().record("outcome", "rejected");
+                    return true;
+                }
             }
         }
     }
@@ -540,9 +619,10 @@ impl Broker for BrokerService {
             connection,
             role: Role::Producer,
         };
+        let target_id: Arc<str> = Arc::from(hello.target_id.as_str());
         self.shared
             .tasks
-            .spawn(self.clone().read_producer(connection, inbound));
+            .spawn(self.clone().read_producer(target_id, connection, inbound));
         Ok(Response::new(GuardedStream {
             inner: UnboundedReceiverStream::new(receiver),
             _guard: guard,

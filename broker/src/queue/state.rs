@@ -101,6 +101,40 @@ pub enum TargetState {
     Failed { reason: String },
 }
 
+/// Why an item was rejected: the label of the rejected-items metric, so an
+/// operator can tell a misbehaving target (malformed) from a misconfigured
+/// limit (too large).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RejectReason {
+    /// The sample failed validation: missing, or tensors of the wrong size.
+    Malformed,
+    /// Larger than `max_item_bytes`.
+    TooLarge,
+    /// A new seq from a target that already reported done.
+    TargetDone,
+    /// A message other than an item or stats on a producer stream after its
+    /// hello (a second hello, an empty message).
+    UnexpectedMessage,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 4] = [
+        RejectReason::Malformed,
+        RejectReason::TooLarge,
+        RejectReason::TargetDone,
+        RejectReason::UnexpectedMessage,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::Malformed => "malformed",
+            RejectReason::TooLarge => "too_large",
+            RejectReason::TargetDone => "target_done",
+            RejectReason::UnexpectedMessage => "unexpected_message",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NackDisposition {
     Requeue,
@@ -268,6 +302,8 @@ pub struct Snapshot {
     pub acked_items: u64,
     pub redelivered_items: u64,
     pub rejected_items: u64,
+    /// `rejected_items` by reason; every reason is present, 0 when none.
+    pub rejected_by_reason: BTreeMap<RejectReason, u64>,
     pub acked_items_per_second: f64,
     pub acked_bytes_per_second: f64,
     pub accepted_items_per_second: f64,
@@ -365,6 +401,7 @@ pub struct Queue<P: Payload> {
     acked_bytes: u64,
     redelivered_items: u64,
     rejected_items: u64,
+    rejected_by_reason: BTreeMap<RejectReason, u64>,
     acked_rate: RateMeter,
     accepted_rate: RateMeter,
     effects: Vec<Effect<P>>,
@@ -400,6 +437,10 @@ impl<P: Payload> Queue<P> {
             acked_bytes: 0,
             redelivered_items: 0,
             rejected_items: 0,
+            rejected_by_reason: RejectReason::ALL
+                .into_iter()
+                .map(|reason| (reason, 0))
+                .collect(),
             acked_rate: RateMeter::new(Duration::from_secs(10), now),
             accepted_rate: RateMeter::new(Duration::from_secs(10), now),
             effects: Vec::new(),
@@ -412,6 +453,13 @@ impl<P: Payload> Queue<P> {
 
     pub fn state(&self) -> RunState {
         self.state
+    }
+
+    /// The drafter whose stream `connection` is, for logs and traces.
+    pub fn drafter_id_of(&self, connection: ConnectionId) -> Option<&str> {
+        self.consumer_connections
+            .get(&connection)
+            .map(String::as_str)
     }
 
     /// What the transport must do since the last call, in order.
@@ -517,7 +565,7 @@ impl<P: Payload> Queue<P> {
         }
         if entry.state == TargetState::Done {
             entry.rejected_items += 1;
-            self.rejected_items += 1;
+            self.count_rejection(RejectReason::TargetDone);
             return Err(QueueError::TargetAlreadyDone {
                 target_id: target_key.to_string(),
                 seq,
@@ -525,7 +573,7 @@ impl<P: Payload> Queue<P> {
         }
         if bytes > max_item_bytes {
             entry.rejected_items += 1;
-            self.rejected_items += 1;
+            self.count_rejection(RejectReason::TooLarge);
             return Err(QueueError::ItemTooLarge {
                 seq,
                 bytes,
@@ -559,8 +607,8 @@ impl<P: Payload> Queue<P> {
     }
 
     /// Counts an item the transport rejected before it reached the queue
-    /// (a malformed sample), so status shows it.
-    pub fn count_rejected(&mut self, connection: ConnectionId, now: Instant) {
+    /// (a malformed sample), so status and metrics show it.
+    pub fn count_rejected(&mut self, connection: ConnectionId, reason: RejectReason, now: Instant) {
         if let Some(entry) = self
             .producer_connections
             .get(&connection)
@@ -569,7 +617,12 @@ impl<P: Payload> Queue<P> {
             entry.rejected_items += 1;
             entry.last_seen = now;
         }
+        self.count_rejection(reason);
+    }
+
+    fn count_rejection(&mut self, reason: RejectReason) {
         self.rejected_items += 1;
+        *self.rejected_by_reason.entry(reason).or_insert(0) += 1;
     }
 
     pub fn producer_stats(&mut self, connection: ConnectionId, stats: ProducerStats, now: Instant) {
@@ -1009,6 +1062,7 @@ impl<P: Payload> Queue<P> {
             acked_items: self.acked_items,
             redelivered_items: self.redelivered_items,
             rejected_items: self.rejected_items,
+            rejected_by_reason: self.rejected_by_reason.clone(),
             acked_items_per_second,
             acked_bytes_per_second,
             accepted_items_per_second,
@@ -1088,6 +1142,13 @@ impl<P: Payload> Queue<P> {
         }
         if self.state == RunState::Complete && (queued > 0 || leased > 0) {
             return Err("complete with items outstanding".to_string());
+        }
+        let rejected_by_reason: u64 = self.rejected_by_reason.values().sum();
+        if rejected_by_reason != self.rejected_items {
+            return Err(format!(
+                "rejections by reason sum to {rejected_by_reason}, rejected items are {}",
+                self.rejected_items
+            ));
         }
         Ok(())
     }

@@ -535,3 +535,35 @@ fn a_drafter_whose_lease_expired_gets_nothing_new_until_it_acks() {
     assert_eq!(deliveries(&queue.take_effects()).len(), 1);
     queue.check_invariants().unwrap();
 }
+
+#[test]
+fn rejections_are_counted_by_reason() {
+    let now = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(2), now);
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    assert!(matches!(
+        queue.accept_item(producer, 0, TestPayload(501), now),
+        Err(QueueError::ItemTooLarge { .. })
+    ));
+    queue.count_rejected(producer, RejectReason::Malformed, now);
+    queue.count_rejected(producer, RejectReason::Malformed, now);
+    queue
+        .accept_item(producer, 1, TestPayload(10), now)
+        .unwrap();
+    queue.report_done("target-0", 1, now).unwrap();
+    assert!(matches!(
+        queue.accept_item(producer, 2, TestPayload(10), now),
+        Err(QueueError::TargetAlreadyDone { .. })
+    ));
+    let snapshot = queue.snapshot(now);
+    let count = |reason| snapshot.rejected_by_reason.get(&reason).copied();
+    assert_eq!(count(RejectReason::TooLarge), Some(1));
+    assert_eq!(count(RejectReason::Malformed), Some(2));
+    assert_eq!(count(RejectReason::TargetDone), Some(1));
+    assert_eq!(count(RejectReason::UnexpectedMessage), Some(0));
+    assert_eq!(
+        snapshot.rejected_by_reason.values().sum::<u64>(),
+        snapshot.rejected_items
+    );
+    queue.check_invariants().unwrap();
+}

@@ -1,0 +1,559 @@
+//! The broker's Prometheus metrics, computed from a queue [`Snapshot`] at
+//! scrape time.
+//!
+//! The queue already counts everything status needs, so metrics are a
+//! second view of the same snapshot rather than instruments updated on the
+//! hot path: nothing is added under the queue lock, and the numbers in
+//! `/metrics` and `GetStatus` always agree. Per-target and per-drafter
+//! series carry the ids (and the device the peer reported) as labels; the
+//! queue forgets old disconnected drafters, which bounds their number.
+
+use dflash_telemetry::{Exposition, MetricKind};
+
+use crate::queue::{DrafterSnapshot, RunState, Snapshot, TargetSnapshot, TargetState};
+
+/// Every metric name starts with this.
+pub const PREFIX: &str = "dflash_broker_";
+
+/// The text exposition (format 0.0.4) of `snapshot`.
+pub fn render(snapshot: &Snapshot) -> String {
+    let mut out = Exposition::new();
+    write_run(&mut out, snapshot);
+    write_queue(&mut out, snapshot);
+    write_targets(&mut out, &snapshot.targets);
+    write_drafters(&mut out, &snapshot.drafters);
+    out.finish()
+}
+
+fn name(suffix: &str) -> String {
+    format!("{PREFIX}{suffix}")
+}
+
+fn run_state_label(state: RunState) -> &'static str {
+    match state {
+        RunState::Running => "running",
+        RunState::Draining => "draining",
+        RunState::Complete => "complete",
+        RunState::Aborted => "aborted",
+    }
+}
+
+fn write_run(out: &mut Exposition, snapshot: &Snapshot) {
+    let mut state = out.family(
+        &name("state"),
+        "Run state: 1 for the current state, 0 for the others.",
+        MetricKind::Gauge,
+    );
+    for candidate in [
+        RunState::Running,
+        RunState::Draining,
+        RunState::Complete,
+        RunState::Aborted,
+    ] {
+        let current = if candidate == snapshot.state {
+            1.0
+        } else {
+            0.0
+        };
+        state.sample(&[("state", run_state_label(candidate))], current);
+    }
+    out.gauge(
+        &name("uptime_seconds"),
+        "Seconds since the broker started.",
+        snapshot.uptime.as_secs_f64(),
+    );
+    out.gauge(
+        &name("targets_expected"),
+        "Targets that must finish before the run can complete.",
+        f64::from(snapshot.expected_targets),
+    );
+    out.gauge(
+        &name("targets_done"),
+        "Targets finished (done, or failed under the continue policy).",
+        f64::from(snapshot.done_targets),
+    );
+}
+
+fn write_queue(out: &mut Exposition, snapshot: &Snapshot) {
+    let gauges = [
+        (
+            "queued_items",
+            "Items waiting for a drafter.",
+            snapshot.queued_items,
+        ),
+        (
+            "queued_bytes",
+            "Payload bytes of the items waiting for a drafter.",
+            snapshot.queued_bytes,
+        ),
+        (
+            "leased_items",
+            "Items delivered and not yet acked.",
+            snapshot.leased_items,
+        ),
+        (
+            "leased_bytes",
+            "Payload bytes of the items delivered and not yet acked.",
+            snapshot.leased_bytes,
+        ),
+        (
+            "max_held_bytes",
+            "Bound on queued plus leased bytes; producers wait when it is reached.",
+            snapshot.max_held_bytes,
+        ),
+    ];
+    for (suffix, help, value) in gauges {
+        out.gauge(&name(suffix), help, value as f64);
+    }
+    let counters = [
+        (
+            "accepted_items_total",
+            "Items accepted from targets (duplicates not counted).",
+            snapshot.accepted_items,
+        ),
+        (
+            "accepted_bytes_total",
+            "Payload bytes accepted from targets.",
+            snapshot.accepted_bytes,
+        ),
+        (
+            "delivered_items_total",
+            "Deliveries to drafters, redeliveries included.",
+            snapshot.delivered_items,
+        ),
+        (
+            "redelivered_items_total",
+            "Deliveries of items that had been delivered before.",
+            snapshot.redelivered_items,
+        ),
+        (
+            "acked_items_total",
+            "Items acked by drafters (trained on).",
+            snapshot.acked_items,
+        ),
+        (
+            "dead_letters_total",
+            "Items given up on after too many deliveries or a poison nack.",
+            snapshot.summary.dead_letters,
+        ),
+    ];
+    for (suffix, help, value) in counters {
+        out.counter(&name(suffix), help, value as f64);
+    }
+    let mut rejected = out.family(
+        &name("rejected_items_total"),
+        "Items rejected, by reason.",
+        MetricKind::Counter,
+    );
+    for (reason, count) in &snapshot.rejected_by_reason {
+        rejected.sample(&[("reason", reason.as_str())], *count as f64);
+    }
+    out.gauge(
+        &name("acked_items_per_second"),
+        "Acked items per second over the last seconds.",
+        snapshot.acked_items_per_second,
+    );
+    out.gauge(
+        &name("acked_bytes_per_second"),
+        "Acked payload bytes per second over the last seconds.",
+        snapshot.acked_bytes_per_second,
+    );
+}
+
+fn target_state_label(state: &TargetState) -> &'static str {
+    match state {
+        TargetState::Connected { .. } => "connected",
+        TargetState::Disconnected { .. } => "disconnected",
+        TargetState::Done => "done",
+        TargetState::Failed { .. } => "failed",
+    }
+}
+
+fn write_targets(out: &mut Exposition, targets: &[TargetSnapshot]) {
+    let mut state = out.family(
+        &name("target_state"),
+        "Each target's state (the series with value 1).",
+        MetricKind::Gauge,
+    );
+    for target in targets {
+        state.sample(
+            &[
+                ("target_id", &target.target_id),
+                ("state", target_state_label(&target.state)),
+            ],
+            1.0,
+        );
+    }
+    type TargetValue = fn(&TargetSnapshot) -> f64;
+    let per_target: [(&str, &str, MetricKind, TargetValue); 3] = [
+        (
+            "target_accepted_items_total",
+            "Items accepted from this target.",
+            MetricKind::Counter,
+            |target| target.accepted_items as f64,
+        ),
+        (
+            "target_rejected_items_total",
+            "Items rejected from this target.",
+            MetricKind::Counter,
+            |target| target.rejected_items as f64,
+        ),
+        (
+            "target_last_seen_seconds",
+            "Seconds since this target was last heard from.",
+            MetricKind::Gauge,
+            |target| target.last_seen_ago.as_secs_f64(),
+        ),
+    ];
+    for (suffix, help, kind, value) in per_target {
+        let mut family = out.family(&name(suffix), help, kind);
+        for target in targets {
+            family.sample(&[("target_id", &target.target_id)], value(target));
+        }
+    }
+    // What the target itself reported (labelled with its device).
+    type StatsValue = fn(&crate::queue::ProducerStats) -> f64;
+    let reported: [(&str, &str, MetricKind, StatsValue); 4] = [
+        (
+            "target_tokens_per_second",
+            "Tokens per second the target reports producing.",
+            MetricKind::Gauge,
+            |stats| stats.tokens_per_second,
+        ),
+        (
+            "target_busy_fraction",
+            "Fraction of wall time the target's device computes (0..1).",
+            MetricKind::Gauge,
+            |stats| stats.busy_fraction,
+        ),
+        (
+            "target_samples_done_total",
+            "Samples the target reports done.",
+            MetricKind::Counter,
+            |stats| stats.samples_done as f64,
+        ),
+        (
+            "target_samples_expected",
+            "Samples in the target's shard (0 when not known).",
+            MetricKind::Gauge,
+            |stats| stats.samples_total as f64,
+        ),
+    ];
+    for (suffix, help, kind, value) in reported {
+        let mut family = out.family(&name(suffix), help, kind);
+        for target in targets {
+            if let Some(stats) = &target.stats {
+                family.sample(
+                    &[("target_id", &target.target_id), ("device", &stats.device)],
+                    value(stats),
+                );
+            }
+        }
+    }
+}
+
+fn write_drafters(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
+    type DrafterValue = fn(&DrafterSnapshot) -> f64;
+    let per_drafter: [(&str, &str, MetricKind, DrafterValue); 8] = [
+        (
+            "drafter_connected",
+            "1 while the drafter's stream is open.",
+            MetricKind::Gauge,
+            |drafter| if drafter.connected { 1.0 } else { 0.0 },
+        ),
+        (
+            "drafter_leased_items",
+            "Items delivered to this drafter and not yet acked.",
+            MetricKind::Gauge,
+            |drafter| drafter.leased_items as f64,
+        ),
+        (
+            "drafter_leased_bytes",
+            "Payload bytes delivered to this drafter and not yet acked.",
+            MetricKind::Gauge,
+            |drafter| drafter.leased_bytes as f64,
+        ),
+        (
+            "drafter_delivered_items_total",
+            "Deliveries to this drafter.",
+            MetricKind::Counter,
+            |drafter| drafter.delivered_items as f64,
+        ),
+        (
+            "drafter_acked_items_total",
+            "Items this drafter acked.",
+            MetricKind::Counter,
+            |drafter| drafter.acked_items as f64,
+        ),
+        (
+            "drafter_nacked_items_total",
+            "Items this drafter nacked.",
+            MetricKind::Counter,
+            |drafter| drafter.nacked_items as f64,
+        ),
+        (
+            "drafter_expired_leases_total",
+            "Leases of this drafter taken back after the lease timeout.",
+            MetricKind::Counter,
+            |drafter| drafter.expired_leases as f64,
+        ),
+        (
+            "drafter_last_seen_seconds",
+            "Seconds since this drafter was last heard from.",
+            MetricKind::Gauge,
+            |drafter| drafter.last_seen_ago.as_secs_f64(),
+        ),
+    ];
+    for (suffix, help, kind, value) in per_drafter {
+        let mut family = out.family(&name(suffix), help, kind);
+        for drafter in drafters {
+            family.sample(&[("drafter_id", &drafter.drafter_id)], value(drafter));
+        }
+    }
+    type StatsValue = fn(&crate::queue::ConsumerStats) -> f64;
+    let reported: [(&str, &str, MetricKind, StatsValue); 6] = [
+        (
+            "drafter_tokens_per_second",
+            "Tokens per second the drafter reports training on.",
+            MetricKind::Gauge,
+            |stats| stats.tokens_per_second,
+        ),
+        (
+            "drafter_busy_fraction",
+            "Fraction of wall time the drafter's device computes (0..1).",
+            MetricKind::Gauge,
+            |stats| stats.busy_fraction,
+        ),
+        (
+            "drafter_loss",
+            "The drafter's last reported training loss.",
+            MetricKind::Gauge,
+            |stats| stats.loss,
+        ),
+        (
+            "drafter_accuracy",
+            "The drafter's last reported draft-token accuracy.",
+            MetricKind::Gauge,
+            |stats| stats.accuracy,
+        ),
+        (
+            "drafter_steps_total",
+            "Optimizer steps the drafter reports.",
+            MetricKind::Counter,
+            |stats| stats.steps as f64,
+        ),
+        (
+            "drafter_samples_trained_total",
+            "Samples the drafter reports trained on.",
+            MetricKind::Counter,
+            |stats| stats.samples_trained as f64,
+        ),
+    ];
+    for (suffix, help, kind, value) in reported {
+        let mut family = out.family(&name(suffix), help, kind);
+        for drafter in drafters {
+            if let Some(stats) = &drafter.stats {
+                family.sample(
+                    &[
+                        ("drafter_id", &drafter.drafter_id),
+                        ("device", &stats.device),
+                    ],
+                    value(stats),
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::queue::{
+        ConsumerStats, Credit, FailurePolicy, Payload, ProducerStats, Queue, QueueConfig,
+        RejectReason,
+    };
+
+    #[derive(Debug, Clone)]
+    struct TestPayload(u64);
+
+    impl Payload for TestPayload {
+        fn size_bytes(&self) -> u64 {
+            self.0
+        }
+    }
+
+    fn config(expected_targets: u32) -> QueueConfig {
+        QueueConfig {
+            expected_targets,
+            max_held_bytes: 1_000,
+            max_item_bytes: 500,
+            lease_timeout: Duration::from_secs(30),
+            max_deliveries: 3,
+            target_grace: Duration::from_secs(120),
+            target_startup_timeout: None,
+            on_target_failure: FailurePolicy::Abort,
+        }
+    }
+
+    /// Checks the text is well formed (every sample belongs to the family
+    /// whose HELP and TYPE precede it, values parse) and returns
+    /// `name{labels}` → value.
+    fn parse(text: &str) -> BTreeMap<String, f64> {
+        let mut samples = BTreeMap::new();
+        let mut family: Option<String> = None;
+        let mut helped: Option<String> = None;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                helped = Some(rest.split(' ').next().unwrap().to_string());
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let mut parts = rest.split(' ');
+                let name = parts.next().unwrap().to_string();
+                assert_eq!(helped.as_deref(), Some(name.as_str()), "TYPE without HELP");
+                assert!(matches!(parts.next(), Some("counter" | "gauge")), "{line}");
+                if name.ends_with("_total") {
+                    assert!(rest.ends_with(" counter"), "{line}");
+                }
+                family = Some(name);
+            } else {
+                let (series, value) = line.rsplit_once(' ').unwrap();
+                let sample_name = series.split('{').next().unwrap();
+                assert_eq!(Some(sample_name), family.as_deref(), "{line}");
+                assert!(sample_name.starts_with(PREFIX), "{line}");
+                let value: f64 = value.parse().unwrap();
+                assert!(
+                    samples.insert(series.to_string(), value).is_none(),
+                    "{line}"
+                );
+            }
+        }
+        samples
+    }
+
+    #[test]
+    fn snapshot_metrics_are_rendered_with_their_values() {
+        let now = Instant::now();
+        let mut queue: Queue<TestPayload> = Queue::new(config(2), now);
+        let producer = queue.open_producer("target-0", now).unwrap().connection;
+        queue.producer_stats(
+            producer,
+            ProducerStats {
+                tokens_per_second: 27000.0,
+                busy_fraction: 0.75,
+                device: "cuda:0".to_string(),
+                samples_done: 3,
+                samples_total: 10,
+                tokens_done: 1650,
+            },
+            now,
+        );
+        let drafter = queue
+            .open_consumer("drafter \"a\"", Credit { items: 1, bytes: 0 }, now)
+            .unwrap();
+        queue.consumer_stats(
+            drafter,
+            ConsumerStats {
+                tokens_per_second: 5000.0,
+                loss: 2.5,
+                busy_fraction: 0.5,
+                device: "cuda:1".to_string(),
+                steps: 4,
+                samples_trained: 8,
+                accuracy: 0.25,
+            },
+            now,
+        );
+        for seq in 0..3 {
+            queue
+                .accept_item(producer, seq, TestPayload(10), now)
+                .unwrap();
+        }
+        queue.count_rejected(producer, RejectReason::Malformed, now);
+        let delivery_id = 1;
+        queue.ack(drafter, &[delivery_id], now);
+
+        let samples = parse(&render(&queue.snapshot(now)));
+        let value = |series: &str| {
+            *samples
+                .get(series)
+                .unwrap_or_else(|| panic!("no {series} in {samples:#?}"))
+        };
+        assert_eq!(value("dflash_broker_state{state=\"running\"}"), 1.0);
+        assert_eq!(value("dflash_broker_state{state=\"complete\"}"), 0.0);
+        assert_eq!(value("dflash_broker_targets_expected"), 2.0);
+        assert_eq!(value("dflash_broker_targets_done"), 0.0);
+        assert_eq!(value("dflash_broker_accepted_items_total"), 3.0);
+        assert_eq!(value("dflash_broker_accepted_bytes_total"), 30.0);
+        assert_eq!(value("dflash_broker_delivered_items_total"), 2.0);
+        assert_eq!(value("dflash_broker_acked_items_total"), 1.0);
+        assert_eq!(value("dflash_broker_queued_items"), 1.0);
+        assert_eq!(value("dflash_broker_queued_bytes"), 10.0);
+        assert_eq!(value("dflash_broker_leased_items"), 1.0);
+        assert_eq!(value("dflash_broker_leased_bytes"), 10.0);
+        assert_eq!(value("dflash_broker_redelivered_items_total"), 0.0);
+        assert_eq!(value("dflash_broker_dead_letters_total"), 0.0);
+        assert_eq!(
+            value("dflash_broker_rejected_items_total{reason=\"malformed\"}"),
+            1.0
+        );
+        assert_eq!(
+            value("dflash_broker_rejected_items_total{reason=\"too_large\"}"),
+            0.0
+        );
+        assert_eq!(
+            value("dflash_broker_target_state{target_id=\"target-0\",state=\"connected\"}"),
+            1.0
+        );
+        assert_eq!(
+            value(
+                "dflash_broker_target_tokens_per_second{target_id=\"target-0\",device=\"cuda:0\"}"
+            ),
+            27000.0
+        );
+        assert_eq!(
+            value("dflash_broker_target_busy_fraction{target_id=\"target-0\",device=\"cuda:0\"}"),
+            0.75
+        );
+        // The drafter's id is escaped in its label.
+        let drafter_labels = "drafter_id=\"drafter \\\"a\\\"\",device=\"cuda:1\"";
+        assert_eq!(
+            value(&format!("dflash_broker_drafter_loss{{{drafter_labels}}}")),
+            2.5
+        );
+        assert_eq!(
+            value(&format!(
+                "dflash_broker_drafter_tokens_per_second{{{drafter_labels}}}"
+            )),
+            5000.0
+        );
+        assert_eq!(
+            value(&format!(
+                "dflash_broker_drafter_busy_fraction{{{drafter_labels}}}"
+            )),
+            0.5
+        );
+        assert_eq!(
+            value("dflash_broker_drafter_leased_items{drafter_id=\"drafter \\\"a\\\"\"}"),
+            1.0
+        );
+    }
+
+    #[test]
+    fn a_fresh_broker_renders_every_family() {
+        let queue: Queue<TestPayload> = Queue::new(config(1), Instant::now());
+        let text = render(&queue.snapshot(Instant::now()));
+        let samples = parse(&text);
+        for reason in RejectReason::ALL {
+            let series = format!(
+                "dflash_broker_rejected_items_total{{reason=\"{}\"}}",
+                reason.as_str()
+            );
+            assert_eq!(samples.get(&series), Some(&0.0), "{series}");
+        }
+        // Per-peer families are declared even with no peers yet.
+        assert!(text.contains("# TYPE dflash_broker_drafter_loss gauge\n"));
+        assert!(text.contains("# TYPE dflash_broker_target_tokens_per_second gauge\n"));
+    }
+}
