@@ -8,6 +8,7 @@
 //! exporter the trace-only spans are disabled for every layer, which keeps
 //! per-item spans in the broker almost free.
 
+use std::io::IsTerminal;
 use std::time::Duration;
 
 use clap::ValueEnum;
@@ -55,6 +56,8 @@ pub enum TelemetryError {
         endpoint: String,
         source: opentelemetry_otlp::ExporterBuildError,
     },
+    #[error("span export over OTLP/gRPC needs a tokio runtime: call init inside one (e.g. in #[tokio::main])")]
+    NoRuntime,
     #[error("a global tracing subscriber is already installed: {0}")]
     AlreadyInstalled(#[from] tracing_subscriber::util::TryInitError),
 }
@@ -99,6 +102,11 @@ impl Drop for TelemetryGuard {
 /// the tokio runtime (the gRPC exporter runs its connection on it).
 pub fn init(service_name: &str, log_format: LogFormat) -> Result<TelemetryGuard, TelemetryError> {
     let provider = if otlp_configured() {
+        // The gRPC channel spawns its connection task on the current
+        // runtime; without one it would panic.
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(TelemetryError::NoRuntime);
+        }
         let endpoint = std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
             .or_else(|_| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT"))
             .unwrap_or_default();
@@ -166,15 +174,22 @@ pub(crate) fn build_subscriber(
     tracer: Option<opentelemetry_sdk::trace::Tracer>,
     test_writer: bool,
 ) -> impl tracing::Subscriber + Send + Sync + 'static {
+    // Colours only on a terminal: escape codes in a log file or a
+    // collector's input are noise.
+    let ansi = !test_writer && std::io::stderr().is_terminal();
     let log_layer = match (log_format, test_writer) {
         (LogFormat::Text, false) => tracing_subscriber::fmt::layer()
+            .with_ansi(ansi)
             .with_writer(std::io::stderr)
             .boxed(),
         (LogFormat::Json, false) => tracing_subscriber::fmt::layer()
             .json()
             .with_writer(std::io::stderr)
             .boxed(),
-        (LogFormat::Text, true) => tracing_subscriber::fmt::layer().with_test_writer().boxed(),
+        (LogFormat::Text, true) => tracing_subscriber::fmt::layer()
+            .with_ansi(false)
+            .with_test_writer()
+            .boxed(),
         (LogFormat::Json, true) => tracing_subscriber::fmt::layer()
             .json()
             .with_test_writer()
