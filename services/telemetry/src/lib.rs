@@ -13,7 +13,7 @@
 //!   for tests. [`LogFormat`] is the `--log-format` flag.
 //! - `propagation`: [`inject_current_context`] and [`set_parent_from`], the
 //!   two calls that carry a trace through `Item.trace_context` and
-//!   `Delivery.trace_context`.
+//!   `Delivery.trace_context`; [`add_link_from`] for work over many samples.
 //! - `exposition`: [`Exposition`], a writer of the Prometheus text format
 //!   (0.0.4) for metrics computed at scrape time from a snapshot.
 //! - `registry`: [`Registry`] with [`Counter`]s and [`Gauge`]s that code
@@ -34,7 +34,9 @@ pub use http::{serve_metrics, METRICS_CONTENT_TYPE};
 pub use init::{
     init, init_with_exporter, LogFormat, TelemetryError, TelemetryGuard, TRACE_FILTER_ENV,
 };
-pub use propagation::{inject_context_of, inject_current_context, set_parent_from, trace_id_of};
+pub use propagation::{
+    add_link_from, inject_context_of, inject_current_context, set_parent_from, trace_id_of,
+};
 pub use registry::{Counter, Gauge, Registry, RegistryError};
 
 /// The `tracing` target of spans that exist for traces rather than logs

@@ -51,6 +51,24 @@ pub fn set_parent_from(span: &tracing::Span, carrier: &HashMap<String, String>) 
     span.set_parent(context).is_ok()
 }
 
+/// Links `span` to the producer's span whose context is in `carrier`,
+/// without making it the parent: for work that consumes many samples at once
+/// (a drafter's step over a batch of deliveries from different targets),
+/// which can have one parent but a link to each sample's trace. Returns
+/// whether a link was added (false for an invalid carrier or a disabled span).
+pub fn add_link_from(span: &tracing::Span, carrier: &HashMap<String, String>) -> bool {
+    if span.is_disabled() || carrier.is_empty() {
+        return false;
+    }
+    let context = TraceContextPropagator::new().extract(carrier);
+    let span_context = context.span().span_context().clone();
+    if !span_context.is_valid() {
+        return false;
+    }
+    span.add_link(span_context);
+    true
+}
+
 /// The trace id (32 lowercase hex digits) in a carrier, when it holds a
 /// valid context: for log lines that name the trace of a sample.
 pub fn trace_id_of(carrier: &HashMap<String, String>) -> Option<String> {
@@ -120,6 +138,40 @@ mod tests {
         assert_eq!(
             trace_id_of(&carrier),
             Some(batch.span_context.trace_id().to_string())
+        );
+    }
+
+    #[test]
+    fn a_step_over_many_samples_links_every_other_trace() {
+        let (links, spans) = with_exporter(|| {
+            let carriers: Vec<_> = (0..3)
+                .map(|batch| tracing::info_span!("batch", batch).in_scope(inject_current_context))
+                .collect();
+            let step = tracing::info_span!("step");
+            assert!(set_parent_from(&step, &carriers[0]));
+            let linked = carriers[1..]
+                .iter()
+                .filter(|carrier| add_link_from(&step, carrier))
+                .count();
+            assert!(!add_link_from(&step, &HashMap::new()));
+            step.in_scope(|| {});
+            linked
+        });
+        assert_eq!(links, 2);
+        let batches: Vec<_> = spans.iter().filter(|span| span.name == "batch").collect();
+        let step = spans.iter().find(|span| span.name == "step").expect("step");
+        assert_eq!(step.parent_span_id, batches[0].span_context.span_id());
+        let linked: Vec<_> = step
+            .links
+            .iter()
+            .map(|link| link.span_context.span_id())
+            .collect();
+        assert_eq!(
+            linked,
+            vec![
+                batches[1].span_context.span_id(),
+                batches[2].span_context.span_id()
+            ]
         );
     }
 
