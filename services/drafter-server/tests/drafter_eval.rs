@@ -24,7 +24,11 @@ const BLOCK_SIZE: i64 = 8;
 /// repeats), verify the guess in one forward, keep the agreeing prefix plus
 /// the target's own next token. Prompt-lookup speculative decoding, so the
 /// output is identical to token-by-token greedy decoding.
-fn fast_greedy_continuation(target: &TargetModel, prompt: &[i64], new_tokens: usize) -> Vec<i64> {
+fn fast_greedy_continuation(
+    target: &TargetModel,
+    prompt: &[i64],
+    new_tokens: usize,
+) -> anyhow::Result<Vec<i64>> {
     let mut tokens = prompt.to_vec();
     let goal = prompt.len() + new_tokens;
     while tokens.len() < goal {
@@ -33,14 +37,8 @@ fn fast_greedy_continuation(target: &TargetModel, prompt: &[i64], new_tokens: us
         let mut candidate = tokens.clone();
         candidate.extend(std::iter::repeat_n(last, guesses - 1));
         let ids = Tensor::from_slice(&candidate).view([1, -1]);
-        let predictions = Vec::<i64>::try_from(
-            &target
-                .logits(&ids, &ids.ones_like())
-                .unwrap()
-                .get(0)
-                .argmax(-1, false),
-        )
-        .unwrap();
+        let predictions =
+            Vec::<i64>::try_from(&target.logits(&ids, &ids.ones_like())?.get(0).argmax(-1, false))?;
         let mut position = tokens.len() - 1;
         loop {
             let next = predictions[position];
@@ -51,7 +49,7 @@ fn fast_greedy_continuation(target: &TargetModel, prompt: &[i64], new_tokens: us
             }
         }
     }
-    tokens
+    Ok(tokens)
 }
 
 /// Prompts continued greedily by the target itself, with its hidden states:
@@ -61,24 +59,23 @@ fn self_generated_sequences(
     layer_ids: &[usize],
     seed: u64,
     count: usize,
-) -> Vec<TrainingSequence> {
+) -> anyhow::Result<Vec<TrainingSequence>> {
     random_token_sequences(count, PROMPT_LENGTH, seed)
         .into_iter()
         .map(|prompt| {
-            let tokens = fast_greedy_continuation(target, &prompt, CONTINUATION);
+            let tokens = fast_greedy_continuation(target, &prompt, CONTINUATION)?;
             let ids = Tensor::from_slice(&tokens).view([1, -1]);
             let hidden = target
-                .capture_hidden_states(&ids, &ids.ones_like(), layer_ids)
-                .unwrap()
+                .capture_hidden_states(&ids, &ids.ones_like(), layer_ids)?
                 .get(0);
             let loss_mask = (0..tokens.len())
                 .map(|position| u8::from(position >= PROMPT_LENGTH))
                 .collect();
-            TrainingSequence {
+            Ok(TrainingSequence {
                 input_ids: tokens,
                 loss_mask,
                 target_hidden: hidden,
-            }
+            })
         })
         .collect()
 }
@@ -113,7 +110,7 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
 
     // Enough distinct prompts that the drafter must learn to predict the
     // target rather than memorise sequences: held-out accuracy needs it.
-    let data = self_generated_sequences(&target, &layer_ids, 100, 640);
+    let data = self_generated_sequences(&target, &layer_ids, 100, 640).unwrap();
     let steps = 320;
     let mut settings = TrainerSettings::recipe_defaults(BLOCK_SIZE, steps);
     settings.schedule.peak_learning_rate = 3e-3;

@@ -4,6 +4,8 @@
 //! and polling waits (no fixed sleeps).
 
 #![allow(dead_code)]
+// Test helpers: a failure here is a failed test, reported with its message.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
