@@ -11,6 +11,8 @@
 //! producers, the relay/broker and the consumers share the same cores: the
 //! relay is the physical limit of any relaying broker on that machine.
 
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -125,12 +127,8 @@ async fn relay_throughput(item_bytes: usize, items: u64, producers: u64, consume
             let (mut socket, _) = inbound.accept().await.expect("accept");
             let frames_in = frames_in.clone();
             readers.push(tokio::spawn(async move {
-                loop {
-                    let length = match socket.read_u64().await {
-                        Ok(length) => length as usize,
-                        Err(_) => break,
-                    };
-                    let mut frame = vec![0u8; length];
+                while let Ok(length) = socket.read_u64().await {
+                    let mut frame = vec![0u8; length as usize];
                     socket.read_exact(&mut frame).await.expect("read frame");
                     if frames_in.send(frame).await.is_err() {
                         break;

@@ -1,6 +1,8 @@
 //! The broker over real gRPC: an in-process server on 127.0.0.1:0 and the
 //! Rust client, exercising the scenarios end to end.
 
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::{BTreeMap, HashMap};
@@ -378,20 +380,17 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     let error = client
         .produce("")
         .await
-        .err()
-        .expect("empty target id refused");
+        .expect_err("empty target id refused");
     assert!(error.to_string().contains("target_id is empty"), "{error}");
     let error = client
         .produce(&"x".repeat(300))
         .await
-        .err()
-        .expect("long id refused");
+        .expect_err("long id refused");
     assert!(error.to_string().contains("300 bytes long"), "{error}");
     let error = client
         .consume("", credit(1))
         .await
-        .err()
-        .expect("empty drafter id refused");
+        .expect_err("empty drafter id refused");
     assert!(error.to_string().contains("drafter_id is empty"), "{error}");
 
     let mut producer = client.produce("target-0").await.unwrap();
@@ -441,8 +440,7 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     let error = client
         .produce("target-9")
         .await
-        .err()
-        .expect("extra target refused");
+        .expect_err("extra target refused");
     assert!(
         matches!(&error, dflash_client::ClientError::Call { status, .. } if status.code() == tonic::Code::FailedPrecondition),
         "{error}"
@@ -452,8 +450,7 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     let error = client
         .report_done("target-0", 7)
         .await
-        .err()
-        .expect("wrong count refused");
+        .expect_err("wrong count refused");
     let dflash_client::ClientError::Call { status, .. } = &error else {
         panic!("{error}")
     };
@@ -513,8 +510,7 @@ async fn streams_without_hello_are_refused() {
     let error = raw
         .produce(tokio_stream::iter(vec![item]))
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert_eq!(error.code(), tonic::Code::InvalidArgument);
     assert!(
         error
@@ -531,8 +527,7 @@ async fn streams_without_hello_are_refused() {
     let error = raw
         .consume(tokio_stream::iter(vec![ack]))
         .await
-        .err()
-        .expect("refused");
+        .expect_err("refused");
     assert_eq!(error.code(), tonic::Code::InvalidArgument);
     broker.stop().await;
 }

@@ -14,11 +14,22 @@ async fn status_json_matches_get_status() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = format!("http://{}", listener.local_addr().unwrap());
     let shutdown = CancellationToken::new();
-    let server = tokio::spawn(dflash_broker::serve(listener, dflash_broker::BrokerConfig::for_targets(3), shutdown.clone()));
-    let client = BrokerClient::connect(address.clone(), ClientOptions::default()).await.unwrap();
+    let server = tokio::spawn(dflash_broker::serve(
+        listener,
+        dflash_broker::BrokerConfig::for_targets(3),
+        shutdown.clone(),
+    ));
+    let client = BrokerClient::connect(address.clone(), ClientOptions::default())
+        .await
+        .unwrap();
     let mut producer = client.produce("target-7").await.unwrap();
     let sample = proto::Sample {
-        tensors: vec![proto::Tensor::from_parts("input_ids", proto::Dtype::I32, vec![3], Bytes::from(vec![0u8; 12]))],
+        tensors: vec![proto::Tensor::from_parts(
+            "input_ids",
+            proto::Dtype::I32,
+            vec![3],
+            Bytes::from(vec![0u8; 12]),
+        )],
     };
     producer.send(0, sample, HashMap::new()).await.unwrap();
     producer.finish().await.unwrap();
@@ -28,7 +39,11 @@ async fn status_json_matches_get_status() {
         .output()
         .await
         .unwrap();
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
     let status = client.status().await.unwrap();
     assert_eq!(json["state"], "BROKER_STATE_RUNNING");
@@ -48,7 +63,10 @@ async fn status_json_matches_get_status() {
         .await
         .unwrap();
     let table = String::from_utf8_lossy(&output.stdout);
-    assert!(table.contains("state RUNNING") && table.contains("target-7"), "{table}");
+    assert!(
+        table.contains("state RUNNING") && table.contains("target-7"),
+        "{table}"
+    );
     shutdown.cancel();
     let _ = server.await;
 }
@@ -62,5 +80,8 @@ async fn status_against_no_broker_is_a_clear_error() {
         .unwrap();
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("connecting to the broker at http://127.0.0.1:1"), "{stderr}");
+    assert!(
+        stderr.contains("connecting to the broker at http://127.0.0.1:1"),
+        "{stderr}"
+    );
 }

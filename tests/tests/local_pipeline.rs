@@ -7,29 +7,59 @@ mod common;
 fn dflash_local_trains_every_sample_and_ends_complete() {
     let workdir = tempfile::tempdir().unwrap();
     let output = std::process::Command::new(common::workspace_binary("dflash"))
-        .args(["local", "--view", "lines", "--timeout-seconds", "900", "--workdir"])
+        .args([
+            "local",
+            "--view",
+            "lines",
+            "--timeout-seconds",
+            "900",
+            "--workdir",
+        ])
         .arg(workdir.path())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "dflash local failed\n{stdout}\n{stderr}");
+    assert!(
+        output.status.success(),
+        "dflash local failed\n{stdout}\n{stderr}"
+    );
     let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(workdir.path().join("summary.json")).unwrap()).unwrap();
+        serde_json::from_slice(&std::fs::read(workdir.path().join("summary.json")).unwrap())
+            .unwrap();
     assert_eq!(summary["end_of_stream"], "COMPLETE", "{summary}");
     let accepted = summary["accepted_samples"].as_u64().unwrap();
     assert!(accepted > 0);
-    assert_eq!(summary["trained_samples"].as_u64(), Some(accepted), "{summary}");
-    assert_eq!(summary["expected_samples"].as_u64(), Some(accepted), "{summary}");
+    assert_eq!(
+        summary["trained_samples"].as_u64(),
+        Some(accepted),
+        "{summary}"
+    );
+    assert_eq!(
+        summary["expected_samples"].as_u64(),
+        Some(accepted),
+        "{summary}"
+    );
     assert_eq!(summary["dead_letters"].as_u64(), Some(0));
     let loss = summary["final_loss"].as_f64().expect("a loss was reported");
     assert!(loss.is_finite(), "loss {loss}");
     for process in summary["processes"].as_array().unwrap() {
         assert_eq!(process["exit_code"].as_i64(), Some(0), "{process}");
         if process["role"] == "drafter" {
-            assert!(process["checkpoint"].is_string(), "no checkpoint: {process}");
+            assert!(
+                process["checkpoint"].is_string(),
+                "no checkpoint: {process}"
+            );
         }
     }
-    assert!(summary["acceptance_length"].as_f64().is_some_and(|tau| tau >= 1.0), "{summary}");
-    assert!(stdout.contains("end-of-stream: COMPLETE") && stdout.contains("result: OK"), "{stdout}");
+    assert!(
+        summary["acceptance_length"]
+            .as_f64()
+            .is_some_and(|tau| tau >= 1.0),
+        "{summary}"
+    );
+    assert!(
+        stdout.contains("end-of-stream: COMPLETE") && stdout.contains("result: OK"),
+        "{stdout}"
+    );
 }

@@ -1,7 +1,7 @@
 //! Helpers for the broker's gRPC tests: an in-process broker on an
 //! ephemeral loopback port, samples of a chosen size, polling waits.
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
 
 use std::future::Future;
 use std::time::{Duration, Instant};

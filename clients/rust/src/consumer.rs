@@ -75,6 +75,16 @@ pub struct Consumer {
     ended: bool,
 }
 
+impl std::fmt::Debug for Consumer {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Consumer")
+            .field("drafter_id", &self.drafter_id)
+            .field("ended", &self.ended)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Consumer {
     pub(crate) async fn open(
         mut client: GeneratedClient<Channel>,

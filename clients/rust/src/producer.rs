@@ -219,6 +219,17 @@ impl Producer {
     }
 }
 
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Producer")
+            .field("target_id", &self.target_id)
+            .field("resume_after_seq", &self.resume_after_seq)
+            .field("accepted_before", &self.accepted_before)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for Producer {
     fn drop(&mut self) {
         if let Some(reader) = self.reader.take() {
