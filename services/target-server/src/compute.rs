@@ -15,6 +15,7 @@
 
 use crate::batching::PlannedBatch;
 use crate::config::SyntheticSpec;
+use crate::metrics::TargetMetrics;
 use bytes::Bytes;
 use dflash_model::target::TargetModel;
 use dflash_proto::v1::{Dtype, Sample, Tensor as WireTensor};
@@ -309,11 +310,13 @@ fn forward(
 /// Copies finished batches to host memory, cuts them into samples and hands
 /// them to the async sender. Also keeps the device busy-time estimate: a
 /// batch's device work ends when its copy to host completes, and starts at
-/// its forward start or the end of the previous batch, whichever is later.
+/// its forward start or the end of the previous batch, whichever is later;
+/// that time is also `metrics.batch_seconds`.
 pub fn run_host_copy_thread(
     computed: std::sync::mpsc::Receiver<ComputedBatch>,
     ready: tokio::sync::mpsc::Sender<Vec<ReadySample>>,
     counters: Arc<PipelineCounters>,
+    metrics: TargetMetrics,
     epoch: Instant,
 ) -> Result<(), ComputeError> {
     let mut previous_done: Option<Instant> = None;
@@ -337,10 +340,12 @@ pub fn run_host_copy_thread(
             let nanos = forward_started.saturating_duration_since(epoch).as_nanos() as u64;
             counters.first_forward_nanos.store(nanos, Ordering::Relaxed);
         }
-        counters.busy_nanos.fetch_add(
-            done.saturating_duration_since(busy_from).as_nanos() as u64,
-            Ordering::Relaxed,
-        );
+        let device_time = done.saturating_duration_since(busy_from);
+        counters
+            .busy_nanos
+            .fetch_add(device_time.as_nanos() as u64, Ordering::Relaxed);
+        metrics.batch_seconds.set(device_time.as_secs_f64());
+        metrics.batches.increment();
         let samples: Vec<ReadySample> = batch
             .samples
             .into_iter()

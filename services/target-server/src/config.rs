@@ -2,6 +2,7 @@
 //! parsing into typed values.
 
 use clap::{Parser, ValueEnum};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
@@ -240,6 +241,11 @@ pub struct TargetServerConfig {
     /// or on shutdown).
     #[arg(long, env = "DFLASH_FINISH_TIMEOUT_SECONDS", default_value_t = DEFAULT_FINISH_TIMEOUT_SECONDS)]
     pub finish_timeout_seconds: f64,
+
+    /// Serve Prometheus metrics (`GET /metrics`) on this address, e.g.
+    /// `0.0.0.0:9091`; off when unset.
+    #[arg(long, env = "DFLASH_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl TargetServerConfig {
@@ -271,6 +277,7 @@ impl TargetServerConfig {
             max_reconnects: DEFAULT_MAX_RECONNECTS,
             log_format: dflash_telemetry::LogFormat::Text,
             finish_timeout_seconds: DEFAULT_FINISH_TIMEOUT_SECONDS,
+            metrics_listen: None,
         }
     }
 
@@ -329,6 +336,8 @@ mod tests {
             "bf16",
             "--layer-ids",
             "1,5,9",
+            "--metrics-listen",
+            "127.0.0.1:9091",
         ]);
         let config = parsed.map_err(|error| error.to_string());
         assert_eq!(
@@ -339,6 +348,18 @@ mod tests {
             config.as_ref().map(|config| config.dtype),
             Ok(Some(DtypeChoice::Bf16))
         );
+        assert_eq!(
+            config.as_ref().map(|config| config.metrics_listen),
+            Ok(Some(SocketAddr::from(([127, 0, 0, 1], 9091))))
+        );
+        let bad_address = TargetServerConfig::try_parse_from([
+            "target-server",
+            "--model",
+            "/m",
+            "--metrics-listen",
+            "localhost",
+        ]);
+        assert!(bad_address.is_err());
         let wrong = TargetServerConfig::try_parse_from([
             "target-server",
             "--model",

@@ -16,6 +16,8 @@
 //! - `compute`: the compute thread (model or synthetic) and the host-copy
 //!   thread that turns device tensors into wire samples.
 //! - `sender`: the Produce stream with reconnect-and-resume.
+//! - `metrics`: [`TargetMetrics`], the counters and gauges served at
+//!   `/metrics` (`--metrics-listen`) through `dflash-telemetry`.
 //! - `service`: [`run`], which wires threads, channels and the broker
 //!   together and ends with ReportDone.
 //! - `main.rs`: the `target-server` binary (flags, logging, signals).
@@ -28,10 +30,12 @@ pub mod batching;
 pub mod compute;
 pub mod config;
 pub mod data;
+pub mod metrics;
 pub mod reader;
 pub mod sender;
 pub mod service;
 pub mod shard;
 
 pub use config::{DeviceChoice, DtypeChoice, ModelSource, SyntheticSpec, TargetServerConfig};
-pub use service::{run, TargetReport, TargetServerError};
+pub use metrics::TargetMetrics;
+pub use service::{run, run_with_metrics_listener, TargetReport, TargetServerError};

@@ -1,11 +1,12 @@
 //! [`run`]: one target-server from flags to ReportDone.
 
 use crate::compute::{
-    run_compute_thread, run_host_copy_thread, Backend, BackendInfo, ComputeError, PipelineCounters,
-    ReadySample, SyntheticBackend,
+    device_label, run_compute_thread, run_host_copy_thread, Backend, BackendInfo, ComputeError,
+    PipelineCounters, ReadySample, SyntheticBackend,
 };
 use crate::config::{DeviceChoice, DtypeChoice, ModelSource, SyntheticSpec, TargetServerConfig};
 use crate::data::{ChatEncoder, Conversation, EncoderError};
+use crate::metrics::TargetMetrics;
 use crate::reader::{
     count_records, BatchReader, ReaderError, ReaderSettings, ReaderSummary, Record, RecordContent,
     ShardLines,
@@ -16,11 +17,14 @@ use dflash_client::{BrokerClient, ClientError, ClientOptions};
 use dflash_model::target::{build_target_layer_ids, TargetModel};
 use dflash_model::ModelError;
 use dflash_proto::v1::ProducerStats;
+use dflash_telemetry::{Registry, RegistryError};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tch::Device;
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 /// Why a target-server run failed.
@@ -42,6 +46,13 @@ pub enum TargetServerError {
     Compute(#[from] ComputeError),
     #[error("the {0} thread panicked")]
     ThreadPanicked(&'static str),
+    #[error("cannot listen for metrics on {address}: {source}")]
+    MetricsListen {
+        address: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("metrics: {0}")]
+    Metrics(#[from] RegistryError),
 }
 
 /// What a run did.
@@ -76,6 +87,9 @@ pub struct TargetReport {
 
 /// Samples of data kept in flight between threads (batches per channel).
 const BATCH_CHANNEL_DEPTH: usize = 2;
+
+/// How long the metrics endpoint gets to stop once the run is over.
+const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Picks the tch device, refusing CUDA when libtorch has none.
 fn resolve_device(choice: DeviceChoice) -> Result<Device, TargetServerError> {
@@ -228,9 +242,66 @@ async fn join_thread<T: Send + 'static>(
 
 /// Runs one target-server until its shard is done (then ReportDone) or
 /// `shutdown` is cancelled (then the stream is closed without ReportDone, so
-/// a restart resumes where the broker is).
+/// a restart resumes where the broker is). When `config.metrics_listen` is
+/// set, serves Prometheus metrics there for as long as the run lasts.
 pub async fn run(
     config: TargetServerConfig,
+    shutdown: CancellationToken,
+) -> Result<TargetReport, TargetServerError> {
+    let metrics_listener = match config.metrics_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .map_err(|source| TargetServerError::MetricsListen { address, source })?,
+        ),
+        None => None,
+    };
+    run_with_metrics_listener(config, metrics_listener, shutdown).await
+}
+
+/// [`run`] with the metrics endpoint on an already bound listener (tests
+/// bind `127.0.0.1:0` to learn the port) instead of `config.metrics_listen`,
+/// or none. The endpoint is an owned task: it stops when `shutdown` is
+/// cancelled or the run returns, whichever comes first.
+pub async fn run_with_metrics_listener(
+    config: TargetServerConfig,
+    metrics_listener: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> Result<TargetReport, TargetServerError> {
+    let registry = Arc::new(Registry::new());
+    let metrics_stop = shutdown.child_token();
+    let endpoint = metrics_listener.map(|metrics_listener| {
+        tracing::info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");
+        let registry = registry.clone();
+        tokio::spawn(dflash_telemetry::serve_metrics(
+            metrics_listener,
+            move || registry.render(),
+            metrics_stop.clone(),
+        ))
+    });
+    let outcome = run_pipeline(config, &registry, shutdown).await;
+    stop_metrics(endpoint, &metrics_stop).await;
+    outcome
+}
+
+/// Stops the metrics endpoint and waits for it, bounded.
+async fn stop_metrics(endpoint: Option<tokio::task::JoinHandle<()>>, stop: &CancellationToken) {
+    stop.cancel();
+    if let Some(mut endpoint) = endpoint {
+        if tokio::time::timeout(METRICS_STOP_TIMEOUT, &mut endpoint)
+            .await
+            .is_err()
+        {
+            tracing::warn!("metrics endpoint did not stop in time");
+            endpoint.abort();
+        }
+    }
+}
+
+/// The run itself, updating the instruments it registers in `registry`.
+async fn run_pipeline(
+    config: TargetServerConfig,
+    registry: &Registry,
     shutdown: CancellationToken,
 ) -> Result<TargetReport, TargetServerError> {
     if config.data.is_none() && matches!(config.model, ModelSource::Directory(_)) {
@@ -258,6 +329,13 @@ pub async fn run(
         }
     }
     let device = resolve_device(config.device)?;
+    // The label the backend will report, known before the model loads so
+    // the metrics exist (at zero) from the first scrape.
+    let device_name = match &config.model {
+        ModelSource::Synthetic(_) => "synthetic".to_string(),
+        ModelSource::Directory(_) => device_label(device),
+    };
+    let metrics = TargetMetrics::register(registry, &config.target_id, &device_name)?;
     // Data first: an empty or missing file should fail before anything loads.
     let record_count = match &config.data {
         Some(path) => {
@@ -316,6 +394,7 @@ pub async fn run(
         batch_sender,
         computed_receiver,
         loaded_receiver,
+        &metrics,
     )
     .await;
     stop.cancel();
@@ -354,6 +433,7 @@ async fn run_with_threads(
     batch_sender: std::sync::mpsc::SyncSender<crate::batching::PlannedBatch>,
     computed_receiver: std::sync::mpsc::Receiver<crate::compute::ComputedBatch>,
     loaded_receiver: tokio::sync::oneshot::Receiver<Result<BackendInfo, TargetServerError>>,
+    metrics: &TargetMetrics,
 ) -> Result<(TargetReport, BrokerClient), TargetServerError> {
     let options = ClientOptions::default();
     let window = options.producer_window_items;
@@ -445,8 +525,9 @@ async fn run_with_threads(
         tokio::sync::mpsc::channel::<Vec<ReadySample>>(BATCH_CHANNEL_DEPTH);
     {
         let counters = counters.clone();
+        let metrics = metrics.clone();
         threads.host_copy = Some(spawn_named("host-copy", move || {
-            run_host_copy_thread(computed_receiver, ready_sender, counters, epoch)
+            run_host_copy_thread(computed_receiver, ready_sender, counters, metrics, epoch)
         })?);
     }
 
@@ -489,6 +570,8 @@ async fn run_with_threads(
                 let tokens_per_second = if window_seconds > 0.0 { (tokens - tokens_at_last_stats) as f64 / window_seconds } else { 0.0 };
                 tokens_at_last_stats = tokens;
                 last_stats_at = Instant::now();
+                metrics.tokens_per_second.set(tokens_per_second);
+                metrics.busy_fraction.set(busy_fraction);
                 tracing::info!(samples_done, samples_total, tokens_per_second = format!("{tokens_per_second:.0}"), busy_fraction = format!("{busy_fraction:.2}"), "progress");
                 producer.send_stats(ProducerStats {
                     tokens_per_second,
@@ -507,6 +590,8 @@ async fn run_with_threads(
                         .await?;
                     samples_sent += 1;
                     tokens_sent += ready_sample.tokens;
+                    metrics.samples_sent.increment();
+                    metrics.tokens.add(ready_sample.tokens);
                 }
             }
         }
@@ -519,6 +604,8 @@ async fn run_with_threads(
     } else {
         tokens as f64 / compute_wall.as_secs_f64()
     };
+    metrics.tokens_per_second.set(tokens_per_second);
+    metrics.busy_fraction.set(busy_fraction);
     producer
         .send_stats(ProducerStats {
             tokens_per_second,
@@ -533,7 +620,11 @@ async fn run_with_threads(
     let accepted_before = producer.accepted_before();
     let finished = tokio::time::timeout(config.finish_timeout(), producer.finish()).await;
     let produce_report = match finished {
-        Ok(report) => report?,
+        Ok(report) => {
+            let report = report?;
+            metrics.rejected_items.add(report.rejected.len() as u64);
+            report
+        }
         Err(_) => {
             return Err(TargetServerError::Broker(ClientError::StreamEnded {
                 stream: "Produce",

@@ -23,10 +23,14 @@ pub struct TestBroker {
 
 impl TestBroker {
     pub async fn start(expected_targets: u32) -> Result<TestBroker> {
+        TestBroker::start_with_config(BrokerConfig::for_targets(expected_targets)).await
+    }
+
+    /// A broker with settings of the test's choosing (a small queue, say).
+    pub async fn start_with_config(config: BrokerConfig) -> Result<TestBroker> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let address = format!("http://{}", listener.local_addr()?);
         let shutdown = CancellationToken::new();
-        let config = BrokerConfig::for_targets(expected_targets);
         let handle = tokio::spawn(dflash_broker::serve(listener, config, shutdown.clone()));
         Ok(TestBroker {
             address,
