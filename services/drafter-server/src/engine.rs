@@ -22,6 +22,8 @@ use crate::samples::{decode_sample, sample_token_count, SampleError, SampleExpec
 pub enum EngineError {
     #[error(transparent)]
     Draft(#[from] DraftError),
+    #[error("--target-model is required to train the DFlash drafter")]
+    NoTargetModel,
     #[error("mask token: {0} (pass --mask-token-id)")]
     MaskToken(String),
     #[error("{path}: {source}")]
@@ -93,7 +95,7 @@ impl DFlashEngine {
         let target_dir = config
             .target_model
             .as_deref()
-            .ok_or_else(|| EngineError::MaskToken("no --target-model".into()))?;
+            .ok_or(EngineError::NoTargetModel)?;
         let device = config.device;
         let compute_kind = config.compute_kind().unwrap_or(Kind::Float);
         let (target_config, frozen) = FrozenTargetHeads::load(target_dir, device, compute_kind)?;
