@@ -83,7 +83,7 @@ fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
 }
 
 /// Every setting of a drafter-server.
-#[derive(Debug, Clone, Args)]
+#[derive(Debug, Clone, PartialEq, Args)]
 pub struct DrafterServerConfig {
     /// Broker gRPC address.
     #[arg(long, env = "DFLASH_BROKER", default_value = "http://127.0.0.1:50051")]
@@ -387,6 +387,30 @@ mod tests {
             .parse::<ModelMode>()
             .is_err());
         assert!("llama".parse::<ModelMode>().is_err());
+    }
+
+    #[test]
+    fn with_defaults_equals_the_flag_defaults() {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: DrafterServerConfig,
+        }
+        let parsed = <Flags as clap::Parser>::try_parse_from([
+            "drafter-server",
+            "--drafter-id",
+            "d",
+            "--broker",
+            "http://x",
+            "--output",
+            "/tmp/x",
+        ])
+        .unwrap()
+        .config;
+        assert_eq!(
+            parsed,
+            DrafterServerConfig::with_defaults("d", "http://x", PathBuf::from("/tmp/x"))
+        );
     }
 
     #[test]
