@@ -1,6 +1,7 @@
 //! The drafter-server's configuration: flags with environment-variable
 //! fallbacks (`clap`), parsed once in `main` and passed to [`crate::run`].
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
@@ -230,6 +231,11 @@ pub struct DrafterServerConfig {
     /// How long to keep reconnecting to a broker that went away.
     #[arg(long, env = "DFLASH_RECONNECT_TIMEOUT_MS", default_value_t = 60_000)]
     pub reconnect_timeout_ms: u64,
+
+    /// Serve Prometheus metrics (`GET /metrics`, `dflash_drafter_*`) on this
+    /// address, e.g. `0.0.0.0:9092`; off when unset.
+    #[arg(long, env = "DFLASH_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// A configuration that cannot work, naming the flag.
@@ -359,6 +365,7 @@ impl DrafterServerConfig {
             stats_interval_ms: 2000,
             shutdown_timeout_ms: 120_000,
             reconnect_timeout_ms: 60_000,
+            metrics_listen: None,
         }
     }
 }
@@ -411,6 +418,29 @@ mod tests {
             parsed,
             DrafterServerConfig::with_defaults("d", "http://x", PathBuf::from("/tmp/x"))
         );
+    }
+
+    #[test]
+    fn metrics_listen_parses_a_socket_address() {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: DrafterServerConfig,
+        }
+        let base = ["drafter-server", "--drafter-id", "d", "--output", "/tmp/x"];
+        let parsed = <Flags as clap::Parser>::try_parse_from(
+            base.iter().chain(&["--metrics-listen", "127.0.0.1:9092"]),
+        )
+        .unwrap()
+        .config;
+        assert_eq!(
+            parsed.metrics_listen,
+            Some(SocketAddr::from(([127, 0, 0, 1], 9092)))
+        );
+        assert!(<Flags as clap::Parser>::try_parse_from(
+            base.iter().chain(&["--metrics-listen", "localhost"])
+        )
+        .is_err());
     }
 
     #[test]

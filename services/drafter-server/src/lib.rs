@@ -7,7 +7,7 @@
 //! - [`config`]: every flag (clap, with environment fallbacks) and its checks.
 //! - [`server`]: [`run`], the async side: Consume stream, credit window,
 //!   ack-after-step, nacks, lease extension, stats, schedule estimate,
-//!   reconnects, graceful stop.
+//!   reconnects, graceful stop, the metrics endpoint.
 //! - [`trainer_thread`]: the dedicated training thread (owns all libtorch
 //!   state), batching by token budget, steps and checkpoints; it talks to
 //!   the async side over bounded channels only.
@@ -17,6 +17,7 @@
 //! - [`schedule`]: the schedule-length estimate from the broker's run summary.
 //! - [`checkpoints`]: the checkpoint folder (step directories, `latest`, pruning).
 //! - [`eval`]: [`eval::evaluate`], speculative decoding to measure τ.
+//! - [`metrics`]: the Prometheus instruments served at `--metrics-listen`.
 //!
 //! Model code lives in `dflash-model` (`draft`, `target`); this crate adds
 //! the queue discipline and must not depend on the broker crate (tests do).
@@ -25,6 +26,7 @@ pub mod checkpoints;
 pub mod config;
 pub mod engine;
 pub mod eval;
+pub mod metrics;
 pub mod samples;
 pub mod schedule;
 pub mod server;
@@ -32,4 +34,4 @@ pub mod trainer_thread;
 
 pub use config::{DrafterServerConfig, ModelMode};
 pub use eval::{evaluate, EvalOptions, EvalReport};
-pub use server::{run, DrafterError, DrafterReport, RunEnd};
+pub use server::{run, run_with_metrics_listener, DrafterError, DrafterReport, RunEnd};

@@ -1,4 +1,5 @@
-//! `drafter-server`: flags, logging and signals around [`dflash_drafter_server::run`].
+//! `drafter-server`: flags, telemetry (logs, span export) and signals
+//! around [`dflash_drafter_server::run`].
 
 use clap::Parser;
 use dflash_drafter_server::{run, DrafterServerConfig, RunEnd};
@@ -13,21 +14,28 @@ use tracing::{error, info};
 struct Cli {
     #[command(flatten)]
     config: DrafterServerConfig,
+
+    /// Log line format on stderr: text or json.
+    #[arg(long, env = "DFLASH_LOG_FORMAT", value_enum, default_value_t = dflash_telemetry::LogFormat::Text)]
+    log_format: dflash_telemetry::LogFormat,
 }
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
     let cli = Cli::parse();
+    // Held to the end: dropping it flushes the spans still buffered.
+    let telemetry = match dflash_telemetry::init("drafter-server", cli.log_format) {
+        Ok(guard) => guard,
+        Err(error) => {
+            eprintln!("drafter-server: {error}");
+            return std::process::ExitCode::from(1);
+        }
+    };
     let shutdown = CancellationToken::new();
     let signal_task = tokio::spawn(forward_signals(shutdown.clone()));
     let result = run(cli.config, shutdown.clone()).await;
     signal_task.abort();
+    telemetry.flush();
     match result {
         Ok(report) => {
             info!(

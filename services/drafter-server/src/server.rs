@@ -2,21 +2,28 @@
 //! window, acks after steps, nacks, lease extension, stats, the schedule
 //! estimate, reconnects and the graceful stop. All compute happens on the
 //! training thread ([`crate::trainer_thread`]); this side never blocks.
+//! It also owns the metrics endpoint (`--metrics-listen`) and updates the
+//! [`DrafterMetrics`] from the trainer's events.
 
 use std::collections::HashSet;
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_client::{BrokerClient, ClientOptions, Consumer, ConsumerEvent, ConsumerHandle};
 use dflash_proto::v1::{ConsumerStats, Credit, EndOfStream, NackDisposition, RunStatus};
+use dflash_telemetry::{Registry, RegistryError};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::time::{interval, sleep_until, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::checkpoints::latest_checkpoint;
-use crate::config::DrafterServerConfig;
-use crate::engine::{build_engine, EngineError};
+use crate::config::{DrafterServerConfig, ModelMode};
+use crate::engine::{build_engine, device_name, EngineError};
+use crate::metrics::DrafterMetrics;
 use crate::schedule::{estimate_total_steps, ScheduleInputs};
 use crate::trainer_thread::{run_training_loop, LoopSettings, TrainerCommand, TrainerEvent};
 
@@ -45,6 +52,14 @@ pub enum DrafterError {
     ShutdownTimedOut(Duration),
     #[error("final checkpoint failed: {0}")]
     FinalCheckpoint(String),
+    #[error("cannot listen for metrics on {address}: {source}")]
+    MetricsListen {
+        address: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("metrics: {0}")]
+    Metrics(#[from] RegistryError),
 }
 
 /// How a run ended.
@@ -118,12 +133,81 @@ struct Totals {
     window_busy: Duration,
 }
 
-/// Runs a drafter-server until end-of-stream or `shutdown`.
+/// How long the metrics endpoint gets to stop once the run is over.
+const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Runs a drafter-server until end-of-stream or `shutdown`. When
+/// `config.metrics_listen` is set, serves Prometheus metrics there for as
+/// long as the run lasts.
 pub async fn run(
     config: DrafterServerConfig,
     shutdown: CancellationToken,
 ) -> Result<DrafterReport, DrafterError> {
     config.validate()?;
+    let metrics_listener = match config.metrics_listen {
+        Some(address) => Some(
+            TcpListener::bind(address)
+                .await
+                .map_err(|source| DrafterError::MetricsListen { address, source })?,
+        ),
+        None => None,
+    };
+    run_with_metrics_listener(config, metrics_listener, shutdown).await
+}
+
+/// [`run`] with the metrics endpoint on an already bound listener (tests
+/// bind `127.0.0.1:0` to learn the port) instead of `config.metrics_listen`,
+/// or none. The endpoint is an owned task: it stops when `shutdown` is
+/// cancelled or the run returns, whichever comes first.
+pub async fn run_with_metrics_listener(
+    config: DrafterServerConfig,
+    metrics_listener: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> Result<DrafterReport, DrafterError> {
+    let registry = Arc::new(Registry::new());
+    let metrics_stop = shutdown.child_token();
+    let endpoint = metrics_listener.map(|metrics_listener| {
+        info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");
+        let registry = registry.clone();
+        tokio::spawn(dflash_telemetry::serve_metrics(
+            metrics_listener,
+            move || registry.render(),
+            metrics_stop.clone(),
+        ))
+    });
+    let outcome = run_session(config, &registry, shutdown).await;
+    stop_metrics(endpoint, &metrics_stop).await;
+    outcome
+}
+
+/// Stops the metrics endpoint and waits for it, bounded.
+async fn stop_metrics(endpoint: Option<tokio::task::JoinHandle<()>>, stop: &CancellationToken) {
+    stop.cancel();
+    if let Some(mut endpoint) = endpoint {
+        if tokio::time::timeout(METRICS_STOP_TIMEOUT, &mut endpoint)
+            .await
+            .is_err()
+        {
+            warn!("metrics endpoint did not stop in time");
+            endpoint.abort();
+        }
+    }
+}
+
+/// The run itself, updating the instruments it registers in `registry`.
+async fn run_session(
+    config: DrafterServerConfig,
+    registry: &Registry,
+    shutdown: CancellationToken,
+) -> Result<DrafterReport, DrafterError> {
+    config.validate()?;
+    // The label the engine will report, known before the model loads so the
+    // metrics exist (at zero) from the first scrape.
+    let device_label = match config.model {
+        ModelMode::Synthetic { .. } => "synthetic".to_string(),
+        ModelMode::DFlash => device_name(config.device),
+    };
+    let metrics = DrafterMetrics::register(registry, &config.drafter_id, &device_label)?;
     std::fs::create_dir_all(&config.output).map_err(|source| DrafterError::Io {
         path: config.output.clone(),
         source,
@@ -190,6 +274,7 @@ pub async fn run(
         device,
         steps_done: resumed_step,
         last_checkpoint: None,
+        metrics,
     };
     let result = session.drive(&shutdown, &mut event_receiver).await;
     // Closing the command channel ends the training loop if it is still running.
@@ -223,6 +308,8 @@ struct Session {
     device: String,
     steps_done: u64,
     last_checkpoint: Option<PathBuf>,
+    /// Updated from the trainer's events; served by the metrics endpoint.
+    metrics: DrafterMetrics,
 }
 
 impl Session {
@@ -318,6 +405,11 @@ impl Session {
             samples_trained: self.totals.samples,
             accuracy: self.totals.last_accuracy.unwrap_or(0.0),
         };
+        if reset_window {
+            // Whole intervals only: a window just begun gives wild rates.
+            self.metrics.tokens_per_second.set(stats.tokens_per_second);
+            self.metrics.busy_fraction.set(stats.busy_fraction);
+        }
         handle.send_stats(stats);
         if reset_window {
             self.totals.window_tokens = 0;
@@ -343,6 +435,7 @@ impl Session {
                 if generation == self.generation && self.held.remove(&delivery_id) {
                     handle.nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
                     self.totals.dead_lettered += 1;
+                    self.metrics.rejected_items.increment();
                 }
             }
             TrainerEvent::Stepped {
@@ -350,7 +443,13 @@ impl Session {
                 delivery_ids,
                 report,
                 busy,
+                step_compute,
             } => {
+                self.metrics.steps.increment();
+                self.metrics.samples_trained.add(report.samples as u64);
+                self.metrics.step_seconds.set(step_compute.as_secs_f64());
+                self.metrics.loss.set(report.loss);
+                self.metrics.accuracy.set(report.accuracy);
                 self.steps_done = report.step;
                 self.totals.steps += 1;
                 self.totals.samples += report.samples as u64;

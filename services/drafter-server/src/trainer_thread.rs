@@ -7,14 +7,22 @@
 //!
 //! Items are acked only after the optimizer step that used them: a
 //! `Stepped` event carries exactly those delivery ids.
+//!
+//! Each step runs in a `drafter.step` trace span (target
+//! [`dflash_telemetry::TRACE_TARGET`], so it is disabled and nearly free
+//! without a span exporter) that covers its micro-batches and the update. It
+//! is parented to the trace of the step's first sample and linked to the
+//! traces of all the others, so a sample can be followed from the target
+//! that made it to the step that trained on it.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use dflash_model::draft::StepReport;
 use dflash_proto::v1::Delivery;
 use tokio::sync::mpsc;
-use tracing::{info, warn};
+use tracing::{info, warn, Span};
 
 use crate::checkpoints::{prune_step_checkpoints, record_latest, step_dir_name};
 use crate::engine::{PreparedSample, TrainingEngine};
@@ -54,6 +62,8 @@ pub enum TrainerEvent {
         report: StepReport,
         /// Time spent computing since the previous event of this kind.
         busy: Duration,
+        /// Compute time of this step alone: its micro-batches and the update.
+        step_compute: Duration,
     },
     /// A micro-batch or step failed; its deliveries go back to the queue.
     BatchFailed {
@@ -87,6 +97,9 @@ pub struct LoopSettings {
 
 struct HeldSample {
     delivery_id: u64,
+    /// The producer's W3C trace context (`Delivery.trace_context`), so the
+    /// step that trains on this sample joins or links its trace.
+    trace_context: HashMap<String, String>,
     prepared: PreparedSample,
 }
 
@@ -101,6 +114,11 @@ struct TrainingLoop {
     /// Delivery ids of micro-batches accumulated but not yet stepped.
     accumulated_ids: Vec<u64>,
     accumulated_micro_batches: u64,
+    /// The span of the step being accumulated: opened with its first
+    /// micro-batch, closed when the step is taken or its work is discarded.
+    step_span: Option<Span>,
+    /// Compute time of the step being accumulated, for `Stepped`.
+    step_compute: Duration,
     /// Compute time not yet reported.
     busy: Duration,
     /// Step of the newest checkpoint written, so the final one is not
@@ -123,6 +141,8 @@ pub fn run_training_loop(
         pending: Vec::new(),
         accumulated_ids: Vec::new(),
         accumulated_micro_batches: 0,
+        step_span: None,
+        step_compute: Duration::ZERO,
         busy: Duration::ZERO,
         last_checkpoint_step: None,
     };
@@ -165,8 +185,13 @@ impl TrainingLoop {
             self.discard();
             self.generation = generation;
         }
-        let delivery_id = delivery.delivery_id;
-        let sample = delivery.sample.unwrap_or_default();
+        let Delivery {
+            delivery_id,
+            sample,
+            trace_context,
+            ..
+        } = delivery;
+        let sample = sample.unwrap_or_default();
         match self.engine.prepare(&sample) {
             Err(error) => self.emit(TrainerEvent::Rejected {
                 generation,
@@ -176,6 +201,7 @@ impl TrainingLoop {
             Ok(prepared) => {
                 self.pending.push(HeldSample {
                     delivery_id,
+                    trace_context,
                     prepared,
                 });
                 self.train_what_is_ready();
@@ -223,14 +249,47 @@ impl TrainingLoop {
         }
     }
 
+    /// The span of the step that `batch` joins, opened (and parented to the
+    /// batch's first sample) when the batch is the step's first; every other
+    /// sample of the batch is linked.
+    fn step_span_for(&mut self, batch: &[HeldSample]) -> Span {
+        let mut trace_contexts = batch.iter().map(|held| &held.trace_context);
+        let span = match &self.step_span {
+            Some(span) => span.clone(),
+            None => {
+                let span = tracing::debug_span!(
+                    target: dflash_telemetry::TRACE_TARGET,
+                    "drafter.step",
+                    samples = tracing::field::Empty,
+                    step = self.engine.steps_done() + 1,
+                );
+                if let Some(first) = trace_contexts.next() {
+                    dflash_telemetry::set_parent_from(&span, first);
+                }
+                self.step_span = Some(span.clone());
+                span
+            }
+        };
+        if !span.is_disabled() {
+            for trace_context in trace_contexts {
+                dflash_telemetry::add_link_from(&span, trace_context);
+            }
+        }
+        span
+    }
+
     fn run_micro_batch(&mut self) {
         let batch = std::mem::take(&mut self.pending);
+        let span = self.step_span_for(&batch);
         let delivery_ids: Vec<u64> = batch.iter().map(|held| held.delivery_id).collect();
         let started = Instant::now();
-        let result = self
-            .engine
-            .accumulate(batch.into_iter().map(|held| held.prepared).collect());
-        self.busy += started.elapsed();
+        let result = span.in_scope(|| {
+            self.engine
+                .accumulate(batch.into_iter().map(|held| held.prepared).collect())
+        });
+        let elapsed = started.elapsed();
+        self.busy += elapsed;
+        self.step_compute += elapsed;
         match result {
             Ok(()) => {
                 self.accumulated_ids.extend(delivery_ids);
@@ -241,6 +300,7 @@ impl TrainingLoop {
                 let mut failed = std::mem::take(&mut self.accumulated_ids);
                 failed.extend(delivery_ids);
                 self.accumulated_micro_batches = 0;
+                self.end_step_span();
                 self.engine.discard();
                 self.emit(TrainerEvent::BatchFailed {
                     generation: self.generation,
@@ -252,9 +312,14 @@ impl TrainingLoop {
     }
 
     fn run_step(&mut self) {
+        let span = self.step_span.take().unwrap_or_else(Span::none);
+        span.record("samples", self.accumulated_ids.len());
         let started = Instant::now();
-        let result = self.engine.step();
-        self.busy += started.elapsed();
+        let result = span.in_scope(|| self.engine.step());
+        drop(span);
+        let elapsed = started.elapsed();
+        self.busy += elapsed;
+        let step_compute = std::mem::take(&mut self.step_compute) + elapsed;
         let delivery_ids = std::mem::take(&mut self.accumulated_ids);
         self.accumulated_micro_batches = 0;
         match result {
@@ -266,6 +331,7 @@ impl TrainingLoop {
                     delivery_ids,
                     report,
                     busy,
+                    step_compute,
                 });
                 if self.settings.save_every > 0 && step % self.settings.save_every == 0 {
                     if let Err(error) = self.save_checkpoint() {
@@ -288,7 +354,14 @@ impl TrainingLoop {
         self.pending.clear();
         self.accumulated_ids.clear();
         self.accumulated_micro_batches = 0;
+        self.end_step_span();
         self.engine.discard();
+    }
+
+    /// Forgets the step being accumulated: its span ends without a step.
+    fn end_step_span(&mut self) {
+        self.step_span = None;
+        self.step_compute = Duration::ZERO;
     }
 
     fn save_checkpoint(&mut self) -> Result<PathBuf, String> {
@@ -328,6 +401,7 @@ impl TrainingLoop {
         unused.extend(self.pending.drain(..).map(|held| held.delivery_id));
         unused.append(&mut self.accumulated_ids);
         self.accumulated_micro_batches = 0;
+        self.end_step_span();
         self.engine.discard();
         let (final_checkpoint, checkpoint_error) = match self.save_checkpoint() {
             Ok(path) => (Some(path), None),
