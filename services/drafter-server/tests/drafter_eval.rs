@@ -37,8 +37,12 @@ fn fast_greedy_continuation(
         let mut candidate = tokens.clone();
         candidate.extend(std::iter::repeat_n(last, guesses - 1));
         let ids = Tensor::from_slice(&candidate).view([1, -1]);
-        let predictions =
-            Vec::<i64>::try_from(&target.logits(&ids, &ids.ones_like())?.get(0).argmax(-1, false))?;
+        let predictions = Vec::<i64>::try_from(
+            &target
+                .logits(&ids, &ids.ones_like())?
+                .get(0)
+                .argmax(-1, false),
+        )?;
         let mut position = tokens.len() - 1;
         loop {
             let next = predictions[position];
