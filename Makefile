@@ -27,7 +27,7 @@ run: release
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker).
-test: setup lint check-grpcurl test-rust
+test: setup lint check-grpcurl test-rust check-checkpoint
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -35,7 +35,12 @@ lint:
 
 test-rust: setup
 	$(CARGO) build --workspace --bins
-	$(CARGO) test --workspace --no-fail-fast
+	DFLASH_LOCAL_RUN_DIR=$(CURDIR)/runs/test-local $(CARGO) test --workspace --no-fail-fast
+
+## The drafter checkpoints of the system test's `dflash local` run load in the
+## reference `dflash` package (installed once into a venv in the cache).
+check-checkpoint: setup
+	bash scripts/check-checkpoint.sh $(CURDIR)/runs/test-local
 
 check-grpcurl: setup
 	bash scripts/check-grpcurl.sh

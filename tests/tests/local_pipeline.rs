@@ -5,17 +5,23 @@ mod common;
 
 #[test]
 fn dflash_local_trains_every_sample_and_ends_complete() {
-    let workdir = tempfile::tempdir().unwrap();
+    // `make test` keeps the run (DFLASH_LOCAL_RUN_DIR) so that
+    // scripts/check-checkpoint.sh loads its drafter checkpoints with the
+    // reference `dflash` package afterwards.
+    let temporary = tempfile::tempdir().unwrap();
+    let workdir = match std::env::var_os("DFLASH_LOCAL_RUN_DIR") {
+        Some(directory) => {
+            let directory = std::path::PathBuf::from(directory);
+            let _ = std::fs::remove_dir_all(&directory);
+            directory
+        }
+        None => temporary.path().to_path_buf(),
+    };
+    // A small demo keeps the debug-build test to a couple of minutes.
     let output = std::process::Command::new(common::workspace_binary("dflash"))
-        .args([
-            "local",
-            "--view",
-            "lines",
-            "--timeout-seconds",
-            "900",
-            "--workdir",
-        ])
-        .arg(workdir.path())
+        .args(["local", "--view", "lines", "--timeout-seconds", "900"])
+        .args(["--demo-sequences", "48", "--demo-epochs", "4", "--workdir"])
+        .arg(&workdir)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
@@ -25,8 +31,7 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
         "dflash local failed\n{stdout}\n{stderr}"
     );
     let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(workdir.path().join("summary.json")).unwrap())
-            .unwrap();
+        serde_json::from_slice(&std::fs::read(workdir.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["end_of_stream"], "COMPLETE", "{summary}");
     let accepted = summary["accepted_samples"].as_u64().unwrap();
     assert!(accepted > 0);

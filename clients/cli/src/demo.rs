@@ -28,8 +28,10 @@ pub struct DemoSpec {
 impl Default for DemoSpec {
     fn default() -> Self {
         DemoSpec {
-            unique_sequences: 64,
-            epochs: 6,
+            // Enough distinct prompts that the drafter must learn the target
+            // rather than memorise sequences (held-out τ needs it).
+            unique_sequences: 640,
+            epochs: 4,
             prompt_tokens: 6,
             continuation_tokens: 40,
             held_out_prompts: 8,
@@ -111,10 +113,13 @@ pub fn write_demo_data(
     })
 }
 
-/// Reads evaluation prompts from pre-tokenized lines (`input_ids`, with an
-/// optional `loss_mask` whose first supervised token ends the prompt).
-pub fn read_prompts(path: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
-    use dflash_target_server::data::{parse_line, Conversation};
+/// Reads evaluation prompts: pre-tokenized lines (`input_ids`, with an
+/// optional `loss_mask` whose first supervised token ends the prompt), or
+/// conversations (`messages` / `conversations`) rendered with the model's
+/// chat template up to the assistant's turn.
+pub fn read_prompts(path: &Path, model_dir: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
+    use dflash_target_server::data::{parse_line, ChatEncoder, Conversation};
+    let mut encoder: Option<ChatEncoder> = None;
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let mut prompts = Vec::new();
@@ -126,15 +131,38 @@ pub fn read_prompts(path: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
         let conversation = parse_line(line)
             .map_err(|error| anyhow::anyhow!("{}:{line_number}: {error}", path.display()))?;
         let prompt = match conversation {
-            Conversation::PreTokenized { input_ids, loss_mask } => {
+            Conversation::PreTokenized {
+                input_ids,
+                loss_mask,
+            } => {
                 // A prompt is what precedes the first supervised token.
-                let prompt_length = loss_mask.iter().position(|&mask| mask != 0).unwrap_or(input_ids.len());
+                let prompt_length = loss_mask
+                    .iter()
+                    .position(|&mask| mask != 0)
+                    .unwrap_or(input_ids.len());
                 input_ids[..prompt_length.max(1).min(input_ids.len())].to_vec()
             }
-            Conversation::Messages(_) => anyhow::bail!(
-                "{}:{line_number}: text conversations are not supported by eval yet; give pre-tokenized prompts ({{\"input_ids\": [...]}})",
-                path.display()
-            ),
+            Conversation::Messages(mut messages) => {
+                // Trailing assistant turns are what gets generated: drop them.
+                while messages
+                    .last()
+                    .is_some_and(|message| message.role == "assistant")
+                {
+                    messages.pop();
+                }
+                if encoder.is_none() {
+                    encoder = Some(
+                        ChatEncoder::from_directory(model_dir, usize::MAX, None)
+                            .map_err(|error| anyhow::anyhow!("{}: {error}", model_dir.display()))?,
+                    );
+                }
+                let Some(encoder) = encoder.as_ref() else {
+                    continue;
+                };
+                encoder
+                    .encode_prompt(&messages)
+                    .map_err(|error| anyhow::anyhow!("{}:{line_number}: {error}", path.display()))?
+            }
         };
         if prompt.is_empty() {
             anyhow::bail!("{}:{line_number}: empty prompt", path.display());
@@ -145,4 +173,54 @@ pub fn read_prompts(path: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
         anyhow::bail!("{}: no prompts", path.display());
     }
     Ok(prompts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompts_come_from_token_ids_or_chat_conversations() {
+        let directory = tempfile::tempdir().unwrap();
+        let model = directory.path().join("model");
+        dflash_model::tiny::write_tiny_model(&model, &dflash_model::tiny::TinyModelSpec::default())
+            .unwrap();
+        let data = directory.path().join("held_out.jsonl");
+        std::fs::write(
+            &data,
+            concat!(
+                "{\"input_ids\": [5, 6, 7, 8], \"loss_mask\": [0, 0, 1, 1]}\n",
+                "\n",
+                "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello, how are you today?\"},",
+                " {\"role\": \"assistant\", \"content\": \"I am fine.\"}]}\n"
+            ),
+        )
+        .unwrap();
+        let prompts = read_prompts(&data, &model).unwrap();
+        assert_eq!(prompts.len(), 2);
+        assert_eq!(
+            prompts[0],
+            vec![5, 6],
+            "the prompt ends before the first supervised token"
+        );
+        // ChatML: <|im_start|>user ... <|im_end|> then the opened assistant turn.
+        let im_start = 457;
+        let im_end = 458;
+        let chat = &prompts[1];
+        assert_eq!(chat[0], im_start);
+        assert_eq!(
+            chat.iter().filter(|&&id| id == im_start).count(),
+            2,
+            "{chat:?}"
+        );
+        let last_start = chat.iter().rposition(|&id| id == im_start).unwrap();
+        assert!(
+            !chat[last_start..].contains(&im_end),
+            "the assistant turn must be open: {chat:?}"
+        );
+
+        std::fs::write(&data, "{\"input_ids\": [1, 2]}\nnot json\n").unwrap();
+        let error = read_prompts(&data, &model).unwrap_err().to_string();
+        assert!(error.contains("held_out.jsonl:2"), "{error}");
+    }
 }

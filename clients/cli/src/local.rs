@@ -110,6 +110,8 @@ const TINY_DRAFTER_FLAGS: &[&str] = &[
     "32",
     "--learning-rate",
     "3e-3",
+    "--max-step-samples",
+    "16",
 ];
 const TINY_TARGET_FLAGS: &[&str] = &["--num-draft-layers", "2"];
 
@@ -323,6 +325,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         }
     };
 
+    println!("dflash local: broker at {address} (watch it with `dflash top --broker {address}`); logs in {}", logs.display());
     let mut children = Vec::new();
     let target_binary = sibling_binary("target-server")?;
     for index in 0..args.targets {
@@ -512,7 +515,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             .iter()
             .find_map(|process| process.checkpoint.clone());
         if let (Some(checkpoint), false) = (checkpoint, interrupted) {
-            let prompts = demo::read_prompts(held_out)?;
+            let prompts = demo::read_prompts(held_out, model_dir)?;
             held_out_prompts = prompts.len();
             let model_dir = model_dir.clone();
             let checkpoint_for_eval = checkpoint.clone();

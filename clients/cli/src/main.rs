@@ -46,7 +46,7 @@ enum Command {
         /// A drafter checkpoint directory, or a drafter-server --output folder (its latest checkpoint).
         #[arg(long)]
         drafter: PathBuf,
-        /// Held-out prompts, pre-tokenized JSONL (`{"input_ids": [...]}`).
+        /// Held-out prompts (JSONL): pre-tokenized `{"input_ids": [...]}` or conversations, rendered with the chat template.
         #[arg(long)]
         data: PathBuf,
         #[arg(long, default_value_t = 64)]
@@ -139,7 +139,7 @@ async fn main() -> anyhow::Result<()> {
                 Some(latest) if !drafter.join("config.json").exists() => latest,
                 _ => drafter.clone(),
             };
-            let prompts = demo::read_prompts(&data)?;
+            let prompts = demo::read_prompts(&data, &target_model)?;
             let report = tokio::task::spawn_blocking(move || {
                 dflash_drafter_server::eval::evaluate(
                     &target_model,

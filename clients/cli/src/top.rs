@@ -394,7 +394,7 @@ mod tests {
         );
         // 600 items left at 10 items/s.
         assert!(
-            header[1].contains("ETA 10m00s") && header[1].contains("trained 400/1000"),
+            header[1].contains("ETA 1m00s") && header[1].contains("trained 400/1000"),
             "{}",
             header[1]
         );

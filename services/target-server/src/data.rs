@@ -369,6 +369,29 @@ impl ChatEncoder {
     /// Renders messages with the chat template, as HF
     /// `apply_chat_template(messages, tokenize=False)` would.
     pub fn render(&self, messages: &[ChatMessage]) -> Result<String, LineError> {
+        self.render_with(messages, false)
+    }
+
+    /// Token ids of a generation prompt: the messages rendered with
+    /// `add_generation_prompt=True` (the template opens the assistant turn),
+    /// as `dflash eval` feeds them to speculative decoding.
+    pub fn encode_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<i64>, LineError> {
+        let tokenizer = self
+            .tokenizer
+            .as_ref()
+            .ok_or_else(|| LineError::NoTokenizer(self.directory.clone()))?;
+        let text = self.render_with(messages, true)?;
+        let encoding = tokenizer
+            .encode(text.as_str(), false)
+            .map_err(|error| LineError::Tokenizer(error.to_string()))?;
+        Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
+    }
+
+    fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, LineError> {
         let environment = self.template.as_ref().ok_or_else(|| {
             LineError::Template(format!("no chat template in {}", self.directory.display()))
         })?;
@@ -378,7 +401,7 @@ impl ChatEncoder {
         let raw_messages: Vec<&Value> = messages.iter().map(|message| &message.raw).collect();
         let context = minijinja::context! {
             messages => minijinja::Value::from(minijinja::value::Serde(&raw_messages)),
-            add_generation_prompt => false,
+            add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
         };

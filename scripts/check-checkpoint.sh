@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Loads the drafter checkpoints that the system test's `dflash local` run
+# wrote (real drafter-server binaries, real pipeline) with the reference
+# implementation: PyPI `dflash` 0.1.0's DFlashDraftModel.from_pretrained,
+# which must report no missing, unexpected or mismatched keys. The Python
+# packages (torch 2.13.0 with its CUDA libraries, transformers 5.15.0, dflash)
+# go once into a venv in the cache folder.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache_root="${DFLASH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
+run_dir="${1:-$repo_root/runs/test-local}"
+venv="$cache_root/venv-dflash-reference"
+if [[ ! -f "$venv/.complete" ]]; then
+  echo "check-checkpoint: installing the reference dflash package into $venv (once)" >&2
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --find-links "$cache_root/wheels" -r "$repo_root/scripts/golden/requirements.txt"
+  touch "$venv/.complete"
+fi
+
+passed=0
+failed=0
+shopt -s nullglob
+for output in "$run_dir"/checkpoints/*/; do
+  latest="$(cat "$output/latest" 2>/dev/null || true)"
+  checkpoint="$output${latest}"
+  if [[ -z "$latest" || ! -f "$checkpoint/model.safetensors" ]]; then
+    echo "check-checkpoint: $output has no complete checkpoint" >&2
+    failed=$((failed + 1))
+    continue
+  fi
+  if "$venv/bin/python" "$repo_root/scripts/check_dflash_checkpoint.py" "$checkpoint"; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+  fi
+done
+if (( passed + failed == 0 )); then
+  echo "check-checkpoint: no drafter checkpoints under $run_dir/checkpoints (run the system tests first)" >&2
+  exit 1
+fi
+echo "check-checkpoint: $passed passed, $failed failed"
+(( failed == 0 ))
