@@ -494,21 +494,7 @@ impl<P: Payload> Queue<P> {
         self.ensure_not_ended()?;
         let key = self.target_key(target_id)?;
         let connection = self.allocate_connection();
-        let entry = self
-            .targets
-            .entry(key.clone())
-            .or_insert_with(|| TargetEntry {
-                target_id: key.clone(),
-                state: TargetState::Disconnected { since: now },
-                highest_seq: None,
-                accepted_items: 0,
-                accepted_bytes: 0,
-                rejected_items: 0,
-                duplicate_items: 0,
-                last_seen: now,
-                stats: None,
-            });
-        entry.last_seen = now;
+        let entry = Self::target_entry(&mut self.targets, key.clone(), now);
         match &entry.state {
             TargetState::Failed { reason } => {
                 return Err(QueueError::TargetFailed {
@@ -683,21 +669,7 @@ impl<P: Payload> Queue<P> {
                 accepted,
             });
         }
-        let entry = self
-            .targets
-            .entry(key.clone())
-            .or_insert_with(|| TargetEntry {
-                target_id: key.clone(),
-                state: TargetState::Disconnected { since: now },
-                highest_seq: None,
-                accepted_items: 0,
-                accepted_bytes: 0,
-                rejected_items: 0,
-                duplicate_items: 0,
-                last_seen: now,
-                stats: None,
-            });
-        entry.last_seen = now;
+        let entry = Self::target_entry(&mut self.targets, key.clone(), now);
         let already_done = entry.state == TargetState::Done;
         // A stream still open stays usable (late duplicates are answered) until
         // the target closes it; it no longer decides the target's liveness.
@@ -1194,6 +1166,28 @@ impl<P: Payload> Queue<P> {
             });
         }
         Ok(Arc::from(target_id))
+    }
+
+    /// The target's entry, registered (disconnected, nothing accepted) on
+    /// first sight; either way marked as seen now.
+    fn target_entry(
+        targets: &mut BTreeMap<Arc<str>, TargetEntry>,
+        key: Arc<str>,
+        now: Instant,
+    ) -> &mut TargetEntry {
+        let entry = targets.entry(key.clone()).or_insert_with(|| TargetEntry {
+            target_id: key,
+            state: TargetState::Disconnected { since: now },
+            highest_seq: None,
+            accepted_items: 0,
+            accepted_bytes: 0,
+            rejected_items: 0,
+            duplicate_items: 0,
+            last_seen: now,
+            stats: None,
+        });
+        entry.last_seen = now;
+        entry
     }
 
     fn producer_target(&self, connection: ConnectionId) -> Result<Arc<str>, QueueError> {
