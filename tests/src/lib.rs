@@ -8,5 +8,6 @@
 //! # Layout
 //! - `tests/local_pipeline.rs`: `dflash local` on the embedded tiny default.
 //! - `tests/cli_status.rs`: `dflash status --json` against a live broker.
+//! - `tests/common/`: finding the workspace binaries from a test.
 //!
 //! This crate has no library code of its own.
