@@ -122,7 +122,15 @@ pub async fn serve_with_metrics(
                 .max_encoding_message_size(message_limit),
         )
         .serve_with_incoming_shutdown(
-            TcpListenerStream::new(listener),
+            // tonic applies `tcp_nodelay` only to sockets it binds itself:
+            // set it on each accepted socket, or Nagle's algorithm holds
+            // small messages (end-of-stream, acks) for a delayed-ACK period.
+            futures::StreamExt::map(TcpListenerStream::new(listener), |accepted| {
+                if let Ok(socket) = &accepted {
+                    let _ = socket.set_nodelay(true);
+                }
+                accepted
+            }),
             server_stop.clone().cancelled_owned(),
         );
     let mut server = tokio::spawn(server);
