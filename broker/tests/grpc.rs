@@ -183,7 +183,9 @@ async fn drafter_that_stops_acking_has_its_leases_taken_back() {
     let broker = TestBroker::start(config).await;
     let client = broker.client().await;
     run_target(client.clone(), "target-0".into(), 3, 1024).await;
-    // The stalled drafter keeps its stream open but never acks.
+    // The stalled drafter keeps its stream open but never acks. Its leases
+    // start after this instant, so none can expire sooner than 300 ms after it.
+    let started = Instant::now();
     let mut stalled = client.consume("stalled", credit(3)).await.unwrap();
     for _ in 0..3 {
         assert!(matches!(
@@ -191,10 +193,9 @@ async fn drafter_that_stops_acking_has_its_leases_taken_back() {
             ConsumerEvent::Delivery(_)
         ));
     }
-    let started = Instant::now();
     let healthy = run_drafter(client.clone(), "healthy".into(), Duration::ZERO, 3).await;
     assert!(
-        started.elapsed() >= Duration::from_millis(250),
+        started.elapsed() >= Duration::from_millis(300),
         "leases moved before they expired"
     );
     assert_eq!(healthy.acked.len(), 3);
