@@ -57,12 +57,12 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
             );
         }
     }
-    assert!(
-        summary["acceptance_length"]
-            .as_f64()
-            .is_some_and(|tau| tau >= 1.0),
-        "{summary}"
-    );
+    for key in ["acceptance_length", "untrained_acceptance_length"] {
+        assert!(
+            summary[key].as_f64().is_some_and(|tau| tau >= 1.0),
+            "{key}: {summary}"
+        );
+    }
     assert!(
         stdout.contains("end-of-stream: COMPLETE") && stdout.contains("result: OK"),
         "{stdout}"

@@ -144,6 +144,9 @@ pub struct LocalSummary {
     pub final_loss: Option<f64>,
     pub processes: Vec<ProcessSummary>,
     pub acceptance_length: Option<f64>,
+    /// τ of a freshly initialised drafter of the same configuration: the
+    /// baseline that shows what training bought.
+    pub untrained_acceptance_length: Option<f64>,
     pub acceptance_length_drafter: Option<String>,
     pub held_out_prompts: usize,
     pub workdir: PathBuf,
@@ -508,6 +511,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
 
     // τ of the first drafter's final checkpoint on the held-out prompts.
     let mut acceptance_length = None;
+    let mut untrained_acceptance_length = None;
     let mut acceptance_length_drafter = None;
     let mut held_out_prompts = 0;
     if let (Some(model_dir), Some(held_out)) = (&model_dir, &held_out) {
@@ -519,19 +523,31 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             held_out_prompts = prompts.len();
             let model_dir = model_dir.clone();
             let checkpoint_for_eval = checkpoint.clone();
-            let report = tokio::task::spawn_blocking(move || {
-                dflash_drafter_server::eval::evaluate(
+            let baseline_dir = workdir.join("untrained-drafter");
+            let (trained, untrained) = tokio::task::spawn_blocking(move || {
+                let trained = dflash_drafter_server::eval::evaluate(
                     &model_dir,
                     &checkpoint_for_eval,
                     &prompts,
                     40,
                     tch::Device::Cpu,
                 )
+                .context("evaluating the trained drafter")?;
+                let baseline = untrained_baseline(&model_dir, &checkpoint_for_eval, &baseline_dir)?;
+                let untrained = dflash_drafter_server::eval::evaluate(
+                    &model_dir,
+                    &baseline,
+                    &prompts,
+                    40,
+                    tch::Device::Cpu,
+                )
+                .context("evaluating the untrained baseline")?;
+                anyhow::Ok((trained, untrained))
             })
             .await
-            .context("evaluation thread")?
-            .context("evaluating the trained drafter")?;
-            acceptance_length = Some(report.mean_acceptance_length);
+            .context("evaluation thread")??;
+            acceptance_length = Some(trained.mean_acceptance_length);
+            untrained_acceptance_length = Some(untrained.mean_acceptance_length);
             acceptance_length_drafter = Some(checkpoint.display().to_string());
         }
     }
@@ -561,6 +577,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         final_loss,
         processes,
         acceptance_length,
+        untrained_acceptance_length,
         acceptance_length_drafter,
         held_out_prompts,
         workdir: workdir.clone(),
@@ -572,6 +589,23 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     )?;
     print_summary(&summary, interrupted, timed_out);
     Ok(summary)
+}
+
+/// Writes a freshly initialised drafter with the trained checkpoint's
+/// configuration to `baseline_dir`.
+fn untrained_baseline(
+    target_dir: &Path,
+    trained_checkpoint: &Path,
+    baseline_dir: &Path,
+) -> anyhow::Result<PathBuf> {
+    use dflash_model::draft::checkpoint::load_draft_config;
+    use dflash_model::draft::{save_draft_checkpoint, DraftModel, FrozenTargetHeads};
+    let config = load_draft_config(trained_checkpoint)
+        .with_context(|| format!("reading {}", trained_checkpoint.display()))?;
+    let (_, frozen) = FrozenTargetHeads::load(target_dir, tch::Device::Cpu, tch::Kind::Float)?;
+    let model = DraftModel::new(config, frozen, tch::Device::Cpu, tch::Kind::Float, 0)?;
+    save_draft_checkpoint(baseline_dir, &model, None)?;
+    Ok(baseline_dir.to_path_buf())
 }
 
 fn process_summary(child: &Managed, snapshot: &proto::StatusSnapshot) -> ProcessSummary {
@@ -674,13 +708,13 @@ fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
     if let Some(loss) = summary.final_loss {
         println!("  final loss (mean over drafters): {loss:.4}");
     }
-    match (
-        summary.acceptance_length,
-        &summary.acceptance_length_drafter,
-    ) {
+    match (summary.acceptance_length, &summary.acceptance_length_drafter) {
         (Some(tau), Some(drafter)) => println!(
-            "  τ (mean acceptance length) on {} held-out prompts: {tau:.2}  [{drafter}]",
-            summary.held_out_prompts
+            "  τ (mean acceptance length) on {} held-out prompts: {tau:.2} trained, {} untrained  [{drafter}]",
+            summary.held_out_prompts,
+            summary
+                .untrained_acceptance_length
+                .map_or("-".to_string(), |baseline| format!("{baseline:.2}")),
         ),
         _ => println!("  τ: not measured (no checkpoint or no held-out prompts)"),
     }
