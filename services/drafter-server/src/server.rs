@@ -165,33 +165,11 @@ pub async fn run_with_metrics_listener(
     shutdown: CancellationToken,
 ) -> Result<DrafterReport, DrafterError> {
     let registry = Arc::new(Registry::new());
-    let metrics_stop = shutdown.child_token();
-    let endpoint = metrics_listener.map(|metrics_listener| {
-        info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");
-        let registry = registry.clone();
-        tokio::spawn(dflash_telemetry::serve_metrics(
-            metrics_listener,
-            move || registry.render(),
-            metrics_stop.clone(),
-        ))
-    });
+    let endpoint =
+        dflash_telemetry::MetricsEndpoint::start(metrics_listener, registry.clone(), &shutdown);
     let outcome = run_session(config, &registry, shutdown).await;
-    stop_metrics(endpoint, &metrics_stop).await;
+    endpoint.stop(METRICS_STOP_TIMEOUT).await;
     outcome
-}
-
-/// Stops the metrics endpoint and waits for it, bounded.
-async fn stop_metrics(endpoint: Option<tokio::task::JoinHandle<()>>, stop: &CancellationToken) {
-    stop.cancel();
-    if let Some(mut endpoint) = endpoint {
-        if tokio::time::timeout(METRICS_STOP_TIMEOUT, &mut endpoint)
-            .await
-            .is_err()
-        {
-            warn!("metrics endpoint did not stop in time");
-            endpoint.abort();
-        }
-    }
 }
 
 /// The run itself, updating the instruments it registers in `registry`.

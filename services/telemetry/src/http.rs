@@ -252,6 +252,45 @@ impl Response {
     }
 }
 
+/// A run's metrics endpoint: serves `registry` on an optional listener as an
+/// owned task, and stops it (bounded) when the run is over. One shape for
+/// every service that serves a [`crate::Registry`].
+pub struct MetricsEndpoint {
+    task: Option<tokio::task::JoinHandle<()>>,
+    stop: CancellationToken,
+}
+
+impl MetricsEndpoint {
+    /// Starts serving when `listener` is given; stops with `parent` or [`MetricsEndpoint::stop`].
+    pub fn start(
+        listener: Option<TcpListener>,
+        registry: Arc<crate::Registry>,
+        parent: &CancellationToken,
+    ) -> Self {
+        let stop = parent.child_token();
+        let task = listener.map(|listener| {
+            tracing::info!(address = ?listener.local_addr().ok(), "metrics listening");
+            tokio::spawn(serve_metrics(
+                listener,
+                move || registry.render(),
+                stop.clone(),
+            ))
+        });
+        MetricsEndpoint { task, stop }
+    }
+
+    /// Stops the endpoint and waits for it at most `timeout`, then aborts it.
+    pub async fn stop(self, timeout: Duration) {
+        self.stop.cancel();
+        if let Some(mut task) = self.task {
+            if tokio::time::timeout(timeout, &mut task).await.is_err() {
+                warn!("metrics endpoint did not stop in time");
+                task.abort();
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

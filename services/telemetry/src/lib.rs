@@ -18,7 +18,8 @@
 //!   (0.0.4) for metrics computed at scrape time from a snapshot.
 //! - `registry`: [`Registry`] with [`Counter`]s and [`Gauge`]s that code
 //!   updates as it goes, rendered through `exposition`.
-//! - `http`: [`serve_metrics`], a minimal HTTP/1.1 server for `GET /metrics`.
+//! - `http`: [`serve_metrics`], a minimal HTTP/1.1 server for `GET /metrics`,
+//!   and [`MetricsEndpoint`], which a run starts and stops around itself.
 //!
 //! Must not depend on any other dflash crate: the broker and the services
 //! depend on this one.
@@ -30,7 +31,7 @@ mod propagation;
 mod registry;
 
 pub use exposition::{Exposition, Family, MetricKind};
-pub use http::{serve_metrics, METRICS_CONTENT_TYPE};
+pub use http::{serve_metrics, MetricsEndpoint, METRICS_CONTENT_TYPE};
 pub use init::{
     init, init_with_exporter, LogFormat, TelemetryError, TelemetryGuard, TRACE_FILTER_ENV,
 };
