@@ -314,6 +314,27 @@ async fn first_message<T>(inbound: &mut Streaming<T>) -> Result<T, Status> {
     }
 }
 
+/// The stream's next message; `None` when it ended, broke, or the broker is
+/// shutting down (each reader then closes its queue connection).
+async fn next_request<T>(
+    shutdown: &CancellationToken,
+    inbound: &mut Streaming<T>,
+    connection: ConnectionId,
+    role: &'static str,
+) -> Option<T> {
+    let message = tokio::select! {
+        _ = shutdown.cancelled() => return None,
+        message = inbound.message() => message,
+    };
+    match message {
+        Ok(request) => request,
+        Err(status) => {
+            debug!(connection, %status, role, "stream broke");
+            None
+        }
+    }
+}
+
 impl BrokerService {
     /// Validates a producer's item; the message names the bad value.
     fn check_item(&self, item: &proto::Item) -> Result<u64, (RejectReason, String)> {
@@ -352,17 +373,10 @@ impl BrokerService {
     ) {
         let shared = self.shared.clone();
         loop {
-            let message = tokio::select! {
-                _ = shared.shutdown.cancelled() => break,
-                message = inbound.message() => message,
-            };
-            let request = match message {
-                Ok(Some(request)) => request,
-                Ok(None) => break,
-                Err(status) => {
-                    debug!(connection, %status, "producer stream broke");
-                    break;
-                }
+            let Some(request) =
+                next_request(&shared.shutdown, &mut inbound, connection, "producer").await
+            else {
+                break;
             };
             match request.kind {
                 Some(proto::produce_request::Kind::Item(item)) => {
@@ -517,17 +531,10 @@ impl BrokerService {
     ) {
         let shared = self.shared.clone();
         loop {
-            let message = tokio::select! {
-                _ = shared.shutdown.cancelled() => break,
-                message = inbound.message() => message,
-            };
-            let request = match message {
-                Ok(Some(request)) => request,
-                Ok(None) => break,
-                Err(status) => {
-                    debug!(connection, %status, "consumer stream broke");
-                    break;
-                }
+            let Some(request) =
+                next_request(&shared.shutdown, &mut inbound, connection, "consumer").await
+            else {
+                break;
             };
             use proto::consume_request::Kind;
             match request.kind {

@@ -778,10 +778,7 @@ impl<P: Payload> Queue<P> {
                 None => outcome.stale += 1,
             }
         }
-        if let Some(entry) = self.consumer_entry(connection) {
-            entry.last_seen = now;
-            entry.stalled = false;
-        }
+        self.consumer_alive(connection, now);
         self.dispatch(now);
         outcome
     }
@@ -817,10 +814,7 @@ impl<P: Payload> Queue<P> {
             }
         }
         self.return_to_head(returned, reason);
-        if let Some(entry) = self.consumer_entry(connection) {
-            entry.last_seen = now;
-            entry.stalled = false;
-        }
+        self.consumer_alive(connection, now);
         self.dispatch(now);
         outcome
     }
@@ -833,11 +827,12 @@ impl<P: Payload> Queue<P> {
         now: Instant,
     ) {
         let deadline = now + self.config.lease_timeout;
+        if !self.consumer_alive(connection, now) {
+            return;
+        }
         let Some(entry) = self.consumer_entry(connection) else {
             return;
         };
-        entry.last_seen = now;
-        entry.stalled = false;
         let held: Vec<DeliveryId> = if delivery_ids.is_empty() {
             entry.leases.iter().copied().collect()
         } else {
@@ -1201,6 +1196,19 @@ impl<P: Payload> Queue<P> {
         let drafter_id = self.consumer_connections.get(&connection)?;
         let entry = self.drafters.get_mut(drafter_id)?;
         (entry.connection == Some(connection)).then_some(entry)
+    }
+
+    /// The consumer acked, nacked or extended: it is seen now and no longer
+    /// stalled. False when the connection is not current.
+    fn consumer_alive(&mut self, connection: ConnectionId, now: Instant) -> bool {
+        match self.consumer_entry(connection) {
+            Some(entry) => {
+                entry.last_seen = now;
+                entry.stalled = false;
+                true
+            }
+            None => false,
+        }
     }
 
     fn finished_targets(&self) -> u32 {
