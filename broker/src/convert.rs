@@ -218,5 +218,6 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
         summary: Some(summary_to_proto(&snapshot.summary)),
         accepted_items_per_second: snapshot.accepted_items_per_second,
         accepted_bytes_per_second: snapshot.accepted_bytes_per_second,
+        run_id: String::new(),
     }
 }

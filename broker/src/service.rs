@@ -613,6 +613,7 @@ impl Broker for BrokerService {
             let welcome = proto::produce_response::Kind::Welcome(proto::ProducerWelcome {
                 resume_after_seq: opened.resume_after_seq,
                 accepted_items: opened.accepted_items,
+                ..Default::default()
             });
             let _ = outbox.send(Ok(proto::ProduceResponse {
                 kind: Some(welcome),
@@ -684,6 +685,7 @@ impl Broker for BrokerService {
             let welcome = proto::consume_response::Kind::Welcome(proto::ConsumerWelcome {
                 summary: Some(convert::summary_to_proto(&locked.queue.summary())),
                 lease_timeout_ms,
+                ..Default::default()
             });
             let _ = outbox.send(Ok(proto::ConsumeResponse {
                 kind: Some(welcome),

@@ -96,6 +96,7 @@ impl Consumer {
             kind: Some(proto::consume_request::Kind::Hello(proto::ConsumerHello {
                 drafter_id: drafter_id.to_string(),
                 credit: Some(credit),
+                ..Default::default()
             })),
         };
         let _ = requests.send(hello);

@@ -185,6 +185,7 @@ impl BrokerClient {
             .report_done(proto::ReportDoneRequest {
                 target_id: target_id.to_string(),
                 total_items,
+                ..Default::default()
             })
             .await
             .map(tonic::Response::into_inner)

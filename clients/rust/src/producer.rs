@@ -52,6 +52,7 @@ impl Producer {
         let hello = proto::ProduceRequest {
             kind: Some(proto::produce_request::Kind::Hello(proto::ProducerHello {
                 target_id: target_id.to_string(),
+                ..Default::default()
             })),
         };
         requests
