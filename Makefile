@@ -7,7 +7,7 @@ PYTHON ?= python3
 CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
-.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint bench build release fmt clean-cache
+.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-ops-cli bench build release fmt clean-cache
 
 all: build
 
@@ -27,7 +27,7 @@ run: release
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker).
-test: setup lint check-grpcurl test-rust check-checkpoint
+test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -44,6 +44,11 @@ check-checkpoint: setup
 
 check-grpcurl: setup
 	bash scripts/check-grpcurl.sh
+
+## `dflash status`/`top` built without libtorch (--no-default-features) work
+## against a live broker and link no libtorch.
+check-ops-cli: setup
+	bash scripts/check-ops-cli.sh
 
 bench: setup
 	$(CARGO) bench -p dflash-broker --bench throughput

@@ -1,9 +1,12 @@
 //! The `broker` binary: flags, telemetry, signals and bind; everything else
-//! is in the library.
+//! is in the library. Exit codes follow the one table of every dflash binary
+//! (`dflash_service::Exit`): 0 after serving until SIGTERM/SIGINT, 1 on an
+//! error (a bad flag value, an address that cannot be bound), 2 on a wrong
+//! command line.
 
 use clap::Parser;
+use dflash_service::Exit;
 use dflash_telemetry::LogFormat;
-use tokio_util::sync::CancellationToken;
 
 /// The dflash broker: the shared hidden-state queue between target-servers
 /// and drafter-servers, with the completion counter and end-of-stream.
@@ -20,42 +23,25 @@ struct Cli {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    // Held to the end of main: dropping it flushes the last spans.
+    match serve(cli).await {
+        Ok(()) => Exit::Done.into(),
+        Err(error) => {
+            eprintln!("broker: {error:#}");
+            Exit::Failed.into()
+        }
+    }
+}
+
+async fn serve(cli: Cli) -> anyhow::Result<()> {
+    // Held to the end: dropping it flushes the last spans.
     let _telemetry = dflash_telemetry::init("dflash-broker", cli.log_format)?;
     cli.config.validate()?;
     let listener = tokio::net::TcpListener::bind(cli.config.listen)
         .await
         .map_err(|error| anyhow::anyhow!("cannot listen on {}: {error}", cli.config.listen))?;
-    let shutdown = CancellationToken::new();
-    let signal_shutdown = shutdown.clone();
-    tokio::spawn(async move {
-        wait_for_signal().await;
-        signal_shutdown.cancel();
-    });
+    let shutdown = dflash_service::shutdown_signal();
     dflash_broker::serve(listener, cli.config, shutdown).await?;
     Ok(())
-}
-
-async fn wait_for_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut terminate) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = terminate.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
 }

@@ -3,17 +3,15 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-mod common;
-
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{credit, sample, wait_until, TestBroker};
 use dflash_broker::config::OnTargetFailure;
 use dflash_broker::BrokerConfig;
 use dflash_client::{BrokerClient, ConsumerEvent};
 use dflash_proto::v1 as proto;
+use dflash_testkit::{credit, sample, wait_until, TestBroker};
 use tokio::sync::Mutex;
 
 /// Sends `items` samples of `bytes` from one target, then reports done.
@@ -397,7 +395,7 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     let mut producer = client.produce("target-0").await.unwrap();
     // A tensor whose bytes do not match its shape.
     let mut bad = sample(1024, 0);
-    bad.tensors[1].shape = vec![4096];
+    bad.tensors[2].shape = vec![4, 1024];
     producer.send(0, bad, HashMap::new()).await.unwrap();
     // An item over --max-item-bytes.
     producer
@@ -425,7 +423,8 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
         .collect();
     assert_eq!(reasons.len(), 4, "{reasons:?}");
     assert!(
-        reasons[0].contains("tensor \"hidden_states\": 1024 bytes, expected 8192 for bf16 [4096]"),
+        reasons[0]
+            .contains("tensor \"hidden_states\": 1024 bytes, expected 8192 for bf16 [4, 1024]"),
         "{}",
         reasons[0]
     );

@@ -6,68 +6,19 @@
 // Helpers outside #[test] functions fail the test by panicking, as the tests do.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::{credit, sample, wait_until};
 use dflash_broker::{BrokerConfig, ServeError};
-use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
+use dflash_client::ConsumerEvent;
 use dflash_proto::v1 as proto;
-use dflash_telemetry::testing::{InMemorySpanExporter, SpanData};
+use dflash_telemetry::testing::InMemorySpanExporter;
 use dflash_telemetry::LogFormat;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use dflash_testkit::{
+    credit, http_get, parse_metrics, sample, span_attribute, wait_until, TestBroker,
+};
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-
-struct Broker {
-    address: String,
-    metrics_address: SocketAddr,
-    shutdown: CancellationToken,
-    handle: JoinHandle<Result<(), ServeError>>,
-}
-
-impl Broker {
-    async fn start(config: BrokerConfig) -> Broker {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind grpc");
-        let metrics_listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind metrics");
-        let address = format!("http://{}", listener.local_addr().expect("grpc address"));
-        let metrics_address = metrics_listener.local_addr().expect("metrics address");
-        let shutdown = CancellationToken::new();
-        let handle = tokio::spawn(dflash_broker::serve_with_metrics(
-            listener,
-            Some(metrics_listener),
-            config,
-            shutdown.clone(),
-        ));
-        Broker {
-            address,
-            metrics_address,
-            shutdown,
-            handle,
-        }
-    }
-
-    async fn client(&self) -> BrokerClient {
-        BrokerClient::connect(self.address.clone(), ClientOptions::default())
-            .await
-            .expect("connect")
-    }
-
-    async fn stop(self) {
-        self.shutdown.cancel();
-        let stopped = tokio::time::timeout(Duration::from_secs(15), self.handle)
-            .await
-            .expect("broker stopped in time")
-            .expect("broker task");
-        assert!(stopped.is_ok(), "{stopped:?}");
-    }
-}
 
 async fn next_delivery(consumer: &mut dflash_client::Consumer) -> proto::Delivery {
     match tokio::time::timeout(Duration::from_secs(10), consumer.next())
@@ -80,13 +31,6 @@ async fn next_delivery(consumer: &mut dflash_client::Consumer) -> proto::Deliver
     }
 }
 
-fn attribute(span: &SpanData, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|attribute| attribute.key.as_str() == key)
-        .map(|attribute| attribute.value.to_string())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sample_is_followed_from_the_producer_span_to_the_consumer_span() {
     let exporter = InMemorySpanExporter::default();
@@ -96,7 +40,7 @@ async fn a_sample_is_followed_from_the_producer_span_to_the_consumer_span() {
         exporter.clone(),
     )
     .expect("the only subscriber of this test binary");
-    let broker = Broker::start(BrokerConfig::for_targets(1)).await;
+    let broker = TestBroker::start_with_metrics(BrokerConfig::for_targets(1)).await;
     let client = broker.client().await;
     let mut consumer = client
         .consume("drafter-0", credit(4))
@@ -170,50 +114,31 @@ async fn a_sample_is_followed_from_the_producer_span_to_the_consumer_span() {
         );
     }
     let enqueue = find("enqueue");
-    assert_eq!(attribute(enqueue, "outcome").as_deref(), Some("accepted"));
-    assert_eq!(attribute(enqueue, "target_id").as_deref(), Some("target-0"));
+    assert_eq!(
+        span_attribute(enqueue, "outcome").as_deref(),
+        Some("accepted")
+    );
+    assert_eq!(
+        span_attribute(enqueue, "target_id").as_deref(),
+        Some("target-0")
+    );
     let deliver = find("deliver");
     assert_eq!(
-        attribute(deliver, "drafter_id").as_deref(),
+        span_attribute(deliver, "drafter_id").as_deref(),
         Some("drafter-0")
     );
-    assert_eq!(attribute(deliver, "delivery_count").as_deref(), Some("1"));
-    broker.stop().await;
-}
-
-/// One HTTP/1.1 request over a fresh connection; the whole answer.
-async fn http_get(address: SocketAddr, path: &str) -> String {
-    let mut stream = tokio::net::TcpStream::connect(address)
-        .await
-        .expect("connect metrics");
-    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\n\r\n");
-    stream
-        .write_all(request.as_bytes())
-        .await
-        .expect("send request");
-    let mut answer = String::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut answer))
-        .await
-        .expect("answer in time")
-        .expect("read answer");
-    answer
-}
-
-/// `name{labels}` → value from a scrape's body.
-fn parse_samples(answer: &str) -> HashMap<String, f64> {
-    let body = answer.split_once("\r\n\r\n").map_or("", |(_, body)| body);
-    body.lines()
-        .filter(|line| !line.starts_with('#'))
-        .filter_map(|line| {
-            let (series, value) = line.rsplit_once(' ')?;
-            Some((series.to_string(), value.parse().ok()?))
-        })
-        .collect()
+    assert_eq!(
+        span_attribute(deliver, "delivery_count").as_deref(),
+        Some("1")
+    );
+    let stopped = broker.stop_checked().await;
+    assert!(stopped.is_ok(), "{stopped:?}");
 }
 
 #[tokio::test]
 async fn the_metrics_endpoint_serves_the_broker_metrics() {
-    let broker = Broker::start(BrokerConfig::for_targets(1)).await;
+    let broker = TestBroker::start_with_metrics(BrokerConfig::for_targets(1)).await;
+    let metrics_address = broker.metrics_address.expect("metrics endpoint");
     let client = broker.client().await;
     let mut consumer = client
         .consume("drafter-0", credit(1))
@@ -261,7 +186,7 @@ async fn the_metrics_endpoint_serves_the_broker_metrics() {
     // Scrape until the ack and the drafter's stats have reached the broker.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let samples = parse_samples(&http_get(broker.metrics_address, "/metrics").await);
+        let samples = parse_metrics(&http_get(metrics_address, "/metrics").await);
         let settled = samples.get("dflash_broker_acked_items_total") == Some(&1.0)
             && samples.contains_key(
                 "dflash_broker_drafter_loss{drafter_id=\"drafter-0\",device=\"cpu\"}",
@@ -272,7 +197,7 @@ async fn the_metrics_endpoint_serves_the_broker_metrics() {
         assert!(std::time::Instant::now() < deadline, "{samples:#?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let answer = http_get(broker.metrics_address, "/metrics").await;
+    let answer = http_get(metrics_address, "/metrics").await;
     assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
     assert!(
         answer.contains("Content-Type: text/plain; version=0.0.4"),
@@ -319,7 +244,7 @@ async fn the_metrics_endpoint_serves_the_broker_metrics() {
             3.25,
         ),
     ];
-    let samples = parse_samples(&answer);
+    let samples = parse_metrics(&answer);
     for (series, value) in expected {
         assert_eq!(samples.get(series), Some(&value), "{series} in {answer}");
     }
@@ -327,10 +252,11 @@ async fn the_metrics_endpoint_serves_the_broker_metrics() {
         samples.contains_key("dflash_broker_leased_bytes"),
         "{answer}"
     );
-    let not_found = http_get(broker.metrics_address, "/").await;
+    let not_found = http_get(metrics_address, "/").await;
     assert!(not_found.starts_with("HTTP/1.1 404 "), "{not_found}");
     drop(consumer);
-    broker.stop().await;
+    let stopped = broker.stop_checked().await;
+    assert!(stopped.is_ok(), "{stopped:?}");
 }
 
 #[tokio::test]

@@ -6,6 +6,8 @@
 //! - `v1`: the generated messages, `broker_client` and `broker_server`.
 //! - `json`: enum names for the JSON form of status snapshots.
 //! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
+//! - `sample`: the DFlash sample schema (tensor names, dtypes, shapes): one
+//!   encoder and one validating decoder for every role.
 //! - `FILE_DESCRIPTOR_SET`: the encoded descriptors, for server reflection.
 //!
 //! Depends on nothing of ours; everything else depends on it.
@@ -16,6 +18,7 @@ pub mod v1 {
 }
 
 pub mod json;
+pub mod sample;
 pub mod tensor;
 
 /// Encoded `FileDescriptorSet` of every dflash proto, for tonic-reflection.

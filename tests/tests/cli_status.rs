@@ -1,7 +1,5 @@
 //! `dflash status --json` against a running broker matches GetStatus.
 
-mod common;
-
 use std::collections::HashMap;
 
 use bytes::Bytes;
@@ -34,7 +32,7 @@ async fn status_json_matches_get_status() {
     producer.send(0, sample, HashMap::new()).await.unwrap();
     producer.finish().await.unwrap();
 
-    let output = tokio::process::Command::new(common::workspace_binary("dflash"))
+    let output = tokio::process::Command::new(dflash_testkit::workspace_binary("dflash"))
         .args(["status", "--json", "--broker", &address])
         .output()
         .await
@@ -57,7 +55,7 @@ async fn status_json_matches_get_status() {
     assert_eq!(json["targets"][0]["highest_seq"], 0);
 
     // The table form names the target and marks the run state.
-    let output = tokio::process::Command::new(common::workspace_binary("dflash"))
+    let output = tokio::process::Command::new(dflash_testkit::workspace_binary("dflash"))
         .args(["status", "--broker", &address])
         .output()
         .await
@@ -73,7 +71,7 @@ async fn status_json_matches_get_status() {
 
 #[tokio::test]
 async fn status_against_no_broker_is_a_clear_error() {
-    let output = tokio::process::Command::new(common::workspace_binary("dflash"))
+    let output = tokio::process::Command::new(dflash_testkit::workspace_binary("dflash"))
         .args(["status", "--broker", "http://127.0.0.1:1"])
         .output()
         .await

@@ -1,8 +1,6 @@
 //! `dflash local` on the embedded tiny default, as a newcomer runs it: the
 //! real binaries as processes on loopback, on the CPU.
 
-mod common;
-
 #[test]
 fn dflash_local_trains_every_sample_and_ends_complete() {
     // `make test` keeps the run (DFLASH_LOCAL_RUN_DIR) so that
@@ -18,7 +16,7 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
         None => temporary.path().to_path_buf(),
     };
     // A small demo keeps the debug-build test to a couple of minutes.
-    let output = std::process::Command::new(common::workspace_binary("dflash"))
+    let output = std::process::Command::new(dflash_testkit::workspace_binary("dflash"))
         .args(["local", "--view", "lines", "--timeout-seconds", "900"])
         .args(["--demo-sequences", "48", "--demo-epochs", "4", "--workdir"])
         .arg(&workdir)

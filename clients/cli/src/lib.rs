@@ -12,8 +12,12 @@
 //! - `main.rs`: subcommands (`local`, `status`, `top`, `eval`, `init-tiny`).
 //!
 //! Talks to the broker only through `dflash-client`; model code comes from
-//! `dflash-model` and `dflash-drafter-server` (evaluation).
+//! `dflash-model` and `dflash-drafter-server` (evaluation), behind the
+//! default feature `model`: built with `--no-default-features`, `dflash` has
+//! `status` and `top` only and links no libtorch.
 
+#[cfg(feature = "model")]
 pub mod demo;
+#[cfg(feature = "model")]
 pub mod local;
 pub mod top;

@@ -1,12 +1,15 @@
 //! The `dflash` binary: subcommand parsing and dispatch.
 
 use std::io::IsTerminal as _;
+#[cfg(feature = "model")]
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use dflash_cli::{demo, local, top};
+use dflash_cli::top;
+#[cfg(feature = "model")]
+use dflash_cli::{demo, local};
 use dflash_client::{BrokerClient, ClientOptions};
 use tokio_util::sync::CancellationToken;
 
@@ -23,6 +26,7 @@ struct Cli {
 enum Command {
     /// Run the whole pipeline on this machine: a broker, targets and drafters
     /// as separate processes on loopback (default: the tiny model on the CPU).
+    #[cfg(feature = "model")]
     Local(local::LocalArgs),
     /// Print one snapshot of the broker's status (`--json` for scripts).
     Status {
@@ -40,6 +44,7 @@ enum Command {
         interval_ms: u64,
     },
     /// Speculative decoding with a trained drafter; prints the mean acceptance length τ.
+    #[cfg(feature = "model")]
     Eval {
         #[arg(long)]
         target_model: PathBuf,
@@ -51,10 +56,12 @@ enum Command {
         data: PathBuf,
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
-        #[arg(long, default_value = "cpu")]
-        device: String,
+        /// auto (the first CUDA device when libtorch sees one, else the CPU), cpu, cuda or cuda:N.
+        #[arg(long, default_value = "auto")]
+        device: dflash_service::DeviceChoice,
     },
     /// Write the tiny Qwen3 test model (config, weights, tokenizer, chat template) into DIR.
+    #[cfg(feature = "model")]
     InitTiny {
         dir: PathBuf,
         #[arg(long, default_value_t = 0)]
@@ -81,6 +88,7 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
+        #[cfg(feature = "model")]
         Command::Local(args) => {
             let interrupt = CancellationToken::new();
             let on_signal = interrupt.clone();
@@ -125,6 +133,7 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         }
+        #[cfg(feature = "model")]
         Command::Eval {
             target_model,
             drafter,
@@ -132,8 +141,7 @@ async fn main() -> anyhow::Result<()> {
             max_new_tokens,
             device,
         } => {
-            let device =
-                dflash_drafter_server::config::parse_device(&device).map_err(anyhow::Error::msg)?;
+            let device = dflash_model::device::resolve_device(device)?;
             let checkpoint = match dflash_drafter_server::checkpoints::latest_checkpoint(&drafter)?
             {
                 Some(latest) if !drafter.join("config.json").exists() => latest,
@@ -160,6 +168,7 @@ async fn main() -> anyhow::Result<()> {
                 report.seconds
             );
         }
+        #[cfg(feature = "model")]
         Command::InitTiny { dir, seed, llama } => {
             let mut spec = if llama {
                 dflash_model::tiny::TinyModelSpec::llama()

@@ -7,6 +7,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
+use dflash_service::{parse_duration, DeviceChoice, DtypeChoice};
 use tch::{Device, Kind};
 
 /// What trains on the deliveries.
@@ -59,19 +60,6 @@ impl FromStr for ModelMode {
     }
 }
 
-/// Parses `cpu`, `cuda` or `cuda:N`.
-pub fn parse_device(text: &str) -> Result<Device, String> {
-    match text {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        _ => text
-            .strip_prefix("cuda:")
-            .and_then(|index| index.parse::<usize>().ok())
-            .map(Device::Cuda)
-            .ok_or_else(|| format!("invalid device {text:?}: expected cpu, cuda or cuda:N")),
-    }
-}
-
 /// Parses a comma-separated list of layer ids.
 fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
     text.split(',')
@@ -81,6 +69,21 @@ fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
                 .map_err(|_| format!("invalid layer id {part:?} in {text:?}"))
         })
         .collect()
+}
+
+/// Hidden aliases of the millisecond flags of the previous release: a value
+/// given here wins over the new flag's default (see
+/// [`DrafterServerConfig::apply_legacy_flags`]).
+#[derive(Debug, Clone, Default, PartialEq, Args)]
+pub struct LegacyMillisecondFlags {
+    #[arg(long = "linger-ms", hide = true)]
+    pub linger_ms: Option<u64>,
+    #[arg(long = "stats-interval-ms", hide = true)]
+    pub stats_interval_ms: Option<u64>,
+    #[arg(long = "shutdown-timeout-ms", hide = true)]
+    pub shutdown_timeout_ms: Option<u64>,
+    #[arg(long = "reconnect-timeout-ms", hide = true)]
+    pub reconnect_timeout_ms: Option<u64>,
 }
 
 /// Every setting of a drafter-server.
@@ -110,14 +113,16 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_OUTPUT")]
     pub output: PathBuf,
 
-    /// Device to train on: cpu, cuda or cuda:N.
-    #[arg(long, env = "DFLASH_DEVICE", default_value = "cpu", value_parser = parse_device)]
-    pub device: Device,
+    /// Device to train on: auto (the first CUDA device when libtorch sees
+    /// one, else the CPU), cpu, cuda or cuda:N. A CUDA device libtorch does
+    /// not see is an error at start.
+    #[arg(long, env = "DFLASH_DEVICE", default_value = "auto")]
+    pub device: DeviceChoice,
 
     /// Compute dtype: f32 or bf16; by default f32 on the CPU and bf16 on a
     /// GPU. Master weights and optimizer state are f32 either way.
-    #[arg(long, env = "DFLASH_DTYPE")]
-    pub dtype: Option<String>,
+    #[arg(long, env = "DFLASH_DTYPE", value_enum)]
+    pub dtype: Option<DtypeChoice>,
 
     /// Draft decoder layers.
     #[arg(long, env = "DFLASH_DRAFT_LAYERS", default_value_t = 5)]
@@ -190,8 +195,8 @@ pub struct DrafterServerConfig {
 
     /// When no delivery has arrived for this long, train on what is held
     /// rather than wait for a full batch (the end of a run, slow targets).
-    #[arg(long, env = "DFLASH_LINGER_MS", default_value_t = 1000)]
-    pub linger_ms: u64,
+    #[arg(long, env = "DFLASH_LINGER", default_value = "1s", value_parser = parse_duration)]
+    pub linger: Duration,
 
     /// Length of the learning-rate schedule in optimizer steps. Without it
     /// the length is estimated from the broker's run summary (see README).
@@ -220,17 +225,23 @@ pub struct DrafterServerConfig {
     pub seed: u64,
 
     /// Interval of the stats sent to the broker (and of schedule re-estimation).
-    #[arg(long, env = "DFLASH_STATS_INTERVAL_MS", default_value_t = 2000)]
-    pub stats_interval_ms: u64,
+    #[arg(long, env = "DFLASH_STATS_INTERVAL", default_value = "2s", value_parser = parse_duration)]
+    pub stats_interval: Duration,
 
     /// Bound on a graceful stop (SIGTERM): finishing the current step,
     /// checkpointing and returning unused deliveries.
-    #[arg(long, env = "DFLASH_SHUTDOWN_TIMEOUT_MS", default_value_t = 120_000)]
-    pub shutdown_timeout_ms: u64,
+    #[arg(long, env = "DFLASH_SHUTDOWN_TIMEOUT", default_value = "2m", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
 
     /// How long to keep reconnecting to a broker that went away.
-    #[arg(long, env = "DFLASH_RECONNECT_TIMEOUT_MS", default_value_t = 60_000)]
-    pub reconnect_timeout_ms: u64,
+    #[arg(long, env = "DFLASH_RECONNECT_TIMEOUT", default_value = "1m", value_parser = parse_duration)]
+    pub reconnect_timeout: Duration,
+
+    /// The previous release's millisecond spellings (`--linger-ms`,
+    /// `--stats-interval-ms`, `--shutdown-timeout-ms`,
+    /// `--reconnect-timeout-ms`), hidden, kept for one release.
+    #[command(flatten)]
+    pub legacy: LegacyMillisecondFlags,
 
     /// Serve Prometheus metrics (`GET /metrics`, `dflash_drafter_*`) on this
     /// address, e.g. `0.0.0.0:9092`; off when unset.
@@ -247,8 +258,10 @@ pub enum ConfigError {
     EmptyDrafterId,
     #[error("{flag} must be positive, got {value}")]
     NotPositive { flag: &'static str, value: String },
-    #[error("--dtype {0:?} is not supported: use f32 or bf16")]
-    UnknownDtype(String),
+    #[error("--dtype {0} is not supported for training: use f32 or bf16")]
+    UnsupportedDtype(&'static str),
+    #[error("{0}")]
+    Device(String),
     #[error("--warmup-fraction must be in [0, 1), got {0}")]
     WarmupFraction(f64),
 }
@@ -291,22 +304,54 @@ impl DrafterServerConfig {
         if !(0.0..1.0).contains(&self.warmup_fraction) {
             return Err(ConfigError::WarmupFraction(self.warmup_fraction));
         }
-        self.compute_kind()?;
+        if self.dtype == Some(DtypeChoice::F16) {
+            return Err(ConfigError::UnsupportedDtype("f16"));
+        }
         Ok(())
     }
 
-    /// The compute dtype: --dtype, else f32 on the CPU and bf16 on a GPU.
-    pub fn compute_kind(&self) -> Result<Kind, ConfigError> {
-        match self.dtype.as_deref() {
-            None => Ok(if self.device == Device::Cpu {
-                Kind::Float
-            } else {
-                Kind::BFloat16
-            }),
-            Some("f32" | "float32") => Ok(Kind::Float),
-            Some("bf16" | "bfloat16") => Ok(Kind::BFloat16),
-            Some(other) => Err(ConfigError::UnknownDtype(other.to_string())),
+    /// Moves values given with the hidden millisecond flags into the new
+    /// duration fields (warning once); called by `main` after parsing.
+    pub fn apply_legacy_flags(&mut self) {
+        let legacy = std::mem::take(&mut self.legacy);
+        for (flag, value, field) in [
+            ("--linger-ms", legacy.linger_ms, &mut self.linger),
+            (
+                "--stats-interval-ms",
+                legacy.stats_interval_ms,
+                &mut self.stats_interval,
+            ),
+            (
+                "--shutdown-timeout-ms",
+                legacy.shutdown_timeout_ms,
+                &mut self.shutdown_timeout,
+            ),
+            (
+                "--reconnect-timeout-ms",
+                legacy.reconnect_timeout_ms,
+                &mut self.reconnect_timeout,
+            ),
+        ] {
+            if let Some(milliseconds) = value {
+                tracing::warn!(
+                    flag,
+                    milliseconds,
+                    "deprecated flag: use the duration flag without -ms (e.g. 500ms, 2s)"
+                );
+                *field = Duration::from_millis(milliseconds);
+            }
         }
+    }
+
+    /// The device `--device` names, checked against what libtorch sees.
+    pub fn resolve_device(&self) -> Result<Device, ConfigError> {
+        dflash_model::device::resolve_device(self.device)
+            .map_err(|error| ConfigError::Device(error.to_string()))
+    }
+
+    /// The compute dtype: --dtype, else f32 on the CPU and bf16 on a GPU.
+    pub fn compute_kind(&self, device: Device) -> Kind {
+        dflash_model::device::kind_for(self.dtype, device)
     }
 
     /// Credit window in items: one step's worth plus the prefetch.
@@ -314,20 +359,9 @@ impl DrafterServerConfig {
         u32::try_from(self.max_step_samples + self.prefetch_samples).unwrap_or(u32::MAX)
     }
 
-    pub fn linger(&self) -> Duration {
-        Duration::from_millis(self.linger_ms)
-    }
-
-    pub fn stats_interval(&self) -> Duration {
-        Duration::from_millis(self.stats_interval_ms.max(10))
-    }
-
-    pub fn shutdown_timeout(&self) -> Duration {
-        Duration::from_millis(self.shutdown_timeout_ms)
-    }
-
-    pub fn reconnect_timeout(&self) -> Duration {
-        Duration::from_millis(self.reconnect_timeout_ms)
+    /// The stats interval, at least 10 ms (a zero interval would spin).
+    pub fn stats_period(&self) -> Duration {
+        self.stats_interval.max(Duration::from_millis(10))
     }
 
     /// A configuration with every default, for tests and the local launcher.
@@ -338,7 +372,7 @@ impl DrafterServerConfig {
             target_model: None,
             model: ModelMode::DFlash,
             output,
-            device: Device::Cpu,
+            device: DeviceChoice::Auto,
             dtype: None,
             draft_layers: 5,
             block_size: 16,
@@ -355,16 +389,17 @@ impl DrafterServerConfig {
             max_step_samples: 64,
             prefetch_samples: 8,
             credit_bytes: 0,
-            linger_ms: 1000,
+            linger: Duration::from_secs(1),
             total_steps: None,
             fallback_total_steps: 10_000,
             save_every: 1000,
             keep_checkpoints: 3,
             resume: false,
             seed: 0,
-            stats_interval_ms: 2000,
-            shutdown_timeout_ms: 120_000,
-            reconnect_timeout_ms: 60_000,
+            stats_interval: Duration::from_secs(2),
+            shutdown_timeout: Duration::from_secs(120),
+            reconnect_timeout: Duration::from_secs(60),
+            legacy: LegacyMillisecondFlags::default(),
             metrics_listen: None,
         }
     }
@@ -444,10 +479,31 @@ mod tests {
     }
 
     #[test]
-    fn devices_parse() {
-        assert_eq!(parse_device("cpu"), Ok(Device::Cpu));
-        assert_eq!(parse_device("cuda:1"), Ok(Device::Cuda(1)));
-        assert!(parse_device("tpu").is_err());
+    fn durations_take_units_and_the_old_millisecond_flags_still_work() {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: DrafterServerConfig,
+        }
+        let base = ["drafter-server", "--drafter-id", "d", "--output", "/tmp/x"];
+        let parse = |extra: &[&str]| {
+            let mut config = <Flags as clap::Parser>::try_parse_from(base.iter().chain(extra))
+                .unwrap()
+                .config;
+            config.apply_legacy_flags();
+            config
+        };
+        let new = parse(&["--linger", "250ms", "--shutdown-timeout", "3m"]);
+        assert_eq!(new.linger, Duration::from_millis(250));
+        assert_eq!(new.shutdown_timeout, Duration::from_secs(180));
+        let old = parse(&["--linger-ms", "250", "--stats-interval-ms", "100"]);
+        assert_eq!(old.linger, Duration::from_millis(250));
+        assert_eq!(old.stats_interval, Duration::from_millis(100));
+        assert_eq!(old.legacy, LegacyMillisecondFlags::default());
+        assert!(
+            <Flags as clap::Parser>::try_parse_from(base.iter().chain(&["--linger", "soon"]))
+                .is_err()
+        );
     }
 
     #[test]
@@ -466,11 +522,10 @@ mod tests {
             .to_string()
             .contains("--grad-accumulation"));
         config.grad_accumulation = 1;
-        config.dtype = Some("f8".into());
-        assert_eq!(
-            config.validate(),
-            Err(ConfigError::UnknownDtype("f8".into()))
-        );
+        config.dtype = Some(DtypeChoice::F16);
+        assert_eq!(config.validate(), Err(ConfigError::UnsupportedDtype("f16")));
+        config.dtype = Some(DtypeChoice::Bf16);
+        assert_eq!(config.validate(), Ok(()));
         assert_eq!(config.credit_items(), 72);
     }
 }

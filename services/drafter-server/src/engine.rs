@@ -11,11 +11,10 @@ use dflash_model::draft::{
     TargetDimensions, TrainerSettings, TrainingSequence,
 };
 use dflash_proto::v1::Sample;
-use tch::{Device, Kind};
 use tracing::info;
 
 use crate::config::{DrafterServerConfig, ModelMode};
-use crate::samples::{decode_sample, sample_token_count, SampleError, SampleExpectations};
+use crate::samples::{decode_sample, SampleError, SampleExpectations};
 
 /// Errors of the engine; a failing micro-batch hands its items back.
 #[derive(Debug, thiserror::Error)]
@@ -24,6 +23,8 @@ pub enum EngineError {
     Draft(#[from] DraftError),
     #[error("--target-model is required to train the DFlash drafter")]
     NoTargetModel,
+    #[error("{0}")]
+    Device(String),
     #[error("mask token: {0} (pass --mask-token-id)")]
     MaskToken(String),
     #[error("{path}: {source}")]
@@ -54,8 +55,6 @@ pub trait TrainingEngine {
     fn discard(&mut self);
     fn set_total_steps(&mut self, total_steps: u64);
     fn steps_done(&self) -> u64;
-    fn samples_trained(&self) -> u64;
-    fn tokens_trained(&self) -> u64;
     /// Writes a checkpoint to `dir` atomically.
     fn save_checkpoint(&self, dir: &Path) -> Result<(), EngineError>;
     /// The device, as reported in stats.
@@ -96,8 +95,10 @@ impl DFlashEngine {
             .target_model
             .as_deref()
             .ok_or(EngineError::NoTargetModel)?;
-        let device = config.device;
-        let compute_kind = config.compute_kind().unwrap_or(Kind::Float);
+        let device = config
+            .resolve_device()
+            .map_err(|error| EngineError::Device(error.to_string()))?;
+        let compute_kind = config.compute_kind(device);
         let (target_config, frozen) = FrozenTargetHeads::load(target_dir, device, compute_kind)?;
         let mut settings = TrainerSettings::recipe_defaults(config.block_size, total_steps);
         settings.num_anchors = config.num_anchors;
@@ -187,29 +188,12 @@ impl TrainingEngine for DFlashEngine {
         self.trainer.progress().step
     }
 
-    fn samples_trained(&self) -> u64 {
-        self.trainer.progress().samples_trained
-    }
-
-    fn tokens_trained(&self) -> u64 {
-        self.trainer.progress().tokens_trained
-    }
-
     fn save_checkpoint(&self, dir: &Path) -> Result<(), EngineError> {
         Ok(self.trainer.save_checkpoint(dir)?)
     }
 
     fn device_name(&self) -> String {
-        device_name(self.trainer.model().device())
-    }
-}
-
-/// `cpu` or `cuda:N`.
-pub fn device_name(device: Device) -> String {
-    match device {
-        Device::Cpu => "cpu".to_string(),
-        Device::Cuda(index) => format!("cuda:{index}"),
-        other => format!("{other:?}").to_lowercase(),
+        dflash_model::device::device_label(self.trainer.model().device())
     }
 }
 
@@ -238,9 +222,11 @@ impl SyntheticEngine {
 
 impl TrainingEngine for SyntheticEngine {
     fn prepare(&self, sample: &Sample) -> Result<PreparedSample, SampleError> {
-        sample.validate()?;
+        sample
+            .validate()
+            .map_err(dflash_proto::sample::SampleError::from)?;
         Ok(PreparedSample {
-            tokens: sample_token_count(sample) as usize,
+            tokens: dflash_proto::sample::token_count(sample) as usize,
             sequence: None,
         })
     }
@@ -284,14 +270,6 @@ impl TrainingEngine for SyntheticEngine {
 
     fn steps_done(&self) -> u64 {
         self.steps
-    }
-
-    fn samples_trained(&self) -> u64 {
-        self.samples
-    }
-
-    fn tokens_trained(&self) -> u64 {
-        self.tokens
     }
 
     /// Synthetic checkpoints hold only the progress, so the checkpoint

@@ -3,12 +3,14 @@
 
 use clap::Parser;
 use dflash_drafter_server::{run, DrafterServerConfig, RunEnd};
-use tokio_util::sync::CancellationToken;
+use dflash_service::Exit;
 use tracing::{error, info};
 
 /// Trains a DFlash draft model from the dflash broker's hidden-state queue.
-/// Exits 0 when the broker ends the run COMPLETE or after a graceful stop
-/// (SIGTERM/SIGINT), 2 after checkpointing when the run is ABORTED, 1 on errors.
+/// Exit codes (the same table for every dflash binary): 0 when the broker
+/// ends the run COMPLETE or after a graceful stop (SIGTERM/SIGINT), 1 on
+/// errors, 2 on a wrong command line, 3 after checkpointing when the run is
+/// ABORTED.
 #[derive(Debug, Parser)]
 #[command(name = "drafter-server", version)]
 struct Cli {
@@ -22,19 +24,18 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
     // Held to the end: dropping it flushes the spans still buffered.
     let telemetry = match dflash_telemetry::init("drafter-server", cli.log_format) {
         Ok(guard) => guard,
         Err(error) => {
             eprintln!("drafter-server: {error}");
-            return std::process::ExitCode::from(1);
+            return Exit::Failed.into();
         }
     };
-    let shutdown = CancellationToken::new();
-    let signal_task = tokio::spawn(forward_signals(shutdown.clone()));
-    let result = run(cli.config, shutdown.clone()).await;
-    signal_task.abort();
+    cli.config.apply_legacy_flags();
+    let shutdown = dflash_service::shutdown_signal();
+    let result = run(cli.config, shutdown).await;
     telemetry.flush();
     match result {
         Ok(report) => {
@@ -50,35 +51,12 @@ async fn main() -> std::process::ExitCode {
             if let RunEnd::Aborted { reason } = &report.end {
                 error!(%reason, "run aborted by the broker");
             }
-            std::process::ExitCode::from(report.exit_code() as u8)
+            report.exit().into()
         }
         Err(error) => {
             error!(%error, "drafter-server failed");
-            std::process::ExitCode::from(1)
+            eprintln!("drafter-server: {error}");
+            Exit::Failed.into()
         }
     }
-}
-
-/// Cancels `shutdown` on SIGTERM (a pod being scaled down) or Ctrl-C.
-async fn forward_signals(shutdown: CancellationToken) {
-    #[cfg(unix)]
-    {
-        let mut terminate =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(signal) => signal,
-                Err(error) => {
-                    error!(%error, "cannot listen for SIGTERM");
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = terminate.recv() => info!("SIGTERM received"),
-            _ = tokio::signal::ctrl_c() => info!("interrupt received"),
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-    shutdown.cancel();
 }

@@ -22,7 +22,7 @@ use tracing::{error, info, warn};
 
 use crate::checkpoints::latest_checkpoint;
 use crate::config::{DrafterServerConfig, ModelMode};
-use crate::engine::{build_engine, device_name, EngineError};
+use crate::engine::{build_engine, EngineError};
 use crate::metrics::DrafterMetrics;
 use crate::schedule::{estimate_total_steps, ScheduleInputs};
 use crate::trainer_thread::{run_training_loop, LoopSettings, TrainerCommand, TrainerEvent};
@@ -99,12 +99,13 @@ pub struct DrafterReport {
 }
 
 impl DrafterReport {
-    /// The process exit status `main` uses: 0 for COMPLETE and a graceful
-    /// stop, 2 for ABORTED.
-    pub fn exit_code(&self) -> i32 {
+    /// How the process exits (the table in `dflash_service::exit`): done
+    /// for COMPLETE and for a graceful stop (everything unused was handed
+    /// back, nothing is owed), aborted for ABORTED.
+    pub fn exit(&self) -> dflash_service::Exit {
         match self.end {
-            RunEnd::Complete | RunEnd::Shutdown => 0,
-            RunEnd::Aborted { .. } => 2,
+            RunEnd::Complete | RunEnd::Shutdown => dflash_service::Exit::Done,
+            RunEnd::Aborted { .. } => dflash_service::Exit::Aborted,
         }
     }
 }
@@ -131,6 +132,32 @@ struct Totals {
     /// Window since the last stats message.
     window_tokens: u64,
     window_busy: Duration,
+}
+
+/// Deliveries a drafter accepts beyond its credit window before it nacks:
+/// the broker keeps within the window, so this only guards memory against
+/// a peer that does not.
+const DELIVERY_SLACK: u64 = 16;
+
+/// The channel from the async side to the training thread.
+fn command_channel() -> (
+    mpsc::UnboundedSender<TrainerCommand>,
+    mpsc::UnboundedReceiver<TrainerCommand>,
+) {
+    mpsc::unbounded_channel()
+}
+
+/// Queues a command for the training thread. Never drops one: the channel
+/// is unbounded (deliveries are bounded by the credit window before they get
+/// here), so a Finish or SetTotalSteps sent while the trainer is busy is
+/// still seen. Fails only when the training thread is gone.
+fn send_command(
+    commands: &mpsc::UnboundedSender<TrainerCommand>,
+    command: TrainerCommand,
+) -> Result<(), DrafterError> {
+    commands
+        .send(command)
+        .map_err(|_| DrafterError::TrainerGone)
 }
 
 /// How long the metrics endpoint gets to stop once the run is over.
@@ -183,7 +210,7 @@ async fn run_session(
     // metrics exist (at zero) from the first scrape.
     let device_label = match config.model {
         ModelMode::Synthetic { .. } => "synthetic".to_string(),
-        ModelMode::DFlash => device_name(config.device),
+        ModelMode::DFlash => dflash_model::device::device_label(config.resolve_device()?),
     };
     let metrics = DrafterMetrics::register(registry, &config.drafter_id, &device_label)?;
     std::fs::create_dir_all(&config.output).map_err(|source| DrafterError::Io {
@@ -204,7 +231,7 @@ async fn run_session(
 
     // The model loads on its own thread before any credit is granted, so a
     // slow load never holds leases.
-    let (command_sender, command_receiver) = mpsc::channel(config.credit_items() as usize + 16);
+    let (command_sender, command_receiver) = command_channel();
     let (event_sender, mut event_receiver) = mpsc::channel(256);
     let (ready_sender, ready_receiver) = tokio::sync::oneshot::channel();
     let loop_settings = LoopSettings {
@@ -276,7 +303,10 @@ async fn run_session(
 struct Session {
     config: DrafterServerConfig,
     credit: Credit,
-    commands: mpsc::Sender<TrainerCommand>,
+    /// Unbounded so a control command (Finish above all) is never dropped
+    /// or waited for; deliveries are bounded by [`Session::held`] against
+    /// the credit window instead.
+    commands: mpsc::UnboundedSender<TrainerCommand>,
     /// Deliveries of the current stream handed to the trainer and not yet
     /// acked or nacked.
     held: HashSet<u64>,
@@ -295,7 +325,7 @@ impl Session {
         &self,
         shutdown: &CancellationToken,
     ) -> Result<Option<(BrokerClient, Consumer)>, DrafterError> {
-        let deadline = Instant::now() + self.config.reconnect_timeout();
+        let deadline = Instant::now() + self.config.reconnect_timeout;
         let mut backoff = Duration::from_millis(100);
         loop {
             let attempt = async {
@@ -322,7 +352,7 @@ impl Session {
                 Err(error) => {
                     return Err(DrafterError::BrokerUnavailable {
                         address: self.config.broker.clone(),
-                        seconds: self.config.reconnect_timeout().as_secs_f64(),
+                        seconds: self.config.reconnect_timeout.as_secs_f64(),
                         detail: error.to_string(),
                     })
                 }
@@ -331,13 +361,7 @@ impl Session {
     }
 
     fn send_command(&self, command: TrainerCommand) -> Result<(), DrafterError> {
-        match self.commands.try_send(command) {
-            Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Closed(_)) => Err(DrafterError::TrainerGone),
-            // Only control commands can meet a full channel (deliveries are
-            // bounded by the credit window); dropping a Flush is harmless.
-            Err(mpsc::error::TrySendError::Full(_)) => Ok(()),
-        }
+        send_command(&self.commands, command)
     }
 
     /// Re-estimates the schedule from the broker's status when
@@ -520,7 +544,7 @@ impl Session {
 
         let mut lease_ticker = interval(lease_timeout / 3);
         lease_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut stats_ticker = interval(self.config.stats_interval());
+        let mut stats_ticker = interval(self.config.stats_period());
         stats_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut last_stats_at = Instant::now();
         let mut last_delivery_at = tokio::time::Instant::now();
@@ -529,13 +553,13 @@ impl Session {
         let mut stop_deadline = tokio::time::Instant::now() + Duration::from_secs(u32::MAX as u64);
 
         loop {
-            let linger_at = last_delivery_at + self.config.linger();
+            let linger_at = last_delivery_at + self.config.linger;
             let linger_armed = !self.held.is_empty() && !flush_requested && stopping.is_none();
             tokio::select! {
                 _ = shutdown.cancelled(), if stopping.is_none() => {
                     info!("shutdown requested: finishing the current step, checkpointing, handing back unused deliveries");
                     stopping = Some(Stopping::Shutdown);
-                    stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+                    stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
                     self.send_command(TrainerCommand::Finish { step_accumulated: true })?;
                 }
                 next = consumer.next(), if stream_open => match next {
@@ -549,24 +573,20 @@ impl Session {
                         self.totals.first_delivery_at.get_or_insert_with(Instant::now);
                         last_delivery_at = tokio::time::Instant::now();
                         flush_requested = false;
-                        self.held.insert(delivery_id);
-                        let command = TrainerCommand::Delivery { generation: self.generation, delivery: Box::new(delivery) };
-                        match self.commands.try_send(command) {
-                            Ok(()) => {}
-                            Err(mpsc::error::TrySendError::Closed(_)) => return Err(DrafterError::TrainerGone),
-                            Err(mpsc::error::TrySendError::Full(_)) => {
-                                warn!(delivery_id, "training queue full (more deliveries than credit?); requeueing");
-                                self.held.remove(&delivery_id);
-                                handle.nack(vec![delivery_id], "drafter queue full".into(), NackDisposition::Requeue);
-                            }
+                        if self.held.len() as u64 >= u64::from(self.credit.items) + DELIVERY_SLACK {
+                            warn!(delivery_id, held = self.held.len(), credit_items = self.credit.items, "more deliveries than credit; requeueing");
+                            handle.nack(vec![delivery_id], "drafter holds more than its credit".into(), NackDisposition::Requeue);
+                            continue;
                         }
+                        self.held.insert(delivery_id);
+                        self.send_command(TrainerCommand::Delivery { generation: self.generation, delivery: Box::new(delivery) })?;
                     }
                     Ok(ConsumerEvent::EndOfStream(end)) => {
                         stream_open = false;
                         let status = RunStatus::try_from(end.status).unwrap_or(RunStatus::Unspecified);
                         info!(?status, reason = %end.reason, "end of stream");
                         if stopping.is_none() {
-                            stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+                            stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
                             self.send_command(TrainerCommand::Finish { step_accumulated: true })?;
                         }
                         stopping = Some(Stopping::EndOfStream(end));
@@ -594,7 +614,7 @@ impl Session {
                             }
                             None => {
                                 stopping = Some(Stopping::Shutdown);
-                                stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+                                stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
                                 self.send_command(TrainerCommand::Finish { step_accumulated: false })?;
                             }
                         }
@@ -640,7 +660,7 @@ impl Session {
                     self.send_command(TrainerCommand::Flush)?;
                 }
                 _ = sleep_until(stop_deadline), if stopping.is_some() => {
-                    return Err(DrafterError::ShutdownTimedOut(self.config.shutdown_timeout()));
+                    return Err(DrafterError::ShutdownTimedOut(self.config.shutdown_timeout));
                 }
             }
         }
@@ -655,11 +675,11 @@ impl Session {
         self.send_command(TrainerCommand::Finish {
             step_accumulated: false,
         })?;
-        let deadline = tokio::time::Instant::now() + self.config.shutdown_timeout();
+        let deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
         loop {
             let event = tokio::time::timeout_at(deadline, events.recv())
                 .await
-                .map_err(|_| DrafterError::ShutdownTimedOut(self.config.shutdown_timeout()))?
+                .map_err(|_| DrafterError::ShutdownTimedOut(self.config.shutdown_timeout))?
                 .ok_or(DrafterError::TrainerGone)?;
             if let TrainerEvent::Stopped {
                 final_checkpoint,
@@ -734,5 +754,64 @@ impl Session {
             },
             device: self.device.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_proto::v1::Delivery;
+
+    /// A busy trainer (nothing read yet) with a full credit window queued and
+    /// a pile of schedule updates must still get the Finish sent after them:
+    /// a bounded channel with `try_send` dropped it silently (SIGTERM then
+    /// ended in a shutdown timeout without the final checkpoint).
+    #[test]
+    fn control_commands_are_never_dropped_while_the_trainer_is_busy() {
+        let (sender, mut receiver) = command_channel();
+        let credit_items = 8u64;
+        for delivery_id in 0..credit_items + DELIVERY_SLACK {
+            let delivery = Delivery {
+                delivery_id,
+                ..Default::default()
+            };
+            assert!(send_command(
+                &sender,
+                TrainerCommand::Delivery {
+                    generation: 0,
+                    delivery: Box::new(delivery),
+                },
+            )
+            .is_ok());
+        }
+        for total_steps in 0..100 {
+            assert!(send_command(&sender, TrainerCommand::SetTotalSteps(total_steps)).is_ok());
+        }
+        assert!(send_command(
+            &sender,
+            TrainerCommand::Finish {
+                step_accumulated: true
+            }
+        )
+        .is_ok());
+        let mut deliveries = 0;
+        let mut schedule_updates = 0;
+        let mut finished = false;
+        while let Ok(command) = receiver.try_recv() {
+            match command {
+                TrainerCommand::Delivery { .. } => deliveries += 1,
+                TrainerCommand::SetTotalSteps(_) => schedule_updates += 1,
+                TrainerCommand::Finish { .. } => finished = true,
+                TrainerCommand::Flush | TrainerCommand::DiscardUnstepped => {}
+            }
+        }
+        assert_eq!(deliveries, credit_items + DELIVERY_SLACK);
+        assert_eq!(schedule_updates, 100);
+        assert!(finished, "Finish was dropped");
+        drop(receiver);
+        assert!(matches!(
+            send_command(&sender, TrainerCommand::Flush),
+            Err(DrafterError::TrainerGone)
+        ));
     }
 }

@@ -1,6 +1,7 @@
 //! The dedicated training thread. It owns the engine (and so every libtorch
-//! object), receives deliveries and control commands over a bounded
-//! channel, forms micro-batches by token budget, takes optimizer steps and
+//! object), receives deliveries and control commands over an unbounded
+//! channel (deliveries are bounded by the credit window upstream), forms
+//! micro-batches by token budget, takes optimizer steps and
 //! checkpoints, and reports back over another bounded channel. It never
 //! talks to the broker: the async side acks, nacks and sends stats, so all
 //! stream state lives in one place.
@@ -130,7 +131,7 @@ struct TrainingLoop {
 pub fn run_training_loop(
     engine: Box<dyn TrainingEngine>,
     settings: LoopSettings,
-    mut commands: mpsc::Receiver<TrainerCommand>,
+    mut commands: mpsc::UnboundedReceiver<TrainerCommand>,
     events: mpsc::Sender<TrainerEvent>,
 ) {
     let mut state = TrainingLoop {

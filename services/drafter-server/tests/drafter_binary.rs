@@ -32,10 +32,10 @@ async fn sigterm_checkpoints_hands_back_items_and_exits_zero() {
             "4",
             "--batch-tokens",
             "1000000",
-            "--linger-ms",
-            "600000",
+            "--linger",
+            "10m",
         ])
-        .args(["--total-steps", "10", "--stats-interval-ms", "100"])
+        .args(["--total-steps", "10", "--stats-interval", "100ms"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

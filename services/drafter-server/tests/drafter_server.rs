@@ -51,7 +51,7 @@ async fn two_drafters_train_until_the_run_completes() {
     assert_eq!(total_samples, 24, "every item is trained on exactly once");
     for report in &reports {
         assert_eq!(report.end, RunEnd::Complete);
-        assert_eq!(report.exit_code(), 0);
+        assert_eq!(report.exit(), dflash_service::Exit::Done);
         assert!(report.steps > 0, "{} took no step", report.drafter_id);
         assert!(report.last_loss.is_some_and(f64::is_finite));
         let checkpoint = report.final_checkpoint.clone().expect("final checkpoint");
@@ -109,7 +109,7 @@ async fn shutdown_finishes_the_step_checkpoints_and_hands_back_unused_items() {
     let output = tempfile::tempdir().unwrap();
     let mut config = test_drafter_config("drafter-0", &broker.address, output.path().to_path_buf());
     // Steps happen only at 4 held samples; the 2 extra never fill a step.
-    config.linger_ms = 600_000;
+    config.linger = std::time::Duration::from_millis(600_000);
     config.batch_tokens = 1 << 20;
     let shutdown = CancellationToken::new();
     let drafter = tokio::spawn(run(config, shutdown.clone()));
@@ -137,7 +137,7 @@ async fn shutdown_finishes_the_step_checkpoints_and_hands_back_unused_items() {
         .unwrap()
         .unwrap();
     assert_eq!(report.end, RunEnd::Shutdown);
-    assert_eq!(report.exit_code(), 0);
+    assert_eq!(report.exit(), dflash_service::Exit::Done);
     assert_eq!(report.steps, 1);
     assert_eq!(report.requeued, 2);
     let checkpoint = report
@@ -167,7 +167,7 @@ async fn items_of_a_killed_drafter_are_redelivered_because_acks_follow_steps() {
         &broker.address,
         output.path().join("holding"),
     );
-    holding.linger_ms = 600_000;
+    holding.linger = std::time::Duration::from_millis(600_000);
     holding.batch_tokens = 1 << 20;
     holding.max_step_samples = 8;
     let killed = tokio::spawn(run(holding, CancellationToken::new()));
@@ -235,7 +235,7 @@ async fn an_aborted_run_checkpoints_and_exits_non_zero() {
         "{:?}",
         report.end
     );
-    assert_eq!(report.exit_code(), 2);
+    assert_eq!(report.exit(), dflash_service::Exit::Aborted);
     let checkpoint = report.final_checkpoint.expect("checkpoint before exiting");
     assert!(checkpoint.join("model.safetensors").is_file());
     broker.stop().await;

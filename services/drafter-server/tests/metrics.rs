@@ -74,8 +74,8 @@ async fn scraped_metrics_follow_the_steps_and_samples_trained() -> Result<()> {
         .map_err(anyhow::Error::msg)?;
     config.max_step_samples = 4;
     config.prefetch_samples = 2;
-    config.linger_ms = 50;
-    config.stats_interval_ms = 50;
+    config.linger = std::time::Duration::from_millis(50);
+    config.stats_interval = std::time::Duration::from_millis(50);
     config.total_steps = Some(100);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let metrics_address = listener.local_addr()?;

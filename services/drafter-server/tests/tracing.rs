@@ -12,20 +12,14 @@ use common::*;
 use dflash_broker::BrokerConfig;
 use dflash_client::{BrokerClient, ClientOptions};
 use dflash_drafter_server::{run, DrafterServerConfig, RunEnd};
-use dflash_telemetry::testing::{InMemorySpanExporter, SpanData};
+use dflash_telemetry::testing::InMemorySpanExporter;
 use dflash_telemetry::LogFormat;
+use dflash_testkit::span_attribute;
 use tokio_util::sync::CancellationToken;
 
 /// One step's worth: the drafter steps once it holds this many samples.
 const ITEMS: usize = 4;
 const DEADLINE: Duration = Duration::from_secs(60);
-
-fn attribute(span: &SpanData, key: &str) -> Option<String> {
-    span.attributes
-        .iter()
-        .find(|attribute| attribute.key.as_str() == key)
-        .map(|attribute| attribute.value.to_string())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_span_is_parented_to_its_first_sample_and_linked_to_the_others() -> Result<()> {
@@ -40,7 +34,7 @@ async fn a_step_span_is_parented_to_its_first_sample_and_linked_to_the_others() 
     // One step of exactly ITEMS samples: no token budget or linger flush first.
     config.max_step_samples = ITEMS;
     config.batch_tokens = 1 << 20;
-    config.linger_ms = 600_000;
+    config.linger = std::time::Duration::from_millis(600_000);
     config.total_steps = Some(10);
     let shutdown = CancellationToken::new();
     let drafter = tokio::spawn(run(config, shutdown.clone()));
@@ -93,8 +87,8 @@ async fn a_step_span_is_parented_to_its_first_sample_and_linked_to_the_others() 
         linked == trace_ids[1..],
         "links {linked:?}, traces {trace_ids:?}"
     );
-    ensure!(attribute(step, "samples").as_deref() == Some(&*ITEMS.to_string()));
-    ensure!(attribute(step, "step").as_deref() == Some("1"));
+    ensure!(span_attribute(step, "samples").as_deref() == Some(&*ITEMS.to_string()));
+    ensure!(span_attribute(step, "step").as_deref() == Some("1"));
     broker.stop().await;
     Ok(())
 }

@@ -4,6 +4,9 @@
 //! the `dflash` CLI.
 //!
 //! # Layout
+//! - `device`: the services' `--device`/`--dtype` flags resolved against the
+//!   devices libtorch sees (a missing GPU is an error at once), the device
+//!   label every role reports.
 //! - `layers`: free-function layer primitives over plain tensors (RMSNorm,
 //!   RoPE incl. llama3 scaling, SwiGLU) shared by the frozen target and the
 //!   trainable drafter, numerically matching Hugging Face.
@@ -19,6 +22,7 @@
 //! Must not depend on tonic, tokio or the broker: model code is pure compute
 //! and runs on dedicated threads of the servers.
 
+pub mod device;
 pub mod draft;
 pub mod layers;
 pub mod target;

@@ -135,26 +135,57 @@ fn accumulated_micro_batches_equal_one_batch() -> anyhow::Result<()> {
     let data = successor_sequences(4, 16, 8);
     let mut whole = new_trainer(10, 1e-3)?;
     whole.accumulate(&data)?;
-    let whole_report = whole.step()?;
     let mut split = new_trainer(10, 1e-3)?;
     split.accumulate(&data[..2])?;
     split.accumulate(&data[2..])?;
     assert_eq!(split.pending_micro_batches(), 2);
+
+    // What the math makes equal is the accumulated (unnormalised) gradient:
+    // Σ over all samples either way, only summed in another order. Each
+    // element is a float32 sum of at most a few thousand products, so
+    // reordering moves it by at most n·u·Σ|terms| with u = 2^-24 and
+    // n ≲ 4096: 2.4e-4 of Σ|terms|. Σ|terms| is not observable, so the bound
+    // is taken relative to the tensor's largest gradient with a 4x margin
+    // (1e-3); a lost or doubly counted micro-batch moves gradients by tens
+    // of percent. The weights after the AdamW step are NOT compared
+    // element-wise: Adam's first update is lr·g/(|g|+ε), which maps a
+    // rounding-level difference in a gradient near ε to a difference of up
+    // to lr in the weight (the source of an earlier flaky bound).
+    let whole_weights = whole.model().var_store().variables();
+    let split_weights = split.model().var_store().variables();
+    let mut compared = 0;
+    for (name, tensor) in &whole_weights {
+        let whole_gradient = tensor.grad();
+        if !whole_gradient.defined() {
+            continue;
+        }
+        let split_gradient = split_weights[name].grad();
+        let scale = whole_gradient.abs().max().double_value(&[]);
+        let difference = (&whole_gradient - &split_gradient)
+            .abs()
+            .max()
+            .double_value(&[]);
+        assert!(
+            difference <= 1e-3 * scale + f64::from(f32::MIN_POSITIVE),
+            "gradient of {name} differs by {difference} (largest gradient {scale})"
+        );
+        compared += 1;
+    }
+    assert!(compared > 0, "no parameter had a gradient");
+
+    let whole_report = whole.step()?;
     let split_report = split.step()?;
     assert_eq!(split_report.samples, 4);
     assert_eq!(split_report.tokens, whole_report.tokens);
-    let whole_weights = whole.model().var_store().variables();
-    let split_weights = split.model().var_store().variables();
-    let mut largest_difference: f64 = 0.0;
-    for (name, tensor) in &whole_weights {
-        let other = &split_weights[name];
-        largest_difference = largest_difference.max((tensor - other).abs().max().double_value(&[]));
-    }
+    assert_eq!(split_report.learning_rate, whole_report.learning_rate);
+    // Σ w·CE / Σ w in f64 from per-micro-batch f32 sums: same reordering
+    // argument, relative to the loss itself.
     assert!(
-        largest_difference < 1e-6,
-        "weights differ by {largest_difference}"
+        (whole_report.loss - split_report.loss).abs() <= 1e-5 * whole_report.loss.abs(),
+        "loss {} vs {}",
+        whole_report.loss,
+        split_report.loss
     );
-    assert!((whole_report.loss - split_report.loss).abs() < 1e-5);
     Ok(())
 }
 

@@ -83,7 +83,7 @@ async fn main() -> anyhow::Result<()> {
     );
     config.device = DeviceChoice::Cpu;
     config.max_batch_tokens = max_batch_tokens;
-    config.stats_interval_seconds = 1.0;
+    config.stats_interval = std::time::Duration::from_secs(1);
     let started = Instant::now();
     let report = run(config, CancellationToken::new()).await?;
     let wall = started.elapsed();

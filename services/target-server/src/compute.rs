@@ -18,18 +18,13 @@ use crate::config::SyntheticSpec;
 use crate::metrics::TargetMetrics;
 use bytes::Bytes;
 use dflash_model::target::TargetModel;
-use dflash_proto::v1::{Dtype, Sample, Tensor as WireTensor};
+use dflash_proto::v1::{Dtype, Sample};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tch::{Device, Kind, Tensor};
 use tokio_util::sync::CancellationToken;
-
-/// Names of the tensors of every sample (the drafter reads them by name).
-pub const INPUT_IDS: &str = "input_ids";
-pub const LOSS_MASK: &str = "loss_mask";
-pub const HIDDEN_STATES: &str = "hidden_states";
 
 /// Errors of the compute and host-copy threads.
 #[derive(Debug, thiserror::Error)]
@@ -69,7 +64,7 @@ impl Backend {
                 hidden_width: layer_ids.len() * model.config().hidden_size as usize,
                 layer_ids: layer_ids.clone(),
                 vocab_size: model.config().vocab_size,
-                device_label: device_label(model.device()),
+                device_label: dflash_model::device::device_label(model.device()),
             },
             Backend::Synthetic(synthetic) => BackendInfo {
                 hidden_width: synthetic.row_width,
@@ -78,14 +73,6 @@ impl Backend {
                 device_label: "synthetic".to_string(),
             },
         }
-    }
-}
-
-pub fn device_label(device: Device) -> String {
-    match device {
-        Device::Cpu => "cpu".to_string(),
-        Device::Cuda(index) => format!("cuda:{index}"),
-        other => format!("{other:?}").to_lowercase(),
     }
 }
 
@@ -215,7 +202,6 @@ pub struct ReadySample {
     pub seq: u64,
     /// W3C trace context of the batch that made it (empty without tracing).
     pub trace_context: HashMap<String, String>,
-    pub line_number: u64,
     pub tokens: u64,
     pub sample: Sample,
 }
@@ -356,13 +342,13 @@ pub fn run_host_copy_thread(
                 ReadySample {
                     seq: sequenced.seq,
                     trace_context: trace_context.clone(),
-                    line_number: sequenced.line_number,
                     tokens: tokens as u64,
-                    sample: build_sample(
+                    sample: dflash_proto::sample::encode(
                         &sequenced.sample.input_ids,
                         &sequenced.sample.loss_mask,
                         hidden_payload,
-                        width,
+                        Dtype::Bf16,
+                        width as u64,
                     ),
                 }
             })
@@ -415,38 +401,6 @@ fn split_batch(tensor: &Tensor, batch: &PlannedBatch) -> Result<Vec<Bytes>, Comp
         .collect())
 }
 
-/// The wire sample: `input_ids` int32 [T], `loss_mask` uint8 [T],
-/// `hidden_states` bf16 [T, width].
-pub fn build_sample(
-    input_ids: &[i64],
-    loss_mask: &[u8],
-    hidden_states: Bytes,
-    width: usize,
-) -> Sample {
-    let tokens = input_ids.len() as u64;
-    let id_bytes: Vec<u8> = input_ids
-        .iter()
-        .flat_map(|&id| (id as i32).to_le_bytes())
-        .collect();
-    Sample {
-        tensors: vec![
-            WireTensor::from_parts(INPUT_IDS, Dtype::I32, vec![tokens], Bytes::from(id_bytes)),
-            WireTensor::from_parts(
-                LOSS_MASK,
-                Dtype::U8,
-                vec![tokens],
-                Bytes::copy_from_slice(loss_mask),
-            ),
-            WireTensor::from_parts(
-                HIDDEN_STATES,
-                Dtype::Bf16,
-                vec![tokens, width as u64],
-                hidden_states,
-            ),
-        ],
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -496,25 +450,6 @@ mod tests {
         assert_eq!(decode(&payloads[0]), vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0]);
         assert_eq!(decode(&payloads[1]), vec![100.0, 101.0]);
         Ok(())
-    }
-
-    #[test]
-    fn wire_samples_validate_with_exact_names_and_dtypes() {
-        let sample = build_sample(
-            &[1, 2, 70000],
-            &[0, 1, 1],
-            Bytes::from(vec![0u8; 3 * 4 * 2]),
-            4,
-        );
-        assert_eq!(sample.validate(), Ok(()));
-        let names: Vec<&str> = sample
-            .tensors
-            .iter()
-            .map(|tensor| tensor.name.as_str())
-            .collect();
-        assert_eq!(names, vec!["input_ids", "loss_mask", "hidden_states"]);
-        assert_eq!(sample.tensors[2].shape, vec![3, 4]);
-        assert_eq!(&sample.tensors[0].data[8..12], &70000i32.to_le_bytes());
     }
 
     #[test]

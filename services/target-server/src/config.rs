@@ -1,7 +1,8 @@
 //! Command-line flags (with environment-variable fallbacks) and their
 //! parsing into typed values.
 
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use dflash_service::parse_duration;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -13,9 +14,9 @@ pub const DEFAULT_NUM_DRAFT_LAYERS: usize = 5;
 pub const DEFAULT_MAX_LENGTH: usize = 3072;
 pub const DEFAULT_MAX_BATCH_TOKENS: usize = 16384;
 pub const DEFAULT_SORT_WINDOW: usize = 512;
-pub const DEFAULT_STATS_INTERVAL_SECONDS: f64 = 5.0;
+pub const DEFAULT_STATS_INTERVAL: &str = "5s";
 pub const DEFAULT_MAX_RECONNECTS: u32 = 10;
-pub const DEFAULT_FINISH_TIMEOUT_SECONDS: f64 = 120.0;
+pub const DEFAULT_FINISH_TIMEOUT: &str = "2m";
 
 /// Where hidden states come from.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,49 +106,7 @@ impl FromStr for ModelSource {
     }
 }
 
-/// Which device the model runs on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceChoice {
-    /// The first CUDA device if there is one, else the CPU.
-    Auto,
-    Cpu,
-    Cuda(usize),
-}
-
-impl FromStr for DeviceChoice {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        match text {
-            "auto" => Ok(DeviceChoice::Auto),
-            "cpu" => Ok(DeviceChoice::Cpu),
-            "cuda" => Ok(DeviceChoice::Cuda(0)),
-            other => other
-                .strip_prefix("cuda:")
-                .and_then(|index| index.parse().ok())
-                .map(DeviceChoice::Cuda)
-                .ok_or_else(|| format!("unknown device {other:?} (auto, cpu, cuda, cuda:N)")),
-        }
-    }
-}
-
-/// Model weight and activation dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DtypeChoice {
-    Bf16,
-    F16,
-    F32,
-}
-
-impl DtypeChoice {
-    pub fn kind(self) -> tch::Kind {
-        match self {
-            DtypeChoice::Bf16 => tch::Kind::BFloat16,
-            DtypeChoice::F16 => tch::Kind::Half,
-            DtypeChoice::F32 => tch::Kind::Float,
-        }
-    }
-}
+pub use dflash_service::{DeviceChoice, DtypeChoice};
 
 /// target-server: runs a frozen target LLM on one device over its shard of a
 /// JSONL data set and streams the DFlash hidden states to the broker.
@@ -224,9 +183,10 @@ pub struct TargetServerConfig {
     #[arg(long, env = "DFLASH_NUM_SHARDS")]
     pub num_shards: Option<u32>,
 
-    /// Seconds between stats messages to the broker.
-    #[arg(long, env = "DFLASH_STATS_INTERVAL_SECONDS", default_value_t = DEFAULT_STATS_INTERVAL_SECONDS)]
-    pub stats_interval_seconds: f64,
+    /// Interval of the stats messages to the broker (`500ms`, `2s`; a bare
+    /// number is seconds, so the old `--stats-interval-seconds` still works).
+    #[arg(long, alias = "stats-interval-seconds", env = "DFLASH_STATS_INTERVAL", default_value = DEFAULT_STATS_INTERVAL, value_parser = parse_duration)]
+    pub stats_interval: Duration,
 
     /// Times a broken Produce stream is reopened (resuming where the broker
     /// is) before giving up.
@@ -237,10 +197,10 @@ pub struct TargetServerConfig {
     #[arg(long, env = "DFLASH_LOG_FORMAT", value_enum, default_value_t = dflash_telemetry::LogFormat::Text)]
     pub log_format: dflash_telemetry::LogFormat,
 
-    /// Seconds to wait for the broker to answer the last items (at the end,
-    /// or on shutdown).
-    #[arg(long, env = "DFLASH_FINISH_TIMEOUT_SECONDS", default_value_t = DEFAULT_FINISH_TIMEOUT_SECONDS)]
-    pub finish_timeout_seconds: f64,
+    /// How long to wait for the broker to answer the last items (at the
+    /// end, or on shutdown); `--finish-timeout-seconds` is the old spelling.
+    #[arg(long, alias = "finish-timeout-seconds", env = "DFLASH_FINISH_TIMEOUT", default_value = DEFAULT_FINISH_TIMEOUT, value_parser = parse_duration)]
+    pub finish_timeout: Duration,
 
     /// Serve Prometheus metrics (`GET /metrics`) on this address, e.g.
     /// `0.0.0.0:9091`; off when unset.
@@ -273,20 +233,17 @@ impl TargetServerConfig {
             max_bad_lines: 0,
             shard_index: None,
             num_shards: None,
-            stats_interval_seconds: DEFAULT_STATS_INTERVAL_SECONDS,
+            stats_interval: Duration::from_secs(5),
             max_reconnects: DEFAULT_MAX_RECONNECTS,
             log_format: dflash_telemetry::LogFormat::Text,
-            finish_timeout_seconds: DEFAULT_FINISH_TIMEOUT_SECONDS,
+            finish_timeout: Duration::from_secs(120),
             metrics_listen: None,
         }
     }
 
-    pub fn stats_interval(&self) -> Duration {
-        Duration::from_secs_f64(self.stats_interval_seconds.clamp(0.01, 3600.0))
-    }
-
-    pub fn finish_timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.finish_timeout_seconds.clamp(0.1, 86_400.0))
+    /// The stats interval, at least 10 ms (a zero interval would spin).
+    pub fn stats_period(&self) -> Duration {
+        self.stats_interval.max(Duration::from_millis(10))
     }
 }
 

@@ -1,12 +1,12 @@
 //! The `target-server` binary: flags, logging, signals; the work is in
-//! [`dflash_target_server::run`].
+//! [`dflash_target_server::run`]. Exit codes follow the one table of every
+//! dflash binary (`dflash_service::Exit`): 0 shard done and reported, 1
+//! failed (including items the broker rejected), 2 wrong command line, 4
+//! stopped by a signal before the shard was done (a restart resumes).
 
 use clap::Parser;
+use dflash_service::Exit;
 use dflash_target_server::{run, TargetServerConfig};
-use tokio_util::sync::CancellationToken;
-
-/// Exit code when stopped by a signal before the shard was done.
-const EXIT_INTERRUPTED: u8 = 2;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
@@ -15,13 +15,11 @@ async fn main() -> std::process::ExitCode {
         Ok(guard) => guard,
         Err(error) => {
             eprintln!("target-server: {error}");
-            return std::process::ExitCode::FAILURE;
+            return Exit::Failed.into();
         }
     };
-    let shutdown = CancellationToken::new();
-    let signal_watch = tokio::spawn(cancel_on_signal(shutdown.clone()));
-    let outcome = run(config, shutdown.clone()).await;
-    signal_watch.abort();
+    let shutdown = dflash_service::shutdown_signal();
+    let outcome = run(config, shutdown).await;
     telemetry.flush();
     match outcome {
         Ok(report) if !report.completed => {
@@ -29,12 +27,12 @@ async fn main() -> std::process::ExitCode {
                 sent = report.samples_sent,
                 "stopped before the shard was done; a restart resumes"
             );
-            std::process::ExitCode::from(EXIT_INTERRUPTED)
+            Exit::Interrupted.into()
         }
         Ok(report) if !report.rejected.is_empty() => {
             let (seq, reason) = &report.rejected[0];
             tracing::error!(rejected = report.rejected.len(), first_seq = seq, first_reason = %reason, "the broker rejected items");
-            std::process::ExitCode::FAILURE
+            Exit::Failed.into()
         }
         Ok(report) => {
             println!(
@@ -48,38 +46,12 @@ async fn main() -> std::process::ExitCode {
                 report.device,
                 report.busy_fraction * 100.0
             );
-            std::process::ExitCode::SUCCESS
+            Exit::Done.into()
         }
         Err(error) => {
             tracing::error!("{error}");
             eprintln!("target-server: {error}");
-            std::process::ExitCode::FAILURE
+            Exit::Failed.into()
         }
     }
-}
-
-/// Cancels `shutdown` on SIGINT or SIGTERM.
-async fn cancel_on_signal(shutdown: CancellationToken) {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut terminate =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(terminate) => terminate,
-                Err(error) => {
-                    tracing::warn!(%error, "cannot watch SIGTERM");
-                    let _ = interrupt.await;
-                    shutdown.cancel();
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = terminate.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
-    tracing::info!("signal received; shutting down");
-    shutdown.cancel();
 }

@@ -1,10 +1,10 @@
 //! [`run`]: one target-server from flags to ReportDone.
 
 use crate::compute::{
-    device_label, run_compute_thread, run_host_copy_thread, Backend, BackendInfo, ComputeError,
-    PipelineCounters, ReadySample, SyntheticBackend,
+    run_compute_thread, run_host_copy_thread, Backend, BackendInfo, ComputeError, PipelineCounters,
+    ReadySample, SyntheticBackend,
 };
-use crate::config::{DeviceChoice, DtypeChoice, ModelSource, SyntheticSpec, TargetServerConfig};
+use crate::config::{ModelSource, SyntheticSpec, TargetServerConfig};
 use crate::data::{ChatEncoder, Conversation, EncoderError};
 use crate::metrics::TargetMetrics;
 use crate::reader::{
@@ -74,8 +74,13 @@ pub struct TargetReport {
     pub accepted: u64,
     pub duplicates: u64,
     pub rejected: Vec<(u64, String)>,
-    /// Items the broker holds from this target over all runs: what ReportDone said.
+    /// Items the broker holds from this target over all runs (its own count).
     pub total_accepted: u64,
+    /// What ReportDone said: the valid samples this target read from its
+    /// shard (every seq it numbered, resumed ones included), counted by the
+    /// target itself so the broker's check catches an item it never stored.
+    /// None when no ReportDone was sent.
+    pub reported_total: Option<u64>,
     pub reader: ReaderSummary,
     pub reconnects: u32,
     /// Wall time from the first forward to the last computed batch.
@@ -90,31 +95,6 @@ const BATCH_CHANNEL_DEPTH: usize = 2;
 
 /// How long the metrics endpoint gets to stop once the run is over.
 const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
-
-/// Picks the tch device, refusing CUDA when libtorch has none.
-fn resolve_device(choice: DeviceChoice) -> Result<Device, TargetServerError> {
-    match choice {
-        DeviceChoice::Cpu => Ok(Device::Cpu),
-        DeviceChoice::Auto => Ok(if tch::Cuda::is_available() {
-            Device::Cuda(0)
-        } else {
-            Device::Cpu
-        }),
-        DeviceChoice::Cuda(index) => {
-            let available = if tch::Cuda::is_available() {
-                tch::Cuda::device_count() as usize
-            } else {
-                0
-            };
-            if index >= available {
-                return Err(TargetServerError::Config(format!(
-                    "--device cuda:{index} requested, but libtorch sees {available} CUDA device(s)"
-                )));
-            }
-            Ok(Device::Cuda(index))
-        }
-    }
-}
 
 /// Loads the backend on the compute thread (CUDA state stays on the thread
 /// that uses it) and works out the layer ids.
@@ -133,14 +113,7 @@ fn load_backend(config: &TargetServerConfig, device: Device) -> Result<Backend, 
             Ok(Backend::Synthetic(SyntheticBackend::new(spec.clone())))
         }
         ModelSource::Directory(directory) => {
-            let kind = config
-                .dtype
-                .unwrap_or(if device == Device::Cpu {
-                    DtypeChoice::F32
-                } else {
-                    DtypeChoice::Bf16
-                })
-                .kind();
+            let kind = dflash_model::device::kind_for(config.dtype, device);
             let model = TargetModel::load(directory, device, kind)?;
             let num_layers = model.config().num_hidden_layers;
             let layer_ids = match &config.layer_ids {
@@ -306,12 +279,13 @@ async fn run_pipeline(
             }));
         }
     }
-    let device = resolve_device(config.device)?;
+    let device = dflash_model::device::resolve_device(config.device)
+        .map_err(|error| TargetServerError::Config(error.to_string()))?;
     // The label the backend will report, known before the model loads so
     // the metrics exist (at zero) from the first scrape.
     let device_name = match &config.model {
         ModelSource::Synthetic(_) => "synthetic".to_string(),
-        ModelSource::Directory(_) => device_label(device),
+        ModelSource::Directory(_) => dflash_model::device::device_label(device),
     };
     let metrics = TargetMetrics::register(registry, &config.target_id, &device_name)?;
     // Data first: an empty or missing file should fail before anything loads.
@@ -376,7 +350,7 @@ async fn run_pipeline(
     )
     .await;
     stop.cancel();
-    let bound = config.finish_timeout();
+    let bound = config.finish_timeout;
     let reader_result = match threads.reader.take() {
         Some(reader) => Some(join_thread("reader", reader, bound).await),
         None => None,
@@ -396,7 +370,7 @@ async fn run_pipeline(
         result??;
     }
     if report.completed {
-        finish_run(&client, &report).await?;
+        finish_run(&client, &mut report).await?;
     }
     Ok(report)
 }
@@ -531,7 +505,7 @@ async fn run_with_threads(
     let mut samples_sent = 0u64;
     let mut tokens_sent = 0u64;
     let mut interrupted = false;
-    let mut stats_timer = tokio::time::interval(config.stats_interval());
+    let mut stats_timer = tokio::time::interval(config.stats_period());
     stats_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tokens_at_last_stats = 0u64;
     let mut last_stats_at = Instant::now();
@@ -596,7 +570,7 @@ async fn run_with_threads(
         .await;
     let reconnects = producer.reconnects;
     let accepted_before = producer.accepted_before();
-    let finished = tokio::time::timeout(config.finish_timeout(), producer.finish()).await;
+    let finished = tokio::time::timeout(config.finish_timeout, producer.finish()).await;
     let produce_report = match finished {
         Ok(report) => {
             let report = report?;
@@ -608,7 +582,7 @@ async fn run_with_threads(
                 stream: "Produce",
                 detail: format!(
                     "no answer for the last items within {:?}",
-                    config.finish_timeout()
+                    config.finish_timeout
                 ),
             }))
         }
@@ -626,6 +600,7 @@ async fn run_with_threads(
         duplicates: produce_report.duplicates,
         rejected: produce_report.rejected,
         total_accepted: accepted_before + produce_report.accepted,
+        reported_total: None,
         reader: ReaderSummary::default(),
         reconnects,
         compute_wall,
@@ -635,14 +610,18 @@ async fn run_with_threads(
     Ok((report, client))
 }
 
-/// Reports the shard done with the broker's own count of this target's items.
-async fn finish_run(client: &BrokerClient, report: &TargetReport) -> Result<(), TargetServerError> {
-    client
-        .report_done(&report.target_id, report.total_accepted)
-        .await?;
+/// Reports the shard done with the number of samples the reader numbered
+/// (not the broker's count, which would make the broker's check vacuous).
+async fn finish_run(
+    client: &BrokerClient,
+    report: &mut TargetReport,
+) -> Result<(), TargetServerError> {
+    let total_items = report.reader.samples;
+    client.report_done(&report.target_id, total_items).await?;
+    report.reported_total = Some(total_items);
     tracing::info!(
         target_id = %report.target_id,
-        total_items = report.total_accepted,
+        total_items,
         sent = report.samples_sent,
         rejected = report.rejected.len(),
         tokens_per_second = format!("{:.0}", report.tokens_per_second),

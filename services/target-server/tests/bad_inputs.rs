@@ -50,7 +50,7 @@ async fn missing_weights_are_named_and_the_target_is_not_done() -> Result<()> {
     std::fs::remove_file(model.join("model.safetensors"))?;
     let data = scratch.path().join("train.jsonl");
     write_lines(&data, &mixed_data_lines())?;
-    let broker = TestBroker::start(1).await?;
+    let broker = TestBroker::for_targets(1).await;
     let result = run(
         target_config(&broker.address, "target-0", &model, &data),
         CancellationToken::new(),
@@ -58,7 +58,7 @@ async fn missing_weights_are_named_and_the_target_is_not_done() -> Result<()> {
     .await;
     let message = error_text(result);
     ensure!(message.contains("no model.safetensors"), "{message}");
-    ensure!(broker.client().await?.status().await?.done_targets == 0);
+    ensure!(broker.client().await.status().await?.done_targets == 0);
     broker.stop().await;
     Ok(())
 }
@@ -109,7 +109,7 @@ async fn malformed_lines_stop_the_run_at_the_limit_without_report_done() -> Resu
     let model = write_model(scratch.path())?;
     let data = scratch.path().join("train.jsonl");
     std::fs::write(&data, lines_with_two_bad_ones().join("\n"))?;
-    let broker = TestBroker::start(1).await?;
+    let broker = TestBroker::for_targets(1).await;
     let mut config = target_config(&broker.address, "target-0", &model, &data);
     config.max_bad_lines = 1;
     let message = error_text(run(config, CancellationToken::new()).await);
@@ -118,7 +118,7 @@ async fn malformed_lines_stop_the_run_at_the_limit_without_report_done() -> Resu
         "{message}"
     );
     ensure!(message.contains("line 3: not valid JSON"), "{message}");
-    let status = broker.client().await?.status().await?;
+    let status = broker.client().await.status().await?;
     ensure!(
         status.done_targets == 0,
         "a failed target must not report done"
@@ -134,12 +134,8 @@ async fn tolerated_malformed_lines_are_reported_with_line_numbers() -> Result<()
     let data = scratch.path().join("train.jsonl");
     let lines = lines_with_two_bad_ones();
     std::fs::write(&data, lines.join("\n"))?;
-    let broker = TestBroker::start(1).await?;
-    let drafter = spawn_drafter(
-        broker.client().await?,
-        "drafter-0",
-        Duration::from_secs(120),
-    );
+    let broker = TestBroker::for_targets(1).await;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", Duration::from_secs(120));
     let mut config = target_config(&broker.address, "target-0", &model, &data);
     config.max_bad_lines = 2;
     let report = run(config, CancellationToken::new()).await?;
@@ -173,12 +169,8 @@ async fn over_long_sequences_are_truncated_to_max_length() -> Result<()> {
     let data = scratch.path().join("train.jsonl");
     let lines = mixed_data_lines();
     write_lines(&data, &lines)?;
-    let broker = TestBroker::start(1).await?;
-    let drafter = spawn_drafter(
-        broker.client().await?,
-        "drafter-0",
-        Duration::from_secs(120),
-    );
+    let broker = TestBroker::for_targets(1).await;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", Duration::from_secs(120));
     let mut config = target_config(&broker.address, "target-0", &model, &data);
     config.max_length = 12;
     let report = run(config, CancellationToken::new()).await?;
@@ -208,7 +200,7 @@ async fn out_of_range_layer_ids_are_rejected() -> Result<()> {
     let model = write_model(scratch.path())?;
     let data = scratch.path().join("train.jsonl");
     write_lines(&data, &mixed_data_lines())?;
-    let broker = TestBroker::start(1).await?;
+    let broker = TestBroker::for_targets(1).await;
     let mut config = target_config(&broker.address, "target-0", &model, &data);
     config.layer_ids = Some(vec![1, 8]);
     let message = error_text(run(config, CancellationToken::new()).await);
@@ -263,9 +255,9 @@ fn binary_rejects_a_wrong_dtype_and_documents_every_flag() -> Result<()> {
         "--max-bad-lines",
         "--shard-index",
         "--num-shards",
-        "--stats-interval-seconds",
+        "--stats-interval",
         "--max-reconnects",
-        "--finish-timeout-seconds",
+        "--finish-timeout",
     ] {
         ensure!(help.contains(flag), "--help lacks {flag}");
     }
@@ -300,5 +292,88 @@ fn binary_runs_without_library_path_and_fails_cleanly_on_missing_model() -> Resu
         stderr.contains("/nonexistent-model/config.json"),
         "{stderr}"
     );
+    Ok(())
+}
+
+/// ReportDone carries the samples this target numbered from its shard, not
+/// the broker's own count of its items (which made the broker's check
+/// vacuous): a broker that holds items this shard does not have (the data
+/// changed between runs) answers FAILED_PRECONDITION, the target fails, and
+/// the run does not count it done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_done_counts_the_shard_not_the_broker() -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let model = write_model(scratch.path())?;
+    let data = scratch.path().join("train.jsonl");
+    let lines = mixed_data_lines();
+    write_lines(&data, &lines[..4])?;
+    let broker = TestBroker::for_targets(1).await;
+    // An earlier run of target-0, on other data, left 10 items at the broker.
+    let client = broker.client().await;
+    let mut earlier = client.produce("target-0").await?;
+    for seq in 0..10 {
+        earlier
+            .send(seq, dflash_testkit::sample(64, seq), Default::default())
+            .await?;
+    }
+    ensure!(earlier.finish().await?.accepted == 10);
+    let result = run(
+        target_config(&broker.address, "target-0", &model, &data),
+        CancellationToken::new(),
+    )
+    .await;
+    let message = error_text(result);
+    ensure!(
+        message.contains("ReportDone") && message.contains('4') && message.contains("10"),
+        "{message}"
+    );
+    let status = broker.status().await;
+    ensure!(status.done_targets == 0, "{status:?}");
+    broker.stop().await;
+    Ok(())
+}
+
+/// The exit-code table (`dflash_service::Exit`): a target stopped by SIGTERM
+/// before its shard is done exits 4 ("interrupted, a restart resumes"), not
+/// 2, which is clap's code for a wrong command line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_before_the_shard_is_done_exits_interrupted() -> Result<()> {
+    let broker = TestBroker::for_targets(1).await;
+    // 400 tokens/s over 100 samples of 16 tokens, 2 samples a batch: about
+    // 4 s of work, sent as it is computed.
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_target-server"))
+        .args([
+            "--broker",
+            &broker.address,
+            "--target-id",
+            "target-0",
+            "--model",
+            "synthetic:hidden=16,layers=2,tokens_per_s=400,samples=100,seq_len=16",
+            "--max-batch-tokens",
+            "32",
+            "--stats-interval",
+            "100ms",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    // Wait until it is producing, so the signal lands mid-shard.
+    let producing = dflash_testkit::wait_until(Duration::from_secs(60), || async {
+        broker.status().await.accepted_items >= 2
+    })
+    .await;
+    ensure!(producing, "the target never produced");
+    let pid = child.id().context("child pid")?;
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()?;
+    ensure!(killed.success());
+    let status = tokio::time::timeout(Duration::from_secs(60), child.wait()).await??;
+    ensure!(
+        status.code() == Some(i32::from(dflash_service::Exit::Interrupted.code())),
+        "{status:?}"
+    );
+    ensure!(broker.status().await.done_targets == 0);
+    broker.stop().await;
     Ok(())
 }

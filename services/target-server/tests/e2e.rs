@@ -71,8 +71,8 @@ async fn two_targets_stream_every_line_once_then_end_of_stream() -> Result<()> {
     let data = scratch.path().join("train.jsonl");
     write_lines(&data, &lines)?;
 
-    let broker = TestBroker::start(2).await?;
-    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let broker = TestBroker::for_targets(2).await;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
     let shutdown = CancellationToken::new();
     let (first, second) = tokio::join!(
         run(
@@ -110,7 +110,7 @@ async fn two_targets_stream_every_line_once_then_end_of_stream() -> Result<()> {
         "{:?}",
         drained.end_of_stream
     );
-    ensure!(drained.delivered_before_end == lines.len());
+    ensure!(drained.deliveries.len() == lines.len());
     let identities: BTreeSet<(String, u64)> = drained
         .deliveries
         .iter()
@@ -146,7 +146,7 @@ async fn two_targets_stream_every_line_once_then_end_of_stream() -> Result<()> {
         );
     }
 
-    let status = broker.client().await?.status().await?;
+    let status = broker.client().await.status().await?;
     ensure!(status.done_targets == 2);
     let stats: BTreeMap<String, proto::ProducerStats> = status
         .targets
@@ -204,10 +204,10 @@ async fn restarted_target_skips_exactly_what_the_broker_accepted() -> Result<()>
     let lines = mixed_data_lines();
     let data = scratch.path().join("train.jsonl");
     write_lines(&data, &lines)?;
-    let broker = TestBroker::start(1).await?;
+    let broker = TestBroker::for_targets(1).await;
 
     // An "earlier run" of target-0 got seqs 0..=3 in before dying.
-    let client = broker.client().await?;
+    let client = broker.client().await;
     let mut earlier = client.produce("target-0").await?;
     for seq in 0..4 {
         earlier
@@ -217,7 +217,7 @@ async fn restarted_target_skips_exactly_what_the_broker_accepted() -> Result<()>
     let earlier_report = earlier.finish().await?;
     ensure!(earlier_report.accepted == 4);
 
-    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
     let report = run(
         target_config(&broker.address, "target-0", &model, &data),
         CancellationToken::new(),
@@ -248,8 +248,8 @@ async fn restarted_target_skips_exactly_what_the_broker_accepted() -> Result<()>
 
     // The resumed run sent the samples after seq 3 of the same order a full
     // run would: a fresh full run on another broker gives them the same seqs.
-    let fresh_broker = TestBroker::start(1).await?;
-    let fresh_drafter = spawn_drafter(fresh_broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let fresh_broker = TestBroker::for_targets(1).await;
+    let fresh_drafter = spawn_drafter(fresh_broker.client().await, "drafter-0", DRAIN_TIMEOUT);
     run(
         target_config(&fresh_broker.address, "target-0", &model, &data),
         CancellationToken::new(),
@@ -276,8 +276,8 @@ async fn restarted_target_skips_exactly_what_the_broker_accepted() -> Result<()>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
-    let broker = TestBroker::start(1).await?;
-    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let broker = TestBroker::for_targets(1).await;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
     let model: ModelSource =
         "synthetic:hidden=32,layers=3,tokens_per_s=0,samples=9,seq_len=16,vocab=1000"
             .parse()
@@ -306,8 +306,8 @@ async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_shard() -> Result<()>
 {
-    let broker = TestBroker::start(1).await?;
-    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DRAIN_TIMEOUT);
+    let broker = TestBroker::for_targets(1).await;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
     // 40 samples of 16 tokens at 800 tokens/s: about 0.8 s of work.
     let model: ModelSource = "synthetic:hidden=16,layers=2,tokens_per_s=800,samples=40,seq_len=16"
         .parse()
@@ -318,7 +318,7 @@ async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_s
 
     let shutdown = CancellationToken::new();
     let first_run = tokio::spawn(run(config.clone(), shutdown.clone()));
-    let client = broker.client().await?;
+    let client = broker.client().await;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let accepted = client.status().await?.accepted_items;

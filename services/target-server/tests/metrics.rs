@@ -62,7 +62,7 @@ async fn scraped_metrics_count_every_item_sent() -> Result<()> {
     let mut broker_config = BrokerConfig::for_targets(1);
     broker_config.max_queue_bytes = 8 * 1024;
     broker_config.max_item_bytes = 8 * 1024;
-    let broker = TestBroker::start_with_config(broker_config).await?;
+    let broker = TestBroker::start(broker_config).await;
 
     let model: ModelSource =
         format!("synthetic:hidden=16,layers=2,tokens_per_s=0,samples={SAMPLES},seq_len={SEQ_LEN}")
@@ -71,8 +71,8 @@ async fn scraped_metrics_count_every_item_sent() -> Result<()> {
     let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
     config.device = DeviceChoice::Cpu;
     config.max_batch_tokens = 2 * SEQ_LEN as usize;
-    config.stats_interval_seconds = 3600.0;
-    config.finish_timeout_seconds = DEADLINE.as_secs_f64();
+    config.stats_interval = std::time::Duration::from_secs(3600);
+    config.finish_timeout = DEADLINE;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let metrics_address = listener.local_addr()?;
     let shutdown = CancellationToken::new();
@@ -111,7 +111,7 @@ async fn scraped_metrics_count_every_item_sent() -> Result<()> {
     );
     ensure!(value_of(&text, "dflash_target_rejected_items_total") == Some(0.0));
 
-    let drafter = spawn_drafter(broker.client().await?, "drafter-0", DEADLINE);
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", DEADLINE);
     let report = target.await??;
     let drained = drafter.await??;
     ensure!(report.completed && report.rejected.is_empty(), "{report:?}");

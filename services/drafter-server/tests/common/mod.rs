@@ -1,18 +1,14 @@
-//! Helpers of the drafter-server tests: an in-process broker on an
-//! ephemeral port, the tiny target model, producers that stream real
-//! hidden states of that model, drafter configurations sized for CPU tests,
-//! and polling waits (no fixed sleeps).
+//! Helpers of the drafter-server tests: the tiny target model, producers
+//! that stream real hidden states of that model, drafter configurations
+//! sized for CPU tests; the broker and polling come from `dflash-testkit`.
 
 #![allow(dead_code)]
 // Test helpers: a failure here is a failed test, reported with its message.
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
-use dflash_broker::BrokerConfig;
 use dflash_client::{BrokerClient, ClientOptions};
 use dflash_drafter_server::samples::{bf16_bytes, encode_sample};
 use dflash_drafter_server::{DrafterServerConfig, ModelMode};
@@ -22,48 +18,12 @@ use dflash_proto::v1 as proto;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{Device, Kind, Tensor};
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+
+#[allow(unused_imports)] // each test binary uses its own subset
+pub use dflash_testkit::{drafter_status, wait_until, TestBroker};
 
 /// Target layers the test drafters (2 draft layers on the 8-layer tiny target) read.
 pub const TEST_TARGET_LAYER_IDS: [usize; 2] = [1, 5];
-
-pub struct TestBroker {
-    pub address: String,
-    pub shutdown: CancellationToken,
-    pub handle: JoinHandle<Result<(), dflash_broker::ServeError>>,
-}
-
-impl TestBroker {
-    pub async fn start(config: BrokerConfig) -> TestBroker {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind loopback");
-        let address = format!("http://{}", listener.local_addr().expect("local address"));
-        let shutdown = CancellationToken::new();
-        let handle = tokio::spawn(dflash_broker::serve(listener, config, shutdown.clone()));
-        TestBroker {
-            address,
-            shutdown,
-            handle,
-        }
-    }
-
-    pub async fn client(&self) -> BrokerClient {
-        BrokerClient::connect(self.address.clone(), ClientOptions::default())
-            .await
-            .expect("connect to test broker")
-    }
-
-    pub async fn status(&self) -> proto::StatusSnapshot {
-        self.client().await.status().await.expect("broker status")
-    }
-
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(15), self.handle).await;
-    }
-}
 
 /// The tiny Qwen3 target, written once per test binary.
 pub fn tiny_target_dir() -> &'static Path {
@@ -169,41 +129,12 @@ pub fn test_drafter_config(drafter_id: &str, broker: &str, output: PathBuf) -> D
     config.batch_tokens = 256;
     config.max_step_samples = 4;
     config.prefetch_samples = 2;
-    config.linger_ms = 200;
+    config.linger = std::time::Duration::from_millis(200);
     config.save_every = 2;
-    config.stats_interval_ms = 100;
+    config.stats_interval = std::time::Duration::from_millis(100);
     config.total_steps = Some(50);
     config.learning_rate = 1e-3;
-    config.shutdown_timeout_ms = 30_000;
-    config.reconnect_timeout_ms = 5_000;
+    config.shutdown_timeout = std::time::Duration::from_millis(30_000);
+    config.reconnect_timeout = std::time::Duration::from_millis(5_000);
     config
-}
-
-/// Polls `condition` until it holds or `timeout` passes.
-pub async fn wait_until<F, Fut>(timeout: Duration, mut condition: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    loop {
-        if condition().await {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// This drafter's entry in a status snapshot.
-pub fn drafter_status<'a>(
-    status: &'a proto::StatusSnapshot,
-    drafter_id: &str,
-) -> Option<&'a proto::DrafterStatus> {
-    status
-        .drafters
-        .iter()
-        .find(|drafter| drafter.drafter_id == drafter_id)
 }

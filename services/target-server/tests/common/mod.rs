@@ -1,101 +1,16 @@
-//! Helpers for the target-server integration tests: an in-process broker on
-//! an ephemeral port, a test drafter that acks everything, tiny model and
-//! data files.
+//! Helpers for the target-server integration tests: tiny model and data
+//! files, tensor readers; the broker, the acking test drafter and polling
+//! come from `dflash-testkit`.
 
 #![allow(dead_code)]
 
 use anyhow::{Context, Result};
-use dflash_broker::BrokerConfig;
-use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
 use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
 use dflash_proto::v1 as proto;
 use dflash_target_server::{DeviceChoice, ModelSource, TargetServerConfig};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
-pub struct TestBroker {
-    pub address: String,
-    pub shutdown: CancellationToken,
-    handle: JoinHandle<Result<(), dflash_broker::ServeError>>,
-}
-
-impl TestBroker {
-    pub async fn start(expected_targets: u32) -> Result<TestBroker> {
-        TestBroker::start_with_config(BrokerConfig::for_targets(expected_targets)).await
-    }
-
-    /// A broker with settings of the test's choosing (a small queue, say).
-    pub async fn start_with_config(config: BrokerConfig) -> Result<TestBroker> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let address = format!("http://{}", listener.local_addr()?);
-        let shutdown = CancellationToken::new();
-        let handle = tokio::spawn(dflash_broker::serve(listener, config, shutdown.clone()));
-        Ok(TestBroker {
-            address,
-            shutdown,
-            handle,
-        })
-    }
-
-    pub async fn client(&self) -> Result<BrokerClient> {
-        Ok(BrokerClient::connect(self.address.clone(), ClientOptions::default()).await?)
-    }
-
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(15), self.handle).await;
-    }
-}
-
-/// What a test drafter saw.
-pub struct Drained {
-    pub deliveries: Vec<proto::Delivery>,
-    pub end_of_stream: proto::EndOfStream,
-    /// Deliveries received before end-of-stream (all of them, if the broker
-    /// is right).
-    pub delivered_before_end: usize,
-}
-
-/// A drafter that acks every delivery and returns everything it saw once
-/// end-of-stream arrives (or fails after `timeout`).
-pub fn spawn_drafter(
-    client: BrokerClient,
-    drafter_id: &str,
-    timeout: Duration,
-) -> JoinHandle<Result<Drained>> {
-    let drafter_id = drafter_id.to_string();
-    tokio::spawn(async move {
-        let credit = proto::Credit {
-            items: 64,
-            bytes: 0,
-        };
-        let mut consumer = client.consume(&drafter_id, credit).await?;
-        let handle = consumer.handle();
-        let mut deliveries = Vec::new();
-        let drain = async {
-            loop {
-                match consumer.next().await? {
-                    ConsumerEvent::Delivery(delivery) => {
-                        handle.ack(vec![delivery.delivery_id]);
-                        deliveries.push(delivery);
-                    }
-                    ConsumerEvent::EndOfStream(end) => return Ok::<_, anyhow::Error>(end),
-                }
-            }
-        };
-        let end_of_stream = tokio::time::timeout(timeout, drain)
-            .await
-            .context("no end-of-stream in time")??;
-        let delivered_before_end = deliveries.len();
-        Ok(Drained {
-            deliveries,
-            end_of_stream,
-            delivered_before_end,
-        })
-    })
-}
+pub use dflash_testkit::{spawn_drafter, TestBroker};
 
 /// A tensor of a delivered sample by name.
 pub fn tensor<'a>(sample: &'a proto::Sample, name: &str) -> Result<&'a proto::Tensor> {
@@ -197,7 +112,7 @@ pub fn target_config(
     config.device = DeviceChoice::Cpu;
     config.max_batch_tokens = 256;
     config.sort_window = 4;
-    config.stats_interval_seconds = 0.2;
-    config.finish_timeout_seconds = 30.0;
+    config.stats_interval = std::time::Duration::from_millis(200);
+    config.finish_timeout = std::time::Duration::from_secs(30);
     config
 }

@@ -1,0 +1,311 @@
+//! The DFlash sample schema: the tensors one training sample carries on the
+//! wire, with one encoder (the target, the tests, the synthetic tools) and
+//! one validating decoder (the drafter). The Python client mirrors it.
+//!
+//! | tensor | dtype | shape |
+//! |---|---|---|
+//! | `input_ids` | int32 (int64 accepted) | `[T]` |
+//! | `loss_mask` | uint8 (bool, int32 accepted) | `[T]` |
+//! | `hidden_states` | bf16 (f16, f32 accepted) | `[T, n_layers · hidden]` |
+//!
+//! Pure functions on bytes; no libtorch.
+
+use bytes::Bytes;
+
+use crate::tensor::TensorError;
+use crate::v1::{Dtype, Sample, Tensor};
+
+/// Token ids of the sequence.
+pub const INPUT_IDS: &str = "input_ids";
+/// 1 where the token is trained on (assistant tokens), else 0.
+pub const LOSS_MASK: &str = "loss_mask";
+/// The target's hidden states at the DFlash layers, concatenated per token.
+pub const HIDDEN_STATES: &str = "hidden_states";
+
+/// Why a sample does not follow the schema; the message names the tensor.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SampleError {
+    #[error("invalid sample: {0}")]
+    Invalid(#[from] TensorError),
+    #[error("tensor {name:?}: dtype {dtype}, expected one of {expected}")]
+    Dtype {
+        name: &'static str,
+        dtype: &'static str,
+        expected: &'static str,
+    },
+    #[error("tensor {name:?}: shape {shape:?}, expected {expected}")]
+    Shape {
+        name: &'static str,
+        shape: Vec<u64>,
+        expected: String,
+    },
+}
+
+/// A schema-checked sample: tokens and mask decoded, hidden states still the
+/// wire bytes (`hidden_states.data`, `[tokens, width]` of `hidden_dtype`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodedSample<'a> {
+    pub input_ids: Vec<i64>,
+    /// 0 or 1 per token.
+    pub loss_mask: Vec<u8>,
+    pub hidden_states: &'a Tensor,
+    pub hidden_dtype: Dtype,
+    pub tokens: u64,
+    pub width: u64,
+}
+
+/// Encodes a sample: `input_ids` as int32, `loss_mask` as uint8 and the
+/// hidden states' bytes (`[input_ids.len(), width]` of `hidden_dtype`) shared,
+/// not copied. Token ids must fit int32 (every tokenizer's do).
+pub fn encode(
+    input_ids: &[i64],
+    loss_mask: &[u8],
+    hidden_states: Bytes,
+    hidden_dtype: Dtype,
+    width: u64,
+) -> Sample {
+    let tokens = input_ids.len() as u64;
+    let id_bytes: Vec<u8> = input_ids
+        .iter()
+        .flat_map(|&id| (id as i32).to_le_bytes())
+        .collect();
+    Sample {
+        tensors: vec![
+            Tensor::from_parts(INPUT_IDS, Dtype::I32, vec![tokens], Bytes::from(id_bytes)),
+            Tensor::from_parts(
+                LOSS_MASK,
+                Dtype::U8,
+                vec![tokens],
+                Bytes::copy_from_slice(loss_mask),
+            ),
+            Tensor::from_parts(
+                HIDDEN_STATES,
+                hidden_dtype,
+                vec![tokens, width],
+                hidden_states,
+            ),
+        ],
+    }
+}
+
+/// Tokens a sample declares (0 without `input_ids`): what synthetic
+/// consumers need, without decoding anything.
+pub fn token_count(sample: &Sample) -> u64 {
+    sample
+        .tensor(INPUT_IDS)
+        .ok()
+        .and_then(|tensor| tensor.shape.first().copied())
+        .unwrap_or(0)
+}
+
+/// Validates every tensor's bytes against its dtype and shape, then the
+/// schema: names, dtypes and the shapes' agreement on T.
+pub fn decode(sample: &Sample) -> Result<DecodedSample<'_>, SampleError> {
+    sample.validate()?;
+    let input_ids = sample.tensor(INPUT_IDS)?;
+    let loss_mask = sample.tensor(LOSS_MASK)?;
+    let hidden_states = sample.tensor(HIDDEN_STATES)?;
+    let tokens = match input_ids.shape.as_slice() {
+        [tokens] => *tokens,
+        other => {
+            return Err(SampleError::Shape {
+                name: INPUT_IDS,
+                shape: other.to_vec(),
+                expected: "[T]".into(),
+            })
+        }
+    };
+    if loss_mask.shape != [tokens] {
+        return Err(SampleError::Shape {
+            name: LOSS_MASK,
+            shape: loss_mask.shape.clone(),
+            expected: format!("[{tokens}] like input_ids"),
+        });
+    }
+    let width = match hidden_states.shape.as_slice() {
+        [rows, width] if *rows == tokens => *width,
+        other => {
+            return Err(SampleError::Shape {
+                name: HIDDEN_STATES,
+                shape: other.to_vec(),
+                expected: format!("[{tokens}, width]"),
+            })
+        }
+    };
+    let hidden_dtype = match hidden_states.checked_dtype()? {
+        dtype @ (Dtype::Bf16 | Dtype::F16 | Dtype::F32) => dtype,
+        other => {
+            return Err(SampleError::Dtype {
+                name: HIDDEN_STATES,
+                dtype: other.short_name(),
+                expected: "bf16, f16, f32",
+            })
+        }
+    };
+    Ok(DecodedSample {
+        input_ids: decode_token_ids(input_ids)?,
+        loss_mask: decode_loss_mask(loss_mask)?,
+        hidden_states,
+        hidden_dtype,
+        tokens,
+        width,
+    })
+}
+
+fn decode_token_ids(tensor: &Tensor) -> Result<Vec<i64>, SampleError> {
+    match tensor.checked_dtype()? {
+        Dtype::I32 => Ok(tensor
+            .data
+            .chunks_exact(4)
+            .map(|bytes| i64::from(i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])))
+            .collect()),
+        Dtype::I64 => Ok(tensor
+            .data
+            .chunks_exact(8)
+            .map(|bytes| {
+                let mut array = [0u8; 8];
+                array.copy_from_slice(bytes);
+                i64::from_le_bytes(array)
+            })
+            .collect()),
+        other => Err(SampleError::Dtype {
+            name: INPUT_IDS,
+            dtype: other.short_name(),
+            expected: "int32, int64",
+        }),
+    }
+}
+
+fn decode_loss_mask(tensor: &Tensor) -> Result<Vec<u8>, SampleError> {
+    match tensor.checked_dtype()? {
+        Dtype::U8 | Dtype::Bool => Ok(tensor
+            .data
+            .iter()
+            .map(|&value| u8::from(value != 0))
+            .collect()),
+        Dtype::I32 => Ok(tensor
+            .data
+            .chunks_exact(4)
+            .map(|bytes| u8::from(bytes.iter().any(|&byte| byte != 0)))
+            .collect()),
+        other => Err(SampleError::Dtype {
+            name: LOSS_MASK,
+            dtype: other.short_name(),
+            expected: "uint8, bool, int32",
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hidden(tokens: usize, width: usize) -> Bytes {
+        Bytes::from(vec![0u8; tokens * width * 2])
+    }
+
+    #[test]
+    fn encode_then_decode_gives_the_parts_back() {
+        let sample = encode(&[5, 6, 7], &[0, 1, 1], hidden(3, 4), Dtype::Bf16, 4);
+        let decoded = decode(&sample).unwrap();
+        assert_eq!(decoded.input_ids, vec![5, 6, 7]);
+        assert_eq!(decoded.loss_mask, vec![0, 1, 1]);
+        assert_eq!((decoded.tokens, decoded.width), (3, 4));
+        assert_eq!(decoded.hidden_dtype, Dtype::Bf16);
+        assert_eq!(decoded.hidden_states.data.len(), 24);
+        assert_eq!(token_count(&sample), 3);
+        let names: Vec<&str> = sample.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, vec![INPUT_IDS, LOSS_MASK, HIDDEN_STATES]);
+        let large = encode(&[1, 70_000], &[1, 1], hidden(2, 1), Dtype::Bf16, 1);
+        assert_eq!(&large.tensors[0].data[4..8], &70_000i32.to_le_bytes());
+        assert_eq!(large.tensors[0].checked_dtype(), Ok(Dtype::I32));
+        assert_eq!(large.tensors[1].checked_dtype(), Ok(Dtype::U8));
+    }
+
+    #[test]
+    fn the_hidden_bytes_are_shared_not_copied() {
+        let bytes = hidden(2, 8);
+        let sample = encode(&[1, 2], &[1, 1], bytes.clone(), Dtype::Bf16, 8);
+        let decoded = decode(&sample).unwrap();
+        assert_eq!(decoded.hidden_states.data.as_ptr(), bytes.as_ptr());
+    }
+
+    #[test]
+    fn wider_masks_and_ids_are_accepted() {
+        let mut sample = encode(&[1, 2], &[1, 0], hidden(2, 2), Dtype::Bf16, 2);
+        sample.tensors[0] = Tensor::from_parts(
+            INPUT_IDS,
+            Dtype::I64,
+            vec![2],
+            Bytes::from(
+                [1i64, 300_000]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            ),
+        );
+        sample.tensors[1] = Tensor::from_parts(
+            LOSS_MASK,
+            Dtype::I32,
+            vec![2],
+            Bytes::from(
+                [0i32, 7]
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            ),
+        );
+        let decoded = decode(&sample).unwrap();
+        assert_eq!(decoded.input_ids, vec![1, 300_000]);
+        assert_eq!(decoded.loss_mask, vec![0, 1]);
+    }
+
+    #[test]
+    fn schema_violations_name_the_tensor() {
+        let mut short_mask = encode(&[1, 2, 3], &[1, 1, 1], hidden(3, 2), Dtype::Bf16, 2);
+        short_mask.tensors[1] =
+            Tensor::from_parts(LOSS_MASK, Dtype::U8, vec![2], Bytes::from(vec![1, 1]));
+        let error = decode(&short_mask).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("\"loss_mask\": shape [2], expected [3]"),
+            "{error}"
+        );
+
+        let rows = encode(&[1, 2, 3], &[1, 1, 1], hidden(3, 2), Dtype::Bf16, 2);
+        let mut wrong_rows = rows.clone();
+        wrong_rows.tensors[2] =
+            Tensor::from_parts(HIDDEN_STATES, Dtype::Bf16, vec![2, 3], hidden(2, 3));
+        assert!(matches!(
+            decode(&wrong_rows),
+            Err(SampleError::Shape {
+                name: HIDDEN_STATES,
+                ..
+            })
+        ));
+
+        let mut integer_hidden = rows.clone();
+        integer_hidden.tensors[2] = Tensor::from_parts(
+            HIDDEN_STATES,
+            Dtype::I32,
+            vec![3, 2],
+            Bytes::from(vec![0u8; 24]),
+        );
+        assert_eq!(
+            decode(&integer_hidden).unwrap_err().to_string(),
+            "tensor \"hidden_states\": dtype int32, expected one of bf16, f16, f32"
+        );
+
+        let mut missing = rows.clone();
+        missing.tensors.remove(1);
+        assert!(decode(&missing)
+            .unwrap_err()
+            .to_string()
+            .contains("loss_mask"));
+
+        let mut truncated = rows;
+        truncated.tensors[2].data = truncated.tensors[2].data.slice(1..);
+        assert!(matches!(decode(&truncated), Err(SampleError::Invalid(_))));
+    }
+}

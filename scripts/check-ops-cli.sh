@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The operator's `dflash status` and `dflash top` need no libtorch: builds
+# `dflash` with `--no-default-features` (its own target folder, so the full
+# `dflash` of the workspace build is left alone), checks that it links no
+# libtorch, and runs `status` against a live broker with no libtorch on the
+# library path, the way an operator's laptop or a bare container would.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo_root"
+target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+ops_target="$target_dir/ops-cli"
+cargo build --quiet -p dflash-cli --no-default-features --bin dflash --target-dir "$ops_target"
+cargo build --quiet -p dflash-broker --bin broker
+ops_cli="$ops_target/debug/dflash"
+passed=0
+failed=0
+check() { # name, then a command that must succeed
+  local name="$1"; shift
+  if "$@"; then passed=$((passed + 1)); else echo "check-ops-cli: FAILED: $name" >&2; failed=$((failed + 1)); fi
+}
+links_no_torch() { ! ldd "$ops_cli" | grep -Eq 'libtorch|libc10'; }
+check "the operator dflash links no libtorch" links_no_torch
+
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
+log="$(mktemp)"
+"$target_dir/debug/broker" --listen "127.0.0.1:$port" --expected-targets 3 >"$log" 2>&1 &
+broker_pid=$!
+trap 'kill "$broker_pid" 2>/dev/null || true; rm -f "$log"' EXIT
+status_json() { env -u LD_LIBRARY_PATH "$ops_cli" status --json --broker "http://127.0.0.1:$port" 2>/dev/null; }
+for _ in $(seq 1 100); do
+  if status_json >/dev/null; then break; fi
+  sleep 0.1
+done
+json_names_three_targets() { status_json | python3 -c 'import json,sys; s=json.load(sys.stdin); sys.exit(0 if s["expected_targets"] == 3 else 1)'; }
+check "status --json reads a live broker" json_names_three_targets
+table_shows_the_broker() { env -u LD_LIBRARY_PATH "$ops_cli" status --broker "http://127.0.0.1:$port" | grep -q "targets done 0/3"; }
+check "status prints the top table" table_shows_the_broker
+no_model_commands() { ! "$ops_cli" --help | grep -Eq '^  (local|eval|init-tiny) '; }
+check "the model commands are not in the operator build" no_model_commands
+echo "check-ops-cli: $passed passed, $failed failed"
+(( failed == 0 ))

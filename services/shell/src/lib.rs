@@ -1,0 +1,28 @@
+//! # dflash-service
+//!
+//! The shell the broker, the target-server, the drafter-server and the
+//! `dflash` CLI share, so flags, signals and exit codes mean the same thing in
+//! every binary.
+//!
+//! # Layout
+//! - [`units`]: flag values with units: [`parse_duration`] (`500ms`, `5s`,
+//!   `2m`) and [`parse_bytes`] (`64MiB`).
+//! - [`device`]: [`DeviceChoice`] (`auto`, `cpu`, `cuda:N`) and
+//!   [`DtypeChoice`] (`bf16`, `f16`, `f32`) as flags; `dflash-model` turns
+//!   them into libtorch devices and kinds.
+//! - [`signal`]: [`shutdown_signal`], one `CancellationToken` cancelled on
+//!   SIGINT or SIGTERM.
+//! - [`exit`]: [`Exit`], the exit-code table of every binary.
+//!
+//! Must not depend on libtorch, tonic or any other crate of ours: the broker
+//! and the operator CLI link it without libtorch.
+
+pub mod device;
+pub mod exit;
+pub mod signal;
+pub mod units;
+
+pub use device::{DeviceChoice, DtypeChoice};
+pub use exit::Exit;
+pub use signal::shutdown_signal;
+pub use units::{parse_bytes, parse_duration};

@@ -1,0 +1,272 @@
+//! # dflash-testkit
+//!
+//! The helpers every test suite of the workspace shares, so each is written
+//! once: a dev-dependency only, never linked into a binary.
+//!
+//! # Layout
+//! - [`TestBroker`]: the real broker (`dflash_broker::serve`) in-process on
+//!   `127.0.0.1:0`, optionally with its metrics endpoint; stopped with a bound.
+//! - [`wait_until`]: polls a condition (tests never sleep a fixed time).
+//! - [`sample`], [`credit`], [`drafter_status`]: wire values of a chosen size.
+//! - [`spawn_drafter`]: a consumer that acks everything until end-of-stream.
+//! - [`span_attribute`]: an attribute of an exported span.
+//! - [`http_get`], [`parse_metrics`]: a Prometheus scrape over plain HTTP/1.1.
+//! - [`workspace_binary`]: a binary of this workspace beside the running test.
+//!
+//! Depends on the broker, the client and the proto; never on libtorch, so the
+//! broker's tests stay free of it. Helpers fail the test by panicking with a
+//! message, as tests do.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use dflash_broker::BrokerConfig;
+use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
+use dflash_proto::v1 as proto;
+use dflash_telemetry::testing::SpanData;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// How long [`TestBroker::stop`] waits for the broker to return.
+const STOP_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The real broker served in-process on an ephemeral loopback port.
+pub struct TestBroker {
+    /// `http://127.0.0.1:PORT`, what clients connect to.
+    pub address: String,
+    /// The Prometheus endpoint, when started with [`TestBroker::start_with_metrics`].
+    pub metrics_address: Option<SocketAddr>,
+    pub shutdown: CancellationToken,
+    /// The task running `serve`; [`TestBroker::stop`] awaits it.
+    pub handle: JoinHandle<Result<(), dflash_broker::ServeError>>,
+}
+
+impl TestBroker {
+    pub async fn start(config: BrokerConfig) -> TestBroker {
+        Self::serve(config, false).await
+    }
+
+    /// A broker with default settings for `expected_targets` targets.
+    pub async fn for_targets(expected_targets: u32) -> TestBroker {
+        Self::start(BrokerConfig::for_targets(expected_targets)).await
+    }
+
+    /// A broker that also serves its metrics on another ephemeral port.
+    pub async fn start_with_metrics(config: BrokerConfig) -> TestBroker {
+        Self::serve(config, true).await
+    }
+
+    async fn serve(config: BrokerConfig, with_metrics: bool) -> TestBroker {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let address = format!("http://{}", listener.local_addr().expect("local address"));
+        let metrics_listener = if with_metrics {
+            Some(
+                TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind metrics"),
+            )
+        } else {
+            None
+        };
+        let metrics_address = metrics_listener
+            .as_ref()
+            .map(|listener| listener.local_addr().expect("metrics address"));
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(dflash_broker::serve_with_metrics(
+            listener,
+            metrics_listener,
+            config,
+            shutdown.clone(),
+        ));
+        TestBroker {
+            address,
+            metrics_address,
+            shutdown,
+            handle,
+        }
+    }
+
+    pub async fn client(&self) -> BrokerClient {
+        BrokerClient::connect(self.address.clone(), ClientOptions::default())
+            .await
+            .expect("connect to test broker")
+    }
+
+    pub async fn status(&self) -> proto::StatusSnapshot {
+        self.client().await.status().await.expect("broker status")
+    }
+
+    /// Cancels the broker and waits (bounded) for `serve` to return.
+    pub async fn stop(self) {
+        let _ = self.stop_checked().await;
+    }
+
+    /// [`TestBroker::stop`], returning what `serve` returned; panics when it
+    /// does not return within the bound.
+    pub async fn stop_checked(self) -> Result<(), dflash_broker::ServeError> {
+        self.shutdown.cancel();
+        tokio::time::timeout(STOP_TIMEOUT, self.handle)
+            .await
+            .expect("broker stopped in time")
+            .expect("broker task")
+    }
+}
+
+/// Polls `condition` until it holds or `timeout` passes; true if it held.
+pub async fn wait_until<F, Fut>(timeout: Duration, mut condition: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A DFlash sample (`dflash_proto::sample` schema: 4 tokens, hidden states
+/// `[4, width]` bf16) whose hidden states take `payload_bytes` rounded down to
+/// a multiple of 8 (at least 8), with `marker` in their first 8 bytes so a
+/// test can tell items apart.
+pub fn sample(payload_bytes: usize, marker: u64) -> proto::Sample {
+    const TOKENS: usize = 4;
+    let width = (payload_bytes / (TOKENS * 2)).max(1);
+    let mut hidden = vec![0u8; TOKENS * width * 2];
+    hidden[..8].copy_from_slice(&marker.to_le_bytes());
+    dflash_proto::sample::encode(
+        &[1, 2, 3, 4],
+        &[0, 1, 1, 1],
+        Bytes::from(hidden),
+        proto::Dtype::Bf16,
+        width as u64,
+    )
+}
+
+/// A credit window of `items` with no byte limit.
+pub fn credit(items: u32) -> proto::Credit {
+    proto::Credit { items, bytes: 0 }
+}
+
+/// This drafter's entry in a status snapshot.
+pub fn drafter_status<'a>(
+    status: &'a proto::StatusSnapshot,
+    drafter_id: &str,
+) -> Option<&'a proto::DrafterStatus> {
+    status
+        .drafters
+        .iter()
+        .find(|drafter| drafter.drafter_id == drafter_id)
+}
+
+/// What a [`spawn_drafter`] drafter saw.
+pub struct Drained {
+    pub deliveries: Vec<proto::Delivery>,
+    pub end_of_stream: proto::EndOfStream,
+}
+
+/// A drafter that acks every delivery and returns everything it saw once
+/// end-of-stream arrives (or fails after `timeout`).
+pub fn spawn_drafter(
+    client: BrokerClient,
+    drafter_id: &str,
+    timeout: Duration,
+) -> JoinHandle<anyhow::Result<Drained>> {
+    let drafter_id = drafter_id.to_string();
+    tokio::spawn(async move {
+        let mut consumer = client.consume(&drafter_id, credit(64)).await?;
+        let handle = consumer.handle();
+        let mut deliveries = Vec::new();
+        let drain = async {
+            loop {
+                match consumer.next().await? {
+                    ConsumerEvent::Delivery(delivery) => {
+                        handle.ack(vec![delivery.delivery_id]);
+                        deliveries.push(delivery);
+                    }
+                    ConsumerEvent::EndOfStream(end) => return Ok::<_, anyhow::Error>(end),
+                }
+            }
+        };
+        let end_of_stream = tokio::time::timeout(timeout, drain)
+            .await
+            .context("no end-of-stream in time")??;
+        Ok(Drained {
+            deliveries,
+            end_of_stream,
+        })
+    })
+}
+
+/// The value of attribute `key` of an exported span, as text.
+pub fn span_attribute(span: &SpanData, key: &str) -> Option<String> {
+    span.attributes
+        .iter()
+        .find(|attribute| attribute.key.as_str() == key)
+        .map(|attribute| attribute.value.to_string())
+}
+
+/// One HTTP/1.1 GET over a fresh connection; the whole answer, headers included.
+pub async fn http_get(address: SocketAddr, path: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(address)
+        .await
+        .expect("connect metrics");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("send request");
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_string(&mut answer))
+        .await
+        .expect("answer in time")
+        .expect("read answer");
+    answer
+}
+
+/// `name{labels}` → value from a Prometheus scrape's answer (headers skipped).
+pub fn parse_metrics(answer: &str) -> HashMap<String, f64> {
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map_or(answer, |(_, body)| body);
+    body.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            Some((series.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// A binary of this workspace in the same target folder as the running
+/// test (`target/<profile>/deps/<test>` → `target/<profile>/<name>`).
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let test_binary = std::env::current_exe().expect("test binary path");
+    let profile_dir = test_binary
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target profile folder");
+    let path = profile_dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins)",
+        path.display()
+    );
+    path
+}
