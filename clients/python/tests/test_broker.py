@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import threading
 
 import grpc
@@ -21,9 +20,8 @@ from dflash_client import (
     ClientOptions,
     InvalidSample,
     StreamClosed,
-    bf16_bits_to_float32,
 )
-from harness import CuttableRelay, PACKAGE_ROOT, python_process, wait_until
+from harness import CuttableRelay, python_process, wait_until
 
 from samples import synthetic_sample
 
@@ -281,7 +279,7 @@ def test_streams_reconnect_and_resume_when_the_connection_is_cut(start_broker):
             for seq in range(items):
                 producer.send(seq, *synthetic_sample(seq, WIDTH))
                 if seq in (25, 55):
-                    wait_until(lambda: direct.status()["accepted_items"] >= seq - 8, 30, "the broker to catch up")
+                    wait_until(lambda sent=seq: direct.status()["accepted_items"] >= sent - 8, 30, "the broker to catch up")
                     relay.cut()
             report = producer.finish()
             assert report.reconnects >= 1, report
