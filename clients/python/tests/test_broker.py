@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -296,3 +297,41 @@ def test_streams_reconnect_and_resume_when_the_connection_is_cut(start_broker):
         assert end["summary"]["accepted_items"] == items and end["summary"]["acked_items"] == items
         status = direct.status()
         assert status["targets"][0]["accepted_items"] == items and status["acked_items"] == items
+
+
+def test_held_deliveries_keep_their_leases_through_a_long_step(start_broker):
+    """Lease timeout 600 ms; a "training step" holds one delivery for four
+    lease timeouts. The consumer's automatic extension keeps the lease: no
+    expiry, no redelivery. Without it (the control), the broker takes the
+    lease back."""
+    lease_timeout_s = 0.6
+
+    def drafter_status(client, name):
+        return [drafter for drafter in client.status()["drafters"] if drafter["drafter_id"] == name][0]
+
+    for extend in (True, False):
+        broker = start_broker(1, "--lease-timeout", "600ms")
+        with BrokerClient(broker.address) as client:
+            producer = client.producer("target-0")
+            producer.send(0, *synthetic_sample(0, WIDTH))
+            producer.finish()
+            producer.report_done()
+            name = f"drafter-extend-{extend}"
+            consumer = client.consumer(name, credit_items=1, extend_leases=extend)
+            delivery = consumer.receive(timeout_s=30)
+            assert delivery is not None and delivery.delivery_count == 1
+            assert consumer.welcome["lease_timeout_ms"] == 600
+            if extend:
+                step_ends = time.monotonic() + 4 * lease_timeout_s
+                while time.monotonic() < step_ends:  # the step; the broker is watched meanwhile
+                    status = drafter_status(client, name)
+                    assert status["expired_leases"] == 0 and status["leased_items"] == 1, status
+                    time.sleep(0.05)
+                assert consumer.ack(delivery) == 1
+                assert consumer.receive(timeout_s=30) is None
+                assert consumer.end_of_stream["status"] == "RUN_STATUS_COMPLETE"
+                assert client.status()["redelivered_items"] == 0
+            else:
+                wait_until(lambda drafter=name: drafter_status(client, drafter)["expired_leases"] == 1, 30, "the unextended lease to expire")
+            consumer.close()
+        broker.stop()
