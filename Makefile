@@ -7,7 +7,7 @@ PYTHON ?= python3
 CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
-.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-ops-cli bench build release fmt clean-cache
+.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-ops-cli check-python bench build release fmt clean-cache
 
 all: build
 
@@ -26,8 +26,8 @@ run: release
 	$(CARGO) run --release -p dflash-cli --bin dflash -- local $(ARGS)
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
-## that use external clients (grpcurl against a live broker).
-test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli
+## that use external clients (grpcurl against a live broker, the Python client).
+test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli check-python
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -41,6 +41,12 @@ test-rust: setup
 ## reference `dflash` package (installed once into a venv in the cache).
 check-checkpoint: setup
 	bash scripts/check-checkpoint.sh $(CURDIR)/runs/test-local
+
+## The Python client (clients/python) against the real broker, target-server
+## and drafter-server binaries (pytest, in the venv of scripts/python-venv.sh).
+check-python: setup
+	$(CARGO) build --workspace --bins
+	bash scripts/check-python.sh $(or $(CARGO_TARGET_DIR),target)/debug
 
 check-grpcurl: setup
 	bash scripts/check-grpcurl.sh

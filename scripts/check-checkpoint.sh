@@ -4,19 +4,11 @@
 # implementation: PyPI `dflash` 0.1.0's DFlashDraftModel.from_pretrained,
 # which must report no missing, unexpected or mismatched keys. The Python
 # packages (torch 2.13.0 with its CUDA libraries, transformers 5.15.0, dflash)
-# go once into a venv in the cache folder.
+# go once into a venv in the cache folder (scripts/python-venv.sh).
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cache_root="${DFLASH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
 run_dir="${1:-$repo_root/runs/test-local}"
-venv="$cache_root/venv-dflash-reference"
-if [[ ! -f "$venv/.complete" ]]; then
-  echo "check-checkpoint: installing the reference dflash package into $venv (once)" >&2
-  rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --find-links "$cache_root/wheels" -r "$repo_root/scripts/golden/requirements.txt"
-  touch "$venv/.complete"
-fi
+python="$(bash "$repo_root/scripts/python-venv.sh")"
 
 passed=0
 failed=0
@@ -29,7 +21,7 @@ for output in "$run_dir"/checkpoints/*/; do
     failed=$((failed + 1))
     continue
   fi
-  if "$venv/bin/python" "$repo_root/scripts/check_dflash_checkpoint.py" "$checkpoint"; then
+  if "$python" "$repo_root/scripts/check_dflash_checkpoint.py" "$checkpoint"; then
     passed=$((passed + 1))
   else
     failed=$((failed + 1))

@@ -1,0 +1,67 @@
+"""dflash_client: the Python client of the dflash broker.
+
+Layout
+- `sync`: `BrokerClient`, `Producer`, `Consumer`, the blocking API (runs the
+  asyncio client on a private event-loop thread).
+- `aio`: `AsyncBrokerClient`, `AsyncProducer`, `AsyncConsumer` on grpc.aio,
+  the one implementation of the protocol (hello/welcome, windows, credit,
+  lease extension, reconnects and the run-id/epoch fencing fields).
+- `tensors`: sample validation and encoding (the rules of
+  proto/src/tensor.rs), zero-copy numpy/torch views of deliveries.
+- `records`: broker messages as dicts (status snapshots, run summaries).
+- `errors`: the exceptions.
+- `_proto`: stubs generated from proto/dflash/v1/broker.proto by
+  tools/generate_proto.py (checked current by the tests).
+
+Depends on grpcio, protobuf and numpy; torch only when torch tensors are
+given or asked for. No model code.
+"""
+
+from .aio import AsyncBrokerClient, AsyncConsumer, AsyncProducer, ClientOptions, Delivery, ProduceReport
+from .errors import (
+    BrokerCallError,
+    BrokerError,
+    BrokerUnavailable,
+    InvalidSample,
+    ProtocolError,
+    RunAborted,
+    StreamClosed,
+)
+from .sync import BrokerClient, Consumer, Producer
+from .tensors import (
+    HIDDEN_STATES,
+    INPUT_IDS,
+    LOSS_MASK,
+    WireTensor,
+    bf16_bits_to_float32,
+    float32_to_bf16_bytes,
+    make_sample,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncBrokerClient",
+    "AsyncConsumer",
+    "AsyncProducer",
+    "BrokerCallError",
+    "BrokerClient",
+    "BrokerError",
+    "BrokerUnavailable",
+    "ClientOptions",
+    "Consumer",
+    "Delivery",
+    "HIDDEN_STATES",
+    "INPUT_IDS",
+    "InvalidSample",
+    "LOSS_MASK",
+    "ProduceReport",
+    "Producer",
+    "ProtocolError",
+    "RunAborted",
+    "StreamClosed",
+    "WireTensor",
+    "bf16_bits_to_float32",
+    "float32_to_bf16_bytes",
+    "make_sample",
+]

@@ -1,0 +1,57 @@
+"""Exceptions of the client. Every message names the bad value."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class BrokerError(Exception):
+    """Base class of everything this package raises about the broker."""
+
+
+class InvalidSample(BrokerError, ValueError):
+    """A sample failed validation before anything was sent (shape, dtype,
+    values, seq order). Nothing reached the broker."""
+
+
+class ProtocolError(BrokerError):
+    """The broker sent something this client does not expect (a message out
+    of order, a tensor whose bytes do not match its shape)."""
+
+
+class BrokerCallError(BrokerError):
+    """A call failed with a status that retrying cannot fix
+    (FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, UNAUTHENTICATED,
+    PERMISSION_DENIED, ...): for example a broker that lost the run's state
+    refusing this target's old run id. Raised at once, never retried."""
+
+    def __init__(self, call: str, code: Any, details: str):
+        self.call = call
+        self.code = code
+        self.details = details
+        code_name = getattr(code, "name", str(code))
+        super().__init__(f"broker call {call} failed: {code_name}: {details}")
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker stayed unreachable through every reconnect attempt."""
+
+
+class StreamClosed(BrokerError):
+    """The broker closed this Produce stream (a newer stream for the same
+    target replaced it, or the run ended)."""
+
+    def __init__(self, status: str, reason: str):
+        self.status = status
+        self.reason = reason
+        super().__init__(f"the broker closed this Produce stream ({status}): {reason}")
+
+
+class RunAborted(BrokerError):
+    """End-of-stream ABORTED: the run failed; `reason` says why and `summary`
+    holds the broker's run summary (a dict)."""
+
+    def __init__(self, reason: str, summary: Optional[dict]):
+        self.reason = reason
+        self.summary = summary
+        super().__init__(f"the run was aborted: {reason}")

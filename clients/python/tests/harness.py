@@ -1,0 +1,219 @@
+"""Test helpers: the real binaries of this workspace as processes on
+loopback, polling waits (never fixed sleeps), and a TCP relay the tests can
+cut to break every stream through it.
+
+Binaries come from $DFLASH_BIN_DIR, else $CARGO_TARGET_DIR/debug, else
+<repo>/target/debug (`make check-python` builds them first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
+PACKAGE_ROOT = REPO_ROOT / "clients" / "python"
+EXAMPLES = PACKAGE_ROOT / "examples"
+
+T = TypeVar("T")
+
+
+def binary_dir() -> pathlib.Path:
+    if os.environ.get("DFLASH_BIN_DIR"):
+        return pathlib.Path(os.environ["DFLASH_BIN_DIR"])
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR") or REPO_ROOT / "target")
+    if not target.is_absolute():
+        target = REPO_ROOT / target
+    return target / "debug"
+
+
+def binary(name: str) -> pathlib.Path:
+    path = binary_dir() / name
+    assert path.is_file(), f"{path} is missing: build the binaries first (cargo build --workspace --bins)"
+    return path
+
+
+def wait_until(condition: Callable[[], Optional[T]], timeout_s: float, what: str, interval_s: float = 0.02) -> T:
+    """Polls `condition` until it returns something truthy; fails naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Process:
+    """A child process whose stdout and stderr go to one log file."""
+
+    def __init__(self, name: str, arguments: Sequence[str], log_dir: pathlib.Path, env: Optional[Dict[str, str]] = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        environment = dict(os.environ)
+        environment.update(env or {})
+        self.popen = subprocess.Popen(
+            [str(argument) for argument in arguments],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=environment,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, pattern: str, timeout_s: float) -> re.Match:
+        regex = re.compile(pattern)
+
+        def found() -> Optional[re.Match]:
+            match = regex.search(self.log())
+            if match is None and self.popen.poll() is not None:
+                raise AssertionError(f"{self.name} exited ({self.popen.returncode}) before logging {pattern!r}:\n{self.log()}")
+            return match
+
+        return wait_until(found, timeout_s, f"{self.name} to log {pattern!r}")
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout_s:g}s:\n{self.log()[-4000:]}") from None
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+
+    def kill(self) -> None:
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait()
+
+
+class Broker:
+    """The real `broker` binary on an ephemeral loopback port."""
+
+    def __init__(self, log_dir: pathlib.Path, expected_targets: int, *extra: str):
+        self.process = Process(
+            "broker",
+            [binary("broker"), "--listen", "127.0.0.1:0", "--expected-targets", str(expected_targets), *extra],
+            log_dir,
+        )
+        match = self.process.wait_for_log(r"broker listening.*?(127\.0\.0\.1:\d+)", 60)
+        self.address = match.group(1)
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def python_process(name: str, arguments: Sequence[str], log_dir: pathlib.Path, env: Optional[Dict[str, str]] = None) -> Process:
+    """A Python child running with this interpreter (and its sys.path)."""
+    environment = {"PYTHONPATH": os.pathsep.join(path for path in sys.path if path), "PYTHONUNBUFFERED": "1"}
+    environment.update(env or {})
+    return Process(name, [sys.executable, *arguments], log_dir, environment)
+
+
+def json_lines(text: str) -> List[dict]:
+    records = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return records
+
+
+class CuttableRelay:
+    """A TCP relay from a loopback port to the broker. `cut()` closes every
+    connection through it at once (each client sees its stream break, as
+    when a broker restarts or a network blips), while the broker itself
+    keeps its state; new connections work again right away."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._loop = asyncio.new_event_loop()
+        self._writers: List[asyncio.StreamWriter] = []
+        self.cuts = 0
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        self.address = f"127.0.0.1:{self._port}"
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        self._port = listener.getsockname()[1]
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, sock=listener))
+        ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self._upstream)
+        except OSError:
+            client_writer.close()
+            return
+        self._writers += [client_writer, upstream_writer]
+
+        async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    data = await reader.read(1 << 16)
+                    if not data:
+                        break
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer))
+
+    def cut(self) -> None:
+        async def cut_all() -> None:
+            writers, self._writers = self._writers, []
+            for writer in writers:
+                transport = writer.transport
+                if transport is not None:
+                    transport.abort()
+
+        asyncio.run_coroutine_threadsafe(cut_all(), self._loop).result(10)
+        self.cuts += 1
+
+    def close(self) -> None:
+        async def shut_down() -> None:
+            self._server.close()
+            for writer in self._writers:
+                if writer.transport is not None:
+                    writer.transport.abort()
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shut_down(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

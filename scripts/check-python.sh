@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The Python client's tests (clients/python/tests, pytest) against the real
+# broker, target-server and drafter-server binaries in BIN_DIR. The client is
+# pip-installed (non-editable, --no-deps) into a folder of this checkout and
+# imported from there, in the shared venv of scripts/python-venv.sh, so
+# several checkouts never overwrite each other's copy.
+#
+# Usage: scripts/check-python.sh BIN_DIR   (e.g. target/debug)
+# Last line: `check-python: N passed, M failed` (.ci/run adds it up).
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin_dir="${1:?usage: check-python.sh BIN_DIR}"
+[[ "$bin_dir" = /* ]] || bin_dir="$repo_root/$bin_dir"
+for binary in broker target-server drafter-server dflash; do
+  [[ -x "$bin_dir/$binary" ]] || { echo "check-python: $bin_dir/$binary is missing (cargo build --workspace --bins)" >&2; exit 1; }
+done
+python="$(bash "$repo_root/scripts/python-venv.sh")"
+
+site="$repo_root/clients/python/build/installed"
+rm -rf "$site"
+"$python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+  --target "$site" "$repo_root/clients/python" >&2
+
+report="$(mktemp)"
+trap 'rm -f "$report"' EXIT
+status=0
+# From the repository root, so `dflash_client` comes from the installed copy.
+(cd "$repo_root" && DFLASH_BIN_DIR="$bin_dir" PYTHONPATH="$site" \
+  "$python" -m pytest clients/python/tests -q -p no:cacheprovider --junitxml="$report") || status=$?
+"$python" - "$report" <<'PY' || status=1
+import sys
+import xml.etree.ElementTree as ElementTree
+
+root = ElementTree.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+tests = sum(int(suite.get("tests", 0)) for suite in suites)
+failed = sum(int(suite.get("failures", 0)) + int(suite.get("errors", 0)) for suite in suites)
+skipped = sum(int(suite.get("skipped", 0)) for suite in suites)
+if skipped:
+    print(f"check-python: {skipped} tests skipped, counted as failed (every test must run)", file=sys.stderr)
+print(f"check-python: {tests - failed - skipped} passed, {failed + skipped} failed")
+sys.exit(1 if failed + skipped else 0)
+PY
+exit "$status"
