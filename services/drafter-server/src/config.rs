@@ -236,6 +236,10 @@ pub struct DrafterServerConfig {
     /// address, e.g. `0.0.0.0:9092`; off when unset.
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// The exchange with the broker's shared draft model.
+    #[command(flatten)]
+    pub model_sync: crate::model_sync::SyncConfig,
 }
 
 /// A configuration that cannot work, naming the flag.
@@ -366,6 +370,7 @@ impl DrafterServerConfig {
             shutdown_timeout_ms: 120_000,
             reconnect_timeout_ms: 60_000,
             metrics_listen: None,
+            model_sync: crate::model_sync::SyncConfig::default(),
         }
     }
 }

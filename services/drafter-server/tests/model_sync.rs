@@ -1,0 +1,249 @@
+//! Many drafters, one model: the drafter's model-sync link against a real
+//! in-process broker, with real draft models of the tiny target.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use dflash_broker::BrokerConfig;
+use dflash_drafter_server::model_sync::{ModelSyncLink, SyncConfig, SyncDtype};
+use dflash_drafter_server::{run, RunEnd};
+use dflash_model::draft::{
+    load_draft_model, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads, TargetDimensions,
+};
+use tch::{Device, Kind, Tensor};
+use tokio_util::sync::CancellationToken;
+
+const TEST_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn tiny_draft_model(seed: u64) -> DraftModel {
+    let (target_config, frozen) =
+        FrozenTargetHeads::load(tiny_target_dir(), Device::Cpu, Kind::Float).unwrap();
+    let options = DraftOptions {
+        num_draft_layers: Some(2),
+        block_size: Some(4),
+        mask_token_id: dflash_model::tiny::mask_token_id(tiny_target_dir()).unwrap(),
+        target_layer_ids: Some(TEST_TARGET_LAYER_IDS.iter().map(|&id| id as i64).collect()),
+    };
+    let config =
+        DraftConfig::for_target(&TargetDimensions::from(&target_config), &options).unwrap();
+    DraftModel::new(config, frozen, Device::Cpu, Kind::Float, seed).unwrap()
+}
+
+fn parameters(model: &DraftModel) -> Vec<(String, Tensor)> {
+    let mut parameters: Vec<(String, Tensor)> = model.var_store().variables().into_iter().collect();
+    parameters.sort_by(|left, right| left.0.cmp(&right.0));
+    parameters
+}
+
+/// Largest |a − b| over every parameter of two models.
+fn max_difference(left: &DraftModel, right: &DraftModel) -> f64 {
+    parameters(left)
+        .iter()
+        .zip(parameters(right))
+        .map(|((_, a), (_, b))| (a - b).abs().max().double_value(&[]))
+        .fold(0.0, f64::max)
+}
+
+/// A local "training step": every parameter moves by `by`.
+fn shift(model: &DraftModel, by: f64) {
+    tch::no_grad(|| {
+        for (_, mut parameter) in parameters(model) {
+            let _ = parameter.f_add_scalar_(by).unwrap();
+        }
+    });
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_drafter_joining_mid_run_starts_from_the_center_and_deltas_reach_everyone() {
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let address = broker.address.clone();
+    let runtime = tokio::runtime::Handle::current();
+    // The link runs on a training thread, as in the server.
+    let drafters = tokio::task::spawn_blocking(move || {
+        let every_step = SyncConfig {
+            sync_every: 1,
+            ..SyncConfig::default()
+        };
+        let first = tiny_draft_model(1);
+        let late = tiny_draft_model(2);
+        assert!(
+            max_difference(&first, &late) > 1e-3,
+            "different initialisations"
+        );
+        let mut first_link = ModelSyncLink::new(runtime.clone(), &address, "first", &every_step)
+            .expect("sync is on");
+        first_link.join(&first);
+        assert_eq!(
+            (first_link.totals.exchanges, first_link.totals.failures),
+            (1, 0)
+        );
+        // The first drafter trains and syncs: the center moves.
+        shift(&first, 0.25);
+        first_link.after_step(&first, 4, 40);
+        assert_eq!(first_link.totals.center_version, 1);
+
+        // A drafter joining now starts from the center, not its own init.
+        let mut late_link =
+            ModelSyncLink::new(runtime.clone(), &address, "late", &every_step).unwrap();
+        late_link.join(&late);
+        assert_eq!(late_link.totals.failures, 0);
+        assert_eq!(
+            max_difference(&first, &late),
+            0.0,
+            "f32 on the wire is exact"
+        );
+
+        // Its delta reaches the center, and the first drafter's next sync
+        // brings it there too (the first drafter's own delta is zero).
+        shift(&late, -0.5);
+        late_link.after_step(&late, 4, 40);
+        first_link.after_step(&first, 4, 40);
+        assert_eq!(first_link.totals.center_version, 3);
+        assert_eq!(first_link.totals.last_staleness, 1);
+        // Both are the center now: the same weights up to f32 rounding of
+        // (x + d) − x + x (a few ulps of values below 1).
+        assert!(max_difference(&first, &late) < 1e-6);
+
+        // bf16 on the wire: the joiner holds the center rounded to bf16.
+        let bf16 = SyncConfig {
+            sync_dtype: SyncDtype::Bf16,
+            ..every_step.clone()
+        };
+        let third = tiny_draft_model(3);
+        let mut third_link = ModelSyncLink::new(runtime, &address, "third", &bf16).unwrap();
+        third_link.join(&third);
+        for ((name, center), (_, rounded)) in parameters(&first).iter().zip(parameters(&third)) {
+            // Round to nearest: within half a bf16 ulp, at most 2^-8 of
+            // the magnitude (8 significant bits).
+            let bound = (center.abs() / 256.0 + 1e-30)
+                .f_sub(&(center - &rounded).abs())
+                .unwrap();
+            assert!(
+                bound.min().double_value(&[]) >= 0.0,
+                "{name}: not the center rounded to bf16"
+            );
+        }
+        first_link.finish(&first);
+        late_link.finish(&late);
+        third_link.finish(&third);
+        (first_link.totals.clone(), late_link.totals.clone())
+    })
+    .await
+    .unwrap();
+    assert_eq!(drafters.0.failures, 0);
+    assert_eq!(drafters.1.failures, 0);
+    let model_sync = broker.status().await.model_sync.unwrap();
+    assert_eq!(
+        model_sync.center_version, 3,
+        "final syncs without steps carry no delta"
+    );
+    assert_eq!(model_sync.center_samples, 12);
+    for drafter in &model_sync.drafters {
+        assert!(
+            drafter.finished,
+            "{} sent its final sync",
+            drafter.drafter_id
+        );
+    }
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drafters_train_one_center_a_killed_one_blocks_nothing_and_the_center_loads() {
+    let work = tempfile::tempdir().unwrap();
+    let center_dir = work.path().join("center");
+    let mut broker_config = BrokerConfig::for_targets(1);
+    broker_config.model_sync.model_output = Some(center_dir.clone());
+    broker_config.model_sync.model_final_sync_timeout = Duration::from_secs(600);
+    let broker = TestBroker::start(broker_config).await;
+    let config = |id: &str| {
+        let mut config = test_drafter_config(id, &broker.address, work.path().join(id));
+        config.model_sync.sync_every = 1;
+        config
+    };
+    // The victim holds its first items unstepped for a long time, so it is
+    // killed between syncs (after its join, before any delta).
+    let mut victim_config = config("victim");
+    victim_config.linger_ms = 600_000;
+    victim_config.batch_tokens = 1 << 20;
+    victim_config.max_step_samples = 64;
+    let victim = tokio::spawn(run(victim_config, CancellationToken::new()));
+    assert!(
+        wait_until(TEST_TIMEOUT, || async {
+            broker.status().await.model_sync.is_some_and(|sync| {
+                sync.drafters
+                    .iter()
+                    .any(|drafter| drafter.drafter_id == "victim" && drafter.connected)
+            })
+        })
+        .await,
+        "the victim joined the center"
+    );
+    let samples = target_samples(&random_token_sequences(16, 16, 7));
+    let producer_address = broker.address.clone();
+    let producer = tokio::spawn(async move {
+        produce(&producer_address, "target-0", samples, true).await;
+    });
+    assert!(
+        wait_until(TEST_TIMEOUT, || async {
+            drafter_status(&broker.status().await, "victim")
+                .is_some_and(|drafter| drafter.leased_items > 0)
+        })
+        .await
+    );
+    victim.abort();
+    let _ = victim.await;
+    let survivors: Vec<_> = ["drafter-0", "drafter-1"]
+        .iter()
+        .map(|id| tokio::spawn(run(config(id), CancellationToken::new())))
+        .collect();
+    producer.await.unwrap();
+    let mut trained = 0;
+    for survivor in survivors {
+        let report = tokio::time::timeout(TEST_TIMEOUT, survivor)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(report.end, RunEnd::Complete);
+        trained += report.samples_trained;
+    }
+    assert_eq!(trained, 16);
+    // The killed drafter's session is gone, so the final center does not
+    // wait the 10-minute timeout for it.
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            broker
+                .status()
+                .await
+                .model_sync
+                .is_some_and(|sync| sync.final_saved)
+        })
+        .await,
+        "final center written"
+    );
+    let status = broker.status().await;
+    let sync = status.model_sync.unwrap();
+    // Every trained sample went into the center through exactly one delta.
+    assert_eq!(sync.center_samples, 16);
+    assert_eq!(status.acked_items, 16);
+    assert_eq!(sync.saved_version, sync.center_version);
+    assert!(sync.center_version >= 2);
+    let victim = sync
+        .drafters
+        .iter()
+        .find(|drafter| drafter.drafter_id == "victim")
+        .unwrap();
+    assert!(!victim.connected);
+    assert_eq!(victim.updates_applied, 0);
+    // The center is a complete draft checkpoint: the strict loader (no
+    // missing or unexpected tensors) accepts it.
+    let (_, frozen) = FrozenTargetHeads::load(tiny_target_dir(), Device::Cpu, Kind::Float).unwrap();
+    let center = load_draft_model(&center_dir, frozen, Device::Cpu, Kind::Float).unwrap();
+    assert_eq!(center.config().num_draft_layers, 2);
+    broker.stop().await;
+}
