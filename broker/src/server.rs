@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dflash_proto::v1::broker_server::BrokerServer;
+use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -87,6 +88,9 @@ pub async fn serve_with_metrics(
     health_reporter
         .set_serving::<BrokerServer<BrokerService>>()
         .await;
+    health_reporter
+        .set_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
+        .await;
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -97,7 +101,7 @@ pub async fn serve_with_metrics(
         .build_v1alpha()?;
 
     let ticker = tokio::spawn(shared.clone().run_ticker());
-    let center_writer = tokio::spawn(model_sync.clone().run_background({
+    let mut center_writer = tokio::spawn(model_sync.clone().run_background({
         let shared = shared.clone();
         move || shared.run_state()
     }));
@@ -168,6 +172,9 @@ pub async fn serve_with_metrics(
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;
     health_reporter
+        .set_not_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
+        .await;
+    health_reporter
         .set_service_status("", ServingStatus::NotServing)
         .await;
     internal.cancel();
@@ -184,7 +191,15 @@ pub async fn serve_with_metrics(
         }
     }
     ticker.abort();
-    center_writer.abort();
+    // The writer stops at the cancelled token; a write it started finishes
+    // (bounded) before the last one below.
+    if tokio::time::timeout(deadline, &mut center_writer)
+        .await
+        .is_err()
+    {
+        warn!("the center writer did not stop in time");
+        center_writer.abort();
+    }
     // The center as it is now, so a restart resumes from it (the final one
     // when the run completed and it was not written yet).
     let final_center = shared.run_state() == crate::queue::RunState::Complete;

@@ -180,6 +180,14 @@ impl TestDrafter {
     }
 }
 
+/// Plain asynchronous local SGD (outer lr 1, no momentum): the center is
+/// the sum of the deltas, exact on these values.
+fn plain_config() -> BrokerConfig {
+    let mut config = BrokerConfig::for_targets(1);
+    config.model_sync.outer_momentum = 0.0;
+    config
+}
+
 fn values(center: &[(String, Vec<f32>)], name: &str) -> Vec<f32> {
     center
         .iter()
@@ -201,7 +209,7 @@ async fn model_sync_status(broker: &TestBroker) -> proto::ModelSyncStatus {
 
 #[tokio::test]
 async fn drafters_share_one_center_and_stale_deltas_still_count() {
-    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let broker = TestBroker::start(plain_config()).await;
     let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
     assert!(!first.welcome.has_center);
     assert!(first.welcome.method.contains("async local SGD"));
@@ -259,7 +267,7 @@ async fn drafters_share_one_center_and_stale_deltas_still_count() {
 
 #[tokio::test]
 async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
-    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let broker = TestBroker::start(plain_config()).await;
     let mut survivor = TestDrafter::open(&broker.address, "survivor").await;
     survivor
         .exchange(proto::SyncKind::Join, 0, &initial())
@@ -321,7 +329,7 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
 
 #[tokio::test]
 async fn a_refused_exchange_names_the_problem_and_changes_nothing() {
-    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let broker = TestBroker::start(plain_config()).await;
     let mut drafter = TestDrafter::open(&broker.address, "d").await;
     drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
     let mut wrong = TestDrafter::open(&broker.address, "wrong").await;
@@ -355,7 +363,7 @@ async fn a_refused_exchange_names_the_problem_and_changes_nothing() {
 async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart() {
     let work = tempfile::tempdir().unwrap();
     let output = work.path().join("center");
-    let mut config = BrokerConfig::for_targets(1);
+    let mut config = plain_config();
     config.model_sync.model_output = Some(output.clone());
     config.model_sync.model_save_every = Duration::ZERO;
     config.model_sync.model_final_sync_timeout = Duration::from_secs(60);

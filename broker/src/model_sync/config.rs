@@ -32,7 +32,7 @@ pub struct ModelSyncConfig {
 
     /// Nesterov momentum μ of the outer step, in [0, 1). 0 is plain
     /// asynchronous local SGD and keeps no optimizer state.
-    #[arg(long, env = "DFLASH_OUTER_MOMENTUM", default_value_t = 0.0)]
+    #[arg(long, env = "DFLASH_OUTER_MOMENTUM", default_value_t = 0.7)]
     pub outer_momentum: f32,
 
     /// Deltas averaged per momentum step (N of the delayed Nesterov update;

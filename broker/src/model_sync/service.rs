@@ -61,8 +61,10 @@ pub struct ModelSyncShared {
     /// Cancelled on broker shutdown: sessions end with UNAVAILABLE.
     shutdown: CancellationToken,
     tasks: TaskTracker,
-    /// One checkpoint write at a time.
-    save_lock: tokio::sync::Mutex<()>,
+    /// One checkpoint write at a time. The guard travels into the blocking
+    /// write, so a caller that stops waiting (an aborted task) does not let
+    /// a second write start while the first is still renaming files.
+    save_lock: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl ModelSyncShared {
@@ -89,7 +91,7 @@ impl ModelSyncShared {
             config,
             shutdown,
             tasks: TaskTracker::new(),
-            save_lock: tokio::sync::Mutex::new(()),
+            save_lock: Arc::new(tokio::sync::Mutex::new(())),
         }))
     }
 
@@ -118,7 +120,7 @@ impl ModelSyncShared {
         let Some(dir) = self.config.model_output.clone() else {
             return Ok(None);
         };
-        let _writing = self.save_lock.lock().await;
+        let writing = self.save_lock.clone().lock_owned().await;
         let (center, method) = {
             let state = self.state.lock();
             let Some(center) = state.center() else {
@@ -133,12 +135,16 @@ impl ModelSyncShared {
         let version = center.version;
         let started = Instant::now();
         let target = dir.clone();
-        tokio::task::spawn_blocking(move || write_center(&target, &center, &method))
-            .await
-            .map_err(|join_error| CheckpointError::Io {
-                path: dir.clone(),
-                source: std::io::Error::other(join_error.to_string()),
-            })??;
+        tokio::task::spawn_blocking(move || {
+            let outcome = write_center(&target, &center, &method);
+            drop(writing);
+            outcome
+        })
+        .await
+        .map_err(|join_error| CheckpointError::Io {
+            path: dir.clone(),
+            source: std::io::Error::other(join_error.to_string()),
+        })??;
         let mut state = self.state.lock();
         state.saved_version = Some(version);
         state.saved_path = dir.display().to_string();

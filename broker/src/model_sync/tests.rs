@@ -9,6 +9,15 @@ use dflash_proto::v1 as proto;
 use super::arith::{self, WireDtype};
 use super::center::{ModelSyncState, OuterSettings, SyncError, Upload};
 
+/// Plain asynchronous local SGD (no momentum): every center is a sum of
+/// deltas, exact on these values.
+fn plain() -> OuterSettings {
+    OuterSettings {
+        momentum: 0.0,
+        ..OuterSettings::default()
+    }
+}
+
 const CONFIG: &str = r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 4}"#;
 
 /// Two tensors: "a" [2, 2] and "b" [3]. Values chosen dyadic so every sum
@@ -85,7 +94,7 @@ fn joined_state(settings: OuterSettings) -> (ModelSyncState, Instant) {
 
 #[test]
 fn the_first_join_initialises_the_center_and_later_joins_start_from_it() {
-    let (mut state, now) = joined_state(OuterSettings::default());
+    let (mut state, now) = joined_state(plain());
     assert_eq!(state.version(), Some(0));
     assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
     // A drafter joining mid-run, after one update, gets the current center,
@@ -136,7 +145,7 @@ fn the_first_join_initialises_the_center_and_later_joins_start_from_it() {
 
 #[test]
 fn a_join_of_another_model_is_refused_and_changes_nothing() {
-    let (mut state, now) = joined_state(OuterSettings::default());
+    let (mut state, now) = joined_state(plain());
     let other = vec![("a", vec![4u64], vec![0.0f32; 4])];
     let error = state
         .commit(
@@ -174,7 +183,7 @@ fn a_join_of_another_model_is_refused_and_changes_nothing() {
 fn deltas_apply_with_the_outer_learning_rate_and_stale_ones_still_count() {
     let settings = OuterSettings {
         learning_rate: 0.5,
-        ..OuterSettings::default()
+        ..plain()
     };
     let (mut state, now) = joined_state(settings);
     // Both drafters start from version 0; d0 syncs first.
@@ -224,7 +233,7 @@ fn deltas_apply_with_the_outer_learning_rate_and_stale_ones_still_count() {
 
 #[test]
 fn bf16_deltas_accumulate_into_the_f32_center() {
-    let (mut state, now) = joined_state(OuterSettings::default());
+    let (mut state, now) = joined_state(plain());
     // 2^-7 is exact in bf16; added to 4.0 it is kept by the f32 center.
     let delta = weights([1.0 / 128.0, -0.5, 0.0, 1.0 / 128.0], [0.0, 0.0, -8.0]);
     state
@@ -247,7 +256,7 @@ fn bf16_deltas_accumulate_into_the_f32_center() {
 fn deltas_beyond_the_staleness_bound_are_discarded_and_the_drafter_restarts() {
     let settings = OuterSettings {
         max_staleness: 1,
-        ..OuterSettings::default()
+        ..plain()
     };
     let (mut state, now) = joined_state(settings);
     let delta = weights([1.0; 4], [1.0; 3]);
@@ -296,7 +305,7 @@ fn deltas_beyond_the_staleness_bound_are_discarded_and_the_drafter_restarts() {
 
 #[test]
 fn torn_or_inconsistent_uploads_change_nothing() {
-    let (mut state, now) = joined_state(OuterSettings::default());
+    let (mut state, now) = joined_state(plain());
     let before_a = center_values(&state, "a");
     let before_b = center_values(&state, "b");
     // A drafter that dies mid-upload never commits: its staged chunks are
@@ -403,7 +412,7 @@ fn chunks_out_of_order_or_too_long_are_refused() {
 
 #[test]
 fn the_final_center_waits_only_for_open_sessions_without_a_final_sync() {
-    let (mut state, now) = joined_state(OuterSettings::default());
+    let (mut state, now) = joined_state(plain());
     state.open_session("d1");
     state.open_session("killed");
     assert_eq!(state.awaiting_final(), vec!["d0", "d1", "killed"]);
