@@ -59,7 +59,10 @@ fn shift(model: &DraftModel, by: f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_drafter_joining_mid_run_starts_from_the_center_and_deltas_reach_everyone() {
-    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    // Plain asynchronous local SGD: the center is the sum of the deltas.
+    let mut broker_config = BrokerConfig::for_targets(1);
+    broker_config.model_sync.outer_momentum = 0.0;
+    let broker = TestBroker::start(broker_config).await;
     let address = broker.address.clone();
     let runtime = tokio::runtime::Handle::current();
     // The link runs on a training thread, as in the server.
@@ -246,4 +249,166 @@ async fn drafters_train_one_center_a_killed_one_blocks_nothing_and_the_center_lo
     let center = load_draft_model(&center_dir, frozen, Device::Cpu, Kind::Float).unwrap();
     assert_eq!(center.config().num_draft_layers, 2);
     broker.stop().await;
+}
+
+/// Sequences that follow a learnable rule (each token is the previous plus
+/// one, from a random start), so a short run measurably learns.
+fn counting_sequences(count: usize, length: usize, seed: u64) -> Vec<Vec<i64>> {
+    random_token_sequences(count, 1, seed)
+        .into_iter()
+        .map(|start| {
+            (0..length as i64)
+                .map(|offset| 3 + (start[0] + offset) % 290)
+                .collect()
+        })
+        .collect()
+}
+
+/// Mean held-out loss (the training objective, anchors drawn with a fixed
+/// seed) of the checkpoint in `dir`.
+fn held_out_loss(dir: &std::path::Path, held_out: &[dflash_proto::v1::Sample]) -> f64 {
+    use dflash_drafter_server::samples::{decode_sample, SampleExpectations};
+    use rand::SeedableRng;
+    let (_, frozen) = FrozenTargetHeads::load(tiny_target_dir(), Device::Cpu, Kind::Float).unwrap();
+    let model = load_draft_model(dir, frozen, Device::Cpu, Kind::Float).unwrap();
+    let config = model.config();
+    let expectations = SampleExpectations {
+        hidden_width: config.target_hidden_width(),
+        vocab_size: config.vocab_size,
+    };
+    let sequences: Vec<_> = held_out
+        .iter()
+        .map(|sample| decode_sample(sample, expectations).unwrap())
+        .collect();
+    let mut generator = rand::rngs::StdRng::seed_from_u64(99);
+    let anchors: Vec<Vec<i64>> = sequences
+        .iter()
+        .map(|sequence| dflash_model::draft::sample_anchors(&sequence.loss_mask, 8, &mut generator))
+        .collect();
+    let batch = dflash_model::draft::pack_batch(&sequences, &anchors).unwrap();
+    let gamma = dflash_model::draft::default_loss_decay_gamma(config.block_size);
+    tch::no_grad(|| {
+        dflash_model::draft::compute_objective(&model, &batch, gamma)
+            .unwrap()
+            .loss
+            .double_value(&[])
+    })
+}
+
+/// Trains `drafters` drafters on `samples` through a fresh broker; returns
+/// each drafter's final checkpoint and the center (when written).
+async fn train(
+    work: &std::path::Path,
+    drafters: usize,
+    sync_every: u64,
+    samples: &[dflash_proto::v1::Sample],
+) -> (Vec<std::path::PathBuf>, std::path::PathBuf) {
+    let center = work.join("center");
+    let mut broker_config = BrokerConfig::for_targets(1);
+    broker_config.model_sync.model_output = Some(center.clone());
+    let broker = TestBroker::start(broker_config).await;
+    // The target announces its shard size first, so every drafter's
+    // schedule is estimated from the run (as in production) from its
+    // first step.
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    producer
+        .send_stats(dflash_proto::v1::ProducerStats {
+            samples_total: samples.len() as u64,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    for (seq, sample) in samples.iter().enumerate() {
+        producer
+            .send(seq as u64, sample.clone(), Default::default())
+            .await
+            .unwrap();
+    }
+    producer.finish().await.unwrap();
+    client
+        .report_done("target-0", samples.len() as u64)
+        .await
+        .unwrap();
+    let runs: Vec<_> = (0..drafters)
+        .map(|index| {
+            let id = format!("drafter-{index}");
+            let mut config = test_drafter_config(&id, &broker.address, work.join(&id));
+            config.model_sync.sync_every = sync_every;
+            config.learning_rate = 3e-3;
+            config.total_steps = None;
+            config.seed = index as u64;
+            tokio::spawn(run(config, CancellationToken::new()))
+        })
+        .collect();
+    let mut checkpoints = Vec::new();
+    for drafter in runs {
+        let report = tokio::time::timeout(TEST_TIMEOUT, drafter)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(report.end, RunEnd::Complete);
+        checkpoints.push(report.final_checkpoint.unwrap());
+    }
+    if sync_every > 0 {
+        assert!(
+            wait_until(TEST_TIMEOUT, || async {
+                broker
+                    .status()
+                    .await
+                    .model_sync
+                    .is_some_and(|sync| sync.final_saved)
+            })
+            .await
+        );
+    }
+    broker.stop().await;
+    (checkpoints, center)
+}
+
+/// The quality comparison at test size: three drafters with model
+/// sync (sync every step: each trains about 8 steps here) against one
+/// drafter trained on every sample alone and three independent drafters,
+/// on the same 96 samples. Measured as held-out loss: τ needs speculative
+/// decoding, too slow for CI (the note gives τ from `dflash local`).
+///
+/// At this size the ratio center / one drafter spread from 0.95 to 1.11 in
+/// repeated runs (async scheduling decides who trains what), so the issue's
+/// 10 % is not asserted here; the bounds below still fail when the sync
+/// does nothing useful (independent drafters sit near 3x).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_synced_drafters_learn_like_one_and_better_than_three_independent() {
+    let work = tempfile::tempdir().unwrap();
+    let train_samples = target_samples(&counting_sequences(96, 20, 11));
+    let held_out = target_samples(&counting_sequences(16, 20, 12));
+
+    let (alone, _) = train(&work.path().join("alone"), 1, 0, &train_samples).await;
+    let (_, center) = train(&work.path().join("synced"), 3, 1, &train_samples).await;
+    let (independent, _) = train(&work.path().join("independent"), 3, 0, &train_samples).await;
+
+    let untrained = {
+        let model = tiny_draft_model(0);
+        let dir = work.path().join("untrained");
+        dflash_model::draft::save_draft_checkpoint(&dir, &model, None).unwrap();
+        held_out_loss(&dir, &held_out)
+    };
+    let alone = held_out_loss(&alone[0], &held_out);
+    let synced = held_out_loss(&center, &held_out);
+    let independent: Vec<f64> = independent
+        .iter()
+        .map(|dir| held_out_loss(dir, &held_out))
+        .collect();
+    eprintln!("held-out loss: untrained {untrained:.4}, one drafter {alone:.4}, 3 synced (center) {synced:.4}, 3 independent {independent:.4?}");
+    assert!(alone < 0.8 * untrained, "the run is long enough to learn");
+    assert!(
+        synced <= 1.5 * alone,
+        "center {synced} far from one drafter's {alone}"
+    );
+    for loss in &independent {
+        assert!(
+            synced < 0.6 * loss,
+            "center {synced} not clearly better than an independent drafter's {loss}"
+        );
+    }
 }
