@@ -412,3 +412,93 @@ async fn three_synced_drafters_learn_like_one_and_better_than_three_independent(
         );
     }
 }
+
+/// A broker restart: the center resumes from its last checkpoint, a sync
+/// that meets no broker fails without stopping the drafter, and the next
+/// sync point re-joins the restarted broker's center.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_broker_restart_drafters_rejoin_the_resumed_center() {
+    let work = tempfile::tempdir().unwrap();
+    let mut broker_config = BrokerConfig::for_targets(1);
+    broker_config.model_sync.model_output = Some(work.path().join("center"));
+    broker_config.model_sync.outer_momentum = 0.0;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let socket = listener.local_addr().unwrap();
+    let address = format!("http://{socket}");
+    let shutdown = CancellationToken::new();
+    let first_broker = tokio::spawn(dflash_broker::serve(
+        listener,
+        broker_config.clone(),
+        shutdown.clone(),
+    ));
+    let runtime = tokio::runtime::Handle::current();
+    let every_step = SyncConfig {
+        sync_every: 1,
+        sync_timeout_ms: 10_000,
+        ..SyncConfig::default()
+    };
+    let (model_sender, model_receiver) = std::sync::mpsc::channel::<()>();
+    let (step_sender, mut step_receiver) = tokio::sync::mpsc::channel::<(u64, u64, f64)>(4);
+    // The drafter's training thread: join, one synced step, then a step per
+    // signal from the test, reporting (exchanges, failures, |model − saved|).
+    let drafter = std::thread::spawn(move || {
+        let model = tiny_draft_model(1);
+        let mut link = ModelSyncLink::new(runtime, &address, "drafter-0", &every_step).unwrap();
+        link.join(&model);
+        shift(&model, 0.25);
+        link.after_step(&model, 4, 40);
+        let synced = tiny_draft_model(2);
+        tch::no_grad(|| {
+            for ((_, mut copy), (_, value)) in
+                parameters(&synced).into_iter().zip(parameters(&model))
+            {
+                copy.copy_(&value);
+            }
+        });
+        let report = |link: &ModelSyncLink, model: &DraftModel| {
+            (
+                link.totals.exchanges,
+                link.totals.failures,
+                max_difference(model, &synced),
+            )
+        };
+        step_sender.blocking_send(report(&link, &model)).unwrap();
+        while model_receiver.recv().is_ok() {
+            shift(&model, 1.0);
+            link.after_step(&model, 4, 40);
+            step_sender.blocking_send(report(&link, &model)).unwrap();
+        }
+    });
+    assert_eq!(step_receiver.recv().await.unwrap(), (2, 0, 0.0));
+
+    // The broker goes away; the center (version 1) was written on the way.
+    shutdown.cancel();
+    first_broker.await.unwrap().unwrap();
+    model_sender.send(()).unwrap();
+    let (exchanges, failures, moved) = step_receiver.recv().await.unwrap();
+    assert_eq!(
+        (exchanges, failures),
+        (2, 1),
+        "the sync failed, training went on"
+    );
+    assert!((moved - 1.0).abs() < 1e-5, "the local step is kept");
+
+    // The broker comes back on the same address with the same folder.
+    let listener = tokio::net::TcpListener::bind(socket).await.unwrap();
+    let shutdown = CancellationToken::new();
+    let second_broker = tokio::spawn(dflash_broker::serve(
+        listener,
+        broker_config,
+        shutdown.clone(),
+    ));
+    model_sender.send(()).unwrap();
+    let (exchanges, failures, moved) = step_receiver.recv().await.unwrap();
+    assert_eq!((exchanges, failures), (3, 1), "re-joined");
+    // Re-joining takes the resumed center: the weights of the last good
+    // sync, the steps since then are lost (at most --sync-every).
+    assert_eq!(moved, 0.0);
+    drop(model_sender);
+    drafter.join().unwrap();
+    shutdown.cancel();
+    second_broker.await.unwrap().unwrap();
+}
