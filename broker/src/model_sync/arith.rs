@@ -3,8 +3,10 @@
 //! The center is kept in f32 whatever the drafters send: deltas arrive as
 //! bf16 or f32 bytes and are decoded element by element inside the loop
 //! that applies them, so no decoded copy of a delta is ever allocated. Each
-//! loop is a plain zip over fixed-size chunks, which the compiler
-//! vectorises (no bounds checks, no branches in the body).
+//! loop is a plain zip over fixed-size chunks (no bounds checks, no
+//! branches in the body), which the compiler vectorises in optimised builds
+//! (checked: packed `mulps`/`addps` in the bf16 and f32 loop bodies at
+//! opt-level 2; debug builds of this crate are not optimised).
 
 /// Element type of tensors on the sync wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
