@@ -373,7 +373,7 @@ async fn train(
 /// on the same 96 samples. Measured as held-out loss: τ needs speculative
 /// decoding, too slow for CI (the note gives τ from `dflash local`).
 ///
-/// At this size the ratio center / one drafter spread from 0.95 to 1.11 in
+/// At this size the ratio center / one drafter spread from 0.95 to 1.16 in
 /// repeated runs (async scheduling decides who trains what), so the issue's
 /// 10 % is not asserted here; the bounds below still fail when the sync
 /// does nothing useful (independent drafters sit near 3x).
