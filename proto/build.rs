@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 /// Messages of the status snapshot, which derive `serde::Serialize`.
-const STATUS_MESSAGES: [&str; 8] = [
+const STATUS_MESSAGES: [&str; 10] = [
     "dflash.v1.StatusSnapshot",
     "dflash.v1.TargetStatus",
     "dflash.v1.DrafterStatus",
@@ -14,10 +14,12 @@ const STATUS_MESSAGES: [&str; 8] = [
     "dflash.v1.Credit",
     "dflash.v1.DeadLetter",
     "dflash.v1.RunSummary",
+    "dflash.v1.ModelSyncStatus",
+    "dflash.v1.DrafterSyncStatus",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_files = ["dflash/v1/broker.proto"];
+    let proto_files = ["dflash/v1/broker.proto", "dflash/v1/model_sync.proto"];
     for file in proto_files {
         println!("cargo:rerun-if-changed={file}");
     }

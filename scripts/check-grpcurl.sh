@@ -30,18 +30,22 @@ done
 
 fail() { echo "check-grpcurl: $*" >&2; cat "$log" >&2; exit 1; }
 services="$("$grpcurl" -plaintext "127.0.0.1:$port" list)" || fail "list failed"
-for service in dflash.v1.Broker grpc.health.v1.Health; do
+for service in dflash.v1.Broker dflash.v1.ModelSync grpc.health.v1.Health; do
   grep -qx "$service" <<<"$services" || fail "list lacks $service: $services"
 done
 description="$("$grpcurl" -plaintext "127.0.0.1:$port" describe dflash.v1.Broker)" || fail "describe failed"
 for rpc in Produce ReportDone Consume GetStatus WatchStatus; do
   grep -q "rpc $rpc" <<<"$description" || fail "describe lacks rpc $rpc"
 done
+sync_description="$("$grpcurl" -plaintext "127.0.0.1:$port" describe dflash.v1.ModelSync)" || fail "describe ModelSync failed"
+grep -q "rpc Session" <<<"$sync_description" || fail "describe lacks rpc Session: $sync_description"
 status="$("$grpcurl" -plaintext "127.0.0.1:$port" dflash.v1.Broker/GetStatus)" || fail "GetStatus failed"
 grep -q '"state": "BROKER_STATE_RUNNING"' <<<"$status" || fail "GetStatus: $status"
 grep -q '"expectedTargets": 2' <<<"$status" || fail "GetStatus: $status"
 health="$("$grpcurl" -plaintext -d '{"service":"dflash.v1.Broker"}' "127.0.0.1:$port" grpc.health.v1.Health/Check)" || fail "health failed"
 grep -q SERVING <<<"$health" || fail "health: $health"
+health="$("$grpcurl" -plaintext -d '{"service":"dflash.v1.ModelSync"}' "127.0.0.1:$port" grpc.health.v1.Health/Check)" || fail "ModelSync health failed"
+grep -q SERVING <<<"$health" || fail "ModelSync health: $health"
 done_error="$("$grpcurl" -plaintext -d '{"target_id":"t0","total_items":3}' "127.0.0.1:$port" dflash.v1.Broker/ReportDone 2>&1 || true)"
 grep -q "FailedPrecondition" <<<"$done_error" || fail "ReportDone with a wrong count: $done_error"
 

@@ -95,6 +95,10 @@ pub struct BrokerConfig {
     /// 0.0.0.0:9090. No endpoint when not given.
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// The shared draft model (`ModelSync` service).
+    #[command(flatten)]
+    pub model_sync: crate::model_sync::ModelSyncConfig,
 }
 
 impl BrokerConfig {
@@ -114,6 +118,7 @@ impl BrokerConfig {
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),
             metrics_listen: None,
+            model_sync: crate::model_sync::ModelSyncConfig::default(),
         }
     }
 
@@ -141,7 +146,7 @@ impl BrokerConfig {
                 return Err(ConfigError::NonPositiveDuration { flag, value });
             }
         }
-        Ok(())
+        self.model_sync.validate()
     }
 
     pub(crate) fn queue_config(&self) -> QueueConfig {

@@ -219,5 +219,7 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
         accepted_items_per_second: snapshot.accepted_items_per_second,
         accepted_bytes_per_second: snapshot.accepted_bytes_per_second,
         run_id: String::new(),
+        // Filled in by the service from the model-sync state.
+        model_sync: None,
     }
 }

@@ -15,6 +15,9 @@
 //! - `server`: [`serve`], which adds health and reflection, the optional
 //!   metrics endpoint, and bounds shutdown.
 //! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
+//! - `model_sync`: the `ModelSync` service beside the queue: the run's one
+//!   shared draft model (asynchronous local SGD with a delayed Nesterov
+//!   outer step), its arithmetic on raw buffers, and its checkpoints.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).
 //!
 //! Per-item `enqueue` and `deliver` spans join the trace whose context the
@@ -25,6 +28,7 @@
 pub mod config;
 pub mod convert;
 pub mod metrics;
+pub mod model_sync;
 pub mod queue;
 pub mod server;
 pub mod service;

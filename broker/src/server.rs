@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dflash_proto::v1::broker_server::BrokerServer;
+use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -31,6 +32,8 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("model sync: {0}")]
+    ModelSync(#[from] crate::model_sync::checkpoint::CheckpointError),
     #[error("cannot listen for metrics on {address}: {source}")]
     MetricsListen {
         address: SocketAddr,
@@ -75,12 +78,18 @@ pub async fn serve_with_metrics(
     let internal = CancellationToken::new();
     let shared = Shared::new(config.clone(), internal.clone());
     let service = BrokerService::new(shared.clone());
+    let model_sync =
+        crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
+    shared.set_model_sync(model_sync.clone());
     let message_limit =
         usize::try_from(config.max_item_bytes + MESSAGE_OVERHEAD_BYTES).unwrap_or(usize::MAX);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<BrokerServer<BrokerService>>()
+        .await;
+    health_reporter
+        .set_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
         .await;
     let reflection_v1 = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
@@ -92,6 +101,10 @@ pub async fn serve_with_metrics(
         .build_v1alpha()?;
 
     let ticker = tokio::spawn(shared.clone().run_ticker());
+    let mut center_writer = tokio::spawn(model_sync.clone().run_background({
+        let shared = shared.clone();
+        move || shared.run_state()
+    }));
     let metrics_stop = CancellationToken::new();
     let metrics = metrics_listener.map(|metrics_listener| {
         info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");
@@ -116,6 +129,7 @@ pub async fn serve_with_metrics(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
+        .add_service(model_sync.server())
         .add_service(
             BrokerServer::new(service)
                 .max_decoding_message_size(message_limit)
@@ -141,6 +155,7 @@ pub async fn serve_with_metrics(
             // The server ended on its own (listener failure).
             internal.cancel();
             ticker.abort();
+            center_writer.abort();
             stop_metrics(metrics, &metrics_stop).await;
             return match result {
                 Ok(outcome) => outcome.map_err(ServeError::from),
@@ -155,6 +170,9 @@ pub async fn serve_with_metrics(
     info!(state = ?shared.run_state(), "shutting down");
     health_reporter
         .set_not_serving::<BrokerServer<BrokerService>>()
+        .await;
+    health_reporter
+        .set_not_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
         .await;
     health_reporter
         .set_service_status("", ServingStatus::NotServing)
@@ -173,7 +191,34 @@ pub async fn serve_with_metrics(
         }
     }
     ticker.abort();
+    // The writer stops at the cancelled token; a write it started finishes
+    // (bounded) before the last one below.
+    if tokio::time::timeout(deadline, &mut center_writer)
+        .await
+        .is_err()
+    {
+        warn!("the center writer did not stop in time");
+        center_writer.abort();
+    }
+    // The center as it is now, so a restart resumes from it (the final one
+    // when the run completed and it was not written yet).
+    let final_center = shared.run_state() == crate::queue::RunState::Complete;
+    match tokio::time::timeout(deadline, model_sync.save(final_center)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(error)) => warn!(%error, "writing the center on shutdown failed"),
+        Err(_) => {
+            warn!(timeout = ?deadline, "writing the center on shutdown did not finish in time")
+        }
+    }
     stop_metrics(metrics, &metrics_stop).await;
+    let sessions = model_sync.tasks().clone();
+    sessions.close();
+    if tokio::time::timeout(Duration::from_secs(2), sessions.wait())
+        .await
+        .is_err()
+    {
+        warn!("model sync sessions did not stop in time");
+    }
     let tasks = shared.tasks().clone();
     tasks.close();
     if tokio::time::timeout(Duration::from_secs(2), tasks.wait())

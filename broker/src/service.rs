@@ -147,6 +147,8 @@ pub(crate) struct Shared {
     /// Cancelled on shutdown: readers stop, streams end with UNAVAILABLE.
     shutdown: CancellationToken,
     tasks: TaskTracker,
+    /// The model-sync service, whose status joins every snapshot.
+    model_sync: std::sync::OnceLock<Arc<crate::model_sync::ModelSyncShared>>,
 }
 
 impl Shared {
@@ -162,7 +164,12 @@ impl Shared {
             config,
             shutdown,
             tasks: TaskTracker::new(),
+            model_sync: std::sync::OnceLock::new(),
         })
+    }
+
+    pub(crate) fn set_model_sync(&self, model_sync: Arc<crate::model_sync::ModelSyncShared>) {
+        let _ = self.model_sync.set(model_sync);
     }
 
     pub(crate) fn tasks(&self) -> &TaskTracker {
@@ -192,7 +199,9 @@ impl Shared {
 
     pub(crate) fn snapshot(&self) -> proto::StatusSnapshot {
         let snapshot = self.locked.lock().queue.snapshot(Instant::now());
-        convert::snapshot_to_proto(&snapshot)
+        let mut snapshot = convert::snapshot_to_proto(&snapshot);
+        snapshot.model_sync = self.model_sync.get().map(|model_sync| model_sync.status());
+        snapshot
     }
 
     /// The Prometheus text exposition of the current state. The snapshot is

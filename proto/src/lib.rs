@@ -3,7 +3,9 @@
 //! The `dflash.v1` wire contract, generated from `proto/dflash/v1/*.proto`.
 //!
 //! # Layout
-//! - `v1`: the generated messages, `broker_client` and `broker_server`.
+//! - `v1`: the generated messages, `broker_client` and `broker_server`
+//!   (`dflash/v1/broker.proto`), `model_sync_client` and `model_sync_server`
+//!   (`dflash/v1/model_sync.proto`: the shared draft model).
 //! - `json`: enum names for the JSON form of status snapshots.
 //! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
 //! - `sample`: the DFlash sample schema (tensor names, dtypes, shapes): one

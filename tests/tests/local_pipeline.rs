@@ -55,7 +55,14 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
             );
         }
     }
-    for key in ["acceptance_length", "untrained_acceptance_length"] {
+    // The drafters trained one shared model; the broker wrote it and its τ
+    // was measured (scripts/check-checkpoint.sh loads it in the reference).
+    assert!(workdir.join("center").join("model.safetensors").is_file());
+    for key in [
+        "acceptance_length",
+        "untrained_acceptance_length",
+        "center_acceptance_length",
+    ] {
         assert!(
             summary[key].as_f64().is_some_and(|tau| tau >= 1.0),
             "{key}: {summary}"

@@ -113,6 +113,10 @@ const TINY_DRAFTER_FLAGS: &[&str] = &[
     "--max-step-samples",
     "16",
 ];
+/// Model sync of the tiny default unless --drafter-args sets its own: a demo
+/// run is about 60 steps per drafter, and syncing every 2 steps kept the
+/// shared model within 10 % of one drafter's τ (every 10: far below).
+const TINY_SYNC_FLAGS: [&str; 2] = ["--sync-every", "2"];
 const TINY_TARGET_FLAGS: &[&str] = &["--num-draft-layers", "2"];
 
 #[derive(Debug, Clone, Serialize)]
@@ -148,6 +152,9 @@ pub struct LocalSummary {
     /// baseline that shows what training bought.
     pub untrained_acceptance_length: Option<f64>,
     pub acceptance_length_drafter: Option<String>,
+    /// τ of the run's shared model (the broker's center checkpoint), when
+    /// the drafters synced.
+    pub center_acceptance_length: Option<f64>,
     pub held_out_prompts: usize,
     pub workdir: PathBuf,
     pub ok: bool,
@@ -317,6 +324,9 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             args.targets.to_string(),
             "--target-grace".into(),
             "30s".into(),
+            // The drafters train one shared model; its final center lands here.
+            "--model-output".into(),
+            workdir.join("center").display().to_string(),
         ],
         &logs,
     )?;
@@ -393,7 +403,15 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         if embedded_model {
             flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
         }
-        flags.extend(split_flags(&args.drafter_args));
+        let extra_flags = split_flags(&args.drafter_args);
+        if embedded_model
+            && !extra_flags
+                .iter()
+                .any(|flag| flag.starts_with("--sync-every"))
+        {
+            flags.extend(TINY_SYNC_FLAGS.iter().map(|flag| flag.to_string()));
+        }
+        flags.extend(extra_flags);
         let mut managed = spawn(&name, "drafter", &device, &drafter_binary, &flags, &logs)?;
         managed.output = Some(output);
         children.push(managed);
@@ -513,6 +531,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     let mut acceptance_length = None;
     let mut untrained_acceptance_length = None;
     let mut acceptance_length_drafter = None;
+    let mut center_acceptance_length = None;
     let mut held_out_prompts = 0;
     if let (Some(model_dir), Some(held_out)) = (&model_dir, &held_out) {
         let checkpoint = processes
@@ -551,6 +570,10 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             acceptance_length_drafter = Some(checkpoint.display().to_string());
         }
     }
+    // τ of the one model the drafters trained together (model sync).
+    if let (Some(model_dir), Some(held_out), false) = (&model_dir, &held_out, interrupted) {
+        center_acceptance_length = center_tau(model_dir, held_out, &workdir.join("center")).await?;
+    }
 
     let trained = snapshot.acked_items;
     let ok = !interrupted
@@ -579,6 +602,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         acceptance_length,
         untrained_acceptance_length,
         acceptance_length_drafter,
+        center_acceptance_length,
         held_out_prompts,
         workdir: workdir.clone(),
         ok,
@@ -589,6 +613,27 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     )?;
     print_summary(&summary, interrupted, timed_out);
     Ok(summary)
+}
+
+/// τ of the broker's center checkpoint on the held-out prompts; `None` when
+/// the drafters did not sync (no center written).
+async fn center_tau(
+    model_dir: &Path,
+    held_out: &Path,
+    center: &Path,
+) -> anyhow::Result<Option<f64>> {
+    if !center.join("model.safetensors").is_file() {
+        return Ok(None);
+    }
+    let prompts = demo::read_prompts(held_out, model_dir)?;
+    let (model_dir, center) = (model_dir.to_path_buf(), center.to_path_buf());
+    let report = tokio::task::spawn_blocking(move || {
+        dflash_drafter_server::eval::evaluate(&model_dir, &center, &prompts, 40, tch::Device::Cpu)
+    })
+    .await
+    .context("evaluation thread")?
+    .context("evaluating the shared model (center)")?;
+    Ok(Some(report.mean_acceptance_length))
 }
 
 /// Writes a freshly initialised drafter with the trained checkpoint's
@@ -717,6 +762,11 @@ fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
                 .map_or("-".to_string(), |baseline| format!("{baseline:.2}")),
         ),
         _ => println!("  τ: not measured (no checkpoint or no held-out prompts)"),
+    }
+    if let Some(tau) = summary.center_acceptance_length {
+        println!(
+            "  τ of the shared model (the broker's center, one model for all drafters): {tau:.2}"
+        );
     }
     println!("  logs: {}", summary.workdir.join("logs").display());
     println!("  result: {}", if summary.ok { "OK" } else { "FAILED" });

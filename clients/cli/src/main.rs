@@ -11,6 +11,7 @@ use dflash_cli::top;
 #[cfg(feature = "model")]
 use dflash_cli::{demo, local};
 use dflash_client::{BrokerClient, ClientOptions};
+#[cfg(feature = "model")]
 use tokio_util::sync::CancellationToken;
 
 /// dflash: train DFlash speculative-decoding drafters from a target model's

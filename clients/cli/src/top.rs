@@ -268,6 +268,7 @@ pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOpt
         }
         let _ = writeln!(out, "{line}");
     }
+    out.push_str(&model_sync_lines(snapshot));
     for dead in snapshot.dead_letter_items.iter().take(5) {
         let _ = writeln!(
             out,
@@ -278,9 +279,95 @@ pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOpt
     out
 }
 
+/// The shared draft model: the center's version and each drafter's last
+/// sync and staleness (nothing when no drafter has synced).
+pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
+    let mut out = String::new();
+    let Some(sync) = snapshot.model_sync.as_ref().filter(|sync| sync.has_center) else {
+        return out;
+    };
+    let saved = if sync.saved_path.is_empty() {
+        "not written".to_string()
+    } else {
+        format!(
+            "written v{}{} to {}",
+            sync.saved_version,
+            if sync.final_saved { " (final)" } else { "" },
+            sync.saved_path
+        )
+    };
+    let _ = writeln!(
+        out,
+        "model  center v{}  {} parameters ({} held)  {} samples  {} deltas applied, {} discarded  {saved}",
+        sync.center_version,
+        human_count(sync.parameters as f64),
+        human_bytes(sync.center_bytes as f64),
+        sync.center_samples,
+        sync.updates_applied,
+        sync.updates_discarded,
+    );
+    for drafter in &sync.drafters {
+        let state = if drafter.finished {
+            "finished"
+        } else if drafter.connected {
+            "syncing"
+        } else {
+            "gone"
+        };
+        let _ = writeln!(
+            out,
+            "  sync {:<14} {:<8} base v{:<6} staleness {:<4} last sync {:>7} ago  deltas {} (last {} stale)",
+            drafter.drafter_id,
+            state,
+            drafter.base_version,
+            drafter.staleness,
+            human_duration(Duration::from_millis(drafter.last_sync_ms_ago)),
+            drafter.updates_applied,
+            drafter.last_update_staleness,
+        );
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_center_and_each_drafters_staleness_are_shown() {
+        let mut snapshot = snapshot();
+        assert!(!render(&snapshot, "b", RenderOptions { color: false }).contains("center v"));
+        snapshot.model_sync = Some(proto::ModelSyncStatus {
+            has_center: true,
+            center_version: 42,
+            parameters: 1_500_000,
+            center_samples: 640,
+            updates_applied: 41,
+            drafters: vec![proto::DrafterSyncStatus {
+                drafter_id: "drafter-1".into(),
+                connected: true,
+                base_version: 39,
+                staleness: 3,
+                last_sync_ms_ago: 2_000,
+                updates_applied: 20,
+                last_update_staleness: 1,
+                ..Default::default()
+            }],
+            ..Default::default()
+        });
+        let text = render(&snapshot, "b", RenderOptions { color: false });
+        assert!(text.contains("model  center v42"), "{text}");
+        assert!(text.contains("640 samples"), "{text}");
+        let line = text
+            .lines()
+            .find(|line| line.contains("sync drafter-1"))
+            .unwrap();
+        assert!(
+            line.contains("base v39") && line.contains("staleness 3"),
+            "{line}"
+        );
+        assert!(line.contains("syncing"), "{line}");
+    }
 
     fn snapshot() -> proto::StatusSnapshot {
         proto::StatusSnapshot {

@@ -247,6 +247,10 @@ pub struct DrafterServerConfig {
     /// address, e.g. `0.0.0.0:9092`; off when unset.
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// The exchange with the broker's shared draft model.
+    #[command(flatten)]
+    pub model_sync: crate::model_sync::SyncConfig,
 }
 
 /// A configuration that cannot work, naming the flag.
@@ -401,6 +405,7 @@ impl DrafterServerConfig {
             reconnect_timeout: Duration::from_secs(60),
             legacy: LegacyMillisecondFlags::default(),
             metrics_listen: None,
+            model_sync: crate::model_sync::SyncConfig::default(),
         }
     }
 }

@@ -59,6 +59,11 @@ pub trait TrainingEngine {
     fn save_checkpoint(&self, dir: &Path) -> Result<(), EngineError>;
     /// The device, as reported in stats.
     fn device_name(&self) -> String;
+    /// The draft model whose weights the model sync exchanges (`None`:
+    /// nothing to sync, as in synthetic mode).
+    fn draft_model(&self) -> Option<&DraftModel> {
+        None
+    }
 }
 
 /// Builds the engine `config` asks for, resuming from `resume_from` when given.
@@ -194,6 +199,10 @@ impl TrainingEngine for DFlashEngine {
 
     fn device_name(&self) -> String {
         dflash_model::device::device_label(self.trainer.model().device())
+    }
+
+    fn draft_model(&self) -> Option<&DraftModel> {
+        Some(self.trainer.model())
     }
 }
 

@@ -15,6 +15,9 @@
 //! - [`samples`]: wire sample → training sequence, with the checks that
 //!   decide dead-lettering.
 //! - [`schedule`]: the schedule-length estimate from the broker's run summary.
+//! - [`model_sync`]: the exchange with the broker's shared draft model
+//!   (asynchronous local SGD: join from the center, a delta every
+//!   `--sync-every` steps, a final delta), run from the training thread.
 //! - [`checkpoints`]: the checkpoint folder (step directories, `latest`, pruning).
 //! - [`eval`]: [`eval::evaluate`], speculative decoding to measure τ.
 //! - [`metrics`]: the Prometheus instruments served at `--metrics-listen`.
@@ -27,6 +30,7 @@ pub mod config;
 pub mod engine;
 pub mod eval;
 pub mod metrics;
+pub mod model_sync;
 pub mod samples;
 pub mod schedule;
 pub mod server;

@@ -243,6 +243,12 @@ async fn run_session(
         output: config.output.clone(),
     };
     let engine_config = config.clone();
+    let model_sync = crate::model_sync::ModelSyncLink::new(
+        tokio::runtime::Handle::current(),
+        &config.broker,
+        &config.drafter_id,
+        &config.model_sync,
+    );
     let initial_total_steps = config.total_steps.unwrap_or(config.fallback_total_steps);
     let trainer_thread = std::thread::Builder::new()
         .name(format!("trainer-{}", config.drafter_id))
@@ -250,7 +256,13 @@ async fn run_session(
             match build_engine(&engine_config, resume_from.as_deref(), initial_total_steps) {
                 Ok(engine) => {
                     let _ = ready_sender.send(Ok((engine.device_name(), engine.steps_done())));
-                    run_training_loop(engine, loop_settings, command_receiver, event_sender);
+                    run_training_loop(
+                        engine,
+                        loop_settings,
+                        command_receiver,
+                        event_sender,
+                        model_sync,
+                    );
                 }
                 Err(error) => {
                     let _ = ready_sender.send(Err(error));

@@ -27,6 +27,7 @@ use tracing::{info, warn, Span};
 
 use crate::checkpoints::{prune_step_checkpoints, record_latest, step_dir_name};
 use crate::engine::{PreparedSample, TrainingEngine};
+use crate::model_sync::ModelSyncLink;
 
 /// What the async side asks of the training thread.
 pub enum TrainerCommand {
@@ -125,6 +126,9 @@ struct TrainingLoop {
     /// Step of the newest checkpoint written, so the final one is not
     /// written twice.
     last_checkpoint_step: Option<u64>,
+    /// The exchange with the broker's shared model (`None`: independent).
+    sync: Option<ModelSyncLink>,
+    started: Instant,
 }
 
 /// Runs the loop until `Finish` or until the command channel closes.
@@ -133,6 +137,7 @@ pub fn run_training_loop(
     settings: LoopSettings,
     mut commands: mpsc::UnboundedReceiver<TrainerCommand>,
     events: mpsc::Sender<TrainerEvent>,
+    sync: Option<ModelSyncLink>,
 ) {
     let mut state = TrainingLoop {
         engine,
@@ -146,7 +151,12 @@ pub fn run_training_loop(
         step_compute: Duration::ZERO,
         busy: Duration::ZERO,
         last_checkpoint_step: None,
+        sync,
+        started: Instant::now(),
     };
+    if let (Some(sync), Some(model)) = (&mut state.sync, state.engine.draft_model()) {
+        sync.join(model);
+    }
     while let Some(command) = commands.blocking_recv() {
         match command {
             TrainerCommand::Delivery {
@@ -326,6 +336,7 @@ impl TrainingLoop {
         match result {
             Ok(report) => {
                 let step = report.step;
+                let (samples, tokens) = (report.samples, report.tokens);
                 let busy = std::mem::take(&mut self.busy);
                 self.emit(TrainerEvent::Stepped {
                     generation: self.generation,
@@ -334,6 +345,11 @@ impl TrainingLoop {
                     busy,
                     step_compute,
                 });
+                // After the step's acks are on their way: an exchange with
+                // the center every --sync-every steps.
+                if let (Some(sync), Some(model)) = (&mut self.sync, self.engine.draft_model()) {
+                    sync.after_step(model, samples, tokens);
+                }
                 if self.settings.save_every > 0 && step % self.settings.save_every == 0 {
                     if let Err(error) = self.save_checkpoint() {
                         warn!(%error, step, "periodic checkpoint failed; training continues");
@@ -404,6 +420,18 @@ impl TrainingLoop {
         self.accumulated_micro_batches = 0;
         self.end_step_span();
         self.engine.discard();
+        if let (Some(sync), Some(model)) = (&mut self.sync, self.engine.draft_model()) {
+            sync.finish(model);
+            let wall = self.started.elapsed().as_secs_f64().max(1e-9);
+            info!(
+                exchanges = sync.totals.exchanges,
+                failures = sync.totals.failures,
+                center_version = sync.totals.center_version,
+                seconds_in_sync = sync.totals.time_in_sync.as_secs_f64(),
+                sync_fraction = sync.totals.time_in_sync.as_secs_f64() / wall,
+                "model sync totals"
+            );
+        }
         let (final_checkpoint, checkpoint_error) = match self.save_checkpoint() {
             Ok(path) => (Some(path), None),
             Err(error) => (None, Some(error)),

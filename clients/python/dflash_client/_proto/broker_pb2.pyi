@@ -429,7 +429,7 @@ class DeadLetter(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., seq: _Optional[int] = ..., deliveries: _Optional[int] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatusSnapshot(_message.Message):
-    __slots__ = ("state", "expected_targets", "done_targets", "queued_items", "queued_bytes", "leased_items", "dead_letters", "targets", "drafters", "accepted_items", "accepted_bytes", "delivered_items", "acked_items", "redelivered_items", "rejected_items", "items_per_second", "bytes_per_second", "leased_bytes", "max_queue_bytes", "abort_reason", "dead_letter_items", "uptime_ms", "summary", "accepted_items_per_second", "accepted_bytes_per_second", "run_id")
+    __slots__ = ("state", "expected_targets", "done_targets", "queued_items", "queued_bytes", "leased_items", "dead_letters", "targets", "drafters", "accepted_items", "accepted_bytes", "delivered_items", "acked_items", "redelivered_items", "rejected_items", "items_per_second", "bytes_per_second", "leased_bytes", "max_queue_bytes", "abort_reason", "dead_letter_items", "uptime_ms", "summary", "accepted_items_per_second", "accepted_bytes_per_second", "run_id", "model_sync")
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     DONE_TARGETS_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,7 @@ class StatusSnapshot(_message.Message):
     ACCEPTED_ITEMS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SYNC_FIELD_NUMBER: _ClassVar[int]
     state: BrokerState
     expected_targets: int
     done_targets: int
@@ -482,4 +483,57 @@ class StatusSnapshot(_message.Message):
     accepted_items_per_second: float
     accepted_bytes_per_second: float
     run_id: str
-    def __init__(self, state: _Optional[_Union[BrokerState, str]] = ..., expected_targets: _Optional[int] = ..., done_targets: _Optional[int] = ..., queued_items: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., leased_items: _Optional[int] = ..., dead_letters: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., accepted_items: _Optional[int] = ..., accepted_bytes: _Optional[int] = ..., delivered_items: _Optional[int] = ..., acked_items: _Optional[int] = ..., redelivered_items: _Optional[int] = ..., rejected_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., leased_bytes: _Optional[int] = ..., max_queue_bytes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., dead_letter_items: _Optional[_Iterable[_Union[DeadLetter, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ..., accepted_items_per_second: _Optional[float] = ..., accepted_bytes_per_second: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
+    model_sync: ModelSyncStatus
+    def __init__(self, state: _Optional[_Union[BrokerState, str]] = ..., expected_targets: _Optional[int] = ..., done_targets: _Optional[int] = ..., queued_items: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., leased_items: _Optional[int] = ..., dead_letters: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., accepted_items: _Optional[int] = ..., accepted_bytes: _Optional[int] = ..., delivered_items: _Optional[int] = ..., acked_items: _Optional[int] = ..., redelivered_items: _Optional[int] = ..., rejected_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., leased_bytes: _Optional[int] = ..., max_queue_bytes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., dead_letter_items: _Optional[_Iterable[_Union[DeadLetter, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ..., accepted_items_per_second: _Optional[float] = ..., accepted_bytes_per_second: _Optional[float] = ..., run_id: _Optional[str] = ..., model_sync: _Optional[_Union[ModelSyncStatus, _Mapping]] = ...) -> None: ...
+
+class DrafterSyncStatus(_message.Message):
+    __slots__ = ("drafter_id", "connected", "last_sync_ms_ago", "base_version", "staleness", "last_update_staleness", "updates_applied", "updates_discarded", "finished", "samples")
+    DRAFTER_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_SYNC_MS_AGO_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    drafter_id: str
+    connected: bool
+    last_sync_ms_ago: int
+    base_version: int
+    staleness: int
+    last_update_staleness: int
+    updates_applied: int
+    updates_discarded: int
+    finished: bool
+    samples: int
+    def __init__(self, drafter_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_sync_ms_ago: _Optional[int] = ..., base_version: _Optional[int] = ..., staleness: _Optional[int] = ..., last_update_staleness: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., finished: _Optional[bool] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class ModelSyncStatus(_message.Message):
+    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters")
+    HAS_CENTER_FIELD_NUMBER: _ClassVar[int]
+    CENTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    CENTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    CENTER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAVED_PATH_FIELD_NUMBER: _ClassVar[int]
+    FINAL_SAVED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    has_center: bool
+    center_version: int
+    method: str
+    center_bytes: int
+    parameters: int
+    updates_applied: int
+    updates_discarded: int
+    center_samples: int
+    saved_version: int
+    saved_path: str
+    final_saved: bool
+    drafters: _containers.RepeatedCompositeFieldContainer[DrafterSyncStatus]
+    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,780 @@
+//! The center and the drafters' sync records, as a synchronous state machine:
+//! no gRPC, no tokio, no clock of its own (time comes in as an argument).
+//!
+//! An exchange is staged chunk by chunk in an [`Upload`] that belongs to the
+//! session, not to the center; only [`ModelSyncState::commit`] touches the
+//! center, all at once and after every check passed. A drafter that dies
+//! mid-upload therefore leaves the center exactly as it was, and a slow one
+//! never holds anything another drafter needs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dflash_proto::v1 as proto;
+
+use super::arith::{self, WireDtype};
+
+/// The outer optimizer: asynchronous local SGD with a delayed Nesterov step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterSettings {
+    /// Outer learning rate η: each delta moves the center by η·delta.
+    pub learning_rate: f32,
+    /// Nesterov momentum μ of the outer step (0: plain asynchronous local SGD).
+    pub momentum: f32,
+    /// Deltas averaged per momentum step (N in Liu et al. 2024); 0 means the
+    /// number of drafters with an open session at the time.
+    pub momentum_delay: u32,
+    /// A delta whose base is more than this many center updates old is
+    /// discarded and the drafter restarts from the center (0: no bound).
+    pub max_staleness: u64,
+}
+
+impl Default for OuterSettings {
+    fn default() -> Self {
+        OuterSettings {
+            learning_rate: 1.0,
+            momentum: 0.7,
+            momentum_delay: 0,
+            max_staleness: 0,
+        }
+    }
+}
+
+impl OuterSettings {
+    /// The method with its parameters, as shown in status and logs.
+    pub fn describe(&self) -> String {
+        let delay = match self.momentum_delay {
+            0 => "N = open sessions".to_string(),
+            delay => format!("N = {delay}"),
+        };
+        let staleness = match self.max_staleness {
+            0 => "unbounded".to_string(),
+            bound => bound.to_string(),
+        };
+        format!(
+            "async local SGD (DiLoCo outer step, Liu et al. 2024 delayed Nesterov): outer lr {}, momentum {}, {delay}, max staleness {staleness}",
+            self.learning_rate, self.momentum
+        )
+    }
+}
+
+/// Why an exchange or a chunk was refused. Messages name the bad value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SyncError {
+    #[error("no center yet: the first JOIN must carry the drafter's weights")]
+    NoCenter,
+    #[error("tensor {name:?}: {detail}")]
+    BadTensor { name: String, detail: String },
+    #[error("the center has no tensor {0:?}")]
+    UnknownTensor(String),
+    #[error("tensor {name:?} has shape {got:?}, the center has {center:?}")]
+    ShapeMismatch {
+        name: String,
+        got: Vec<u64>,
+        center: Vec<u64>,
+    },
+    #[error("the exchange sent {sent} tensors, the commit says {declared}")]
+    CountMismatch { sent: usize, declared: u32 },
+    #[error("the exchange lacks tensor {0:?}")]
+    MissingTensor(String),
+    #[error("tensor {0:?} was sent twice in one exchange")]
+    DuplicateTensor(String),
+    #[error("base version {base} is newer than the center's version {center}")]
+    FutureBase { base: u64, center: u64 },
+    #[error("unsupported dtype {0} (expected DTYPE_BF16 or DTYPE_F32)")]
+    Dtype(i32),
+    #[error("sync kind {0} is not JOIN, UPDATE or FINAL")]
+    Kind(i32),
+    #[error("model config is not valid JSON: {0}")]
+    Config(String),
+}
+
+/// One tensor of the center, in f32, with its outer optimizer state.
+#[derive(Debug, Clone)]
+pub struct CenterTensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub values: Vec<f32>,
+    /// Nesterov velocity (empty when the momentum is 0).
+    pub velocity: Vec<f32>,
+    /// Sum of the deltas since the last momentum step (empty likewise).
+    pub delta_sum: Vec<f32>,
+}
+
+/// The run's shared weights.
+#[derive(Debug, Clone)]
+pub struct Center {
+    /// Sorted by name (the checkpoint order).
+    pub tensors: Vec<CenterTensor>,
+    pub by_name: HashMap<String, usize>,
+    /// The draft model's `config.json`, as the first drafter sent it.
+    pub config_json: String,
+    /// Bumped by every applied delta.
+    pub version: u64,
+    /// Deltas in `delta_sum` not yet folded into the velocity.
+    pub pending_deltas: u32,
+    pub samples: u64,
+    pub updates_applied: u64,
+    pub updates_discarded: u64,
+}
+
+impl Center {
+    pub fn new(
+        config_json: String,
+        mut tensors: Vec<CenterTensor>,
+        version: u64,
+    ) -> Result<Self, SyncError> {
+        serde_json::from_str::<serde_json::Value>(&config_json)
+            .map_err(|error| SyncError::Config(error.to_string()))?;
+        tensors.sort_by(|left, right| left.name.cmp(&right.name));
+        let mut by_name = HashMap::new();
+        for (index, tensor) in tensors.iter().enumerate() {
+            if by_name.insert(tensor.name.clone(), index).is_some() {
+                return Err(SyncError::DuplicateTensor(tensor.name.clone()));
+            }
+        }
+        Ok(Center {
+            tensors,
+            by_name,
+            config_json,
+            version,
+            pending_deltas: 0,
+            samples: 0,
+            updates_applied: 0,
+            updates_discarded: 0,
+        })
+    }
+
+    pub fn parameters(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|tensor| tensor.values.len() as u64)
+            .sum()
+    }
+
+    /// Bytes held: weights plus the outer optimizer's buffers.
+    pub fn memory_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|tensor| {
+                4 * (tensor.values.len() + tensor.velocity.len() + tensor.delta_sum.len()) as u64
+            })
+            .sum()
+    }
+}
+
+/// One center tensor encoded for the wire: name, shape, bytes.
+pub type EncodedTensor = (String, Vec<u64>, Bytes);
+
+/// What kind of exchange a drafter began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExchangeKind {
+    Join,
+    Update,
+    Final,
+}
+
+impl ExchangeKind {
+    pub fn from_proto(value: i32) -> Result<Self, SyncError> {
+        match proto::SyncKind::try_from(value) {
+            Ok(proto::SyncKind::Join) => Ok(ExchangeKind::Join),
+            Ok(proto::SyncKind::Update) => Ok(ExchangeKind::Update),
+            Ok(proto::SyncKind::Final) => Ok(ExchangeKind::Final),
+            _ => Err(SyncError::Kind(value)),
+        }
+    }
+}
+
+pub fn dtype_from_proto(value: i32) -> Result<WireDtype, SyncError> {
+    match proto::Dtype::try_from(value) {
+        Ok(proto::Dtype::F32) => Ok(WireDtype::F32),
+        Ok(proto::Dtype::Bf16) => Ok(WireDtype::Bf16),
+        _ => Err(SyncError::Dtype(value)),
+    }
+}
+
+pub fn dtype_to_proto(dtype: WireDtype) -> proto::Dtype {
+    match dtype {
+        WireDtype::F32 => proto::Dtype::F32,
+        WireDtype::Bf16 => proto::Dtype::Bf16,
+    }
+}
+
+/// One tensor of an exchange being received: its chunks, unchanged.
+#[derive(Debug)]
+pub struct UploadedTensor {
+    pub name: String,
+    pub dtype: WireDtype,
+    pub shape: Vec<u64>,
+    /// Chunks in offset order; together exactly the tensor's bytes at commit.
+    pub chunks: Vec<Bytes>,
+    pub received_bytes: u64,
+}
+
+impl UploadedTensor {
+    fn expected_bytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.element_bytes() as u64
+    }
+}
+
+/// An exchange being received on one session.
+#[derive(Debug)]
+pub struct Upload {
+    pub kind: ExchangeKind,
+    pub base_version: u64,
+    pub steps: u64,
+    pub samples: u64,
+    pub reply_dtype: WireDtype,
+    pub tensors: Vec<UploadedTensor>,
+}
+
+impl Upload {
+    pub fn new(begin: &proto::SyncBegin) -> Result<Self, SyncError> {
+        let reply_dtype = match begin.reply_dtype {
+            0 => WireDtype::F32,
+            other => dtype_from_proto(other)?,
+        };
+        Ok(Upload {
+            kind: ExchangeKind::from_proto(begin.kind)?,
+            base_version: begin.base_version,
+            steps: begin.steps,
+            samples: begin.samples,
+            reply_dtype,
+            tensors: Vec::new(),
+        })
+    }
+
+    /// Adds one chunk after checking it continues its tensor exactly.
+    pub fn add_chunk(&mut self, chunk: proto::TensorChunk) -> Result<(), SyncError> {
+        let bad = |detail: String| SyncError::BadTensor {
+            name: chunk.name.clone(),
+            detail,
+        };
+        let dtype = dtype_from_proto(chunk.dtype)?;
+        let continues_last = self
+            .tensors
+            .last()
+            .is_some_and(|last| last.name == chunk.name);
+        if !continues_last {
+            if chunk.offset != 0 {
+                return Err(bad(format!(
+                    "first chunk at offset {}, expected 0",
+                    chunk.offset
+                )));
+            }
+            if self.tensors.iter().any(|tensor| tensor.name == chunk.name) {
+                return Err(SyncError::DuplicateTensor(chunk.name));
+            }
+            if let Some(last) = self.tensors.last() {
+                if last.received_bytes != last.expected_bytes() {
+                    return Err(SyncError::BadTensor {
+                        name: last.name.clone(),
+                        detail: format!(
+                            "{} of {} bytes before the next tensor began",
+                            last.received_bytes,
+                            last.expected_bytes()
+                        ),
+                    });
+                }
+            }
+            let elements = chunk
+                .shape
+                .iter()
+                .try_fold(1u64, |product, &dim| product.checked_mul(dim));
+            if elements.is_none() || chunk.shape.is_empty() {
+                return Err(bad(format!("invalid shape {:?}", chunk.shape)));
+            }
+            self.tensors.push(UploadedTensor {
+                name: chunk.name.clone(),
+                dtype,
+                shape: chunk.shape.clone(),
+                chunks: Vec::new(),
+                received_bytes: 0,
+            });
+        }
+        let Some(tensor) = self.tensors.last_mut() else {
+            return Err(bad("no tensor".to_string()));
+        };
+        if tensor.dtype != dtype || tensor.shape != chunk.shape {
+            return Err(bad(format!(
+                "chunk says {} {:?}, the tensor's first chunk said {} {:?}",
+                dtype.name(),
+                chunk.shape,
+                tensor.dtype.name(),
+                tensor.shape
+            )));
+        }
+        if chunk.offset != tensor.received_bytes {
+            return Err(bad(format!(
+                "chunk at offset {}, expected {}",
+                chunk.offset, tensor.received_bytes
+            )));
+        }
+        let element_bytes = dtype.element_bytes() as u64;
+        let length = chunk.data.len() as u64;
+        if !length.is_multiple_of(element_bytes) {
+            return Err(bad(format!(
+                "chunk of {length} bytes is not a whole number of {} elements",
+                dtype.name()
+            )));
+        }
+        if tensor.received_bytes + length > tensor.expected_bytes() {
+            return Err(bad(format!(
+                "{} bytes received, more than the {} of {} {:?}",
+                tensor.received_bytes + length,
+                tensor.expected_bytes(),
+                dtype.name(),
+                tensor.shape
+            )));
+        }
+        tensor.received_bytes += length;
+        tensor.chunks.push(chunk.data);
+        Ok(())
+    }
+
+    /// Every tensor is complete and their number is the declared one.
+    fn check_complete(&self, declared: u32) -> Result<(), SyncError> {
+        if self.tensors.len() != declared as usize {
+            return Err(SyncError::CountMismatch {
+                sent: self.tensors.len(),
+                declared,
+            });
+        }
+        for tensor in &self.tensors {
+            if tensor.received_bytes != tensor.expected_bytes() {
+                return Err(SyncError::BadTensor {
+                    name: tensor.name.clone(),
+                    detail: format!(
+                        "{} of {} bytes received",
+                        tensor.received_bytes,
+                        tensor.expected_bytes()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a committed exchange did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitOutcome {
+    pub center_version: u64,
+    pub staleness: u64,
+    pub applied: bool,
+    /// Why a delta was not applied ("" when it was or for a JOIN).
+    pub reason: String,
+    pub initialised: bool,
+    /// The drafter gets the center back (JOIN and UPDATE).
+    pub send_center: bool,
+    pub center_samples: u64,
+}
+
+/// One drafter as the center knows it (by drafter id, across sessions).
+#[derive(Debug, Clone, Default)]
+pub struct DrafterRecord {
+    pub open_sessions: u32,
+    pub last_sync: Option<Instant>,
+    pub base_version: u64,
+    pub last_update_staleness: u64,
+    pub updates_applied: u64,
+    pub updates_discarded: u64,
+    /// Its FINAL exchange arrived (cleared by a later JOIN).
+    pub finished: bool,
+    pub samples: u64,
+}
+
+/// The center (once initialised), the outer optimizer and the drafters.
+#[derive(Debug)]
+pub struct ModelSyncState {
+    settings: OuterSettings,
+    center: Option<Center>,
+    drafters: BTreeMap<String, DrafterRecord>,
+    /// The newest version written to disk, where, and whether as final.
+    pub saved_version: Option<u64>,
+    pub saved_path: String,
+    pub final_saved: bool,
+}
+
+impl ModelSyncState {
+    pub fn new(settings: OuterSettings, center: Option<Center>) -> Self {
+        ModelSyncState {
+            settings,
+            center,
+            drafters: BTreeMap::new(),
+            saved_version: None,
+            saved_path: String::new(),
+            final_saved: false,
+        }
+    }
+
+    pub fn settings(&self) -> OuterSettings {
+        self.settings
+    }
+
+    pub fn center(&self) -> Option<&Center> {
+        self.center.as_ref()
+    }
+
+    pub fn version(&self) -> Option<u64> {
+        self.center.as_ref().map(|center| center.version)
+    }
+
+    pub fn drafter(&self, drafter_id: &str) -> Option<&DrafterRecord> {
+        self.drafters.get(drafter_id)
+    }
+
+    pub fn open_session(&mut self, drafter_id: &str) {
+        self.drafters
+            .entry(drafter_id.to_string())
+            .or_default()
+            .open_sessions += 1;
+    }
+
+    pub fn close_session(&mut self, drafter_id: &str) {
+        if let Some(record) = self.drafters.get_mut(drafter_id) {
+            record.open_sessions = record.open_sessions.saturating_sub(1);
+        }
+    }
+
+    /// Drafters with an open session that have not sent their FINAL
+    /// exchange: the final center waits for them (bounded).
+    pub fn awaiting_final(&self) -> Vec<String> {
+        self.drafters
+            .iter()
+            .filter(|(_, record)| record.open_sessions > 0 && !record.finished)
+            .map(|(drafter_id, _)| drafter_id.clone())
+            .collect()
+    }
+
+    /// Applies a complete exchange. Nothing changes when it is refused.
+    pub fn commit(
+        &mut self,
+        drafter_id: &str,
+        upload: Upload,
+        declared_tensors: u32,
+        model_config_json: &str,
+        now: Instant,
+    ) -> Result<CommitOutcome, SyncError> {
+        upload.check_complete(declared_tensors)?;
+        let kind = upload.kind;
+        let carried_delta = !upload.tensors.is_empty();
+        let samples = upload.samples;
+        let outcome = match upload.kind {
+            ExchangeKind::Join => self.join(upload, model_config_json)?,
+            // A drafter that stops without a step since its last sync has
+            // no delta: it only says it is finished.
+            ExchangeKind::Final if upload.tensors.is_empty() => {
+                let center = self.center.as_ref().ok_or(SyncError::NoCenter)?;
+                CommitOutcome {
+                    center_version: center.version,
+                    staleness: center.version.saturating_sub(upload.base_version),
+                    applied: false,
+                    reason: "no delta".to_string(),
+                    initialised: false,
+                    send_center: false,
+                    center_samples: center.samples,
+                }
+            }
+            ExchangeKind::Update | ExchangeKind::Final => self.update(drafter_id, &upload)?,
+        };
+        let record = self.drafters.entry(drafter_id.to_string()).or_default();
+        record.last_sync = Some(now);
+        match kind {
+            ExchangeKind::Join => {
+                record.finished = false;
+                record.base_version = outcome.center_version;
+            }
+            ExchangeKind::Update => {
+                record.base_version = outcome.center_version;
+            }
+            ExchangeKind::Final => record.finished = true,
+        }
+        if kind != ExchangeKind::Join && carried_delta {
+            record.last_update_staleness = outcome.staleness;
+            if outcome.applied {
+                record.updates_applied += 1;
+                record.samples += samples;
+            } else {
+                record.updates_discarded += 1;
+            }
+        }
+        Ok(outcome)
+    }
+
+    fn join(
+        &mut self,
+        upload: Upload,
+        model_config_json: &str,
+    ) -> Result<CommitOutcome, SyncError> {
+        if let Some(center) = &self.center {
+            // The drafter's own weights are not needed: it starts from the
+            // center. They must still be the same model when sent.
+            for tensor in &upload.tensors {
+                check_against_center(center, &tensor.name, &tensor.shape)?;
+            }
+            return Ok(CommitOutcome {
+                center_version: center.version,
+                staleness: 0,
+                applied: false,
+                reason: String::new(),
+                initialised: false,
+                send_center: true,
+                center_samples: center.samples,
+            });
+        }
+        if upload.tensors.is_empty() {
+            return Err(SyncError::NoCenter);
+        }
+        let momentum = self.settings.momentum > 0.0;
+        let mut tensors = Vec::with_capacity(upload.tensors.len());
+        for uploaded in upload.tensors {
+            let elements = uploaded.shape.iter().product::<u64>() as usize;
+            let mut values = vec![0.0f32; elements];
+            decode_chunks(&mut values, &uploaded)?;
+            tensors.push(CenterTensor {
+                velocity: if momentum {
+                    vec![0.0; elements]
+                } else {
+                    Vec::new()
+                },
+                delta_sum: if momentum {
+                    vec![0.0; elements]
+                } else {
+                    Vec::new()
+                },
+                name: uploaded.name,
+                shape: uploaded.shape,
+                values,
+            });
+        }
+        let center = Center::new(model_config_json.to_string(), tensors, 0)?;
+        let outcome = CommitOutcome {
+            center_version: 0,
+            staleness: 0,
+            applied: false,
+            reason: String::new(),
+            initialised: true,
+            send_center: false,
+            center_samples: 0,
+        };
+        self.center = Some(center);
+        Ok(outcome)
+    }
+
+    fn update(&mut self, drafter_id: &str, upload: &Upload) -> Result<CommitOutcome, SyncError> {
+        let open_sessions = self
+            .drafters
+            .values()
+            .filter(|record| record.open_sessions > 0)
+            .count() as u32;
+        let settings = self.settings;
+        let center = self.center.as_mut().ok_or(SyncError::NoCenter)?;
+        if upload.base_version > center.version {
+            return Err(SyncError::FutureBase {
+                base: upload.base_version,
+                center: center.version,
+            });
+        }
+        // Every tensor of the center exactly once, with its shape.
+        if upload.tensors.len() != center.tensors.len() {
+            let sent: std::collections::HashSet<&str> = upload
+                .tensors
+                .iter()
+                .map(|tensor| tensor.name.as_str())
+                .collect();
+            for tensor in &center.tensors {
+                if !sent.contains(tensor.name.as_str()) {
+                    return Err(SyncError::MissingTensor(tensor.name.clone()));
+                }
+            }
+        }
+        for tensor in &upload.tensors {
+            check_against_center(center, &tensor.name, &tensor.shape)?;
+        }
+        let send_center = upload.kind == ExchangeKind::Update;
+        let staleness = center.version - upload.base_version;
+        if settings.max_staleness > 0 && staleness > settings.max_staleness {
+            center.updates_discarded += 1;
+            tracing::info!(
+                drafter_id,
+                staleness,
+                max_staleness = settings.max_staleness,
+                "delta discarded as too stale; the drafter restarts from the center"
+            );
+            return Ok(CommitOutcome {
+                center_version: center.version,
+                staleness,
+                applied: false,
+                reason: format!(
+                    "staleness {staleness} exceeds the bound {}",
+                    settings.max_staleness
+                ),
+                initialised: false,
+                send_center,
+                center_samples: center.samples,
+            });
+        }
+        let momentum = settings.momentum > 0.0;
+        for uploaded in &upload.tensors {
+            let index = center.by_name[&uploaded.name];
+            let tensor = &mut center.tensors[index];
+            let mut element_offset = 0usize;
+            for chunk in &uploaded.chunks {
+                let elements = chunk.len() / uploaded.dtype.element_bytes();
+                let range = element_offset..element_offset + elements;
+                let sum = if momentum {
+                    Some(&mut tensor.delta_sum[range.clone()])
+                } else {
+                    None
+                };
+                arith::add_scaled(
+                    &mut tensor.values[range],
+                    sum,
+                    chunk,
+                    uploaded.dtype,
+                    settings.learning_rate,
+                )
+                .map_err(|error| SyncError::BadTensor {
+                    name: uploaded.name.clone(),
+                    detail: error.to_string(),
+                })?;
+                element_offset += elements;
+            }
+        }
+        center.version += 1;
+        center.updates_applied += 1;
+        center.samples += upload.samples;
+        if momentum {
+            center.pending_deltas += 1;
+            let delay = match settings.momentum_delay {
+                0 => open_sessions.max(1),
+                delay => delay,
+            };
+            if center.pending_deltas >= delay {
+                let count = center.pending_deltas;
+                for tensor in &mut center.tensors {
+                    arith::delayed_nesterov_step(
+                        &mut tensor.values,
+                        &mut tensor.velocity,
+                        &mut tensor.delta_sum,
+                        count,
+                        settings.learning_rate,
+                        settings.momentum,
+                    );
+                }
+                center.pending_deltas = 0;
+            }
+        }
+        Ok(CommitOutcome {
+            center_version: center.version,
+            staleness,
+            applied: true,
+            reason: String::new(),
+            initialised: false,
+            send_center,
+            center_samples: center.samples,
+        })
+    }
+
+    /// The center encoded as `dtype`, one buffer per tensor (name, shape,
+    /// bytes), in checkpoint order. Taken under the lock so a reply is one
+    /// version, never torn between two.
+    pub fn encode_center(&self, dtype: WireDtype) -> Option<(u64, Vec<EncodedTensor>)> {
+        let center = self.center.as_ref()?;
+        let tensors = center
+            .tensors
+            .iter()
+            .map(|tensor| {
+                (
+                    tensor.name.clone(),
+                    tensor.shape.clone(),
+                    Bytes::from(arith::encode(&tensor.values, dtype)),
+                )
+            })
+            .collect();
+        Some((center.version, tensors))
+    }
+
+    /// The status for `GetStatus`.
+    pub fn status(&self, now: Instant) -> proto::ModelSyncStatus {
+        let version = self.version().unwrap_or(0);
+        let drafters = self
+            .drafters
+            .iter()
+            .map(|(drafter_id, record)| proto::DrafterSyncStatus {
+                drafter_id: drafter_id.clone(),
+                connected: record.open_sessions > 0,
+                last_sync_ms_ago: record
+                    .last_sync
+                    .map_or(0, |at| millis(now.saturating_duration_since(at))),
+                base_version: record.base_version,
+                staleness: version.saturating_sub(record.base_version),
+                last_update_staleness: record.last_update_staleness,
+                updates_applied: record.updates_applied,
+                updates_discarded: record.updates_discarded,
+                finished: record.finished,
+                samples: record.samples,
+            })
+            .collect();
+        proto::ModelSyncStatus {
+            has_center: self.center.is_some(),
+            center_version: version,
+            method: self.settings.describe(),
+            center_bytes: self.center.as_ref().map_or(0, Center::memory_bytes),
+            parameters: self.center.as_ref().map_or(0, Center::parameters),
+            updates_applied: self
+                .center
+                .as_ref()
+                .map_or(0, |center| center.updates_applied),
+            updates_discarded: self
+                .center
+                .as_ref()
+                .map_or(0, |center| center.updates_discarded),
+            center_samples: self.center.as_ref().map_or(0, |center| center.samples),
+            saved_version: self.saved_version.unwrap_or(0),
+            saved_path: self.saved_path.clone(),
+            final_saved: self.final_saved,
+            drafters,
+        }
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn check_against_center(center: &Center, name: &str, shape: &[u64]) -> Result<(), SyncError> {
+    let index = center
+        .by_name
+        .get(name)
+        .ok_or_else(|| SyncError::UnknownTensor(name.to_string()))?;
+    let center_shape = &center.tensors[*index].shape;
+    if center_shape.as_slice() != shape {
+        return Err(SyncError::ShapeMismatch {
+            name: name.to_string(),
+            got: shape.to_vec(),
+            center: center_shape.clone(),
+        });
+    }
+    Ok(())
+}
+
+fn decode_chunks(values: &mut [f32], uploaded: &UploadedTensor) -> Result<(), SyncError> {
+    let mut element_offset = 0usize;
+    for chunk in &uploaded.chunks {
+        let elements = chunk.len() / uploaded.dtype.element_bytes();
+        arith::decode_into(
+            &mut values[element_offset..element_offset + elements],
+            chunk,
+            uploaded.dtype,
+        )
+        .map_err(|error| SyncError::BadTensor {
+            name: uploaded.name.clone(),
+            detail: error.to_string(),
+        })?;
+        element_offset += elements;
+    }
+    Ok(())
+}

@@ -1,0 +1,118 @@
+//! Flags of the model-sync service (flattened into the broker's flags).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+use super::center::OuterSettings;
+use crate::config::{parse_duration, ConfigError};
+
+#[derive(Debug, Clone, Args)]
+pub struct ModelSyncConfig {
+    /// Folder the run's one draft model (the center) is written to, in the
+    /// reference dflash format, every --model-save-every and at the end; a
+    /// restarted broker resumes the center from it. Without it the center
+    /// lives in memory only.
+    #[arg(long, env = "DFLASH_MODEL_OUTPUT")]
+    pub model_output: Option<PathBuf>,
+
+    /// How often a changed center is written (0: only at the end).
+    #[arg(long, env = "DFLASH_MODEL_SAVE_EVERY", default_value = "5m", value_parser = parse_duration)]
+    pub model_save_every: Duration,
+
+    /// After end-of-stream COMPLETE, how long the final center waits for the
+    /// final sync of every drafter that still has a sync session open.
+    #[arg(long, env = "DFLASH_MODEL_FINAL_SYNC_TIMEOUT", default_value = "2m", value_parser = parse_duration)]
+    pub model_final_sync_timeout: Duration,
+
+    /// Outer learning rate η: each drafter's delta moves the center by η·delta.
+    #[arg(long, env = "DFLASH_OUTER_LEARNING_RATE", default_value_t = 1.0)]
+    pub outer_learning_rate: f32,
+
+    /// Nesterov momentum μ of the outer step, in [0, 1). 0 is plain
+    /// asynchronous local SGD and keeps no optimizer state.
+    #[arg(long, env = "DFLASH_OUTER_MOMENTUM", default_value_t = 0.7)]
+    pub outer_momentum: f32,
+
+    /// Deltas averaged per momentum step (N of the delayed Nesterov update;
+    /// 0: the number of drafters syncing at the time).
+    #[arg(long, env = "DFLASH_OUTER_MOMENTUM_DELAY", default_value_t = 0)]
+    pub outer_momentum_delay: u32,
+
+    /// A delta whose base is more than this many center updates old is
+    /// discarded and its drafter restarts from the center (0: no bound).
+    #[arg(long, env = "DFLASH_SYNC_MAX_STALENESS", default_value_t = 0)]
+    pub sync_max_staleness: u64,
+}
+
+impl Default for ModelSyncConfig {
+    fn default() -> Self {
+        let outer = OuterSettings::default();
+        ModelSyncConfig {
+            model_output: None,
+            model_save_every: Duration::from_secs(300),
+            model_final_sync_timeout: Duration::from_secs(120),
+            outer_learning_rate: outer.learning_rate,
+            outer_momentum: outer.momentum,
+            outer_momentum_delay: outer.momentum_delay,
+            sync_max_staleness: outer.max_staleness,
+        }
+    }
+}
+
+impl ModelSyncConfig {
+    pub fn outer_settings(&self) -> OuterSettings {
+        OuterSettings {
+            learning_rate: self.outer_learning_rate,
+            momentum: self.outer_momentum,
+            momentum_delay: self.outer_momentum_delay,
+            max_staleness: self.sync_max_staleness,
+        }
+    }
+
+    /// Checks the values; the error names the flag.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(self.outer_learning_rate.is_finite() && self.outer_learning_rate > 0.0) {
+            return Err(ConfigError::Parse(format!(
+                "--outer-learning-rate must be a positive number, got {}",
+                self.outer_learning_rate
+            )));
+        }
+        if !(self.outer_momentum.is_finite() && (0.0..1.0).contains(&self.outer_momentum)) {
+            return Err(ConfigError::Parse(format!(
+                "--outer-momentum must be in [0, 1), got {}",
+                self.outer_momentum
+            )));
+        }
+        if self.model_final_sync_timeout.is_zero() {
+            return Err(ConfigError::NonPositiveDuration {
+                flag: "--model-final-sync-timeout",
+                value: self.model_final_sync_timeout,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_outer_parameters_name_their_flag() {
+        assert!(ModelSyncConfig::default().validate().is_ok());
+        let config = ModelSyncConfig {
+            outer_momentum: 1.0,
+            ..ModelSyncConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(message.starts_with("--outer-momentum"), "{message}");
+        let config = ModelSyncConfig {
+            outer_learning_rate: f32::NAN,
+            ..ModelSyncConfig::default()
+        };
+        let message = config.validate().unwrap_err().to_string();
+        assert!(message.starts_with("--outer-learning-rate"), "{message}");
+    }
+}

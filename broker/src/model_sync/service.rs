@@ -1,0 +1,457 @@
+//! The gRPC adapter of the `dflash.v1.ModelSync` service and the background
+//! task that writes the center. All rules live in [`super::center`].
+//!
+//! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
+//! per session without it; a commit takes it once to apply the delta and
+//! encode the reply, so every reply is one center version. Checkpoints copy
+//! the center under the lock and write it on a blocking thread.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::model_sync_server::{ModelSync, ModelSyncServer};
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{debug, info, warn};
+
+use super::center::{dtype_to_proto, ModelSyncState, SyncError, Upload};
+use super::checkpoint::{read_center, write_center, CheckpointError};
+use super::config::ModelSyncConfig;
+use crate::queue::RunState;
+
+/// Largest tensor chunk the broker sends; drafters send chunks of at most
+/// the same size.
+pub const CHUNK_BYTES: usize = 1 << 20;
+/// Message limit of the service: a chunk plus its framing, with room.
+const MESSAGE_LIMIT_BYTES: usize = 8 << 20;
+const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
+const MAX_ID_LENGTH: usize = 256;
+/// How often the background task looks at the run state and the clock.
+const POLL_INTERVAL: Duration = Duration::from_millis(50);
+
+impl From<SyncError> for Status {
+    fn from(error: SyncError) -> Self {
+        match error {
+            SyncError::NoCenter | SyncError::FutureBase { .. } => {
+                Status::failed_precondition(error.to_string())
+            }
+            SyncError::BadTensor { .. }
+            | SyncError::UnknownTensor(_)
+            | SyncError::ShapeMismatch { .. }
+            | SyncError::CountMismatch { .. }
+            | SyncError::MissingTensor(_)
+            | SyncError::DuplicateTensor(_)
+            | SyncError::Dtype(_)
+            | SyncError::Kind(_)
+            | SyncError::Config(_) => Status::invalid_argument(error.to_string()),
+        }
+    }
+}
+
+/// State shared by the sessions and the background task.
+pub struct ModelSyncShared {
+    state: Mutex<ModelSyncState>,
+    config: ModelSyncConfig,
+    /// Cancelled on broker shutdown: sessions end with UNAVAILABLE.
+    shutdown: CancellationToken,
+    tasks: TaskTracker,
+    /// One checkpoint write at a time. The guard travels into the blocking
+    /// write, so a caller that stops waiting (an aborted task) does not let
+    /// a second write start while the first is still renaming files.
+    save_lock: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl ModelSyncShared {
+    /// The service state, with the center resumed from `--model-output`
+    /// when a center was written there before.
+    pub fn start(
+        config: ModelSyncConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Arc<Self>, CheckpointError> {
+        let settings = config.outer_settings();
+        let resumed = match &config.model_output {
+            Some(dir) => read_center(dir, settings.momentum > 0.0)?,
+            None => None,
+        };
+        let mut state = ModelSyncState::new(settings, resumed);
+        if let (Some(center), Some(dir)) = (state.center(), &config.model_output) {
+            info!(path = %dir.display(), version = center.version, parameters = center.parameters(), "center resumed from its last checkpoint");
+            state.saved_version = Some(center.version);
+            state.saved_path = dir.display().to_string();
+        }
+        info!(method = %settings.describe(), output = ?config.model_output, "model sync ready");
+        Ok(Arc::new(ModelSyncShared {
+            state: Mutex::new(state),
+            config,
+            shutdown,
+            tasks: TaskTracker::new(),
+            save_lock: Arc::new(tokio::sync::Mutex::new(())),
+        }))
+    }
+
+    pub fn status(&self) -> proto::ModelSyncStatus {
+        self.state.lock().status(Instant::now())
+    }
+
+    /// The tonic service, with message limits sized for chunks.
+    pub fn server(self: &Arc<Self>) -> ModelSyncServer<ModelSyncService> {
+        ModelSyncServer::new(ModelSyncService {
+            shared: self.clone(),
+        })
+        .max_decoding_message_size(MESSAGE_LIMIT_BYTES)
+        .max_encoding_message_size(MESSAGE_LIMIT_BYTES)
+    }
+
+    /// Session tasks, awaited (bounded) on shutdown.
+    pub fn tasks(&self) -> &TaskTracker {
+        &self.tasks
+    }
+
+    /// Writes the center to `--model-output` when it changed since the last
+    /// write (or when `final_center` and the final one is not written yet).
+    /// `None` when nothing was written.
+    pub async fn save(&self, final_center: bool) -> Result<Option<PathBuf>, CheckpointError> {
+        let Some(dir) = self.config.model_output.clone() else {
+            return Ok(None);
+        };
+        let writing = self.save_lock.clone().lock_owned().await;
+        let (center, method) = {
+            let state = self.state.lock();
+            let Some(center) = state.center() else {
+                return Ok(None);
+            };
+            let unchanged = state.saved_version == Some(center.version);
+            if unchanged && (!final_center || state.final_saved) {
+                return Ok(None);
+            }
+            (center.clone(), state.settings().describe())
+        };
+        let version = center.version;
+        let started = Instant::now();
+        let target = dir.clone();
+        tokio::task::spawn_blocking(move || {
+            let outcome = write_center(&target, &center, &method);
+            drop(writing);
+            outcome
+        })
+        .await
+        .map_err(|join_error| CheckpointError::Io {
+            path: dir.clone(),
+            source: std::io::Error::other(join_error.to_string()),
+        })??;
+        let mut state = self.state.lock();
+        state.saved_version = Some(version);
+        state.saved_path = dir.display().to_string();
+        if final_center {
+            state.final_saved = true;
+        }
+        info!(path = %dir.display(), version, final_center, seconds = started.elapsed().as_secs_f64(), "center written");
+        Ok(Some(dir))
+    }
+
+    /// Writes the center periodically and, once the run is COMPLETE, waits
+    /// (bounded by --model-final-sync-timeout) for the final sync of every
+    /// drafter with an open session, then writes the final center.
+    pub async fn run_background(self: Arc<Self>, run_state: impl Fn() -> RunState + Send) {
+        let mut ticker = tokio::time::interval(POLL_INTERVAL);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_periodic = Instant::now();
+        let mut complete_since: Option<Instant> = None;
+        let mut warned_final = false;
+        loop {
+            tokio::select! {
+                _ = self.shutdown.cancelled() => break,
+                _ = ticker.tick() => {}
+            }
+            let final_pending = {
+                let state = self.state.lock();
+                state.center().is_some() && !state.final_saved
+            };
+            if run_state() == RunState::Complete && final_pending {
+                let since = *complete_since.get_or_insert_with(Instant::now);
+                let awaiting = self.state.lock().awaiting_final();
+                let timed_out = since.elapsed() >= self.config.model_final_sync_timeout;
+                if awaiting.is_empty() || timed_out {
+                    if !awaiting.is_empty() && !warned_final {
+                        warn!(?awaiting, timeout = ?self.config.model_final_sync_timeout, "writing the final center without these drafters' final sync");
+                        warned_final = true;
+                    }
+                    match self.save(true).await {
+                        Ok(_) => {
+                            // Without --model-output there is nothing to
+                            // write; the final center is the one in memory.
+                            self.state.lock().final_saved = true;
+                        }
+                        Err(error) => warn!(%error, "writing the final center failed"),
+                    }
+                }
+                continue;
+            }
+            if !self.config.model_save_every.is_zero()
+                && last_periodic.elapsed() >= self.config.model_save_every
+            {
+                last_periodic = Instant::now();
+                if let Err(error) = self.save(false).await {
+                    warn!(%error, "periodic center checkpoint failed; the run continues");
+                }
+            }
+        }
+    }
+}
+
+/// The `dflash.v1.ModelSync` service.
+#[derive(Clone)]
+pub struct ModelSyncService {
+    shared: Arc<ModelSyncShared>,
+}
+
+/// Closes the drafter's session in the state when its task ends, however
+/// it ends.
+struct SessionGuard {
+    shared: Arc<ModelSyncShared>,
+    drafter_id: String,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        self.shared.state.lock().close_session(&self.drafter_id);
+    }
+}
+
+type Outbox = mpsc::Sender<Result<proto::SyncResponse, Status>>;
+
+fn response(kind: proto::sync_response::Kind) -> Result<proto::SyncResponse, Status> {
+    Ok(proto::SyncResponse { kind: Some(kind) })
+}
+
+#[tonic::async_trait]
+impl ModelSync for ModelSyncService {
+    type SessionStream = ReceiverStream<Result<proto::SyncResponse, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<proto::SyncRequest>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let mut inbound = request.into_inner();
+        let first = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+            Err(_) => return Err(Status::deadline_exceeded("no hello within 30s")),
+            Ok(result) => result?,
+        };
+        let hello = match first.and_then(|message| message.kind) {
+            Some(proto::sync_request::Kind::Hello(hello)) => hello,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Session message must be a hello with drafter_id",
+                ))
+            }
+        };
+        if hello.drafter_id.is_empty()
+            || hello.drafter_id.len() > MAX_ID_LENGTH
+            || hello.drafter_id.chars().any(char::is_control)
+        {
+            return Err(Status::invalid_argument(format!(
+                "drafter_id {:?} must be 1 to {MAX_ID_LENGTH} bytes without control characters",
+                hello.drafter_id
+            )));
+        }
+        serde_json::from_str::<serde_json::Value>(&hello.model_config_json).map_err(|error| {
+            Status::invalid_argument(format!("model_config_json is not valid JSON: {error}"))
+        })?;
+        let (outbox, receiver) = mpsc::channel(16);
+        let welcome = {
+            let mut state = self.shared.state.lock();
+            state.open_session(&hello.drafter_id);
+            proto::SyncWelcome {
+                has_center: state.center().is_some(),
+                center_version: state.version().unwrap_or(0),
+                method: state.settings().describe(),
+            }
+        };
+        let guard = SessionGuard {
+            shared: self.shared.clone(),
+            drafter_id: hello.drafter_id.clone(),
+        };
+        let _ = outbox.try_send(response(proto::sync_response::Kind::Welcome(welcome)));
+        info!(drafter_id = %hello.drafter_id, "model sync session opened");
+        self.shared.tasks.spawn(run_session(
+            self.shared.clone(),
+            guard,
+            hello.model_config_json,
+            inbound,
+            outbox,
+        ));
+        Ok(Response::new(ReceiverStream::new(receiver)))
+    }
+}
+
+/// Reads one session's exchanges until it ends, the broker stops, or an
+/// exchange is refused (the error ends the session; nothing was applied).
+async fn run_session(
+    shared: Arc<ModelSyncShared>,
+    guard: SessionGuard,
+    model_config_json: String,
+    mut inbound: Streaming<proto::SyncRequest>,
+    outbox: Outbox,
+) {
+    let drafter_id = guard.drafter_id.clone();
+    let mut upload: Option<Upload> = None;
+    loop {
+        let message = tokio::select! {
+            _ = shared.shutdown.cancelled() => {
+                let _ = outbox.try_send(Err(Status::unavailable("broker is shutting down")));
+                break;
+            }
+            message = inbound.message() => message,
+        };
+        let request = match message {
+            Ok(Some(request)) => request,
+            Ok(None) => break,
+            Err(status) => {
+                debug!(drafter_id, %status, "model sync session broke");
+                break;
+            }
+        };
+        let outcome = handle_request(
+            &shared,
+            &drafter_id,
+            &model_config_json,
+            &mut upload,
+            request,
+            &outbox,
+        )
+        .await;
+        if let Err(status) = outcome {
+            warn!(drafter_id, %status, "model sync exchange refused; nothing applied");
+            let _ = outbox.send(Err(status)).await;
+            break;
+        }
+    }
+    if upload.is_some() {
+        info!(
+            drafter_id,
+            "model sync session ended mid-exchange; its partial upload is dropped"
+        );
+    }
+    drop(guard);
+}
+
+async fn handle_request(
+    shared: &ModelSyncShared,
+    drafter_id: &str,
+    model_config_json: &str,
+    upload: &mut Option<Upload>,
+    request: proto::SyncRequest,
+    outbox: &Outbox,
+) -> Result<(), Status> {
+    use proto::sync_request::Kind;
+    match request.kind {
+        Some(Kind::Begin(begin)) => {
+            if upload.is_some() {
+                return Err(Status::failed_precondition(
+                    "begin while an exchange is open: commit it first",
+                ));
+            }
+            *upload = Some(Upload::new(&begin)?);
+            Ok(())
+        }
+        Some(Kind::Chunk(chunk)) => {
+            let open = upload
+                .as_mut()
+                .ok_or_else(|| Status::failed_precondition("chunk outside an exchange"))?;
+            open.add_chunk(chunk)?;
+            Ok(())
+        }
+        Some(Kind::Commit(commit)) => {
+            let open = upload
+                .take()
+                .ok_or_else(|| Status::failed_precondition("commit outside an exchange"))?;
+            let reply_dtype = open.reply_dtype;
+            let kind = open.kind;
+            let (outcome, center) = {
+                let mut state = shared.state.lock();
+                let outcome = state.commit(
+                    drafter_id,
+                    open,
+                    commit.tensors,
+                    model_config_json,
+                    Instant::now(),
+                )?;
+                let center = if outcome.send_center {
+                    state.encode_center(reply_dtype)
+                } else {
+                    None
+                };
+                (outcome, center)
+            };
+            debug!(
+                drafter_id,
+                ?kind,
+                version = outcome.center_version,
+                staleness = outcome.staleness,
+                applied = outcome.applied,
+                "model sync exchange"
+            );
+            if outcome.initialised {
+                info!(drafter_id, "center initialised from this drafter's weights");
+            }
+            let result = proto::SyncResult {
+                center_version: outcome.center_version,
+                staleness: outcome.staleness,
+                applied: outcome.applied,
+                reason: outcome.reason,
+                initialised: outcome.initialised,
+                weights_follow: center.is_some(),
+                center_samples: outcome.center_samples,
+            };
+            send(outbox, proto::sync_response::Kind::Result(result)).await?;
+            if let Some((version, tensors)) = center {
+                let count = tensors.len() as u32;
+                let dtype = dtype_to_proto(reply_dtype) as i32;
+                for (name, shape, bytes) in tensors {
+                    let mut offset = 0usize;
+                    while offset < bytes.len() || offset == 0 {
+                        let end = (offset + CHUNK_BYTES).min(bytes.len());
+                        let chunk = proto::TensorChunk {
+                            name: name.clone(),
+                            dtype,
+                            shape: shape.clone(),
+                            offset: offset as u64,
+                            data: bytes.slice(offset..end),
+                        };
+                        send(outbox, proto::sync_response::Kind::Chunk(chunk)).await?;
+                        offset = end;
+                        if end == bytes.len() {
+                            break;
+                        }
+                    }
+                }
+                send(
+                    outbox,
+                    proto::sync_response::Kind::Done(proto::SyncDone {
+                        center_version: version,
+                        tensors: count,
+                    }),
+                )
+                .await?;
+            }
+            Ok(())
+        }
+        Some(Kind::Hello(_)) | None => Err(Status::invalid_argument(
+            "unexpected message: hello was already sent, expected begin, chunk or commit",
+        )),
+    }
+}
+
+/// Sends one response; a gone receiver means the drafter left.
+async fn send(outbox: &Outbox, kind: proto::sync_response::Kind) -> Result<(), Status> {
+    outbox
+        .send(response(kind))
+        .await
+        .map_err(|_| Status::cancelled("the drafter closed its session"))
+}

@@ -1,0 +1,479 @@
+//! The center's rules on known buffers: joins, deltas in f32 and bf16,
+//! staleness, torn uploads, the final-sync bookkeeping. No I/O.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dflash_proto::v1 as proto;
+
+use super::arith::{self, WireDtype};
+use super::center::{ModelSyncState, OuterSettings, SyncError, Upload};
+
+/// Plain asynchronous local SGD (no momentum): every center is a sum of
+/// deltas, exact on these values.
+fn plain() -> OuterSettings {
+    OuterSettings {
+        momentum: 0.0,
+        ..OuterSettings::default()
+    }
+}
+
+const CONFIG: &str = r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 4}"#;
+
+/// Two tensors: "a" [2, 2] and "b" [3]. Values chosen dyadic so every sum
+/// below is exact in f32.
+fn weights(a: [f32; 4], b: [f32; 3]) -> Vec<(&'static str, Vec<u64>, Vec<f32>)> {
+    vec![("a", vec![2, 2], a.to_vec()), ("b", vec![3], b.to_vec())]
+}
+
+fn begin(kind: proto::SyncKind, base_version: u64) -> proto::SyncBegin {
+    proto::SyncBegin {
+        kind: kind as i32,
+        base_version,
+        steps: 5,
+        samples: 10,
+        tokens: 100,
+        reply_dtype: proto::Dtype::F32 as i32,
+    }
+}
+
+/// An upload of `tensors` as `dtype`, each split into chunks of at most
+/// `chunk_elements` elements (so offsets are exercised).
+fn upload(
+    kind: proto::SyncKind,
+    base_version: u64,
+    tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
+    dtype: WireDtype,
+    chunk_elements: usize,
+) -> Upload {
+    let mut upload = Upload::new(&begin(kind, base_version)).unwrap();
+    for (name, shape, values) in tensors {
+        let bytes = arith::encode(values, dtype);
+        let chunk_bytes = chunk_elements * dtype.element_bytes();
+        for (index, piece) in bytes.chunks(chunk_bytes).enumerate() {
+            upload
+                .add_chunk(proto::TensorChunk {
+                    name: name.to_string(),
+                    dtype: super::center::dtype_to_proto(dtype) as i32,
+                    shape: shape.clone(),
+                    offset: (index * chunk_bytes) as u64,
+                    data: Bytes::copy_from_slice(piece),
+                })
+                .unwrap();
+        }
+    }
+    upload
+}
+
+fn center_values(state: &ModelSyncState, name: &str) -> Vec<f32> {
+    let center = state.center().unwrap();
+    center.tensors[center.by_name[name]].values.clone()
+}
+
+fn joined_state(settings: OuterSettings) -> (ModelSyncState, Instant) {
+    let now = Instant::now();
+    let mut state = ModelSyncState::new(settings, None);
+    state.open_session("d0");
+    let initial = weights([1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 8.0]);
+    let outcome = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Join, 0, &initial, WireDtype::F32, 3),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(outcome.initialised);
+    assert!(
+        !outcome.send_center,
+        "the initialiser already has the center"
+    );
+    (state, now)
+}
+
+#[test]
+fn the_first_join_initialises_the_center_and_later_joins_start_from_it() {
+    let (mut state, now) = joined_state(plain());
+    assert_eq!(state.version(), Some(0));
+    assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
+    // A drafter joining mid-run, after one update, gets the current center,
+    // not its own (different) initial weights.
+    let delta = weights([0.25, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0]);
+    state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Update, 0, &delta, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    state.open_session("late");
+    let own = weights([9.0; 4], [9.0; 3]);
+    let outcome = state
+        .commit(
+            "late",
+            upload(proto::SyncKind::Join, 0, &own, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(!outcome.initialised);
+    assert!(outcome.send_center);
+    assert_eq!(outcome.center_version, 1);
+    let (version, tensors) = state.encode_center(WireDtype::F32).unwrap();
+    assert_eq!(version, 1);
+    let mut a = vec![0.0f32; 4];
+    arith::decode_into(&mut a, &tensors[0].2, WireDtype::F32).unwrap();
+    assert_eq!(tensors[0].0, "a");
+    assert_eq!(a, vec![1.25, 2.0, 3.0, 4.0]);
+    assert_eq!(state.drafter("late").unwrap().base_version, 1);
+    // A join without weights also just receives the center.
+    let outcome = state
+        .commit(
+            "late",
+            upload(proto::SyncKind::Join, 0, &[], WireDtype::F32, 4),
+            0,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(outcome.send_center);
+}
+
+#[test]
+fn a_join_of_another_model_is_refused_and_changes_nothing() {
+    let (mut state, now) = joined_state(plain());
+    let other = vec![("a", vec![4u64], vec![0.0f32; 4])];
+    let error = state
+        .commit(
+            "d1",
+            upload(proto::SyncKind::Join, 0, &other, WireDtype::F32, 4),
+            1,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert_eq!(
+        error,
+        SyncError::ShapeMismatch {
+            name: "a".into(),
+            got: vec![4],
+            center: vec![2, 2]
+        }
+    );
+    assert!(state.drafter("d1").is_none());
+    // No center and no weights: nothing to start from.
+    let mut empty = ModelSyncState::new(OuterSettings::default(), None);
+    let error = empty
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Join, 0, &[], WireDtype::F32, 4),
+            0,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert_eq!(error, SyncError::NoCenter);
+}
+
+#[test]
+fn deltas_apply_with_the_outer_learning_rate_and_stale_ones_still_count() {
+    let settings = OuterSettings {
+        learning_rate: 0.5,
+        ..plain()
+    };
+    let (mut state, now) = joined_state(settings);
+    // Both drafters start from version 0; d0 syncs first.
+    let delta0 = weights([1.0, 0.0, -2.0, 0.0], [0.0, 0.0, 0.0]);
+    let first = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Update, 0, &delta0, WireDtype::F32, 3),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(first.applied);
+    assert_eq!((first.center_version, first.staleness), (1, 0));
+    // d1's base is version 0: one update behind, applied as the method
+    // prescribes (plain outer step, no momentum to amplify it).
+    let delta1 = weights([0.5, 0.5, 0.5, 0.5], [2.0, 2.0, 2.0]);
+    let second = state
+        .commit(
+            "d1",
+            upload(proto::SyncKind::Update, 0, &delta1, WireDtype::F32, 2),
+            2,
+            CONFIG,
+            now + Duration::from_millis(5),
+        )
+        .unwrap();
+    assert!(second.applied);
+    assert_eq!((second.center_version, second.staleness), (2, 1));
+    assert!(second.send_center);
+    assert_eq!(center_values(&state, "a"), vec![1.75, 2.25, 2.25, 4.25]);
+    assert_eq!(center_values(&state, "b"), vec![1.5, 0.5, 9.0]);
+    assert_eq!(second.center_samples, 20);
+    let record = state.drafter("d1").unwrap();
+    assert_eq!((record.base_version, record.last_update_staleness), (2, 1));
+    // The status shows how far each drafter is behind now.
+    let status = state.status(now + Duration::from_millis(10));
+    assert_eq!(status.center_version, 2);
+    let d0 = status
+        .drafters
+        .iter()
+        .find(|d| d.drafter_id == "d0")
+        .unwrap();
+    assert_eq!((d0.base_version, d0.staleness), (1, 1));
+    assert_eq!(d0.last_sync_ms_ago, 10);
+}
+
+#[test]
+fn bf16_deltas_accumulate_into_the_f32_center() {
+    let (mut state, now) = joined_state(plain());
+    // 2^-7 is exact in bf16; added to 4.0 it is kept by the f32 center.
+    let delta = weights([1.0 / 128.0, -0.5, 0.0, 1.0 / 128.0], [0.0, 0.0, -8.0]);
+    state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Update, 0, &delta, WireDtype::Bf16, 1),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert_eq!(
+        center_values(&state, "a"),
+        vec![1.0 + 1.0 / 128.0, 1.5, 3.0, 4.0 + 1.0 / 128.0]
+    );
+    assert_eq!(center_values(&state, "b"), vec![0.5, -0.5, 0.0]);
+}
+
+#[test]
+fn deltas_beyond_the_staleness_bound_are_discarded_and_the_drafter_restarts() {
+    let settings = OuterSettings {
+        max_staleness: 1,
+        ..plain()
+    };
+    let (mut state, now) = joined_state(settings);
+    let delta = weights([1.0; 4], [1.0; 3]);
+    for _ in 0..2 {
+        let base = state.version().unwrap();
+        state
+            .commit(
+                "d0",
+                upload(proto::SyncKind::Update, base, &delta, WireDtype::F32, 4),
+                2,
+                CONFIG,
+                now,
+            )
+            .unwrap();
+    }
+    let before = center_values(&state, "a");
+    let outcome = state
+        .commit(
+            "d1",
+            upload(proto::SyncKind::Update, 0, &delta, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(!outcome.applied);
+    assert_eq!(outcome.staleness, 2);
+    assert!(outcome.reason.contains("staleness 2"), "{}", outcome.reason);
+    assert!(outcome.send_center, "the drafter restarts from the center");
+    assert_eq!(outcome.center_version, 2);
+    assert_eq!(center_values(&state, "a"), before);
+    let record = state.drafter("d1").unwrap();
+    assert_eq!((record.updates_discarded, record.base_version), (1, 2));
+    // Exactly at the bound is still applied.
+    let outcome = state
+        .commit(
+            "d1",
+            upload(proto::SyncKind::Update, 1, &delta, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(outcome.applied);
+}
+
+#[test]
+fn torn_or_inconsistent_uploads_change_nothing() {
+    let (mut state, now) = joined_state(plain());
+    let before_a = center_values(&state, "a");
+    let before_b = center_values(&state, "b");
+    // A drafter that dies mid-upload never commits: its staged chunks are
+    // dropped with its session and the center is untouched. Shown here by
+    // staging half an upload and dropping it.
+    let mut torn = Upload::new(&begin(proto::SyncKind::Update, 0)).unwrap();
+    torn.add_chunk(proto::TensorChunk {
+        name: "a".into(),
+        dtype: proto::Dtype::F32 as i32,
+        shape: vec![2, 2],
+        offset: 0,
+        data: Bytes::from(arith::encode(&[100.0, 100.0], WireDtype::F32)),
+    })
+    .unwrap();
+    drop(torn);
+    // A commit whose tensor is incomplete is refused.
+    let mut short = Upload::new(&begin(proto::SyncKind::Update, 0)).unwrap();
+    short
+        .add_chunk(proto::TensorChunk {
+            name: "a".into(),
+            dtype: proto::Dtype::F32 as i32,
+            shape: vec![2, 2],
+            offset: 0,
+            data: Bytes::from(arith::encode(&[100.0, 100.0], WireDtype::F32)),
+        })
+        .unwrap();
+    let error = state.commit("d0", short, 1, CONFIG, now).unwrap_err();
+    assert!(error.to_string().contains("8 of 16 bytes"), "{error}");
+    // A delta missing a tensor is refused.
+    let only_a = vec![("a", vec![2u64, 2], vec![1.0f32; 4])];
+    let error = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Update, 0, &only_a, WireDtype::F32, 4),
+            1,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert_eq!(error, SyncError::MissingTensor("b".into()));
+    // The commit's count must match what was sent.
+    let all = weights([1.0; 4], [1.0; 3]);
+    let error = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Update, 0, &all, WireDtype::F32, 4),
+            3,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert_eq!(
+        error,
+        SyncError::CountMismatch {
+            sent: 2,
+            declared: 3
+        }
+    );
+    // A base from the future is a confused drafter.
+    let error = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Update, 7, &all, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert_eq!(error, SyncError::FutureBase { base: 7, center: 0 });
+    assert_eq!(center_values(&state, "a"), before_a);
+    assert_eq!(center_values(&state, "b"), before_b);
+    assert_eq!(state.version(), Some(0));
+}
+
+#[test]
+fn chunks_out_of_order_or_too_long_are_refused() {
+    let mut upload = Upload::new(&begin(proto::SyncKind::Update, 0)).unwrap();
+    let chunk = |offset: u64, elements: usize| proto::TensorChunk {
+        name: "a".into(),
+        dtype: proto::Dtype::F32 as i32,
+        shape: vec![2, 2],
+        offset,
+        data: Bytes::from(vec![0u8; elements * 4]),
+    };
+    assert!(
+        upload.add_chunk(chunk(4, 1)).is_err(),
+        "first chunk not at 0"
+    );
+    upload.add_chunk(chunk(0, 2)).unwrap();
+    let error = upload.add_chunk(chunk(12, 1)).unwrap_err();
+    assert!(error.to_string().contains("expected 8"), "{error}");
+    let error = upload.add_chunk(chunk(8, 3)).unwrap_err();
+    assert!(error.to_string().contains("more than the 16"), "{error}");
+    let mut odd = chunk(8, 1);
+    odd.data = Bytes::from(vec![0u8; 3]);
+    assert!(upload.add_chunk(odd).is_err(), "not whole elements");
+    let mut wrong_dtype = chunk(8, 1);
+    wrong_dtype.dtype = proto::Dtype::I32 as i32;
+    assert_eq!(
+        upload.add_chunk(wrong_dtype).unwrap_err(),
+        SyncError::Dtype(proto::Dtype::I32 as i32)
+    );
+}
+
+#[test]
+fn the_final_center_waits_only_for_open_sessions_without_a_final_sync() {
+    let (mut state, now) = joined_state(plain());
+    state.open_session("d1");
+    state.open_session("killed");
+    assert_eq!(state.awaiting_final(), vec!["d0", "d1", "killed"]);
+    // A drafter killed between syncs: its session closes, nobody waits.
+    state.close_session("killed");
+    assert_eq!(state.awaiting_final(), vec!["d0", "d1"]);
+    let delta = weights([1.0; 4], [1.0; 3]);
+    let outcome = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Final, 0, &delta, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(outcome.applied);
+    assert!(!outcome.send_center, "a final sync gets no weights back");
+    // A final sync without a delta (no step since the last sync).
+    let outcome = state
+        .commit(
+            "d1",
+            upload(proto::SyncKind::Final, 1, &[], WireDtype::F32, 4),
+            0,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(!outcome.applied);
+    assert!(state.awaiting_final().is_empty());
+    assert_eq!(state.version(), Some(1));
+}
+
+#[test]
+fn momentum_is_applied_to_the_mean_of_the_delayed_deltas() {
+    let settings = OuterSettings {
+        learning_rate: 1.0,
+        momentum: 0.5,
+        momentum_delay: 2,
+        max_staleness: 0,
+    };
+    let (mut state, now) = joined_state(settings);
+    let initial = center_values(&state, "b");
+    for delta_b in [[2.0f32, 0.0, 0.0], [4.0, 0.0, 0.0]] {
+        let delta = weights([0.0; 4], delta_b);
+        let base = state.version().unwrap();
+        state
+            .commit(
+                "d0",
+                upload(proto::SyncKind::Update, base, &delta, WireDtype::F32, 4),
+                2,
+                CONFIG,
+                now,
+            )
+            .unwrap();
+    }
+    // Immediate steps: +2 +4; after the second, velocity = mean 3 and the
+    // Nesterov push adds lr·μ·3 = 1.5: 0.5 + 6 + 1.5 = 8.
+    assert_eq!(center_values(&state, "b")[0], initial[0] + 7.5);
+    let center = state.center().unwrap();
+    assert_eq!(center.pending_deltas, 0);
+    // Weights, velocity and delta sum: three f32 copies.
+    assert_eq!(center.memory_bytes(), 3 * 4 * 7);
+}
