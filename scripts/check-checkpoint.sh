@@ -31,7 +31,7 @@ done
 # The run's shared model: the broker's center checkpoint (model sync), in
 # the same reference format as the drafters' own checkpoints.
 if [[ -f "$run_dir/center/model.safetensors" ]]; then
-  if "$venv/bin/python" "$repo_root/scripts/check_dflash_checkpoint.py" "$run_dir/center"; then
+  if "$python" "$repo_root/scripts/check_dflash_checkpoint.py" "$run_dir/center"; then
     passed=$((passed + 1))
   else
     failed=$((failed + 1))
