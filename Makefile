@@ -78,3 +78,9 @@ check-deploy: setup
 ## The Kubernetes manifests render (kubectl kustomize) and validate strictly.
 check-k8s:
 	bash scripts/check-k8s.sh
+
+## The CUDA variant links libtorch_cuda and fails clearly without a GPU.
+## Not in `test`: the first run fetches the CUDA wheels (GBs) and compiles tch.
+check-cuda-build: setup
+	$(CARGO) build --workspace --bins
+	bash scripts/check-cuda-build.sh

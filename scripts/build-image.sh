@@ -6,12 +6,12 @@
 #      with debootstrap from the apt mirror this machine uses, imported with
 #      `docker import`. Made once and reused while it exists (the slow part:
 #      about a minute on a fresh machine).
-#   2. the runtime image (default `dflash-pipeline:local`) with
-#      deploy/Dockerfile's `runtime` stage, its `BINARIES=prebuilt` stage
-#      taking the broker, target-server, drafter-server and dflash binaries
-#      from $CARGO_TARGET_DIR/<profile> and libtorch's libraries from
-#      .cache/libtorch/lib (the same layout the Dockerfile's compile stage
-#      produces elsewhere).
+#   2. the runtime image (default `dflash-pipeline:local`): deploy/Dockerfile's
+#      `prebuilt` stage (the `runtime` stage's settings, with the binaries
+#      from the context instead of a compile), the context holding the
+#      broker, target-server, drafter-server and dflash binaries from
+#      $CARGO_TARGET_DIR/<profile> and libtorch's libraries from
+#      .cache/libtorch/lib.
 #
 # Usage: scripts/build-image.sh [--profile debug|release] [--tag NAME:TAG]
 #                               [--rebuild-base] [--base-only]
@@ -97,13 +97,16 @@ if [[ "$base_only" == true ]]; then
 fi
 
 # --- 2. the runtime image from the built binaries --------------------------
-# A staging folder as the build context: hard links where possible (same
-# file system), copies otherwise; libtorch's symlinks resolved.
+# A staging folder as the build context: libtorch's libraries hard-linked
+# where possible (same file system), copied otherwise, symlinks resolved.
 staging="$cache_root/image-context"
 rm -rf "$staging"
 mkdir -p "$staging/bin" "$staging/lib"
 for binary in broker target-server drafter-server dflash; do
-  cp -l "$binaries_dir/$binary" "$staging/bin/" 2>/dev/null || cp "$binaries_dir/$binary" "$staging/bin/"
+  # Without debug info (a debug build's is most of its size); as is when
+  # strip is missing.
+  strip --strip-debug -o "$staging/bin/$binary" "$binaries_dir/$binary" 2>/dev/null ||
+    cp "$binaries_dir/$binary" "$staging/bin/"
 done
 for library in "$libtorch_lib"/*; do
   resolved="$(readlink -f "$library")"
@@ -111,13 +114,12 @@ for library in "$libtorch_lib"/*; do
     cp "$resolved" "$staging/lib/$(basename "$library")"
 done
 started=$SECONDS
-# BuildKit skips the compile stage that BINARIES=prebuilt does not use (the
-# classic builder would try to pull its Rust image).
-DOCKER_BUILDKIT=1 docker build --quiet \
+# The classic builder (no buildx here) builds the stages before the target
+# only: runtime-base and prebuilt, never the compile stage.
+DOCKER_BUILDKIT=0 docker build --quiet \
   -f "$repo_root/deploy/Dockerfile" \
-  --build-arg BINARIES=prebuilt \
   --build-arg RUNTIME_IMAGE="$base" \
-  --target runtime \
-  -t "$tag" "$staging" >&2
+  --target prebuilt \
+  -t "$tag" "$staging" >&2 2> >(grep -v -i "deprecat\|legacy builder\|buildx\|BuildKit" >&2)
 log "runtime image $tag built in $((SECONDS - started)) s from $binaries_dir"
 echo "$tag"
