@@ -73,6 +73,7 @@ image: setup
 ## scale-up, SIGKILL, partition, a stopped target, TLS and the token.
 ## Skipped (with a message) where no Docker engine answers.
 check-deploy: setup
+	$(CARGO) build --workspace --bins
 	bash scripts/check-deploy.sh
 
 ## The Kubernetes manifests render (kubectl kustomize) and validate strictly.

@@ -120,6 +120,6 @@ DOCKER_BUILDKIT=0 docker build --quiet \
   -f "$repo_root/deploy/Dockerfile" \
   --build-arg RUNTIME_IMAGE="$base" \
   --target prebuilt \
-  -t "$tag" "$staging" >&2 2> >(grep -v -i "deprecat\|legacy builder\|buildx\|BuildKit" >&2)
+  -t "$tag" "$staging" >&2 2> >(grep -v -i "deprecat\|legacy builder\|buildx\|BuildKit\|environment-variable\|^ *$" >&2)
 log "runtime image $tag built in $((SECONDS - started)) s from $binaries_dir"
 echo "$tag"

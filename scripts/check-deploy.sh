@@ -27,8 +27,8 @@ started_all=$SECONDS
 passed=0
 failed=0
 say() { echo "check-deploy: $*"; }
-pass() { say "ok   $1"; passed=$((passed + 1)); }
-fail() { say "FAIL $1"; failed=$((failed + 1)); }
+pass() { say "ok   [$((SECONDS - started_all)) s] $1"; passed=$((passed + 1)); }
+fail() { say "FAIL [$((SECONDS - started_all)) s] $1"; failed=$((failed + 1)); }
 check() {
   local name="$1"; shift
   if "$@"; then pass "$name"; else fail "$name"; fi
@@ -56,9 +56,10 @@ fi
 # --- binaries, image, tools ---------------------------------------------------
 cd "$repo_root"
 bash scripts/setup-libtorch.sh >/dev/null
-cargo build --quiet --workspace --bins || { fail "cargo build"; summary; exit 1; }
-target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+# The debug binaries (`make check-deploy` builds them first).
+target_dir="${CARGO_TARGET_DIR:-$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')}"
 dflash="$target_dir/debug/dflash"
+[[ -x "$dflash" ]] || { fail "debug binaries in $target_dir/debug (run cargo build --workspace --bins)"; summary; exit 1; }
 image_started=$SECONDS
 image="$(bash scripts/build-image.sh --profile debug --tag dflash-pipeline:check)" ||
   { fail "runtime image builds on the local base"; summary; exit 1; }
@@ -137,7 +138,9 @@ dump_logs() {
 project="dflashcheck$$a"
 projects+=("$project")
 broker_port="$(free_port)"
-samples=1500
+# 200 samples of 128 tokens per target at 200 tokens/s: about two minutes
+# of production, long enough to scale, kill and cut off drafters mid-run.
+samples=1000
 lease_timeout_s=6
 env_file="$work/run1.env"
 cat >"$env_file" <<EOF
@@ -149,14 +152,15 @@ MAX_QUEUE_BYTES=1GiB
 BROKER_PUBLISH=127.0.0.1:$broker_port
 METRICS_PUBLISH=127.0.0.1:$(free_port)
 SYNTHETIC_SAMPLES=$samples
-SYNTHETIC_TOKENS_PER_S=512
+SYNTHETIC_TOKENS_PER_S=200
 SYNTHETIC_MS_PER_1K_TOKENS=50
 TLS_DIR=$tls
 EOF
 files=(-f "$compose_dir/docker-compose.yml" -f "$compose_dir/docker-compose.cpu.yml" -f "$compose_dir/docker-compose.tls.yml")
 run_started=$SECONDS
 compose up -d --scale drafter=3 >"$work/up.log" 2>&1 || { cat "$work/up.log"; fail "compose up (5 targets x 3 drafters)"; summary; exit 1; }
-check "compose up: broker answers over TLS with the token" wait_for 60 status_json
+status_answers() { status_json >/dev/null; }
+check "compose up: broker answers over TLS with the token" wait_for 60 status_answers
 running_with_three() {
   [[ "$(status_value 'sum(1 for d in s["drafters"] if d["connected"])')" == 3 ]] &&
     [[ "$(status_value 's["accepted_items"] > 0 and s["acked_items"] > 0')" == True ]]
@@ -232,7 +236,8 @@ if ((failed > 0)); then dump_logs; fi
 grpc() { "$grpcurl" -cacert "$tls/ca.pem" "$@"; }
 grpc_lists() { grpc "127.0.0.1:$broker_port" list | grep -qx dflash.v1.Broker; }
 check "grpcurl over TLS lists the services (reflection open for grpcurl)" grpc_lists
-refused() { local output; output="$("$@" 2>&1)"; grep -q "Unauthenticated" <<<"$output"; }
+# grpcurl prints the code's name, tonic's Display its description.
+refused() { local output; output="$("$@" 2>&1)"; grep -qE "Unauthenticated|does not have valid authentication credentials" <<<"$output"; }
 grpc_status() { grpc "$@" "127.0.0.1:$broker_port" dflash.v1.Broker/GetStatus; }
 check "grpcurl GetStatus without the token: Unauthenticated" refused grpc_status
 check "grpcurl GetStatus with a wrong token: Unauthenticated" refused grpc_status -H "authorization: Bearer $(cat "$tls/wrong-token")"
