@@ -28,7 +28,7 @@ run: release
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker, the Python client).
-test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli check-python check-k8s
+test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli check-python check-k8s check-deploy
 
 lint:
 	$(CARGO) fmt --all -- --check

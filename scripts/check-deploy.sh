@@ -138,8 +138,9 @@ dump_logs() {
 project="dflashcheck$$a"
 projects+=("$project")
 broker_port="$(free_port)"
-# 200 samples of 128 tokens per target at 200 tokens/s: about two minutes
-# of production, long enough to scale, kill and cut off drafters mid-run.
+# 200 samples of 128 tokens per target at 256 tokens/s in batches of 2:
+# 100 s of steady production, long enough to scale, kill and cut off
+# drafters mid-run.
 samples=1000
 lease_timeout_s=6
 env_file="$work/run1.env"
@@ -152,7 +153,8 @@ MAX_QUEUE_BYTES=1GiB
 BROKER_PUBLISH=127.0.0.1:$broker_port
 METRICS_PUBLISH=127.0.0.1:$(free_port)
 SYNTHETIC_SAMPLES=$samples
-SYNTHETIC_TOKENS_PER_S=200
+SYNTHETIC_TOKENS_PER_S=256
+SYNTHETIC_MAX_BATCH_TOKENS=256
 SYNTHETIC_MS_PER_1K_TOKENS=50
 TLS_DIR=$tls
 EOF
@@ -267,6 +269,7 @@ BROKER_PUBLISH=127.0.0.1:$broker_port
 METRICS_PUBLISH=127.0.0.1:$(free_port)
 SYNTHETIC_SAMPLES=100000
 SYNTHETIC_TOKENS_PER_S=512
+SYNTHETIC_MAX_BATCH_TOKENS=256
 TLS_DIR=$tls
 EOF
 compose up -d --scale drafter=2 >"$work/up2.log" 2>&1 || { cat "$work/up2.log"; fail "compose up (run 2)"; summary; exit 1; }
