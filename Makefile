@@ -8,6 +8,7 @@ CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
 .PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-ops-cli check-python bench build release fmt clean-cache
+.PHONY: image check-deploy check-k8s check-cuda-build
 
 all: build
 
@@ -27,7 +28,7 @@ run: release
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker, the Python client).
-test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli check-python
+test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli check-python check-k8s check-deploy
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -61,3 +62,26 @@ bench: setup
 
 fmt:
 	$(CARGO) fmt --all
+
+## Deployment (deploy/): the runtime image made here from the built binaries
+## on a locally debootstrapped base (no registry needed; the base is made once).
+image: setup
+	$(CARGO) build --workspace --bins
+	bash scripts/build-image.sh --profile debug
+
+## The compose deployment with real containers: 5 targets x 3 drafters,
+## scale-up, SIGKILL, partition, a stopped target, TLS and the token.
+## Skipped (with a message) where no Docker engine answers.
+check-deploy: setup
+	$(CARGO) build --workspace --bins
+	bash scripts/check-deploy.sh
+
+## The Kubernetes manifests render (kubectl kustomize) and validate strictly.
+check-k8s:
+	bash scripts/check-k8s.sh
+
+## The CUDA variant links libtorch_cuda and fails clearly without a GPU.
+## Not in `test`: the first run fetches the CUDA wheels (GBs) and compiles tch.
+check-cuda-build: setup
+	$(CARGO) build --workspace --bins
+	bash scripts/check-cuda-build.sh

@@ -99,6 +99,10 @@ pub struct BrokerConfig {
     /// The shared draft model (`ModelSync` service).
     #[command(flatten)]
     pub model_sync: crate::model_sync::ModelSyncConfig,
+
+    /// TLS, mutual TLS and the bearer token (`auth`).
+    #[command(flatten)]
+    pub security: crate::auth::BrokerSecurity,
 }
 
 impl BrokerConfig {
@@ -119,6 +123,7 @@ impl BrokerConfig {
             keepalive_timeout: Duration::from_secs(20),
             metrics_listen: None,
             model_sync: crate::model_sync::ModelSyncConfig::default(),
+            security: crate::auth::BrokerSecurity::none(),
         }
     }
 

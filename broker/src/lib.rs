@@ -9,6 +9,8 @@
 //!   or clock in it (time comes in as an argument). Unit and property tests
 //!   live beside it.
 //! - `config`: flags with environment fallbacks, and their validation.
+//! - `auth`: TLS (optionally mutual) and the bearer token checked on every
+//!   RPC, from files or the environment; the token is never printed.
 //! - `convert`: queue types ↔ `dflash.v1` messages; queue errors → status codes.
 //! - `service`: the tonic `Broker` implementation, a thin adapter that runs
 //!   queue operations under one lock and routes effects to streams.
@@ -25,6 +27,7 @@
 //!
 //! Must not depend on libtorch or any model code.
 
+pub mod auth;
 pub mod config;
 pub mod convert;
 pub mod metrics;

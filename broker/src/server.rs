@@ -10,6 +10,7 @@ use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Server;
 use tonic_health::ServingStatus;
 use tracing::{info, warn};
@@ -32,6 +33,8 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error("grpc server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error(transparent)]
+    Security(#[from] crate::auth::SecurityError),
     #[error("model sync: {0}")]
     ModelSync(#[from] crate::model_sync::checkpoint::CheckpointError),
     #[error("cannot listen for metrics on {address}: {source}")]
@@ -75,6 +78,7 @@ pub async fn serve_with_metrics(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     config.validate()?;
+    let security = config.security.load()?;
     let internal = CancellationToken::new();
     let shared = Shared::new(config.clone(), internal.clone());
     let service = BrokerService::new(shared.clone());
@@ -116,25 +120,51 @@ pub async fn serve_with_metrics(
         ))
     });
     let local_address = listener.local_addr().ok();
-    info!(address = ?local_address, expected_targets = config.expected_targets, "broker listening");
+    info!(
+        address = ?local_address,
+        expected_targets = config.expected_targets,
+        tls = security.tls.is_some(),
+        token = security.token.is_some(),
+        "broker listening"
+    );
 
     let server_stop = CancellationToken::new();
-    let server = Server::builder()
+    let mut builder = Server::builder();
+    if let Some(tls) = security.tls.clone() {
+        builder = builder.tls_config(tls)?;
+    }
+    // Every service sits behind the token check (a no-op without a token,
+    // or for a service the operator exempts).
+    let broker_check = security.check(false);
+    let server = builder
         .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .max_frame_size(Some(1 << 20))
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
         .tcp_nodelay(true)
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(model_sync.server())
-        .add_service(
+        .add_service(InterceptedService::new(
+            health_service,
+            security.check(security.health_open),
+        ))
+        .add_service(InterceptedService::new(
+            reflection_v1,
+            security.check(security.reflection_open),
+        ))
+        .add_service(InterceptedService::new(
+            reflection_v1alpha,
+            security.check(security.reflection_open),
+        ))
+        .add_service(InterceptedService::new(
+            model_sync.server(),
+            broker_check.clone(),
+        ))
+        .add_service(InterceptedService::new(
             BrokerServer::new(service)
                 .max_decoding_message_size(message_limit)
                 .max_encoding_message_size(message_limit),
-        )
+            broker_check,
+        ))
         .serve_with_incoming_shutdown(
             // tonic applies `tcp_nodelay` only to sockets it binds itself:
             // set it on each accepted socket, or Nagle's algorithm holds

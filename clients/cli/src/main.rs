@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use dflash_cli::top;
 #[cfg(feature = "model")]
 use dflash_cli::{demo, local};
-use dflash_client::{BrokerClient, ClientOptions};
+use dflash_client::{BrokerClient, ClientSecurityArgs};
 #[cfg(feature = "model")]
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +35,8 @@ enum Command {
         broker: String,
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        security: ClientSecurityArgs,
     },
     /// Live view of every target and drafter, redrawn in place; idle devices stand out.
     Top {
@@ -43,6 +45,22 @@ enum Command {
         /// Redraw interval in milliseconds.
         #[arg(long, default_value_t = 1000)]
         interval_ms: u64,
+        #[command(flatten)]
+        security: ClientSecurityArgs,
+    },
+    /// gRPC health check of the broker (grpc.health.v1): exits 0 when the
+    /// service is SERVING, 1 otherwise (container health checks, probes).
+    Health {
+        #[arg(long, env = "DFLASH_BROKER", default_value = "http://127.0.0.1:50051")]
+        broker: String,
+        /// The service to check; "" is the whole server.
+        #[arg(long, default_value = "dflash.v1.Broker")]
+        service: String,
+        /// Give up after this many milliseconds.
+        #[arg(long, default_value_t = 3000)]
+        timeout_ms: u64,
+        #[command(flatten)]
+        security: ClientSecurityArgs,
     },
     /// Speculative decoding with a trained drafter; prints the mean acceptance length τ.
     #[cfg(feature = "model")]
@@ -73,10 +91,41 @@ enum Command {
     },
 }
 
-async fn connect(broker: &str) -> anyhow::Result<BrokerClient> {
-    BrokerClient::connect(broker.to_string(), ClientOptions::default())
+async fn connect(broker: &str, security: &ClientSecurityArgs) -> anyhow::Result<BrokerClient> {
+    BrokerClient::connect(broker.to_string(), security.client_options()?)
         .await
         .with_context(|| format!("connecting to the broker at {broker}"))
+}
+
+/// `dflash health`: one grpc.health.v1 Check, bounded in time.
+async fn health(
+    broker: &str,
+    service: &str,
+    timeout: Duration,
+    security: &ClientSecurityArgs,
+) -> anyhow::Result<()> {
+    let check = async {
+        let mut options = security.client_options()?;
+        options.connect_timeout = timeout;
+        let channel = dflash_client::connect_channel(broker, &options).await?;
+        let response = tonic_health::pb::health_client::HealthClient::new(channel)
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.to_string(),
+            })
+            .await
+            .with_context(|| format!("health check of {service:?} at {broker}"))?;
+        anyhow::Ok(response.into_inner().status)
+    };
+    let status = tokio::time::timeout(timeout, check).await.map_err(|_| {
+        anyhow::anyhow!("health check of {service:?} at {broker}: no answer within {timeout:?}")
+    })??;
+    let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+    anyhow::ensure!(
+        status == serving,
+        "{service:?} at {broker} is not serving (status {status})"
+    );
+    println!("{service:?} at {broker}: SERVING");
+    Ok(())
 }
 
 #[tokio::main]
@@ -103,8 +152,12 @@ async fn main() -> anyhow::Result<()> {
                 std::process::exit(1);
             }
         }
-        Command::Status { broker, json } => {
-            let snapshot = connect(&broker).await?.status().await?;
+        Command::Status {
+            broker,
+            json,
+            security,
+        } => {
+            let snapshot = connect(&broker, &security).await?.status().await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&snapshot)?);
             } else {
@@ -117,8 +170,9 @@ async fn main() -> anyhow::Result<()> {
         Command::Top {
             broker,
             interval_ms,
+            security,
         } => {
-            let client = connect(&broker).await?;
+            let client = connect(&broker, &security).await?;
             let mut stream = client
                 .watch_status(Duration::from_millis(interval_ms))
                 .await?;
@@ -133,6 +187,20 @@ async fn main() -> anyhow::Result<()> {
                     },
                 }
             }
+        }
+        Command::Health {
+            broker,
+            service,
+            timeout_ms,
+            security,
+        } => {
+            health(
+                &broker,
+                &service,
+                Duration::from_millis(timeout_ms),
+                &security,
+            )
+            .await?
         }
         #[cfg(feature = "model")]
         Command::Eval {

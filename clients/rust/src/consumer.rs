@@ -5,7 +5,6 @@
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
 use tokio::sync::mpsc;
-use tonic::transport::Channel;
 
 use crate::ClientError;
 
@@ -87,7 +86,7 @@ impl std::fmt::Debug for Consumer {
 
 impl Consumer {
     pub(crate) async fn open(
-        mut client: GeneratedClient<Channel>,
+        mut client: GeneratedClient<crate::AuthChannel>,
         drafter_id: &str,
         credit: proto::Credit,
     ) -> Result<Self, ClientError> {

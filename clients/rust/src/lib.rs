@@ -10,20 +10,24 @@
 //!   bounded window of unanswered items.
 //! - `consumer`: [`Consumer`] and its cloneable [`ConsumerHandle`] for acks,
 //!   nacks, credit and stats from any thread.
+//! - `security`: TLS, mutual TLS and the bearer token of every connection
+//!   ([`ClientSecurityArgs`], the flags every client role shares).
 //!
 //! Depends only on `dflash-proto` and tonic; no model code.
 
 mod consumer;
 mod producer;
+pub mod security;
 
 use std::time::Duration;
 
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 pub use consumer::{Consumer, ConsumerEvent, ConsumerHandle};
 pub use producer::{ProduceReport, Producer};
+pub use security::{AuthChannel, ClientSecurity, ClientSecurityArgs};
 
 /// Errors of the client, each naming what failed.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +42,8 @@ pub enum ClientError {
         address: String,
         source: tonic::transport::Error,
     },
+    #[error(transparent)]
+    Security(#[from] security::SecurityError),
     #[error("broker call {call} failed: {status}")]
     Call {
         call: &'static str,
@@ -71,6 +77,8 @@ pub struct ClientOptions {
     pub keepalive_timeout: Duration,
     /// Items a producer may have sent and not yet had answered.
     pub producer_window_items: usize,
+    /// TLS and the bearer token (none by default).
+    pub security: ClientSecurity,
 }
 
 impl Default for ClientOptions {
@@ -83,6 +91,7 @@ impl Default for ClientOptions {
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),
             producer_window_items: 16,
+            security: ClientSecurity::default(),
         }
     }
 }
@@ -94,7 +103,7 @@ impl Default for ClientOptions {
 pub struct BrokerClient {
     address: String,
     options: ClientOptions,
-    client: GeneratedClient<Channel>,
+    client: GeneratedClient<AuthChannel>,
 }
 
 impl BrokerClient {
@@ -120,26 +129,8 @@ impl BrokerClient {
     async fn open_channel(
         address: &str,
         options: &ClientOptions,
-    ) -> Result<GeneratedClient<Channel>, ClientError> {
-        let endpoint = Endpoint::from_shared(address.to_string())
-            .map_err(|source| ClientError::InvalidAddress {
-                address: address.to_string(),
-                source,
-            })?
-            .connect_timeout(options.connect_timeout)
-            .initial_stream_window_size(Some(options.stream_window_bytes))
-            .initial_connection_window_size(Some(options.connection_window_bytes))
-            .http2_keep_alive_interval(options.keepalive_interval)
-            .keep_alive_timeout(options.keepalive_timeout)
-            .keep_alive_while_idle(true)
-            .tcp_nodelay(true);
-        let channel = endpoint
-            .connect()
-            .await
-            .map_err(|source| ClientError::Connect {
-                address: address.to_string(),
-                source,
-            })?;
+    ) -> Result<GeneratedClient<AuthChannel>, ClientError> {
+        let channel = connect_channel(address, options).await?;
         Ok(GeneratedClient::new(channel)
             .max_decoding_message_size(options.max_message_bytes)
             .max_encoding_message_size(options.max_message_bytes))
@@ -212,4 +203,33 @@ impl BrokerClient {
         let client = Self::open_channel(&self.address, &self.options).await?;
         Consumer::open(client, drafter_id, credit).await
     }
+}
+
+/// A channel to `address` with `options`' transport settings, TLS and token:
+/// for other services on the broker's port (health, model sync).
+pub async fn connect_channel(
+    address: &str,
+    options: &ClientOptions,
+) -> Result<AuthChannel, ClientError> {
+    let endpoint = Endpoint::from_shared(address.to_string())
+        .map_err(|source| ClientError::InvalidAddress {
+            address: address.to_string(),
+            source,
+        })?
+        .connect_timeout(options.connect_timeout)
+        .initial_stream_window_size(Some(options.stream_window_bytes))
+        .initial_connection_window_size(Some(options.connection_window_bytes))
+        .http2_keep_alive_interval(options.keepalive_interval)
+        .keep_alive_timeout(options.keepalive_timeout)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true);
+    let endpoint = options.security.apply(endpoint, address)?;
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|source| ClientError::Connect {
+            address: address.to_string(),
+            source,
+        })?;
+    Ok(options.security.wrap(channel))
 }

@@ -8,7 +8,6 @@ use dflash_proto::v1 as proto;
 use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
 use tokio::sync::{mpsc, Mutex, Semaphore};
 use tokio::task::JoinHandle;
-use tonic::transport::Channel;
 
 use crate::ClientError;
 
@@ -44,7 +43,7 @@ pub struct Producer {
 
 impl Producer {
     pub(crate) async fn open(
-        mut client: GeneratedClient<Channel>,
+        mut client: GeneratedClient<crate::AuthChannel>,
         target_id: &str,
         window_items: usize,
     ) -> Result<Self, ClientError> {

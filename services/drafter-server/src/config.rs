@@ -251,6 +251,10 @@ pub struct DrafterServerConfig {
     /// The exchange with the broker's shared draft model.
     #[command(flatten)]
     pub model_sync: crate::model_sync::SyncConfig,
+
+    /// TLS and the broker's bearer token.
+    #[command(flatten)]
+    pub security: dflash_client::ClientSecurityArgs,
 }
 
 /// A configuration that cannot work, naming the flag.
@@ -406,6 +410,7 @@ impl DrafterServerConfig {
             legacy: LegacyMillisecondFlags::default(),
             metrics_listen: None,
             model_sync: crate::model_sync::SyncConfig::default(),
+            security: dflash_client::ClientSecurityArgs::default(),
         }
     }
 }

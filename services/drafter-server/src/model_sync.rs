@@ -132,6 +132,8 @@ pub struct ModelSyncLink {
     drafter_id: String,
     config: SyncConfig,
     session: Option<Session>,
+    /// TLS and the bearer token of the sync connection (as the Consume one).
+    security: dflash_client::ClientSecurityArgs,
     /// The center version the weights started from and a copy of it (f32,
     /// on the model's device, sorted by name); `None` until joined.
     base: Option<(u64, Vec<(String, Tensor)>)>,
@@ -155,12 +157,19 @@ impl ModelSyncLink {
             drafter_id: drafter_id.to_string(),
             config: config.clone(),
             session: None,
+            security: dflash_client::ClientSecurityArgs::default(),
             base: None,
             steps_since_sync: 0,
             samples_since_sync: 0,
             tokens_since_sync: 0,
             totals: SyncTotals::default(),
         })
+    }
+
+    /// Connects with this TLS and token (the broker's flags of the drafter).
+    pub fn with_security(mut self, security: dflash_client::ClientSecurityArgs) -> Self {
+        self.security = security;
+        self
     }
 
     fn timeout(&self) -> Duration {
@@ -316,7 +325,8 @@ impl ModelSyncLink {
             model_config_json: config_json,
         };
         let timeout = self.timeout();
-        let session = self.block_on(timeout, open(broker, hello))?;
+        let security = self.security.clone();
+        let session = self.block_on(timeout, open(broker, hello, security))?;
         Ok(self.session.insert(session))
     }
 
@@ -349,22 +359,32 @@ impl ModelSyncLink {
     }
 }
 
-async fn open(broker: String, hello: proto::SyncHello) -> Result<Session, SyncClientError> {
+async fn open(
+    broker: String,
+    hello: proto::SyncHello,
+    security: dflash_client::ClientSecurityArgs,
+) -> Result<Session, SyncClientError> {
     let connect_error = |detail: String| SyncClientError::Connect {
         address: broker.clone(),
         detail,
     };
-    let channel = Endpoint::from_shared(broker.clone())
+    let security = security
+        .load()
+        .map_err(|error| connect_error(error.to_string()))?;
+    let endpoint = Endpoint::from_shared(broker.clone())
         .map_err(|error| connect_error(error.to_string()))?
         .initial_stream_window_size(Some(16 << 20))
         .initial_connection_window_size(Some(64 << 20))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(20))
-        .tcp_nodelay(true)
+        .tcp_nodelay(true);
+    let channel = security
+        .apply(endpoint, &broker)
+        .map_err(|error| connect_error(error.to_string()))?
         .connect()
         .await
         .map_err(|error| connect_error(error.to_string()))?;
-    let mut client = ModelSyncClient::new(channel)
+    let mut client = ModelSyncClient::new(security.wrap(channel))
         .max_decoding_message_size(MESSAGE_LIMIT_BYTES)
         .max_encoding_message_size(MESSAGE_LIMIT_BYTES);
     let (requests, receiver) = mpsc::channel(4);

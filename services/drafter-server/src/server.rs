@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dflash_client::{BrokerClient, ClientOptions, Consumer, ConsumerEvent, ConsumerHandle};
+use dflash_client::{BrokerClient, Consumer, ConsumerEvent, ConsumerHandle};
 use dflash_proto::v1::{ConsumerStats, Credit, EndOfStream, NackDisposition, RunStatus};
 use dflash_telemetry::{Registry, RegistryError};
 use tokio::net::TcpListener;
@@ -248,7 +248,8 @@ async fn run_session(
         &config.broker,
         &config.drafter_id,
         &config.model_sync,
-    );
+    )
+    .map(|link| link.with_security(config.security.clone()));
     let initial_total_steps = config.total_steps.unwrap_or(config.fallback_total_steps);
     let trainer_thread = std::thread::Builder::new()
         .name(format!("trainer-{}", config.drafter_id))
@@ -341,9 +342,8 @@ impl Session {
         let mut backoff = Duration::from_millis(100);
         loop {
             let attempt = async {
-                let client =
-                    BrokerClient::connect(self.config.broker.clone(), ClientOptions::default())
-                        .await?;
+                let options = self.config.security.client_options()?;
+                let client = BrokerClient::connect(self.config.broker.clone(), options).await?;
                 let consumer = client.consume(&self.config.drafter_id, self.credit).await?;
                 Ok::<_, dflash_client::ClientError>((client, consumer))
             };

@@ -206,6 +206,10 @@ pub struct TargetServerConfig {
     /// `0.0.0.0:9091`; off when unset.
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
+
+    /// TLS and the broker's bearer token.
+    #[command(flatten)]
+    pub security: dflash_client::ClientSecurityArgs,
 }
 
 impl TargetServerConfig {
@@ -238,6 +242,7 @@ impl TargetServerConfig {
             log_format: dflash_telemetry::LogFormat::Text,
             finish_timeout: Duration::from_secs(120),
             metrics_listen: None,
+            security: dflash_client::ClientSecurityArgs::default(),
         }
     }
 

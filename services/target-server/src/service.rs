@@ -13,7 +13,7 @@ use crate::reader::{
 };
 use crate::sender::ResilientProducer;
 use crate::shard::{resolve_shard, ShardError, ShardSpec};
-use dflash_client::{BrokerClient, ClientError, ClientOptions};
+use dflash_client::{BrokerClient, ClientError};
 use dflash_model::target::{build_target_layer_ids, TargetModel};
 use dflash_model::ModelError;
 use dflash_proto::v1::ProducerStats;
@@ -387,7 +387,10 @@ async fn run_with_threads(
     loaded_receiver: tokio::sync::oneshot::Receiver<Result<BackendInfo, TargetServerError>>,
     metrics: &TargetMetrics,
 ) -> Result<(TargetReport, BrokerClient), TargetServerError> {
-    let options = ClientOptions::default();
+    let options = config
+        .security
+        .client_options()
+        .map_err(dflash_client::ClientError::from)?;
     let window = options.producer_window_items;
     let client = BrokerClient::connect(config.broker.clone(), options).await?;
     let status = client.status().await?;

@@ -1,0 +1,359 @@
+//! Transport security of the broker: TLS on the gRPC port when a
+//! certificate is given (mutual TLS when a client CA is given too), and a
+//! bearer token that every RPC must carry when one is configured.
+//!
+//! The token comes from `--token-file` (a Kubernetes Secret mounts as a
+//! file) or from the `DFLASH_TOKEN` environment variable, read directly so
+//! that clap never shows its value in `--help`; [`Token`]'s `Debug` prints
+//! its length only, so no log or error ever holds it. A call without the
+//! token or with a wrong one is refused with UNAUTHENTICATED by an
+//! interceptor in front of the service, before any handler runs, so it
+//! changes nothing. Health and reflection stay open for probes and grpcurl
+//! unless `--token-exempt none` says otherwise.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::{Args, ValueEnum};
+use tonic::service::Interceptor;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use tracing::warn;
+
+/// The environment variable that may hold the token itself.
+pub const TOKEN_ENV: &str = "DFLASH_TOKEN";
+
+/// A configured security value that cannot be used, naming the flag and file.
+#[derive(Debug, thiserror::Error)]
+pub enum SecurityError {
+    #[error("{flag} {path}: {source}")]
+    Read {
+        flag: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{origin} holds an empty token")]
+    EmptyToken { origin: String },
+    #[error("the token is given twice (--token-file {path} and {TOKEN_ENV}): keep one")]
+    TokenTwice { path: PathBuf },
+    #[error("{0}")]
+    Flags(String),
+}
+
+/// A bearer token. Compared in constant time; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(Arc<str>);
+
+impl Token {
+    /// The token from `text`, surrounding whitespace (a file's trailing
+    /// newline) removed.
+    pub fn new(text: &str, origin: &str) -> Result<Token, SecurityError> {
+        let trimmed = text.trim();
+        if trimmed.is_empty() {
+            return Err(SecurityError::EmptyToken {
+                origin: origin.to_string(),
+            });
+        }
+        Ok(Token(Arc::from(trimmed)))
+    }
+
+    /// The value, for the `authorization` header only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `candidate` is this token, in time independent of where they
+    /// differ.
+    pub fn matches(&self, candidate: &[u8]) -> bool {
+        let expected = self.0.as_bytes();
+        let mut difference = expected.len() ^ candidate.len();
+        for (index, byte) in expected.iter().enumerate() {
+            let other = candidate.get(index).copied().unwrap_or(!*byte);
+            difference |= usize::from(byte ^ other);
+        }
+        difference == 0
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(formatter, "Token(<redacted, {} bytes>)", self.0.len())
+    }
+}
+
+/// Reads the token from `token_file`, else from `DFLASH_TOKEN`; `None` when
+/// neither is set. Both set is an error (which one wins would be a guess).
+pub fn load_token(token_file: Option<&Path>) -> Result<Option<Token>, SecurityError> {
+    let from_env = std::env::var(TOKEN_ENV)
+        .ok()
+        .filter(|value| !value.is_empty());
+    match (token_file, from_env) {
+        (Some(path), Some(_)) => Err(SecurityError::TokenTwice {
+            path: path.to_path_buf(),
+        }),
+        (Some(path), None) => {
+            let text = std::fs::read_to_string(path).map_err(|source| SecurityError::Read {
+                flag: "--token-file",
+                path: path.to_path_buf(),
+                source,
+            })?;
+            Token::new(&text, &format!("--token-file {}", path.display())).map(Some)
+        }
+        (None, Some(value)) => Token::new(&value, TOKEN_ENV).map(Some),
+        (None, None) => Ok(None),
+    }
+}
+
+/// Reads a PEM file named by `flag`.
+pub fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, SecurityError> {
+    std::fs::read(path).map_err(|source| SecurityError::Read {
+        flag,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The services a caller may use without the token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TokenExempt {
+    /// `grpc.health.v1.Health` (Kubernetes gRPC probes, compose health checks).
+    Health,
+    /// Server reflection v1 and v1alpha (grpcurl `list`/`describe`).
+    Reflection,
+    /// Nothing: every service needs the token.
+    None,
+}
+
+/// The broker's TLS and token flags.
+#[derive(Debug, Clone, Default, Args)]
+pub struct BrokerSecurity {
+    /// PEM certificate (chain) the broker presents. With --tls-key the gRPC
+    /// port speaks TLS only.
+    #[arg(long, env = "DFLASH_BROKER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "DFLASH_BROKER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA bundle for mutual TLS: every client must present a
+    /// certificate signed by it.
+    #[arg(long, env = "DFLASH_BROKER_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// File holding the bearer token every RPC must carry
+    /// (`authorization: Bearer <token>`). The DFLASH_TOKEN environment
+    /// variable may hold the token instead. No token: no check.
+    #[arg(long, env = "DFLASH_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+
+    /// Services reachable without the token (comma-separated: health,
+    /// reflection, or none).
+    #[arg(
+        long,
+        env = "DFLASH_TOKEN_EXEMPT",
+        value_enum,
+        value_delimiter = ',',
+        default_values = ["health", "reflection"]
+    )]
+    pub token_exempt: Vec<TokenExempt>,
+}
+
+/// The security the server applies, resolved from [`BrokerSecurity`].
+#[derive(Debug, Clone, Default)]
+pub struct ServerSecurity {
+    pub tls: Option<ServerTlsConfig>,
+    pub token: Option<Token>,
+    pub health_open: bool,
+    pub reflection_open: bool,
+}
+
+impl BrokerSecurity {
+    /// No TLS, no token (tests and `dflash local`).
+    pub fn none() -> Self {
+        BrokerSecurity {
+            token_exempt: vec![TokenExempt::Health, TokenExempt::Reflection],
+            ..BrokerSecurity::default()
+        }
+    }
+
+    /// Reads the files and the environment.
+    pub fn load(&self) -> Result<ServerSecurity, SecurityError> {
+        if self.token_exempt.contains(&TokenExempt::None) && self.token_exempt.len() > 1 {
+            return Err(SecurityError::Flags(format!(
+                "--token-exempt none cannot be combined with other services, got {:?}",
+                self.token_exempt
+            )));
+        }
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                let identity =
+                    Identity::from_pem(read_pem("--tls-cert", cert)?, read_pem("--tls-key", key)?);
+                let mut tls = ServerTlsConfig::new().identity(identity);
+                if let Some(ca) = &self.tls_client_ca {
+                    tls =
+                        tls.client_ca_root(Certificate::from_pem(read_pem("--tls-client-ca", ca)?));
+                }
+                Some(tls)
+            }
+            (None, None) if self.tls_client_ca.is_some() => {
+                return Err(SecurityError::Flags(
+                    "--tls-client-ca needs --tls-cert and --tls-key".to_string(),
+                ))
+            }
+            (None, None) => None,
+            _ => {
+                return Err(SecurityError::Flags(
+                    "--tls-cert and --tls-key go together".to_string(),
+                ))
+            }
+        };
+        Ok(ServerSecurity {
+            tls,
+            token: load_token(self.token_file.as_deref())?,
+            health_open: self.token_exempt.contains(&TokenExempt::Health),
+            reflection_open: self.token_exempt.contains(&TokenExempt::Reflection),
+        })
+    }
+}
+
+impl ServerSecurity {
+    /// The check for a service: the token when one is configured and the
+    /// service is not exempt.
+    pub fn check(&self, exempt: bool) -> TokenCheck {
+        TokenCheck {
+            token: if exempt { None } else { self.token.clone() },
+        }
+    }
+}
+
+/// The interceptor in front of each service: with a token configured, a
+/// call whose `authorization` metadata is not `Bearer <token>` is refused
+/// with UNAUTHENTICATED before the handler sees it.
+#[derive(Debug, Clone)]
+pub struct TokenCheck {
+    token: Option<Token>,
+}
+
+impl Interceptor for TokenCheck {
+    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let Some(token) = &self.token else {
+            return Ok(request);
+        };
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .map(|value| value.as_bytes())
+            .and_then(|value| value.strip_prefix(b"Bearer "));
+        match presented {
+            Some(candidate) if token.matches(candidate) => Ok(request),
+            Some(_) => {
+                warn!(peer = ?request.remote_addr(), "refused a call with a wrong token");
+                Err(tonic::Status::unauthenticated("wrong bearer token"))
+            }
+            None => {
+                warn!(peer = ?request.remote_addr(), "refused a call without a bearer token");
+                Err(tonic::Status::unauthenticated(
+                    "missing bearer token (authorization: Bearer <token>)",
+                ))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_matches_only_itself_and_never_prints() {
+        let token = Token::new(" s3cret\n", "test").unwrap();
+        assert!(token.matches(b"s3cret"));
+        assert!(!token.matches(b"s3cre"));
+        assert!(!token.matches(b"s3cret!"));
+        assert!(!token.matches(b"S3cret"));
+        assert!(!token.matches(b""));
+        let printed = format!("{token:?} {:?}", Some(token.clone()));
+        assert!(!printed.contains("s3cret"), "{printed}");
+        assert!(Token::new(" \n", "the file").is_err());
+    }
+
+    #[test]
+    fn interceptor_refuses_missing_and_wrong_tokens() {
+        let security = ServerSecurity {
+            token: Some(Token::new("right", "test").unwrap()),
+            ..ServerSecurity::default()
+        };
+        let call = |header: Option<&str>, exempt: bool| {
+            let mut request = tonic::Request::new(());
+            if let Some(header) = header {
+                request
+                    .metadata_mut()
+                    .insert("authorization", header.parse().unwrap());
+            }
+            security.check(exempt).call(request).map(|_| ())
+        };
+        assert!(call(Some("Bearer right"), false).is_ok());
+        for refused in [
+            None,
+            Some("Bearer wrong"),
+            Some("right"),
+            Some("Basic right"),
+        ] {
+            let status = call(refused, false).unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Unauthenticated, "{refused:?}");
+            assert!(!status.message().contains("right"), "{}", status.message());
+        }
+        assert!(call(None, true).is_ok());
+    }
+
+    #[test]
+    fn flags_parse_with_their_defaults() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            security: BrokerSecurity,
+        }
+        let cli = Cli::try_parse_from(["broker"]).unwrap();
+        assert_eq!(
+            cli.security.token_exempt,
+            vec![TokenExempt::Health, TokenExempt::Reflection]
+        );
+        assert_eq!(cli.security.tls_cert, None);
+        let cli = Cli::try_parse_from(["broker", "--token-exempt", "none"]).unwrap();
+        assert_eq!(cli.security.token_exempt, vec![TokenExempt::None]);
+        let cli = Cli::try_parse_from(["broker", "--token-exempt", "health"]).unwrap();
+        let loaded = cli.security.load().unwrap();
+        assert!(loaded.health_open && !loaded.reflection_open);
+        assert!(Cli::try_parse_from(["broker", "--tls-cert", "cert.pem"]).is_err());
+        let mixed = BrokerSecurity {
+            token_exempt: vec![TokenExempt::None, TokenExempt::Health],
+            ..BrokerSecurity::none()
+        };
+        assert!(mixed
+            .load()
+            .unwrap_err()
+            .to_string()
+            .contains("--token-exempt none"));
+    }
+
+    #[test]
+    fn half_a_key_pair_is_refused_with_the_flag() {
+        let security = BrokerSecurity {
+            tls_cert: Some(PathBuf::from("/nonexistent/cert.pem")),
+            ..BrokerSecurity::none()
+        };
+        let error = security.load().unwrap_err().to_string();
+        assert!(error.contains("--tls-cert and --tls-key"), "{error}");
+        let security = BrokerSecurity {
+            tls_cert: Some(PathBuf::from("/nonexistent/cert.pem")),
+            tls_key: Some(PathBuf::from("/nonexistent/key.pem")),
+            ..BrokerSecurity::none()
+        };
+        let error = security.load().unwrap_err().to_string();
+        assert!(
+            error.starts_with("--tls-cert /nonexistent/cert.pem"),
+            "{error}"
+        );
+    }
+}

