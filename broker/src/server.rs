@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dflash_proto::v1::broker_server::BrokerServer;
 use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -16,13 +15,10 @@ use tracing::{info, warn};
 
 use crate::config::{BrokerConfig, ConfigError};
 use crate::service::{BrokerService, Shared};
+use crate::zero_copy::BrokerRoutes;
+use dflash_proto::v1::broker_server::BrokerServer;
 
-/// HTTP/2 windows sized for hidden-state payloads of tens of MiB: the
-/// defaults (about 1 MB) would stall each stream on round trips.
-pub const STREAM_WINDOW_BYTES: u32 = 64 << 20;
-pub const CONNECTION_WINDOW_BYTES: u32 = 256 << 20;
-/// Room for the proto framing around the largest payload.
-pub const MESSAGE_OVERHEAD_BYTES: u64 = 1 << 20;
+use dflash_proto::transport::{CONNECTION_WINDOW_BYTES, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -81,8 +77,7 @@ pub async fn serve_with_metrics(
     let model_sync =
         crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
     shared.set_model_sync(model_sync.clone());
-    let message_limit =
-        usize::try_from(config.max_item_bytes + MESSAGE_OVERHEAD_BYTES).unwrap_or(usize::MAX);
+    let message_limit = dflash_proto::transport::message_limit_bytes(config.max_item_bytes);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -122,7 +117,7 @@ pub async fn serve_with_metrics(
     let server = Server::builder()
         .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
-        .max_frame_size(Some(1 << 20))
+        .max_frame_size(Some(MAX_FRAME_BYTES))
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
         .tcp_nodelay(true)
@@ -130,11 +125,7 @@ pub async fn serve_with_metrics(
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
         .add_service(model_sync.server())
-        .add_service(
-            BrokerServer::new(service)
-                .max_decoding_message_size(message_limit)
-                .max_encoding_message_size(message_limit),
-        )
+        .add_service(BrokerRoutes::new(service, message_limit))
         .serve_with_incoming_shutdown(
             // tonic applies `tcp_nodelay` only to sockets it binds itself:
             // set it on each accepted socket, or Nagle's algorithm holds
