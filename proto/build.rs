@@ -46,6 +46,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "#[serde(serialize_with = \"crate::json::target_state\")]",
         )
         .bytes(".")
+        // prost encoding into one exact-size buffer (src/codec.rs): no
+        // reallocation copying a payload when small fields follow it.
+        .codec_path("crate::codec::ExactCodec")
         .file_descriptor_set_path(&descriptor_path)
         .compile_fds(descriptors)?;
     Ok(())

@@ -1,30 +1,55 @@
-//! Broker throughput next to a plain TCP relay, and end-of-stream latency.
+//! The broker at wire speed: throughput next to a plain TCP relay, minor
+//! page faults and CPU per GiB moved, end-of-stream latency with many
+//! drafters, and many small items through one broker.
 //!
-//! `cargo bench -p dflash-broker --bench throughput` (add `-- --quick` for a
-//! short run). Prints, for 1 MiB and 16 MiB items with 1 and 4 producers and
-//! consumers: the broker's GB/s (producer send → drafter ack), a plain TCP
-//! relay's GB/s moving the same bytes producer → relay → consumer in the same
-//! process, and their ratio; then the end-of-stream latency (last ReportDone
-//! is sent → every drafter has end-of-stream), p50 and p99.
+//! `cargo bench -p dflash-broker --bench throughput` (`make bench`); add
+//! `-- --quick` for a short run. Prints:
+//! 1. For 1 MiB and 16 MiB items with 1×1 and 4×4 producers × consumers: the
+//!    broker's GB/s (first send → last delivery received), a plain TCP
+//!    store-and-forward relay's GB/s moving the same bytes, their ratio, and
+//!    the relaying process's minor page faults and CPU seconds per GiB.
+//! 2. End-of-stream latency (last ReportDone sent → every drafter has
+//!    end-of-stream), p50 and p99, with 4, 64 and 256 drafters.
+//! 3. 64 targets × 64 drafters with 64 KiB items: items/s and CPU µs per
+//!    item of the broker process and of the client process, separately.
+//! 4. The seed's scenario: 5 synthetic targets × 3 synthetic drafters, with
+//!    rates chosen so the drafters are the bottleneck, through the shared
+//!    queue and under a static round-robin assignment (target i → drafter
+//!    i mod 3, emulated with one broker per drafter): throughput and each
+//!    drafter's busy fraction over the time it had data coming.
 //!
-//! Everything runs on loopback in one process, so on a 2-core machine the
-//! producers, the relay/broker and the consumers share the same cores: the
-//! relay is the physical limit of any relaying broker on that machine.
+//! Fairness: the broker and the relay each run as their own process (the
+//! broker binary, and this bench re-executed with `--serve-relay`), and the
+//! same client process drives both. The relay is what any relaying broker
+//! must at least do: read a length-prefixed item from a producer's socket
+//! into a buffer, hold it in a shared FIFO, and write it to whichever
+//! consumer socket is free. Its clients do what the broker's clients must:
+//! the producer writes each item from memory, the consumer reads each one
+//! into a fresh buffer and answers with an 8-byte acknowledgement that the
+//! relay reads. What the relay does not do (the broker's price for its
+//! guarantees): gRPC framing, HTTP/2 flow control, leases and the ledger.
+//!
+//! On a 2-core machine the clients and the relaying process share the
+//! cores; the ratio is what matters, not the absolute GB/s.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dflash_broker::BrokerConfig;
 use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
 use dflash_proto::v1 as proto;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Mutex};
-use tokio_util::sync::CancellationToken;
+
+/// Linux reports CPU time in /proc in units of USER_HZ, which the kernel ABI
+/// fixes at 100 per second on every architecture Rust targets here.
+const USER_HZ: f64 = 100.0;
 
 fn sample(bytes: usize) -> proto::Sample {
     proto::Sample {
@@ -37,19 +62,122 @@ fn sample(bytes: usize) -> proto::Sample {
     }
 }
 
-/// Moves `items` items of `item_bytes` through the broker with `producers`
-/// targets and `consumers` drafters; returns bytes per second.
-async fn broker_throughput(item_bytes: usize, items: u64, producers: u64, consumers: u64) -> f64 {
-    let mut config = BrokerConfig::for_targets(producers as u32);
-    config.max_queue_bytes = 1 << 30;
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let address = format!("http://{}", listener.local_addr().expect("address"));
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(dflash_broker::serve(listener, config, shutdown.clone()));
+/// Minor page faults and CPU seconds (user + system) of a process so far.
+#[derive(Debug, Clone, Copy, Default)]
+struct ProcessCounters {
+    minor_faults: u64,
+    cpu_seconds: f64,
+}
+
+impl ProcessCounters {
+    /// Reads `/proc/<pid>/stat` (`self` for this process). The command name
+    /// (field 2) may hold spaces, so fields are counted after its `)`.
+    fn read(pid: &str) -> ProcessCounters {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let fields: Vec<&str> = after_name.split_whitespace().collect();
+        // After the name: state is field 3, so field N is fields[N - 3].
+        let field = |number: usize| -> u64 {
+            fields
+                .get(number - 3)
+                .and_then(|value| value.parse().ok())
+                .unwrap_or(0)
+        };
+        ProcessCounters {
+            minor_faults: field(10),
+            cpu_seconds: (field(14) + field(15)) as f64 / USER_HZ,
+        }
+    }
+
+    fn since(self, earlier: ProcessCounters) -> ProcessCounters {
+        ProcessCounters {
+            minor_faults: self.minor_faults.saturating_sub(earlier.minor_faults),
+            cpu_seconds: (self.cpu_seconds - earlier.cpu_seconds).max(0.0),
+        }
+    }
+}
+
+/// A relaying process (the broker binary or the relay), killed on drop.
+struct Server {
+    child: Child,
+    pid: String,
+}
+
+impl Server {
+    fn counters(&self) -> ProcessCounters {
+        ProcessCounters::read(&self.pid)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A loopback port nobody listens on right now. The bench starts its
+/// servers on such ports and retries the connection until they listen.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+async fn wait_listening(address: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect(address).await.is_err() {
+        assert!(Instant::now() < deadline, "nothing listens on {address}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Starts the broker binary for `targets` targets on a fresh port.
+async fn start_broker(targets: u64) -> (Server, String) {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_broker"))
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--expected-targets",
+            &targets.to_string(),
+            "--max-queue-bytes",
+            "1GiB",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the broker binary");
+    let pid = child.id().to_string();
+    wait_listening(SocketAddr::from(([127, 0, 0, 1], port))).await;
+    (Server { child, pid }, format!("http://127.0.0.1:{port}"))
+}
+
+/// What one transfer measured: bytes per second and the relaying process's
+/// counters over the transfer.
+struct Transfer {
+    bytes_per_second: f64,
+    server: ProcessCounters,
+    clients: ProcessCounters,
+    seconds: f64,
+}
+
+/// Moves `items` items of `item_bytes` through a broker process with
+/// `producers` targets and `consumers` drafters.
+async fn broker_transfer(
+    item_bytes: usize,
+    items: u64,
+    producers: u64,
+    consumers: u64,
+) -> Transfer {
+    let (broker, address) = start_broker(producers).await;
     let client = BrokerClient::connect(address, ClientOptions::default())
         .await
         .expect("connect");
     let payload = sample(item_bytes);
+    let per_producer = items / producers;
 
     let mut drafters = Vec::new();
     for index in 0..consumers {
@@ -68,8 +196,9 @@ async fn broker_throughput(item_bytes: usize, items: u64, producers: u64, consum
             received
         }));
     }
+    let server_before = broker.counters();
+    let clients_before = ProcessCounters::read("self");
     let started = Instant::now();
-    let per_producer = items / producers;
     let mut targets = Vec::new();
     for index in 0..producers {
         let client = client.clone();
@@ -97,30 +226,36 @@ async fn broker_throughput(item_bytes: usize, items: u64, producers: u64, consum
     for drafter in drafters {
         bytes += drafter.await.expect("drafter");
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    shutdown.cancel();
-    let _ = server.await;
+    let seconds = started.elapsed().as_secs_f64();
+    let server = broker.counters().since(server_before);
+    let clients = ProcessCounters::read("self").since(clients_before);
     assert_eq!(
         bytes,
         per_producer * producers * item_bytes as u64,
         "bytes lost"
     );
-    bytes as f64 / elapsed
+    Transfer {
+        bytes_per_second: bytes as f64 / seconds,
+        server,
+        clients,
+        seconds,
+    }
 }
 
-/// The same transfer through a plain TCP relay: length-prefixed frames from
-/// `producers` connections into one shared queue, out to `consumers`
-/// connections. Returns bytes per second.
-async fn relay_throughput(item_bytes: usize, items: u64, producers: u64, consumers: u64) -> f64 {
-    let inbound = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let outbound = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let inbound_address = inbound.local_addr().expect("address");
-    let outbound_address = outbound.local_addr().expect("address");
+/// The relay process: `--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS`.
+/// Accepts `producers` connections on IN_PORT and `consumers` on OUT_PORT,
+/// relays length-prefixed items through one FIFO of 8, reads each 8-byte
+/// acknowledgement back, and exits when every producer has closed and every
+/// item went out.
+async fn serve_relay(inbound_port: u16, outbound_port: u16, producers: usize, consumers: usize) {
+    let inbound = TcpListener::bind(("127.0.0.1", inbound_port))
+        .await
+        .expect("bind");
+    let outbound = TcpListener::bind(("127.0.0.1", outbound_port))
+        .await
+        .expect("bind");
     let (frames_in, frames_out) = mpsc::channel::<Vec<u8>>(8);
     let frames_out = Arc::new(Mutex::new(frames_out));
-    let per_producer = items / producers;
-
-    // Relay: read frames from each producer connection into the queue...
     let relay_in = tokio::spawn(async move {
         let mut readers = Vec::new();
         for _ in 0..producers {
@@ -141,43 +276,82 @@ async fn relay_throughput(item_bytes: usize, items: u64, producers: u64, consume
             let _ = reader.await;
         }
     });
-    // ...and write them to whichever consumer connection is free.
-    let relay_out = tokio::spawn(async move {
-        let mut writers = Vec::new();
-        for _ in 0..consumers {
-            let (mut socket, _) = outbound.accept().await.expect("accept");
-            let frames_out = frames_out.clone();
-            writers.push(tokio::spawn(async move {
-                loop {
-                    let frame = frames_out.lock().await.recv().await;
-                    let Some(frame) = frame else { break };
-                    socket.write_u64(frame.len() as u64).await.expect("write");
-                    socket.write_all(&frame).await.expect("write");
-                }
-                let _ = socket.shutdown().await;
-            }));
-        }
-        for writer in writers {
-            let _ = writer.await;
-        }
-    });
+    let mut writers = Vec::new();
+    for _ in 0..consumers {
+        let (socket, _) = outbound.accept().await.expect("accept");
+        let frames_out = frames_out.clone();
+        writers.push(tokio::spawn(async move {
+            let (mut reading, mut writing) = socket.into_split();
+            let acks = tokio::spawn(async move { while reading.read_u64().await.is_ok() {} });
+            loop {
+                let frame = frames_out.lock().await.recv().await;
+                let Some(frame) = frame else { break };
+                writing.write_u64(frame.len() as u64).await.expect("write");
+                writing.write_all(&frame).await.expect("write");
+            }
+            let _ = writing.shutdown().await;
+            let _ = acks.await;
+        }));
+    }
+    for writer in writers {
+        let _ = writer.await;
+    }
+    let _ = relay_in.await;
+}
+
+/// The same transfer through the relay process.
+async fn relay_transfer(item_bytes: usize, items: u64, producers: u64, consumers: u64) -> Transfer {
+    let (inbound_port, outbound_port) = (free_port(), free_port());
+    let child = Command::new(std::env::current_exe().expect("this bench's path"))
+        .args([
+            "--serve-relay",
+            &inbound_port.to_string(),
+            &outbound_port.to_string(),
+            &producers.to_string(),
+            &consumers.to_string(),
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the relay");
+    let relay = Server {
+        pid: child.id().to_string(),
+        child,
+    };
+    let inbound_address = SocketAddr::from(([127, 0, 0, 1], inbound_port));
+    let outbound_address = SocketAddr::from(([127, 0, 0, 1], outbound_port));
+    // Polling with a connection would take a producer's or consumer's slot:
+    // wait until the process has bound both ports instead.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpListener::bind(outbound_address).is_ok()
+        || std::net::TcpListener::bind(inbound_address).is_ok()
+    {
+        assert!(Instant::now() < deadline, "the relay never listened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let per_producer = items / producers;
 
     let mut readers = Vec::new();
     for _ in 0..consumers {
+        let socket = TcpStream::connect(outbound_address).await.expect("connect");
+        socket.set_nodelay(true).expect("nodelay");
         readers.push(tokio::spawn(async move {
-            let mut socket = TcpStream::connect(outbound_address).await.expect("connect");
-            socket.set_nodelay(true).expect("nodelay");
+            let (mut reading, mut writing) = socket.into_split();
             let mut received = 0u64;
-            let mut frame = Vec::new();
-            while let Ok(length) = socket.read_u64().await {
-                frame.resize(length as usize, 0);
-                socket.read_exact(&mut frame).await.expect("read");
-                received += length;
+            let mut acked = 0u64;
+            while let Ok(length) = reading.read_u64().await {
+                // A fresh buffer per item, as a gRPC client decodes one.
+                let mut frame = vec![0u8; length as usize];
+                reading.read_exact(&mut frame).await.expect("read");
+                received += frame.len() as u64;
+                acked += 1;
+                writing.write_u64(acked).await.expect("ack");
             }
             received
         }));
     }
-    let payload = vec![7u8; item_bytes];
+    let payload = Arc::new(vec![7u8; item_bytes]);
+    let server_before = relay.counters();
+    let clients_before = ProcessCounters::read("self");
     let started = Instant::now();
     let mut writers = Vec::new();
     for _ in 0..producers {
@@ -199,30 +373,28 @@ async fn relay_throughput(item_bytes: usize, items: u64, producers: u64, consume
     for reader in readers {
         bytes += reader.await.expect("reader");
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let _ = relay_in.await;
-    let _ = relay_out.await;
+    let seconds = started.elapsed().as_secs_f64();
+    let server = relay.counters().since(server_before);
+    let clients = ProcessCounters::read("self").since(clients_before);
     assert_eq!(
         bytes,
         per_producer * producers * item_bytes as u64,
         "relay lost bytes"
     );
-    bytes as f64 / elapsed
+    Transfer {
+        bytes_per_second: bytes as f64 / seconds,
+        server,
+        clients,
+        seconds,
+    }
 }
 
-/// Seconds from the last ReportDone returning until every one of `drafters`
-/// has its end-of-stream, over `runs` fresh runs.
+/// Seconds from the last ReportDone being sent until every one of
+/// `drafters` has its end-of-stream, over `runs` fresh broker processes.
 async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> {
     let mut latencies = Vec::new();
     for _ in 0..runs {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let address = format!("http://{}", listener.local_addr().expect("address"));
-        let shutdown = CancellationToken::new();
-        let server = tokio::spawn(dflash_broker::serve(
-            listener,
-            BrokerConfig::for_targets(1),
-            shutdown.clone(),
-        ));
+        let (_broker, address) = start_broker(1).await;
         let client = BrokerClient::connect(address, ClientOptions::default())
             .await
             .expect("connect");
@@ -254,7 +426,7 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
             .expect("send");
         producer.finish().await.expect("finish");
         while client.status().await.expect("status").acked_items < 1 {
-            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
         // The clock starts when ReportDone is sent: the latency covers the
         // call itself and the fan-out of end-of-stream to every drafter.
@@ -265,61 +437,312 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
             last = last.max(ended.recv().await.expect("end-of-stream"));
         }
         latencies.push(last.saturating_duration_since(reported));
-        shutdown.cancel();
-        let _ = server.await;
     }
     latencies.sort();
     latencies
 }
 
-fn gigabytes(bytes_per_second: f64) -> f64 {
-    bytes_per_second / 1e9
+fn per_gib(value: f64, bytes_per_second: f64, seconds: f64) -> f64 {
+    value / (bytes_per_second * seconds / f64::from(1u32 << 30))
 }
 
-fn main() {
-    let quick = std::env::args().any(|argument| argument == "--quick");
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let total_bytes: u64 = if quick { 256 << 20 } else { 2 << 30 };
+fn print_throughput(quick: bool, runtime: &tokio::runtime::Runtime) {
+    let total_bytes: u64 = if quick { 512 << 20 } else { 2 << 30 };
     println!(
-        "dflash broker benchmark: {} MiB per configuration, loopback, one process",
+        "throughput: {} MiB per configuration over loopback; each relaying process (broker or relay) on its own",
         total_bytes >> 20
     );
     println!(
-        "{:>9} {:>9} {:>9} {:>13} {:>13} {:>7}",
-        "item", "producers", "consumers", "broker GB/s", "relay GB/s", "ratio"
+        "{:>7} {:>5} {:>12} {:>12} {:>6} {:>16} {:>16} {:>15} {:>15}",
+        "item",
+        "p x c",
+        "broker GB/s",
+        "relay GB/s",
+        "ratio",
+        "broker faults/GiB",
+        "relay faults/GiB",
+        "broker cpu s/GiB",
+        "relay cpu s/GiB"
     );
     runtime.block_on(async {
         for item_bytes in [1usize << 20, 16 << 20] {
             for (producers, consumers) in [(1u64, 1u64), (4, 4)] {
                 let items = (total_bytes / item_bytes as u64 / producers) * producers;
-                // Warm up both paths once so allocation and connection setup
-                // don't count.
-                let _ = relay_throughput(item_bytes, producers * 2, producers, consumers).await;
-                let _ = broker_throughput(item_bytes, producers * 2, producers, consumers).await;
-                let relay = relay_throughput(item_bytes, items, producers, consumers).await;
-                let broker = broker_throughput(item_bytes, items, producers, consumers).await;
+                // Warm-up runs, then relay and broker alternately, so a
+                // burst of load elsewhere on the machine hits both.
+                let _ = relay_transfer(item_bytes, producers * 2, producers, consumers).await;
+                let _ = broker_transfer(item_bytes, producers * 2, producers, consumers).await;
+                let relay = relay_transfer(item_bytes, items, producers, consumers).await;
+                let broker = broker_transfer(item_bytes, items, producers, consumers).await;
                 println!(
-                    "{:>6} MiB {:>9} {:>9} {:>13.2} {:>13.2} {:>7.2}",
+                    "{:>3} MiB {:>5} {:>12.2} {:>12.2} {:>6.2} {:>16.0} {:>16.0} {:>15.3} {:>15.3}",
                     item_bytes >> 20,
-                    producers,
-                    consumers,
-                    gigabytes(broker),
-                    gigabytes(relay),
-                    broker / relay
+                    format!("{producers}x{consumers}"),
+                    broker.bytes_per_second / 1e9,
+                    relay.bytes_per_second / 1e9,
+                    broker.bytes_per_second / relay.bytes_per_second,
+                    per_gib(
+                        broker.server.minor_faults as f64,
+                        broker.bytes_per_second,
+                        broker.seconds
+                    ),
+                    per_gib(
+                        relay.server.minor_faults as f64,
+                        relay.bytes_per_second,
+                        relay.seconds
+                    ),
+                    per_gib(
+                        broker.server.cpu_seconds,
+                        broker.bytes_per_second,
+                        broker.seconds
+                    ),
+                    per_gib(
+                        relay.server.cpu_seconds,
+                        relay.bytes_per_second,
+                        relay.seconds
+                    ),
                 );
             }
         }
-        let runs = if quick { 20 } else { 100 };
-        let drafters = 4;
-        let latencies = end_of_stream_latencies(runs, drafters).await;
-        let percentile = |fraction: f64| latencies[((latencies.len() - 1) as f64 * fraction).round() as usize];
+    });
+}
+
+fn print_end_of_stream(quick: bool, runtime: &tokio::runtime::Runtime) {
+    runtime.block_on(async {
+        for drafters in [4usize, 64, 256] {
+            let runs = match (quick, drafters) {
+                (true, 256) => 5,
+                (true, _) => 20,
+                (false, 256) => 20,
+                (false, _) => 100,
+            };
+            let latencies = end_of_stream_latencies(runs, drafters).await;
+            let percentile = |fraction: f64| {
+                latencies[((latencies.len() - 1) as f64 * fraction).round() as usize]
+            };
+            println!(
+                "end-of-stream latency, {drafters:>3} drafters, {runs:>3} runs: p50 {:>7.2} ms, p99 {:>7.2} ms",
+                percentile(0.50).as_secs_f64() * 1e3,
+                percentile(0.99).as_secs_f64() * 1e3
+            );
+        }
+    });
+}
+
+fn print_many_small(quick: bool, runtime: &tokio::runtime::Runtime) {
+    let item_bytes = 64 << 10;
+    let pairs = 64u64;
+    let items = if quick { 64 * 40 } else { 64 * 200 };
+    runtime.block_on(async {
+        let _ = broker_transfer(item_bytes, pairs, pairs, pairs).await;
+        let transfer = broker_transfer(item_bytes, items, pairs, pairs).await;
+        let items_per_second = items as f64 / transfer.seconds;
         println!(
-            "end-of-stream latency (last ReportDone sent -> all {drafters} drafters have it), {runs} runs: p50 {:.2} ms, p99 {:.2} ms",
-            percentile(0.50).as_secs_f64() * 1e3,
-            percentile(0.99).as_secs_f64() * 1e3
+            "{pairs} targets x {pairs} drafters, 64 KiB items, {items} items: {:.0} items/s ({:.2} GB/s); \
+             CPU per item: broker process {:.1} us, client process {:.1} us",
+            items_per_second,
+            transfer.bytes_per_second / 1e9,
+            transfer.server.cpu_seconds / items as f64 * 1e6,
+            transfer.clients.cpu_seconds / items as f64 * 1e6,
         );
     });
+}
+
+/// One synthetic drafter's record: items it processed, the time it spent
+/// processing them, and when it finished its last one.
+struct DrafterRecord {
+    items: u64,
+    busy: Duration,
+    first_received: Option<Instant>,
+    last_done: Instant,
+}
+
+/// Busy time over the time the drafter had data coming: from its first
+/// delivery to the end of its last step.
+fn busy_percent(record: &DrafterRecord) -> f64 {
+    let Some(first_received) = record.first_received else {
+        return 0.0;
+    };
+    let window = record.last_done.saturating_duration_since(first_received);
+    100.0 * record.busy.as_secs_f64() / window.as_secs_f64().max(1e-9)
+}
+
+/// Synthetic targets send `items_per_target` 64 KiB items each at
+/// `target_rate` items/s; synthetic drafters take `step` per item (a
+/// training step) then ack. `assignment[target]` is the broker (address
+/// index) each target sends to; each broker has `drafters_per_broker`.
+async fn seed_scenario(
+    brokers: usize,
+    assignment: &[usize],
+    drafters_per_broker: usize,
+    items_per_target: u64,
+    target_rate: f64,
+    step: Duration,
+) -> (f64, Vec<f64>) {
+    let mut servers = Vec::new();
+    let mut clients = Vec::new();
+    for broker in 0..brokers {
+        let targets = assignment.iter().filter(|&&to| to == broker).count() as u64;
+        let (server, address) = start_broker(targets).await;
+        servers.push(server);
+        clients.push(
+            BrokerClient::connect(address, ClientOptions::default())
+                .await
+                .expect("connect"),
+        );
+    }
+    let started = Instant::now();
+    let mut drafters = Vec::new();
+    for (broker, client) in clients.iter().enumerate() {
+        for index in 0..drafters_per_broker {
+            let client = client.clone();
+            drafters.push(tokio::spawn(async move {
+                let mut consumer = client
+                    .consume(
+                        &format!("d{broker}-{index}"),
+                        proto::Credit { items: 2, bytes: 0 },
+                    )
+                    .await
+                    .expect("consume");
+                let handle = consumer.handle();
+                let mut record = DrafterRecord {
+                    items: 0,
+                    busy: Duration::ZERO,
+                    first_received: None,
+                    last_done: Instant::now(),
+                };
+                while let Ok(ConsumerEvent::Delivery(delivery)) = consumer.next().await {
+                    let step_started = Instant::now();
+                    record.first_received.get_or_insert(step_started);
+                    tokio::time::sleep(step).await;
+                    record.busy += step_started.elapsed();
+                    record.items += 1;
+                    record.last_done = Instant::now();
+                    handle.ack(vec![delivery.delivery_id]);
+                }
+                record
+            }));
+        }
+    }
+    let mut targets = Vec::new();
+    for (index, &broker) in assignment.iter().enumerate() {
+        let client = clients[broker].clone();
+        targets.push(tokio::spawn(async move {
+            let target_id = format!("t{index}");
+            let mut producer = client.produce(&target_id).await.expect("produce");
+            let payload = sample(64 << 10);
+            let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / target_rate));
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            for seq in 0..items_per_target {
+                ticks.tick().await;
+                producer
+                    .send(seq, payload.clone(), HashMap::new())
+                    .await
+                    .expect("send");
+            }
+            producer.finish().await.expect("finish");
+            client
+                .report_done(&target_id, items_per_target)
+                .await
+                .expect("done");
+        }));
+    }
+    for target in targets {
+        target.await.expect("target");
+    }
+    let mut records = Vec::new();
+    for drafter in drafters {
+        records.push(drafter.await.expect("drafter"));
+    }
+    let total: u64 = records.iter().map(|record| record.items).sum();
+    assert_eq!(
+        total,
+        items_per_target * assignment.len() as u64,
+        "items lost"
+    );
+    let finished = records
+        .iter()
+        .map(|record| record.last_done)
+        .max()
+        .unwrap_or(started);
+    let items_per_second = total as f64 / finished.duration_since(started).as_secs_f64();
+    let busy = records.iter().map(busy_percent).collect();
+    drop(servers);
+    (items_per_second, busy)
+}
+
+fn print_seed_scenario(quick: bool, runtime: &tokio::runtime::Runtime) {
+    // A synthetic training step of 10 ms; the drafters' real capacity is
+    // calibrated (a sleep overshoots under load), then each of the five
+    // targets sends at 0.85 of one drafter's capacity: 4.25 drafters' worth
+    // for 3 drafters, so the drafters are the bottleneck even when load on
+    // the machine shifts their speed, while one target alone cannot keep a
+    // drafter busy.
+    let step = Duration::from_millis(10);
+    let step_seconds = runtime.block_on(async {
+        let started = Instant::now();
+        for _ in 0..20 {
+            tokio::time::sleep(step).await;
+        }
+        started.elapsed().as_secs_f64() / 20.0
+    });
+    let target_rate = 0.85 / step_seconds;
+    let items_per_target = if quick { 150 } else { 600 };
+    runtime.block_on(async {
+        let shared = seed_scenario(1, &[0; 5], 3, items_per_target, target_rate, step).await;
+        let round_robin = seed_scenario(
+            3,
+            &[0, 1, 2, 0, 1],
+            1,
+            items_per_target,
+            target_rate,
+            step,
+        )
+        .await;
+        println!(
+            "seed scenario, 5 targets x 3 drafters (drafter step {:.1} ms measured, so {:.0} items/s each; targets {target_rate:.0} items/s each):",
+            step_seconds * 1e3,
+            1.0 / step_seconds
+        );
+        for (name, (items_per_second, busy)) in
+            [("shared queue", shared), ("round-robin", round_robin)]
+        {
+            let fractions: Vec<String> = busy.iter().map(|percent| format!("{percent:.1} %")).collect();
+            println!(
+                "  {name:<12} {items_per_second:>6.1} items/s; drafter busy {}",
+                fractions.join(", ")
+            );
+        }
+    });
+}
+
+fn main() {
+    let arguments: Vec<String> = std::env::args().collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    if let Some(position) = arguments
+        .iter()
+        .position(|argument| argument == "--serve-relay")
+    {
+        let number = |offset: usize| -> usize {
+            arguments
+                .get(position + offset)
+                .and_then(|value| value.parse().ok())
+                .expect("--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS")
+        };
+        runtime.block_on(serve_relay(
+            number(1) as u16,
+            number(2) as u16,
+            number(3),
+            number(4),
+        ));
+        return;
+    }
+    let quick = arguments.iter().any(|argument| argument == "--quick");
+    print_throughput(quick, &runtime);
+    print_end_of_stream(quick, &runtime);
+    print_many_small(quick, &runtime);
+    print_seed_scenario(quick, &runtime);
 }

@@ -112,7 +112,7 @@ impl BrokerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             expected_targets,
             max_queue_bytes: 2 << 30,
-            max_item_bytes: 256 << 20,
+            max_item_bytes: dflash_proto::transport::DEFAULT_MAX_ITEM_BYTES,
             lease_timeout: Duration::from_secs(300),
             max_deliveries: 5,
             target_grace: Duration::from_secs(120),

@@ -16,6 +16,9 @@
 //!   queue operations under one lock and routes effects to streams.
 //! - `server`: [`serve`], which adds health and reflection, the optional
 //!   metrics endpoint, and bounds shutdown.
+//! - `zero_copy`: the Consume route's response body, which sends each
+//!   payload from the queue's memory without copying it (every other method
+//!   is the generated server's).
 //! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
 //! - `model_sync`: the `ModelSync` service beside the queue: the run's one
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
@@ -35,6 +38,7 @@ pub mod model_sync;
 pub mod queue;
 pub mod server;
 pub mod service;
+pub mod zero_copy;
 
 pub use config::BrokerConfig;
 pub use server::{serve, serve_with_metrics, ServeError};

@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dflash_proto::v1::broker_server::BrokerServer;
 use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
@@ -17,13 +16,10 @@ use tracing::{info, warn};
 
 use crate::config::{BrokerConfig, ConfigError};
 use crate::service::{BrokerService, Shared};
+use crate::zero_copy::BrokerRoutes;
+use dflash_proto::v1::broker_server::BrokerServer;
 
-/// HTTP/2 windows sized for hidden-state payloads of tens of MiB: the
-/// defaults (about 1 MB) would stall each stream on round trips.
-pub const STREAM_WINDOW_BYTES: u32 = 64 << 20;
-pub const CONNECTION_WINDOW_BYTES: u32 = 256 << 20;
-/// Room for the proto framing around the largest payload.
-pub const MESSAGE_OVERHEAD_BYTES: u64 = 1 << 20;
+use dflash_proto::transport::{CONNECTION_WINDOW_BYTES, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -85,8 +81,7 @@ pub async fn serve_with_metrics(
     let model_sync =
         crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
     shared.set_model_sync(model_sync.clone());
-    let message_limit =
-        usize::try_from(config.max_item_bytes + MESSAGE_OVERHEAD_BYTES).unwrap_or(usize::MAX);
+    let message_limit = dflash_proto::transport::message_limit_bytes(config.max_item_bytes);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -139,7 +134,7 @@ pub async fn serve_with_metrics(
     let server = builder
         .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
-        .max_frame_size(Some(1 << 20))
+        .max_frame_size(Some(MAX_FRAME_BYTES))
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
         .tcp_nodelay(true)
@@ -160,9 +155,7 @@ pub async fn serve_with_metrics(
             broker_check.clone(),
         ))
         .add_service(InterceptedService::new(
-            BrokerServer::new(service)
-                .max_decoding_message_size(message_limit)
-                .max_encoding_message_size(message_limit),
+            BrokerRoutes::new(service, message_limit),
             broker_check,
         ))
         .serve_with_incoming_shutdown(

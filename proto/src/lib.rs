@@ -6,10 +6,14 @@
 //! - `v1`: the generated messages, `broker_client` and `broker_server`
 //!   (`dflash/v1/broker.proto`), `model_sync_client` and `model_sync_server`
 //!   (`dflash/v1/model_sync.proto`: the shared draft model).
+//! - `codec`: the gRPC codec of every generated client and server (prost's,
+//!   encoding each message into one exact-size buffer).
 //! - `json`: enum names for the JSON form of status snapshots.
 //! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
 //! - `sample`: the DFlash sample schema (tensor names, dtypes, shapes): one
 //!   encoder and one validating decoder for every role.
+//! - `transport`: HTTP/2 windows, frame size and message limits, shared by
+//!   the broker and every client.
 //! - `FILE_DESCRIPTOR_SET`: the encoded descriptors, for server reflection.
 //!
 //! Depends on nothing of ours; everything else depends on it.
@@ -19,9 +23,11 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/dflash.v1.rs"));
 }
 
+pub mod codec;
 pub mod json;
 pub mod sample;
 pub mod tensor;
+pub mod transport;
 
 /// Encoded `FileDescriptorSet` of every dflash proto, for tonic-reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

@@ -25,11 +25,7 @@ use super::checkpoint::{read_center, write_center, CheckpointError};
 use super::config::ModelSyncConfig;
 use crate::queue::RunState;
 
-/// Largest tensor chunk the broker sends; drafters send chunks of at most
-/// the same size.
-pub const CHUNK_BYTES: usize = 1 << 20;
-/// Message limit of the service: a chunk plus its framing, with room.
-const MESSAGE_LIMIT_BYTES: usize = 8 << 20;
+pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_ID_LENGTH: usize = 256;
 /// How often the background task looks at the run state and the clock.
@@ -104,8 +100,8 @@ impl ModelSyncShared {
         ModelSyncServer::new(ModelSyncService {
             shared: self.clone(),
         })
-        .max_decoding_message_size(MESSAGE_LIMIT_BYTES)
-        .max_encoding_message_size(MESSAGE_LIMIT_BYTES)
+        .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
+        .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
     }
 
     /// Session tasks, awaited (bounded) on shutdown.

@@ -21,6 +21,7 @@ pub mod security;
 
 use std::time::Duration;
 
+use dflash_proto::transport;
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
 use tonic::transport::Endpoint;
@@ -85,9 +86,9 @@ impl Default for ClientOptions {
     fn default() -> Self {
         ClientOptions {
             connect_timeout: Duration::from_secs(10),
-            max_message_bytes: (256 << 20) + (1 << 20),
-            stream_window_bytes: 64 << 20,
-            connection_window_bytes: 256 << 20,
+            max_message_bytes: transport::message_limit_bytes(transport::DEFAULT_MAX_ITEM_BYTES),
+            stream_window_bytes: transport::STREAM_WINDOW_BYTES,
+            connection_window_bytes: transport::CONNECTION_WINDOW_BYTES,
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),
             producer_window_items: 16,
@@ -219,6 +220,9 @@ pub async fn connect_channel(
         .connect_timeout(options.connect_timeout)
         .initial_stream_window_size(Some(options.stream_window_bytes))
         .initial_connection_window_size(Some(options.connection_window_bytes))
+        // The broker's deliveries arrive in 1 MiB DATA frames instead of
+        // HTTP/2's default 16 KiB.
+        .max_frame_size(transport::MAX_FRAME_BYTES)
         .http2_keep_alive_interval(options.keepalive_interval)
         .keep_alive_timeout(options.keepalive_timeout)
         .keep_alive_while_idle(true)

@@ -339,6 +339,11 @@ impl DrafterServerConfig {
                 legacy.reconnect_timeout_ms,
                 &mut self.reconnect_timeout,
             ),
+            (
+                "--sync-timeout-ms",
+                self.model_sync.legacy_sync_timeout_ms.take(),
+                &mut self.model_sync.sync_timeout,
+            ),
         ] {
             if let Some(milliseconds) = value {
                 tracing::warn!(
@@ -506,8 +511,21 @@ mod tests {
         let new = parse(&["--linger", "250ms", "--shutdown-timeout", "3m"]);
         assert_eq!(new.linger, Duration::from_millis(250));
         assert_eq!(new.shutdown_timeout, Duration::from_secs(180));
-        let old = parse(&["--linger-ms", "250", "--stats-interval-ms", "100"]);
+        let old = parse(&[
+            "--linger-ms",
+            "250",
+            "--stats-interval-ms",
+            "100",
+            "--sync-timeout-ms",
+            "1500",
+        ]);
         assert_eq!(old.linger, Duration::from_millis(250));
+        assert_eq!(old.model_sync.sync_timeout, Duration::from_millis(1500));
+        assert_eq!(old.model_sync.legacy_sync_timeout_ms, None);
+        assert_eq!(
+            parse(&["--sync-timeout", "90s"]).model_sync.sync_timeout,
+            Duration::from_secs(90)
+        );
         assert_eq!(old.stats_interval, Duration::from_millis(100));
         assert_eq!(old.legacy, LegacyMillisecondFlags::default());
         assert!(

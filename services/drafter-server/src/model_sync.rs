@@ -27,9 +27,7 @@ use tokio::sync::mpsc;
 use tonic::transport::Endpoint;
 use tracing::{info, warn};
 
-/// Bytes per tensor chunk on the wire (the broker's limit is 8 MiB).
-const CHUNK_BYTES: usize = 1 << 20;
-const MESSAGE_LIMIT_BYTES: usize = 8 << 20;
+use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 
 /// Element type of weights on the sync wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -69,10 +67,15 @@ pub struct SyncConfig {
     #[arg(long, env = "DFLASH_SYNC_DTYPE", value_enum, default_value = "f32")]
     pub sync_dtype: SyncDtype,
 
-    /// Bound on one exchange; past it the drafter continues on its own
-    /// weights and re-joins at the next sync point.
-    #[arg(long, env = "DFLASH_SYNC_TIMEOUT_MS", default_value_t = 120_000)]
-    pub sync_timeout_ms: u64,
+    /// Bound on one exchange (e.g. `90s`, `2m`); past it the drafter
+    /// continues on its own weights and re-joins at the next sync point.
+    #[arg(long, env = "DFLASH_SYNC_TIMEOUT", default_value = "2m", value_parser = dflash_service::parse_duration)]
+    pub sync_timeout: Duration,
+
+    /// The previous release's millisecond spelling of `--sync-timeout`;
+    /// moved into it by `DrafterServerConfig::apply_legacy_flags`.
+    #[arg(long = "sync-timeout-ms", hide = true)]
+    pub legacy_sync_timeout_ms: Option<u64>,
 }
 
 impl Default for SyncConfig {
@@ -80,7 +83,8 @@ impl Default for SyncConfig {
         SyncConfig {
             sync_every: 10,
             sync_dtype: SyncDtype::F32,
-            sync_timeout_ms: 120_000,
+            sync_timeout: Duration::from_secs(120),
+            legacy_sync_timeout_ms: None,
         }
     }
 }
@@ -173,7 +177,7 @@ impl ModelSyncLink {
     }
 
     fn timeout(&self) -> Duration {
-        Duration::from_millis(self.config.sync_timeout_ms.max(1))
+        self.config.sync_timeout.max(Duration::from_millis(1))
     }
 
     /// Starts from the center (or initialises it with this model's weights
@@ -385,8 +389,8 @@ async fn open(
         .await
         .map_err(|error| connect_error(error.to_string()))?;
     let mut client = ModelSyncClient::new(security.wrap(channel))
-        .max_decoding_message_size(MESSAGE_LIMIT_BYTES)
-        .max_encoding_message_size(MESSAGE_LIMIT_BYTES);
+        .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
+        .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES);
     let (requests, receiver) = mpsc::channel(4);
     requests
         .send(request(proto::sync_request::Kind::Hello(hello)))

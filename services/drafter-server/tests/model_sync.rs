@@ -434,7 +434,7 @@ async fn after_a_broker_restart_drafters_rejoin_the_resumed_center() {
     let runtime = tokio::runtime::Handle::current();
     let every_step = SyncConfig {
         sync_every: 1,
-        sync_timeout_ms: 10_000,
+        sync_timeout: Duration::from_secs(10),
         ..SyncConfig::default()
     };
     let (model_sender, model_receiver) = std::sync::mpsc::channel::<()>();

@@ -1,0 +1,33 @@
+//! HTTP/2 and gRPC transport settings shared by the broker and every client,
+//! defined once so both ends of a connection agree.
+
+/// Per-stream HTTP/2 flow-control window. Hidden-state payloads are tens of
+/// MiB; hyper's default (about 1 MB) would stall each stream on round trips.
+pub const STREAM_WINDOW_BYTES: u32 = 64 << 20;
+
+/// Per-connection HTTP/2 flow-control window (several streams' worth).
+pub const CONNECTION_WINDOW_BYTES: u32 = 256 << 20;
+
+/// Largest HTTP/2 DATA frame each end accepts (the protocol's default is
+/// 16 KiB: a 16 MiB item would take 1,024 frames, each with its own header
+/// and poll). Both the broker and the clients advertise this.
+pub const MAX_FRAME_BYTES: u32 = 1 << 20;
+
+/// Room for the proto framing around the largest payload of a message.
+pub const MESSAGE_OVERHEAD_BYTES: u64 = 1 << 20;
+
+/// Largest item the broker accepts by default (its `--max-item-bytes`).
+pub const DEFAULT_MAX_ITEM_BYTES: u64 = 256 << 20;
+
+/// The gRPC message limit for items of up to `max_item_bytes`.
+pub fn message_limit_bytes(max_item_bytes: u64) -> usize {
+    usize::try_from(max_item_bytes.saturating_add(MESSAGE_OVERHEAD_BYTES)).unwrap_or(usize::MAX)
+}
+
+/// The model-sync stream's message limit: weights travel in chunks well
+/// below it.
+pub const MODEL_SYNC_MESSAGE_BYTES: usize = 8 << 20;
+
+/// Largest tensor chunk of a model-sync stream, either way (weights are
+/// split into chunks of this size).
+pub const MODEL_SYNC_CHUNK_BYTES: usize = 1 << 20;
