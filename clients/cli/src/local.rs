@@ -373,8 +373,10 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             let generated = tokio::select! {
                 generated = generation => generated.context("demo data thread")??,
                 () = interrupt.cancelled() => {
+                    // Nothing else was started; the generation thread cannot
+                    // be joined early (the runtime would wait for it), so end here.
                     println!("dflash local: interrupted while generating the demo data; nothing else was started");
-                    bail!("interrupted before the pipeline started");
+                    std::process::exit(i32::from(dflash_service::Exit::Interrupted.code()));
                 }
             };
             (
