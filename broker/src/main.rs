@@ -29,6 +29,12 @@ struct Cli {
     /// OTEL_EXPORTER_OTLP_ENDPOINT is set.
     #[arg(long, env = "DFLASH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+
+    /// Once listening, write the bound address (`host:port`) to this file
+    /// (whole, by rename): a launcher passes `--listen 127.0.0.1:0` and
+    /// reads the port the kernel chose, with no race for a free port.
+    #[arg(long)]
+    ready_file: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -50,6 +56,13 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cli.config.listen)
         .await
         .map_err(|error| anyhow::anyhow!("cannot listen on {}: {error}", cli.config.listen))?;
+    if let Some(ready_file) = &cli.ready_file {
+        let address = listener.local_addr()?;
+        let partial = ready_file.with_extension("partial");
+        std::fs::write(&partial, format!("{address}\n"))
+            .and_then(|()| std::fs::rename(&partial, ready_file))
+            .map_err(|error| anyhow::anyhow!("writing {}: {error}", ready_file.display()))?;
+    }
     let shutdown = dflash_service::shutdown_signal();
     dflash_broker::serve(listener, cli.config, shutdown).await?;
     Ok(())

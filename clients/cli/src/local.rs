@@ -97,6 +97,18 @@ pub struct LocalArgs {
     /// How many times the demo data repeats (more optimizer steps).
     #[arg(long, default_value_t = DemoSpec::default().epochs)]
     pub demo_epochs: usize,
+
+    /// Held-out prompts generated with the demo data (the final τ).
+    #[arg(long, default_value_t = DemoSpec::default().held_out_prompts)]
+    pub demo_held_out: usize,
+
+    /// Mask token id of the drafters. Default: the `mask_token` of the
+    /// model's tokenizer_config.json, else (Qwen3 and Llama tokenizers have
+    /// none) the reserved id just past the tokenizer's vocabulary, the
+    /// convention of the published DFlash drafters (151669 for Qwen3-8B).
+    /// Resolved and checked before anything starts.
+    #[arg(long)]
+    pub mask_token_id: Option<i64>,
 }
 
 /// Drafter settings for the embedded tiny default: a small drafter that
@@ -137,7 +149,16 @@ pub struct ProcessSummary {
 pub struct LocalSummary {
     pub end_of_stream: String,
     pub abort_reason: String,
+    /// Whole wall time of `dflash local`.
     pub seconds: f64,
+    /// Writing the tiny model and generating the demo data with the target
+    /// (before the pipeline starts).
+    pub generation_seconds: f64,
+    /// From the broker's start until every target and drafter exited: the
+    /// time the throughput figures are computed over.
+    pub pipeline_seconds: f64,
+    /// The τ measurements after the pipeline.
+    pub eval_seconds: f64,
     pub accepted_samples: u64,
     pub trained_samples: u64,
     pub dead_letters: u64,
@@ -156,6 +177,12 @@ pub struct LocalSummary {
     /// the drafters synced.
     pub center_acceptance_length: Option<f64>,
     pub held_out_prompts: usize,
+    /// Generated tokens per target forward of the trained drafter's
+    /// speculative decoding (prefills included).
+    pub tokens_per_target_forward: Option<f64>,
+    /// The drafters' mask token id and where it came from.
+    pub mask_token_id: Option<i64>,
+    pub mask_token_source: Option<String>,
     pub workdir: PathBuf,
     pub ok: bool,
 }
@@ -221,9 +248,36 @@ fn terminate(process: &Managed) {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.port())
+/// Waits for the broker, started with `--listen 127.0.0.1:0 --ready-file
+/// FILE`, to write the address it bound; fails at once if it exits first.
+async fn wait_for_ready_file(
+    ready_file: &Path,
+    broker: &mut Managed,
+    deadline: Duration,
+) -> anyhow::Result<String> {
+    let started = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(ready_file) {
+            let address = text.trim();
+            if !address.is_empty() {
+                return Ok(address.to_string());
+            }
+        }
+        if let Ok(Some(status)) = broker.child.try_wait() {
+            bail!(
+                "the broker exited ({status}) before listening; see {}",
+                broker.log.display()
+            );
+        }
+        if started.elapsed() > deadline {
+            bail!(
+                "the broker did not write {} within {deadline:?}; see {}",
+                ready_file.display(),
+                broker.log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 fn split_flags(text: &str) -> Vec<String> {
@@ -289,19 +343,42 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             Some(directory)
         }
     };
+    // The drafters' mask token, checked now rather than when the drafters
+    // first need it (after the targets have produced everything).
+    let mask_token = match (&model_dir, args.synthetic) {
+        (Some(model_dir), false) => Some(resolve_mask_token(model_dir, args.mask_token_id)?),
+        _ => None,
+    };
+    if let Some((id, source)) = &mask_token {
+        println!("dflash local: mask token id {id} ({source}; override with --mask-token-id)");
+    }
     let (data, held_out) = match (&args.data, &model_dir) {
         (Some(data), _) => (Some(data.clone()), args.held_out.clone()),
         (None, Some(model_dir)) => {
             let spec = DemoSpec {
                 unique_sequences: args.demo_sequences,
                 epochs: args.demo_epochs,
+                held_out_prompts: args.demo_held_out,
                 ..DemoSpec::default()
             };
             println!(
-                "dflash local: generating {} demo sequences with the target ({}x) ...",
-                spec.unique_sequences, spec.epochs
+                "dflash local: generating {} demo sequences of {} tokens with the target (batched, KV cache; {}x in train.jsonl) ...",
+                spec.unique_sequences,
+                spec.prompt_tokens + spec.continuation_tokens,
+                spec.epochs
             );
-            let generated = demo::write_demo_data(model_dir, &workdir.join("data"), &spec)?;
+            let (model, out) = (model_dir.clone(), workdir.join("data"));
+            let generation =
+                tokio::task::spawn_blocking(move || demo::write_demo_data(&model, &out, &spec));
+            let generated = tokio::select! {
+                generated = generation => generated.context("demo data thread")??,
+                () = interrupt.cancelled() => {
+                    // Nothing else was started; the generation thread cannot
+                    // be joined early (the runtime would wait for it), so end here.
+                    println!("dflash local: interrupted while generating the demo data; nothing else was started");
+                    std::process::exit(i32::from(dflash_service::Exit::Interrupted.code()));
+                }
+            };
             (
                 Some(generated.train),
                 args.held_out.clone().or(Some(generated.held_out)),
@@ -309,9 +386,13 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         }
         (None, None) => (None, None),
     };
+    let generation_seconds = started.elapsed().as_secs_f64();
 
-    let port = free_port()?;
-    let address = format!("http://127.0.0.1:{port}");
+    // The broker binds port 0 and reports the port it got: no race with
+    // other processes for a "free" port.
+    let pipeline_started = Instant::now();
+    let ready_file = workdir.join("broker.address");
+    let _ = std::fs::remove_file(&ready_file);
     let mut broker = spawn(
         "broker",
         "broker",
@@ -319,7 +400,9 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         &sibling_binary("broker")?,
         &[
             "--listen".into(),
-            format!("127.0.0.1:{port}"),
+            "127.0.0.1:0".into(),
+            "--ready-file".into(),
+            ready_file.display().to_string(),
             "--expected-targets".into(),
             args.targets.to_string(),
             "--target-grace".into(),
@@ -330,6 +413,14 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         ],
         &logs,
     )?;
+    let address = match wait_for_ready_file(&ready_file, &mut broker, Duration::from_secs(30)).await
+    {
+        Ok(bound) => format!("http://{bound}"),
+        Err(error) => {
+            terminate(&broker);
+            return Err(error);
+        }
+    };
     let client = match wait_for_broker(&address, Duration::from_secs(30)).await {
         Ok(client) => client,
         Err(error) => {
@@ -404,6 +495,14 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
         }
         let extra_flags = split_flags(&args.drafter_args);
+        if let Some((id, _)) = &mask_token {
+            if !extra_flags
+                .iter()
+                .any(|flag| flag.starts_with("--mask-token-id"))
+            {
+                flags.extend(["--mask-token-id".to_string(), id.to_string()]);
+            }
+        }
         if embedded_model
             && !extra_flags
                 .iter()
@@ -445,11 +544,14 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             for child in children.iter().filter(|child| child.exit_code.is_none()) {
                 terminate(child);
             }
+            // One bounded wait for all of them, then SIGKILL.
+            let stop_deadline = Instant::now() + Duration::from_secs(30);
             for child in children
                 .iter_mut()
                 .filter(|child| child.exit_code.is_none())
             {
-                match tokio::time::timeout(Duration::from_secs(60), child.child.wait()).await {
+                let left = stop_deadline.saturating_duration_since(Instant::now());
+                match tokio::time::timeout(left, child.child.wait()).await {
                     Ok(Ok(status)) => child.exit_code = Some(status.code().unwrap_or(-1)),
                     _ => {
                         let _ = child.child.kill().await;
@@ -501,7 +603,8 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     } else {
         let _ = broker.child.kill().await;
     }
-    let seconds = started.elapsed().as_secs_f64();
+    let pipeline_seconds = pipeline_started.elapsed().as_secs_f64();
+    let eval_started = Instant::now();
 
     let processes: Vec<ProcessSummary> = children
         .iter()
@@ -532,6 +635,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     let mut untrained_acceptance_length = None;
     let mut acceptance_length_drafter = None;
     let mut center_acceptance_length = None;
+    let mut tokens_per_target_forward = None;
     let mut held_out_prompts = 0;
     if let (Some(model_dir), Some(held_out)) = (&model_dir, &held_out) {
         let checkpoint = processes
@@ -552,7 +656,11 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
                     tch::Device::Cpu,
                 )
                 .context("evaluating the trained drafter")?;
-                let baseline = untrained_baseline(&model_dir, &checkpoint_for_eval, &baseline_dir)?;
+                let baseline = dflash_drafter_server::eval::write_untrained_baseline(
+                    &model_dir,
+                    &checkpoint_for_eval,
+                    &baseline_dir,
+                )?;
                 let untrained = dflash_drafter_server::eval::evaluate(
                     &model_dir,
                     &baseline,
@@ -566,6 +674,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             .await
             .context("evaluation thread")??;
             acceptance_length = Some(trained.mean_acceptance_length);
+            tokens_per_target_forward = Some(trained.tokens_per_target_forward());
             untrained_acceptance_length = Some(untrained.mean_acceptance_length);
             acceptance_length_drafter = Some(checkpoint.display().to_string());
         }
@@ -574,6 +683,8 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     if let (Some(model_dir), Some(held_out), false) = (&model_dir, &held_out, interrupted) {
         center_acceptance_length = center_tau(model_dir, held_out, &workdir.join("center")).await?;
     }
+    let eval_seconds = eval_started.elapsed().as_secs_f64();
+    let seconds = started.elapsed().as_secs_f64();
 
     let trained = snapshot.acked_items;
     let ok = !interrupted
@@ -586,6 +697,9 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         end_of_stream: end_of_stream.to_string(),
         abort_reason: snapshot.abort_reason.clone(),
         seconds,
+        generation_seconds,
+        pipeline_seconds,
+        eval_seconds,
         accepted_samples: snapshot.accepted_items,
         trained_samples: trained,
         dead_letters: snapshot.dead_letters,
@@ -595,8 +709,8 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             .map(|summary| summary.expected_items)
             .filter(|&items| items > 0),
         tokens,
-        samples_per_second: trained as f64 / seconds.max(1e-9),
-        tokens_per_second: tokens as f64 / seconds.max(1e-9),
+        samples_per_second: trained as f64 / pipeline_seconds.max(1e-9),
+        tokens_per_second: tokens as f64 / pipeline_seconds.max(1e-9),
         final_loss,
         processes,
         acceptance_length,
@@ -604,6 +718,9 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         acceptance_length_drafter,
         center_acceptance_length,
         held_out_prompts,
+        tokens_per_target_forward,
+        mask_token_id: mask_token.as_ref().map(|(id, _)| *id),
+        mask_token_source: mask_token.as_ref().map(|(_, source)| source.clone()),
         workdir: workdir.clone(),
         ok,
     };
@@ -636,21 +753,16 @@ async fn center_tau(
     Ok(Some(report.mean_acceptance_length))
 }
 
-/// Writes a freshly initialised drafter with the trained checkpoint's
-/// configuration to `baseline_dir`.
-fn untrained_baseline(
-    target_dir: &Path,
-    trained_checkpoint: &Path,
-    baseline_dir: &Path,
-) -> anyhow::Result<PathBuf> {
-    use dflash_model::draft::checkpoint::load_draft_config;
-    use dflash_model::draft::{save_draft_checkpoint, DraftModel, FrozenTargetHeads};
-    let config = load_draft_config(trained_checkpoint)
-        .with_context(|| format!("reading {}", trained_checkpoint.display()))?;
-    let (_, frozen) = FrozenTargetHeads::load(target_dir, tch::Device::Cpu, tch::Kind::Float)?;
-    let model = DraftModel::new(config, frozen, tch::Device::Cpu, tch::Kind::Float, 0)?;
-    save_draft_checkpoint(baseline_dir, &model, None)?;
-    Ok(baseline_dir.to_path_buf())
+/// The drafters' mask token: `--mask-token-id` when given, else the
+/// model's default (see [`LocalArgs::mask_token_id`]), with where it came
+/// from; an error naming the model when it has neither.
+fn resolve_mask_token(model_dir: &Path, given: Option<i64>) -> anyhow::Result<(i64, String)> {
+    if let Some(id) = given {
+        return Ok((id, "--mask-token-id".to_string()));
+    }
+    let (id, source) = dflash_model::tiny::default_mask_token_id(model_dir)
+        .with_context(|| format!("the mask token of {}", model_dir.display()))?;
+    Ok((id, source.to_string()))
 }
 
 fn process_summary(child: &Managed, snapshot: &proto::StatusSnapshot) -> ProcessSummary {
@@ -706,7 +818,7 @@ fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
     println!();
     println!("dflash local summary ({})", summary.workdir.display());
     if interrupted {
-        println!("  interrupted (Ctrl-C): children were stopped with SIGTERM");
+        println!("  interrupted (SIGINT/SIGTERM): children were stopped with SIGTERM");
     }
     if timed_out {
         println!("  timed out: children were stopped with SIGTERM");
@@ -733,8 +845,12 @@ fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
         summary.tokens
     );
     println!(
-        "  wall time {:.1}s, throughput {:.2} samples/s, {:.0} tokens/s",
-        summary.seconds, summary.samples_per_second, summary.tokens_per_second
+        "  wall time {:.1}s: data generation {:.1}s, pipeline {:.1}s, evaluation {:.1}s",
+        summary.seconds, summary.generation_seconds, summary.pipeline_seconds, summary.eval_seconds
+    );
+    println!(
+        "  pipeline throughput {:.2} samples/s, {:.0} tokens/s (over the pipeline's {:.1}s only)",
+        summary.samples_per_second, summary.tokens_per_second, summary.pipeline_seconds
     );
     for process in &summary.processes {
         println!(
@@ -762,6 +878,9 @@ fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
                 .map_or("-".to_string(), |baseline| format!("{baseline:.2}")),
         ),
         _ => println!("  τ: not measured (no checkpoint or no held-out prompts)"),
+    }
+    if let Some(tokens) = summary.tokens_per_target_forward {
+        println!("  accepted tokens per target forward (trained, prefills included): {tokens:.2}");
     }
     if let Some(tau) = summary.center_acceptance_length {
         println!(

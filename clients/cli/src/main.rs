@@ -9,7 +9,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use dflash_cli::top;
 #[cfg(feature = "model")]
-use dflash_cli::{demo, local};
+use dflash_cli::{demo, local, regenerate};
 use dflash_client::{BrokerClient, ClientSecurityArgs};
 #[cfg(feature = "model")]
 use tokio_util::sync::CancellationToken;
@@ -78,7 +78,16 @@ enum Command {
         /// auto (the first CUDA device when libtorch sees one, else the CPU), cpu, cuda or cuda:N.
         #[arg(long, default_value = "auto")]
         device: dflash_service::DeviceChoice,
+        /// Also measure a freshly initialised drafter of the same configuration
+        /// (the untrained baseline). The mask token is the checkpoint's own
+        /// (`dflash_config.mask_token_id`), the one the drafter was trained with.
+        #[arg(long)]
+        compare_untrained: bool,
     },
+    /// Regenerate the assistant turns of a chat JSONL with the target (batched,
+    /// KV cached): the drafter then learns the target's own distribution.
+    #[cfg(feature = "model")]
+    Regenerate(regenerate::RegenerateArgs),
     /// Write the tiny Qwen3 test model (config, weights, tokenizer, chat template) into DIR.
     #[cfg(feature = "model")]
     InitTiny {
@@ -89,6 +98,15 @@ enum Command {
         #[arg(long)]
         llama: bool,
     },
+}
+
+/// A temporary folder for the untrained baseline drafter, removed on drop.
+#[cfg(feature = "model")]
+fn tempfile_dir() -> anyhow::Result<tempfile::TempDir> {
+    tempfile::Builder::new()
+        .prefix("dflash-untrained-")
+        .tempdir()
+        .context("creating a temporary folder for the untrained baseline")
 }
 
 async fn connect(broker: &str, security: &ClientSecurityArgs) -> anyhow::Result<BrokerClient> {
@@ -140,13 +158,8 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         #[cfg(feature = "model")]
         Command::Local(args) => {
-            let interrupt = CancellationToken::new();
-            let on_signal = interrupt.clone();
-            tokio::spawn(async move {
-                if tokio::signal::ctrl_c().await.is_ok() {
-                    on_signal.cancel();
-                }
-            });
+            // SIGINT or SIGTERM: stop the children, then print the summary.
+            let interrupt: CancellationToken = dflash_service::shutdown_signal();
             let summary = local::run(args, interrupt).await?;
             if !summary.ok {
                 std::process::exit(1);
@@ -209,6 +222,7 @@ async fn main() -> anyhow::Result<()> {
             data,
             max_new_tokens,
             device,
+            compare_untrained,
         } => {
             let device = dflash_model::device::resolve_device(device)?;
             let checkpoint = match dflash_drafter_server::checkpoints::latest_checkpoint(&drafter)?
@@ -217,24 +231,65 @@ async fn main() -> anyhow::Result<()> {
                 _ => drafter.clone(),
             };
             let prompts = demo::read_prompts(&data, &target_model)?;
-            let report = tokio::task::spawn_blocking(move || {
-                dflash_drafter_server::eval::evaluate(
+            let reports = tokio::task::spawn_blocking(move || {
+                let trained = dflash_drafter_server::eval::evaluate(
                     &target_model,
                     &checkpoint,
                     &prompts,
                     max_new_tokens,
                     device,
-                )
+                )?;
+                let untrained = if compare_untrained {
+                    let baseline_dir = tempfile_dir()?;
+                    let baseline = dflash_drafter_server::eval::write_untrained_baseline(
+                        &target_model,
+                        &checkpoint,
+                        baseline_dir.path(),
+                    )?;
+                    Some(dflash_drafter_server::eval::evaluate(
+                        &target_model,
+                        &baseline,
+                        &prompts,
+                        max_new_tokens,
+                        device,
+                    )?)
+                } else {
+                    None
+                };
+                anyhow::Ok((trained, untrained))
             })
             .await??;
+            let (report, untrained) = reports;
             println!(
-                "τ (mean acceptance length) {:.3} over {} prompts, {} verification steps, {} tokens generated, block size {}, {:.1}s",
+                "τ (mean acceptance length) {:.3} over {} prompts, {} verification steps, {} tokens generated, {:.2} tokens per target forward, block size {}, {:.1}s",
                 report.mean_acceptance_length,
                 report.prompts,
                 report.verification_steps,
                 report.generated_tokens,
+                report.tokens_per_target_forward(),
                 report.block_size,
                 report.seconds
+            );
+            if let Some(baseline) = untrained {
+                println!(
+                    "untrained baseline: τ {:.3}, {:.2} tokens per target forward, {:.1}s",
+                    baseline.mean_acceptance_length,
+                    baseline.tokens_per_target_forward(),
+                    baseline.seconds
+                );
+            }
+        }
+        #[cfg(feature = "model")]
+        Command::Regenerate(args) => {
+            let report = tokio::task::spawn_blocking(move || regenerate::run(&args)).await??;
+            println!(
+                "regenerated {} lines ({} already written, {} in this shard), {} tokens in {:.1}s ({:.0} tokens/s)",
+                report.written,
+                report.skipped,
+                report.shard_records,
+                report.generated_tokens,
+                report.seconds,
+                report.generated_tokens as f64 / report.seconds.max(1e-9)
             );
         }
         #[cfg(feature = "model")]

@@ -133,7 +133,9 @@ pub struct DrafterServerConfig {
     pub block_size: i64,
 
     /// Token id of the mask token; by default the `mask_token` of the
-    /// target's tokenizer_config.json.
+    /// target's tokenizer_config.json, else (Qwen3, Llama: no mask_token)
+    /// the reserved id just past the tokenizer's vocabulary, as the
+    /// published DFlash drafters do (151669 for Qwen3-8B).
     #[arg(long, env = "DFLASH_MASK_TOKEN_ID")]
     pub mask_token_id: Option<i64>,
 

@@ -123,8 +123,12 @@ impl DFlashEngine {
             None => {
                 let mask_token_id = match config.mask_token_id {
                     Some(id) => id,
-                    None => dflash_model::tiny::mask_token_id(target_dir)
-                        .map_err(|error| EngineError::MaskToken(error.to_string()))?,
+                    None => {
+                        let (id, source) = dflash_model::tiny::default_mask_token_id(target_dir)
+                            .map_err(|error| EngineError::MaskToken(error.to_string()))?;
+                        info!(mask_token_id = id, %source, "mask token");
+                        id
+                    }
                 };
                 let options = DraftOptions {
                     num_draft_layers: Some(config.draft_layers),

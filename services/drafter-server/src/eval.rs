@@ -5,10 +5,15 @@
 //! the target's own next token (the bonus) is kept, and the accepted
 //! length (bonus included) per verification is recorded; τ is its mean.
 //!
-//! No KV cache: each verification recomputes the target over the whole
-//! sequence so far (and a second time for the tapped hidden states). That is
-//! exact, and fast enough for the tiny models tests use, but quadratic in
-//! length: it measures τ, not speed.
+//! The target runs with its KV cache: the prompt is prefilled once, each
+//! verification runs only the block's positions, and the rejected part of
+//! the block is cut from the cache. The same forward captures the hidden
+//! states the drafter reads, so the drafter's context (the target states of
+//! every committed token) is kept and extended, never recomputed. Target
+//! cost is proportional to the tokens generated. The uncached original
+//! ([`speculative_generate_uncached`], recomputing the whole sequence for
+//! every verification) is kept as the reference the cached path must
+//! reproduce token for token, and as the benchmark's baseline.
 
 use std::path::Path;
 use std::time::Instant;
@@ -55,6 +60,8 @@ pub struct EvalReport {
     pub verification_steps: usize,
     pub block_size: i64,
     pub seconds: f64,
+    /// Target forwards run: one prefill per prompt plus one per verification.
+    pub target_forwards: usize,
     /// Each prompt followed by its generated tokens.
     pub outputs: Vec<Vec<i64>>,
 }
@@ -65,6 +72,20 @@ pub struct GenerationTrace {
     /// Prompt plus generated tokens.
     pub token_ids: Vec<i64>,
     pub acceptance_lengths: Vec<usize>,
+    /// Target forwards run (prefill and verifications).
+    pub target_forwards: usize,
+}
+
+impl EvalReport {
+    /// Generated tokens per target forward (prefills included): what the
+    /// target's work buys, the speed-up bound of speculative decoding.
+    pub fn tokens_per_target_forward(&self) -> f64 {
+        if self.target_forwards == 0 {
+            0.0
+        } else {
+            self.generated_tokens as f64 / self.target_forwards as f64
+        }
+    }
 }
 
 /// Loads the target and the drafter checkpoint and runs speculative decoding
@@ -118,6 +139,7 @@ pub fn evaluate_with_options(
         verification_steps: 0,
         block_size: drafter.config().block_size,
         seconds: 0.0,
+        target_forwards: 0,
         outputs: Vec::with_capacity(prompts.len()),
     };
     for (index, prompt) in prompts.iter().enumerate() {
@@ -132,6 +154,7 @@ pub fn evaluate_with_options(
             &options.stop_token_ids,
         )?;
         report.generated_tokens += trace.token_ids.len() - prompt.len();
+        report.target_forwards += trace.target_forwards;
         report.acceptance_lengths.extend(&trace.acceptance_lengths);
         report.outputs.push(trace.token_ids);
     }
@@ -163,27 +186,29 @@ fn target_argmax(target: &TargetModel, token_ids: &[i64]) -> Result<Vec<i64>, Ev
 }
 
 /// Plain greedy decoding with the target alone (the output speculative
-/// decoding must reproduce exactly).
+/// decoding must reproduce exactly): the prompt followed by its
+/// continuation. Uncached, one prompt at a time (the reference); batched
+/// cached decoding is `dflash_model::generate`.
 pub fn greedy_generate(
     target: &TargetModel,
     prompt: &[i64],
     max_new_tokens: usize,
     stop_token_ids: &[i64],
 ) -> Result<Vec<i64>, EvalError> {
-    let mut token_ids = prompt.to_vec();
-    for _ in 0..max_new_tokens {
-        let predictions = target_argmax(target, &token_ids)?;
-        let next = predictions[predictions.len() - 1];
-        token_ids.push(next);
-        if stop_token_ids.contains(&next) {
-            break;
-        }
-    }
-    Ok(token_ids)
+    let continuation = dflash_model::generate::greedy_generate_uncached(
+        target,
+        prompt,
+        max_new_tokens,
+        stop_token_ids,
+    )?;
+    Ok([prompt, continuation.as_slice()].concat())
 }
 
-/// Speculative decoding of one prompt (greedy verification).
-pub fn speculative_generate(
+/// Speculative decoding of one prompt (greedy verification) without any
+/// cache: every verification recomputes the target over the whole sequence
+/// so far, and once more for the drafter's context. The reference
+/// [`speculative_generate`] must reproduce.
+pub fn speculative_generate_uncached(
     target: &TargetModel,
     drafter: &DraftModel,
     prompt: &[i64],
@@ -206,6 +231,7 @@ pub fn speculative_generate(
         return Ok(GenerationTrace {
             token_ids,
             acceptance_lengths,
+            target_forwards: 0,
         });
     }
     let predictions = target_argmax(target, &token_ids)?;
@@ -222,27 +248,7 @@ pub fn speculative_generate(
             let (context_ids, context_mask) = ids_tensor(&token_ids[..start], device);
             let context_hidden =
                 target.capture_hidden_states(&context_ids, &context_mask, &layer_ids)?;
-            let block_tensor = Tensor::from_slice(&block)
-                .view([1, 1, verify_size as i64])
-                .to_device(device);
-            let anchor = Tensor::from_slice(&[start as i64])
-                .view([1, 1])
-                .to_device(device);
-            let draft_hidden = drafter.forward_blocks(&BlockInputs {
-                target_hidden: &context_hidden,
-                block_token_ids: &block_tensor,
-                anchor_positions: &anchor,
-            })?;
-            let proposals = drafter
-                .logits(
-                    &draft_hidden
-                        .get(0)
-                        .get(0)
-                        .narrow(0, 1, verify_size as i64 - 1),
-                )
-                .argmax(-1, false)
-                .to_device(Device::Cpu);
-            let proposals = Vec::<i64>::try_from(&proposals)?;
+            let proposals = draft_block(drafter, &context_hidden, &block, start)?;
             block[1..].copy_from_slice(&proposals);
         }
         // Verify: the target's greedy choice after each block position.
@@ -272,15 +278,172 @@ pub fn speculative_generate(
         acceptance_lengths.push(produced);
     }
     token_ids.truncate((start + 1).min(max_length));
+    let target_forwards = 1 + acceptance_lengths.len();
     Ok(GenerationTrace {
         token_ids,
         acceptance_lengths,
+        target_forwards,
     })
+}
+
+/// The drafter's proposals for the block anchored at `anchor` (its first
+/// token `block[0]`, masks after it), from the target states of every
+/// position before the anchor.
+fn draft_block(
+    drafter: &DraftModel,
+    context_hidden: &Tensor,
+    block: &[i64],
+    anchor: usize,
+) -> Result<Vec<i64>, EvalError> {
+    let device = context_hidden.device();
+    let block_tensor = Tensor::from_slice(block)
+        .view([1, 1, block.len() as i64])
+        .to_device(device);
+    let anchor = Tensor::from_slice(&[anchor as i64])
+        .view([1, 1])
+        .to_device(device);
+    let draft_hidden = drafter.forward_blocks(&BlockInputs {
+        target_hidden: context_hidden,
+        block_token_ids: &block_tensor,
+        anchor_positions: &anchor,
+    })?;
+    let proposals = drafter
+        .logits(
+            &draft_hidden
+                .get(0)
+                .get(0)
+                .narrow(0, 1, block.len() as i64 - 1),
+        )
+        .argmax(-1, false)
+        .to_device(Device::Cpu);
+    Ok(Vec::<i64>::try_from(&proposals)?)
+}
+
+/// Speculative decoding of one prompt (greedy verification) with the
+/// target's KV cache: one prefill, then one cached forward of the block per
+/// verification, which also yields the drafter's next context states.
+pub fn speculative_generate(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompt: &[i64],
+    max_new_tokens: usize,
+    stop_token_ids: &[i64],
+) -> Result<GenerationTrace, EvalError> {
+    let _no_grad = tch::no_grad_guard();
+    let device = target.device();
+    let config = drafter.config();
+    let layer_ids: Vec<usize> = config
+        .target_layer_ids
+        .iter()
+        .map(|&layer| layer as usize)
+        .collect();
+    let max_length = prompt.len() + max_new_tokens;
+    let mut acceptance_lengths = Vec::new();
+    let mut token_ids = prompt.to_vec();
+    if max_new_tokens == 0 {
+        return Ok(GenerationTrace {
+            token_ids,
+            acceptance_lengths,
+            target_forwards: 0,
+        });
+    }
+    let mut cache = target.new_cache(1, (max_length + config.block_size as usize) as i64);
+    // Prefill: the first new token comes from the target alone.
+    let (ids, mask) = ids_tensor(prompt, device);
+    let prefill = target.forward_cached(&ids, &mask, &mut cache, &layer_ids)?;
+    let mut target_forwards = 1;
+    // The drafter's context: target states of every token before the anchor.
+    let mut context_hidden = prefill.captured.ok_or_else(|| {
+        EvalError::Target(ModelError::InvalidInput(
+            "the drafter names no target layers".into(),
+        ))
+    })?;
+    let first = target
+        .lm_head_logits(&prefill.hidden.get(0).get(prompt.len() as i64 - 1))
+        .argmax(-1, false)
+        .int64_value(&[]);
+    token_ids.push(first);
+    // `start` is the position of the newest token, the next block's anchor;
+    // it is not in the cache yet.
+    let mut start = prompt.len();
+    let mut stopped = stop_token_ids.contains(&first);
+    while start + 1 < max_length && !stopped {
+        let verify_size = (config.block_size as usize).min(max_length - start);
+        let mut block = vec![config.mask_token_id; verify_size];
+        block[0] = token_ids[start];
+        if verify_size > 1 {
+            let proposals = draft_block(drafter, &context_hidden, &block, start)?;
+            block[1..].copy_from_slice(&proposals);
+        }
+        // Verify: the target's greedy choice after each block position.
+        let (block_ids, block_mask) = ids_tensor(&block, device);
+        let verified = target.forward_cached(&block_ids, &block_mask, &mut cache, &layer_ids)?;
+        target_forwards += 1;
+        let posterior = Vec::<i64>::try_from(
+            &target
+                .lm_head_logits(&verified.hidden.get(0))
+                .argmax(-1, false)
+                .to_device(Device::Cpu),
+        )?;
+        let accepted = block[1..]
+            .iter()
+            .zip(&posterior)
+            .take_while(|(proposed, verified)| proposed == verified)
+            .count();
+        let bonus = posterior[accepted];
+        token_ids.truncate(start + 1);
+        token_ids.extend_from_slice(&block[1..=accepted]);
+        token_ids.push(bonus);
+        let mut produced = (accepted + 1).min(max_length - start - 1);
+        if let Some(offset) = token_ids[start + 1..start + 1 + produced]
+            .iter()
+            .position(|token| stop_token_ids.contains(token))
+        {
+            produced = offset + 1;
+            stopped = true;
+        }
+        // Keep the committed block tokens (positions start..start+produced)
+        // in the cache and the drafter's context; drop the rejected rest.
+        cache.truncate((start + produced) as i64)?;
+        if let Some(captured) = &verified.captured {
+            context_hidden = Tensor::cat(
+                &[&context_hidden, &captured.narrow(1, 0, produced as i64)],
+                1,
+            );
+        }
+        start += produced;
+        token_ids.truncate(start + 1);
+        acceptance_lengths.push(produced);
+    }
+    token_ids.truncate((start + 1).min(max_length));
+    Ok(GenerationTrace {
+        token_ids,
+        acceptance_lengths,
+        target_forwards,
+    })
+}
+
+/// Writes a freshly initialised drafter with the configuration of
+/// `trained_checkpoint` (same layers, block size, mask token, target layers)
+/// to `baseline_dir`: the untrained baseline whose τ shows what training
+/// bought.
+pub fn write_untrained_baseline(
+    target_dir: &Path,
+    trained_checkpoint: &Path,
+    baseline_dir: &Path,
+) -> Result<std::path::PathBuf, EvalError> {
+    use dflash_model::draft::checkpoint::load_draft_config;
+    use dflash_model::draft::save_draft_checkpoint;
+    let config = load_draft_config(trained_checkpoint)?;
+    let (_, frozen) = FrozenTargetHeads::load(target_dir, Device::Cpu, Kind::Float)?;
+    let model = DraftModel::new(config, frozen, Device::Cpu, Kind::Float, 0)?;
+    save_draft_checkpoint(baseline_dir, &model, None)?;
+    Ok(baseline_dir.to_path_buf())
 }
 
 /// `eos_token_id` (a number or a list) from `generation_config.json`, else
 /// `config.json`; empty when neither declares one.
-fn eos_token_ids(target_dir: &Path) -> Vec<i64> {
+pub fn eos_token_ids(target_dir: &Path) -> Vec<i64> {
     for file in ["generation_config.json", "config.json"] {
         let Ok(text) = std::fs::read_to_string(target_dir.join(file)) else {
             continue;

@@ -12,7 +12,14 @@
 //!   trainable drafter, numerically matching Hugging Face.
 //! - `target`: Hugging Face config and safetensors loading (single or
 //!   sharded), the Qwen3 / Llama-3 forward with hidden-state capture at the
-//!   DFlash layer ids (`build_target_layer_ids`), full logits for evaluation.
+//!   DFlash layer ids (`build_target_layer_ids`), full logits for evaluation,
+//!   and the key/value cache of incremental decoding.
+//! - `generate`: batched, KV-cached generation with the target (greedy or
+//!   sampled), batches planned by a token budget; the uncached greedy
+//!   reference it must reproduce. Used by demo data, `dflash regenerate`
+//!   and τ evaluation.
+//! - `sampling`: temperature / top-p sampling with a seeded generator per
+//!   sequence.
 //! - `tiny`: writes a small seeded Qwen3/Llama model directory (config,
 //!   weights, byte-level BPE tokenizer, ChatML template) for tests and
 //!   `dflash init-tiny`, so nothing is ever downloaded.
@@ -24,7 +31,9 @@
 
 pub mod device;
 pub mod draft;
+pub mod generate;
 pub mod layers;
+pub mod sampling;
 pub mod target;
 pub mod tiny;
 

@@ -202,6 +202,77 @@ pub fn mask_token_id(dir: &Path) -> Result<i64, ModelError> {
     })
 }
 
+/// Where a model's mask token id came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskTokenSource {
+    /// The `mask_token` of `tokenizer_config.json`.
+    Tokenizer,
+    /// No `mask_token`: the reference convention of the published DFlash
+    /// drafters, the first id past the tokenizer's vocabulary (an unused
+    /// embedding row of the model; 151669 for Qwen3-8B).
+    ReservedPastVocabulary,
+}
+
+impl std::fmt::Display for MaskTokenSource {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            MaskTokenSource::Tokenizer => "the tokenizer's mask_token",
+            MaskTokenSource::ReservedPastVocabulary => {
+                "no mask_token: the reserved id past the tokenizer's vocabulary (DFlash convention)"
+            }
+        })
+    }
+}
+
+/// The mask token id a drafter of the model in `dir` uses by default: the
+/// tokenizer's `mask_token` when it has one, else the first id past the
+/// tokenizer's vocabulary (largest id of `tokenizer.json`'s vocabulary and
+/// added tokens, plus one), which must be a row of the model's embedding
+/// (`vocab_size` in `config.json`). Checked before any run starts.
+pub fn default_mask_token_id(dir: &Path) -> Result<(i64, MaskTokenSource), ModelError> {
+    let config_path = dir.join("tokenizer_config.json");
+    let has_mask_token = config_path.is_file()
+        && read_json(&config_path)?
+            .get("mask_token")
+            .is_some_and(|value| !value.is_null());
+    if has_mask_token {
+        return Ok((mask_token_id(dir)?, MaskTokenSource::Tokenizer));
+    }
+    let tokenizer_path = dir.join("tokenizer.json");
+    let tokenizer = read_json(&tokenizer_path)?;
+    let vocabulary_ids = tokenizer
+        .get("model")
+        .and_then(|model| model.get("vocab"))
+        .and_then(Value::as_object)
+        .into_iter()
+        .flat_map(|vocab| vocab.values().filter_map(Value::as_i64));
+    let added_ids = tokenizer
+        .get("added_tokens")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|token| token.get("id").and_then(Value::as_i64));
+    let reserved = vocabulary_ids
+        .chain(added_ids)
+        .max()
+        .map_or(0, |largest| largest + 1);
+    let model_config_path = dir.join("config.json");
+    let vocab_size = read_json(&model_config_path)?
+        .get("vocab_size")
+        .and_then(Value::as_i64)
+        .ok_or_else(|| invalid_config(&model_config_path, "no integer \"vocab_size\""))?;
+    if reserved >= vocab_size {
+        return Err(invalid_config(
+            &tokenizer_path,
+            &format!(
+                "no mask_token, and no reserved id past the tokenizer's vocabulary: id {reserved} \
+                 is not below the model's vocab_size {vocab_size} (pass --mask-token-id)"
+            ),
+        ));
+    }
+    Ok((reserved, MaskTokenSource::ReservedPastVocabulary))
+}
+
 fn invalid_config(path: &Path, message: &str) -> ModelError {
     ModelError::InvalidConfig {
         path: path.to_path_buf(),

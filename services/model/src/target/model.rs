@@ -6,6 +6,7 @@
 //! and padding mask, RoPE on positions `0..T`), so that the captured states
 //! equal `output_hidden_states` of the reference within float tolerance.
 
+use super::cache::KeyValueCache;
 use super::config::{Architecture, TargetConfig};
 use super::weights::{load_tensors, TensorRequest};
 use super::ModelError;
@@ -36,6 +37,15 @@ struct DecoderLayer {
     gate_proj: Tensor,
     up_proj: Tensor,
     down_proj: Tensor,
+}
+
+/// What [`TargetModel::forward_cached`] returns.
+#[derive(Debug)]
+pub struct CachedForward {
+    /// Final-normed hidden states `[B, T, H]` of the new positions.
+    pub hidden: Tensor,
+    /// `[B, T, len(layer_ids) * H]` when layer ids were asked for.
+    pub captured: Option<Tensor>,
 }
 
 /// A frozen target LLM loaded from a Hugging Face model directory.
@@ -314,6 +324,156 @@ impl TargetModel {
         })
     }
 
+    /// An empty key/value cache for `batch` sequences, with room for
+    /// `capacity` positions before it grows.
+    pub fn new_cache(&self, batch: i64, capacity: i64) -> KeyValueCache {
+        KeyValueCache::new(
+            self.layers.len(),
+            batch,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            capacity,
+            self.kind,
+            self.device,
+        )
+    }
+
+    /// Runs the new positions `input_ids` `[B, T]` (mask `[B, T]`, 0 for
+    /// padding) after those already in `cache`, appending their keys and
+    /// values to it. A new position attends to the cached real tokens and to
+    /// the new real tokens up to itself. Returns the final-normed hidden
+    /// states `[B, T, H]` (feed them to [`TargetModel::lm_head_logits`]) and,
+    /// when `layer_ids` is not empty, the states of those layers as
+    /// [`TargetModel::capture_hidden_states`] gives them. Outputs at padded
+    /// positions are unspecified.
+    pub fn forward_cached(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        cache: &mut KeyValueCache,
+        layer_ids: &[usize],
+    ) -> Result<CachedForward, ModelError> {
+        let (batch, length) = self.validate_inputs(input_ids, attention_mask)?;
+        if batch != cache.batch {
+            return Err(ModelError::InvalidInput(format!(
+                "input batch {batch} differs from the cache's batch {}",
+                cache.batch
+            )));
+        }
+        if let Some(&layer) = layer_ids
+            .iter()
+            .find(|&&layer| layer >= self.config.num_hidden_layers)
+        {
+            return Err(ModelError::InvalidInput(format!(
+                "layer id {layer} out of range: the model has {} layers",
+                self.config.num_hidden_layers
+            )));
+        }
+        let total = cache.length + length;
+        if total > self.config.max_position_embeddings {
+            return Err(ModelError::InvalidInput(format!(
+                "cached {} + new {length} positions exceed max_position_embeddings {}",
+                cache.length, self.config.max_position_embeddings
+            )));
+        }
+        tch::no_grad(|| {
+            let device = self.device;
+            let input_ids = input_ids.to_device(device);
+            let is_token = attention_mask.to_device(device).ne(0);
+            // RoPE positions count each row's real tokens (HF:
+            // cumsum(mask) - 1); padding gets a harmless clamped position.
+            let positions = (cache.next_positions.unsqueeze(1)
+                + is_token.to_kind(Kind::Int64).cumsum(1, Kind::Int64)
+                - 1)
+            .clamp_min(0);
+            let (cos, sin) = rotary_cos_sin(
+                &positions,
+                self.config.head_dim,
+                &self.config.rope,
+                self.kind,
+                device,
+            );
+            cache.reserve(length);
+            let start = cache.length;
+            cache.key_is_token.narrow(1, start, length).copy_(&is_token);
+            // Query t (absolute start + t) sees key s when s <= start + t and
+            // s is a real token; every query also sees itself, so that rows
+            // of padding attend to something (no NaN) without touching the
+            // real positions.
+            let key_index = Tensor::arange(total, (Kind::Int64, device)).unsqueeze(0);
+            let query_index =
+                Tensor::arange_start(start, total, (Kind::Int64, device)).unsqueeze(1);
+            let causal = key_index.le_tensor(&query_index);
+            let itself = key_index.eq_tensor(&query_index);
+            let attention_allowed = causal
+                .unsqueeze(0)
+                .logical_and(&cache.key_is_token.narrow(1, 0, total).unsqueeze(1))
+                .logical_or(&itself.unsqueeze(0))
+                .unsqueeze(1);
+            let last_layer = self.layers.len() - 1;
+            let mut captured = Vec::with_capacity(layer_ids.len());
+            let mut hidden = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
+            let eps = self.config.rms_norm_eps;
+            for (index, layer) in self.layers.iter().enumerate() {
+                let normed = rms_norm(&hidden, &layer.input_layernorm, eps);
+                let (query, key, value) = self.query_key_value(layer, &normed, &cos, &sin);
+                cache.keys[index].narrow(2, start, length).copy_(&key);
+                cache.values[index].narrow(2, start, length).copy_(&value);
+                let attention = self.attend(
+                    layer,
+                    &query,
+                    &cache.keys[index].narrow(2, 0, total),
+                    &cache.values[index].narrow(2, 0, total),
+                    Some(&attention_allowed),
+                );
+                hidden = hidden + attention;
+                let normed = rms_norm(&hidden, &layer.post_attention_layernorm, eps);
+                hidden = &hidden
+                    + swiglu_mlp(&normed, &layer.gate_proj, &layer.up_proj, &layer.down_proj);
+                if layer_ids.contains(&index) && index != last_layer {
+                    captured.push((index, hidden.shallow_clone()));
+                }
+            }
+            cache.length = total;
+            cache.next_positions = &cache.next_positions
+                + is_token.to_kind(Kind::Int64).sum_dim_intlist(
+                    [1i64].as_slice(),
+                    false,
+                    Kind::Int64,
+                );
+            let normed = rms_norm(&hidden, &self.final_norm, eps);
+            let captured = if layer_ids.is_empty() {
+                None
+            } else {
+                // HF's last hidden_states entry is the final-normed output.
+                let selected: Vec<&Tensor> = layer_ids
+                    .iter()
+                    .map(|&layer| {
+                        if layer == last_layer {
+                            &normed
+                        } else {
+                            captured
+                                .iter()
+                                .find(|(index, _)| *index == layer)
+                                .map(|(_, state)| state)
+                                .unwrap_or(&normed)
+                        }
+                    })
+                    .collect();
+                Some(Tensor::f_cat(&selected, -1)?)
+            };
+            Ok(CachedForward {
+                hidden: normed,
+                captured,
+            })
+        })
+    }
+
+    /// Logits of final-normed hidden states (`[.., H]` to `[.., V]`).
+    pub fn lm_head_logits(&self, normed_hidden: &Tensor) -> Tensor {
+        tch::no_grad(|| normed_hidden.linear::<Tensor>(&self.lm_head, None))
+    }
+
     fn validate_inputs(
         &self,
         input_ids: &Tensor,
@@ -433,14 +593,15 @@ impl TargetModel {
         hidden + mlp
     }
 
-    fn self_attention(
+    /// Projects `hidden` to query, key and value heads `[B, heads, T, D]`,
+    /// with the Qwen3 per-head norms and RoPE applied to queries and keys.
+    fn query_key_value(
         &self,
         layer: &DecoderLayer,
         hidden: &Tensor,
-        attention_allowed: Option<&Tensor>,
         cos: &Tensor,
         sin: &Tensor,
-    ) -> Tensor {
+    ) -> (Tensor, Tensor, Tensor) {
         let size = hidden.size();
         let (batch, length) = (size[0], size[1]);
         let config = &self.config;
@@ -456,28 +617,49 @@ impl TargetModel {
                 };
                 projected.transpose(1, 2)
             };
-        let heads = config.num_attention_heads;
-        let key_value_heads = config.num_key_value_heads;
         let query = project_heads(
             &layer.q_proj,
             layer.q_bias.as_ref(),
-            heads,
+            config.num_attention_heads,
             layer.q_norm.as_ref(),
         );
         let key = project_heads(
             &layer.k_proj,
             layer.k_bias.as_ref(),
-            key_value_heads,
+            config.num_key_value_heads,
             layer.k_norm.as_ref(),
         );
-        let value = project_heads(&layer.v_proj, layer.v_bias.as_ref(), key_value_heads, None);
-        let query = apply_rotary(&query, cos, sin);
-        let key = apply_rotary(&key, cos, sin);
-        let repeats = heads / key_value_heads;
-        let key = repeat_key_value_heads(&key, repeats);
-        let value = repeat_key_value_heads(&value, repeats);
+        let value = project_heads(
+            &layer.v_proj,
+            layer.v_bias.as_ref(),
+            config.num_key_value_heads,
+            None,
+        );
+        (
+            apply_rotary(&query, cos, sin),
+            apply_rotary(&key, cos, sin),
+            value,
+        )
+    }
+
+    /// Scaled dot-product attention of `query` over `key`/`value` (grouped
+    /// heads repeated), then the output projection: `[B, T, H]`. Without a
+    /// mask the fused causal kernel runs.
+    fn attend(
+        &self,
+        layer: &DecoderLayer,
+        query: &Tensor,
+        key: &Tensor,
+        value: &Tensor,
+        attention_allowed: Option<&Tensor>,
+    ) -> Tensor {
+        let size = query.size();
+        let (batch, heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
+        let repeats = heads / self.config.num_key_value_heads;
+        let key = repeat_key_value_heads(key, repeats);
+        let value = repeat_key_value_heads(value, repeats);
         let attended = Tensor::scaled_dot_product_attention(
-            &query,
+            query,
             &key,
             &value,
             attention_allowed,
@@ -490,6 +672,18 @@ impl TargetModel {
             .transpose(1, 2)
             .reshape([batch, length, heads * head_dim])
             .linear(&layer.o_proj, layer.o_bias.as_ref())
+    }
+
+    fn self_attention(
+        &self,
+        layer: &DecoderLayer,
+        hidden: &Tensor,
+        attention_allowed: Option<&Tensor>,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Tensor {
+        let (query, key, value) = self.query_key_value(layer, hidden, cos, sin);
+        self.attend(layer, &query, &key, &value, attention_allowed)
     }
 }
 

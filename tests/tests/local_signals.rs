@@ -1,0 +1,102 @@
+//! `dflash local` stopped with SIGTERM mid-run (as a scheduler or `timeout`
+//! stops it): it stops its children with SIGTERM, waits for them (bounded),
+//! prints its summary, and leaves no process of the run behind.
+
+use std::io::Read as _;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Processes whose command line names `workdir` (the run's children do).
+fn processes_naming(workdir: &Path, except: u32) -> Vec<String> {
+    let needle = workdir.display().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            if pid == except || pid == std::process::id() {
+                return None;
+            }
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            // Zombies have an empty command line; they are not running.
+            cmdline
+                .contains(&needle)
+                .then(|| format!("{pid}: {cmdline}"))
+        })
+        .collect()
+}
+
+fn wait_until(deadline: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < deadline {
+        if condition() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    condition()
+}
+
+#[test]
+fn sigterm_stops_the_children_and_prints_the_summary() {
+    let temporary = tempfile::tempdir().unwrap();
+    let workdir = temporary.path().join("run");
+    // Enough epochs that the pipeline is still running when the signal comes.
+    let mut local = Command::new(dflash_testkit::workspace_binary("dflash"))
+        .args(["local", "--view", "lines", "--timeout-seconds", "900"])
+        .args([
+            "--demo-sequences",
+            "32",
+            "--demo-epochs",
+            "200",
+            "--workdir",
+        ])
+        .arg(&workdir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let drafter_log = workdir.join("logs").join("drafter-1.log");
+    let started = wait_until(Duration::from_secs(300), || {
+        drafter_log.is_file() && !processes_naming(&workdir, local.id()).is_empty()
+    });
+    assert!(started, "the pipeline's children never started");
+    let pid = local.id().to_string();
+    let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(status.success());
+    let exited = wait_until(Duration::from_secs(120), || {
+        matches!(local.try_wait(), Ok(Some(_)))
+    });
+    if !exited {
+        let _ = local.kill();
+    }
+    let mut stdout = String::new();
+    let mut stderr = String::new();
+    local
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut stdout)
+        .unwrap();
+    local
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(
+        exited,
+        "dflash local did not exit after SIGTERM\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains("dflash local summary") && stdout.contains("interrupted"),
+        "no summary after SIGTERM\n{stdout}\n{stderr}"
+    );
+    let left = processes_naming(&workdir, local.id());
+    assert!(left.is_empty(), "children still running: {left:?}");
+    assert!(workdir.join("summary.json").is_file());
+}
