@@ -24,6 +24,8 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // First: with huge pages this may re-execute the process.
+    let allocator = dflash_service::configure_allocator(dflash_service::AllocatorMode::Retained);
     let mut cli = Cli::parse();
     // Held to the end: dropping it flushes the spans still buffered.
     let telemetry = match dflash_telemetry::init("drafter-server", cli.log_format) {
@@ -34,6 +36,7 @@ async fn main() -> std::process::ExitCode {
         }
     };
     cli.config.apply_legacy_flags();
+    tracing::info!(%allocator, "allocator set up");
     let shutdown = dflash_service::shutdown_signal();
     let result = run(cli.config, shutdown).await;
     telemetry.flush();

@@ -13,15 +13,20 @@
 //! - [`signal`]: [`shutdown_signal`], one `CancellationToken` cancelled on
 //!   SIGINT or SIGTERM.
 //! - [`exit`]: [`Exit`], the exit-code table of every binary.
+//! - [`alloc`]: [`configure_allocator`], glibc malloc settings that keep
+//!   large tensor buffers across steps (and optional huge pages), which the
+//!   libtorch binaries apply first thing in `main`.
 //!
 //! Must not depend on libtorch, tonic or any other crate of ours: the broker
 //! and the operator CLI link it without libtorch.
 
+pub mod alloc;
 pub mod device;
 pub mod exit;
 pub mod signal;
 pub mod units;
 
+pub use alloc::{configure_allocator, AllocatorMode, AllocatorReport};
 pub use device::{DeviceChoice, DtypeChoice};
 pub use exit::Exit;
 pub use signal::shutdown_signal;

@@ -10,6 +10,8 @@ use dflash_target_server::{run, TargetServerConfig};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    // First: with huge pages this may re-execute the process.
+    let allocator = dflash_service::configure_allocator(dflash_service::AllocatorMode::Retained);
     let config = TargetServerConfig::parse();
     let telemetry = match dflash_telemetry::init("target-server", config.log_format) {
         Ok(guard) => guard,
@@ -18,6 +20,7 @@ async fn main() -> std::process::ExitCode {
             return Exit::Failed.into();
         }
     };
+    tracing::info!(%allocator, "allocator set up");
     let shutdown = dflash_service::shutdown_signal();
     let outcome = run(config, shutdown).await;
     telemetry.flush();

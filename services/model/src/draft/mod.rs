@@ -8,7 +8,9 @@
 //!   a `VarStore` named like the reference `state_dict`, with the target's
 //!   frozen embedding and LM head.
 //! - [`objective`]: anchor sampling, block packing, the decayed masked
-//!   cross-entropy and per-position accuracy.
+//!   cross-entropy and per-position accuracy; `compute_objective_backward`
+//!   runs forward and backward with chunked logits and optional layer
+//!   checkpointing (`ObjectiveMemory`).
 //! - [`optim`]: AdamW, warmup + cosine schedule, gradient clipping, with
 //!   state that can be saved.
 //! - [`trainer`]: micro-batch accumulation and optimizer steps over the
@@ -32,13 +34,19 @@ pub use checkpoint::{
     CONFIG_FILE_NAME, MODEL_FILE_NAME, OPTIMIZER_FILE_NAME, TRAINER_STATE_FILE_NAME,
 };
 pub use config::{build_target_layer_ids, DraftConfig, DraftOptions, TargetDimensions};
-pub use model::{BlockInputs, DraftModel, FrozenTargetHeads};
+pub use model::{
+    AttentionImplementation, BlockInputs, DraftModel, FrozenTargetHeads,
+    DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
+};
 pub use objective::{
-    accuracy_ratios, compute_objective, default_loss_decay_gamma, overall_accuracy, pack_batch,
-    sample_anchors, ObjectiveOutput, PackedBatch, TrainingSequence,
+    accuracy_ratios, compute_objective, compute_objective_backward, default_loss_decay_gamma,
+    overall_accuracy, pack_batch, sample_anchors, BackwardOutput, ObjectiveMemory, ObjectiveOutput,
+    PackedBatch, TrainingSequence,
 };
 pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
-pub use trainer::{DraftTrainer, MicroBatchReport, StepReport, TrainerSettings};
+pub use trainer::{
+    DraftTrainer, MicroBatchReport, StepReport, TrainerSettings, DEFAULT_LOGITS_CHUNK_BLOCKS,
+};
 
 use std::path::PathBuf;
 

@@ -13,7 +13,9 @@
 //! positions before its anchor, and against the block's own keys. This is
 //! the same function as the reference's dense mask over
 //! `[context ‖ all blocks]`, at O(blocks·B·(T + B)) instead of
-//! O(blocks·B·(T + blocks·B)) memory.
+//! O(blocks·B·(T + blocks·B)) memory. With `AttentionImplementation::Fused`
+//! the context part goes through libtorch's fused attention kernel, a chunk
+//! of blocks per call, so not even the O(blocks·B·T) scores are materialised.
 
 use std::path::Path;
 
@@ -122,6 +124,8 @@ pub struct DraftModel {
     /// Kind the forward computes in: f32 on the CPU, bf16 on a GPU. The
     /// master weights in the `VarStore` stay f32 either way.
     compute_kind: Kind,
+    /// How the block-over-context attention is computed.
+    attention: AttentionImplementation,
 }
 
 impl DraftModel {
@@ -210,6 +214,7 @@ impl DraftModel {
             var_store,
             frozen,
             compute_kind,
+            attention: AttentionImplementation::default(),
         })
     }
 
@@ -263,9 +268,82 @@ impl DraftModel {
             .to_kind(Kind::Float)
     }
 
+    /// How the block-over-context attention is computed (split by default).
+    pub fn attention(&self) -> AttentionImplementation {
+        self.attention
+    }
+
+    /// Chooses the attention implementation; both compute the same function.
+    pub fn set_attention(&mut self, attention: AttentionImplementation) -> Result<(), DraftError> {
+        if let Some(blocks_per_chunk) = attention.blocks_per_chunk() {
+            if blocks_per_chunk < 1 {
+                return Err(DraftError::InvalidConfig(format!(
+                    "fused attention with {blocks_per_chunk} blocks per chunk, expected at least 1"
+                )));
+            }
+        }
+        self.attention = attention;
+        Ok(())
+    }
+
     /// The draft hidden states `[batch, blocks, block_size, hidden]` for
     /// every block, before the LM head.
     pub fn forward_blocks(&self, inputs: &BlockInputs<'_>) -> Result<Tensor, DraftError> {
+        let prepared = self.prepare(inputs)?;
+        let mut hidden = prepared.initial_hidden.shallow_clone();
+        for layer in &self.layers {
+            hidden = self.layer_forward(layer, &hidden, &prepared.context, &prepared);
+        }
+        Ok(self.final_norm(&hidden, &prepared))
+    }
+
+    /// Forward and backward with activation checkpointing of the draft
+    /// layers: only each layer's input `[batch, queries, hidden]` is kept
+    /// during the forward, and each layer is recomputed during the backward.
+    /// `head` gets the final draft hidden states (a leaf that requires grad),
+    /// must call `backward` on whatever depends on them (the loss, possibly
+    /// in chunks) and returns what the caller needs from it. Gradients
+    /// accumulate in the parameters exactly as `forward_blocks` followed by
+    /// a backward would.
+    pub fn forward_backward_checkpointed<R>(
+        &self,
+        inputs: &BlockInputs<'_>,
+        head: impl FnOnce(&Tensor) -> Result<R, DraftError>,
+    ) -> Result<R, DraftError> {
+        let prepared = self.prepare(inputs)?;
+        let context_leaf = prepared.context.detach().set_requires_grad(true);
+        let mut layer_inputs = Vec::with_capacity(self.layers.len());
+        let last_hidden = tch::no_grad(|| {
+            let mut hidden = prepared.initial_hidden.detach();
+            for layer in &self.layers {
+                let next = self.layer_forward(layer, &hidden, &context_leaf, &prepared);
+                layer_inputs.push(hidden);
+                hidden = next;
+            }
+            hidden
+        });
+        let last_leaf = last_hidden.set_requires_grad(true);
+        let output = self.final_norm(&last_leaf, &prepared);
+        let output_leaf = output.detach().set_requires_grad(true);
+        let result = head(&output_leaf)?;
+        let mut upstream = gradient_of(&output_leaf, "draft hidden states")?;
+        backward_with_gradient(&output, &upstream);
+        upstream = gradient_of(&last_leaf, "last layer output")?;
+        for (layer, layer_input) in self.layers.iter().zip(layer_inputs).rev() {
+            let input_leaf = layer_input.set_requires_grad(true);
+            let layer_output = self.layer_forward(layer, &input_leaf, &context_leaf, &prepared);
+            backward_with_gradient(&layer_output, &upstream);
+            upstream = gradient_of(&input_leaf, "layer input")?;
+        }
+        if context_leaf.grad().defined() {
+            backward_with_gradient(&prepared.context, &context_leaf.grad());
+        }
+        Ok(result)
+    }
+
+    /// Everything the layers share: the fused context stream, the block
+    /// embeddings, rotary tables and the attention masks.
+    fn prepare(&self, inputs: &BlockInputs<'_>) -> Result<PreparedBlocks, DraftError> {
         let config = &self.config;
         let (batch, context_len, width) = inputs.target_hidden.size3()?;
         let (token_batch, num_blocks, block_size) = inputs.block_token_ids.size3()?;
@@ -285,8 +363,6 @@ impl DraftModel {
         }
         let device = self.device();
         let kind = self.compute_kind;
-        let heads = config.num_attention_heads;
-        let kv_heads = config.num_key_value_heads;
         let head_dim = config.head_dim;
         let queries = num_blocks * block_size;
 
@@ -307,111 +383,585 @@ impl DraftModel {
             rotary_cos_sin(&context_positions, head_dim, &config.rope, kind, device);
         let (block_cos, block_sin) =
             rotary_cos_sin(&block_positions, head_dim, &config.rope, kind, device);
-        // Query (block, k) may read context position p only when p < anchor.
-        let context_visible = context_positions
-            .view([1, 1, context_len])
-            .lt_tensor(&anchors.unsqueeze(-1))
-            .unsqueeze(2)
-            .expand([batch, num_blocks, block_size, context_len], false)
-            .reshape([batch, 1, queries, context_len]);
-        let scale = (head_dim as f64).powf(-0.5);
-
-        let mut hidden = self
+        let masks = match self.attention {
+            AttentionImplementation::Split => {
+                // Query (block, k) may read context position p only when p < anchor.
+                AttentionMasks::Split {
+                    context_visible: context_positions
+                        .view([1, 1, context_len])
+                        .lt_tensor(&anchors.unsqueeze(-1))
+                        .unsqueeze(2)
+                        .expand([batch, num_blocks, block_size, context_len], false)
+                        .reshape([batch, 1, queries, context_len]),
+                }
+            }
+            AttentionImplementation::Fused { blocks_per_chunk } => {
+                AttentionMasks::Fused(context_attention_chunks(
+                    &anchors,
+                    context_len,
+                    block_size,
+                    blocks_per_chunk,
+                    kind,
+                )?)
+            }
+            AttentionImplementation::FusedConcatenated { blocks_per_chunk } => {
+                AttentionMasks::FusedConcatenated(fused_attention_chunks(
+                    &anchors,
+                    context_len,
+                    block_size,
+                    blocks_per_chunk,
+                    kind,
+                )?)
+            }
+        };
+        let initial_hidden = self
             .embed(&inputs.block_token_ids.to_device(device))
             .view([batch, queries, -1]);
-        for layer in &self.layers {
-            let residual = hidden.shallow_clone();
-            let normed = rms_norm(
-                &hidden,
-                &self.weight(&layer.input_layernorm),
-                config.rms_norm_eps,
-            );
-            let q_norm = self.weight(&layer.q_norm);
-            let k_norm = self.weight(&layer.k_norm);
-            let k_proj = self.weight(&layer.k_proj);
-            let v_proj = self.weight(&layer.v_proj);
-            // [batch, length, heads, head_dim] → q/k norm → [batch, heads, length, head_dim]
-            let split_heads = |projected: Tensor, head_count: i64, norm: Option<&Tensor>| {
-                let length = projected.size()[1];
-                let per_head = projected.view([batch, length, head_count, head_dim]);
-                let per_head = match norm {
-                    Some(weight) => rms_norm(&per_head, weight, config.rms_norm_eps),
-                    None => per_head,
-                };
-                per_head.transpose(1, 2)
-            };
-            let query = split_heads(
-                normed.linear::<Tensor>(&self.weight(&layer.q_proj), None),
-                heads,
-                Some(&q_norm),
-            );
-            let query = apply_rotary(&query, &block_cos, &block_sin);
-            let context_key = split_heads(
-                context.linear::<Tensor>(&k_proj, None),
-                kv_heads,
-                Some(&k_norm),
-            );
-            let context_key = apply_rotary(&context_key, &context_cos, &context_sin);
-            let context_value =
-                split_heads(context.linear::<Tensor>(&v_proj, None), kv_heads, None);
-            let block_key = split_heads(
-                normed.linear::<Tensor>(&k_proj, None),
-                kv_heads,
-                Some(&k_norm),
-            );
-            let block_key = apply_rotary(&block_key, &block_cos, &block_sin);
-            let block_value = split_heads(normed.linear::<Tensor>(&v_proj, None), kv_heads, None);
-            let (context_key, context_value, block_key, block_value) = (
-                repeat_key_value_heads(&context_key, heads / kv_heads),
-                repeat_key_value_heads(&context_value, heads / kv_heads),
-                repeat_key_value_heads(&block_key, heads / kv_heads),
-                repeat_key_value_heads(&block_value, heads / kv_heads),
-            );
-
-            let context_scores = (query.matmul(&context_key.transpose(-2, -1)) * scale)
-                .to_kind(Kind::Float)
-                .masked_fill(&context_visible.logical_not(), f64::NEG_INFINITY);
-            let block_query = query.view([batch, heads, num_blocks, block_size, head_dim]);
-            let block_scores = (block_query.matmul(
-                &block_key
-                    .view([batch, heads, num_blocks, block_size, head_dim])
-                    .transpose(-2, -1),
-            ) * scale)
-                .to_kind(Kind::Float)
-                .view([batch, heads, queries, block_size]);
-            let probabilities = Tensor::cat(&[&context_scores, &block_scores], -1)
-                .softmax(-1, Kind::Float)
-                .to_kind(kind);
-            let context_probabilities = probabilities.narrow(-1, 0, context_len);
-            let block_probabilities = probabilities
-                .narrow(-1, context_len, block_size)
-                .view([batch, heads, num_blocks, block_size, block_size]);
-            let attended = context_probabilities.matmul(&context_value)
-                + block_probabilities
-                    .matmul(&block_value.view([batch, heads, num_blocks, block_size, head_dim]))
-                    .view([batch, heads, queries, head_dim]);
-            let attended = attended
-                .transpose(1, 2)
-                .reshape([batch, queries, heads * head_dim]);
-            hidden = residual + attended.linear::<Tensor>(&self.weight(&layer.o_proj), None);
-
-            let residual = hidden.shallow_clone();
-            let normed = rms_norm(
-                &hidden,
-                &self.weight(&layer.post_attention_layernorm),
-                config.rms_norm_eps,
-            );
-            hidden = residual
-                + swiglu_mlp(
-                    &normed,
-                    &self.weight(&layer.gate_proj),
-                    &self.weight(&layer.up_proj),
-                    &self.weight(&layer.down_proj),
-                );
-        }
-        let output = rms_norm(&hidden, &self.weight(&self.norm), config.rms_norm_eps);
-        Ok(output.view([batch, num_blocks, block_size, config.hidden_size]))
+        Ok(PreparedBlocks {
+            batch,
+            num_blocks,
+            block_size,
+            context_len,
+            context,
+            initial_hidden,
+            context_cos,
+            context_sin,
+            block_cos,
+            block_sin,
+            masks,
+        })
     }
+
+    /// One decoder layer over `[batch, queries, hidden]`.
+    fn layer_forward(
+        &self,
+        layer: &DraftLayerParameters,
+        hidden: &Tensor,
+        context: &Tensor,
+        prepared: &PreparedBlocks,
+    ) -> Tensor {
+        let config = &self.config;
+        let kind = self.compute_kind;
+        let (batch, num_blocks, block_size, context_len) = (
+            prepared.batch,
+            prepared.num_blocks,
+            prepared.block_size,
+            prepared.context_len,
+        );
+        let queries = num_blocks * block_size;
+        let heads = config.num_attention_heads;
+        let kv_heads = config.num_key_value_heads;
+        let head_dim = config.head_dim;
+        let scale = (head_dim as f64).powf(-0.5);
+
+        let residual = hidden.shallow_clone();
+        let normed = rms_norm(
+            hidden,
+            &self.weight(&layer.input_layernorm),
+            config.rms_norm_eps,
+        );
+        let q_norm = self.weight(&layer.q_norm);
+        let k_norm = self.weight(&layer.k_norm);
+        let k_proj = self.weight(&layer.k_proj);
+        let v_proj = self.weight(&layer.v_proj);
+        // [batch, length, heads, head_dim] → q/k norm → [batch, heads, length, head_dim]
+        let split_heads = |projected: Tensor, head_count: i64, norm: Option<&Tensor>| {
+            let length = projected.size()[1];
+            let per_head = projected.view([batch, length, head_count, head_dim]);
+            let per_head = match norm {
+                Some(weight) => rms_norm(&per_head, weight, config.rms_norm_eps),
+                None => per_head,
+            };
+            per_head.transpose(1, 2)
+        };
+        let query = split_heads(
+            normed.linear::<Tensor>(&self.weight(&layer.q_proj), None),
+            heads,
+            Some(&q_norm),
+        );
+        let query = apply_rotary(&query, &prepared.block_cos, &prepared.block_sin);
+        let context_key = split_heads(
+            context.linear::<Tensor>(&k_proj, None),
+            kv_heads,
+            Some(&k_norm),
+        );
+        let context_key = apply_rotary(&context_key, &prepared.context_cos, &prepared.context_sin);
+        let context_value = split_heads(context.linear::<Tensor>(&v_proj, None), kv_heads, None);
+        let block_key = split_heads(
+            normed.linear::<Tensor>(&k_proj, None),
+            kv_heads,
+            Some(&k_norm),
+        );
+        let block_key = apply_rotary(&block_key, &prepared.block_cos, &prepared.block_sin);
+        let block_value = split_heads(normed.linear::<Tensor>(&v_proj, None), kv_heads, None);
+        let (context_key, context_value, block_key, block_value) = (
+            repeat_key_value_heads(&context_key, heads / kv_heads),
+            repeat_key_value_heads(&context_value, heads / kv_heads),
+            repeat_key_value_heads(&block_key, heads / kv_heads),
+            repeat_key_value_heads(&block_value, heads / kv_heads),
+        );
+
+        let attended = match &prepared.masks {
+            AttentionMasks::Split { context_visible } => {
+                let context_scores = (query.matmul(&context_key.transpose(-2, -1)) * scale)
+                    .to_kind(Kind::Float)
+                    .masked_fill(&context_visible.logical_not(), f64::NEG_INFINITY);
+                let block_query = query.view([batch, heads, num_blocks, block_size, head_dim]);
+                let block_scores = (block_query.matmul(
+                    &block_key
+                        .view([batch, heads, num_blocks, block_size, head_dim])
+                        .transpose(-2, -1),
+                ) * scale)
+                    .to_kind(Kind::Float)
+                    .view([batch, heads, queries, block_size]);
+                let probabilities = Tensor::cat(&[&context_scores, &block_scores], -1)
+                    .softmax(-1, Kind::Float)
+                    .to_kind(kind);
+                let context_probabilities = probabilities.narrow(-1, 0, context_len);
+                let block_probabilities = probabilities
+                    .narrow(-1, context_len, block_size)
+                    .view([batch, heads, num_blocks, block_size, block_size]);
+                context_probabilities.matmul(&context_value)
+                    + block_probabilities
+                        .matmul(&block_value.view([batch, heads, num_blocks, block_size, head_dim]))
+                        .view([batch, heads, queries, head_dim])
+            }
+            AttentionMasks::Fused(chunks) => {
+                let block_scores = (query
+                    .view([batch, heads, num_blocks, block_size, head_dim])
+                    .matmul(
+                        &block_key
+                            .view([batch, heads, num_blocks, block_size, head_dim])
+                            .transpose(-2, -1),
+                    )
+                    * scale)
+                    .to_kind(Kind::Float)
+                    .view([batch, heads, queries, block_size]);
+                let mut context_outputs = Vec::with_capacity(chunks.len());
+                let mut context_log_sum_exps = Vec::with_capacity(chunks.len());
+                for chunk in chunks {
+                    let chunk_query = query.narrow(2, chunk.first_query, chunk.num_queries);
+                    if chunk.context_len == 0 {
+                        context_outputs.push(chunk_query.zeros_like());
+                        context_log_sum_exps.push(Tensor::full(
+                            [batch, heads, chunk.num_queries],
+                            f64::NEG_INFINITY,
+                            (Kind::Float, query.device()),
+                        ));
+                        continue;
+                    }
+                    let key = context_key.narrow(2, 0, chunk.context_len);
+                    let value = context_value.narrow(2, 0, chunk.context_len);
+                    let (output, log_sum_exp) = fused_attention_with_log_sum_exp(
+                        &chunk_query,
+                        &key,
+                        &value,
+                        &chunk.additive_mask,
+                        scale,
+                    );
+                    // d lse/dq = scale·Σ P·k and d lse/dk_j = scale·P_j·q: the
+                    // attention of the detached query over the detached keys
+                    // with the (attached) keys as values has the value Σ P·k
+                    // and gives the keys exactly that second gradient.
+                    let detached_query = chunk_query.detach();
+                    let (key_average, _) = fused_attention_with_log_sum_exp(
+                        &detached_query,
+                        &key.detach(),
+                        &key,
+                        &chunk.additive_mask,
+                        scale,
+                    );
+                    let key_average_value = key_average.detach();
+                    let log_sum_exp_gradient_carrier = ((&chunk_query - &detached_query)
+                        * &key_average_value
+                        + &detached_query * (&key_average - &key_average_value))
+                        .sum_dim_intlist(-1, false, Kind::Float)
+                        * scale;
+                    let log_sum_exp = (log_sum_exp.detach().to_kind(Kind::Float)
+                        + log_sum_exp_gradient_carrier)
+                        .masked_fill(&chunk.without_context, f64::NEG_INFINITY);
+                    context_outputs.push(output);
+                    context_log_sum_exps.push(log_sum_exp);
+                }
+                let context_output = Tensor::cat(&context_outputs, 2);
+                let context_log_sum_exp = Tensor::cat(&context_log_sum_exps, 2);
+                // The context as one more column of the within-block softmax.
+                let probabilities =
+                    Tensor::cat(&[block_scores, context_log_sum_exp.unsqueeze(-1)], -1)
+                        .softmax(-1, Kind::Float)
+                        .to_kind(kind);
+                probabilities
+                    .narrow(-1, 0, block_size)
+                    .view([batch, heads, num_blocks, block_size, block_size])
+                    .matmul(&block_value.view([batch, heads, num_blocks, block_size, head_dim]))
+                    .view([batch, heads, queries, head_dim])
+                    + probabilities.narrow(-1, block_size, 1) * context_output
+            }
+            AttentionMasks::FusedConcatenated(chunks) => {
+                let outputs: Vec<Tensor> = chunks
+                    .iter()
+                    .map(|chunk| {
+                        let first_query = chunk.first_block * block_size;
+                        let chunk_queries = chunk.num_blocks * block_size;
+                        let keys = Tensor::cat(
+                            &[
+                                context_key.narrow(2, 0, chunk.context_len),
+                                block_key.narrow(2, first_query, chunk_queries),
+                            ],
+                            2,
+                        );
+                        let values = Tensor::cat(
+                            &[
+                                context_value.narrow(2, 0, chunk.context_len),
+                                block_value.narrow(2, first_query, chunk_queries),
+                            ],
+                            2,
+                        );
+                        fused_attention(
+                            &query.narrow(2, first_query, chunk_queries),
+                            &keys,
+                            &values,
+                            &chunk.additive_mask,
+                            scale,
+                        )
+                    })
+                    .collect();
+                Tensor::cat(&outputs, 2)
+            }
+        };
+        let attended = attended
+            .transpose(1, 2)
+            .reshape([batch, queries, heads * head_dim]);
+        let hidden = residual + attended.linear::<Tensor>(&self.weight(&layer.o_proj), None);
+
+        let residual = hidden.shallow_clone();
+        let normed = rms_norm(
+            &hidden,
+            &self.weight(&layer.post_attention_layernorm),
+            config.rms_norm_eps,
+        );
+        residual
+            + swiglu_mlp(
+                &normed,
+                &self.weight(&layer.gate_proj),
+                &self.weight(&layer.up_proj),
+                &self.weight(&layer.down_proj),
+            )
+    }
+
+    /// The final `norm`, reshaped to `[batch, blocks, block_size, hidden]`.
+    fn final_norm(&self, hidden: &Tensor, prepared: &PreparedBlocks) -> Tensor {
+        let output = rms_norm(hidden, &self.weight(&self.norm), self.config.rms_norm_eps);
+        output.view([
+            prepared.batch,
+            prepared.num_blocks,
+            prepared.block_size,
+            self.config.hidden_size,
+        ])
+    }
+}
+
+/// How the block-over-context attention is computed. All give the same
+/// function (the reference's dense `[context ‖ blocks]` mask).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AttentionImplementation {
+    /// Scores materialised and one softmax over `[context ‖ own block]`:
+    /// `[batch, heads, queries, context]` floats per layer. The default: on
+    /// this project's 2-core CPU at the tiny sizes it measured faster than
+    /// the fused kernels; `Fused` is the choice when the scores do not fit.
+    #[default]
+    Split,
+    /// The context part through libtorch's fused attention kernel (the
+    /// flash kernel on the CPU, memory-efficient attention on a GPU), one
+    /// call per chunk of `blocks_per_chunk` blocks over the context before
+    /// the chunk's largest anchor (views, no copies); the within-block part
+    /// (`[queries, block]` scores) computed directly; the two merged through
+    /// the context part's log-sum-exp as one more softmax column. The
+    /// kernels do not differentiate their log-sum-exp, so a second fused
+    /// call (values = keys) supplies its gradient. Nothing of size queries ×
+    /// context is materialised: not the scores, not the mask, not the keys.
+    Fused { blocks_per_chunk: i64 },
+    /// One fused call per chunk of blocks over `[context before the chunk's
+    /// largest anchor ‖ the chunk's block keys]` with a block-diagonal mask:
+    /// one kernel call instead of two, but every chunk copies its context
+    /// keys and values (chunks × context × heads × head_dim per layer) and
+    /// each query also scores the chunk's other blocks' keys.
+    FusedConcatenated { blocks_per_chunk: i64 },
+}
+
+impl AttentionImplementation {
+    fn blocks_per_chunk(self) -> Option<i64> {
+        match self {
+            AttentionImplementation::Split => None,
+            AttentionImplementation::Fused { blocks_per_chunk }
+            | AttentionImplementation::FusedConcatenated { blocks_per_chunk } => {
+                Some(blocks_per_chunk)
+            }
+        }
+    }
+}
+
+/// Blocks per fused-attention call: each chunk sees the context up to its
+/// largest anchor, so smaller chunks skip more keys (sorted anchors) at the
+/// price of more kernel calls.
+pub const DEFAULT_BLOCKS_PER_ATTENTION_CHUNK: i64 = 8;
+
+/// What [`DraftModel::prepare`] computes once for all layers.
+struct PreparedBlocks {
+    batch: i64,
+    num_blocks: i64,
+    block_size: i64,
+    context_len: i64,
+    /// `[batch, context_len, hidden]` fused target states (`fc`, `hidden_norm`).
+    context: Tensor,
+    /// `[batch, queries, hidden]` embedded block tokens.
+    initial_hidden: Tensor,
+    context_cos: Tensor,
+    context_sin: Tensor,
+    block_cos: Tensor,
+    block_sin: Tensor,
+    masks: AttentionMasks,
+}
+
+enum AttentionMasks {
+    /// `[batch, 1, queries, context_len]` true where a query sees a context position.
+    Split {
+        context_visible: Tensor,
+    },
+    Fused(Vec<ContextAttentionChunk>),
+    FusedConcatenated(Vec<FusedAttentionChunk>),
+}
+
+/// One fused context-attention call of [`AttentionImplementation::Fused`].
+struct ContextAttentionChunk {
+    first_query: i64,
+    num_queries: i64,
+    /// Context positions any block of the chunk may see (its largest anchor).
+    context_len: i64,
+    /// `[batch, 1, chunk queries, context_len]`: 0 where visible, −∞
+    /// elsewhere; rows of blocks without any context (anchor 0) see
+    /// position 0 so the kernel never meets an empty row, and are dropped
+    /// through `without_context`.
+    additive_mask: Tensor,
+    /// `[batch, 1, chunk queries]` true for queries whose block has no context.
+    without_context: Tensor,
+}
+
+/// Chunks of blocks for [`AttentionImplementation::Fused`] and their masks.
+fn context_attention_chunks(
+    anchors: &Tensor,
+    context_len: i64,
+    block_size: i64,
+    blocks_per_chunk: i64,
+    kind: Kind,
+) -> Result<Vec<ContextAttentionChunk>, DraftError> {
+    let (batch, num_blocks) = anchors.size2()?;
+    let device = anchors.device();
+    let anchor_values = Vec::<i64>::try_from(&anchors.to_device(Device::Cpu).flatten(0, -1))?;
+    let mut chunks = Vec::new();
+    let mut first_block = 0;
+    while first_block < num_blocks {
+        let chunk_blocks = blocks_per_chunk.min(num_blocks - first_block);
+        let chunk_context =
+            largest_anchor(&anchor_values, batch, num_blocks, first_block, chunk_blocks)
+                .clamp(0, context_len);
+        let chunk_queries = chunk_blocks * block_size;
+        let per_query_anchor = anchors
+            .narrow(1, first_block, chunk_blocks)
+            .unsqueeze(-1)
+            .expand([batch, chunk_blocks, block_size], false)
+            .reshape([batch, 1, chunk_queries]);
+        let without_context = per_query_anchor.le(0);
+        let positions =
+            Tensor::arange(chunk_context, (Kind::Int64, device)).view([1, 1, 1, chunk_context]);
+        let visible = positions
+            .lt_tensor(&per_query_anchor.unsqueeze(-1))
+            .logical_or(&positions.eq(0).logical_and(&without_context.unsqueeze(-1)));
+        let additive_mask = Tensor::zeros(visible.size(), (kind, device))
+            .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+        chunks.push(ContextAttentionChunk {
+            first_query: first_block * block_size,
+            num_queries: chunk_queries,
+            context_len: chunk_context,
+            additive_mask,
+            without_context,
+        });
+        first_block += chunk_blocks;
+    }
+    Ok(chunks)
+}
+
+/// The largest anchor of blocks `first_block..first_block + chunk_blocks`
+/// over every sequence of the batch (`anchor_values` is `[batch, blocks]`).
+fn largest_anchor(
+    anchor_values: &[i64],
+    batch: i64,
+    num_blocks: i64,
+    first_block: i64,
+    chunk_blocks: i64,
+) -> i64 {
+    (0..batch)
+        .flat_map(|row| {
+            let start = (row * num_blocks + first_block) as usize;
+            anchor_values[start..start + chunk_blocks as usize]
+                .iter()
+                .copied()
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// One fused-attention call: blocks `first_block..first_block + num_blocks`.
+struct FusedAttentionChunk {
+    first_block: i64,
+    num_blocks: i64,
+    /// Context positions any block of the chunk may see (its largest anchor).
+    context_len: i64,
+    /// `[batch, 1, chunk queries, context_len + chunk queries]`: 0 where
+    /// visible, −∞ elsewhere (context before the anchor, the own block).
+    additive_mask: Tensor,
+}
+
+/// Splits the blocks into chunks and builds each chunk's additive mask.
+fn fused_attention_chunks(
+    anchors: &Tensor,
+    context_len: i64,
+    block_size: i64,
+    blocks_per_chunk: i64,
+    kind: Kind,
+) -> Result<Vec<FusedAttentionChunk>, DraftError> {
+    let (batch, num_blocks) = anchors.size2()?;
+    let device = anchors.device();
+    let anchor_values = Vec::<i64>::try_from(&anchors.to_device(Device::Cpu).flatten(0, -1))?;
+    let mut chunks = Vec::new();
+    let mut first_block = 0;
+    while first_block < num_blocks {
+        let chunk_blocks = blocks_per_chunk.min(num_blocks - first_block);
+        let chunk_context =
+            largest_anchor(&anchor_values, batch, num_blocks, first_block, chunk_blocks)
+                .clamp(0, context_len);
+        let chunk_anchors = anchors.narrow(1, first_block, chunk_blocks);
+        let chunk_queries = chunk_blocks * block_size;
+        // [batch, blocks, context]: position p visible when p < anchor.
+        let context_visible = Tensor::arange(chunk_context, (Kind::Int64, device))
+            .view([1, 1, chunk_context])
+            .lt_tensor(&chunk_anchors.unsqueeze(-1));
+        let context_visible = context_visible
+            .unsqueeze(2)
+            .expand([batch, chunk_blocks, block_size, chunk_context], false)
+            .reshape([batch, 1, chunk_queries, chunk_context]);
+        // Block-diagonal: a query sees the keys of its own block only.
+        let block_of_position = Tensor::arange(chunk_queries, (Kind::Int64, device))
+            .divide_scalar_mode(block_size, "floor");
+        let block_visible = block_of_position
+            .unsqueeze(-1)
+            .eq_tensor(&block_of_position.unsqueeze(0))
+            .view([1, 1, chunk_queries, chunk_queries])
+            .expand([batch, 1, chunk_queries, chunk_queries], false);
+        let visible = Tensor::cat(&[context_visible, block_visible], -1);
+        let additive_mask = Tensor::zeros(visible.size(), (kind, device))
+            .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
+        chunks.push(FusedAttentionChunk {
+            first_block,
+            num_blocks: chunk_blocks,
+            context_len: chunk_context,
+            additive_mask,
+        });
+        first_block += chunk_blocks;
+    }
+    Ok(chunks)
+}
+
+/// Fused attention `softmax(q·kᵀ·scale + mask)·v` with libtorch's kernels:
+/// on the CPU the flash kernel is called directly, so it can never fall back
+/// to the materialising math path; elsewhere `scaled_dot_product_attention`
+/// picks flash or memory-efficient attention.
+fn fused_attention(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    additive_mask: &Tensor,
+    scale: f64,
+) -> Tensor {
+    if query.device() == Device::Cpu {
+        let (output, _log_sum_exp) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
+            query,
+            key,
+            value,
+            0.0,
+            false,
+            Some(additive_mask),
+            scale,
+        );
+        output
+    } else {
+        Tensor::scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            Some(additive_mask),
+            0.0,
+            false,
+            scale,
+            false,
+        )
+    }
+}
+
+/// Fused attention that also returns the log-sum-exp of each query's
+/// scores, `[batch, heads, queries]` in f32 (not differentiable: the caller
+/// supplies its gradient). Flash kernel on the CPU, memory-efficient
+/// attention elsewhere (whose log-sum-exp is padded to a multiple of 32).
+fn fused_attention_with_log_sum_exp(
+    query: &Tensor,
+    key: &Tensor,
+    value: &Tensor,
+    additive_mask: &Tensor,
+    scale: f64,
+) -> (Tensor, Tensor) {
+    let queries = query.size()[2];
+    if query.device() == Device::Cpu {
+        Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
+            query,
+            key,
+            value,
+            0.0,
+            false,
+            Some(additive_mask),
+            scale,
+        )
+    } else {
+        let heads = query.size()[1];
+        let (output, log_sum_exp, _, _) = Tensor::internal_scaled_dot_product_efficient_attention(
+            query,
+            key,
+            value,
+            Some(additive_mask.expand([-1, heads, -1, -1], false)),
+            true,
+            0.0,
+            false,
+            scale,
+        );
+        (output, log_sum_exp.narrow(2, 0, queries))
+    }
+}
+
+/// The gradient accumulated in a leaf by a backward.
+fn gradient_of(leaf: &Tensor, what: &str) -> Result<Tensor, DraftError> {
+    let gradient = leaf.grad();
+    if gradient.defined() {
+        Ok(gradient)
+    } else {
+        Err(DraftError::ShapeMismatch(format!(
+            "checkpointed backward: no gradient reached the {what} {:?}",
+            leaf.size()
+        )))
+    }
+}
+
+/// Backpropagates `gradient` (same shape as `output`) from a non-scalar output.
+pub(crate) fn backward_with_gradient(output: &Tensor, gradient: &Tensor) {
+    (output * gradient.detach()).sum(Kind::Float).backward();
 }
 
 /// Every parameter name of the reference `DFlashDraftModel.state_dict()`

@@ -203,12 +203,24 @@ pub fn overall_accuracy(correct: &[f64], supervised: &[f64]) -> f64 {
     correct.iter().sum::<f64>() / supervised_total
 }
 
-/// Runs the draft model over a packed batch and computes the DFlash loss.
-pub fn compute_objective(
+/// Labels and weights of block positions `1..B−1`, and the block tokens.
+struct BlockTargets {
+    /// `[batch, blocks, B]`: the anchor token, then mask tokens.
+    block_token_ids: Tensor,
+    /// `[batch, blocks, B−1]` token ids to predict (clamped past the end).
+    labels: Tensor,
+    /// `[batch, blocks, B−1]` 1 where the label is supervised.
+    supervised: Tensor,
+    /// `[batch, blocks, B−1]` supervised · exp(−(k − 1)/γ).
+    weights: Tensor,
+    anchors: Tensor,
+}
+
+fn block_targets(
     model: &DraftModel,
     batch: &PackedBatch,
     gamma: f64,
-) -> Result<ObjectiveOutput, DraftError> {
+) -> Result<BlockTargets, DraftError> {
     let config = model.config();
     let device = model.device();
     let block_size = config.block_size;
@@ -226,11 +238,6 @@ pub fn compute_objective(
         (Kind::Int64, device),
     );
     let block_token_ids = Tensor::cat(&[&anchor_tokens.unsqueeze(-1), &mask_tokens], -1);
-    let draft_hidden = model.forward_blocks(&BlockInputs {
-        target_hidden: &batch.target_hidden,
-        block_token_ids: &block_token_ids,
-        anchor_positions: &anchors,
-    })?;
 
     // Targets of block positions 1..B−1.
     let offsets = Tensor::arange_start(1, block_size, (Kind::Int64, device));
@@ -249,6 +256,31 @@ pub fn compute_objective(
         * anchor_valid.unsqueeze(-1).to_kind(Kind::Float);
     let decay = ((offsets.to_kind(Kind::Float) - 1.0) * (-1.0 / gamma)).exp();
     let weights = &supervised * decay;
+    Ok(BlockTargets {
+        block_token_ids,
+        labels,
+        supervised,
+        weights,
+        anchors,
+    })
+}
+
+/// Runs the draft model over a packed batch and computes the DFlash loss.
+pub fn compute_objective(
+    model: &DraftModel,
+    batch: &PackedBatch,
+    gamma: f64,
+) -> Result<ObjectiveOutput, DraftError> {
+    let block_size = model.config().block_size;
+    let targets = block_targets(model, batch, gamma)?;
+    let draft_hidden = model.forward_blocks(&BlockInputs {
+        target_hidden: &batch.target_hidden,
+        block_token_ids: &targets.block_token_ids,
+        anchor_positions: &targets.anchors,
+    })?;
+    let labels = &targets.labels;
+    let weights = &targets.weights;
+    let supervised = &targets.supervised;
 
     let logits = model.logits(&draft_hidden.narrow(2, 1, block_size - 1));
     let log_probabilities = logits.log_softmax(-1, Kind::Float);
@@ -256,13 +288,13 @@ pub fn compute_objective(
         .gather(-1, &labels.unsqueeze(-1), false)
         .squeeze_dim(-1);
     let weight_sum = weights.sum(Kind::Float);
-    let loss = (&cross_entropy * &weights).sum(Kind::Float) / weight_sum.clamp_min(1e-12);
+    let loss = (&cross_entropy * weights).sum(Kind::Float) / weight_sum.clamp_min(1e-12);
 
     let correct = logits
         .argmax(-1, false)
-        .eq_tensor(&labels)
+        .eq_tensor(labels)
         .to_kind(Kind::Float)
-        * &supervised;
+        * supervised;
     let correct_per_position = correct.sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float);
     let supervised_per_position =
         supervised.sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float);
@@ -270,6 +302,125 @@ pub fn compute_objective(
         loss,
         draft_hidden,
         weight_sum: weight_sum.double_value(&[]),
+        correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
+        supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
+    })
+}
+
+/// How a training step trades memory for recomputation. The gradients are
+/// the same whatever the choice (up to float summation order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ObjectiveMemory {
+    /// Blocks (per sequence) whose logits `[batch, blocks, B−1, vocab]` exist
+    /// at once; `None` for all of them. Each chunk's cross-entropy is
+    /// back-propagated into the draft hidden states before the next chunk's
+    /// logits are made.
+    pub logits_chunk_blocks: Option<i64>,
+    /// Keep only each draft layer's input during the forward and recompute
+    /// the layer in the backward.
+    pub checkpoint_layers: bool,
+}
+
+/// What [`compute_objective_backward`] produced: the loss as a number, the
+/// gradients being already in the parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackwardOutput {
+    /// `Σ w·CE / Σ w` (NaN-free: 0 when `Σ w = 0`).
+    pub loss: f64,
+    /// `Σ w`.
+    pub weight_sum: f64,
+    /// Per block position `k = 1..B−1`: supervised targets predicted right.
+    pub correct_per_position: Vec<f64>,
+    /// Per block position `k = 1..B−1`: supervised targets.
+    pub supervised_per_position: Vec<f64>,
+}
+
+/// Forward and backward of the objective in one go: back-propagates the
+/// unnormalised `Σ w·CE` (what the trainer accumulates across micro-batches)
+/// into the parameters' gradients, with the logits made a chunk of blocks at
+/// a time and optionally the draft layers checkpointed.
+pub fn compute_objective_backward(
+    model: &DraftModel,
+    batch: &PackedBatch,
+    gamma: f64,
+    memory: ObjectiveMemory,
+) -> Result<BackwardOutput, DraftError> {
+    if let Some(chunk) = memory.logits_chunk_blocks.filter(|&chunk| chunk < 1) {
+        return Err(DraftError::InvalidConfig(format!(
+            "logits chunk of {chunk} blocks, expected at least 1"
+        )));
+    }
+    let block_size = model.config().block_size;
+    let targets = block_targets(model, batch, gamma)?;
+    let weight_sum = targets.weights.sum(Kind::Float).double_value(&[]);
+    let train = weight_sum > 0.0;
+    let inputs = BlockInputs {
+        target_hidden: &batch.target_hidden,
+        block_token_ids: &targets.block_token_ids,
+        anchor_positions: &targets.anchors,
+    };
+    // Chunked weighted cross-entropy over the draft hidden states (a leaf
+    // that requires grad): each chunk back-propagates into the leaf's grad.
+    let head = |draft_hidden: &Tensor| -> Result<(f64, Tensor), DraftError> {
+        let num_blocks = draft_hidden.size()[1];
+        let chunk_blocks = memory
+            .logits_chunk_blocks
+            .unwrap_or(num_blocks)
+            .clamp(1, num_blocks.max(1));
+        let mut weighted_cross_entropy = 0.0;
+        let mut correct_chunks = Vec::new();
+        let mut first_block = 0;
+        while first_block < num_blocks {
+            let blocks = chunk_blocks.min(num_blocks - first_block);
+            let hidden = draft_hidden
+                .narrow(1, first_block, blocks)
+                .narrow(2, 1, block_size - 1);
+            let labels = targets.labels.narrow(1, first_block, blocks);
+            let weights = targets.weights.narrow(1, first_block, blocks);
+            let logits = model.logits(&hidden);
+            let cross_entropy = -logits
+                .log_softmax(-1, Kind::Float)
+                .gather(-1, &labels.unsqueeze(-1), false)
+                .squeeze_dim(-1);
+            let chunk_sum = (&cross_entropy * &weights).sum(Kind::Float);
+            weighted_cross_entropy += chunk_sum.double_value(&[]);
+            if train {
+                chunk_sum.backward();
+            }
+            correct_chunks.push(tch::no_grad(|| {
+                logits
+                    .argmax(-1, false)
+                    .eq_tensor(&labels)
+                    .to_kind(Kind::Float)
+            }));
+            first_block += blocks;
+        }
+        Ok((weighted_cross_entropy, Tensor::cat(&correct_chunks, 1)))
+    };
+    let (weighted_cross_entropy, correct) = if memory.checkpoint_layers && train {
+        model.forward_backward_checkpointed(&inputs, head)?
+    } else {
+        let draft_hidden = model.forward_blocks(&inputs)?;
+        let leaf = draft_hidden.detach().set_requires_grad(train);
+        let result = head(&leaf)?;
+        if train {
+            super::model::backward_with_gradient(&draft_hidden, &leaf.grad());
+        }
+        result
+    };
+    let correct = correct * &targets.supervised;
+    let correct_per_position = correct.sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float);
+    let supervised_per_position =
+        targets
+            .supervised
+            .sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float);
+    Ok(BackwardOutput {
+        loss: if train {
+            weighted_cross_entropy / weight_sum
+        } else {
+            0.0
+        },
+        weight_sum,
         correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
         supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
     })

@@ -17,7 +17,8 @@ use super::checkpoint::{
     load_draft_model, load_training_state, save_draft_checkpoint, TrainingProgress,
 };
 use super::objective::{
-    compute_objective, overall_accuracy, pack_batch, sample_anchors, TrainingSequence,
+    compute_objective_backward, overall_accuracy, pack_batch, sample_anchors, ObjectiveMemory,
+    TrainingSequence,
 };
 use super::optim::{AdamW, AdamWSettings, LearningRateSchedule};
 use super::{accuracy_ratios, DraftError, DraftModel, FrozenTargetHeads};
@@ -39,6 +40,8 @@ pub struct TrainerSettings {
     /// generator from it, the step and its index, so a resumed run draws the
     /// same anchors as an uninterrupted one.
     pub seed: u64,
+    /// Logits chunking and layer checkpointing (memory, not the result).
+    pub memory: ObjectiveMemory,
 }
 
 impl TrainerSettings {
@@ -52,9 +55,18 @@ impl TrainerSettings {
             schedule: LearningRateSchedule::default(),
             total_steps,
             seed: 0,
+            memory: ObjectiveMemory {
+                logits_chunk_blocks: Some(DEFAULT_LOGITS_CHUNK_BLOCKS),
+                checkpoint_layers: false,
+            },
         }
     }
 }
+
+/// Blocks per sequence whose logits exist at once by default: 32 blocks ×
+/// 15 positions × vocab 151,936 × 4 bytes is 292 MB per sequence, where all
+/// 512 blocks would be 4.7 GB (and as much again for their gradient).
+pub const DEFAULT_LOGITS_CHUNK_BLOCKS: i64 = 32;
 
 /// What one micro-batch contributed.
 #[derive(Debug, Clone, PartialEq)]
@@ -153,6 +165,11 @@ impl DraftTrainer {
         &self.model
     }
 
+    /// The model, to choose its attention implementation.
+    pub fn model_mut(&mut self) -> &mut DraftModel {
+        &mut self.model
+    }
+
     pub fn progress(&self) -> &TrainingProgress {
         &self.progress
     }
@@ -194,11 +211,13 @@ impl DraftTrainer {
             })
             .collect();
         let batch = pack_batch(sequences, &anchors)?;
-        let output = compute_objective(&self.model, &batch, self.settings.loss_decay_gamma)?;
-        if output.weight_sum > 0.0 {
-            (&output.loss * output.weight_sum).backward();
-        }
-        let loss = output.loss.double_value(&[]);
+        let output = compute_objective_backward(
+            &self.model,
+            &batch,
+            self.settings.loss_decay_gamma,
+            self.settings.memory,
+        )?;
+        let loss = output.loss;
         let accumulation = &mut self.accumulation;
         accumulation.weighted_cross_entropy += loss * output.weight_sum;
         accumulation.weight_sum += output.weight_sum;
