@@ -153,7 +153,6 @@ impl BrokerConfig {
         QueueConfig {
             expected_targets: self.expected_targets,
             max_held_bytes: self.max_queue_bytes,
-            max_item_bytes: self.max_item_bytes,
             lease_timeout: self.lease_timeout,
             max_deliveries: self.max_deliveries,
             target_grace: self.target_grace,
@@ -164,12 +163,6 @@ impl BrokerConfig {
                 OnTargetFailure::Continue => FailurePolicy::Continue,
             },
         }
-    }
-
-    /// How often leases and target liveness are checked.
-    pub(crate) fn tick_interval(&self) -> Duration {
-        (self.lease_timeout.min(self.target_grace) / 10)
-            .clamp(Duration::from_millis(10), Duration::from_secs(1))
     }
 }
 

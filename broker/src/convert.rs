@@ -29,9 +29,9 @@ impl From<QueueError> for Status {
     fn from(error: QueueError) -> Status {
         let message = error.to_string();
         match error {
-            QueueError::EmptyTargetId
-            | QueueError::EmptyDrafterId
-            | QueueError::ItemTooLarge { .. } => Status::invalid_argument(message),
+            QueueError::EmptyTargetId | QueueError::EmptyDrafterId => {
+                Status::invalid_argument(message)
+            }
             QueueError::TooManyTargets { .. }
             | QueueError::TargetFailed { .. }
             | QueueError::TargetAlreadyDone { .. }

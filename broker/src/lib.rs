@@ -6,7 +6,8 @@
 //!
 //! # Layout
 //! - `queue`: the rules, as a synchronous state machine with no gRPC, tokio
-//!   or clock in it (time comes in as an argument). Unit and property tests
+//!   or clock in it (time comes in as an argument): `types`, `effects`,
+//!   `producers`, `consumers`, `ledger`, `status`. Unit and property tests
 //!   live beside it.
 //! - `config`: flags with environment fallbacks, and their validation.
 //! - `convert`: queue types ↔ `dflash.v1` messages; queue errors → status codes.

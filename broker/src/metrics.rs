@@ -389,7 +389,6 @@ mod tests {
         QueueConfig {
             expected_targets,
             max_held_bytes: 1_000,
-            max_item_bytes: 500,
             lease_timeout: Duration::from_secs(30),
             max_deliveries: 3,
             target_grace: Duration::from_secs(120),

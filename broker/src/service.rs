@@ -32,6 +32,12 @@ use crate::queue::{ConnectionId, Effect, Queue, QueueError, RejectReason};
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest accepted target or drafter id.
 const MAX_ID_LENGTH: usize = 256;
+/// The ticker wakes at the queue's next deadline, and at least this often to
+/// sample throughput for status.
+const THROUGHPUT_SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
+/// Floor on the ticker's sleep, so a deadline that `tick` leaves in place
+/// cannot make it spin.
+const MIN_TICK_SPACING: Duration = Duration::from_millis(1);
 
 type Outbox<T> = mpsc::UnboundedSender<Result<T, Status>>;
 
@@ -40,6 +46,9 @@ struct Locked {
     queue: Queue<WirePayload>,
     consumer_outboxes: HashMap<ConnectionId, Outbox<proto::ConsumeResponse>>,
     producer_outboxes: HashMap<ConnectionId, Outbox<proto::ProduceResponse>>,
+    /// When the ticker will next wake on its own; an operation that creates
+    /// an earlier deadline wakes it sooner.
+    ticker_wakes_at: Option<Instant>,
 }
 
 impl Locked {
@@ -143,6 +152,9 @@ pub(crate) struct Shared {
     /// Woken whenever bytes may have been freed, so producers waiting for
     /// room re-check.
     room: Notify,
+    /// Woken when an operation created a deadline earlier than the ticker's
+    /// planned wake.
+    deadline_changed: Notify,
     config: BrokerConfig,
     /// Cancelled on shutdown: readers stop, streams end with UNAVAILABLE.
     shutdown: CancellationToken,
@@ -159,8 +171,10 @@ impl Shared {
                 queue,
                 consumer_outboxes: HashMap::new(),
                 producer_outboxes: HashMap::new(),
+                ticker_wakes_at: None,
             }),
             room: Notify::new(),
+            deadline_changed: Notify::new(),
             config,
             shutdown,
             tasks: TaskTracker::new(),
@@ -178,7 +192,7 @@ impl Shared {
 
     /// Runs one queue operation and dispatches its effects under the lock.
     fn with_queue<R>(&self, operation: impl FnOnce(&mut Locked, Instant) -> R) -> R {
-        let (result, room_freed) = {
+        let (result, room_freed, wake_ticker) = {
             let mut locked = self.locked.lock();
             let held_before = locked.queue.held_bytes();
             let state_before = locked.queue.state();
@@ -187,8 +201,17 @@ impl Shared {
             locked.dispatch(effects);
             let room_freed =
                 locked.queue.held_bytes() < held_before || locked.queue.state() != state_before;
-            (result, room_freed)
+            let planned_wake = locked.ticker_wakes_at;
+            let wake_ticker = locked
+                .queue
+                .take_new_deadline()
+                .is_some_and(|deadline| planned_wake.is_none_or(|planned| deadline < planned));
+            (result, room_freed, wake_ticker)
         };
+        if wake_ticker {
+            // Stores a permit when the ticker is busy, so no wake is lost.
+            self.deadline_changed.notify_one();
+        }
         // Only real changes wake producers waiting for room: a waiter's own
         // failed attempt must not wake itself into a spin.
         if room_freed {
@@ -211,14 +234,26 @@ impl Shared {
         crate::metrics::render(&snapshot)
     }
 
-    /// Periodic lease expiry, target liveness and throughput sampling.
+    /// Lease expiry, target liveness and throughput sampling: sleeps until
+    /// the queue's next deadline (or the next throughput sample, whichever
+    /// is first) and is woken early when an operation creates an earlier one.
     pub(crate) async fn run_ticker(self: Arc<Self>) {
-        let mut interval = tokio::time::interval(self.config.tick_interval());
-        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let wake_at = self.with_queue(|locked, now| {
+                locked.queue.tick(now);
+                let sample_at = now + THROUGHPUT_SAMPLE_INTERVAL;
+                let wake_at = locked
+                    .queue
+                    .next_deadline()
+                    .map_or(sample_at, |deadline| deadline.min(sample_at))
+                    .max(now + MIN_TICK_SPACING);
+                locked.ticker_wakes_at = Some(wake_at);
+                wake_at
+            });
             tokio::select! {
                 _ = self.shutdown.cancelled() => break,
-                _ = interval.tick() => self.with_queue(|locked, now| locked.queue.tick(now)),
+                _ = tokio::time::sleep_until(wake_at.into()) => {}
+                _ = self.deadline_changed.notified() => {}
             }
         }
     }
