@@ -10,6 +10,11 @@
 //! Everything runs on loopback in one process, so on a 2-core machine the
 //! producers, the relay/broker and the consumers share the same cores: the
 //! relay is the physical limit of any relaying broker on that machine.
+//!
+//! Then the write-ahead log's cost: the same broker path without
+//! `--state-dir` and with it under each `--fsync` policy, in the same run
+//! (`-- --wal-only` runs just that table; the log goes to a temporary
+//! directory under `$DFLASH_BENCH_STATE_DIR` or the system's).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -39,9 +44,24 @@ fn sample(bytes: usize) -> proto::Sample {
 
 /// Moves `items` items of `item_bytes` through the broker with `producers`
 /// targets and `consumers` drafters; returns bytes per second.
-async fn broker_throughput(item_bytes: usize, items: u64, producers: u64, consumers: u64) -> f64 {
+async fn broker_throughput(
+    item_bytes: usize,
+    items: u64,
+    producers: u64,
+    consumers: u64,
+    wal: Option<dflash_broker::wal::FsyncPolicy>,
+) -> f64 {
     let mut config = BrokerConfig::for_targets(producers as u32);
     config.max_queue_bytes = 1 << 30;
+    let state_dir = wal.map(|fsync| {
+        config.fsync = fsync;
+        match std::env::var_os("DFLASH_BENCH_STATE_DIR") {
+            Some(parent) => tempfile::tempdir_in(parent),
+            None => tempfile::tempdir(),
+        }
+        .expect("state dir")
+    });
+    config.state_dir = state_dir.as_ref().map(|dir| dir.path().to_path_buf());
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = format!("http://{}", listener.local_addr().expect("address"));
     let shutdown = CancellationToken::new();
@@ -75,7 +95,7 @@ async fn broker_throughput(item_bytes: usize, items: u64, producers: u64, consum
         let client = client.clone();
         let payload = payload.clone();
         targets.push(tokio::spawn(async move {
-            let target_id = format!("t{index}");
+            let target_id = format!("target-{index}");
             let mut producer = client.produce(&target_id).await.expect("produce");
             for seq in 0..per_producer {
                 producer
@@ -247,7 +267,7 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
                 }
             });
         }
-        let mut producer = client.produce("t0").await.expect("produce");
+        let mut producer = client.produce("target-0").await.expect("produce");
         producer
             .send(0, sample(1024), HashMap::new())
             .await
@@ -259,7 +279,7 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
         // The clock starts when ReportDone is sent: the latency covers the
         // call itself and the fan-out of end-of-stream to every drafter.
         let reported = Instant::now();
-        client.report_done("t0", 1).await.expect("done");
+        client.report_done("target-0", 1).await.expect("done");
         let mut last = reported;
         for _ in 0..drafters {
             last = last.max(ended.recv().await.expect("end-of-stream"));
@@ -291,16 +311,20 @@ fn main() {
         "{:>9} {:>9} {:>9} {:>13} {:>13} {:>7}",
         "item", "producers", "consumers", "broker GB/s", "relay GB/s", "ratio"
     );
+    let wal_only = std::env::args().any(|argument| argument == "--wal-only");
     runtime.block_on(async {
         for item_bytes in [1usize << 20, 16 << 20] {
+            if wal_only {
+                break;
+            }
             for (producers, consumers) in [(1u64, 1u64), (4, 4)] {
                 let items = (total_bytes / item_bytes as u64 / producers) * producers;
                 // Warm up both paths once so allocation and connection setup
                 // don't count.
                 let _ = relay_throughput(item_bytes, producers * 2, producers, consumers).await;
-                let _ = broker_throughput(item_bytes, producers * 2, producers, consumers).await;
+                let _ = broker_throughput(item_bytes, producers * 2, producers, consumers, None).await;
                 let relay = relay_throughput(item_bytes, items, producers, consumers).await;
-                let broker = broker_throughput(item_bytes, items, producers, consumers).await;
+                let broker = broker_throughput(item_bytes, items, producers, consumers, None).await;
                 println!(
                     "{:>6} MiB {:>9} {:>9} {:>13.2} {:>13.2} {:>7.2}",
                     item_bytes >> 20,
@@ -311,6 +335,27 @@ fn main() {
                     broker / relay
                 );
             }
+        }
+        use dflash_broker::wal::FsyncPolicy;
+        println!(
+            "{:>9} {:>9} {:>9} {:>13} {:>13} {:>13} {:>13}",
+            "item", "producers", "consumers", "no log GB/s", "never GB/s", "batch GB/s", "always GB/s"
+        );
+        for (producers, consumers) in [(1u64, 1u64), (4, 4)] {
+            let item_bytes = 16usize << 20;
+            let items = (total_bytes / item_bytes as u64 / producers) * producers;
+            let _ = broker_throughput(item_bytes, producers * 2, producers, consumers, Some(FsyncPolicy::Never)).await;
+            let mut rates = Vec::new();
+            for wal in [None, Some(FsyncPolicy::Never), Some(FsyncPolicy::Batch), Some(FsyncPolicy::Always)] {
+                rates.push(gigabytes(broker_throughput(item_bytes, items, producers, consumers, wal).await));
+            }
+            println!(
+                "{:>6} MiB {:>9} {:>9} {:>13.2} {:>13.2} {:>13.2} {:>13.2}",
+                item_bytes >> 20, producers, consumers, rates[0], rates[1], rates[2], rates[3]
+            );
+        }
+        if wal_only {
+            return;
         }
         let runs = if quick { 20 } else { 100 };
         let drafters = 4;

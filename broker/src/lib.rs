@@ -16,6 +16,9 @@
 //! - `server`: [`serve`], which adds health and reflection, the optional
 //!   metrics endpoint, and bounds shutdown.
 //! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
+//! - `wal`: the write-ahead log under `--state-dir` (a segment log with a
+//!   CRC per record, compacted to the queue's byte cap), which the service
+//!   appends the queue's journal entries to before answering.
 //! - `model_sync`: the `ModelSync` service beside the queue: the run's one
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
 //!   outer step), its arithmetic on raw buffers, and its checkpoints.
@@ -33,6 +36,7 @@ pub mod model_sync;
 pub mod queue;
 pub mod server;
 pub mod service;
+pub mod wal;
 
 pub use config::BrokerConfig;
 pub use server::{serve, serve_with_metrics, ServeError};

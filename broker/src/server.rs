@@ -34,6 +34,8 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("model sync: {0}")]
     ModelSync(#[from] crate::model_sync::checkpoint::CheckpointError),
+    #[error("write-ahead log: {0}")]
+    StateDir(#[from] crate::wal::WalError),
     #[error("cannot listen for metrics on {address}: {source}")]
     MetricsListen {
         address: SocketAddr,
@@ -76,7 +78,7 @@ pub async fn serve_with_metrics(
 ) -> Result<(), ServeError> {
     config.validate()?;
     let internal = CancellationToken::new();
-    let shared = Shared::new(config.clone(), internal.clone());
+    let shared = Shared::new(config.clone(), internal.clone())?;
     let service = BrokerService::new(shared.clone());
     let model_sync =
         crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
@@ -116,7 +118,7 @@ pub async fn serve_with_metrics(
         ))
     });
     let local_address = listener.local_addr().ok();
-    info!(address = ?local_address, expected_targets = config.expected_targets, "broker listening");
+    info!(address = ?local_address, target_ids = %config.target_ids().join(","), "broker listening");
 
     let server_stop = CancellationToken::new();
     let server = Server::builder()

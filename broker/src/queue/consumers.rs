@@ -15,6 +15,9 @@ impl<P: Payload> Queue<P> {
         if drafter_id.is_empty() {
             return Err(QueueError::EmptyDrafterId);
         }
+        if credit.items == 0 {
+            return Err(QueueError::ZeroCredit);
+        }
         let connection = self.allocate_connection();
         if let Some(old) = self
             .drafters
@@ -88,6 +91,10 @@ impl<P: Payload> Queue<P> {
                     if let Some(item) = self.items.remove(&item_id) {
                         self.acked_items += 1;
                         self.acked_bytes += item.bytes;
+                        self.record(JournalEntry::Acked {
+                            target_id: item.target_id,
+                            seq: item.seq,
+                        });
                         if let Some(entry) = self.consumer_entry(connection) {
                             entry.acked_items += 1;
                         }
@@ -160,7 +167,10 @@ impl<P: Payload> Queue<P> {
         for delivery_id in held {
             if let Some(lease) = self.leases.get_mut(&delivery_id) {
                 if lease.connection == connection {
-                    lease.deadline = deadline;
+                    lease.deadline = match self.config.max_lease_lifetime {
+                        Some(_) => deadline.min(lease.expires_at_latest),
+                        None => deadline,
+                    };
                 }
             }
         }

@@ -47,17 +47,61 @@ impl<P: Payload> Queue<P> {
                 );
                 self.fail_target(&target_id, reason, now);
             }
+            let stalled: Vec<(Arc<str>, String)> = self
+                .targets
+                .values()
+                .filter(|entry| matches!(entry.state, TargetState::Connected { .. }))
+                .filter(|entry| self.progress_deadline(entry).is_some_and(|deadline| deadline <= now))
+                .map(|entry| {
+                    let reason = match (entry.last_progress, self.config.target_stall_timeout, self.config.target_load_timeout) {
+                        (Some(_), Some(stall), _) => format!(
+                            "connected but no item accepted for {:.1}s (--target-stall-timeout; stats and pings are not progress)",
+                            stall.as_secs_f64()
+                        ),
+                        (_, _, Some(load)) => format!(
+                            "connected but no first item within {:.1}s of its hello (--target-load-timeout)",
+                            load.as_secs_f64()
+                        ),
+                        _ => "made no progress".to_string(),
+                    };
+                    (entry.target_id.clone(), reason)
+                })
+                .collect();
+            for (target_id, reason) in stalled {
+                self.fail_target(&target_id, reason, now);
+            }
             if let Some(timeout) = self.config.target_startup_timeout {
-                let known = self.targets.len() as u32 + self.never_connected_failures;
-                if known < self.config.expected_targets
-                    && now.saturating_duration_since(self.started_at) >= timeout
+                let missing: Vec<String> = self
+                    .config
+                    .target_ids
+                    .iter()
+                    .filter(|target_id| !self.targets.contains_key(target_id.as_str()))
+                    .cloned()
+                    .collect();
+                if !missing.is_empty() && now.saturating_duration_since(self.started_at) >= timeout
                 {
-                    let missing = self.config.expected_targets - known;
-                    self.never_connected_failures += missing;
+                    for target_id in &missing {
+                        let entry = Self::target_entry(
+                            &mut self.targets,
+                            Arc::from(target_id.as_str()),
+                            now,
+                        );
+                        let reason =
+                            format!("never connected within {:.1}s", timeout.as_secs_f64());
+                        entry.state = TargetState::Failed {
+                            reason: reason.clone(),
+                        };
+                        self.record(JournalEntry::TargetFailed {
+                            target_id: Arc::from(target_id.as_str()),
+                            reason,
+                        });
+                    }
                     let reason = format!(
-                        "{missing} of {} expected targets never connected within {:.1}s",
-                        self.config.expected_targets,
-                        timeout.as_secs_f64()
+                        "{} of {} expected targets never connected within {:.1}s: {}",
+                        missing.len(),
+                        self.config.expected_targets(),
+                        timeout.as_secs_f64(),
+                        missing.join(", ")
                     );
                     self.apply_failure_policy(reason, now);
                 }
@@ -86,13 +130,38 @@ impl<P: Payload> Queue<P> {
                 _ => None,
             })
             .min();
-        let known = self.targets.len() as u32 + self.never_connected_failures;
+        let known = self.targets.len() as u32;
         let startup = self
             .config
             .target_startup_timeout
-            .filter(|_| known < self.config.expected_targets)
+            .filter(|_| known < self.config.expected_targets())
             .map(|timeout| self.started_at + timeout);
-        [lease, target, startup].into_iter().flatten().min()
+        let progress = self
+            .targets
+            .values()
+            .filter(|entry| matches!(entry.state, TargetState::Connected { .. }))
+            .filter_map(|entry| self.progress_deadline(entry))
+            .min();
+        [lease, target, startup, progress]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// When a connected target fails for lack of progress: its stall
+    /// deadline after its last accepted item, or its load deadline before
+    /// the first; none while the broker holds it back.
+    pub(super) fn progress_deadline(&self, entry: &TargetEntry) -> Option<Instant> {
+        if entry.held_back || !matches!(entry.state, TargetState::Connected { .. }) {
+            return None;
+        }
+        match entry.last_progress {
+            Some(last) => self.config.target_stall_timeout.map(|stall| last + stall),
+            None => self
+                .config
+                .target_load_timeout
+                .map(|load| entry.connected_at + load),
+        }
     }
 
     /// The earliest deadline created since the last call (a new lease, a
@@ -138,6 +207,9 @@ impl<P: Payload> Queue<P> {
             return;
         }
         tracing::error!(%reason, "run aborted");
+        self.record(JournalEntry::Aborted {
+            reason: reason.clone(),
+        });
         self.abort_reason = reason.clone();
         self.end_run(RunOutcome::Aborted, reason);
         self.debug_check_invariants();
@@ -198,7 +270,7 @@ impl<P: Payload> Queue<P> {
         if matches!(self.state, RunState::Complete | RunState::Aborted) {
             return;
         }
-        let all_finished = self.finished_targets() >= self.config.expected_targets;
+        let all_finished = self.finished_targets() >= self.config.expected_targets();
         if !all_finished {
             return;
         }
@@ -277,6 +349,11 @@ impl<P: Payload> Queue<P> {
             return;
         };
         tracing::warn!(target_id = %item.target_id, seq = item.seq, deliveries = item.deliveries, %reason, "item dead-lettered");
+        self.record(JournalEntry::DeadLettered {
+            target_id: item.target_id.clone(),
+            seq: item.seq,
+            reason: reason.clone(),
+        });
         self.dead_letter_count += 1;
         if self.dead_letters.len() < MAX_LISTED_DEAD_LETTERS {
             self.dead_letters.push(DeadLetter {
@@ -356,13 +433,18 @@ impl<P: Payload> Queue<P> {
             delivery_count: item.deliveries,
         };
         let bytes = item.bytes;
-        let deadline = now + self.config.lease_timeout;
+        let expires_at_latest = self
+            .config
+            .max_lease_lifetime
+            .map_or(now + self.config.lease_timeout, |lifetime| now + lifetime);
+        let deadline = (now + self.config.lease_timeout).min(expires_at_latest);
         self.leases.insert(
             delivery_id,
             Lease {
                 item_id,
                 connection,
                 deadline,
+                expires_at_latest: expires_at_latest.max(deadline),
             },
         );
         self.note_deadline(deadline);

@@ -35,6 +35,7 @@
 
 mod consumers;
 mod effects;
+mod journal;
 mod ledger;
 mod producers;
 #[cfg(test)]
@@ -50,6 +51,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use effects::*;
+pub use journal::*;
 pub use rate::RateMeter;
 pub use status::*;
 pub use types::*;
@@ -70,19 +72,74 @@ struct Lease {
     item_id: ItemId,
     connection: ConnectionId,
     deadline: Instant,
+    /// Extensions never push `deadline` past this (`max_lease_lifetime`).
+    expires_at_latest: Instant,
 }
 
 struct TargetEntry {
     target_id: Arc<str>,
     state: TargetState,
-    /// Highest seq accepted; seqs at or below it are duplicates.
+    /// The current Produce stream's epoch; 0 before the first hello.
+    epoch: u64,
+    /// Highest seq accepted; a new seq must be above it.
     highest_seq: Option<u64>,
+    /// Every seq accepted, to tell a duplicate from an out-of-order seq.
+    accepted_seqs: AcceptedSeqs,
     accepted_items: u64,
     accepted_bytes: u64,
     rejected_items: u64,
     duplicate_items: u64,
     last_seen: Instant,
     stats: Option<ProducerStats>,
+    /// When the current stream said hello (the load timeout runs from it).
+    connected_at: Instant,
+    /// When an item was last accepted; `None` before the first. Stats and
+    /// pings are not progress.
+    last_progress: Option<Instant>,
+    /// The broker is holding this target back (queue full): stall time
+    /// does not run.
+    held_back: bool,
+}
+
+/// A set of seqs kept as disjoint inclusive ranges: a target's seqs are
+/// nearly contiguous, so this stays a handful of entries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct AcceptedSeqs {
+    /// start → end (inclusive); ranges neither overlap nor touch.
+    ranges: BTreeMap<u64, u64>,
+}
+
+impl AcceptedSeqs {
+    fn contains(&self, seq: u64) -> bool {
+        self.ranges
+            .range(..=seq)
+            .next_back()
+            .is_some_and(|(_, &end)| seq <= end)
+    }
+
+    fn insert(&mut self, seq: u64) {
+        if self.contains(seq) {
+            return;
+        }
+        let joins_before = self
+            .ranges
+            .range(..seq)
+            .next_back()
+            .filter(|(_, &end)| end.checked_add(1) == Some(seq))
+            .map(|(&start, _)| start);
+        let joins_after = seq
+            .checked_add(1)
+            .and_then(|next| self.ranges.get(&next).copied().map(|end| (next, end)));
+        let start = joins_before.unwrap_or(seq);
+        let end = match joins_after {
+            Some((next, end)) => {
+                self.ranges.remove(&next);
+                end
+            }
+            None => seq,
+        };
+        self.ranges.insert(start, end);
+    }
 }
 
 impl TargetEntry {
@@ -125,8 +182,6 @@ pub struct Queue<P: Payload> {
     next_item: ItemId,
     targets: BTreeMap<Arc<str>, TargetEntry>,
     producer_connections: HashMap<ConnectionId, Arc<str>>,
-    /// Targets failed because they never connected before the startup timeout.
-    never_connected_failures: u32,
     drafters: BTreeMap<String, DrafterEntry>,
     consumer_connections: HashMap<ConnectionId, String>,
     /// Drafter id after which the round robin looks for the next consumer.
@@ -151,6 +206,9 @@ pub struct Queue<P: Payload> {
     effects: Vec<Effect<P>>,
     /// Earliest deadline created since the transport last asked.
     new_deadline: Option<Instant>,
+    /// Entries for the write-ahead log since the transport last took them;
+    /// `None` when the broker keeps no state dir.
+    journal: Option<Vec<JournalEntry<P>>>,
 }
 
 impl<P: Payload> Queue<P> {
@@ -165,7 +223,6 @@ impl<P: Payload> Queue<P> {
             next_item: 1,
             targets: BTreeMap::new(),
             producer_connections: HashMap::new(),
-            never_connected_failures: 0,
             drafters: BTreeMap::new(),
             consumer_connections: HashMap::new(),
             round_robin_after: None,
@@ -191,6 +248,7 @@ impl<P: Payload> Queue<P> {
             accepted_rate: RateMeter::new(Duration::from_secs(10), now),
             effects: Vec::new(),
             new_deadline: None,
+            journal: None,
         }
     }
 

@@ -3,8 +3,11 @@
 use super::*;
 
 impl<P: Payload> Queue<P> {
-    /// A target opens its Produce stream. A stream already open for the same
-    /// target is closed (ABORTED, replaced).
+    /// A target opens its Produce stream and gets the next epoch. A stream
+    /// already open for the same target has an older epoch by construction:
+    /// it is fenced (closed ABORTED) and its late items and ReportDone are
+    /// refused, so a restarted target gets in at once and a zombie cannot
+    /// finish for it.
     pub fn open_producer(
         &mut self,
         target_id: &str,
@@ -14,13 +17,26 @@ impl<P: Payload> Queue<P> {
         let key = self.target_key(target_id)?;
         let connection = self.allocate_connection();
         let entry = Self::target_entry(&mut self.targets, key.clone(), now);
+        if let TargetState::Failed { reason } = &entry.state {
+            return Err(QueueError::TargetFailed {
+                target_id: target_id.to_string(),
+                reason: reason.clone(),
+            });
+        }
+        entry.epoch += 1;
+        let epoch = entry.epoch;
+        entry.connected_at = now;
+        entry.held_back = false;
+        if entry.last_progress.is_some() {
+            // A reconnect restarts the stall clock.
+            entry.last_progress = Some(now);
+        }
+        let journal_epoch = JournalEntry::Epoch {
+            target_id: key.clone(),
+            epoch,
+        };
         match &entry.state {
-            TargetState::Failed { reason } => {
-                return Err(QueueError::TargetFailed {
-                    target_id: target_id.to_string(),
-                    reason: reason.clone(),
-                })
-            }
+            TargetState::Failed { .. } => {}
             TargetState::Connected { connection: old } => {
                 let old = *old;
                 entry.state = TargetState::Connected { connection };
@@ -28,7 +44,9 @@ impl<P: Payload> Queue<P> {
                 self.effects.push(Effect::CloseProducer {
                     connection: old,
                     outcome: RunOutcome::Aborted,
-                    reason: format!("replaced by a newer Produce stream for target {target_id:?}"),
+                    reason: format!(
+                        "fenced: a newer Produce stream (epoch {epoch}) replaced this one for target {target_id:?}"
+                    ),
                 });
             }
             TargetState::Disconnected { .. } => entry.state = TargetState::Connected { connection },
@@ -38,10 +56,16 @@ impl<P: Payload> Queue<P> {
         }
         let opened = ProducerOpened {
             connection,
+            epoch,
             resume_after_seq: entry.highest_seq,
             accepted_items: entry.accepted_items,
         };
+        let key_for_deadline = key.clone();
         self.producer_connections.insert(connection, key);
+        self.record(journal_epoch);
+        if let Some(deadline) = self.progress_deadline(&self.targets[&key_for_deadline]) {
+            self.note_deadline(deadline);
+        }
         self.debug_check_invariants();
         Ok(opened)
     }
@@ -64,9 +88,18 @@ impl<P: Payload> Queue<P> {
             return Err(QueueError::StaleConnection { connection });
         };
         entry.last_seen = now;
-        if entry.highest_seq.is_some_and(|highest| seq <= highest) {
+        if entry.accepted_seqs.contains(seq) {
             entry.duplicate_items += 1;
             return Ok(ItemAccepted { duplicate: true });
+        }
+        if let Some(highest) = entry.highest_seq.filter(|&highest| seq < highest) {
+            entry.rejected_items += 1;
+            self.count_rejection(RejectReason::OutOfOrder);
+            return Err(QueueError::OutOfOrderSeq {
+                target_id: target_key.to_string(),
+                seq,
+                highest,
+            });
         }
         if entry.state == TargetState::Done {
             entry.rejected_items += 1;
@@ -77,13 +110,24 @@ impl<P: Payload> Queue<P> {
             });
         }
         if held.saturating_add(bytes) > limit {
+            entry.held_back = true;
             return Err(QueueError::QueueFull { held, limit });
         }
+        entry.held_back = false;
+        entry.last_progress = Some(now);
         entry.highest_seq = Some(seq);
+        entry.accepted_seqs.insert(seq);
         entry.accepted_items += 1;
         entry.accepted_bytes += bytes;
         let item_id = self.next_item;
         self.next_item += 1;
+        if self.journal.is_some() {
+            self.record(JournalEntry::Accepted {
+                target_id: target_key.clone(),
+                seq,
+                payload: payload.clone(),
+            });
+        }
         self.items.insert(
             item_id,
             StoredItem {
@@ -96,6 +140,9 @@ impl<P: Payload> Queue<P> {
         );
         self.queue.push_back(item_id);
         self.queued_bytes += bytes;
+        if let Some(stall) = self.config.target_stall_timeout {
+            self.note_deadline(now + stall);
+        }
         self.accepted_items += 1;
         self.accepted_bytes += bytes;
         self.dispatch(now);
@@ -152,12 +199,15 @@ impl<P: Payload> Queue<P> {
         self.debug_check_invariants();
     }
 
-    /// A target reports it is finished. Idempotent; a count that differs from
-    /// what was accepted changes nothing.
+    /// A target reports it is finished, with the epoch of its current
+    /// Produce stream (open or already closed): a caller that never had a
+    /// stream, or whose stream a newer one fenced, is refused. Idempotent; a
+    /// count that differs from what was accepted changes nothing.
     pub fn report_done(
         &mut self,
         target_id: &str,
         total_items: u64,
+        epoch: u64,
         now: Instant,
     ) -> Result<DoneAccepted, QueueError> {
         if self.state == RunState::Aborted {
@@ -167,18 +217,30 @@ impl<P: Payload> Queue<P> {
             });
         }
         let key = self.target_key(target_id)?;
-        let accepted = self
-            .targets
-            .get(&key)
-            .map_or(0, |entry| entry.accepted_items);
-        if let Some(entry) = self.targets.get(&key) {
-            if let TargetState::Failed { reason } = &entry.state {
-                return Err(QueueError::TargetFailed {
-                    target_id: target_id.to_string(),
-                    reason: reason.clone(),
-                });
-            }
+        let Some(entry) = self.targets.get(&key) else {
+            return Err(QueueError::NoProduceStream {
+                target_id: target_id.to_string(),
+            });
+        };
+        if let TargetState::Failed { reason } = &entry.state {
+            return Err(QueueError::TargetFailed {
+                target_id: target_id.to_string(),
+                reason: reason.clone(),
+            });
         }
+        if entry.epoch == 0 {
+            return Err(QueueError::NoProduceStream {
+                target_id: target_id.to_string(),
+            });
+        }
+        if epoch != entry.epoch {
+            return Err(QueueError::StaleEpoch {
+                target_id: target_id.to_string(),
+                epoch,
+                current: entry.epoch,
+            });
+        }
+        let accepted = entry.accepted_items;
         if accepted != total_items {
             return Err(QueueError::DoneCountMismatch {
                 target_id: target_id.to_string(),
@@ -191,16 +253,20 @@ impl<P: Payload> Queue<P> {
         // A stream still open stays usable (late duplicates are answered) until
         // the target closes it; it no longer decides the target's liveness.
         entry.state = TargetState::Done;
+        if !already_done {
+            self.record(JournalEntry::Done {
+                target_id: key.clone(),
+            });
+        }
         self.dispatch(now);
         Ok(DoneAccepted {
             done_targets: self.finished_targets(),
-            expected_targets: self.config.expected_targets,
+            expected_targets: self.config.expected_targets(),
             already_done,
         })
     }
 
-    /// The shared key for a target id, registering a new target only while
-    /// fewer than the expected number are known.
+    /// The shared key for a target id; only the configured ids exist.
     pub(super) fn target_key(&self, target_id: &str) -> Result<Arc<str>, QueueError> {
         if target_id.is_empty() {
             return Err(QueueError::EmptyTargetId);
@@ -208,13 +274,15 @@ impl<P: Payload> Queue<P> {
         if let Some((key, _)) = self.targets.get_key_value(target_id) {
             return Ok(key.clone());
         }
-        let known = self.targets.len() as u32 + self.never_connected_failures;
-        if known >= self.config.expected_targets {
-            let known_ids: Vec<&str> = self.targets.keys().map(|key| key.as_ref()).collect();
-            return Err(QueueError::TooManyTargets {
+        if !self
+            .config
+            .target_ids
+            .iter()
+            .any(|known| known == target_id)
+        {
+            return Err(QueueError::UnknownTarget {
                 target_id: target_id.to_string(),
-                expected: self.config.expected_targets,
-                known: known_ids.join(", "),
+                expected: self.config.target_ids.join(", "),
             });
         }
         Ok(Arc::from(target_id))
@@ -230,13 +298,18 @@ impl<P: Payload> Queue<P> {
         let entry = targets.entry(key.clone()).or_insert_with(|| TargetEntry {
             target_id: key,
             state: TargetState::Disconnected { since: now },
+            epoch: 0,
             highest_seq: None,
+            accepted_seqs: AcceptedSeqs::default(),
             accepted_items: 0,
             accepted_bytes: 0,
             rejected_items: 0,
             duplicate_items: 0,
             last_seen: now,
             stats: None,
+            connected_at: now,
+            last_progress: None,
+            held_back: false,
         });
         entry.last_seen = now;
         entry
@@ -254,7 +327,6 @@ impl<P: Payload> Queue<P> {
             .values()
             .filter(|entry| entry.is_finished())
             .count() as u32
-            + self.never_connected_failures
     }
 
     pub(super) fn fail_target(&mut self, target_id: &Arc<str>, reason: String, now: Instant) {
@@ -268,6 +340,10 @@ impl<P: Payload> Queue<P> {
         entry.state = TargetState::Failed {
             reason: reason.clone(),
         };
+        self.record(JournalEntry::TargetFailed {
+            target_id: target_id.clone(),
+            reason: reason.clone(),
+        });
         self.apply_failure_policy(format!("target {target_id:?} failed: {reason}"), now);
     }
 }

@@ -89,10 +89,6 @@ impl<P: Payload> Queue<P> {
             .values()
             .filter(|entry| matches!(entry.state, TargetState::Failed { .. }))
             .map(|entry| entry.target_id.to_string())
-            .chain(
-                (0..self.never_connected_failures)
-                    .map(|index| format!("<never connected #{}>", index + 1)),
-            )
             .collect();
         let announced: Vec<u64> = self
             .targets
@@ -100,13 +96,13 @@ impl<P: Payload> Queue<P> {
             .filter_map(|entry| entry.stats.as_ref().map(|stats| stats.samples_total))
             .filter(|&total| total > 0)
             .collect();
-        let expected_items = if announced.len() as u32 == self.config.expected_targets {
+        let expected_items = if announced.len() as u32 == self.config.expected_targets() {
             announced.iter().sum()
         } else {
             0
         };
         RunSummary {
-            expected_targets: self.config.expected_targets,
+            expected_targets: self.config.expected_targets(),
             done_targets: self.finished_targets(),
             failed_targets,
             accepted_items: self.accepted_items,
@@ -126,7 +122,7 @@ impl<P: Payload> Queue<P> {
                 .rate(now, self.accepted_items, self.accepted_bytes);
         Snapshot {
             state: self.state,
-            expected_targets: self.config.expected_targets,
+            expected_targets: self.config.expected_targets(),
             done_targets: self.finished_targets(),
             queued_items: self.queue.len() as u64,
             queued_bytes: self.queued_bytes,

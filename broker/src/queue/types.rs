@@ -27,8 +27,9 @@ pub enum FailurePolicy {
 
 #[derive(Debug, Clone)]
 pub struct QueueConfig {
-    /// How many targets must finish before the run can complete.
-    pub expected_targets: u32,
+    /// The targets that must finish before the run can complete; any other
+    /// id is refused.
+    pub target_ids: Vec<String>,
     /// Bound on bytes held in memory: queued plus leased.
     pub max_held_bytes: u64,
     /// A lease neither acked nor extended within this is taken back.
@@ -41,6 +42,27 @@ pub struct QueueConfig {
     /// `None` waits forever.
     pub target_startup_timeout: Option<Duration>,
     pub on_target_failure: FailurePolicy,
+    /// A connected target with no item accepted for this long (not counting
+    /// time the broker held it back) fails; `None` never.
+    pub target_stall_timeout: Option<Duration>,
+    /// A connected target must have its first item accepted within this
+    /// after its hello (model loading); `None` waits forever.
+    pub target_load_timeout: Option<Duration>,
+    /// Extensions never keep a lease longer than this after its delivery;
+    /// `None` no cap.
+    pub max_lease_lifetime: Option<Duration>,
+}
+
+impl QueueConfig {
+    /// How many targets must finish before the run can complete.
+    pub fn expected_targets(&self) -> u32 {
+        u32::try_from(self.target_ids.len()).unwrap_or(u32::MAX)
+    }
+
+    /// The StatefulSet-style ids `target-0` .. `target-{count-1}`.
+    pub fn default_target_ids(count: u32) -> Vec<String> {
+        (0..count).map(|index| format!("target-{index}")).collect()
+    }
 }
 
 /// A consumer's credit window: the most unacked items and bytes it holds.
@@ -109,14 +131,18 @@ pub enum RejectReason {
     /// A message other than an item or stats on a producer stream after its
     /// hello (a second hello, an empty message).
     UnexpectedMessage,
+    /// A seq below the target's highest accepted one that was never
+    /// accepted: seqs must increase along a target's streams.
+    OutOfOrder,
 }
 
 impl RejectReason {
-    pub const ALL: [RejectReason; 4] = [
+    pub const ALL: [RejectReason; 5] = [
         RejectReason::Malformed,
         RejectReason::TooLarge,
         RejectReason::TargetDone,
         RejectReason::UnexpectedMessage,
+        RejectReason::OutOfOrder,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -125,6 +151,7 @@ impl RejectReason {
             RejectReason::TooLarge => "too_large",
             RejectReason::TargetDone => "target_done",
             RejectReason::UnexpectedMessage => "unexpected_message",
+            RejectReason::OutOfOrder => "out_of_order",
         }
     }
 }
@@ -142,12 +169,24 @@ pub enum QueueError {
     EmptyTargetId,
     #[error("drafter_id is empty")]
     EmptyDrafterId,
-    #[error("target {target_id:?} is not one of the {expected} expected targets (already known: {known})")]
-    TooManyTargets {
+    #[error("target {target_id:?} is not one of the expected targets ({expected})")]
+    UnknownTarget { target_id: String, expected: String },
+    #[error("target {target_id:?} has no Produce stream yet: open one, its welcome carries the epoch ReportDone needs")]
+    NoProduceStream { target_id: String },
+    #[error("target {target_id:?}: epoch {epoch} is not the current Produce stream's epoch {current}; a newer stream fenced this one")]
+    StaleEpoch {
         target_id: String,
-        expected: u32,
-        known: String,
+        epoch: u64,
+        current: u64,
     },
+    #[error("target {target_id:?}: seq {seq} is out of order (highest accepted {highest}) and was never accepted")]
+    OutOfOrderSeq {
+        target_id: String,
+        seq: u64,
+        highest: u64,
+    },
+    #[error("credit of 0 items: the drafter would never get a delivery; send at least 1")]
+    ZeroCredit,
     #[error("target {target_id:?} has failed ({reason}); it can no longer produce or report done")]
     TargetFailed { target_id: String, reason: String },
     #[error("target {target_id:?} already reported done; item seq {seq} is new")]
@@ -169,6 +208,9 @@ pub enum QueueError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProducerOpened {
     pub connection: ConnectionId,
+    /// Increases with every hello for the target; ReportDone must carry the
+    /// current one.
+    pub epoch: u64,
     pub resume_after_seq: Option<u64>,
     pub accepted_items: u64,
 }
