@@ -213,7 +213,9 @@ fn expired_lease_moves_on_and_late_ack_is_stale() {
         .accept_item(producer, 0, TestPayload(10), start)
         .unwrap();
     let first = deliveries(&queue.take_effects());
-    let other = queue.open_consumer("other", credit(0), start).unwrap();
+    // Zero credit is refused at the hello (INVALID_ARGUMENT); a window of 1
+    // has no room while the only item is leased elsewhere.
+    let other = queue.open_consumer("other", credit(1), start).unwrap();
     queue.set_credit(other, credit(1), start);
     assert!(deliveries(&queue.take_effects()).is_empty());
     // Extending keeps the lease alive past the original deadline.
@@ -461,9 +463,10 @@ fn target_gone_past_grace_aborts_the_run() {
         .unwrap()
         .connection;
     queue.close_producer(p0, start + Duration::from_secs(130));
-    queue.tick(start + Duration::from_secs(250));
+    queue.tick(start + Duration::from_secs(249));
     assert_eq!(queue.state(), RunState::Running);
-    queue.tick(start + Duration::from_secs(251));
+    // The grace ends at 130 + 120 s: a tick at that deadline acts.
+    queue.tick(start + Duration::from_secs(250));
     assert_eq!(queue.state(), RunState::Aborted);
     let effects = queue.take_effects();
     assert_eq!(ended(&effects), vec![(drafter, RunOutcome::Aborted)]);
