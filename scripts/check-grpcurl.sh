@@ -46,8 +46,15 @@ health="$("$grpcurl" -plaintext -d '{"service":"dflash.v1.Broker"}' "127.0.0.1:$
 grep -q SERVING <<<"$health" || fail "health: $health"
 health="$("$grpcurl" -plaintext -d '{"service":"dflash.v1.ModelSync"}' "127.0.0.1:$port" grpc.health.v1.Health/Check)" || fail "ModelSync health failed"
 grep -q SERVING <<<"$health" || fail "ModelSync health: $health"
+# An id outside --target-ids (default target-0, target-1) is NOT_FOUND; a
+# known target without a Produce stream (so without an epoch) is
+# FAILED_PRECONDITION; neither counts as done.
 done_error="$("$grpcurl" -plaintext -d '{"target_id":"t0","total_items":3}' "127.0.0.1:$port" dflash.v1.Broker/ReportDone 2>&1 || true)"
-grep -q "FailedPrecondition" <<<"$done_error" || fail "ReportDone with a wrong count: $done_error"
+grep -q "NotFound" <<<"$done_error" || fail "ReportDone for an unknown target: $done_error"
+done_error="$("$grpcurl" -plaintext -d '{"target_id":"target-0","total_items":0,"epoch":"1"}' "127.0.0.1:$port" dflash.v1.Broker/ReportDone 2>&1 || true)"
+grep -q "FailedPrecondition" <<<"$done_error" || fail "ReportDone without a Produce stream: $done_error"
+status="$("$grpcurl" -plaintext "127.0.0.1:$port" dflash.v1.Broker/GetStatus)" || fail "GetStatus failed"
+grep -q '"runId": "run-' <<<"$status" || fail "GetStatus has no run id: $status"
 
 started=$(date +%s%N)
 kill -TERM "$broker_pid"

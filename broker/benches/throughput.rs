@@ -17,6 +17,8 @@
 //!    queue and under a static round-robin assignment (target i → drafter
 //!    i mod 3, emulated with one broker per drafter): throughput and each
 //!    drafter's busy fraction over the time it had data coming.
+//! 5. The write-ahead log's cost: GB/s without `--state-dir` and with it
+//!    under each `--fsync` policy (`-- --wal-only` runs just this table).
 //!
 //! Fairness: the broker and the relay each run as their own process (the
 //! broker binary, and this bench re-executed with `--serve-relay`), and the
@@ -133,8 +135,9 @@ async fn wait_listening(address: SocketAddr) {
     }
 }
 
-/// Starts the broker binary for `targets` targets on a fresh port.
-async fn start_broker(targets: u64) -> (Server, String) {
+/// Starts the broker binary for `targets` targets on a fresh port, with
+/// `extra` flags.
+async fn start_broker_with(targets: u64, extra: &[String]) -> (Server, String) {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_broker"))
         .args([
@@ -145,6 +148,7 @@ async fn start_broker(targets: u64) -> (Server, String) {
             "--max-queue-bytes",
             "1GiB",
         ])
+        .args(extra)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -153,6 +157,10 @@ async fn start_broker(targets: u64) -> (Server, String) {
     let pid = child.id().to_string();
     wait_listening(SocketAddr::from(([127, 0, 0, 1], port))).await;
     (Server { child, pid }, format!("http://127.0.0.1:{port}"))
+}
+
+async fn start_broker(targets: u64) -> (Server, String) {
+    start_broker_with(targets, &[]).await
 }
 
 /// What one transfer measured: bytes per second and the relaying process's
@@ -172,7 +180,18 @@ async fn broker_transfer(
     producers: u64,
     consumers: u64,
 ) -> Transfer {
-    let (broker, address) = start_broker(producers).await;
+    broker_transfer_with(item_bytes, items, producers, consumers, &[]).await
+}
+
+/// [`broker_transfer`] with extra broker flags.
+async fn broker_transfer_with(
+    item_bytes: usize,
+    items: u64,
+    producers: u64,
+    consumers: u64,
+    extra: &[String],
+) -> Transfer {
+    let (broker, address) = start_broker_with(producers, extra).await;
     let client = BrokerClient::connect(address, ClientOptions::default())
         .await
         .expect("connect");
@@ -204,7 +223,7 @@ async fn broker_transfer(
         let client = client.clone();
         let payload = payload.clone();
         targets.push(tokio::spawn(async move {
-            let target_id = format!("t{index}");
+            let target_id = format!("target-{index}");
             let mut producer = client.produce(&target_id).await.expect("produce");
             for seq in 0..per_producer {
                 producer
@@ -419,7 +438,7 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
                 }
             });
         }
-        let mut producer = client.produce("t0").await.expect("produce");
+        let mut producer = client.produce("target-0").await.expect("produce");
         producer
             .send(0, sample(1024), HashMap::new())
             .await
@@ -431,7 +450,7 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
         // The clock starts when ReportDone is sent: the latency covers the
         // call itself and the fan-out of end-of-stream to every drafter.
         let reported = Instant::now();
-        client.report_done("t0", 1).await.expect("done");
+        client.report_done("target-0", 1).await.expect("done");
         let mut last = reported;
         for _ in 0..drafters {
             last = last.max(ended.recv().await.expect("end-of-stream"));
@@ -627,8 +646,13 @@ async fn seed_scenario(
     let mut targets = Vec::new();
     for (index, &broker) in assignment.iter().enumerate() {
         let client = clients[broker].clone();
+        // Each broker knows its own targets as target-0, target-1, ...
+        let position = assignment[..index]
+            .iter()
+            .filter(|&&to| to == broker)
+            .count();
         targets.push(tokio::spawn(async move {
-            let target_id = format!("t{index}");
+            let target_id = format!("target-{position}");
             let mut producer = client.produce(&target_id).await.expect("produce");
             let payload = sample(64 << 10);
             let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / target_rate));
@@ -716,6 +740,55 @@ fn print_seed_scenario(quick: bool, runtime: &tokio::runtime::Runtime) {
     });
 }
 
+/// The write-ahead log's cost: the same transfer without `--state-dir` and
+/// with it under each `--fsync` policy, in the same run (the log goes to a
+/// temporary directory under `$DFLASH_BENCH_STATE_DIR` or the system's).
+fn print_write_ahead_log(quick: bool, runtime: &tokio::runtime::Runtime) {
+    let total_bytes: u64 = if quick { 256 << 20 } else { 1 << 30 };
+    println!(
+        "write-ahead log, 16 MiB items, {} MiB per configuration: GB/s",
+        total_bytes >> 20
+    );
+    println!(
+        "{:>5} {:>8} {:>8} {:>8} {:>8}",
+        "p x c", "no log", "never", "batch", "always"
+    );
+    runtime.block_on(async {
+        for (producers, consumers) in [(1u64, 1u64), (4, 4)] {
+            let item_bytes = 16usize << 20;
+            let items = (total_bytes / item_bytes as u64 / producers) * producers;
+            let mut rates = Vec::new();
+            for fsync in [None, Some("never"), Some("batch"), Some("always")] {
+                let state_dir = match std::env::var_os("DFLASH_BENCH_STATE_DIR") {
+                    Some(parent) => tempfile::tempdir_in(parent),
+                    None => tempfile::tempdir(),
+                }
+                .expect("a state dir");
+                let extra: Vec<String> = match fsync {
+                    None => Vec::new(),
+                    Some(policy) => vec![
+                        "--state-dir".into(),
+                        state_dir.path().display().to_string(),
+                        "--fsync".into(),
+                        policy.into(),
+                    ],
+                };
+                let transfer =
+                    broker_transfer_with(item_bytes, items, producers, consumers, &extra).await;
+                rates.push(transfer.bytes_per_second / 1e9);
+            }
+            println!(
+                "{:>5} {:>8.2} {:>8.2} {:>8.2} {:>8.2}",
+                format!("{producers}x{consumers}"),
+                rates[0],
+                rates[1],
+                rates[2],
+                rates[3]
+            );
+        }
+    });
+}
+
 fn main() {
     let arguments: Vec<String> = std::env::args().collect();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -741,7 +814,12 @@ fn main() {
         return;
     }
     let quick = arguments.iter().any(|argument| argument == "--quick");
+    if arguments.iter().any(|argument| argument == "--wal-only") {
+        print_write_ahead_log(quick, &runtime);
+        return;
+    }
     print_throughput(quick, &runtime);
+    print_write_ahead_log(quick, &runtime);
     print_end_of_stream(quick, &runtime);
     print_many_small(quick, &runtime);
     print_seed_scenario(quick, &runtime);

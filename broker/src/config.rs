@@ -10,8 +10,12 @@ use crate::queue::{FailurePolicy, QueueConfig};
 /// A configuration value that cannot work, named with the flag.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("--expected-targets must be at least 1, got {0}")]
+    #[error("--expected-targets must be at least 1 (or give --target-ids), got {0}")]
     NoTargets(u32),
+    #[error("--target-ids names {ids} targets but --expected-targets is {expected}")]
+    TargetCountMismatch { ids: usize, expected: u32 },
+    #[error("--target-ids: {0:?} is empty or repeated")]
+    BadTargetId(String),
     #[error("--max-item-bytes {item} exceeds --max-queue-bytes {queue}: such an item could never be queued")]
     ItemLargerThanQueue { item: u64, queue: u64 },
     #[error("--max-deliveries must be at least 1, got 0")]
@@ -39,9 +43,16 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_BROKER_LISTEN", default_value = "0.0.0.0:50051")]
     pub listen: SocketAddr,
 
-    /// Number of target-servers that must report done before the run completes.
-    #[arg(long, env = "DFLASH_EXPECTED_TARGETS")]
+    /// Number of target-servers that must report done before the run completes
+    /// (0: as many as --target-ids names).
+    #[arg(long, env = "DFLASH_EXPECTED_TARGETS", default_value_t = 0)]
     pub expected_targets: u32,
+
+    /// The target ids allowed to produce, comma-separated; any other id is
+    /// refused (NOT_FOUND). Default: target-0 .. target-{N-1} for
+    /// --expected-targets N, the names of a StatefulSet's pods.
+    #[arg(long, env = "DFLASH_TARGET_IDS", value_delimiter = ',')]
+    pub target_ids: Vec<String>,
 
     /// Bound on sample bytes held in memory (queued plus leased). When full the
     /// broker stops reading producer streams, so HTTP/2 flow control holds the
@@ -70,6 +81,22 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_TARGET_STARTUP_TIMEOUT", default_value = "30m", value_parser = parse_duration)]
     pub target_startup_timeout: Duration,
 
+    /// A connected target with no item accepted for this long fails (time
+    /// the broker held it back for a full queue does not count; stats and
+    /// pings are not progress). 0 never.
+    #[arg(long, env = "DFLASH_TARGET_STALL_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub target_stall_timeout: Duration,
+
+    /// A connected target's first item must be accepted within this after
+    /// its hello (model loading). 0 waits forever.
+    #[arg(long, env = "DFLASH_TARGET_LOAD_TIMEOUT", default_value = "30m", value_parser = parse_duration)]
+    pub target_load_timeout: Duration,
+
+    /// Lease extensions never keep a delivery longer than this: a drafter
+    /// whose trainer is stuck but whose stream lives loses it. 0 no cap.
+    #[arg(long, env = "DFLASH_MAX_LEASE_LIFETIME", default_value = "30m", value_parser = parse_duration)]
+    pub max_lease_lifetime: Duration,
+
     /// What a target failure does to the run.
     #[arg(
         long,
@@ -91,6 +118,19 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
 
+    /// Directory for the write-ahead log (accepted items with payloads, acks,
+    /// dead letters, done set, resume points, run id). After a crash the
+    /// broker resumes the same run from it. Without it the queue is in memory
+    /// only and every start is a new run.
+    #[arg(long, env = "DFLASH_STATE_DIR")]
+    pub state_dir: Option<std::path::PathBuf>,
+
+    /// When the write-ahead log is flushed to disk: never (the OS decides),
+    /// batch (at most every 100 ms), always (before every answer). A process
+    /// crash loses nothing with any of them; a power loss up to 100 ms with batch.
+    #[arg(long, env = "DFLASH_FSYNC", value_enum, default_value = "batch")]
+    pub fsync: crate::wal::FsyncPolicy,
+
     /// Address for the Prometheus text endpoint (`GET /metrics`), e.g.
     /// 0.0.0.0:9090. No endpoint when not given.
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
@@ -111,17 +151,23 @@ impl BrokerConfig {
         BrokerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             expected_targets,
+            target_ids: Vec::new(),
             max_queue_bytes: 2 << 30,
             max_item_bytes: dflash_proto::transport::DEFAULT_MAX_ITEM_BYTES,
             lease_timeout: Duration::from_secs(300),
             max_deliveries: 5,
             target_grace: Duration::from_secs(120),
             target_startup_timeout: Duration::from_secs(1800),
+            target_stall_timeout: Duration::from_secs(300),
+            target_load_timeout: Duration::from_secs(1800),
+            max_lease_lifetime: Duration::from_secs(1800),
             on_target_failure: OnTargetFailure::Abort,
             shutdown_timeout: Duration::from_secs(10),
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),
             metrics_listen: None,
+            state_dir: None,
+            fsync: crate::wal::FsyncPolicy::Batch,
             model_sync: crate::model_sync::ModelSyncConfig::default(),
             security: crate::auth::BrokerSecurity::none(),
         }
@@ -129,8 +175,23 @@ impl BrokerConfig {
 
     /// Checks the values work together; the error names the flag.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.expected_targets == 0 {
+        if self.expected_targets == 0 && self.target_ids.is_empty() {
             return Err(ConfigError::NoTargets(0));
+        }
+        if !self.target_ids.is_empty() {
+            if self.expected_targets != 0 && self.target_ids.len() != self.expected_targets as usize
+            {
+                return Err(ConfigError::TargetCountMismatch {
+                    ids: self.target_ids.len(),
+                    expected: self.expected_targets,
+                });
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            for target_id in &self.target_ids {
+                if target_id.trim().is_empty() || !seen.insert(target_id.as_str()) {
+                    return Err(ConfigError::BadTargetId(target_id.clone()));
+                }
+            }
         }
         if self.max_item_bytes > self.max_queue_bytes {
             return Err(ConfigError::ItemLargerThanQueue {
@@ -154,11 +215,19 @@ impl BrokerConfig {
         self.model_sync.validate()
     }
 
+    /// The expected target ids: --target-ids, or target-0 .. target-{N-1}.
+    pub fn target_ids(&self) -> Vec<String> {
+        if self.target_ids.is_empty() {
+            QueueConfig::default_target_ids(self.expected_targets)
+        } else {
+            self.target_ids.clone()
+        }
+    }
+
     pub(crate) fn queue_config(&self) -> QueueConfig {
         QueueConfig {
-            expected_targets: self.expected_targets,
+            target_ids: self.target_ids(),
             max_held_bytes: self.max_queue_bytes,
-            max_item_bytes: self.max_item_bytes,
             lease_timeout: self.lease_timeout,
             max_deliveries: self.max_deliveries,
             target_grace: self.target_grace,
@@ -168,14 +237,16 @@ impl BrokerConfig {
                 OnTargetFailure::Abort => FailurePolicy::Abort,
                 OnTargetFailure::Continue => FailurePolicy::Continue,
             },
+            target_stall_timeout: non_zero(self.target_stall_timeout),
+            target_load_timeout: non_zero(self.target_load_timeout),
+            max_lease_lifetime: non_zero(self.max_lease_lifetime),
         }
     }
+}
 
-    /// How often leases and target liveness are checked.
-    pub(crate) fn tick_interval(&self) -> Duration {
-        (self.lease_timeout.min(self.target_grace) / 10)
-            .clamp(Duration::from_millis(10), Duration::from_secs(1))
-    }
+/// `None` for 0, the flags' "off".
+fn non_zero(duration: Duration) -> Option<Duration> {
+    (!duration.is_zero()).then_some(duration)
 }
 
 #[cfg(test)]

@@ -19,6 +19,25 @@ pub struct WirePayload {
     pub bytes: u64,
 }
 
+impl crate::wal::DurablePayload for WirePayload {
+    fn encode_payload(&self) -> Vec<u8> {
+        prost::Message::encode_to_vec(self.item.as_ref())
+    }
+
+    fn decode_payload(bytes: &[u8]) -> Result<Self, String> {
+        let item: proto::Item =
+            prost::Message::decode(bytes).map_err(|error| format!("item: {error}"))?;
+        let bytes = item
+            .sample
+            .as_ref()
+            .map_or(0, |sample| sample.payload_bytes());
+        Ok(WirePayload {
+            item: Arc::new(item),
+            bytes,
+        })
+    }
+}
+
 impl Payload for WirePayload {
     fn size_bytes(&self) -> u64 {
         self.bytes
@@ -31,8 +50,13 @@ impl From<QueueError> for Status {
         match error {
             QueueError::EmptyTargetId
             | QueueError::EmptyDrafterId
-            | QueueError::ItemTooLarge { .. } => Status::invalid_argument(message),
-            QueueError::TooManyTargets { .. }
+            | QueueError::ZeroCredit
+            | QueueError::OutOfOrderSeq { .. } => Status::invalid_argument(message),
+            QueueError::UnknownTarget { .. } => Status::not_found(message),
+            // A newer stream fenced the caller: a concurrency conflict, so
+            // ABORTED (the fenced process must not retry; its successor reports).
+            QueueError::StaleEpoch { .. } => Status::aborted(message),
+            QueueError::NoProduceStream { .. }
             | QueueError::TargetFailed { .. }
             | QueueError::TargetAlreadyDone { .. }
             | QueueError::DoneCountMismatch { .. }

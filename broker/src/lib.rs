@@ -6,7 +6,8 @@
 //!
 //! # Layout
 //! - `queue`: the rules, as a synchronous state machine with no gRPC, tokio
-//!   or clock in it (time comes in as an argument). Unit and property tests
+//!   or clock in it (time comes in as an argument): `types`, `effects`,
+//!   `producers`, `consumers`, `ledger`, `status`. Unit and property tests
 //!   live beside it.
 //! - `config`: flags with environment fallbacks, and their validation.
 //! - `auth`: TLS (optionally mutual) and the bearer token checked on every
@@ -20,6 +21,9 @@
 //!   payload from the queue's memory without copying it (every other method
 //!   is the generated server's).
 //! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
+//! - `wal`: the write-ahead log under `--state-dir` (a segment log with a
+//!   CRC per record, compacted to the queue's byte cap), which the service
+//!   appends the queue's journal entries to before answering.
 //! - `model_sync`: the `ModelSync` service beside the queue: the run's one
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
 //!   outer step), its arithmetic on raw buffers, and its checkpoints.
@@ -38,6 +42,7 @@ pub mod model_sync;
 pub mod queue;
 pub mod server;
 pub mod service;
+pub mod wal;
 pub mod zero_copy;
 
 pub use config::BrokerConfig;

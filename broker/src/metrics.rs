@@ -387,14 +387,16 @@ mod tests {
 
     fn config(expected_targets: u32) -> QueueConfig {
         QueueConfig {
-            expected_targets,
+            target_ids: QueueConfig::default_target_ids(expected_targets),
             max_held_bytes: 1_000,
-            max_item_bytes: 500,
             lease_timeout: Duration::from_secs(30),
             max_deliveries: 3,
             target_grace: Duration::from_secs(120),
             target_startup_timeout: None,
             on_target_failure: FailurePolicy::Abort,
+            target_stall_timeout: None,
+            target_load_timeout: None,
+            max_lease_lifetime: None,
         }
     }
 

@@ -33,6 +33,8 @@ pub enum ServeError {
     Security(#[from] crate::auth::SecurityError),
     #[error("model sync: {0}")]
     ModelSync(#[from] crate::model_sync::checkpoint::CheckpointError),
+    #[error("write-ahead log: {0}")]
+    StateDir(#[from] crate::wal::WalError),
     #[error("cannot listen for metrics on {address}: {source}")]
     MetricsListen {
         address: SocketAddr,
@@ -76,7 +78,7 @@ pub async fn serve_with_metrics(
     config.validate()?;
     let security = config.security.load()?;
     let internal = CancellationToken::new();
-    let shared = Shared::new(config.clone(), internal.clone());
+    let shared = Shared::new(config.clone(), internal.clone())?;
     let service = BrokerService::new(shared.clone());
     let model_sync =
         crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
@@ -117,7 +119,7 @@ pub async fn serve_with_metrics(
     let local_address = listener.local_addr().ok();
     info!(
         address = ?local_address,
-        expected_targets = config.expected_targets,
+        target_ids = %config.target_ids().join(","),
         tls = security.tls.is_some(),
         token = security.token.is_some(),
         "broker listening"

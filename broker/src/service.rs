@@ -27,11 +27,18 @@ use tracing::{debug, info, warn, Instrument};
 use crate::config::BrokerConfig;
 use crate::convert::{self, WirePayload};
 use crate::queue::{ConnectionId, Effect, Queue, QueueError, RejectReason};
+use crate::wal::{Wal, WalError};
 
 /// How long a new stream may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest accepted target or drafter id.
 const MAX_ID_LENGTH: usize = 256;
+/// The ticker wakes at the queue's next deadline, and at least this often to
+/// sample throughput for status.
+const THROUGHPUT_SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
+/// Floor on the ticker's sleep, so a deadline that `tick` leaves in place
+/// cannot make it spin.
+const MIN_TICK_SPACING: Duration = Duration::from_millis(1);
 
 type Outbox<T> = mpsc::UnboundedSender<Result<T, Status>>;
 
@@ -40,9 +47,40 @@ struct Locked {
     queue: Queue<WirePayload>,
     consumer_outboxes: HashMap<ConnectionId, Outbox<proto::ConsumeResponse>>,
     producer_outboxes: HashMap<ConnectionId, Outbox<proto::ProduceResponse>>,
+    /// When the ticker will next wake on its own; an operation that creates
+    /// an earlier deadline wakes it sooner.
+    ticker_wakes_at: Option<Instant>,
+    /// The write-ahead log, with `--state-dir`.
+    wal: Option<Wal<WirePayload>>,
 }
 
 impl Locked {
+    /// Appends the queue's new journal entries to the write-ahead log (a
+    /// no-op without `--state-dir`), compacting when it outgrew its bound.
+    /// Called before any answer that depends on them leaves. A failed write
+    /// aborts the run: a broker that cannot keep what it accepted must not
+    /// say "accepted".
+    fn persist(&mut self) {
+        let Some(wal) = &mut self.wal else {
+            return;
+        };
+        let entries = self.queue.take_journal();
+        if entries.is_empty() {
+            return;
+        }
+        let mut result = wal.append(&entries);
+        if result.is_ok() && wal.needs_compaction() {
+            result = wal.compact(&self.queue.checkpoint_entries());
+        }
+        if let Err(error) = result {
+            tracing::error!(%error, "write-ahead log failed; aborting the run");
+            self.wal = None;
+            self.queue.disable_journal();
+            self.queue
+                .abort(format!("the write-ahead log failed: {error}"));
+        }
+    }
+
     fn dispatch(&mut self, effects: Vec<Effect<WirePayload>>) {
         for effect in effects {
             match effect {
@@ -143,29 +181,65 @@ pub(crate) struct Shared {
     /// Woken whenever bytes may have been freed, so producers waiting for
     /// room re-check.
     room: Notify,
+    /// Woken when an operation created a deadline earlier than the ticker's
+    /// planned wake.
+    deadline_changed: Notify,
     config: BrokerConfig,
     /// Cancelled on shutdown: readers stop, streams end with UNAVAILABLE.
     shutdown: CancellationToken,
     tasks: TaskTracker,
+    /// This run's identity, in every welcome and snapshot. New on every start
+    /// (a broker without durable state cannot continue an earlier run).
+    pub(crate) run_id: String,
     /// The model-sync service, whose status joins every snapshot.
     model_sync: std::sync::OnceLock<Arc<crate::model_sync::ModelSyncShared>>,
 }
 
 impl Shared {
-    pub(crate) fn new(config: BrokerConfig, shutdown: CancellationToken) -> Arc<Self> {
-        let queue = Queue::new(config.queue_config(), Instant::now());
-        Arc::new(Shared {
+    /// The shared state; with `--state-dir`, the queue is rebuilt from its
+    /// write-ahead log (same run id, every unacked item queued again).
+    pub(crate) fn new(
+        config: BrokerConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Arc<Self>, WalError> {
+        let now = Instant::now();
+        let (queue, wal, run_id) = match &config.state_dir {
+            None => (Queue::new(config.queue_config(), now), None, new_run_id()),
+            Some(state_dir) => {
+                let opened =
+                    Wal::open(state_dir, config.fsync, config.max_queue_bytes, new_run_id)?;
+                let queue = Queue::recover(config.queue_config(), opened.recovered, now);
+                let snapshot = queue.snapshot(now);
+                info!(
+                    state_dir = %state_dir.display(),
+                    run_id = %opened.run_id,
+                    records = opened.records,
+                    truncated_tail = opened.truncated_tail,
+                    accepted = snapshot.accepted_items,
+                    acked = snapshot.acked_items,
+                    queued = snapshot.queued_items,
+                    done_targets = snapshot.done_targets,
+                    "state loaded from the write-ahead log"
+                );
+                (queue, Some(opened.wal), opened.run_id)
+            }
+        };
+        Ok(Arc::new(Shared {
             locked: Mutex::new(Locked {
                 queue,
                 consumer_outboxes: HashMap::new(),
                 producer_outboxes: HashMap::new(),
+                ticker_wakes_at: None,
+                wal,
             }),
             room: Notify::new(),
+            deadline_changed: Notify::new(),
             config,
             shutdown,
+            run_id,
             tasks: TaskTracker::new(),
             model_sync: std::sync::OnceLock::new(),
-        })
+        }))
     }
 
     pub(crate) fn set_model_sync(&self, model_sync: Arc<crate::model_sync::ModelSyncShared>) {
@@ -178,17 +252,27 @@ impl Shared {
 
     /// Runs one queue operation and dispatches its effects under the lock.
     fn with_queue<R>(&self, operation: impl FnOnce(&mut Locked, Instant) -> R) -> R {
-        let (result, room_freed) = {
+        let (result, room_freed, wake_ticker) = {
             let mut locked = self.locked.lock();
             let held_before = locked.queue.held_bytes();
             let state_before = locked.queue.state();
             let result = operation(&mut locked, Instant::now());
+            locked.persist();
             let effects = locked.queue.take_effects();
             locked.dispatch(effects);
             let room_freed =
                 locked.queue.held_bytes() < held_before || locked.queue.state() != state_before;
-            (result, room_freed)
+            let planned_wake = locked.ticker_wakes_at;
+            let wake_ticker = locked
+                .queue
+                .take_new_deadline()
+                .is_some_and(|deadline| planned_wake.is_none_or(|planned| deadline < planned));
+            (result, room_freed, wake_ticker)
         };
+        if wake_ticker {
+            // Stores a permit when the ticker is busy, so no wake is lost.
+            self.deadline_changed.notify_one();
+        }
         // Only real changes wake producers waiting for room: a waiter's own
         // failed attempt must not wake itself into a spin.
         if room_freed {
@@ -201,6 +285,7 @@ impl Shared {
         let snapshot = self.locked.lock().queue.snapshot(Instant::now());
         let mut snapshot = convert::snapshot_to_proto(&snapshot);
         snapshot.model_sync = self.model_sync.get().map(|model_sync| model_sync.status());
+        snapshot.run_id = self.run_id.clone();
         snapshot
     }
 
@@ -211,14 +296,34 @@ impl Shared {
         crate::metrics::render(&snapshot)
     }
 
-    /// Periodic lease expiry, target liveness and throughput sampling.
+    /// Lease expiry, target liveness and throughput sampling: sleeps until
+    /// the queue's next deadline (or the next throughput sample, whichever
+    /// is first) and is woken early when an operation creates an earlier one.
     pub(crate) async fn run_ticker(self: Arc<Self>) {
-        let mut interval = tokio::time::interval(self.config.tick_interval());
-        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let wake_at = self.with_queue(|locked, now| {
+                locked.queue.tick(now);
+                let mut sample_at = now + THROUGHPUT_SAMPLE_INTERVAL;
+                if let Some(wal) = &mut locked.wal {
+                    if let Err(error) = wal.sync_if_due(now) {
+                        warn!(%error, "write-ahead log sync failed");
+                    }
+                    if wal.is_dirty() {
+                        sample_at = sample_at.min(now + crate::wal::BATCH_SYNC_INTERVAL);
+                    }
+                }
+                let wake_at = locked
+                    .queue
+                    .next_deadline()
+                    .map_or(sample_at, |deadline| deadline.min(sample_at))
+                    .max(now + MIN_TICK_SPACING);
+                locked.ticker_wakes_at = Some(wake_at);
+                wake_at
+            });
             tokio::select! {
                 _ = self.shutdown.cancelled() => break,
-                _ = interval.tick() => self.with_queue(|locked, now| locked.queue.tick(now)),
+                _ = tokio::time::sleep_until(wake_at.into()) => {}
+                _ = self.deadline_changed.notified() => {}
             }
         }
     }
@@ -226,6 +331,11 @@ impl Shared {
     /// Ends every open stream with UNAVAILABLE so clients reconnect elsewhere.
     pub(crate) fn end_all_streams(&self) {
         let mut locked = self.locked.lock();
+        if let Some(wal) = &mut locked.wal {
+            if let Err(error) = wal.sync() {
+                warn!(%error, "write-ahead log sync at shutdown failed");
+            }
+        }
         for (_, outbox) in locked.consumer_outboxes.drain() {
             let _ = outbox.send(Err(Status::unavailable("broker is shutting down")));
         }
@@ -237,6 +347,19 @@ impl Shared {
     pub(crate) fn run_state(&self) -> crate::queue::RunState {
         self.locked.lock().queue.state()
     }
+}
+
+/// A fresh run id: 64 random bits (std's per-process random hasher keys,
+/// mixed with the clock and pid), in hex.
+fn new_run_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    let since_epoch = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    hasher.write_u128(since_epoch.as_nanos());
+    hasher.write_u32(std::process::id());
+    format!("run-{:016x}", hasher.finish())
 }
 
 #[derive(Clone, Copy)]
@@ -323,25 +446,39 @@ async fn first_message<T>(inbound: &mut Streaming<T>) -> Result<T, Status> {
     }
 }
 
-/// The stream's next message; `None` when it ended, broke, or the broker is
-/// shutting down (each reader then closes its queue connection).
+/// The stream's next message; `Ok(None)` when it ended or the broker is
+/// shutting down, `Err` when it broke (each reader then closes its queue
+/// connection).
 async fn next_request<T>(
     shutdown: &CancellationToken,
     inbound: &mut Streaming<T>,
     connection: ConnectionId,
     role: &'static str,
-) -> Option<T> {
+) -> Result<Option<T>, Status> {
     let message = tokio::select! {
-        _ = shutdown.cancelled() => return None,
+        _ = shutdown.cancelled() => return Ok(None),
         message = inbound.message() => message,
     };
-    match message {
-        Ok(request) => request,
-        Err(status) => {
-            debug!(connection, %status, role, "stream broke");
-            None
-        }
+    message.inspect_err(|status| debug!(connection, %status, role, "stream broke"))
+}
+
+/// Whether a broken inbound stream broke on a message over the decoding
+/// limit (tonic answers OUT_OF_RANGE before reading its body).
+fn is_oversized_message(status: &Status) -> bool {
+    status.code() == tonic::Code::OutOfRange && status.message().contains("too large")
+}
+
+/// Why a hello or ReportDone from an earlier run is refused: this broker
+/// does not have that run's state, so resuming into it would hide loss.
+fn check_run_id(caller: &str, remembered: &str, current: &str) -> Result<(), Status> {
+    if remembered.is_empty() || remembered == current {
+        return Ok(());
     }
+    Err(Status::failed_precondition(format!(
+        "{caller} was in run {remembered:?}, this broker serves run {current:?}: \
+         the broker lost that run's state (restarted without --state-dir?); \
+         what was accepted there cannot be accounted for"
+    )))
 }
 
 impl BrokerService {
@@ -382,11 +519,17 @@ impl BrokerService {
     ) {
         let shared = self.shared.clone();
         loop {
-            let Some(request) =
-                next_request(&shared.shutdown, &mut inbound, connection, "producer").await
-            else {
-                break;
-            };
+            let request =
+                match next_request(&shared.shutdown, &mut inbound, connection, "producer").await {
+                    Ok(Some(request)) => request,
+                    Ok(None) => break,
+                    Err(status) => {
+                        if is_oversized_message(&status) {
+                            self.refuse_oversized(&target_id, connection, &status);
+                        }
+                        break;
+                    }
+                };
             match request.kind {
                 Some(proto::produce_request::Kind::Item(item)) => {
                     if !self.accept_item(&target_id, connection, item).await {
@@ -424,6 +567,26 @@ impl BrokerService {
         shared.with_queue(|locked, now| {
             locked.producer_outboxes.remove(&connection);
             locked.queue.close_producer(connection, now);
+        });
+    }
+
+    /// An item over the gRPC message limit broke the stream before its body
+    /// was read: the target gets RESOURCE_EXHAUSTED with the limit (its
+    /// stream cannot continue), and the rejection is counted and logged.
+    fn refuse_oversized(&self, target_id: &str, connection: ConnectionId, status: &Status) {
+        let reason = format!(
+            "item over the broker's message limit (--max-item-bytes {} plus framing): {}",
+            self.shared.config.max_item_bytes,
+            status.message()
+        );
+        warn!(target_id, connection, %reason, "item rejected; Produce stream ended");
+        self.shared.with_queue(|locked, now| {
+            locked
+                .queue
+                .count_rejected(connection, RejectReason::TooLarge, now);
+            if let Some(outbox) = locked.producer_outboxes.remove(&connection) {
+                let _ = outbox.send(Err(Status::resource_exhausted(reason)));
+            }
         });
     }
 
@@ -484,6 +647,8 @@ impl BrokerService {
                 let outcome = locked
                     .queue
                     .accept_item(connection, seq, payload.clone(), now);
+                // Logged before the target hears "accepted".
+                locked.persist();
                 match &outcome {
                     Ok(accepted) => locked.send_to_producer(
                         connection,
@@ -540,7 +705,7 @@ impl BrokerService {
     ) {
         let shared = self.shared.clone();
         loop {
-            let Some(request) =
+            let Ok(Some(request)) =
                 next_request(&shared.shutdown, &mut inbound, connection, "consumer").await
             else {
                 break;
@@ -616,21 +781,28 @@ impl Broker for BrokerService {
             }
         };
         validate_id("target_id", &hello.target_id)?;
+        check_run_id(
+            &format!("target {:?}", hello.target_id),
+            &hello.run_id,
+            &self.shared.run_id,
+        )?;
         let (outbox, receiver) = mpsc::unbounded_channel();
-        let connection = self.shared.with_queue(|locked, now| {
+        let (connection, epoch) = self.shared.with_queue(|locked, now| {
             let opened = locked.queue.open_producer(&hello.target_id, now)?;
+            locked.persist();
             let welcome = proto::produce_response::Kind::Welcome(proto::ProducerWelcome {
                 resume_after_seq: opened.resume_after_seq,
                 accepted_items: opened.accepted_items,
-                ..Default::default()
+                epoch: opened.epoch,
+                run_id: self.shared.run_id.clone(),
             });
             let _ = outbox.send(Ok(proto::ProduceResponse {
                 kind: Some(welcome),
             }));
             locked.producer_outboxes.insert(opened.connection, outbox);
-            Ok::<_, QueueError>(opened.connection)
+            Ok::<_, QueueError>((opened.connection, opened.epoch))
         })?;
-        info!(target_id = %hello.target_id, connection, "target connected");
+        info!(target_id = %hello.target_id, connection, epoch, "target connected");
         let guard = ConnectionGuard {
             shared: self.shared.clone(),
             connection,
@@ -652,11 +824,24 @@ impl Broker for BrokerService {
     ) -> Result<Response<proto::ReportDoneResponse>, Status> {
         let request = request.into_inner();
         validate_id("target_id", &request.target_id)?;
-        let done = self.shared.with_queue(|locked, now| {
-            locked
-                .queue
-                .report_done(&request.target_id, request.total_items, now)
-        })?;
+        check_run_id(
+            &format!("ReportDone for target {:?}", request.target_id),
+            &request.run_id,
+            &self.shared.run_id,
+        )?;
+        let done = self
+            .shared
+            .with_queue(|locked, now| {
+                locked.queue.report_done(
+                    &request.target_id,
+                    request.total_items,
+                    request.epoch,
+                    now,
+                )
+            })
+            .inspect_err(|error| {
+                warn!(target_id = %request.target_id, epoch = request.epoch, %error, "ReportDone refused")
+            })?;
         info!(
             target_id = %request.target_id,
             total_items = request.total_items,
@@ -686,6 +871,11 @@ impl Broker for BrokerService {
             }
         };
         validate_id("drafter_id", &hello.drafter_id)?;
+        check_run_id(
+            &format!("drafter {:?}", hello.drafter_id),
+            &hello.run_id,
+            &self.shared.run_id,
+        )?;
         let credit = convert::credit_from_proto(hello.credit);
         let (outbox, receiver) = mpsc::unbounded_channel();
         let lease_timeout_ms =
@@ -694,7 +884,7 @@ impl Broker for BrokerService {
             let welcome = proto::consume_response::Kind::Welcome(proto::ConsumerWelcome {
                 summary: Some(convert::summary_to_proto(&locked.queue.summary())),
                 lease_timeout_ms,
-                ..Default::default()
+                run_id: self.shared.run_id.clone(),
             });
             let _ = outbox.send(Ok(proto::ConsumeResponse {
                 kind: Some(welcome),

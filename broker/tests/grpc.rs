@@ -339,7 +339,14 @@ async fn held_bytes_never_exceed_the_cap_with_a_slow_drafter() {
         })
     };
     let targets: Vec<_> = (0..2)
-        .map(|index| tokio::spawn(run_target(client.clone(), format!("t{index}"), 30, item)))
+        .map(|index| {
+            tokio::spawn(run_target(
+                client.clone(),
+                format!("target-{index}"),
+                30,
+                item,
+            ))
+        })
         .collect();
     // Let the fast targets fill the queue before the slow drafter starts.
     assert!(
@@ -436,15 +443,16 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     assert!(reasons[2].contains("dtype 42"), "{}", reasons[2]);
     assert!(reasons[3].contains("no tensors"), "{}", reasons[3]);
 
-    // A second target beyond --expected-targets.
+    // A target id outside --target-ids: NOT_FOUND, not retryable.
     let error = client
         .produce("target-9")
         .await
         .expect_err("extra target refused");
     assert!(
-        matches!(&error, dflash_client::ClientError::Call { status, .. } if status.code() == tonic::Code::FailedPrecondition),
+        matches!(&error, dflash_client::ClientError::Call { status, .. } if status.code() == tonic::Code::NotFound),
         "{error}"
     );
+    assert!(!error.is_retryable());
 
     // ReportDone with the wrong count: FAILED_PRECONDITION, nothing counted.
     let error = client

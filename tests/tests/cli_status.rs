@@ -14,7 +14,12 @@ async fn status_json_matches_get_status() {
     let shutdown = CancellationToken::new();
     let server = tokio::spawn(dflash_broker::serve(
         listener,
-        dflash_broker::BrokerConfig::for_targets(3),
+        dflash_broker::BrokerConfig {
+            target_ids: ["target-5", "target-6", "target-7"]
+                .map(String::from)
+                .to_vec(),
+            ..dflash_broker::BrokerConfig::for_targets(3)
+        },
         shutdown.clone(),
     ));
     let client = BrokerClient::connect(address.clone(), ClientOptions::default())

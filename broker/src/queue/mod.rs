@@ -25,13 +25,267 @@
 //! - A target whose stream is gone for longer than `target_grace` without
 //!   reporting done fails; the failure policy aborts the run or counts it as
 //!   finished-with-loss.
+//!
+//! Modules: `types` (ids, config, policies, errors, operation answers),
+//! `effects` (the outbox), `producers` and `consumers` (the stream
+//! operations), `ledger` (items, the FIFO, leases, dead letters, dispatch,
+//! `tick`, the run state and the one place a run ends), `status` (summary,
+//! snapshot, invariants). [`Queue`] and its private books live here. In debug
+//! builds every public operation ends by checking the ledger invariants.
 
+mod consumers;
+mod effects;
+mod journal;
+mod ledger;
+mod producers;
 #[cfg(test)]
 mod proptests;
 mod rate;
-mod state;
+mod status;
 #[cfg(test)]
 mod tests;
+mod types;
 
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use effects::*;
+pub use journal::*;
 pub use rate::RateMeter;
-pub use state::*;
+pub use status::*;
+pub use types::*;
+
+/// Identifies an accepted item; increases in acceptance order.
+type ItemId = u64;
+
+struct StoredItem<P> {
+    target_id: Arc<str>,
+    seq: u64,
+    payload: P,
+    bytes: u64,
+    /// How many times the item was delivered so far.
+    deliveries: u32,
+}
+
+struct Lease {
+    item_id: ItemId,
+    connection: ConnectionId,
+    deadline: Instant,
+    /// Extensions never push `deadline` past this (`max_lease_lifetime`).
+    expires_at_latest: Instant,
+}
+
+struct TargetEntry {
+    target_id: Arc<str>,
+    state: TargetState,
+    /// The current Produce stream's epoch; 0 before the first hello.
+    epoch: u64,
+    /// Highest seq accepted; a new seq must be above it.
+    highest_seq: Option<u64>,
+    /// Every seq accepted, to tell a duplicate from an out-of-order seq.
+    accepted_seqs: AcceptedSeqs,
+    accepted_items: u64,
+    accepted_bytes: u64,
+    rejected_items: u64,
+    duplicate_items: u64,
+    last_seen: Instant,
+    stats: Option<ProducerStats>,
+    /// When the current stream said hello (the load timeout runs from it).
+    connected_at: Instant,
+    /// When an item was last accepted; `None` before the first. Stats and
+    /// pings are not progress.
+    last_progress: Option<Instant>,
+    /// The broker is holding this target back (queue full): stall time
+    /// does not run.
+    held_back: bool,
+}
+
+/// A set of seqs kept as disjoint inclusive ranges: a target's seqs are
+/// nearly contiguous, so this stays a handful of entries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct AcceptedSeqs {
+    /// start → end (inclusive); ranges neither overlap nor touch.
+    ranges: BTreeMap<u64, u64>,
+}
+
+impl AcceptedSeqs {
+    fn contains(&self, seq: u64) -> bool {
+        self.ranges
+            .range(..=seq)
+            .next_back()
+            .is_some_and(|(_, &end)| seq <= end)
+    }
+
+    fn insert(&mut self, seq: u64) {
+        if self.contains(seq) {
+            return;
+        }
+        let joins_before = self
+            .ranges
+            .range(..seq)
+            .next_back()
+            .filter(|(_, &end)| end.checked_add(1) == Some(seq))
+            .map(|(&start, _)| start);
+        let joins_after = seq
+            .checked_add(1)
+            .and_then(|next| self.ranges.get(&next).copied().map(|end| (next, end)));
+        let start = joins_before.unwrap_or(seq);
+        let end = match joins_after {
+            Some((next, end)) => {
+                self.ranges.remove(&next);
+                end
+            }
+            None => seq,
+        };
+        self.ranges.insert(start, end);
+    }
+}
+
+impl TargetEntry {
+    fn is_finished(&self) -> bool {
+        matches!(self.state, TargetState::Done | TargetState::Failed { .. })
+    }
+}
+
+struct DrafterEntry {
+    /// The drafter's current stream, when connected.
+    connection: Option<ConnectionId>,
+    credit: Credit,
+    leases: BTreeSet<DeliveryId>,
+    leased_bytes: u64,
+    delivered_items: u64,
+    acked_items: u64,
+    nacked_items: u64,
+    expired_leases: u64,
+    last_seen: Instant,
+    stats: Option<ConsumerStats>,
+    /// A lease of this stream expired: it gets no new deliveries until it
+    /// shows it is alive again (ack, nack or extend), so a hung drafter does
+    /// not keep swallowing items until they are dead-lettered.
+    stalled: bool,
+}
+
+/// Disconnected drafters kept for status beyond this are forgotten, oldest first.
+const MAX_REMEMBERED_DISCONNECTED_DRAFTERS: usize = 256;
+/// Dead letters listed individually in status (all are counted).
+const MAX_LISTED_DEAD_LETTERS: usize = 100;
+
+/// The shared queue, completion counter and end-of-stream rules.
+pub struct Queue<P: Payload> {
+    config: QueueConfig,
+    started_at: Instant,
+    state: RunState,
+    abort_reason: String,
+    next_connection: ConnectionId,
+    next_delivery: DeliveryId,
+    next_item: ItemId,
+    targets: BTreeMap<Arc<str>, TargetEntry>,
+    producer_connections: HashMap<ConnectionId, Arc<str>>,
+    drafters: BTreeMap<String, DrafterEntry>,
+    consumer_connections: HashMap<ConnectionId, String>,
+    /// Drafter id after which the round robin looks for the next consumer.
+    round_robin_after: Option<String>,
+    items: HashMap<ItemId, StoredItem<P>>,
+    queue: VecDeque<ItemId>,
+    queued_bytes: u64,
+    leases: HashMap<DeliveryId, Lease>,
+    leased_bytes: u64,
+    dead_letters: Vec<DeadLetter>,
+    dead_letter_count: u64,
+    accepted_items: u64,
+    accepted_bytes: u64,
+    delivered_items: u64,
+    acked_items: u64,
+    acked_bytes: u64,
+    redelivered_items: u64,
+    rejected_items: u64,
+    rejected_by_reason: BTreeMap<RejectReason, u64>,
+    acked_rate: RateMeter,
+    accepted_rate: RateMeter,
+    effects: Vec<Effect<P>>,
+    /// Earliest deadline created since the transport last asked.
+    new_deadline: Option<Instant>,
+    /// Entries for the write-ahead log since the transport last took them;
+    /// `None` when the broker keeps no state dir.
+    journal: Option<Vec<JournalEntry<P>>>,
+}
+
+impl<P: Payload> Queue<P> {
+    pub fn new(config: QueueConfig, now: Instant) -> Self {
+        Queue {
+            config,
+            started_at: now,
+            state: RunState::Running,
+            abort_reason: String::new(),
+            next_connection: 1,
+            next_delivery: 1,
+            next_item: 1,
+            targets: BTreeMap::new(),
+            producer_connections: HashMap::new(),
+            drafters: BTreeMap::new(),
+            consumer_connections: HashMap::new(),
+            round_robin_after: None,
+            items: HashMap::new(),
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            leases: HashMap::new(),
+            leased_bytes: 0,
+            dead_letters: Vec::new(),
+            dead_letter_count: 0,
+            accepted_items: 0,
+            accepted_bytes: 0,
+            delivered_items: 0,
+            acked_items: 0,
+            acked_bytes: 0,
+            redelivered_items: 0,
+            rejected_items: 0,
+            rejected_by_reason: RejectReason::ALL
+                .into_iter()
+                .map(|reason| (reason, 0))
+                .collect(),
+            acked_rate: RateMeter::new(Duration::from_secs(10), now),
+            accepted_rate: RateMeter::new(Duration::from_secs(10), now),
+            effects: Vec::new(),
+            new_deadline: None,
+            journal: None,
+        }
+    }
+
+    pub fn state(&self) -> RunState {
+        self.state
+    }
+
+    /// The drafter whose stream `connection` is, for logs and traces.
+    pub fn drafter_id_of(&self, connection: ConnectionId) -> Option<&str> {
+        self.consumer_connections
+            .get(&connection)
+            .map(String::as_str)
+    }
+
+    /// What the transport must do since the last call, in order.
+    pub fn take_effects(&mut self) -> Vec<Effect<P>> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// Bytes held in memory: queued plus leased.
+    pub fn held_bytes(&self) -> u64 {
+        self.queued_bytes + self.leased_bytes
+    }
+
+    /// Whether this delivery is still an open lease (not acked, expired or returned).
+    pub fn is_leased(&self, delivery_id: DeliveryId) -> bool {
+        self.leases.contains_key(&delivery_id)
+    }
+
+    /// Whether an item of this size fits under the memory bound now.
+    pub fn has_room_for(&self, bytes: u64) -> bool {
+        self.held_bytes().saturating_add(bytes) <= self.config.max_held_bytes
+    }
+
+    fn allocate_connection(&mut self) -> ConnectionId {
+        let connection = self.next_connection;
+        self.next_connection += 1;
+        connection
+    }
+}

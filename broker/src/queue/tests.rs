@@ -14,15 +14,22 @@ impl Payload for TestPayload {
 
 pub(super) fn config(expected_targets: u32) -> QueueConfig {
     QueueConfig {
-        expected_targets,
+        target_ids: QueueConfig::default_target_ids(expected_targets),
         max_held_bytes: 1_000,
-        max_item_bytes: 500,
         lease_timeout: Duration::from_secs(30),
         max_deliveries: 3,
         target_grace: Duration::from_secs(120),
         target_startup_timeout: None,
         on_target_failure: FailurePolicy::Abort,
+        target_stall_timeout: None,
+        target_load_timeout: None,
+        max_lease_lifetime: None,
     }
+}
+
+/// The epoch of the target's latest Produce stream, as its welcome said.
+fn current_epoch(queue: &Queue<TestPayload>, target_id: &str) -> u64 {
+    queue.targets.get(target_id).map_or(0, |entry| entry.epoch)
 }
 
 fn credit(items: u32) -> Credit {
@@ -90,7 +97,7 @@ fn shared_fifo_round_robins_across_drafters() {
 fn credit_window_bounds_outstanding_items_and_bytes() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("t", now).unwrap().connection;
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
     let drafter = queue
         .open_consumer(
             "d",
@@ -120,7 +127,7 @@ fn credit_window_bounds_outstanding_items_and_bytes() {
     );
     // An item larger than the byte window still flows when nothing is held.
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("t", now).unwrap().connection;
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
     queue
         .open_consumer(
             "d",
@@ -141,7 +148,7 @@ fn credit_window_bounds_outstanding_items_and_bytes() {
 fn memory_bound_refuses_without_changing_anything() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("t", now).unwrap().connection;
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
     queue
         .accept_item(producer, 0, TestPayload(500), now)
         .unwrap();
@@ -175,7 +182,7 @@ fn memory_bound_refuses_without_changing_anything() {
 fn disconnect_returns_leases_to_the_head_in_order() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("t", now).unwrap().connection;
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
     let drafter_a = queue.open_consumer("a", credit(2), now).unwrap();
     for seq in 0..4 {
         queue
@@ -200,13 +207,15 @@ fn disconnect_returns_leases_to_the_head_in_order() {
 fn expired_lease_moves_on_and_late_ack_is_stale() {
     let start = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
-    let producer = queue.open_producer("t", start).unwrap().connection;
+    let producer = queue.open_producer("target-0", start).unwrap().connection;
     let silent = queue.open_consumer("silent", credit(1), start).unwrap();
     queue
         .accept_item(producer, 0, TestPayload(10), start)
         .unwrap();
     let first = deliveries(&queue.take_effects());
-    let other = queue.open_consumer("other", credit(0), start).unwrap();
+    // Zero credit is refused at the hello (INVALID_ARGUMENT); a window of 1
+    // has no room while the only item is leased elsewhere.
+    let other = queue.open_consumer("other", credit(1), start).unwrap();
     queue.set_credit(other, credit(1), start);
     assert!(deliveries(&queue.take_effects()).is_empty());
     // Extending keeps the lease alive past the original deadline.
@@ -243,7 +252,7 @@ fn expired_lease_moves_on_and_late_ack_is_stale() {
 fn max_deliveries_and_poison_nack_dead_letter() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("t", now).unwrap().connection;
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
     let drafter = queue.open_consumer("d", credit(1), now).unwrap();
     queue
         .accept_item(producer, 0, TestPayload(10), now)
@@ -292,7 +301,7 @@ fn max_deliveries_and_poison_nack_dead_letter() {
 fn duplicates_are_acknowledged_not_queued_and_resume_point_is_reported() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("t", now).unwrap();
+    let producer = queue.open_producer("target-0", now).unwrap();
     assert_eq!(producer.resume_after_seq, None);
     queue
         .accept_item(producer.connection, 0, TestPayload(10), now)
@@ -301,7 +310,7 @@ fn duplicates_are_acknowledged_not_queued_and_resume_point_is_reported() {
         .accept_item(producer.connection, 1, TestPayload(10), now)
         .unwrap();
     queue.close_producer(producer.connection, now);
-    let again = queue.open_producer("t", now).unwrap();
+    let again = queue.open_producer("target-0", now).unwrap();
     assert_eq!(again.resume_after_seq, Some(1));
     assert_eq!(
         queue.accept_item(again.connection, 1, TestPayload(10), now),
@@ -314,8 +323,8 @@ fn duplicates_are_acknowledged_not_queued_and_resume_point_is_reported() {
 fn newer_producer_stream_replaces_older() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let old = queue.open_producer("t", now).unwrap().connection;
-    let new = queue.open_producer("t", now).unwrap().connection;
+    let old = queue.open_producer("target-0", now).unwrap().connection;
+    let new = queue.open_producer("target-0", now).unwrap().connection;
     let effects = queue.take_effects();
     assert!(
         matches!(effects.as_slice(), [Effect::CloseProducer { connection, outcome: RunOutcome::Aborted, .. }] if *connection == old)
@@ -337,33 +346,60 @@ fn newer_producer_stream_replaces_older() {
 fn report_done_is_idempotent_and_checks_the_count() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(2), now);
-    let producer = queue.open_producer("t0", now).unwrap().connection;
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
     queue.accept_item(producer, 0, TestPayload(1), now).unwrap();
-    let mismatch = queue.report_done("t0", 5, now).unwrap_err();
+    let mismatch = queue
+        .report_done("target-0", 5, current_epoch(&queue, "target-0"), now)
+        .unwrap_err();
     assert_eq!(
         mismatch.to_string(),
-        "target \"t0\": report says 5 items, broker accepted 1"
+        "target \"target-0\": report says 5 items, broker accepted 1"
     );
     assert_eq!(queue.snapshot(now).done_targets, 0);
-    let first = queue.report_done("t0", 1, now).unwrap();
+    let first = queue
+        .report_done("target-0", 1, current_epoch(&queue, "target-0"), now)
+        .unwrap();
     assert_eq!((first.done_targets, first.already_done), (1, false));
-    let second = queue.report_done("t0", 1, now).unwrap();
+    let second = queue
+        .report_done("target-0", 1, current_epoch(&queue, "target-0"), now)
+        .unwrap();
     assert_eq!((second.done_targets, second.already_done), (1, true));
-    // A target with an empty shard may report done without producing.
-    assert_eq!(queue.report_done("t1", 0, now).unwrap().done_targets, 2);
+    // A target with an empty shard may report done without producing, once
+    // it has a stream (and so an epoch).
+    assert_eq!(
+        queue.report_done("target-1", 0, 0, now).unwrap_err(),
+        QueueError::NoProduceStream {
+            target_id: "target-1".to_string()
+        }
+    );
+    queue.open_producer("target-1", now).unwrap();
+    assert_eq!(
+        queue
+            .report_done("target-1", 0, current_epoch(&queue, "target-1"), now)
+            .unwrap()
+            .done_targets,
+        2
+    );
 }
 
 #[test]
 fn unexpected_extra_target_is_refused() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    queue.open_producer("t0", now).unwrap();
-    let error = queue.open_producer("t1", now).unwrap_err();
-    assert!(matches!(error, QueueError::TooManyTargets { .. }));
+    queue.open_producer("target-0", now).unwrap();
+    let error = queue.open_producer("target-1", now).unwrap_err();
+    assert!(matches!(error, QueueError::UnknownTarget { .. }));
     assert_eq!(
         error.to_string(),
-        "target \"t1\" is not one of the 1 expected targets (already known: t0)"
+        "target \"target-1\" is not one of the expected targets (target-0)"
     );
+    // ReportDone for an id never configured is refused the same way, and
+    // completes nothing.
+    assert!(matches!(
+        queue.report_done("stray", 0, 1, now),
+        Err(QueueError::UnknownTarget { .. })
+    ));
+    assert_eq!(queue.state(), RunState::Running);
     assert_eq!(
         queue.open_producer("", now).unwrap_err(),
         QueueError::EmptyTargetId
@@ -374,12 +410,17 @@ fn unexpected_extra_target_is_refused() {
 fn end_of_stream_waits_for_every_target_and_every_ack() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(2), now);
-    let p0 = queue.open_producer("t0", now).unwrap().connection;
+    let p0 = queue.open_producer("target-0", now).unwrap().connection;
     let drafter_a = queue.open_consumer("a", credit(4), now).unwrap();
     queue.accept_item(p0, 0, TestPayload(10), now).unwrap();
     let delivered = deliveries(&queue.take_effects());
-    queue.report_done("t0", 1, now).unwrap();
-    queue.report_done("t1", 0, now).unwrap();
+    queue
+        .report_done("target-0", 1, current_epoch(&queue, "target-0"), now)
+        .unwrap();
+    queue.open_producer("target-1", now).unwrap();
+    queue
+        .report_done("target-1", 0, current_epoch(&queue, "target-1"), now)
+        .unwrap();
     assert_eq!(queue.state(), RunState::Draining);
     assert!(
         ended(&queue.take_effects()).is_empty(),
@@ -411,20 +452,21 @@ fn end_of_stream_waits_for_every_target_and_every_ack() {
 fn target_gone_past_grace_aborts_the_run() {
     let start = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(2), start);
-    let p0 = queue.open_producer("t0", start).unwrap().connection;
+    let p0 = queue.open_producer("target-0", start).unwrap().connection;
     let drafter = queue.open_consumer("d", credit(4), start).unwrap();
     queue.close_producer(p0, start);
     queue.tick(start + Duration::from_secs(119));
     assert_eq!(queue.state(), RunState::Running);
     // Back within the grace period: resumes, nothing failed.
     let p0 = queue
-        .open_producer("t0", start + Duration::from_secs(119))
+        .open_producer("target-0", start + Duration::from_secs(119))
         .unwrap()
         .connection;
     queue.close_producer(p0, start + Duration::from_secs(130));
-    queue.tick(start + Duration::from_secs(250));
+    queue.tick(start + Duration::from_secs(249));
     assert_eq!(queue.state(), RunState::Running);
-    queue.tick(start + Duration::from_secs(251));
+    // The grace ends at 130 + 120 s: a tick at that deadline acts.
+    queue.tick(start + Duration::from_secs(250));
     assert_eq!(queue.state(), RunState::Aborted);
     let effects = queue.take_effects();
     assert_eq!(ended(&effects), vec![(drafter, RunOutcome::Aborted)]);
@@ -436,7 +478,7 @@ fn target_gone_past_grace_aborts_the_run() {
         })
         .unwrap();
     assert!(
-        reason.contains("\"t0\"") && reason.contains("without ReportDone"),
+        reason.contains("\"target-0\"") && reason.contains("without ReportDone"),
         "{reason}"
     );
 }
@@ -452,20 +494,25 @@ fn continue_policy_counts_failed_target_as_finished_with_loss() {
         },
         start,
     );
-    let p0 = queue.open_producer("t0", start).unwrap().connection;
+    let p0 = queue.open_producer("target-0", start).unwrap().connection;
     let drafter = queue.open_consumer("d", credit(4), start).unwrap();
     queue.accept_item(p0, 0, TestPayload(10), start).unwrap();
     queue.close_producer(p0, start);
-    queue.report_done("t1", 0, start).unwrap();
+    queue.open_producer("target-1", start).unwrap();
+    queue
+        .report_done("target-1", 0, current_epoch(&queue, "target-1"), start)
+        .unwrap();
     queue.tick(start + Duration::from_secs(121));
     assert_eq!(queue.state(), RunState::Draining);
     let delivered = deliveries(&queue.take_effects());
     let latest = delivered.last().unwrap().1;
     queue.ack(drafter, &[latest], start + Duration::from_secs(121));
     assert_eq!(queue.state(), RunState::Complete);
-    assert_eq!(queue.summary().failed_targets, vec!["t0".to_string()]);
+    assert_eq!(queue.summary().failed_targets, vec!["target-0".to_string()]);
     assert!(
-        queue.report_done("t0", 1, start).is_err(),
+        queue
+            .report_done("target-0", 1, current_epoch(&queue, "target-0"), start)
+            .is_err(),
         "a failed target cannot report done later"
     );
 }
@@ -480,7 +527,7 @@ fn targets_that_never_connect_fail_after_the_startup_timeout() {
         },
         start,
     );
-    queue.open_producer("t0", start).unwrap();
+    queue.open_producer("target-0", start).unwrap();
     queue.tick(start + Duration::from_secs(59));
     assert_eq!(queue.state(), RunState::Running);
     queue.tick(start + Duration::from_secs(60));
@@ -495,7 +542,7 @@ fn targets_that_never_connect_fail_after_the_startup_timeout() {
 fn replaced_drafter_returns_its_leases() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("t", now).unwrap().connection;
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
     let first = queue.open_consumer("d", credit(1), now).unwrap();
     queue
         .accept_item(producer, 0, TestPayload(10), now)
@@ -515,7 +562,7 @@ fn replaced_drafter_returns_its_leases() {
 fn a_drafter_whose_lease_expired_gets_nothing_new_until_it_acks() {
     let start = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
-    let producer = queue.open_producer("t", start).unwrap().connection;
+    let producer = queue.open_producer("target-0", start).unwrap().connection;
     let hung = queue.open_consumer("hung", credit(1), start).unwrap();
     queue
         .accept_item(producer, 0, TestPayload(10), start)
@@ -541,16 +588,15 @@ fn rejections_are_counted_by_reason() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(2), now);
     let producer = queue.open_producer("target-0", now).unwrap().connection;
-    assert!(matches!(
-        queue.accept_item(producer, 0, TestPayload(501), now),
-        Err(QueueError::ItemTooLarge { .. })
-    ));
+    queue.count_rejected(producer, RejectReason::TooLarge, now);
     queue.count_rejected(producer, RejectReason::Malformed, now);
     queue.count_rejected(producer, RejectReason::Malformed, now);
     queue
         .accept_item(producer, 1, TestPayload(10), now)
         .unwrap();
-    queue.report_done("target-0", 1, now).unwrap();
+    queue
+        .report_done("target-0", 1, current_epoch(&queue, "target-0"), now)
+        .unwrap();
     assert!(matches!(
         queue.accept_item(producer, 2, TestPayload(10), now),
         Err(QueueError::TargetAlreadyDone { .. })
@@ -566,4 +612,142 @@ fn rejections_are_counted_by_reason() {
         snapshot.rejected_items
     );
     queue.check_invariants().unwrap();
+}
+
+#[test]
+fn report_done_needs_the_current_epoch() {
+    let now = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
+    let first = queue.open_producer("target-0", now).unwrap();
+    assert_eq!(first.epoch, 1);
+    queue
+        .accept_item(first.connection, 0, TestPayload(1), now)
+        .unwrap();
+    // A stray call without the epoch (0) while the stream produces.
+    assert_eq!(
+        queue.report_done("target-0", 1, 0, now).unwrap_err(),
+        QueueError::StaleEpoch {
+            target_id: "target-0".to_string(),
+            epoch: 0,
+            current: 1
+        }
+    );
+    // A newer hello fences the first stream.
+    let second = queue.open_producer("target-0", now).unwrap();
+    assert_eq!(second.epoch, 2);
+    assert!(queue.take_effects().iter().any(|effect| matches!(
+        effect,
+        Effect::CloseProducer { connection, outcome: RunOutcome::Aborted, reason }
+            if *connection == first.connection && reason.starts_with("fenced")
+    )));
+    assert!(matches!(
+        queue.accept_item(first.connection, 1, TestPayload(1), now),
+        Err(QueueError::StaleConnection { .. })
+    ));
+    assert!(matches!(
+        queue.report_done("target-0", 1, first.epoch, now),
+        Err(QueueError::StaleEpoch { current: 2, .. })
+    ));
+    assert_eq!(queue.summary().done_targets, 0);
+    // The current epoch, even after its stream closed, is accepted.
+    queue.close_producer(second.connection, now);
+    let done = queue.report_done("target-0", 1, second.epoch, now).unwrap();
+    assert_eq!(done.done_targets, 1);
+}
+
+#[test]
+fn out_of_order_seq_is_rejected_and_duplicates_are_not() {
+    let now = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    for seq in [0, 1, 5] {
+        queue
+            .accept_item(producer, seq, TestPayload(1), now)
+            .unwrap();
+    }
+    // 1 was accepted: a duplicate. 3 never was: out of order, not "duplicate".
+    assert_eq!(
+        queue.accept_item(producer, 1, TestPayload(1), now),
+        Ok(ItemAccepted { duplicate: true })
+    );
+    assert_eq!(
+        queue.accept_item(producer, 3, TestPayload(1), now),
+        Err(QueueError::OutOfOrderSeq {
+            target_id: "target-0".to_string(),
+            seq: 3,
+            highest: 5
+        })
+    );
+    let snapshot = queue.snapshot(now);
+    assert_eq!(snapshot.rejected_by_reason[&RejectReason::OutOfOrder], 1);
+    assert_eq!(snapshot.accepted_items, 3);
+    assert_eq!(snapshot.targets[0].duplicate_items, 1);
+}
+
+#[test]
+fn zero_credit_is_refused() {
+    let now = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
+    assert_eq!(
+        queue.open_consumer("drafter", credit(0), now),
+        Err(QueueError::ZeroCredit)
+    );
+    assert!(queue.snapshot(now).drafters.is_empty());
+}
+
+#[test]
+fn accepted_seqs_merge_into_ranges() {
+    let mut seqs = AcceptedSeqs::default();
+    for seq in [0, 1, 2, 4, 3, 10, u64::MAX] {
+        seqs.insert(seq);
+    }
+    assert_eq!(
+        seqs.ranges
+            .iter()
+            .map(|(&start, &end)| (start, end))
+            .collect::<Vec<_>>(),
+        vec![(0, 4), (10, 10), (u64::MAX, u64::MAX)]
+    );
+    assert!(seqs.contains(3) && seqs.contains(10) && seqs.contains(u64::MAX));
+    assert!(!seqs.contains(5) && !seqs.contains(9) && !seqs.contains(11));
+}
+
+#[test]
+fn next_deadline_covers_leases_grace_and_startup() {
+    let start = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(
+        QueueConfig {
+            target_startup_timeout: Some(Duration::from_secs(600)),
+            ..config(1)
+        },
+        start,
+    );
+    assert_eq!(
+        queue.next_deadline(),
+        Some(start + Duration::from_secs(600))
+    );
+    let producer = queue.open_producer("target-0", start).unwrap().connection;
+    assert_eq!(queue.next_deadline(), None);
+    let drafter = queue.open_consumer("drafter", credit(1), start).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(1), start)
+        .unwrap();
+    let lease_deadline = start + Duration::from_secs(30);
+    assert_eq!(queue.take_new_deadline(), Some(lease_deadline));
+    assert_eq!(queue.next_deadline(), Some(lease_deadline));
+    let later = start + Duration::from_secs(5);
+    queue.close_producer(producer, later);
+    assert_eq!(
+        queue.take_new_deadline(),
+        Some(later + Duration::from_secs(120))
+    );
+    assert_eq!(queue.next_deadline(), Some(lease_deadline));
+    queue.close_consumer(drafter, later);
+    assert_eq!(
+        queue.next_deadline(),
+        Some(later + Duration::from_secs(120))
+    );
+    // Ticking exactly at the deadline acts on it (no busy loop).
+    queue.tick(later + Duration::from_secs(120));
+    assert_eq!(queue.state(), RunState::Aborted);
 }

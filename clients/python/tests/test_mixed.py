@@ -88,7 +88,7 @@ def test_rust_target_server_feeds_the_python_torch_drafter(start_broker, tiny, d
 
 
 def test_python_producer_feeds_the_rust_drafter_server(start_broker, tiny, tmp_path):
-    broker = start_broker(1)
+    broker = start_broker(1, "--target-ids", "target-py")
     output = tmp_path / "drafter-rs"
     drafter = Process(
         "drafter-server",

@@ -89,13 +89,14 @@ impl Consumer {
         mut client: GeneratedClient<crate::AuthChannel>,
         drafter_id: &str,
         credit: proto::Credit,
+        run_id: &str,
     ) -> Result<Self, ClientError> {
         let (requests, receiver) = mpsc::unbounded_channel();
         let hello = proto::ConsumeRequest {
             kind: Some(proto::consume_request::Kind::Hello(proto::ConsumerHello {
                 drafter_id: drafter_id.to_string(),
                 credit: Some(credit),
-                ..Default::default()
+                run_id: run_id.to_string(),
             })),
         };
         let _ = requests.send(hello);

@@ -13,12 +13,19 @@
 //! - `security`: TLS, mutual TLS and the bearer token of every connection
 //!   ([`ClientSecurityArgs`], the flags every client role shares).
 //!
+//! A client remembers the broker's run id from its first welcome and each
+//! target's latest epoch, and sends them in later hellos and ReportDone: a
+//! broker that lost the run (a new run id) or a fenced stream is refused with
+//! a status [`ClientError::is_retryable`] says not to retry.
+//!
 //! Depends only on `dflash-proto` and tonic; no model code.
 
 mod consumer;
 mod producer;
 pub mod security;
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dflash_proto::transport;
@@ -65,6 +72,80 @@ pub enum ClientError {
         status: proto::RunStatus,
         reason: String,
     },
+    #[error("the broker serves run {current:?}, this client was in run {remembered:?}: the broker lost that run's state; what it accepted cannot be accounted for")]
+    RunChanged { remembered: String, current: String },
+}
+
+impl ClientError {
+    /// The gRPC status behind this error, when the broker sent one.
+    pub fn status(&self) -> Option<&tonic::Status> {
+        match self {
+            ClientError::Call { status, .. } => Some(status),
+            _ => None,
+        }
+    }
+
+    /// Whether reconnecting and trying again can help. False for what the
+    /// broker refused on purpose (the run ended or was lost, a bad value, an
+    /// unknown id, a fenced stream, an item over the limit, no credentials)
+    /// and for a stream the broker closed: retrying those only hides the
+    /// reason.
+    pub fn is_retryable(&self) -> bool {
+        use tonic::Code;
+        match self {
+            ClientError::Call { status, .. } => !matches!(
+                status.code(),
+                Code::FailedPrecondition
+                    | Code::Unauthenticated
+                    | Code::PermissionDenied
+                    | Code::InvalidArgument
+                    | Code::NotFound
+                    | Code::Aborted
+                    | Code::ResourceExhausted
+                    | Code::OutOfRange
+                    | Code::Unimplemented
+            ),
+            ClientError::InvalidAddress { .. }
+            | ClientError::Protocol { .. }
+            | ClientError::ProducerClosed { .. }
+            | ClientError::RunChanged { .. } => false,
+            ClientError::Connect { .. } | ClientError::StreamEnded { .. } => true,
+        }
+    }
+}
+
+/// What a client learned from the broker's welcomes, shared by its clones.
+#[derive(Debug, Default)]
+pub(crate) struct Session {
+    /// The run id from the first welcome; sent in every later hello.
+    run_id: Option<String>,
+    /// Each target's epoch from its latest Produce welcome.
+    epochs: HashMap<String, u64>,
+}
+
+impl Session {
+    /// Records a welcome's run id; an error when it differs from the one
+    /// this client already worked in.
+    pub(crate) fn observe_run(&mut self, run_id: &str) -> Result<(), ClientError> {
+        if run_id.is_empty() {
+            return Ok(());
+        }
+        match &self.run_id {
+            Some(remembered) if remembered != run_id => Err(ClientError::RunChanged {
+                remembered: remembered.clone(),
+                current: run_id.to_string(),
+            }),
+            Some(_) => Ok(()),
+            None => {
+                self.run_id = Some(run_id.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn run_id(&self) -> String {
+        self.run_id.clone().unwrap_or_default()
+    }
 }
 
 /// Transport settings. The defaults suit hidden-state payloads of up to 256 MiB.
@@ -105,6 +186,7 @@ pub struct BrokerClient {
     address: String,
     options: ClientOptions,
     client: GeneratedClient<AuthChannel>,
+    session: Arc<Mutex<Session>>,
 }
 
 impl BrokerClient {
@@ -119,7 +201,30 @@ impl BrokerClient {
             address,
             options,
             client,
+            session: Arc::new(Mutex::new(Session::default())),
         })
+    }
+
+    /// Seeds the run id a previous client of this process worked in, so a
+    /// reconnect through a fresh client still refuses a broker that lost
+    /// that run.
+    pub fn remembering_run(self, run_id: Option<String>) -> Self {
+        if run_id.is_some() {
+            self.session().run_id = run_id;
+        }
+        self
+    }
+
+    /// The run id this client works in (from its first welcome), if any.
+    pub fn run_id(&self) -> Option<String> {
+        self.session().run_id.clone()
+    }
+
+    fn session(&self) -> std::sync::MutexGuard<'_, Session> {
+        // A panic while holding this lock leaves plain data behind: go on.
+        self.session
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The address this client connects to.
@@ -166,18 +271,29 @@ impl BrokerClient {
             })
     }
 
-    /// Reports a target finished with `total_items` accepted items in all.
+    /// Reports a target finished with `total_items` accepted items in all,
+    /// with the epoch of this client's latest Produce stream for the target
+    /// and the run id: the broker refuses a report from a fenced stream or
+    /// an earlier run.
     pub async fn report_done(
         &self,
         target_id: &str,
         total_items: u64,
     ) -> Result<proto::ReportDoneResponse, ClientError> {
+        let (epoch, run_id) = {
+            let session = self.session();
+            (
+                session.epochs.get(target_id).copied().unwrap_or(0),
+                session.run_id(),
+            )
+        };
         self.client
             .clone()
             .report_done(proto::ReportDoneRequest {
                 target_id: target_id.to_string(),
                 total_items,
-                ..Default::default()
+                epoch,
+                run_id,
             })
             .await
             .map(tonic::Response::into_inner)
@@ -191,7 +307,21 @@ impl BrokerClient {
     /// the welcome (which says where to resume).
     pub async fn produce(&self, target_id: &str) -> Result<Producer, ClientError> {
         let client = Self::open_channel(&self.address, &self.options).await?;
-        Producer::open(client, target_id, self.options.producer_window_items).await
+        let run_id = self.session().run_id();
+        let producer = Producer::open(
+            client,
+            target_id,
+            &run_id,
+            self.options.producer_window_items,
+        )
+        .await?;
+        let mut session = self.session();
+        session.observe_run(producer.run_id())?;
+        session
+            .epochs
+            .insert(target_id.to_string(), producer.epoch());
+        drop(session);
+        Ok(producer)
     }
 
     /// Opens a drafter's Consume stream on its own connection with an initial
@@ -202,7 +332,10 @@ impl BrokerClient {
         credit: proto::Credit,
     ) -> Result<Consumer, ClientError> {
         let client = Self::open_channel(&self.address, &self.options).await?;
-        Consumer::open(client, drafter_id, credit).await
+        let run_id = self.session().run_id();
+        let consumer = Consumer::open(client, drafter_id, credit, &run_id).await?;
+        self.session().observe_run(&consumer.welcome().run_id)?;
+        Ok(consumer)
     }
 }
 

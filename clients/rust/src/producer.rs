@@ -25,13 +25,16 @@ pub struct ProduceReport {
 #[derive(Default)]
 struct Answers {
     report: ProduceReport,
-    /// Why the stream ended early, if it did.
-    failure: Option<String>,
+    /// Why the stream ended early, if it did: the broker's status.
+    failure: Option<tonic::Status>,
     closed: Option<(proto::RunStatus, String)>,
 }
 
 pub struct Producer {
     target_id: String,
+    /// This stream's epoch and the broker's run id, from the welcome.
+    epoch: u64,
+    run_id: String,
     resume_after_seq: Option<u64>,
     accepted_before: u64,
     requests: Option<mpsc::Sender<proto::ProduceRequest>>,
@@ -45,13 +48,14 @@ impl Producer {
     pub(crate) async fn open(
         mut client: GeneratedClient<crate::AuthChannel>,
         target_id: &str,
+        run_id: &str,
         window_items: usize,
     ) -> Result<Self, ClientError> {
         let (requests, receiver) = mpsc::channel(window_items.max(1));
         let hello = proto::ProduceRequest {
             kind: Some(proto::produce_request::Kind::Hello(proto::ProducerHello {
                 target_id: target_id.to_string(),
-                ..Default::default()
+                run_id: run_id.to_string(),
             })),
         };
         requests
@@ -99,6 +103,8 @@ impl Producer {
         let reader = tokio::spawn(read_answers(responses, window.clone(), answers.clone()));
         Ok(Producer {
             target_id: target_id.to_string(),
+            epoch: welcome.epoch,
+            run_id: welcome.run_id,
             resume_after_seq: welcome.resume_after_seq,
             accepted_before: welcome.accepted_items,
             requests: Some(requests),
@@ -110,6 +116,16 @@ impl Producer {
 
     pub fn target_id(&self) -> &str {
         &self.target_id
+    }
+
+    /// This stream's epoch (ReportDone carries it).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The run id the broker's welcome named.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
     }
 
     /// The highest seq the broker already has from this target: skip it and
@@ -131,13 +147,10 @@ impl Producer {
                 reason: reason.clone(),
             });
         }
-        answers
-            .failure
-            .as_ref()
-            .map(|detail| ClientError::StreamEnded {
-                stream: "Produce",
-                detail: detail.clone(),
-            })
+        answers.failure.as_ref().map(|status| ClientError::Call {
+            call: "Produce",
+            status: status.clone(),
+        })
     }
 
     /// Sends one item. Waits while the window of unanswered items is full
@@ -209,10 +222,10 @@ impl Producer {
                 reason: reason.clone(),
             });
         }
-        if let Some(detail) = &answers.failure {
-            return Err(ClientError::StreamEnded {
-                stream: "Produce",
-                detail: detail.clone(),
+        if let Some(status) = &answers.failure {
+            return Err(ClientError::Call {
+                call: "Produce",
+                status: status.clone(),
             });
         }
         Ok(answers.report.clone())
@@ -276,7 +289,7 @@ async fn read_answers(
                 return;
             }
             Err(status) => {
-                answers.lock().await.failure = Some(status.to_string());
+                answers.lock().await.failure = Some(status);
                 window.close();
                 return;
             }

@@ -239,6 +239,12 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_RECONNECT_TIMEOUT", default_value = "1m", value_parser = parse_duration)]
     pub reconnect_timeout: Duration,
 
+    /// Leases are extended only while the trainer shows progress (a step,
+    /// an ack) within this: a stuck trainer loses its leases to other
+    /// drafters after the broker's lease timeout.
+    #[arg(long, env = "DFLASH_TRAINER_STALL_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub trainer_stall_timeout: Duration,
+
     /// The previous release's millisecond spellings (`--linger-ms`,
     /// `--stats-interval-ms`, `--shutdown-timeout-ms`,
     /// `--reconnect-timeout-ms`), hidden, kept for one release.
@@ -414,6 +420,7 @@ impl DrafterServerConfig {
             stats_interval: Duration::from_secs(2),
             shutdown_timeout: Duration::from_secs(120),
             reconnect_timeout: Duration::from_secs(60),
+            trainer_stall_timeout: Duration::from_secs(600),
             legacy: LegacyMillisecondFlags::default(),
             metrics_listen: None,
             model_sync: crate::model_sync::SyncConfig::default(),

@@ -46,6 +46,8 @@ pub enum DrafterError {
         seconds: f64,
         detail: String,
     },
+    #[error("the broker refused this drafter (not retried): {0}")]
+    BrokerRefused(String),
     #[error("the training thread stopped unexpectedly")]
     TrainerGone,
     #[error("graceful stop did not finish within {0:?}")]
@@ -293,6 +295,7 @@ async fn run_session(
         steps_done: resumed_step,
         last_checkpoint: None,
         metrics,
+        run_id: std::sync::Mutex::new(None),
     };
     let result = session.drive(&shutdown, &mut event_receiver).await;
     // Closing the command channel ends the training loop if it is still running.
@@ -331,6 +334,10 @@ struct Session {
     last_checkpoint: Option<PathBuf>,
     /// Updated from the trainer's events; served by the metrics endpoint.
     metrics: DrafterMetrics,
+    /// The broker's run id from the first welcome: a broker that comes back
+    /// with another one lost the run, and this drafter stops instead of
+    /// training on as if nothing was lost.
+    run_id: std::sync::Mutex<Option<String>>,
 }
 
 impl Session {
@@ -341,9 +348,16 @@ impl Session {
         let deadline = Instant::now() + self.config.reconnect_timeout;
         let mut backoff = Duration::from_millis(100);
         loop {
+            let remembered = self
+                .run_id
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
             let attempt = async {
                 let options = self.config.security.client_options()?;
-                let client = BrokerClient::connect(self.config.broker.clone(), options).await?;
+                let client = BrokerClient::connect(self.config.broker.clone(), options)
+                    .await?
+                    .remembering_run(remembered);
                 let consumer = client.consume(&self.config.drafter_id, self.credit).await?;
                 Ok::<_, dflash_client::ClientError>((client, consumer))
             };
@@ -352,7 +366,17 @@ impl Session {
                 outcome = attempt => outcome,
             };
             match outcome {
-                Ok(connected) => return Ok(Some(connected)),
+                Ok(connected) => {
+                    *self
+                        .run_id
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = connected.0.run_id();
+                    return Ok(Some(connected));
+                }
+                Err(error) if !error.is_retryable() => {
+                    error!(%error, "the broker refused the Consume stream; not retrying");
+                    return Err(DrafterError::BrokerRefused(error.to_string()));
+                }
                 Err(error) if Instant::now() + backoff < deadline => {
                     warn!(%error, retry_in_ms = backoff.as_millis() as u64, "cannot open the Consume stream; retrying");
                     tokio::select! {
@@ -560,6 +584,9 @@ impl Session {
         stats_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut last_stats_at = Instant::now();
         let mut last_delivery_at = tokio::time::Instant::now();
+        // The trainer's last sign of progress (an event, or new work handed
+        // to an idle trainer): leases are extended only while it is recent.
+        let mut last_trainer_progress = tokio::time::Instant::now();
         let mut flush_requested = false;
         let mut stopping: Option<Stopping> = None;
         let mut stop_deadline = tokio::time::Instant::now() + Duration::from_secs(u32::MAX as u64);
@@ -589,6 +616,9 @@ impl Session {
                             warn!(delivery_id, held = self.held.len(), credit_items = self.credit.items, "more deliveries than credit; requeueing");
                             handle.nack(vec![delivery_id], "drafter holds more than its credit".into(), NackDisposition::Requeue);
                             continue;
+                        }
+                        if self.held.is_empty() {
+                            last_trainer_progress = tokio::time::Instant::now();
                         }
                         self.held.insert(delivery_id);
                         self.send_command(TrainerCommand::Delivery { generation: self.generation, delivery: Box::new(delivery) })?;
@@ -634,6 +664,7 @@ impl Session {
                 },
                 event = events.recv() => {
                     let Some(event) = event else { return Err(DrafterError::TrainerGone) };
+                    last_trainer_progress = tokio::time::Instant::now();
                     if let Some((unused, checkpoint_error)) = self.on_event(event, &handle, last_stats_at.elapsed()) {
                         if !unused.is_empty() {
                             self.totals.requeued += unused.len() as u64;
@@ -658,8 +689,12 @@ impl Session {
                 }
                 _ = lease_ticker.tick(), if stream_open => {
                     if !self.held.is_empty() {
-                        // A long step must not lose its leases: renew all of ours.
-                        handle.extend_leases(Vec::new());
+                        if last_trainer_progress.elapsed() < self.config.trainer_stall_timeout {
+                            // A long step must not lose its leases: renew all of ours.
+                            handle.extend_leases(Vec::new());
+                        } else {
+                            warn!(held = self.held.len(), stalled_for = ?last_trainer_progress.elapsed(), "the trainer shows no progress; leases are no longer extended");
+                        }
                     }
                 }
                 _ = stats_ticker.tick(), if stream_open => {

@@ -247,7 +247,9 @@ async fn resume_continues_from_the_latest_checkpoint() {
     let samples = target_samples(&random_token_sequences(8, 16, 5));
     let mut steps_after_each_run = Vec::new();
     for (run_index, resume) in [false, true].into_iter().enumerate() {
-        let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+        let mut broker_config = BrokerConfig::for_targets(1);
+        broker_config.target_ids = vec![format!("target-{run_index}")];
+        let broker = TestBroker::start(broker_config).await;
         let mut config =
             test_drafter_config("drafter-0", &broker.address, output.path().to_path_buf());
         config.resume = resume;

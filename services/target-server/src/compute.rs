@@ -220,17 +220,29 @@ pub struct PipelineCounters {
 
 /// Runs forwards until the input channel closes, the output channel closes
 /// or `stop` is cancelled.
+/// `hang_after_batches` is a test hook: after that many batches the thread
+/// stops computing (until `stop`), as a stuck device call would.
 pub fn run_compute_thread(
     mut backend: Backend,
     batches: std::sync::mpsc::Receiver<PlannedBatch>,
     computed: std::sync::mpsc::SyncSender<ComputedBatch>,
     stop: CancellationToken,
+    hang_after_batches: Option<u64>,
 ) -> Result<(), ComputeError> {
     let _no_grad = tch::no_grad_guard();
+    let mut batches_done = 0u64;
     while let Ok(batch) = batches.recv() {
         if stop.is_cancelled() {
             break;
         }
+        if hang_after_batches.is_some_and(|limit| batches_done >= limit) {
+            tracing::warn!(batches_done, "test hook: the compute thread hangs");
+            while !stop.is_cancelled() {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            break;
+        }
+        batches_done += 1;
         let span = tracing::debug_span!(
             target: dflash_telemetry::TRACE_TARGET,
             "target.batch",

@@ -210,6 +210,18 @@ pub struct TargetServerConfig {
     /// TLS and the broker's bearer token.
     #[command(flatten)]
     pub security: dflash_client::ClientSecurityArgs,
+
+    /// Exit non-zero when the compute pipeline hands the sender no batch for
+    /// this long while the shard is not done (a stuck compute thread inside a
+    /// live process: stats would still flow). Time spent waiting on the
+    /// broker (a full queue) does not count. 0 off.
+    #[arg(long, env = "DFLASH_WATCHDOG_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    pub watchdog_timeout: Duration,
+
+    /// Test hook: the compute thread hangs (until shutdown) after this many
+    /// batches, to exercise the watchdog and the broker's stall detection.
+    #[arg(long, hide = true)]
+    pub test_hang_compute_after_batches: Option<u64>,
 }
 
 impl TargetServerConfig {
@@ -243,6 +255,8 @@ impl TargetServerConfig {
             finish_timeout: Duration::from_secs(120),
             metrics_listen: None,
             security: dflash_client::ClientSecurityArgs::default(),
+            watchdog_timeout: Duration::from_secs(600),
+            test_hang_compute_after_batches: None,
         }
     }
 

@@ -91,12 +91,12 @@ impl ResilientProducer {
         }
     }
 
-    /// Reopens the stream after `error`, unless the broker closed it on
-    /// purpose or the reconnect budget is spent.
+    /// Reopens the stream after `error`, unless the broker refused or closed
+    /// it on purpose (a non-retryable status: the run ended or was lost, an
+    /// item over the limit, a fenced stream) or the reconnect budget is spent.
     async fn reconnect(&mut self, error: ClientError) -> Result<(), ClientError> {
-        if matches!(error, ClientError::ProducerClosed { .. })
-            || self.reconnects >= self.max_reconnects
-        {
+        if !error.is_retryable() || self.reconnects >= self.max_reconnects {
+            tracing::error!(target_id = %self.target_id, %error, "produce stream ended; not retrying");
             return Err(error);
         }
         let mut last_error = error;
@@ -111,6 +111,7 @@ impl ResilientProducer {
                     self.producer = producer;
                     return Ok(());
                 }
+                Err(error) if !error.is_retryable() => return Err(error),
                 Err(error) => last_error = error,
             }
         }

@@ -46,6 +46,8 @@ pub enum TargetServerError {
     Compute(#[from] ComputeError),
     #[error("the {0} thread panicked")]
     ThreadPanicked(&'static str),
+    #[error("watchdog: the compute pipeline produced no batch for {seconds:.0} s (--watchdog-timeout) with the shard not done; a compute thread is stuck")]
+    Stalled { seconds: f64 },
     #[error("cannot listen for metrics on {address}: {source}")]
     MetricsListen {
         address: SocketAddr,
@@ -329,7 +331,13 @@ async fn run_pipeline(
             if loaded_sender.send(Ok(backend.info())).is_err() {
                 return Ok(());
             }
-            run_compute_thread(backend, batch_receiver, computed_sender, stop)
+            run_compute_thread(
+                backend,
+                batch_receiver,
+                computed_sender,
+                stop,
+                config.test_hang_compute_after_batches,
+            )
         })?
     };
     let mut threads = PipelineThreads {
@@ -512,12 +520,27 @@ async fn run_with_threads(
     stats_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tokens_at_last_stats = 0u64;
     let mut last_stats_at = Instant::now();
+    // The watchdog: time since the pipeline last handed over a batch. Sends
+    // (which wait on the broker's backpressure) happen in the same loop, so
+    // that wait is excluded: the clock restarts after each batch is sent.
+    let watchdog = config.watchdog_timeout;
+    let mut last_batch_at = Instant::now();
+    let mut watchdog_timer = tokio::time::interval(
+        (watchdog / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+    );
+    watchdog_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             biased;
             () = shutdown.cancelled() => {
                 interrupted = true;
                 break;
+            }
+            _ = watchdog_timer.tick(), if !watchdog.is_zero() => {
+                if last_batch_at.elapsed() >= watchdog {
+                    tracing::error!(seconds = watchdog.as_secs_f64(), samples_sent, "watchdog: no batch from the compute pipeline");
+                    return Err(TargetServerError::Stalled { seconds: watchdog.as_secs_f64() });
+                }
             }
             _ = stats_timer.tick() => {
                 let (tokens, _, busy_fraction, samples_done) = stats_of(accepted_before + samples_sent);
@@ -548,6 +571,7 @@ async fn run_with_threads(
                     metrics.samples_sent.increment();
                     metrics.tokens.add(ready_sample.tokens);
                 }
+                last_batch_at = Instant::now();
             }
         }
     }

@@ -12,6 +12,9 @@
 //! - [`span_attribute`]: an attribute of an exported span.
 //! - [`http_get`], [`parse_metrics`]: a Prometheus scrape over plain HTTP/1.1.
 //! - [`workspace_binary`]: a binary of this workspace beside the running test.
+//! - [`BrokerProcess`]: the real `broker` binary as a child process on a
+//!   fixed loopback port, killable with SIGKILL and restartable on the same
+//!   port and flags.
 //!
 //! Depends on the broker, the client and the proto; never on libtorch, so the
 //! broker's tests stay free of it. Helpers fail the test by panicking with a
@@ -269,4 +272,98 @@ pub fn workspace_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// The `broker` binary as a child process (for crash tests: SIGKILL, then a
+/// restart on the same port and flags).
+pub struct BrokerProcess {
+    /// `http://127.0.0.1:PORT`.
+    pub address: String,
+    port: u16,
+    args: Vec<String>,
+    child: Option<std::process::Child>,
+    log_path: PathBuf,
+}
+
+impl BrokerProcess {
+    /// Starts `broker --listen 127.0.0.1:<free port> <args>` and waits until
+    /// it answers GetStatus; its output goes to `log_path` (appended to).
+    pub async fn start(args: &[&str], log_path: PathBuf) -> BrokerProcess {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free loopback port")
+            .port();
+        let mut process = BrokerProcess {
+            address: format!("http://127.0.0.1:{port}"),
+            port,
+            args: args.iter().map(|arg| arg.to_string()).collect(),
+            child: None,
+            log_path,
+        };
+        process.spawn().await;
+        process
+    }
+
+    async fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .expect("broker log file");
+        let child = std::process::Command::new(workspace_binary("broker"))
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .args(&self.args)
+            .stdout(log.try_clone().expect("log handle"))
+            .stderr(log)
+            .spawn()
+            .expect("start the broker binary");
+        self.child = Some(child);
+        let address = self.address.clone();
+        let answered = wait_until(Duration::from_secs(60), || {
+            let address = address.clone();
+            async move {
+                match BrokerClient::connect(address, ClientOptions::default()).await {
+                    Ok(client) => client.status().await.is_ok(),
+                    Err(_) => false,
+                }
+            }
+        })
+        .await;
+        assert!(answered, "the broker did not answer; log: {}", self.log());
+    }
+
+    /// SIGKILL, and waits for the process to be gone.
+    pub fn kill_9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().expect("SIGKILL the broker");
+            child.wait().expect("reap the broker");
+        }
+    }
+
+    /// Starts the binary again on the same port with the same flags.
+    pub async fn restart(&mut self) {
+        self.kill_9();
+        self.spawn().await;
+    }
+
+    pub async fn client(&self) -> BrokerClient {
+        BrokerClient::connect(self.address.clone(), ClientOptions::default())
+            .await
+            .expect("connect to the broker process")
+    }
+
+    /// Everything the broker logged so far (for failure messages).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+}
+
+impl Drop for BrokerProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }

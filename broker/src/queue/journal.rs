@@ -1,0 +1,398 @@
+//! What the queue must remember across a restart, as a stream of entries,
+//! and how a stream of entries folds back into a queue.
+//!
+//! The queue records an entry for every change a restart must not lose (an
+//! accepted item with its payload, an ack, a dead letter, a target's epoch,
+//! done or failure, an abort); the transport appends them to the write-ahead
+//! log before it answers anyone (`crate::wal`). Leases are not recorded: after
+//! a restart every unacked item is queued again, so the duplicates a crash
+//! causes are bounded by what was leased at that moment.
+//!
+//! [`Recovered`] folds entries back (no I/O, so the property tests replay
+//! logs at random points), and [`Queue::checkpoint_entries`] writes the whole
+//! state as a short stream, which compaction puts in place of a long log.
+
+use super::*;
+
+/// One change the write-ahead log keeps.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JournalEntry<P> {
+    /// Forget everything folded so far: a checkpoint follows, up to
+    /// `CheckpointEnd`.
+    Reset,
+    CheckpointEnd,
+    Accepted {
+        target_id: Arc<str>,
+        seq: u64,
+        payload: P,
+    },
+    Acked {
+        target_id: Arc<str>,
+        seq: u64,
+    },
+    DeadLettered {
+        target_id: Arc<str>,
+        seq: u64,
+        reason: String,
+    },
+    /// A Produce hello got this epoch.
+    Epoch {
+        target_id: Arc<str>,
+        epoch: u64,
+    },
+    Done {
+        target_id: Arc<str>,
+    },
+    TargetFailed {
+        target_id: Arc<str>,
+        reason: String,
+    },
+    Aborted {
+        reason: String,
+    },
+    /// A target's books at a checkpoint (its items follow as `Accepted`
+    /// entries, which do not count again).
+    TargetCheckpoint {
+        target_id: Arc<str>,
+        epoch: u64,
+        accepted_items: u64,
+        accepted_bytes: u64,
+        /// Accepted seqs as inclusive ranges.
+        seq_ranges: Vec<(u64, u64)>,
+        done: bool,
+        failed: Option<String>,
+    },
+    /// The run's counters at a checkpoint.
+    CountersCheckpoint {
+        acked_items: u64,
+        acked_bytes: u64,
+        dead_letter_count: u64,
+    },
+    /// A listed dead letter at a checkpoint (status shows them).
+    DeadLetterCheckpoint {
+        target_id: Arc<str>,
+        seq: u64,
+        deliveries: u32,
+        reason: String,
+        bytes: u64,
+    },
+}
+
+/// A target's books rebuilt from the log.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RecoveredTarget {
+    pub epoch: u64,
+    pub accepted_items: u64,
+    pub accepted_bytes: u64,
+    accepted_seqs: AcceptedSeqs,
+    pub done: bool,
+    pub failed: Option<String>,
+}
+
+impl RecoveredTarget {
+    /// The highest accepted seq: where the target resumes.
+    pub fn highest_seq(&self) -> Option<u64> {
+        self.accepted_seqs
+            .ranges
+            .last_key_value()
+            .map(|(_, &end)| end)
+    }
+}
+
+/// The queue's durable state, folded from journal entries.
+#[derive(Debug, Clone)]
+pub struct Recovered<P> {
+    pub targets: BTreeMap<Arc<str>, RecoveredTarget>,
+    /// Unacked items in acceptance order, keyed by that order.
+    items: BTreeMap<u64, (Arc<str>, u64, P)>,
+    /// (target, seq) → key in `items`.
+    item_keys: HashMap<(Arc<str>, u64), u64>,
+    next_key: u64,
+    pub acked_items: u64,
+    pub acked_bytes: u64,
+    pub dead_letters: Vec<DeadLetter>,
+    pub dead_letter_count: u64,
+    pub aborted: Option<String>,
+    /// Inside a checkpoint, `Accepted` entries restore items without
+    /// counting them again (their target checkpoint counted them).
+    in_checkpoint: bool,
+}
+
+impl<P> Default for Recovered<P> {
+    fn default() -> Self {
+        Recovered {
+            targets: BTreeMap::new(),
+            items: BTreeMap::new(),
+            item_keys: HashMap::new(),
+            next_key: 0,
+            acked_items: 0,
+            acked_bytes: 0,
+            dead_letters: Vec::new(),
+            dead_letter_count: 0,
+            aborted: None,
+            in_checkpoint: false,
+        }
+    }
+}
+
+impl<P: Payload> Recovered<P> {
+    /// Unacked items, in acceptance order.
+    pub fn items(&self) -> impl Iterator<Item = &(Arc<str>, u64, P)> {
+        self.items.values()
+    }
+
+    pub fn apply(&mut self, entry: JournalEntry<P>) {
+        match entry {
+            JournalEntry::Reset => {
+                *self = Recovered {
+                    in_checkpoint: true,
+                    ..Recovered::default()
+                }
+            }
+            JournalEntry::CheckpointEnd => self.in_checkpoint = false,
+            JournalEntry::Accepted {
+                target_id,
+                seq,
+                payload,
+            } => {
+                if !self.in_checkpoint {
+                    let target = self.targets.entry(target_id.clone()).or_default();
+                    if target.accepted_seqs.contains(seq) {
+                        return;
+                    }
+                    target.accepted_seqs.insert(seq);
+                    target.accepted_items += 1;
+                    target.accepted_bytes += payload.size_bytes();
+                }
+                let key = self.next_key;
+                self.next_key += 1;
+                self.item_keys.insert((target_id.clone(), seq), key);
+                self.items.insert(key, (target_id, seq, payload));
+            }
+            JournalEntry::Acked { target_id, seq } => {
+                if let Some(key) = self.item_keys.remove(&(target_id, seq)) {
+                    if let Some((_, _, payload)) = self.items.remove(&key) {
+                        self.acked_items += 1;
+                        self.acked_bytes += payload.size_bytes();
+                    }
+                }
+            }
+            JournalEntry::DeadLettered {
+                target_id,
+                seq,
+                reason,
+            } => {
+                if let Some(key) = self.item_keys.remove(&(target_id.clone(), seq)) {
+                    if let Some((_, _, payload)) = self.items.remove(&key) {
+                        self.dead_letter_count += 1;
+                        if self.dead_letters.len() < MAX_LISTED_DEAD_LETTERS {
+                            self.dead_letters.push(DeadLetter {
+                                target_id,
+                                seq,
+                                deliveries: 0,
+                                reason,
+                                bytes: payload.size_bytes(),
+                            });
+                        }
+                    }
+                }
+            }
+            JournalEntry::Epoch { target_id, epoch } => {
+                let target = self.targets.entry(target_id).or_default();
+                target.epoch = target.epoch.max(epoch);
+            }
+            JournalEntry::Done { target_id } => {
+                self.targets.entry(target_id).or_default().done = true;
+            }
+            JournalEntry::TargetFailed { target_id, reason } => {
+                self.targets.entry(target_id).or_default().failed = Some(reason);
+            }
+            JournalEntry::Aborted { reason } => {
+                self.aborted = Some(reason);
+            }
+            JournalEntry::TargetCheckpoint {
+                target_id,
+                epoch,
+                accepted_items,
+                accepted_bytes,
+                seq_ranges,
+                done,
+                failed,
+            } => {
+                let mut accepted_seqs = AcceptedSeqs::default();
+                accepted_seqs.ranges.extend(seq_ranges);
+                self.targets.insert(
+                    target_id,
+                    RecoveredTarget {
+                        epoch,
+                        accepted_items,
+                        accepted_bytes,
+                        accepted_seqs,
+                        done,
+                        failed,
+                    },
+                );
+            }
+            JournalEntry::CountersCheckpoint {
+                acked_items,
+                acked_bytes,
+                dead_letter_count,
+            } => {
+                self.acked_items = acked_items;
+                self.acked_bytes = acked_bytes;
+                self.dead_letter_count = dead_letter_count;
+            }
+            JournalEntry::DeadLetterCheckpoint {
+                target_id,
+                seq,
+                deliveries,
+                reason,
+                bytes,
+            } => self.dead_letters.push(DeadLetter {
+                target_id,
+                seq,
+                deliveries,
+                reason,
+                bytes,
+            }),
+        }
+    }
+}
+
+impl<P: Payload> Queue<P> {
+    /// Starts recording journal entries (for a broker with a state dir).
+    pub fn enable_journal(&mut self) {
+        self.journal.get_or_insert_with(Vec::new);
+    }
+
+    /// Stops recording (the log failed; the run is aborted).
+    pub fn disable_journal(&mut self) {
+        self.journal = None;
+    }
+
+    /// Entries recorded since the last call, in order; empty when the
+    /// journal is off.
+    pub fn take_journal(&mut self) -> Vec<JournalEntry<P>> {
+        match &mut self.journal {
+            Some(journal) => std::mem::take(journal),
+            None => Vec::new(),
+        }
+    }
+
+    pub(super) fn record(&mut self, entry: JournalEntry<P>) {
+        if let Some(journal) = &mut self.journal {
+            journal.push(entry);
+        }
+    }
+
+    /// A queue rebuilt from the log: every target resumes after its highest
+    /// accepted seq, every unacked item (queued or leased before) is queued
+    /// again in acceptance order, done and failed targets stay so. The
+    /// journal is on. Targets that were connected count as disconnected
+    /// since `now` (their grace starts again).
+    pub fn recover(config: QueueConfig, recovered: Recovered<P>, now: Instant) -> Self {
+        let mut queue = Queue::new(config, now);
+        queue.enable_journal();
+        for (target_id, target) in &recovered.targets {
+            let entry = Self::target_entry(&mut queue.targets, target_id.clone(), now);
+            entry.epoch = target.epoch;
+            entry.highest_seq = target.highest_seq();
+            entry.accepted_seqs = target.accepted_seqs.clone();
+            entry.accepted_items = target.accepted_items;
+            entry.accepted_bytes = target.accepted_bytes;
+            entry.state = match (&target.failed, target.done) {
+                (Some(reason), _) => TargetState::Failed {
+                    reason: reason.clone(),
+                },
+                (None, true) => TargetState::Done,
+                (None, false) => TargetState::Disconnected { since: now },
+            };
+            queue.accepted_items += target.accepted_items;
+            queue.accepted_bytes += target.accepted_bytes;
+        }
+        for (target_id, seq, payload) in recovered.items.into_values() {
+            let bytes = payload.size_bytes();
+            let item_id = queue.next_item;
+            queue.next_item += 1;
+            queue.items.insert(
+                item_id,
+                StoredItem {
+                    target_id,
+                    seq,
+                    payload,
+                    bytes,
+                    deliveries: 0,
+                },
+            );
+            queue.queue.push_back(item_id);
+            queue.queued_bytes += bytes;
+        }
+        queue.acked_items = recovered.acked_items;
+        queue.acked_bytes = recovered.acked_bytes;
+        queue.dead_letters = recovered.dead_letters;
+        queue.dead_letter_count = recovered.dead_letter_count;
+        if let Some(reason) = recovered.aborted {
+            queue.abort_reason = reason;
+            queue.state = RunState::Aborted;
+        }
+        queue.update_run_state();
+        queue
+    }
+
+    /// The whole durable state as a short stream (starting with `Reset`):
+    /// what compaction writes in place of the log so far.
+    pub fn checkpoint_entries(&self) -> Vec<JournalEntry<P>> {
+        let mut entries = vec![JournalEntry::Reset];
+        for entry in self.targets.values() {
+            entries.push(JournalEntry::TargetCheckpoint {
+                target_id: entry.target_id.clone(),
+                epoch: entry.epoch,
+                accepted_items: entry.accepted_items,
+                accepted_bytes: entry.accepted_bytes,
+                seq_ranges: entry
+                    .accepted_seqs
+                    .ranges
+                    .iter()
+                    .map(|(&start, &end)| (start, end))
+                    .collect(),
+                done: entry.state == TargetState::Done,
+                failed: match &entry.state {
+                    TargetState::Failed { reason } => Some(reason.clone()),
+                    _ => None,
+                },
+            });
+        }
+        entries.push(JournalEntry::CountersCheckpoint {
+            acked_items: self.acked_items,
+            acked_bytes: self.acked_bytes,
+            dead_letter_count: self.dead_letter_count,
+        });
+        for dead in &self.dead_letters {
+            entries.push(JournalEntry::DeadLetterCheckpoint {
+                target_id: dead.target_id.clone(),
+                seq: dead.seq,
+                deliveries: dead.deliveries,
+                reason: dead.reason.clone(),
+                bytes: dead.bytes,
+            });
+        }
+        let mut held: Vec<ItemId> = self.items.keys().copied().collect();
+        held.sort_unstable();
+        for item_id in held {
+            if let Some(item) = self.items.get(&item_id) {
+                entries.push(JournalEntry::Accepted {
+                    target_id: item.target_id.clone(),
+                    seq: item.seq,
+                    payload: item.payload.clone(),
+                });
+            }
+        }
+        entries.push(JournalEntry::CheckpointEnd);
+        if self.state == RunState::Aborted {
+            entries.push(JournalEntry::Aborted {
+                reason: self.abort_reason.clone(),
+            });
+        }
+        entries
+    }
+}

@@ -1,0 +1,661 @@
+//! The write-ahead log under `--state-dir`: a plain segment log of the
+//! queue's journal entries, so a broker killed with `kill -9` comes back with
+//! every accepted and unacked item, every target's resume point, the done
+//! set and the run id.
+//!
+//! On disk: `run-id` (written once, atomically) and `segment-NNNNNNNNNNNNNNNN.wal`
+//! files of frames `[u32 body length][u32 CRC-32 of body][body]`, little
+//! endian; a body is a kind byte and its fields. Records are appended before
+//! anyone is answered. A torn or corrupt frame at the end of the newest
+//! segment (a crash mid-write) is cut off with a warning; corruption anywhere
+//! else refuses to start, naming the file and offset.
+//!
+//! Bounded by the queue's byte cap: when the segment grows past
+//! `compact_above` (twice `--max-queue-bytes`, at least 64 MiB), the queue's
+//! whole state (targets, counters and the items still held, at most the cap)
+//! is written to the next segment, which starts with a `Reset`, and older
+//! segments are deleted. On disk: at most `compact_above` plus one
+//! checkpoint (≤ the cap plus the target books).
+//!
+//! fsync: `always` syncs after every operation that logged something, before
+//! its answers leave; `batch` (default) syncs at most every
+//! [`BATCH_SYNC_INTERVAL`] (a process crash loses nothing, since written data
+//! is in the page cache; a power loss loses at most that window); `never`
+//! leaves it to the OS (compaction still syncs).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::ValueEnum;
+
+use crate::queue::{JournalEntry, Payload, Recovered};
+
+/// The longest `batch` leaves written records unsynced.
+pub const BATCH_SYNC_INTERVAL: Duration = Duration::from_millis(100);
+/// Smallest compaction threshold, so small caps do not compact constantly.
+const MIN_COMPACT_ABOVE: u64 = 64 << 20;
+/// A frame body larger than this is corruption, not a record.
+const MAX_FRAME_BYTES: u64 = 1 << 34;
+const RUN_ID_FILE: &str = "run-id";
+
+/// When the log is flushed to stable storage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FsyncPolicy {
+    /// Never explicitly (the OS flushes; compaction syncs).
+    Never,
+    /// At most every 100 ms.
+    Batch,
+    /// After every operation that logged something, before answering.
+    Always,
+}
+
+/// A payload the log can store.
+pub trait DurablePayload: Payload + Sized {
+    fn encode_payload(&self) -> Vec<u8>;
+    fn decode_payload(bytes: &[u8]) -> Result<Self, String>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WalError {
+    #[error("state dir {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("state dir {path}: corrupt record at byte {offset}: {detail}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        detail: String,
+    },
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> WalError + '_ {
+    move |source| WalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The open log: appends go to the newest segment.
+pub struct Wal<P> {
+    dir: PathBuf,
+    fsync: FsyncPolicy,
+    segment_index: u64,
+    segment_path: PathBuf,
+    segment: File,
+    /// Bytes in the newest segment.
+    segment_bytes: u64,
+    compact_above: u64,
+    last_sync: Instant,
+    /// Written since the last sync.
+    dirty: bool,
+    _payload: PhantomData<P>,
+}
+
+/// What [`Wal::open`] found.
+pub struct Opened<P> {
+    pub wal: Wal<P>,
+    pub recovered: Recovered<P>,
+    pub run_id: String,
+    /// Records replayed, and whether a torn tail was cut off.
+    pub records: u64,
+    pub truncated_tail: bool,
+}
+
+impl<P: DurablePayload> Wal<P> {
+    /// Opens (creating when empty) the state dir and replays its log.
+    pub fn open(
+        dir: &Path,
+        fsync: FsyncPolicy,
+        max_held_bytes: u64,
+        new_run_id: impl FnOnce() -> String,
+    ) -> Result<Opened<P>, WalError> {
+        fs::create_dir_all(dir).map_err(io_error(dir))?;
+        let run_id = read_or_create_run_id(dir, new_run_id)?;
+        let mut segments = list_segments(dir)?;
+        segments.sort();
+        let mut recovered = Recovered::default();
+        let mut records = 0;
+        let mut truncated_tail = false;
+        let last = segments.len().saturating_sub(1);
+        for (position, (_, path)) in segments.iter().enumerate() {
+            let (count, torn) = replay_segment(path, position == last, &mut recovered)?;
+            records += count;
+            truncated_tail |= torn;
+        }
+        let segment_index = segments.last().map_or(1, |(index, _)| *index);
+        let segment_path = segment_path(dir, segment_index);
+        let segment = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&segment_path)
+            .map_err(io_error(&segment_path))?;
+        let segment_bytes = segment.metadata().map_err(io_error(&segment_path))?.len();
+        sync_dir(dir)?;
+        Ok(Opened {
+            wal: Wal {
+                dir: dir.to_path_buf(),
+                fsync,
+                segment_index,
+                segment_path,
+                segment,
+                segment_bytes,
+                compact_above: max_held_bytes.saturating_mul(2).max(MIN_COMPACT_ABOVE),
+                last_sync: Instant::now(),
+                dirty: false,
+                _payload: PhantomData,
+            },
+            recovered,
+            run_id,
+            records,
+            truncated_tail,
+        })
+    }
+
+    /// Appends entries (one write per frame) and syncs per the policy.
+    pub fn append(&mut self, entries: &[JournalEntry<P>]) -> Result<(), WalError> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        for entry in entries {
+            let written =
+                write_frame(&mut self.segment, entry).map_err(io_error(&self.segment_path))?;
+            self.segment_bytes += written;
+        }
+        self.dirty = true;
+        match self.fsync {
+            FsyncPolicy::Always => self.sync()?,
+            FsyncPolicy::Batch => self.sync_if_due(Instant::now())?,
+            FsyncPolicy::Never => {}
+        }
+        Ok(())
+    }
+
+    /// Syncs when `batch` is due (the broker's ticker calls this too).
+    pub fn sync_if_due(&mut self, now: Instant) -> Result<(), WalError> {
+        if self.fsync == FsyncPolicy::Batch
+            && self.dirty
+            && now.saturating_duration_since(self.last_sync) >= BATCH_SYNC_INTERVAL
+        {
+            self.sync()?;
+        }
+        Ok(())
+    }
+
+    pub fn sync(&mut self) -> Result<(), WalError> {
+        if self.dirty {
+            self.segment
+                .sync_data()
+                .map_err(io_error(&self.segment_path))?;
+            self.dirty = false;
+        }
+        self.last_sync = Instant::now();
+        Ok(())
+    }
+
+    /// Whether records were written since the last sync.
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
+    /// Bytes in the newest segment.
+    pub fn log_bytes(&self) -> u64 {
+        self.segment_bytes
+    }
+
+    pub fn needs_compaction(&self) -> bool {
+        self.segment_bytes > self.compact_above
+    }
+
+    /// Replaces the log with `checkpoint` (the queue's whole state, starting
+    /// with `Reset`): written to a temporary file, synced, renamed to the next
+    /// segment, then older segments are deleted. A crash at any point leaves
+    /// a log that replays to the same state.
+    pub fn compact(&mut self, checkpoint: &[JournalEntry<P>]) -> Result<(), WalError> {
+        let next_index = self.segment_index + 1;
+        let next_path = segment_path(&self.dir, next_index);
+        let temporary = self.dir.join(format!("segment-{next_index:016}.tmp"));
+        let mut file = File::create(&temporary).map_err(io_error(&temporary))?;
+        let mut bytes = 0;
+        for entry in checkpoint {
+            bytes += write_frame(&mut file, entry).map_err(io_error(&temporary))?;
+        }
+        file.sync_all().map_err(io_error(&temporary))?;
+        drop(file);
+        fs::rename(&temporary, &next_path).map_err(io_error(&next_path))?;
+        sync_dir(&self.dir)?;
+        let segment = OpenOptions::new()
+            .append(true)
+            .open(&next_path)
+            .map_err(io_error(&next_path))?;
+        let before = self.segment_bytes;
+        self.segment = segment;
+        self.segment_index = next_index;
+        self.segment_path = next_path;
+        self.segment_bytes = bytes;
+        self.dirty = false;
+        self.last_sync = Instant::now();
+        for (index, path) in list_segments(&self.dir)? {
+            if index < next_index {
+                fs::remove_file(&path).map_err(io_error(&path))?;
+            }
+        }
+        sync_dir(&self.dir)?;
+        tracing::info!(before, after = bytes, "write-ahead log compacted");
+        Ok(())
+    }
+}
+
+fn segment_path(dir: &Path, index: u64) -> PathBuf {
+    dir.join(format!("segment-{index:016}.wal"))
+}
+
+fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, WalError> {
+    let mut segments = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
+        let entry = entry.map_err(io_error(dir))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(index) = name
+            .strip_prefix("segment-")
+            .and_then(|rest| rest.strip_suffix(".wal"))
+            .and_then(|digits| digits.parse::<u64>().ok())
+        {
+            segments.push((index, entry.path()));
+        }
+    }
+    Ok(segments)
+}
+
+fn sync_dir(dir: &Path) -> Result<(), WalError> {
+    File::open(dir)
+        .and_then(|handle| handle.sync_all())
+        .map_err(io_error(dir))
+}
+
+fn read_or_create_run_id(
+    dir: &Path,
+    new_run_id: impl FnOnce() -> String,
+) -> Result<String, WalError> {
+    let path = dir.join(RUN_ID_FILE);
+    match fs::read_to_string(&path) {
+        Ok(run_id) if !run_id.trim().is_empty() => return Ok(run_id.trim().to_string()),
+        Ok(_) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => return Err(WalError::Io { path, source }),
+    }
+    let run_id = new_run_id();
+    let temporary = dir.join(format!("{RUN_ID_FILE}.tmp"));
+    let mut file = File::create(&temporary).map_err(io_error(&temporary))?;
+    file.write_all(run_id.as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(io_error(&temporary))?;
+    fs::rename(&temporary, &path).map_err(io_error(&path))?;
+    sync_dir(dir)?;
+    Ok(run_id)
+}
+
+/// Replays one segment; a torn tail of the newest one is cut off.
+fn replay_segment<P: DurablePayload>(
+    path: &Path,
+    is_newest: bool,
+    recovered: &mut Recovered<P>,
+) -> Result<(u64, bool), WalError> {
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(io_error(path))?;
+    let length = file.metadata().map_err(io_error(path))?.len();
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, &mut file);
+    let mut offset = 0u64;
+    let mut records = 0u64;
+    let failure = loop {
+        if offset == length {
+            break None;
+        }
+        let mut header = [0u8; 8];
+        if let Err(error) = reader.read_exact(&mut header) {
+            break Some(format!("frame header: {error}"));
+        }
+        let body_length = u64::from(u32::from_le_bytes([
+            header[0], header[1], header[2], header[3],
+        ]));
+        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+        if body_length > MAX_FRAME_BYTES || offset + 8 + body_length > length {
+            break Some(format!(
+                "frame of {body_length} bytes runs past the end ({length})"
+            ));
+        }
+        let mut body = vec![0u8; body_length as usize];
+        if let Err(error) = reader.read_exact(&mut body) {
+            break Some(format!("frame body: {error}"));
+        }
+        if crc32fast::hash(&body) != crc {
+            break Some("CRC mismatch".to_string());
+        }
+        match decode_entry::<P>(&body) {
+            Ok(entry) => recovered.apply(entry),
+            Err(detail) => break Some(detail),
+        }
+        offset += 8 + body_length;
+        records += 1;
+    };
+    drop(reader);
+    let Some(detail) = failure else {
+        return Ok((records, false));
+    };
+    if !is_newest {
+        return Err(WalError::Corrupt {
+            path: path.to_path_buf(),
+            offset,
+            detail,
+        });
+    }
+    tracing::warn!(path = %path.display(), offset, %detail, "cutting off a torn tail of the write-ahead log");
+    file.set_len(offset).map_err(io_error(path))?;
+    file.seek(SeekFrom::End(0)).map_err(io_error(path))?;
+    file.sync_all().map_err(io_error(path))?;
+    Ok((records, true))
+}
+
+// ---------------------------------------------------------------- encoding
+
+const KIND_RESET: u8 = 1;
+const KIND_CHECKPOINT_END: u8 = 2;
+const KIND_ACCEPTED: u8 = 3;
+const KIND_ACKED: u8 = 4;
+const KIND_DEAD_LETTERED: u8 = 5;
+const KIND_EPOCH: u8 = 6;
+const KIND_DONE: u8 = 7;
+const KIND_TARGET_FAILED: u8 = 8;
+const KIND_ABORTED: u8 = 9;
+const KIND_TARGET_CHECKPOINT: u8 = 10;
+const KIND_COUNTERS_CHECKPOINT: u8 = 11;
+const KIND_DEAD_LETTER_CHECKPOINT: u8 = 12;
+
+struct Encoder(Vec<u8>);
+
+impl Encoder {
+    fn u8(&mut self, value: u8) {
+        self.0.push(value);
+    }
+    fn u32(&mut self, value: u32) {
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+    fn u64(&mut self, value: u64) {
+        self.0.extend_from_slice(&value.to_le_bytes());
+    }
+    fn bytes(&mut self, value: &[u8]) {
+        self.u64(value.len() as u64);
+        self.0.extend_from_slice(value);
+    }
+    fn str(&mut self, value: &str) {
+        self.bytes(value.as_bytes());
+    }
+}
+
+/// Writes one frame; the bytes written.
+fn write_frame<P: DurablePayload>(
+    out: &mut impl Write,
+    entry: &JournalEntry<P>,
+) -> std::io::Result<u64> {
+    let mut body = Encoder(Vec::with_capacity(64));
+    // The payload of an accepted item is written after the small fields
+    // without another copy into `body`.
+    let mut payload: Option<Vec<u8>> = None;
+    match entry {
+        JournalEntry::Reset => body.u8(KIND_RESET),
+        JournalEntry::CheckpointEnd => body.u8(KIND_CHECKPOINT_END),
+        JournalEntry::Accepted {
+            target_id,
+            seq,
+            payload: item,
+        } => {
+            body.u8(KIND_ACCEPTED);
+            body.str(target_id);
+            body.u64(*seq);
+            let encoded = item.encode_payload();
+            body.u64(encoded.len() as u64);
+            payload = Some(encoded);
+        }
+        JournalEntry::Acked { target_id, seq } => {
+            body.u8(KIND_ACKED);
+            body.str(target_id);
+            body.u64(*seq);
+        }
+        JournalEntry::DeadLettered {
+            target_id,
+            seq,
+            reason,
+        } => {
+            body.u8(KIND_DEAD_LETTERED);
+            body.str(target_id);
+            body.u64(*seq);
+            body.str(reason);
+        }
+        JournalEntry::Epoch { target_id, epoch } => {
+            body.u8(KIND_EPOCH);
+            body.str(target_id);
+            body.u64(*epoch);
+        }
+        JournalEntry::Done { target_id } => {
+            body.u8(KIND_DONE);
+            body.str(target_id);
+        }
+        JournalEntry::TargetFailed { target_id, reason } => {
+            body.u8(KIND_TARGET_FAILED);
+            body.str(target_id);
+            body.str(reason);
+        }
+        JournalEntry::Aborted { reason } => {
+            body.u8(KIND_ABORTED);
+            body.str(reason);
+        }
+        JournalEntry::TargetCheckpoint {
+            target_id,
+            epoch,
+            accepted_items,
+            accepted_bytes,
+            seq_ranges,
+            done,
+            failed,
+        } => {
+            body.u8(KIND_TARGET_CHECKPOINT);
+            body.str(target_id);
+            body.u64(*epoch);
+            body.u64(*accepted_items);
+            body.u64(*accepted_bytes);
+            body.u64(seq_ranges.len() as u64);
+            for (start, end) in seq_ranges {
+                body.u64(*start);
+                body.u64(*end);
+            }
+            body.u8(u8::from(*done));
+            match failed {
+                Some(reason) => {
+                    body.u8(1);
+                    body.str(reason);
+                }
+                None => body.u8(0),
+            }
+        }
+        JournalEntry::CountersCheckpoint {
+            acked_items,
+            acked_bytes,
+            dead_letter_count,
+        } => {
+            body.u8(KIND_COUNTERS_CHECKPOINT);
+            body.u64(*acked_items);
+            body.u64(*acked_bytes);
+            body.u64(*dead_letter_count);
+        }
+        JournalEntry::DeadLetterCheckpoint {
+            target_id,
+            seq,
+            deliveries,
+            reason,
+            bytes,
+        } => {
+            body.u8(KIND_DEAD_LETTER_CHECKPOINT);
+            body.str(target_id);
+            body.u64(*seq);
+            body.u32(*deliveries);
+            body.str(reason);
+            body.u64(*bytes);
+        }
+    }
+    let payload = payload.unwrap_or_default();
+    let body_length = body.0.len() + payload.len();
+    let body_length_u32 = u32::try_from(body_length).map_err(|_| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("a record of {body_length} bytes does not fit a frame"),
+        )
+    })?;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&body.0);
+    crc.update(&payload);
+    let mut header = [0u8; 8];
+    header[..4].copy_from_slice(&body_length_u32.to_le_bytes());
+    header[4..].copy_from_slice(&crc.finalize().to_le_bytes());
+    out.write_all(&header)?;
+    out.write_all(&body.0)?;
+    out.write_all(&payload)?;
+    Ok(8 + body_length as u64)
+}
+
+struct Decoder<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Decoder<'a> {
+    fn take(&mut self, count: usize) -> Result<&'a [u8], String> {
+        if self.bytes.len() < count {
+            return Err(format!(
+                "record ends early ({} of {count} bytes)",
+                self.bytes.len()
+            ));
+        }
+        let (head, rest) = self.bytes.split_at(count);
+        self.bytes = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, String> {
+        let bytes = self.take(4)?;
+        Ok(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, String> {
+        let bytes = self.take(8)?;
+        let mut array = [0u8; 8];
+        array.copy_from_slice(bytes);
+        Ok(u64::from_le_bytes(array))
+    }
+    fn bytes(&mut self) -> Result<&'a [u8], String> {
+        let length = self.u64()?;
+        let length = usize::try_from(length).map_err(|_| format!("length {length} too large"))?;
+        self.take(length)
+    }
+    fn string(&mut self) -> Result<String, String> {
+        String::from_utf8(self.bytes()?.to_vec()).map_err(|error| format!("text: {error}"))
+    }
+    fn target(&mut self) -> Result<Arc<str>, String> {
+        Ok(Arc::from(self.string()?.as_str()))
+    }
+}
+
+fn decode_entry<P: DurablePayload>(body: &[u8]) -> Result<JournalEntry<P>, String> {
+    let mut decoder = Decoder { bytes: body };
+    let entry = match decoder.u8()? {
+        KIND_RESET => JournalEntry::Reset,
+        KIND_CHECKPOINT_END => JournalEntry::CheckpointEnd,
+        KIND_ACCEPTED => {
+            let target_id = decoder.target()?;
+            let seq = decoder.u64()?;
+            let payload = P::decode_payload(decoder.bytes()?)
+                .map_err(|error| format!("payload of {target_id} seq {seq}: {error}"))?;
+            JournalEntry::Accepted {
+                target_id,
+                seq,
+                payload,
+            }
+        }
+        KIND_ACKED => JournalEntry::Acked {
+            target_id: decoder.target()?,
+            seq: decoder.u64()?,
+        },
+        KIND_DEAD_LETTERED => JournalEntry::DeadLettered {
+            target_id: decoder.target()?,
+            seq: decoder.u64()?,
+            reason: decoder.string()?,
+        },
+        KIND_EPOCH => JournalEntry::Epoch {
+            target_id: decoder.target()?,
+            epoch: decoder.u64()?,
+        },
+        KIND_DONE => JournalEntry::Done {
+            target_id: decoder.target()?,
+        },
+        KIND_TARGET_FAILED => JournalEntry::TargetFailed {
+            target_id: decoder.target()?,
+            reason: decoder.string()?,
+        },
+        KIND_ABORTED => JournalEntry::Aborted {
+            reason: decoder.string()?,
+        },
+        KIND_TARGET_CHECKPOINT => {
+            let target_id = decoder.target()?;
+            let epoch = decoder.u64()?;
+            let accepted_items = decoder.u64()?;
+            let accepted_bytes = decoder.u64()?;
+            let ranges = decoder.u64()?;
+            let mut seq_ranges = Vec::new();
+            for _ in 0..ranges {
+                seq_ranges.push((decoder.u64()?, decoder.u64()?));
+            }
+            let done = decoder.u8()? != 0;
+            let failed = match decoder.u8()? {
+                0 => None,
+                _ => Some(decoder.string()?),
+            };
+            JournalEntry::TargetCheckpoint {
+                target_id,
+                epoch,
+                accepted_items,
+                accepted_bytes,
+                seq_ranges,
+                done,
+                failed,
+            }
+        }
+        KIND_COUNTERS_CHECKPOINT => JournalEntry::CountersCheckpoint {
+            acked_items: decoder.u64()?,
+            acked_bytes: decoder.u64()?,
+            dead_letter_count: decoder.u64()?,
+        },
+        KIND_DEAD_LETTER_CHECKPOINT => JournalEntry::DeadLetterCheckpoint {
+            target_id: decoder.target()?,
+            seq: decoder.u64()?,
+            deliveries: decoder.u32()?,
+            reason: decoder.string()?,
+            bytes: decoder.u64()?,
+        },
+        kind => return Err(format!("unknown record kind {kind}")),
+    };
+    if !decoder.bytes.is_empty() {
+        return Err(format!(
+            "{} bytes left after the record",
+            decoder.bytes.len()
+        ));
+    }
+    Ok(entry)
+}

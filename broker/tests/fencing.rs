@@ -1,0 +1,206 @@
+//! Fenced identities and the edge cases of issue #9 over real gRPC: each
+//! refusal is asserted by its status code, and nothing refused is counted.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use dflash_broker::BrokerConfig;
+use dflash_client::{ClientError, ClientOptions};
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::broker_client::BrokerClient as RawClient;
+use dflash_testkit::{credit, sample, wait_until, TestBroker};
+use tonic::Code;
+
+fn code_of(error: &ClientError) -> Code {
+    match error.status() {
+        Some(status) => status.code(),
+        None => panic!("expected a gRPC status, got {error}"),
+    }
+}
+
+async fn raw_client(broker: &TestBroker) -> RawClient<tonic::transport::Channel> {
+    RawClient::connect(broker.address.clone())
+        .await
+        .expect("connect raw client")
+}
+
+async fn status(broker: &TestBroker) -> proto::StatusSnapshot {
+    broker.status().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_target_ids_are_not_found() {
+    let broker = TestBroker::start(BrokerConfig {
+        target_ids: vec!["alpha".to_string(), "beta".to_string()],
+        ..BrokerConfig::for_targets(2)
+    })
+    .await;
+    let client = broker.client().await;
+    let error = client.produce("target-0").await.expect_err("unknown id");
+    assert_eq!(code_of(&error), Code::NotFound, "{error}");
+    assert!(error.to_string().contains("alpha, beta"), "{error}");
+    assert!(!error.is_retryable());
+    // A stray ReportDone for an unknown id neither counts nor completes.
+    let error = client.report_done("stray", 0).await.expect_err("stray");
+    assert_eq!(code_of(&error), Code::NotFound, "{error}");
+    // A configured id works.
+    let producer = client.produce("alpha").await.expect("configured id");
+    assert_eq!(producer.epoch(), 1);
+    let snapshot = status(&broker).await;
+    assert_eq!(snapshot.done_targets, 0);
+    assert_eq!(snapshot.targets.len(), 1);
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_done_needs_the_current_epoch() {
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let mut raw = raw_client(&broker).await;
+    let report = |epoch: u64, total_items: u64| proto::ReportDoneRequest {
+        target_id: "target-0".to_string(),
+        total_items,
+        epoch,
+        run_id: String::new(),
+    };
+    // No Produce stream yet: no epoch to show.
+    let refused = raw.report_done(report(1, 0)).await.expect_err("no stream");
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
+
+    let client = broker.client().await;
+    let mut first = client.produce("target-0").await.unwrap();
+    assert_eq!(first.epoch(), 1);
+    first.send(0, sample(256, 0), HashMap::new()).await.unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            status(&broker).await.accepted_items == 1
+        })
+        .await
+    );
+    // A stray ReportDone while the stream produces (no epoch): ABORTED.
+    let refused = raw.report_done(report(0, 1)).await.expect_err("stray");
+    assert_eq!(refused.code(), Code::Aborted, "{refused}");
+    assert_eq!(status(&broker).await.done_targets, 0);
+
+    // A second hello fences the first stream.
+    let second = client.produce("target-0").await.unwrap();
+    assert_eq!(second.epoch(), 2);
+    let fenced = first
+        .finish()
+        .await
+        .expect_err("the first stream is fenced");
+    assert!(
+        matches!(&fenced, ClientError::ProducerClosed { reason, .. } if reason.starts_with("fenced")),
+        "{fenced}"
+    );
+    let refused = raw.report_done(report(1, 1)).await.expect_err("old epoch");
+    assert_eq!(refused.code(), Code::Aborted, "{refused}");
+    assert!(refused.message().contains("epoch 1"), "{refused}");
+
+    // The current epoch, after its stream closed: accepted and idempotent.
+    second.finish().await.unwrap();
+    let done = client.report_done("target-0", 1).await.unwrap();
+    assert_eq!((done.done_targets, done.already_done), (1, false));
+    let done = raw.report_done(report(2, 1)).await.unwrap().into_inner();
+    assert!(done.already_done);
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_over_the_message_limit_is_resource_exhausted_and_counted() {
+    let broker = TestBroker::start(BrokerConfig {
+        max_item_bytes: 64 << 10,
+        ..BrokerConfig::for_targets(1)
+    })
+    .await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    // The broker's message limit is --max-item-bytes plus 1 MiB of framing.
+    let oversized = sample(3 << 20, 0);
+    let _ = producer.send(0, oversized, HashMap::new()).await;
+    let error = producer.finish().await.expect_err("oversized item refused");
+    assert_eq!(code_of(&error), Code::ResourceExhausted, "{error}");
+    assert!(
+        error.to_string().contains("--max-item-bytes 65536"),
+        "{error}"
+    );
+    assert!(!error.is_retryable());
+    let snapshot = status(&broker).await;
+    assert_eq!(snapshot.rejected_items, 1);
+    assert_eq!(snapshot.targets[0].rejected_items, 1);
+    assert_eq!(snapshot.accepted_items, 0);
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_out_of_order_seq_is_rejected_with_its_reason() {
+    let broker = TestBroker::for_targets(1).await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    for seq in [0, 1, 5, 3, 1] {
+        producer
+            .send(seq, sample(128, seq), HashMap::new())
+            .await
+            .unwrap();
+    }
+    let report = producer.finish().await.unwrap();
+    assert_eq!((report.accepted, report.duplicates), (3, 1), "{report:?}");
+    assert_eq!(report.rejected.len(), 1, "{report:?}");
+    let (seq, reason) = &report.rejected[0];
+    assert_eq!(*seq, 3);
+    assert!(reason.contains("out of order"), "{reason}");
+    assert_eq!(status(&broker).await.rejected_items, 1);
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_credit_is_invalid_argument() {
+    let broker = TestBroker::for_targets(1).await;
+    let client = broker.client().await;
+    let error = client
+        .consume("drafter-0", credit(0))
+        .await
+        .expect_err("zero credit refused");
+    assert_eq!(code_of(&error), Code::InvalidArgument, "{error}");
+    assert!(!error.is_retryable());
+    assert!(status(&broker).await.drafters.is_empty());
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_from_another_run_is_refused() {
+    let broker = TestBroker::for_targets(1).await;
+    let snapshot = status(&broker).await;
+    assert!(snapshot.run_id.starts_with("run-"), "{}", snapshot.run_id);
+    let client = broker.client().await;
+    let producer = client.produce("target-0").await.unwrap();
+    assert_eq!(producer.run_id(), snapshot.run_id);
+    assert_eq!(client.run_id().as_deref(), Some(snapshot.run_id.as_str()));
+    drop(producer);
+
+    // Hellos and ReportDone that remember another run: FAILED_PRECONDITION.
+    let stale =
+        dflash_client::BrokerClient::connect(broker.address.clone(), ClientOptions::default())
+            .await
+            .unwrap()
+            .remembering_run(Some("run-earlier".to_string()));
+    let error = stale.produce("target-0").await.expect_err("other run");
+    assert_eq!(code_of(&error), Code::FailedPrecondition, "{error}");
+    assert!(error.to_string().contains("run-earlier"), "{error}");
+    assert!(!error.is_retryable());
+    let error = stale
+        .consume("drafter-0", credit(1))
+        .await
+        .expect_err("other run");
+    assert_eq!(code_of(&error), Code::FailedPrecondition, "{error}");
+    let error = stale
+        .report_done("target-0", 0)
+        .await
+        .expect_err("other run");
+    assert_eq!(code_of(&error), Code::FailedPrecondition, "{error}");
+    let snapshot = status(&broker).await;
+    assert_eq!(snapshot.done_targets, 0);
+    assert!(snapshot.drafters.is_empty());
+    broker.stop().await;
+}

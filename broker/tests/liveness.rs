@@ -1,0 +1,187 @@
+//! Progress-based liveness over real gRPC: a target whose stream stays open
+//! but sends nothing new (stats only) fails after `--target-stall-timeout`,
+//! one that never sends its first item after `--target-load-timeout`; a full
+//! queue holding a target back is not a stall; leases are capped by
+//! `--max-lease-lifetime` however often they are extended.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use dflash_broker::config::OnTargetFailure;
+use dflash_broker::BrokerConfig;
+use dflash_client::ConsumerEvent;
+use dflash_proto::v1 as proto;
+use dflash_testkit::{credit, drafter_status, sample, wait_until, TestBroker};
+
+fn config(stall: Duration, load: Duration) -> BrokerConfig {
+    BrokerConfig {
+        target_stall_timeout: stall,
+        target_load_timeout: load,
+        on_target_failure: OnTargetFailure::Abort,
+        ..BrokerConfig::for_targets(1)
+    }
+}
+
+/// Waits for the drafter's end-of-stream; how long it took.
+async fn end_of_stream(consumer: &mut dflash_client::Consumer) -> proto::EndOfStream {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .expect("end-of-stream in time")
+            .expect("stream")
+        {
+            ConsumerEvent::Delivery(delivery) => {
+                consumer.handle().ack(vec![delivery.delivery_id]);
+            }
+            ConsumerEvent::EndOfStream(end) => return end,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
+    let stall = Duration::from_secs(2);
+    let broker = TestBroker::start(config(stall, Duration::from_secs(60))).await;
+    let client = broker.client().await;
+    let mut consumer = client.consume("drafter-0", credit(4)).await.unwrap();
+    let mut producer = client.produce("target-0").await.unwrap();
+    producer
+        .send(0, sample(256, 0), HashMap::new())
+        .await
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            broker.status().await.accepted_items == 1
+        })
+        .await
+    );
+    let silent_since = Instant::now();
+    // Stats keep coming (the process is alive) but no item: not progress.
+    let stats = tokio::spawn(async move {
+        for _ in 0..100 {
+            if producer
+                .send_stats(proto::ProducerStats::default())
+                .await
+                .is_err()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        producer
+    });
+    let end = end_of_stream(&mut consumer).await;
+    let waited = silent_since.elapsed();
+    assert_eq!(end.status(), proto::RunStatus::Aborted, "{end:?}");
+    assert!(end.reason.contains("no item accepted"), "{}", end.reason);
+    assert!(end.reason.contains("target-0"), "{}", end.reason);
+    assert!(waited >= stall - Duration::from_millis(100), "{waited:?}");
+    assert!(waited <= stall + Duration::from_secs(3), "{waited:?}");
+    let status = broker.status().await;
+    assert_eq!(status.state(), proto::BrokerState::Aborted);
+    stats.abort();
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_that_never_sends_fails_after_the_load_timeout() {
+    let load = Duration::from_secs(2);
+    let broker = TestBroker::start(config(Duration::from_secs(60), load)).await;
+    let client = broker.client().await;
+    let mut consumer = client.consume("drafter-0", credit(4)).await.unwrap();
+    let connected = Instant::now();
+    let _producer = client.produce("target-0").await.unwrap();
+    let end = end_of_stream(&mut consumer).await;
+    let waited = connected.elapsed();
+    assert_eq!(end.status(), proto::RunStatus::Aborted, "{end:?}");
+    assert!(end.reason.contains("no first item"), "{}", end.reason);
+    assert!(waited >= load - Duration::from_millis(100), "{waited:?}");
+    assert!(waited <= load + Duration::from_secs(3), "{waited:?}");
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backpressure_is_not_a_stall() {
+    let stall = Duration::from_secs(1);
+    let mut broker_config = config(stall, Duration::from_secs(60));
+    broker_config.max_queue_bytes = 64 << 10;
+    broker_config.max_item_bytes = 16 << 10;
+    let broker = TestBroker::start(broker_config).await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    // Fills the queue (no drafter yet) and then waits on the broker.
+    let sender = tokio::spawn(async move {
+        for seq in 0..12u64 {
+            producer
+                .send(seq, sample(12 << 10, seq), HashMap::new())
+                .await
+                .unwrap();
+        }
+        producer.finish().await.unwrap()
+    });
+    // Held back for three stall timeouts: still running.
+    tokio::time::sleep(stall * 3).await;
+    let status = broker.status().await;
+    assert_eq!(status.state(), proto::BrokerState::Running, "{status:?}");
+    assert!(status.accepted_items < 12);
+    // A drafter frees room; everything arrives.
+    let mut consumer = client.consume("drafter-0", credit(2)).await.unwrap();
+    let handle = consumer.handle();
+    let mut received = 0;
+    while received < 12 {
+        let ConsumerEvent::Delivery(delivery) = consumer.next().await.unwrap() else {
+            panic!("run ended early: {:?}", broker.status().await.abort_reason)
+        };
+        handle.ack(vec![delivery.delivery_id]);
+        received += 1;
+    }
+    let report = sender.await.unwrap();
+    assert_eq!(report.accepted, 12);
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extensions_cannot_keep_a_lease_past_its_lifetime() {
+    let broker = TestBroker::start(BrokerConfig {
+        lease_timeout: Duration::from_millis(500),
+        max_lease_lifetime: Duration::from_secs(2),
+        ..BrokerConfig::for_targets(1)
+    })
+    .await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    producer
+        .send(0, sample(256, 0), HashMap::new())
+        .await
+        .unwrap();
+    producer.finish().await.unwrap();
+    let mut consumer = client.consume("drafter-0", credit(1)).await.unwrap();
+    let ConsumerEvent::Delivery(first) = consumer.next().await.unwrap() else {
+        panic!("expected a delivery")
+    };
+    let delivered = Instant::now();
+    let handle = consumer.handle();
+    // A stuck trainer's heartbeat: extends forever, never acks.
+    let extender = tokio::spawn(async move {
+        loop {
+            handle.extend_leases(Vec::new());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            let status = broker.status().await;
+            drafter_status(&status, "drafter-0").is_some_and(|drafter| drafter.expired_leases == 1)
+        })
+        .await,
+        "the lease outlived its lifetime"
+    );
+    let taken_back = delivered.elapsed();
+    assert!(taken_back >= Duration::from_millis(1900), "{taken_back:?}");
+    assert!(taken_back <= Duration::from_secs(4), "{taken_back:?}");
+    assert_eq!(first.delivery_count, 1);
+    extender.abort();
+    broker.stop().await;
+}

@@ -1,0 +1,246 @@
+//! The write-ahead log's file format on a real directory: replay, a torn
+//! tail cut off, corruption refused with its place, compaction bounded.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::sync::Arc;
+
+use dflash_broker::queue::{JournalEntry, Payload, Queue, QueueConfig, Recovered};
+use dflash_broker::wal::{DurablePayload, FsyncPolicy, Wal, WalError};
+
+#[derive(Debug, Clone, PartialEq)]
+struct Blob(Vec<u8>);
+
+impl Payload for Blob {
+    fn size_bytes(&self) -> u64 {
+        self.0.len() as u64
+    }
+}
+
+impl DurablePayload for Blob {
+    fn encode_payload(&self) -> Vec<u8> {
+        self.0.clone()
+    }
+
+    fn decode_payload(bytes: &[u8]) -> Result<Self, String> {
+        Ok(Blob(bytes.to_vec()))
+    }
+}
+
+fn accepted(target: &str, seq: u64, bytes: usize) -> JournalEntry<Blob> {
+    JournalEntry::Accepted {
+        target_id: Arc::from(target),
+        seq,
+        payload: Blob(vec![seq as u8; bytes]),
+    }
+}
+
+fn acked(target: &str, seq: u64) -> JournalEntry<Blob> {
+    JournalEntry::Acked {
+        target_id: Arc::from(target),
+        seq,
+    }
+}
+
+fn open(dir: &std::path::Path) -> dflash_broker::wal::Opened<Blob> {
+    Wal::<Blob>::open(dir, FsyncPolicy::Always, 1 << 20, || "run-test".to_string()).unwrap()
+}
+
+fn segments(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|extension| extension == "wal"))
+        .collect();
+    found.sort();
+    found
+}
+
+#[test]
+fn replay_returns_unacked_items_and_the_same_run_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opened = open(dir.path());
+    assert_eq!(opened.run_id, "run-test");
+    assert_eq!(opened.records, 0);
+    opened
+        .wal
+        .append(&[
+            JournalEntry::Epoch {
+                target_id: Arc::from("target-0"),
+                epoch: 3,
+            },
+            accepted("target-0", 0, 100),
+            accepted("target-0", 1, 200),
+            accepted("target-0", 2, 300),
+            acked("target-0", 1),
+            JournalEntry::Done {
+                target_id: Arc::from("target-0"),
+            },
+        ])
+        .unwrap();
+    drop(opened);
+    let reopened = Wal::<Blob>::open(dir.path(), FsyncPolicy::Batch, 1 << 20, || {
+        panic!("the run id must be read back, not made anew")
+    })
+    .unwrap();
+    assert_eq!(reopened.run_id, "run-test");
+    assert_eq!(reopened.records, 6);
+    assert!(!reopened.truncated_tail);
+    let recovered = reopened.recovered;
+    let items: Vec<(String, u64, usize)> = recovered
+        .items()
+        .map(|(target, seq, blob)| (target.to_string(), *seq, blob.0.len()))
+        .collect();
+    assert_eq!(
+        items,
+        vec![
+            ("target-0".to_string(), 0, 100),
+            ("target-0".to_string(), 2, 300)
+        ]
+    );
+    let target = &recovered.targets["target-0"];
+    assert_eq!(
+        (target.epoch, target.accepted_items, target.done),
+        (3, 3, true)
+    );
+    assert_eq!(target.highest_seq(), Some(2));
+    assert_eq!((recovered.acked_items, recovered.acked_bytes), (1, 200));
+}
+
+#[test]
+fn a_torn_tail_is_cut_off_and_appends_continue() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opened = open(dir.path());
+    opened
+        .wal
+        .append(&[accepted("target-0", 0, 64), accepted("target-0", 1, 64)])
+        .unwrap();
+    drop(opened);
+    let segment = segments(dir.path()).pop().unwrap();
+    let full = std::fs::metadata(&segment).unwrap().len();
+    // A crash mid-write: the last frame is half there.
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&segment)
+        .unwrap();
+    file.set_len(full - 30).unwrap();
+    drop(file);
+    let mut reopened = open(dir.path());
+    assert!(reopened.truncated_tail);
+    assert_eq!(reopened.records, 1);
+    assert_eq!(reopened.recovered.items().count(), 1);
+    reopened.wal.append(&[accepted("target-0", 1, 64)]).unwrap();
+    drop(reopened);
+    let again = open(dir.path());
+    assert!(!again.truncated_tail);
+    assert_eq!(again.recovered.items().count(), 2);
+}
+
+#[test]
+fn corruption_before_the_tail_is_refused_with_its_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opened = open(dir.path());
+    opened.wal.append(&[accepted("target-0", 0, 64)]).unwrap();
+    // Compaction starts a second segment, so the first is no longer the tail.
+    let checkpoint = vec![
+        JournalEntry::Reset,
+        accepted("target-0", 0, 64),
+        JournalEntry::CheckpointEnd,
+    ];
+    opened.wal.compact(&checkpoint).unwrap();
+    opened.wal.append(&[accepted("target-0", 1, 64)]).unwrap();
+    drop(opened);
+    let files = segments(dir.path());
+    assert_eq!(files.len(), 1, "compaction deletes the older segment");
+    // Recreate an older segment with a flipped byte in its only frame.
+    let older = dir.path().join("segment-0000000000000000.wal");
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&older, &bytes).unwrap();
+    match Wal::<Blob>::open(dir.path(), FsyncPolicy::Always, 1 << 20, || "x".to_string()) {
+        Err(WalError::Corrupt { path, detail, .. }) => {
+            assert_eq!(path, older);
+            assert!(detail.contains("CRC"), "{detail}");
+        }
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => panic!("a corrupt older segment was accepted"),
+    }
+}
+
+#[test]
+fn compaction_keeps_the_log_bounded_and_the_state_equal() {
+    let dir = tempfile::tempdir().unwrap();
+    let max_held_bytes = 1 << 20;
+    let config = QueueConfig {
+        target_ids: QueueConfig::default_target_ids(1),
+        max_held_bytes,
+        lease_timeout: std::time::Duration::from_secs(30),
+        max_deliveries: 3,
+        target_grace: std::time::Duration::from_secs(120),
+        target_startup_timeout: None,
+        on_target_failure: dflash_broker::queue::FailurePolicy::Abort,
+        target_stall_timeout: None,
+        target_load_timeout: None,
+        max_lease_lifetime: None,
+    };
+    let now = std::time::Instant::now();
+    let mut opened = Wal::<Blob>::open(dir.path(), FsyncPolicy::Never, max_held_bytes, || {
+        "run-compact".to_string()
+    })
+    .unwrap();
+    let mut queue = Queue::recover(config.clone(), Recovered::default(), now);
+    let producer = queue.open_producer("target-0", now).unwrap();
+    let drafter = queue
+        .open_consumer(
+            "drafter",
+            dflash_broker::queue::Credit { items: 4, bytes: 0 },
+            now,
+        )
+        .unwrap();
+    let mut compactions = 0;
+    let mut largest = 0;
+    // 400 items of 512 KiB (200 MiB in all) through a 1 MiB cap: acked as
+    // they go, so only a few are ever held.
+    for seq in 0..400u64 {
+        queue
+            .accept_item(producer.connection, seq, Blob(vec![7; 512 << 10]), now)
+            .unwrap();
+        let deliveries: Vec<u64> = queue
+            .take_effects()
+            .into_iter()
+            .filter_map(|effect| match effect {
+                dflash_broker::queue::Effect::Deliver { delivery, .. } => {
+                    Some(delivery.delivery_id)
+                }
+                _ => None,
+            })
+            .collect();
+        queue.ack(drafter, &deliveries, now);
+        opened.wal.append(&queue.take_journal()).unwrap();
+        if opened.wal.needs_compaction() {
+            opened.wal.compact(&queue.checkpoint_entries()).unwrap();
+            compactions += 1;
+        }
+        largest = largest.max(opened.wal.log_bytes());
+    }
+    assert!(compactions >= 2, "{compactions} compactions");
+    // Bound: the compaction threshold (64 MiB minimum) plus one item.
+    assert!(
+        largest <= (64 << 20) + (600 << 10),
+        "log reached {largest} bytes"
+    );
+    let before = queue.snapshot(now);
+    drop(opened);
+    let reopened = open(dir.path());
+    let recovered = Queue::recover(config, reopened.recovered, now);
+    let after = recovered.snapshot(now);
+    assert_eq!(after.accepted_items, before.accepted_items);
+    assert_eq!(after.acked_items, before.acked_items);
+    assert_eq!(
+        after.queued_items,
+        before.queued_items + before.leased_items
+    );
+    assert_eq!(after.targets[0].highest_seq, Some(399));
+    recovered.check_invariants().unwrap();
+}
