@@ -2,6 +2,8 @@
 //! stops it): it stops its children with SIGTERM, waits for them (bounded),
 //! prints its summary, and leaves no process of the run behind.
 
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 use std::io::Read as _;
 use std::path::Path;
 use std::process::{Command, Stdio};

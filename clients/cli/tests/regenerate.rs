@@ -3,6 +3,8 @@
 //! kept), shards split the records round-robin, and a rerun after an
 //! interrupted write resumes to the same output.
 
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 use std::path::{Path, PathBuf};
 
 use dflash_cli::regenerate::{run, RegenerateArgs};

@@ -108,7 +108,9 @@ impl ClientError {
             ClientError::InvalidAddress { .. }
             | ClientError::Protocol { .. }
             | ClientError::ProducerClosed { .. }
-            | ClientError::RunChanged { .. } => false,
+            | ClientError::RunChanged { .. }
+            // A bad certificate, key or token file does not fix itself.
+            | ClientError::Security(_) => false,
             ClientError::Connect { .. } | ClientError::StreamEnded { .. } => true,
         }
     }

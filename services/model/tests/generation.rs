@@ -10,6 +10,8 @@
 //! layers: 1e-4 is far above that and far below any real error (a wrong
 //! position or mask moves logits by O(0.1)).
 
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 use anyhow::{ensure, Result};
 use dflash_model::generate::{
     generate, generate_batch, greedy_generate_uncached, GenerationOptions, GenerationRequest,

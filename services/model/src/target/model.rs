@@ -426,7 +426,7 @@ impl TargetModel {
                     &cache.values[index].narrow(2, 0, total),
                     Some(&attention_allowed),
                 );
-                hidden = hidden + attention;
+                hidden = &hidden + attention;
                 let normed = rms_norm(&hidden, &layer.post_attention_layernorm, eps);
                 hidden = &hidden
                     + swiglu_mlp(&normed, &layer.gate_proj, &layer.up_proj, &layer.down_proj);
