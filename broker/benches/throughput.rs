@@ -163,6 +163,35 @@ async fn start_broker(targets: u64) -> (Server, String) {
     start_broker_with(targets, &[]).await
 }
 
+/// One synthetic target: sends `items` copies of `payload` (one every
+/// `pace` when given, else as fast as the broker takes them), then
+/// finishes and reports done.
+async fn run_target(
+    client: BrokerClient,
+    target_id: String,
+    payload: proto::Sample,
+    items: u64,
+    pace: Option<Duration>,
+) {
+    let mut producer = client.produce(&target_id).await.expect("produce");
+    let mut ticks = pace.map(|period| {
+        let mut ticks = tokio::time::interval(period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks
+    });
+    for seq in 0..items {
+        if let Some(ticks) = ticks.as_mut() {
+            ticks.tick().await;
+        }
+        producer
+            .send(seq, payload.clone(), HashMap::new())
+            .await
+            .expect("send");
+    }
+    producer.finish().await.expect("finish");
+    client.report_done(&target_id, items).await.expect("done");
+}
+
 /// What one transfer measured: bytes per second and the relaying process's
 /// counters over the transfer.
 struct Transfer {
@@ -222,21 +251,13 @@ async fn broker_transfer_with(
     for index in 0..producers {
         let client = client.clone();
         let payload = payload.clone();
-        targets.push(tokio::spawn(async move {
-            let target_id = format!("target-{index}");
-            let mut producer = client.produce(&target_id).await.expect("produce");
-            for seq in 0..per_producer {
-                producer
-                    .send(seq, payload.clone(), HashMap::new())
-                    .await
-                    .expect("send");
-            }
-            producer.finish().await.expect("finish");
-            client
-                .report_done(&target_id, per_producer)
-                .await
-                .expect("done");
-        }));
+        targets.push(tokio::spawn(run_target(
+            client,
+            format!("target-{index}"),
+            payload,
+            per_producer,
+            None,
+        )));
     }
     for target in targets {
         target.await.expect("target");
@@ -651,25 +672,13 @@ async fn seed_scenario(
             .iter()
             .filter(|&&to| to == broker)
             .count();
-        targets.push(tokio::spawn(async move {
-            let target_id = format!("target-{position}");
-            let mut producer = client.produce(&target_id).await.expect("produce");
-            let payload = sample(64 << 10);
-            let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / target_rate));
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            for seq in 0..items_per_target {
-                ticks.tick().await;
-                producer
-                    .send(seq, payload.clone(), HashMap::new())
-                    .await
-                    .expect("send");
-            }
-            producer.finish().await.expect("finish");
-            client
-                .report_done(&target_id, items_per_target)
-                .await
-                .expect("done");
-        }));
+        targets.push(tokio::spawn(run_target(
+            client,
+            format!("target-{position}"),
+            sample(64 << 10),
+            items_per_target,
+            Some(Duration::from_secs_f64(1.0 / target_rate)),
+        )));
     }
     for target in targets {
         target.await.expect("target");
