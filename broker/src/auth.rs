@@ -2,114 +2,29 @@
 //! certificate is given (mutual TLS when a client CA is given too), and a
 //! bearer token that every RPC must carry when one is configured.
 //!
-//! The token comes from `--token-file` (a Kubernetes Secret mounts as a
-//! file) or from the `DFLASH_TOKEN` environment variable, read directly so
-//! that clap never shows its value in `--help`; [`Token`]'s `Debug` prints
-//! its length only, so no log or error ever holds it. A call without the
+//! The token and the PEM files are read by `dflash_proto::credentials`, the
+//! same code every client uses (`--token-file` or `DFLASH_TOKEN`; the
+//! token's `Debug` prints its length only). A call without the
 //! token or with a wrong one is refused with UNAUTHENTICATED by an
 //! interceptor in front of the service, before any handler runs, so it
 //! changes nothing. Health and reflection stay open for probes and grpcurl
 //! unless `--token-exempt none` says otherwise.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
+use dflash_proto::credentials::{load_token, read_pem, CredentialError, Token};
 use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tracing::warn;
 
-/// The environment variable that may hold the token itself.
-pub const TOKEN_ENV: &str = "DFLASH_TOKEN";
-
 /// A configured security value that cannot be used, naming the flag and file.
 #[derive(Debug, thiserror::Error)]
 pub enum SecurityError {
-    #[error("{flag} {path}: {source}")]
-    Read {
-        flag: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{origin} holds an empty token")]
-    EmptyToken { origin: String },
-    #[error("the token is given twice (--token-file {path} and {TOKEN_ENV}): keep one")]
-    TokenTwice { path: PathBuf },
+    #[error(transparent)]
+    Credential(#[from] CredentialError),
     #[error("{0}")]
     Flags(String),
-}
-
-/// A bearer token. Compared in constant time; never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Token(Arc<str>);
-
-impl Token {
-    /// The token from `text`, surrounding whitespace (a file's trailing
-    /// newline) removed.
-    pub fn new(text: &str, origin: &str) -> Result<Token, SecurityError> {
-        let trimmed = text.trim();
-        if trimmed.is_empty() {
-            return Err(SecurityError::EmptyToken {
-                origin: origin.to_string(),
-            });
-        }
-        Ok(Token(Arc::from(trimmed)))
-    }
-
-    /// The value, for the `authorization` header only.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-
-    /// Whether `candidate` is this token, in time independent of where they
-    /// differ.
-    pub fn matches(&self, candidate: &[u8]) -> bool {
-        let expected = self.0.as_bytes();
-        let mut difference = expected.len() ^ candidate.len();
-        for (index, byte) in expected.iter().enumerate() {
-            let other = candidate.get(index).copied().unwrap_or(!*byte);
-            difference |= usize::from(byte ^ other);
-        }
-        difference == 0
-    }
-}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(formatter, "Token(<redacted, {} bytes>)", self.0.len())
-    }
-}
-
-/// Reads the token from `token_file`, else from `DFLASH_TOKEN`; `None` when
-/// neither is set. Both set is an error (which one wins would be a guess).
-pub fn load_token(token_file: Option<&Path>) -> Result<Option<Token>, SecurityError> {
-    let from_env = std::env::var(TOKEN_ENV)
-        .ok()
-        .filter(|value| !value.is_empty());
-    match (token_file, from_env) {
-        (Some(path), Some(_)) => Err(SecurityError::TokenTwice {
-            path: path.to_path_buf(),
-        }),
-        (Some(path), None) => {
-            let text = std::fs::read_to_string(path).map_err(|source| SecurityError::Read {
-                flag: "--token-file",
-                path: path.to_path_buf(),
-                source,
-            })?;
-            Token::new(&text, &format!("--token-file {}", path.display())).map(Some)
-        }
-        (None, Some(value)) => Token::new(&value, TOKEN_ENV).map(Some),
-        (None, None) => Ok(None),
-    }
-}
-
-/// Reads a PEM file named by `flag`.
-pub fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, SecurityError> {
-    std::fs::read(path).map_err(|source| SecurityError::Read {
-        flag,
-        path: path.to_path_buf(),
-        source,
-    })
 }
 
 /// The services a caller may use without the token.
@@ -263,19 +178,6 @@ impl Interceptor for TokenCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn token_matches_only_itself_and_never_prints() {
-        let token = Token::new(" s3cret\n", "test").unwrap();
-        assert!(token.matches(b"s3cret"));
-        assert!(!token.matches(b"s3cre"));
-        assert!(!token.matches(b"s3cret!"));
-        assert!(!token.matches(b"S3cret"));
-        assert!(!token.matches(b""));
-        let printed = format!("{token:?} {:?}", Some(token.clone()));
-        assert!(!printed.contains("s3cret"), "{printed}");
-        assert!(Token::new(" \n", "the file").is_err());
-    }
 
     #[test]
     fn interceptor_refuses_missing_and_wrong_tokens() {

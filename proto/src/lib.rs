@@ -8,6 +8,8 @@
 //!   (`dflash/v1/model_sync.proto`: the shared draft model).
 //! - `codec`: the gRPC codec of every generated client and server (prost's,
 //!   encoding each message into one exact-size buffer).
+//! - `credentials`: the bearer token and PEM files, read the same way by
+//!   the broker and every client.
 //! - `json`: enum names for the JSON form of status snapshots.
 //! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
 //! - `sample`: the DFlash sample schema (tensor names, dtypes, shapes): one
@@ -24,6 +26,7 @@ pub mod v1 {
 }
 
 pub mod codec;
+pub mod credentials;
 pub mod json;
 pub mod sample;
 pub mod tensor;

@@ -5,19 +5,17 @@
 //! [`ClientSecurityArgs`] are the flags every role shares (`--tls-ca`,
 //! `--tls-cert`, `--tls-key`, `--tls-domain`, `--token-file`; the token may
 //! also come from the `DFLASH_TOKEN` environment variable, read directly so
-//! its value never shows in `--help`). [`ClientSecurity`] is what a
+//! its value never shows in `--help`). The files are read by
+//! `dflash_proto::credentials`, the same code the broker uses. [`ClientSecurity`] is what a
 //! connection applies; its `Debug` never prints the token.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::PathBuf;
 
+use dflash_proto::credentials::{load_token, read_pem, CredentialError, Token};
 use tonic::metadata::AsciiMetadataValue;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
-
-/// The environment variable that may hold the token itself.
-pub const TOKEN_ENV: &str = "DFLASH_TOKEN";
 
 /// A channel that carries the token on every call.
 pub type AuthChannel = InterceptedService<Channel, TokenInjector>;
@@ -25,18 +23,8 @@ pub type AuthChannel = InterceptedService<Channel, TokenInjector>;
 /// A security setting that cannot be used, naming the flag and file.
 #[derive(Debug, thiserror::Error)]
 pub enum SecurityError {
-    #[error("{flag} {path}: {source}")]
-    Read {
-        flag: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{origin} holds an empty token")]
-    EmptyToken { origin: String },
-    #[error("{origin}: the token must be printable ASCII without spaces")]
-    InvalidToken { origin: String },
-    #[error("the token is given twice (--token-file {path} and {TOKEN_ENV}): keep one")]
-    TokenTwice { path: PathBuf },
+    #[error(transparent)]
+    Credential(#[from] CredentialError),
     #[error("--tls-cert and --tls-key go together")]
     HalfKeyPair,
     #[error("TLS is configured but the broker address {address:?} is not https://")]
@@ -161,7 +149,7 @@ impl ClientSecurity {
     pub fn injector(&self) -> TokenInjector {
         TokenInjector {
             header: self.token.as_ref().and_then(|token| {
-                AsciiMetadataValue::try_from(format!("Bearer {}", token.0))
+                AsciiMetadataValue::try_from(format!("Bearer {}", token.expose()))
                     .ok()
                     .map(|mut value| {
                         value.set_sensitive(true);
@@ -175,66 +163,6 @@ impl ClientSecurity {
     pub fn wrap(&self, channel: Channel) -> AuthChannel {
         InterceptedService::new(channel, self.injector())
     }
-}
-
-/// A bearer token; its `Debug` prints the length only.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Token(Arc<str>);
-
-impl Token {
-    /// The token in `text`, surrounding whitespace (a file's trailing
-    /// newline) removed; it must be printable ASCII (an HTTP header value).
-    pub fn new(text: &str, origin: &str) -> Result<Token, SecurityError> {
-        let trimmed = text.trim();
-        if trimmed.is_empty() {
-            return Err(SecurityError::EmptyToken {
-                origin: origin.to_string(),
-            });
-        }
-        if !trimmed.bytes().all(|byte| byte.is_ascii_graphic()) {
-            return Err(SecurityError::InvalidToken {
-                origin: origin.to_string(),
-            });
-        }
-        Ok(Token(Arc::from(trimmed)))
-    }
-}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(formatter, "Token(<redacted, {} bytes>)", self.0.len())
-    }
-}
-
-/// Reads the token from `token_file`, else from `DFLASH_TOKEN`; `None` when
-/// neither is set.
-pub fn load_token(token_file: Option<&Path>) -> Result<Option<Token>, SecurityError> {
-    let from_env = std::env::var(TOKEN_ENV)
-        .ok()
-        .filter(|value| !value.is_empty());
-    match (token_file, from_env) {
-        (Some(path), Some(_)) => Err(SecurityError::TokenTwice {
-            path: path.to_path_buf(),
-        }),
-        (Some(path), None) => {
-            let text = std::fs::read_to_string(path).map_err(|source| SecurityError::Read {
-                flag: "--token-file",
-                path: path.to_path_buf(),
-                source,
-            })?;
-            Token::new(&text, &format!("--token-file {}", path.display())).map(Some)
-        }
-        (None, Some(value)) => Token::new(&value, TOKEN_ENV).map(Some),
-        (None, None) => Ok(None),
-    }
-}
-
-fn read_pem(flag: &'static str, path: &Path) -> Result<Vec<u8>, SecurityError> {
-    std::fs::read(path).map_err(|source| SecurityError::Read {
-        flag,
-        path: path.to_path_buf(),
-        source,
-    })
 }
 
 /// Adds the bearer token to every call (nothing without a token).
@@ -284,7 +212,7 @@ mod tests {
     fn bad_tokens_and_addresses_are_named() {
         assert!(matches!(
             Token::new("two words", "DFLASH_TOKEN"),
-            Err(SecurityError::InvalidToken { .. })
+            Err(CredentialError::InvalidToken { .. })
         ));
         assert!(Token::new("\n", "x").is_err());
         let security = ClientSecurity {
