@@ -15,6 +15,11 @@
 #   run 2: a target container stopped for good: the run ends ABORTED naming
 #          it within the grace period plus a minute, and the drafters exit.
 #
+# The broker keeps its write-ahead log in the `broker-state` volume
+# (--state-dir=/state); each run is its own compose project, so each gets
+# its own volume (checked: run 2 has a new run id, not run 1's resumed), and
+# `down -v` removes it.
+#
 # Skipped, with a message, only when no Docker engine answers.
 # Prints `check-deploy: N passed, M failed` last; exits non-zero on a failure.
 set -uo pipefail
@@ -232,6 +237,9 @@ sys.exit(1 if problems else 0)
 PY
 }
 check "run 1 COMPLETE: all $samples samples acked exactly once, no dead letters ($((SECONDS - run_started)) s)" acct
+run1_id="$(status_value 's["run_id"]')"
+state_dir_used() { compose logs broker 2>&1 | grep -q "state loaded from the write-ahead log"; }
+check "run 1's broker keeps its state in the broker-state volume (--state-dir)" state_dir_used
 if ((failed > 0)); then dump_logs; fi
 
 # TLS and the token from the host: grpcurl and the Rust client.
@@ -275,6 +283,8 @@ EOF
 compose up -d --scale drafter=2 >"$work/up2.log" 2>&1 || { cat "$work/up2.log"; fail "compose up (run 2)"; summary; exit 1; }
 target_producing() { (($(status_value "[t['accepted_items'] for t in s['targets'] if t['target_id'] == 'target-2'][0]" || echo 0) > 0)); }
 check "run 2: target-2 produces" wait_for 90 target_producing
+own_state() { local id; id="$(status_value 's["run_id"]')"; [[ -n "$id" && -n "$run1_id" && "$id" != "$run1_id" ]]; }
+check "run 2 has its own state dir: a new run id, not run 1's resumed" own_state
 stop_started=$SECONDS
 compose stop -t 5 target-2 >/dev/null 2>&1
 aborted() { state_is BROKER_STATE_ABORTED; }
