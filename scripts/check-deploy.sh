@@ -15,6 +15,11 @@
 #   run 2: a target container stopped for good: the run ends ABORTED naming
 #          it within the grace period plus a minute, and the drafters exit.
 #
+# The broker keeps its write-ahead log in the `broker-state` volume
+# (--state-dir=/state); each run is its own compose project, so each gets
+# its own volume (checked: run 2 has a new run id, not run 1's resumed), and
+# `down -v` removes it.
+#
 # Skipped, with a message, only when no Docker engine answers.
 # Prints `check-deploy: N passed, M failed` last; exits non-zero on a failure.
 set -uo pipefail
@@ -232,25 +237,30 @@ sys.exit(1 if problems else 0)
 PY
 }
 check "run 1 COMPLETE: all $samples samples acked exactly once, no dead letters ($((SECONDS - run_started)) s)" acct
+run1_id="$(status_value 's["run_id"]')"
+state_dir_used() { compose logs broker 2>&1 | grep "state loaded from the write-ahead log" >/dev/null; }
+check "run 1's broker keeps its state in the broker-state volume (--state-dir)" state_dir_used
 if ((failed > 0)); then dump_logs; fi
 
 # TLS and the token from the host: grpcurl and the Rust client.
 grpc() { "$grpcurl" -cacert "$tls/ca.pem" "$@"; }
-grpc_lists() { grpc "127.0.0.1:$broker_port" list | grep -qx dflash.v1.Broker; }
+# (grep reads all its input, never -q: with pipefail, a writer cut off by an
+# early exit fails the check with a broken pipe.)
+grpc_lists() { grpc "127.0.0.1:$broker_port" list | grep -x dflash.v1.Broker >/dev/null; }
 check "grpcurl over TLS lists the services (reflection open for grpcurl)" grpc_lists
 # grpcurl prints the code's name, tonic's Display its description.
 refused() { local output; output="$("$@" 2>&1)"; grep -qE "Unauthenticated|does not have valid authentication credentials" <<<"$output"; }
 grpc_status() { grpc "$@" "127.0.0.1:$broker_port" dflash.v1.Broker/GetStatus; }
 check "grpcurl GetStatus without the token: Unauthenticated" refused grpc_status
 check "grpcurl GetStatus with a wrong token: Unauthenticated" refused grpc_status -H "authorization: Bearer $(cat "$tls/wrong-token")"
-grpc_status_ok() { grpc_status -H "authorization: Bearer $(cat "$tls/token")" | grep -q BROKER_STATE_COMPLETE; }
+grpc_status_ok() { grpc_status -H "authorization: Bearer $(cat "$tls/token")" | grep BROKER_STATE_COMPLETE >/dev/null; }
 check "grpcurl GetStatus with the token works" grpc_status_ok
 rust_status() { "$dflash" status --json --broker "https://127.0.0.1:$broker_port" --tls-ca "$tls/ca.pem" "$@"; }
 check "dflash status without the token: Unauthenticated" refused rust_status
 check "dflash status with a wrong token: Unauthenticated" refused rust_status --token-file "$tls/wrong-token"
-rust_status_ok() { rust_status --token-file "$tls/token" | grep -q BROKER_STATE_COMPLETE; }
+rust_status_ok() { rust_status --token-file "$tls/token" | grep BROKER_STATE_COMPLETE >/dev/null; }
 check "dflash status with the token works" rust_status_ok
-token_leaked() { ! compose logs 2>&1 | grep -qF "$(cat "$tls/token")"; }
+token_leaked() { ! compose logs 2>&1 | grep -F "$(cat "$tls/token")" >/dev/null; }
 check "the token appears in no container's log" token_leaked
 compose down -v --remove-orphans -t 5 >/dev/null 2>&1
 
@@ -275,6 +285,8 @@ EOF
 compose up -d --scale drafter=2 >"$work/up2.log" 2>&1 || { cat "$work/up2.log"; fail "compose up (run 2)"; summary; exit 1; }
 target_producing() { (($(status_value "[t['accepted_items'] for t in s['targets'] if t['target_id'] == 'target-2'][0]" || echo 0) > 0)); }
 check "run 2: target-2 produces" wait_for 90 target_producing
+own_state() { local id; id="$(status_value 's["run_id"]')"; [[ -n "$id" && -n "$run1_id" && "$id" != "$run1_id" ]]; }
+check "run 2 has its own state dir: a new run id, not run 1's resumed" own_state
 stop_started=$SECONDS
 compose stop -t 5 target-2 >/dev/null 2>&1
 aborted() { state_is BROKER_STATE_ABORTED; }

@@ -111,10 +111,15 @@ pub struct BrokerConfig {
     pub shutdown_timeout: Duration,
 
     /// HTTP/2 keepalive ping interval; a peer that does not answer within
-    /// --keepalive-timeout is dropped (and its leases returned).
+    /// --keepalive-timeout is dropped (and its leases returned). A frozen
+    /// peer is dropped within interval + timeout (30s by default); keep
+    /// that below --target-grace: a target's grace counts from its last
+    /// message, so a frozen target fails one grace after it froze.
     #[arg(long, env = "DFLASH_KEEPALIVE_INTERVAL", default_value = "10s", value_parser = parse_duration)]
     pub keepalive_interval: Duration,
 
+    /// How long a keepalive ping may go unanswered before the connection
+    /// is dropped.
     #[arg(long, env = "DFLASH_KEEPALIVE_TIMEOUT", default_value = "20s", value_parser = parse_duration)]
     pub keepalive_timeout: Duration,
 
@@ -240,6 +245,7 @@ impl BrokerConfig {
             target_stall_timeout: non_zero(self.target_stall_timeout),
             target_load_timeout: non_zero(self.target_load_timeout),
             max_lease_lifetime: non_zero(self.max_lease_lifetime),
+            keepalive_detection: Some(self.keepalive_interval + self.keepalive_timeout),
         }
     }
 }

@@ -62,6 +62,9 @@ impl From<QueueError> for Status {
             | QueueError::DoneCountMismatch { .. }
             | QueueError::RunEnded { .. } => Status::failed_precondition(message),
             QueueError::QueueFull { .. } => Status::resource_exhausted(message),
+            // Retryable on purpose: a restarted drafter whose old stream the
+            // broker has not seen end yet gets in once it has.
+            QueueError::DrafterAlreadyConnected { .. } => Status::already_exists(message),
             QueueError::StaleConnection { .. } => Status::aborted(message),
         }
     }

@@ -22,8 +22,9 @@
 //!   is the generated server's).
 //! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
 //! - `wal`: the write-ahead log under `--state-dir` (a segment log with a
-//!   CRC per record, compacted to the queue's byte cap), which the service
-//!   appends the queue's journal entries to before answering.
+//!   CRC per record, compacted to the queue's byte cap on its own thread,
+//!   one broker per directory by an `flock`), which the service appends the
+//!   queue's journal entries to before answering.
 //! - `model_sync`: the `ModelSync` service beside the queue: the run's one
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
 //!   outer step), its arithmetic on raw buffers, and its checkpoints.

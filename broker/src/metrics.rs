@@ -397,6 +397,7 @@ mod tests {
             target_stall_timeout: None,
             target_load_timeout: None,
             max_lease_lifetime: None,
+            keepalive_detection: None,
         }
     }
 

@@ -19,7 +19,9 @@ use crate::service::{BrokerService, Shared};
 use crate::zero_copy::BrokerRoutes;
 use dflash_proto::v1::broker_server::BrokerServer;
 
-use dflash_proto::transport::{CONNECTION_WINDOW_BYTES, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
+use dflash_proto::transport::{
+    BROKER_RECEIVE_STREAM_WINDOW_BYTES, CONNECTION_WINDOW_BYTES, MAX_FRAME_BYTES,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -76,6 +78,14 @@ pub async fn serve_with_metrics(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     config.validate()?;
+    let keepalive_detection = config.keepalive_interval + config.keepalive_timeout;
+    if keepalive_detection >= config.target_grace {
+        warn!(
+            keepalive_seconds = keepalive_detection.as_secs_f64(),
+            grace_seconds = config.target_grace.as_secs_f64(),
+            "--keepalive-interval + --keepalive-timeout is not below --target-grace: a frozen target is noticed only when keepalive drops its stream, after its grace"
+        );
+    }
     let security = config.security.load()?;
     let internal = CancellationToken::new();
     let shared = Shared::new(config.clone(), internal.clone())?;
@@ -134,7 +144,9 @@ pub async fn serve_with_metrics(
     // or for a service the operator exempts).
     let broker_check = security.check(false);
     let server = builder
-        .initial_stream_window_size(Some(STREAM_WINDOW_BYTES))
+        // Bounds what a producer pushes beyond --max-queue-bytes while the
+        // broker is not reading its stream (see the constant).
+        .initial_stream_window_size(Some(BROKER_RECEIVE_STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .max_frame_size(Some(MAX_FRAME_BYTES))
         .http2_keepalive_interval(Some(config.keepalive_interval))

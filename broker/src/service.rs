@@ -56,7 +56,8 @@ struct Locked {
 
 impl Locked {
     /// Appends the queue's new journal entries to the write-ahead log (a
-    /// no-op without `--state-dir`), compacting when it outgrew its bound.
+    /// no-op without `--state-dir`), starting a background compaction when
+    /// it outgrew its bound.
     /// Called before any answer that depends on them leaves. A failed write
     /// aborts the run: a broker that cannot keep what it accepted must not
     /// say "accepted".
@@ -69,8 +70,10 @@ impl Locked {
             return;
         }
         let mut result = wal.append(&entries);
-        if result.is_ok() && wal.needs_compaction() {
-            result = wal.compact(&self.queue.checkpoint_entries());
+        // The checkpoint is written on the log's own thread: under this lock
+        // only the entry list is built (payloads are shared, not copied).
+        if result.is_ok() && wal.needs_compaction() && !wal.is_compacting() {
+            result = wal.compact_in_background(self.queue.checkpoint_entries());
         }
         if let Err(error) = result {
             tracing::error!(%error, "write-ahead log failed; aborting the run");
@@ -880,19 +883,24 @@ impl Broker for BrokerService {
         let (outbox, receiver) = mpsc::unbounded_channel();
         let lease_timeout_ms =
             u64::try_from(self.shared.config.lease_timeout.as_millis()).unwrap_or(u64::MAX);
-        let connection = self.shared.with_queue(|locked, now| {
-            let welcome = proto::consume_response::Kind::Welcome(proto::ConsumerWelcome {
-                summary: Some(convert::summary_to_proto(&locked.queue.summary())),
-                lease_timeout_ms,
-                run_id: self.shared.run_id.clone(),
-            });
-            let _ = outbox.send(Ok(proto::ConsumeResponse {
-                kind: Some(welcome),
-            }));
-            let connection = locked.queue.open_consumer(&hello.drafter_id, credit, now)?;
-            locked.consumer_outboxes.insert(connection, outbox);
-            Ok::<_, QueueError>(connection)
-        })?;
+        let connection = self
+            .shared
+            .with_queue(|locked, now| {
+                let welcome = proto::consume_response::Kind::Welcome(proto::ConsumerWelcome {
+                    summary: Some(convert::summary_to_proto(&locked.queue.summary())),
+                    lease_timeout_ms,
+                    run_id: self.shared.run_id.clone(),
+                });
+                let _ = outbox.send(Ok(proto::ConsumeResponse {
+                    kind: Some(welcome),
+                }));
+                let connection = locked.queue.open_consumer(&hello.drafter_id, credit, now)?;
+                locked.consumer_outboxes.insert(connection, outbox);
+                Ok::<_, QueueError>(connection)
+            })
+            .inspect_err(
+                |error| warn!(drafter_id = %hello.drafter_id, %error, "Consume hello refused"),
+            )?;
         info!(drafter_id = %hello.drafter_id, connection, credit_items = credit.items, "drafter connected");
         let guard = ConnectionGuard {
             shared: self.shared.clone(),

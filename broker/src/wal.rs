@@ -13,9 +13,17 @@
 //! Bounded by the queue's byte cap: when the segment grows past
 //! `compact_above` (twice `--max-queue-bytes`, at least 64 MiB), the queue's
 //! whole state (targets, counters and the items still held, at most the cap)
-//! is written to the next segment, which starts with a `Reset`, and older
-//! segments are deleted. On disk: at most `compact_above` plus one
-//! checkpoint (≤ the cap plus the target books).
+//! is written as a segment that starts with a `Reset`, and older segments
+//! are deleted. The broker compacts in the background
+//! ([`Wal::compact_in_background`]): appends move to a fresh segment at once
+//! and a thread writes the checkpoint, so the queue's lock is not held while
+//! up to the cap is written. On disk: one checkpoint (≤ the cap plus the
+//! target books) and at most `compact_above` of appends after it; while a
+//! compaction writes, also the new checkpoint: at most about 4x the cap.
+//!
+//! One broker per state dir: [`Wal::open`] takes an advisory lock on
+//! `lock` (`flock`, released by the kernel when the process exits, even on
+//! `kill -9`) and a second broker on the same directory refuses to start.
 //!
 //! fsync: `always` syncs after every operation that logged something, before
 //! its answers leave; `batch` (default) syncs at most every
@@ -41,6 +49,10 @@ const MIN_COMPACT_ABOVE: u64 = 64 << 20;
 /// A frame body larger than this is corruption, not a record.
 const MAX_FRAME_BYTES: u64 = 1 << 34;
 const RUN_ID_FILE: &str = "run-id";
+/// Held locked (an advisory `flock`) by the broker that owns the state dir.
+/// The kernel drops the lock when that process exits, however it exits
+/// (`kill -9` included), so a stale lock file never blocks a restart.
+const LOCK_FILE: &str = "lock";
 
 /// When the log is flushed to stable storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -61,6 +73,8 @@ pub trait DurablePayload: Payload + Sized {
 
 #[derive(Debug, thiserror::Error)]
 pub enum WalError {
+    #[error("state dir {path} is in use by another broker (it holds the lock on {lock}); two brokers on one state dir would interleave one log: stop the other one or give this one its own --state-dir")]
+    Locked { path: PathBuf, lock: PathBuf },
     #[error("state dir {path}: {source}")]
     Io {
         path: PathBuf,
@@ -95,6 +109,11 @@ pub struct Wal<P> {
     last_sync: Instant,
     /// Written since the last sync.
     dirty: bool,
+    /// A compaction writing its checkpoint on its own thread, off the
+    /// queue's lock ([`Wal::compact_in_background`]).
+    compaction: Option<std::thread::JoinHandle<Result<u64, WalError>>>,
+    /// The state dir's lock, held for as long as this log is open.
+    _lock: File,
     _payload: PhantomData<P>,
 }
 
@@ -109,7 +128,9 @@ pub struct Opened<P> {
 }
 
 impl<P: DurablePayload> Wal<P> {
-    /// Opens (creating when empty) the state dir and replays its log.
+    /// Opens (creating when empty) the state dir, takes its lock (refused
+    /// with [`WalError::Locked`] while another process holds it) and
+    /// replays its log.
     pub fn open(
         dir: &Path,
         fsync: FsyncPolicy,
@@ -117,6 +138,8 @@ impl<P: DurablePayload> Wal<P> {
         new_run_id: impl FnOnce() -> String,
     ) -> Result<Opened<P>, WalError> {
         fs::create_dir_all(dir).map_err(io_error(dir))?;
+        let lock = lock_state_dir(dir)?;
+        remove_unfinished_checkpoints(dir)?;
         let run_id = read_or_create_run_id(dir, new_run_id)?;
         let mut segments = list_segments(dir)?;
         segments.sort();
@@ -149,6 +172,8 @@ impl<P: DurablePayload> Wal<P> {
                 compact_above: max_held_bytes.saturating_mul(2).max(MIN_COMPACT_ABOVE),
                 last_sync: Instant::now(),
                 dirty: false,
+                compaction: None,
+                _lock: lock,
                 _payload: PhantomData,
             },
             recovered,
@@ -214,22 +239,14 @@ impl<P: DurablePayload> Wal<P> {
     }
 
     /// Replaces the log with `checkpoint` (the queue's whole state, starting
-    /// with `Reset`): written to a temporary file, synced, renamed to the next
-    /// segment, then older segments are deleted. A crash at any point leaves
-    /// a log that replays to the same state.
+    /// with `Reset`) and waits for it: written to a temporary file, synced,
+    /// renamed to the next segment, then older segments are deleted. A crash
+    /// at any point leaves a log that replays to the same state.
     pub fn compact(&mut self, checkpoint: &[JournalEntry<P>]) -> Result<(), WalError> {
+        self.wait_for_compaction()?;
         let next_index = self.segment_index + 1;
+        let bytes = write_checkpoint_segment(&self.dir, next_index, checkpoint)?;
         let next_path = segment_path(&self.dir, next_index);
-        let temporary = self.dir.join(format!("segment-{next_index:016}.tmp"));
-        let mut file = File::create(&temporary).map_err(io_error(&temporary))?;
-        let mut bytes = 0;
-        for entry in checkpoint {
-            bytes += write_frame(&mut file, entry).map_err(io_error(&temporary))?;
-        }
-        file.sync_all().map_err(io_error(&temporary))?;
-        drop(file);
-        fs::rename(&temporary, &next_path).map_err(io_error(&next_path))?;
-        sync_dir(&self.dir)?;
         let segment = OpenOptions::new()
             .append(true)
             .open(&next_path)
@@ -241,14 +258,183 @@ impl<P: DurablePayload> Wal<P> {
         self.segment_bytes = bytes;
         self.dirty = false;
         self.last_sync = Instant::now();
-        for (index, path) in list_segments(&self.dir)? {
-            if index < next_index {
-                fs::remove_file(&path).map_err(io_error(&path))?;
-            }
-        }
-        sync_dir(&self.dir)?;
+        delete_segments_below(&self.dir, next_index)?;
         tracing::info!(before, after = bytes, "write-ahead log compacted");
         Ok(())
+    }
+
+    /// Whether a background compaction is still writing.
+    pub fn is_compacting(&mut self) -> bool {
+        self.reap_compaction();
+        self.compaction.is_some()
+    }
+
+    /// Compaction without holding the caller (the broker's queue lock)
+    /// while the checkpoint is written: the appends move at once to a fresh
+    /// segment two indexes on (N+2), and a thread writes `checkpoint` as
+    /// segment N+1 (temporary file, sync, rename) and then deletes N and
+    /// older. Replay reads segments in index order, so at every moment the
+    /// directory replays to the same state: N then N+2 before the rename,
+    /// N, the checkpoint (which starts with `Reset`) and N+2 after it, the
+    /// checkpoint and N+2 at the end. What the caller pays: building the
+    /// entry list (reference-counted payloads, no copy), a sync of N and
+    /// opening the new segment. Does nothing while an earlier compaction
+    /// is still writing.
+    pub fn compact_in_background(
+        &mut self,
+        checkpoint: Vec<JournalEntry<P>>,
+    ) -> Result<(), WalError>
+    where
+        P: Send + 'static,
+    {
+        if self.is_compacting() {
+            return Ok(());
+        }
+        // N complete on disk before the appends move on.
+        self.sync()?;
+        let checkpoint_index = self.segment_index + 1;
+        let append_index = self.segment_index + 2;
+        let append_path = segment_path(&self.dir, append_index);
+        let segment = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&append_path)
+            .map_err(io_error(&append_path))?;
+        sync_dir(&self.dir)?;
+        let before = self.segment_bytes;
+        self.segment = segment;
+        self.segment_index = append_index;
+        self.segment_path = append_path;
+        self.segment_bytes = 0;
+        let dir = self.dir.clone();
+        let spawned = std::thread::Builder::new()
+            .name("wal-compaction".to_string())
+            .spawn(move || {
+                let started = Instant::now();
+                let bytes = write_checkpoint_segment(&dir, checkpoint_index, &checkpoint)?;
+                delete_segments_below(&dir, checkpoint_index)?;
+                tracing::info!(
+                    before,
+                    after = bytes,
+                    seconds = started.elapsed().as_secs_f64(),
+                    "write-ahead log compacted (in the background)"
+                );
+                Ok(bytes)
+            })
+            .map_err(io_error(&self.dir))?;
+        self.compaction = Some(spawned);
+        Ok(())
+    }
+
+    /// Joins a finished background compaction; its failure is logged (the
+    /// log stays complete, only uncompacted, and the next threshold
+    /// crossing tries again).
+    fn reap_compaction(&mut self) {
+        if self
+            .compaction
+            .as_ref()
+            .is_some_and(|handle| handle.is_finished())
+        {
+            if let Err(error) = self.wait_for_compaction() {
+                tracing::warn!(%error, "background compaction of the write-ahead log failed; the log is complete, compaction is retried");
+            }
+        }
+    }
+
+    /// Waits for a background compaction to finish writing.
+    pub fn wait_for_compaction(&mut self) -> Result<(), WalError> {
+        let Some(handle) = self.compaction.take() else {
+            return Ok(());
+        };
+        match handle.join() {
+            Ok(result) => result.map(|_| ()),
+            Err(_) => Err(WalError::Io {
+                path: self.dir.clone(),
+                source: std::io::Error::other("the compaction thread panicked"),
+            }),
+        }
+    }
+}
+
+impl<P> Drop for Wal<P> {
+    /// A compaction in flight finishes (bounded by writing at most the
+    /// queue's cap) so that no thread outlives the log; a crash instead
+    /// would leave a directory that replays to the same state anyway.
+    fn drop(&mut self) {
+        if let Some(handle) = self.compaction.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// Writes `checkpoint` as segment `index`: a temporary file, synced, then
+/// renamed into place and the directory synced. The bytes written.
+fn write_checkpoint_segment<P: DurablePayload>(
+    dir: &Path,
+    index: u64,
+    checkpoint: &[JournalEntry<P>],
+) -> Result<u64, WalError> {
+    let path = segment_path(dir, index);
+    let temporary = dir.join(format!("segment-{index:016}.tmp"));
+    let file = File::create(&temporary).map_err(io_error(&temporary))?;
+    let mut writer = std::io::BufWriter::with_capacity(1 << 20, file);
+    let mut bytes = 0;
+    for entry in checkpoint {
+        bytes += write_frame(&mut writer, entry).map_err(io_error(&temporary))?;
+    }
+    let file = writer
+        .into_inner()
+        .map_err(|error| error.into_error())
+        .map_err(io_error(&temporary))?;
+    file.sync_all().map_err(io_error(&temporary))?;
+    drop(file);
+    fs::rename(&temporary, &path).map_err(io_error(&path))?;
+    sync_dir(dir)?;
+    Ok(bytes)
+}
+
+/// Deletes checkpoints a crash left half written (`segment-*.tmp`): replay
+/// never reads them, and the log before them is complete.
+fn remove_unfinished_checkpoints(dir: &Path) -> Result<(), WalError> {
+    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
+        let path = entry.map_err(io_error(dir))?.path();
+        let unfinished = path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .is_some_and(|name| name.starts_with("segment-") && name.ends_with(".tmp"));
+        if unfinished {
+            fs::remove_file(&path).map_err(io_error(&path))?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes every segment with an index below `index`.
+fn delete_segments_below(dir: &Path, index: u64) -> Result<(), WalError> {
+    for (found, path) in list_segments(dir)? {
+        if found < index {
+            fs::remove_file(&path).map_err(io_error(&path))?;
+        }
+    }
+    sync_dir(dir)
+}
+
+/// Takes the state dir's lock without waiting.
+fn lock_state_dir(dir: &Path) -> Result<File, WalError> {
+    let path = dir.join(LOCK_FILE);
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_error(&path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(fs::TryLockError::WouldBlock) => Err(WalError::Locked {
+            path: dir.to_path_buf(),
+            lock: path,
+        }),
+        Err(fs::TryLockError::Error(source)) => Err(WalError::Io { path, source }),
     }
 }
 
@@ -379,6 +565,7 @@ const KIND_ABORTED: u8 = 9;
 const KIND_TARGET_CHECKPOINT: u8 = 10;
 const KIND_COUNTERS_CHECKPOINT: u8 = 11;
 const KIND_DEAD_LETTER_CHECKPOINT: u8 = 12;
+const KIND_DELIVERED: u8 = 13;
 
 struct Encoder(Vec<u8>);
 
@@ -429,6 +616,16 @@ fn write_frame<P: DurablePayload>(
             body.u8(KIND_ACKED);
             body.str(target_id);
             body.u64(*seq);
+        }
+        JournalEntry::Delivered {
+            target_id,
+            seq,
+            deliveries,
+        } => {
+            body.u8(KIND_DELIVERED);
+            body.str(target_id);
+            body.u64(*seq);
+            body.u32(*deliveries);
         }
         JournalEntry::DeadLettered {
             target_id,
@@ -592,6 +789,11 @@ fn decode_entry<P: DurablePayload>(body: &[u8]) -> Result<JournalEntry<P>, Strin
         KIND_ACKED => JournalEntry::Acked {
             target_id: decoder.target()?,
             seq: decoder.u64()?,
+        },
+        KIND_DELIVERED => JournalEntry::Delivered {
+            target_id: decoder.target()?,
+            seq: decoder.u64()?,
+            deliveries: decoder.u32()?,
         },
         KIND_DEAD_LETTERED => JournalEntry::DeadLettered {
             target_id: decoder.target()?,

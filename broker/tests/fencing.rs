@@ -204,3 +204,68 @@ async fn a_client_from_another_run_is_refused() {
     assert!(snapshot.drafters.is_empty());
     broker.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_consume_hello_for_a_live_drafter_is_refused_until_the_first_is_gone() {
+    let broker = TestBroker::for_targets(1).await;
+    let client = broker.client().await;
+    let mut first = client.consume("drafter-0", credit(4)).await.unwrap();
+    let mut producer = client.produce("target-0").await.unwrap();
+    producer
+        .send(0, sample(256, 0), HashMap::new())
+        .await
+        .unwrap();
+    let dflash_client::ConsumerEvent::Delivery(delivery) = first.next().await.unwrap() else {
+        panic!("expected a delivery")
+    };
+
+    // A second process with the same id: ALREADY_EXISTS, retryable (a
+    // restarted drafter keeps trying until its old stream is gone), and the
+    // live stream keeps its lease.
+    let second = broker.client().await;
+    let error = second
+        .consume("drafter-0", credit(4))
+        .await
+        .expect_err("a live stream holds the id");
+    assert_eq!(code_of(&error), Code::AlreadyExists, "{error}");
+    assert!(error.to_string().contains("drafter-0"), "{error}");
+    assert!(error.is_retryable(), "{error}");
+    let snapshot = status(&broker).await;
+    assert_eq!(snapshot.drafters.len(), 1);
+    assert!(snapshot.drafters[0].connected);
+    assert_eq!(snapshot.leased_items, 1, "{snapshot:?}");
+    first.handle().ack(vec![delivery.delivery_id]);
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            status(&broker).await.acked_items == 1
+        })
+        .await,
+        "the live stream's ack was not counted"
+    );
+
+    // The old stream gone (its process died): the id is free again.
+    drop(first);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut reopened = loop {
+        match second.consume("drafter-0", credit(4)).await {
+            Ok(consumer) => break consumer,
+            Err(error) => {
+                assert_eq!(code_of(&error), Code::AlreadyExists, "{error}");
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the id stayed taken after its stream ended"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    producer
+        .send(1, sample(256, 1), HashMap::new())
+        .await
+        .unwrap();
+    let dflash_client::ConsumerEvent::Delivery(delivery) = reopened.next().await.unwrap() else {
+        panic!("expected a delivery on the new stream")
+    };
+    assert_eq!(delivery.seq, 1);
+    broker.stop().await;
+}

@@ -86,6 +86,48 @@ async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_producer_under_continue_completes_with_the_target_failed() {
+    let stall = Duration::from_secs(2);
+    let broker = TestBroker::start(BrokerConfig {
+        on_target_failure: OnTargetFailure::Continue,
+        ..config(stall, Duration::from_secs(60))
+    })
+    .await;
+    let client = broker.client().await;
+    let mut consumer = client.consume("drafter-0", credit(4)).await.unwrap();
+    let mut producer = client.produce("target-0").await.unwrap();
+    producer
+        .send(0, sample(256, 0), HashMap::new())
+        .await
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || async {
+            broker.status().await.accepted_items == 1
+        })
+        .await
+    );
+    // The stream stays open and nothing more is sent.
+    let silent_since = Instant::now();
+    let end = end_of_stream(&mut consumer).await;
+    let waited = silent_since.elapsed();
+    assert_eq!(end.status(), proto::RunStatus::Complete, "{end:?}");
+    let summary = end.summary.clone().expect("a summary");
+    assert_eq!(
+        summary.failed_targets,
+        vec!["target-0".to_string()],
+        "{end:?}"
+    );
+    assert!(waited >= stall - Duration::from_millis(100), "{waited:?}");
+    assert!(waited <= stall + Duration::from_secs(3), "{waited:?}");
+    let status = broker.status().await;
+    assert_eq!(status.state(), proto::BrokerState::Complete);
+    // What it sent before it went silent was delivered and acked.
+    assert_eq!((status.accepted_items, status.acked_items), (1, 1));
+    drop(producer);
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producer_that_never_sends_fails_after_the_load_timeout() {
     let load = Duration::from_secs(2);
     let broker = TestBroker::start(config(Duration::from_secs(60), load)).await;

@@ -1,9 +1,21 @@
 //! HTTP/2 and gRPC transport settings shared by the broker and every client,
 //! defined once so both ends of a connection agree.
 
-/// Per-stream HTTP/2 flow-control window. Hidden-state payloads are tens of
-/// MiB; hyper's default (about 1 MB) would stall each stream on round trips.
+/// Per-stream HTTP/2 flow-control window of the clients (what the broker
+/// may send a drafter ahead of its reading). Hidden-state payloads are tens
+/// of MiB; hyper's default (about 1 MB) would stall each stream on round
+/// trips.
 pub const STREAM_WINDOW_BYTES: u32 = 64 << 20;
+
+/// The broker's own receive window per stream. While the queue is full the
+/// broker stops reading a Produce stream, and what the producer already sent
+/// waits in HTTP/2 buffers, outside `--max-queue-bytes`: each producer adds
+/// at most this window plus the one item the broker decoded and holds until
+/// there is room for it. So the broker's memory stays within cap +
+/// producers x (this + one item) + a baseline (measured in
+/// `tests/tests/memory_bound.rs`; the README states the figure). 16 MiB keeps
+/// that small and still moves an item in a few window updates on loopback.
+pub const BROKER_RECEIVE_STREAM_WINDOW_BYTES: u32 = 16 << 20;
 
 /// Per-connection HTTP/2 flow-control window (several streams' worth).
 pub const CONNECTION_WINDOW_BYTES: u32 = 256 << 20;

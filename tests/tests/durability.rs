@@ -138,6 +138,7 @@ async fn kill_9_with_a_backlog_then_restart_on_the_state_dir_loses_nothing() {
     }
     let mut consumer = client.consume("drafter-0", credit(8)).await.unwrap();
     let handle = consumer.handle();
+    let mut second_deliveries = 0;
     let end = loop {
         match tokio::time::timeout(Duration::from_secs(60), consumer.next())
             .await
@@ -145,6 +146,12 @@ async fn kill_9_with_a_backlog_then_restart_on_the_state_dir_loses_nothing() {
             .unwrap()
         {
             ConsumerEvent::Delivery(delivery) => {
+                // The items leased at the kill keep their count: this is
+                // their second delivery; every other item's first.
+                assert!(delivery.delivery_count <= 2, "{delivery:?}");
+                if delivery.delivery_count == 2 {
+                    second_deliveries += 1;
+                }
                 record(&mut acked, &delivery);
                 handle.ack(vec![delivery.delivery_id]);
             }
@@ -152,6 +159,10 @@ async fn kill_9_with_a_backlog_then_restart_on_the_state_dir_loses_nothing() {
         }
     };
     assert_eq!(end.status(), proto::RunStatus::Complete, "{end:?}");
+    assert_eq!(
+        second_deliveries, LEASED_AT_KILL,
+        "delivery counts after the restart"
+    );
 
     // Accounting by (target, seq): nothing lost, duplicates bounded by the
     // leases open at the kill.
@@ -218,4 +229,48 @@ async fn without_a_state_dir_a_restart_fails_the_clients_loudly() {
     let status = broker.client().await.status().await.unwrap();
     assert_eq!(status.done_targets, 0);
     assert_eq!(status.state(), proto::BrokerState::Running, "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_broker_on_the_same_state_dir_refuses_to_start() {
+    let work = tempfile::tempdir().unwrap();
+    let state_dir = work.path().join("state");
+    let state_dir_arg = state_dir.to_str().unwrap().to_string();
+    let mut broker = BrokerProcess::start(
+        &["--expected-targets", "1", "--state-dir", &state_dir_arg],
+        work.path().join("broker.log"),
+    )
+    .await;
+    let run_id = broker.client().await.status().await.unwrap().run_id;
+
+    let second = {
+        let state_dir_arg = state_dir_arg.clone();
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(dflash_testkit::workspace_binary("broker"))
+                .args(["--listen", "127.0.0.1:0", "--expected-targets", "1"])
+                .args(["--state-dir", &state_dir_arg])
+                .output()
+                .expect("run a second broker")
+        })
+    };
+    let output = tokio::time::timeout(Duration::from_secs(60), second)
+        .await
+        .expect("the second broker exits at once")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "{:?}\n{stderr}",
+        output.status
+    );
+    assert!(stderr.contains(&state_dir_arg), "{stderr}");
+    assert!(stderr.contains("in use by another broker"), "{stderr}");
+
+    // The first is unharmed; killed with SIGKILL, its lock goes with it and
+    // a restart on the directory resumes the same run.
+    assert_eq!(broker.client().await.status().await.unwrap().run_id, run_id);
+    broker.kill_9();
+    broker.restart().await;
+    assert_eq!(broker.client().await.status().await.unwrap().run_id, run_id);
 }

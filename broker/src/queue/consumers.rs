@@ -3,9 +3,16 @@
 use super::*;
 
 impl<P: Payload> Queue<P> {
-    /// A drafter opens its Consume stream. A stream already open under the
-    /// same drafter id is ended (its leases go back to the queue). A drafter
-    /// joining a finished run gets end-of-stream at once.
+    /// A drafter opens its Consume stream. A stream still live under the
+    /// same drafter id is not displaced: the hello is refused
+    /// ([`QueueError::DrafterAlreadyConnected`]) and changes nothing, so a
+    /// second process that was given the same id cannot take over a working
+    /// drafter's leases. The id is free again as soon as the old stream
+    /// ends (a killed process closes its connection at once; a frozen or
+    /// cut-off one is dropped by HTTP/2 keepalive), or when it stalled (a
+    /// lease of it expired with no sign of life since): then the old stream
+    /// is ended (its leases go back to the queue) and the new one takes the
+    /// id. A drafter joining a finished run gets end-of-stream at once.
     pub fn open_consumer(
         &mut self,
         drafter_id: &str,
@@ -18,20 +25,32 @@ impl<P: Payload> Queue<P> {
         if credit.items == 0 {
             return Err(QueueError::ZeroCredit);
         }
-        let connection = self.allocate_connection();
-        if let Some(old) = self
-            .drafters
-            .get(drafter_id)
-            .and_then(|entry| entry.connection)
-        {
+        let live = self.drafters.get(drafter_id).and_then(|entry| {
+            entry
+                .connection
+                .map(|connection| (connection, entry.stalled, entry.last_seen))
+        });
+        if let Some((old, stalled, last_seen)) = live {
+            if !stalled {
+                return Err(QueueError::DrafterAlreadyConnected {
+                    drafter_id: drafter_id.to_string(),
+                    last_seen_ms_ago: u64::try_from(
+                        now.saturating_duration_since(last_seen).as_millis(),
+                    )
+                    .unwrap_or(u64::MAX),
+                });
+            }
             self.release_consumer(old);
             self.effects.push(Effect::EndConsumer {
                 connection: old,
                 outcome: RunOutcome::Aborted,
-                reason: format!("replaced by a newer Consume stream for drafter {drafter_id:?}"),
+                reason: format!(
+                    "replaced by a newer Consume stream for drafter {drafter_id:?}: this one stalled (a lease expired without an ack, nack or extension)"
+                ),
                 summary: self.summary(),
             });
         }
+        let connection = self.allocate_connection();
         let entry = self
             .drafters
             .entry(drafter_id.to_string())

@@ -6,7 +6,11 @@
 //! done or failure, an abort); the transport appends them to the write-ahead
 //! log before it answers anyone (`crate::wal`). Leases are not recorded: after
 //! a restart every unacked item is queued again, so the duplicates a crash
-//! causes are bounded by what was leased at that moment.
+//! causes are bounded by what was leased at that moment. Each delivery is
+//! recorded too (a small `Delivered` entry with the item's new count), so an item keeps
+//! its delivery count across restarts: one that kills every drafter it
+//! reaches is still dead-lettered after `--max-deliveries`, however often the
+//! broker restarts in between.
 //!
 //! [`Recovered`] folds entries back (no I/O, so the property tests replay
 //! logs at random points), and [`Queue::checkpoint_entries`] writes the whole
@@ -29,6 +33,13 @@ pub enum JournalEntry<P> {
     Acked {
         target_id: Arc<str>,
         seq: u64,
+    },
+    /// The item was delivered; `deliveries` is its count now (absolute, so
+    /// a checkpoint restates it with one entry).
+    Delivered {
+        target_id: Arc<str>,
+        seq: u64,
+        deliveries: u32,
     },
     DeadLettered {
         target_id: Arc<str>,
@@ -107,6 +118,8 @@ pub struct Recovered<P> {
     items: BTreeMap<u64, (Arc<str>, u64, P)>,
     /// (target, seq) → key in `items`.
     item_keys: HashMap<(Arc<str>, u64), u64>,
+    /// Key in `items` → how many times the item was delivered (absent: 0).
+    delivery_counts: HashMap<u64, u32>,
     next_key: u64,
     pub acked_items: u64,
     pub acked_bytes: u64,
@@ -124,6 +137,7 @@ impl<P> Default for Recovered<P> {
             targets: BTreeMap::new(),
             items: BTreeMap::new(),
             item_keys: HashMap::new(),
+            delivery_counts: HashMap::new(),
             next_key: 0,
             acked_items: 0,
             acked_bytes: 0,
@@ -139,6 +153,15 @@ impl<P: Payload> Recovered<P> {
     /// Unacked items, in acceptance order.
     pub fn items(&self) -> impl Iterator<Item = &(Arc<str>, u64, P)> {
         self.items.values()
+    }
+
+    /// How many times an unacked item was delivered before the restart.
+    pub fn deliveries_of(&self, target_id: &str, seq: u64) -> u32 {
+        self.item_keys
+            .get(&(Arc::from(target_id), seq))
+            .and_then(|key| self.delivery_counts.get(key))
+            .copied()
+            .unwrap_or(0)
     }
 
     pub fn apply(&mut self, entry: JournalEntry<P>) {
@@ -171,6 +194,7 @@ impl<P: Payload> Recovered<P> {
             }
             JournalEntry::Acked { target_id, seq } => {
                 if let Some(key) = self.item_keys.remove(&(target_id, seq)) {
+                    self.delivery_counts.remove(&key);
                     if let Some((_, _, payload)) = self.items.remove(&key) {
                         self.acked_items += 1;
                         self.acked_bytes += payload.size_bytes();
@@ -183,18 +207,29 @@ impl<P: Payload> Recovered<P> {
                 reason,
             } => {
                 if let Some(key) = self.item_keys.remove(&(target_id.clone(), seq)) {
+                    let deliveries = self.delivery_counts.remove(&key).unwrap_or(0);
                     if let Some((_, _, payload)) = self.items.remove(&key) {
                         self.dead_letter_count += 1;
                         if self.dead_letters.len() < MAX_LISTED_DEAD_LETTERS {
                             self.dead_letters.push(DeadLetter {
                                 target_id,
                                 seq,
-                                deliveries: 0,
+                                deliveries,
                                 reason,
                                 bytes: payload.size_bytes(),
                             });
                         }
                     }
+                }
+            }
+            JournalEntry::Delivered {
+                target_id,
+                seq,
+                deliveries,
+            } => {
+                if let Some(&key) = self.item_keys.get(&(target_id, seq)) {
+                    let count = self.delivery_counts.entry(key).or_default();
+                    *count = (*count).max(deliveries);
                 }
             }
             JournalEntry::Epoch { target_id, epoch } => {
@@ -287,7 +322,8 @@ impl<P: Payload> Queue<P> {
 
     /// A queue rebuilt from the log: every target resumes after its highest
     /// accepted seq, every unacked item (queued or leased before) is queued
-    /// again in acceptance order, done and failed targets stay so. The
+    /// again in acceptance order with its delivery count, done and failed
+    /// targets stay so. The
     /// journal is on. Targets that were connected count as disconnected
     /// since `now` (their grace starts again).
     pub fn recover(config: QueueConfig, recovered: Recovered<P>, now: Instant) -> Self {
@@ -310,8 +346,10 @@ impl<P: Payload> Queue<P> {
             queue.accepted_items += target.accepted_items;
             queue.accepted_bytes += target.accepted_bytes;
         }
-        for (target_id, seq, payload) in recovered.items.into_values() {
+        let mut delivery_counts = recovered.delivery_counts;
+        for (key, (target_id, seq, payload)) in recovered.items {
             let bytes = payload.size_bytes();
+            let deliveries = delivery_counts.remove(&key).unwrap_or(0);
             let item_id = queue.next_item;
             queue.next_item += 1;
             queue.items.insert(
@@ -321,7 +359,7 @@ impl<P: Payload> Queue<P> {
                     seq,
                     payload,
                     bytes,
-                    deliveries: 0,
+                    deliveries,
                 },
             );
             queue.queue.push_back(item_id);
@@ -385,6 +423,13 @@ impl<P: Payload> Queue<P> {
                     seq: item.seq,
                     payload: item.payload.clone(),
                 });
+                if item.deliveries > 0 {
+                    entries.push(JournalEntry::Delivered {
+                        target_id: item.target_id.clone(),
+                        seq: item.seq,
+                        deliveries: item.deliveries,
+                    });
+                }
             }
         }
         entries.push(JournalEntry::CheckpointEnd);

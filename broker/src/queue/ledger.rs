@@ -433,6 +433,13 @@ impl<P: Payload> Queue<P> {
             delivery_count: item.deliveries,
         };
         let bytes = item.bytes;
+        if self.journal.is_some() {
+            self.record(JournalEntry::Delivered {
+                target_id: delivery.target_id.clone(),
+                seq: delivery.seq,
+                deliveries: delivery.delivery_count,
+            });
+        }
         let expires_at_latest = self
             .config
             .max_lease_lifetime

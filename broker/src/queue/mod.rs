@@ -18,13 +18,15 @@
 //!   `max_deliveries` deliveries, or nacked as poison, is dead-lettered.
 //! - (target_id, seq) is accepted once; a repeat is acknowledged as a
 //!   duplicate and not queued. A newer producer stream for a target replaces
-//!   the older one.
+//!   the older one (fenced by epoch); a consumer stream for a drafter id
+//!   whose stream is live is refused, and replaces it only once it stalled.
 //! - The completion counter is the set of finished targets. End-of-stream
 //!   COMPLETE goes to every consumer only when every expected target is
 //!   finished, the queue is empty and nothing is leased.
 //! - A target whose stream is gone for longer than `target_grace` without
-//!   reporting done fails; the failure policy aborts the run or counts it as
-//!   finished-with-loss.
+//!   reporting done fails (counted from its last message, or from
+//!   `keepalive_detection` before the drop if later); the failure policy
+//!   aborts the run or counts it as finished-with-loss.
 //!
 //! Modules: `types` (ids, config, policies, errors, operation answers),
 //! `effects` (the outbox), `producers` and `consumers` (the stream

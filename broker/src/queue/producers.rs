@@ -180,21 +180,31 @@ impl<P: Payload> Queue<P> {
         }
     }
 
-    /// A producer stream ended (cleanly or not). Idempotent.
+    /// A producer stream ended (cleanly or not). Idempotent. The target's
+    /// grace counts from the last moment it was known alive: its last
+    /// message, or `keepalive_detection` before now if that is later (a
+    /// stream that stayed open that long answered keepalive pings until
+    /// then), so a frozen target that keepalive dropped late still fails one
+    /// grace after it froze.
     pub fn close_producer(&mut self, connection: ConnectionId, now: Instant) {
         let Some(key) = self.producer_connections.remove(&connection) else {
             return;
         };
-        let mut disconnected = false;
+        let mut disconnected_since = None;
+        let keepalive_detection = self.config.keepalive_detection;
         if let Some(entry) = self.targets.get_mut(&key) {
-            entry.last_seen = now;
             if entry.state == (TargetState::Connected { connection }) {
-                entry.state = TargetState::Disconnected { since: now };
-                disconnected = true;
+                let since = match keepalive_detection.and_then(|bound| now.checked_sub(bound)) {
+                    Some(alive_at_least_until) => entry.last_seen.max(alive_at_least_until),
+                    None => now,
+                };
+                entry.state = TargetState::Disconnected { since };
+                disconnected_since = Some(since);
             }
+            entry.last_seen = now;
         }
-        if disconnected {
-            self.note_deadline(now + self.config.target_grace);
+        if let Some(since) = disconnected_since {
+            self.note_deadline(since + self.config.target_grace);
         }
         self.debug_check_invariants();
     }

@@ -278,9 +278,15 @@ impl World {
                 );
                 match connection {
                     Ok(connection) => {
-                        // A replaced stream's leases are returned; forget them first.
+                        // A replaced (stalled) stream's leases are returned;
+                        // forget them first.
                         self.ledger.held.retain(|_, (slot, ..)| *slot != drafter);
                         self.consumer[drafter] = Some(connection);
+                    }
+                    // A live stream under the id is not displaced: refused,
+                    // nothing changes.
+                    Err(QueueError::DrafterAlreadyConnected { .. }) => {
+                        prop_assert!(self.consumer[drafter].is_some());
                     }
                     // Zero credit is refused and changes nothing.
                     Err(error) => prop_assert_eq!(error, QueueError::ZeroCredit),
@@ -353,6 +359,12 @@ impl World {
             Op::Restart => {
                 if let Some(log) = &self.log {
                     let before = self.queue.snapshot(now);
+                    let counts_before: BTreeMap<(Arc<str>, u64), u32> = self
+                        .queue
+                        .items
+                        .values()
+                        .map(|item| ((item.target_id.clone(), item.seq), item.deliveries))
+                        .collect();
                     let mut recovered = Recovered::default();
                     for entry in log.iter().cloned() {
                         recovered.apply(entry);
@@ -383,6 +395,15 @@ impl World {
                         after.queued_items,
                         before.queued_items + before.leased_items
                     );
+                    // Every item keeps its delivery count (max-deliveries
+                    // holds across restarts and compactions).
+                    let counts_after: BTreeMap<(Arc<str>, u64), u32> = self
+                        .queue
+                        .items
+                        .values()
+                        .map(|item| ((item.target_id.clone(), item.seq), item.deliveries))
+                        .collect();
+                    prop_assert_eq!(counts_after, counts_before);
                     for target in &after.targets {
                         let index: usize = target.target_id["target-".len()..].parse().unwrap();
                         prop_assert_eq!(target.highest_seq, self.next_seq[index].checked_sub(1));
@@ -457,7 +478,9 @@ proptest! {
         for target in 0..TARGETS {
             world.step(&Op::Done { target })?;
         }
-        for drafter in 1..DRAFTERS {
+        // A fresh stream for the drain: the old one must end first (a live
+        // stream keeps its id).
+        for drafter in 0..DRAFTERS {
             world.step(&Op::CloseDrafter { drafter })?;
         }
         world.step(&Op::OpenDrafter { drafter: 0, credit: 3 })?;

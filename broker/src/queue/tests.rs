@@ -24,6 +24,7 @@ pub(super) fn config(expected_targets: u32) -> QueueConfig {
         target_stall_timeout: None,
         target_load_timeout: None,
         max_lease_lifetime: None,
+        keepalive_detection: None,
     }
 }
 
@@ -539,7 +540,42 @@ fn targets_that_never_connect_fail_after_the_startup_timeout() {
 }
 
 #[test]
-fn replaced_drafter_returns_its_leases() {
+fn a_second_hello_for_a_live_drafter_is_refused_and_changes_nothing() {
+    let now = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let first = queue.open_consumer("d", credit(1), now).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(10), now)
+        .unwrap();
+    let delivered = deliveries(&queue.take_effects());
+    assert_eq!(
+        delivered.iter().map(|d| d.0).collect::<Vec<_>>(),
+        vec![first]
+    );
+    let later = now + Duration::from_secs(2);
+    assert_eq!(
+        queue.open_consumer("d", credit(1), later),
+        Err(QueueError::DrafterAlreadyConnected {
+            drafter_id: "d".to_string(),
+            last_seen_ms_ago: 2_000,
+        })
+    );
+    assert!(
+        queue.take_effects().is_empty(),
+        "the live stream was touched"
+    );
+    assert!(
+        queue.is_leased(delivered[0].1),
+        "the live stream lost its lease"
+    );
+    // The live stream goes on as before: its ack counts.
+    assert_eq!(queue.ack(first, &[delivered[0].1], later).acked, 1);
+    queue.check_invariants().unwrap();
+}
+
+#[test]
+fn a_restarted_drafter_gets_in_at_once_when_its_old_stream_is_gone() {
     let now = Instant::now();
     let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
     let producer = queue.open_producer("target-0", now).unwrap().connection;
@@ -548,12 +584,43 @@ fn replaced_drafter_returns_its_leases() {
         .accept_item(producer, 0, TestPayload(10), now)
         .unwrap();
     queue.take_effects();
+    queue.close_consumer(first, now);
     let second = queue.open_consumer("d", credit(1), now).unwrap();
+    let effects = queue.take_effects();
+    assert_eq!(
+        deliveries(&effects).iter().map(|d| d.0).collect::<Vec<_>>(),
+        vec![second],
+        "the old stream's lease went to the new one"
+    );
+    queue.check_invariants().unwrap();
+}
+
+#[test]
+fn a_stalled_drafter_stream_is_replaced_and_returns_its_leases() {
+    let start = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
+    let producer = queue.open_producer("target-0", start).unwrap().connection;
+    let first = queue.open_consumer("d", credit(2), start).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(10), start)
+        .unwrap();
+    queue.take_effects();
+    // Its one lease expires (30 s): the stream is stalled, not live.
+    let later = start + Duration::from_secs(31);
+    queue.tick(later);
+    queue
+        .accept_item(producer, 1, TestPayload(10), later)
+        .unwrap();
+    assert!(deliveries(&queue.take_effects()).is_empty());
+    let second = queue.open_consumer("d", credit(2), later).unwrap();
     let effects = queue.take_effects();
     assert_eq!(ended(&effects), vec![(first, RunOutcome::Aborted)]);
     assert_eq!(
-        deliveries(&effects).iter().map(|d| d.0).collect::<Vec<_>>(),
-        vec![second]
+        deliveries(&effects)
+            .iter()
+            .map(|d| (d.0, d.2))
+            .collect::<Vec<_>>(),
+        vec![(second, 0), (second, 1)]
     );
     queue.check_invariants().unwrap();
 }
@@ -750,4 +817,110 @@ fn next_deadline_covers_leases_grace_and_startup() {
     // Ticking exactly at the deadline acts on it (no busy loop).
     queue.tick(later + Duration::from_secs(120));
     assert_eq!(queue.state(), RunState::Aborted);
+}
+
+/// Delivery counts of the deliveries among `effects`, by seq.
+fn delivery_counts(effects: &[Effect<TestPayload>]) -> Vec<(u64, u32)> {
+    effects
+        .iter()
+        .filter_map(|effect| match effect {
+            Effect::Deliver { delivery, .. } => Some((delivery.seq, delivery.delivery_count)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A queue rebuilt from `journal` (what the write-ahead log replays).
+fn recovered_from(journal: Vec<JournalEntry<TestPayload>>, now: Instant) -> Queue<TestPayload> {
+    let mut recovered = Recovered::default();
+    for entry in journal {
+        recovered.apply(entry);
+    }
+    Queue::recover(config(1), recovered, now)
+}
+
+#[test]
+fn delivery_counts_survive_a_restart_and_still_dead_letter() {
+    let now = Instant::now();
+    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
+    queue.enable_journal();
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let drafter = queue.open_consumer("d", credit(1), now).unwrap();
+    queue
+        .accept_item(producer, 0, TestPayload(10), now)
+        .unwrap();
+    let first = queue.take_effects();
+    assert_eq!(delivery_counts(&first), vec![(0, 1)]);
+    queue.nack(
+        drafter,
+        &[deliveries(&first)[0].1],
+        NackDisposition::Requeue,
+        "oom",
+        now,
+    );
+    assert_eq!(delivery_counts(&queue.take_effects()), vec![(0, 2)]);
+    let mut journal = queue.take_journal();
+
+    // The broker dies with the item leased: it comes back with its count,
+    // and its third delivery (max 3) is its last.
+    let mut queue = recovered_from(journal.clone(), now);
+    let drafter = queue.open_consumer("d", credit(1), now).unwrap();
+    assert_eq!(delivery_counts(&queue.take_effects()), vec![(0, 3)]);
+    journal.extend(queue.take_journal());
+    // The count also survives a compaction (checkpoint) of the log: a
+    // restart from it delivers the item a fourth time (a lease lost in a
+    // crash is not a return; the next return dead-letters it).
+    let mut compacted = recovered_from(queue.checkpoint_entries(), now);
+    compacted.open_consumer("e", credit(1), now).unwrap();
+    assert_eq!(delivery_counts(&compacted.take_effects()), vec![(0, 4)]);
+    queue.close_consumer(drafter, now);
+    let snapshot = queue.snapshot(now);
+    assert_eq!(
+        snapshot.dead_letters.len(),
+        1,
+        "{:?}",
+        snapshot.dead_letters
+    );
+    assert_eq!(snapshot.dead_letters[0].deliveries, 3);
+    queue.check_invariants().unwrap();
+}
+
+#[test]
+fn a_frozen_target_fails_one_grace_after_its_last_message_not_after_keepalive() {
+    let start = Instant::now();
+    let config = QueueConfig {
+        keepalive_detection: Some(Duration::from_secs(30)),
+        ..config(2)
+    };
+    let mut queue: Queue<TestPayload> = Queue::new(config, start);
+    let frozen = queue.open_producer("target-0", start).unwrap().connection;
+    queue.accept_item(frozen, 0, TestPayload(1), start).unwrap();
+    // Frozen right after its item; keepalive drops the stream 25 s later.
+    queue.close_producer(frozen, start + Duration::from_secs(25));
+    assert_eq!(
+        queue.take_new_deadline(),
+        Some(start + Duration::from_secs(120))
+    );
+    queue.tick(start + Duration::from_secs(119));
+    assert_eq!(queue.state(), RunState::Running);
+    queue.tick(start + Duration::from_secs(120));
+    assert_eq!(queue.state(), RunState::Aborted);
+
+    // A stream that stayed open longer than keepalive could hide a dead
+    // peer answered its pings until 30 s before it was dropped.
+    let mut queue: Queue<TestPayload> = Queue::new(
+        QueueConfig {
+            keepalive_detection: Some(Duration::from_secs(30)),
+            ..self::config(2)
+        },
+        start,
+    );
+    let quiet = queue.open_producer("target-0", start).unwrap().connection;
+    queue.close_producer(quiet, start + Duration::from_secs(100));
+    assert_eq!(
+        queue.take_new_deadline(),
+        Some(start + Duration::from_secs(70 + 120))
+    );
+    queue.tick(start + Duration::from_secs(189));
+    assert_eq!(queue.state(), RunState::Running);
 }

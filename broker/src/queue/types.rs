@@ -51,6 +51,12 @@ pub struct QueueConfig {
     /// Extensions never keep a lease longer than this after its delivery;
     /// `None` no cap.
     pub max_lease_lifetime: Option<Duration>,
+    /// How long a dead peer's stream can stay open before HTTP/2 keepalive
+    /// drops it (keepalive interval plus timeout). A target's grace counts
+    /// from its last message, or from this long before its stream was
+    /// dropped if that is later, so a frozen target fails `target_grace`
+    /// after it froze, not keepalive plus grace. `None`: from the drop.
+    pub keepalive_detection: Option<Duration>,
 }
 
 impl QueueConfig {
@@ -184,6 +190,11 @@ pub enum QueueError {
         target_id: String,
         seq: u64,
         highest: u64,
+    },
+    #[error("drafter {drafter_id:?} already has a live Consume stream (last message {last_seen_ms_ago} ms ago): a second stream for the same id is refused until that one ends or stalls; give each drafter its own id")]
+    DrafterAlreadyConnected {
+        drafter_id: String,
+        last_seen_ms_ago: u64,
     },
     #[error("credit of 0 items: the drafter would never get a delivery; send at least 1")]
     ZeroCredit,

@@ -214,8 +214,11 @@ pub struct TargetServerConfig {
     /// Exit non-zero when the compute pipeline hands the sender no batch for
     /// this long while the shard is not done (a stuck compute thread inside a
     /// live process: stats would still flow). Time spent waiting on the
-    /// broker (a full queue) does not count. 0 off.
-    #[arg(long, env = "DFLASH_WATCHDOG_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
+    /// broker (a full queue) does not count. 0 off. Shorter than the
+    /// broker's --target-stall-timeout (5m) on purpose: the process exits
+    /// (and a supervisor restarts it, resuming within the broker's grace)
+    /// before the broker gives the target up.
+    #[arg(long, env = "DFLASH_WATCHDOG_TIMEOUT", default_value = "4m", value_parser = parse_duration)]
     pub watchdog_timeout: Duration,
 
     /// Test hook: the compute thread hangs (until shutdown) after this many
@@ -255,7 +258,7 @@ impl TargetServerConfig {
             finish_timeout: Duration::from_secs(120),
             metrics_listen: None,
             security: dflash_client::ClientSecurityArgs::default(),
-            watchdog_timeout: Duration::from_secs(600),
+            watchdog_timeout: Duration::from_secs(240),
             test_hang_compute_after_batches: None,
         }
     }

@@ -38,4 +38,6 @@ pub mod shard;
 
 pub use config::{DeviceChoice, DtypeChoice, ModelSource, SyntheticSpec, TargetServerConfig};
 pub use metrics::TargetMetrics;
-pub use service::{run, run_with_metrics_listener, TargetReport, TargetServerError};
+pub use service::{
+    run, run_with_metrics_listener, run_with_registry, TargetReport, TargetServerError,
+};

@@ -243,7 +243,24 @@ pub async fn run_with_metrics_listener(
     metrics_listener: Option<TcpListener>,
     shutdown: CancellationToken,
 ) -> Result<TargetReport, TargetServerError> {
-    let registry = Arc::new(Registry::new());
+    run_with_registry(
+        config,
+        Arc::new(Registry::new()),
+        metrics_listener,
+        shutdown,
+    )
+    .await
+}
+
+/// [`run_with_metrics_listener`] updating the instruments in `registry`,
+/// which the caller keeps: tests read the final values after the run
+/// returned, whatever its outcome.
+pub async fn run_with_registry(
+    config: TargetServerConfig,
+    registry: Arc<Registry>,
+    metrics_listener: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> Result<TargetReport, TargetServerError> {
     let endpoint =
         dflash_telemetry::MetricsEndpoint::start(metrics_listener, registry.clone(), &shutdown);
     let outcome = run_pipeline(config, &registry, shutdown).await;
@@ -565,7 +582,8 @@ async fn run_with_threads(
                 for ready_sample in samples {
                     producer
                         .send(ready_sample.seq, ready_sample.sample, ready_sample.trace_context)
-                        .await?;
+                        .await
+                        .inspect_err(|error| count_refused_item(metrics, error))?;
                     samples_sent += 1;
                     tokens_sent += ready_sample.tokens;
                     metrics.samples_sent.increment();
@@ -600,7 +618,7 @@ async fn run_with_threads(
     let finished = tokio::time::timeout(config.finish_timeout, producer.finish()).await;
     let produce_report = match finished {
         Ok(report) => {
-            let report = report?;
+            let report = report.inspect_err(|error| count_refused_item(metrics, error))?;
             metrics.rejected_items.add(report.rejected.len() as u64);
             report
         }
@@ -635,6 +653,21 @@ async fn run_with_threads(
         busy_fraction,
     };
     Ok((report, client))
+}
+
+/// An item over the broker's gRPC message limit ends the Produce stream
+/// with RESOURCE_EXHAUSTED before the broker reads it, so no per-item
+/// rejection comes back: it is counted here as a rejected item (the
+/// `rejected_items_total` metric) and the broker's reason is logged. The
+/// error itself is not retryable and ends the run.
+fn count_refused_item(metrics: &TargetMetrics, error: &ClientError) {
+    let Some(status) = error.status() else {
+        return;
+    };
+    if status.code() == tonic::Code::ResourceExhausted {
+        metrics.rejected_items.increment();
+        tracing::error!(reason = %status.message(), "the broker refused an item over its message limit (RESOURCE_EXHAUSTED); raise the broker's --max-item-bytes or lower --max-length");
+    }
 }
 
 /// Reports the shard done with the number of samples the reader numbered

@@ -8,7 +8,7 @@ use anyhow::{bail, ensure, Context, Result};
 use common::*;
 use dflash_broker::BrokerConfig;
 use dflash_target_server::{
-    run_with_metrics_listener, DeviceChoice, ModelSource, TargetServerConfig,
+    run_with_metrics_listener, run_with_registry, DeviceChoice, ModelSource, TargetServerConfig,
 };
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -121,6 +121,61 @@ async fn scraped_metrics_count_every_item_sent() -> Result<()> {
     ensure!(
         scrape(metrics_address).await.is_err(),
         "metrics still served after the run returned"
+    );
+    broker.stop().await;
+    Ok(())
+}
+
+/// An item over the broker's gRPC message limit: the broker ends the
+/// Produce stream with RESOURCE_EXHAUSTED before reading it, so no
+/// per-item rejection comes back. The target-server counts it in its own
+/// rejected-items metric and ends with that status (not retried).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_item_over_the_message_limit_counts_as_rejected() -> Result<()> {
+    // Limit: --max-item-bytes (64 KiB) plus 1 MiB of framing. Each item
+    // carries 128 tokens x 2 layers x 4096 x 2 bytes = 2 MiB of hidden states.
+    let mut broker_config = BrokerConfig::for_targets(1);
+    broker_config.max_item_bytes = 64 << 10;
+    let broker = TestBroker::start(broker_config).await;
+    let model: ModelSource = "synthetic:hidden=4096,layers=2,tokens_per_s=0,samples=2,seq_len=128"
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.device = DeviceChoice::Cpu;
+    config.max_batch_tokens = 128;
+    config.finish_timeout = DEADLINE;
+    let registry = std::sync::Arc::new(dflash_telemetry::Registry::new());
+    let outcome = tokio::time::timeout(
+        DEADLINE,
+        run_with_registry(config, registry.clone(), None, CancellationToken::new()),
+    )
+    .await
+    .context("the run ended in time")?;
+    let error = match outcome {
+        Ok(report) => bail!("an oversized item was not refused: {report:?}"),
+        Err(error) => error,
+    };
+    let status = match &error {
+        dflash_target_server::TargetServerError::Broker(client_error) => client_error.status(),
+        _ => None,
+    };
+    ensure!(
+        status.is_some_and(|status| status.code() == tonic::Code::ResourceExhausted),
+        "{error}"
+    );
+    ensure!(
+        error.to_string().contains("--max-item-bytes 65536"),
+        "{error}"
+    );
+    let text = registry.render();
+    ensure!(
+        value_of(&text, "dflash_target_rejected_items_total") == Some(1.0),
+        "{text}"
+    );
+    let snapshot = broker.status().await;
+    ensure!(
+        snapshot.accepted_items == 0 && snapshot.rejected_items == 1,
+        "{snapshot:?}"
     );
     broker.stop().await;
     Ok(())

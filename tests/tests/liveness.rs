@@ -1,0 +1,254 @@
+//! Liveness with real processes (issue #9):
+//!
+//! - a `drafter-server` whose training thread hangs (its test hook) stops
+//!   extending its leases after `--trainer-stall-timeout`; the broker takes
+//!   them back after `--lease-timeout` and another consumer gets and acks
+//!   them, each (target, seq) acked exactly once;
+//! - a `target-server` frozen with SIGSTOP is dropped by HTTP/2 keepalive
+//!   within interval + timeout and fails one `--target-grace` after it
+//!   froze (the grace counts from its last message), not keepalive plus
+//!   grace after it.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use dflash_broker::config::OnTargetFailure;
+use dflash_broker::BrokerConfig;
+use dflash_client::ConsumerEvent;
+use dflash_proto::v1 as proto;
+use dflash_testkit::{
+    credit, drafter_status, sample, spawn_drafter, wait_until, workspace_binary, TestBroker,
+};
+
+const ITEMS: u64 = 16;
+
+/// Kills a child process when the test ends, however it ends.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn signal(pid: u32, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{name} {pid}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stuck_trainer_loses_its_leases_to_another_drafter() {
+    let lease_timeout = Duration::from_secs(3);
+    let trainer_stall = Duration::from_secs(1);
+    let broker = TestBroker::start(BrokerConfig {
+        lease_timeout,
+        ..BrokerConfig::for_targets(1)
+    })
+    .await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    for seq in 0..ITEMS {
+        producer
+            .send(seq, sample(1024, seq), HashMap::new())
+            .await
+            .unwrap();
+    }
+    let report = producer.finish().await.unwrap();
+    assert_eq!(report.accepted, ITEMS);
+    client.report_done("target-0", ITEMS).await.unwrap();
+
+    // A real drafter: two steps of two samples (credit 4), then its training
+    // thread hangs holding the next deliveries.
+    let work = tempfile::tempdir().unwrap();
+    let log_path = work.path().join("drafter.log");
+    let log = std::fs::File::create(&log_path).unwrap();
+    let drafter = Child(
+        std::process::Command::new(workspace_binary("drafter-server"))
+            .args(["--broker", &broker.address, "--drafter-id", "stuck"])
+            .args(["--model", "synthetic:ms_per_1k_tokens=0", "--device", "cpu"])
+            .arg("--output")
+            .arg(work.path().join("checkpoints"))
+            .args(["--max-step-samples", "2", "--prefetch-samples", "2"])
+            .args(["--batch-tokens", "1000000", "--linger", "200ms"])
+            .args(["--total-steps", "100", "--stats-interval", "200ms"])
+            .args(["--trainer-stall-timeout", "1s"])
+            .env("DFLASH_TEST_HANG_TRAINER_AFTER_STEPS", "2")
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let hung = wait_until(Duration::from_secs(60), || async {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let status = broker.status().await;
+        log.contains("test hook: the training thread hangs")
+            && drafter_status(&status, "stuck")
+                .is_some_and(|drafter| drafter.acked_items >= 2 && drafter.leased_items > 0)
+    })
+    .await;
+    assert!(
+        hung,
+        "the drafter did not take two steps and hang; log:\n{}",
+        std::fs::read_to_string(&log_path).unwrap_or_default()
+    );
+    let hung_at = Instant::now();
+
+    // Another drafter: it gets the queued items at once and the stuck
+    // drafter's leases once they expire; it acks everything.
+    let mut rescue = client.consume("rescue", credit(64)).await.unwrap();
+    let handle = rescue.handle();
+    let mut acked: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut redelivered: Vec<(u64, Duration)> = Vec::new();
+    let end = loop {
+        let event = tokio::time::timeout(Duration::from_secs(60), rescue.next())
+            .await
+            .expect("a delivery or end-of-stream in time")
+            .unwrap();
+        match event {
+            ConsumerEvent::Delivery(delivery) => {
+                assert_eq!(delivery.target_id, "target-0");
+                *acked.entry(delivery.seq).or_default() += 1;
+                if delivery.delivery_count > 1 {
+                    redelivered.push((delivery.seq, hung_at.elapsed()));
+                }
+                handle.ack(vec![delivery.delivery_id]);
+            }
+            ConsumerEvent::EndOfStream(end) => break end,
+        }
+    };
+    assert_eq!(end.status(), proto::RunStatus::Complete, "{end:?}");
+
+    // Within the bound: the trainer's last progress (at most when the hang
+    // was seen), plus the stall timeout, plus one extension tick (a third of
+    // the lease timeout), plus the lease timeout; 2 s for the machine.
+    let bound = trainer_stall + lease_timeout + lease_timeout / 3 + Duration::from_secs(2);
+    let status = broker.status().await;
+    let stuck = drafter_status(&status, "stuck").unwrap();
+    assert!(stuck.expired_leases > 0, "{stuck:?}");
+    assert_eq!(
+        redelivered.len() as u64,
+        stuck.expired_leases,
+        "every lease the stuck drafter lost went to the rescuer: {redelivered:?}"
+    );
+    for (seq, after) in &redelivered {
+        assert!(
+            *after <= bound,
+            "seq {seq} redelivered {after:?} after the hang, bound {bound:?}"
+        );
+    }
+    // Accounting by (target, seq): the rescuer acked every item the stuck
+    // drafter did not, each once; the broker counted each once.
+    assert!(acked.values().all(|&count| count == 1), "{acked:?}");
+    assert_eq!(acked.len() as u64 + stuck.acked_items, ITEMS, "{acked:?}");
+    assert_eq!(stuck.leased_items, 0, "{stuck:?}");
+    assert_eq!(status.acked_items, ITEMS);
+    assert_eq!(status.dead_letters, 0);
+    drop(drafter);
+    broker.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_frozen_target_fails_within_the_grace_after_it_froze() {
+    let keepalive_interval = Duration::from_secs(1);
+    let keepalive_timeout = Duration::from_secs(2);
+    let grace = Duration::from_secs(5);
+    let broker = TestBroker::start(BrokerConfig {
+        keepalive_interval,
+        keepalive_timeout,
+        target_grace: grace,
+        target_stall_timeout: Duration::from_secs(120),
+        on_target_failure: OnTargetFailure::Abort,
+        ..BrokerConfig::for_targets(1)
+    })
+    .await;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", Duration::from_secs(120));
+    let target = Child(
+        std::process::Command::new(workspace_binary("target-server"))
+            .args(["--broker", &broker.address, "--target-id", "target-0"])
+            .args([
+                "--model",
+                "synthetic:hidden=16,layers=2,tokens_per_s=2000,samples=100000,seq_len=16",
+            ])
+            .args(["--max-batch-tokens", "32", "--stats-interval", "100ms"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    assert!(
+        wait_until(Duration::from_secs(60), || async {
+            broker.status().await.accepted_items >= 10
+        })
+        .await,
+        "the target never produced"
+    );
+
+    signal(target.0.id(), "STOP");
+    let frozen_at = Instant::now();
+    let target_state = |status: &proto::StatusSnapshot| {
+        status
+            .targets
+            .iter()
+            .find(|target| target.target_id == "target-0")
+            .map(|target| target.state())
+    };
+    let mut dropped_after = None;
+    let mut failed_after = None;
+    let deadline = frozen_at + Duration::from_secs(60);
+    while failed_after.is_none() && Instant::now() < deadline {
+        let status = broker.status().await;
+        let elapsed = frozen_at.elapsed();
+        match target_state(&status) {
+            Some(proto::TargetState::Disconnected) => {
+                dropped_after.get_or_insert(elapsed);
+            }
+            Some(proto::TargetState::Failed) => {
+                dropped_after.get_or_insert(elapsed);
+                failed_after = Some(elapsed);
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let dropped_after = dropped_after.expect("keepalive never dropped the frozen target");
+    let failed_after = failed_after.expect("the frozen target never failed");
+    eprintln!(
+        "frozen target: stream dropped {dropped_after:?} and failed {failed_after:?} after SIGSTOP \
+         (keepalive {keepalive_interval:?} + {keepalive_timeout:?}, grace {grace:?})"
+    );
+    let slack = Duration::from_millis(1500);
+    assert!(
+        dropped_after <= keepalive_interval + keepalive_timeout + slack,
+        "dropped {dropped_after:?} after the freeze"
+    );
+    assert!(
+        failed_after <= grace + slack,
+        "failed {failed_after:?} after the freeze, grace {grace:?}"
+    );
+    // Not before its grace: it was alive until the freeze (its stats came
+    // every 100 ms).
+    assert!(
+        failed_after + Duration::from_millis(500) >= grace,
+        "failed {failed_after:?} after the freeze, before its grace {grace:?}"
+    );
+    let drained = drafter.await.unwrap().unwrap();
+    assert_eq!(
+        drained.end_of_stream.status(),
+        proto::RunStatus::Aborted,
+        "{:?}",
+        drained.end_of_stream
+    );
+    assert!(
+        drained.end_of_stream.reason.contains("target-0"),
+        "{}",
+        drained.end_of_stream.reason
+    );
+    drop(target);
+    broker.stop().await;
+}

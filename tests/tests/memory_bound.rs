@@ -1,0 +1,164 @@
+//! The broker's memory stays within `--max-queue-bytes` plus a stated
+//! overhead: the real `broker` binary with a 64 MiB cap, 4 producers of
+//! 16 MiB items pushing as fast as they can while no drafter reads (the
+//! queue full, every producer held back by HTTP/2 flow control), then a
+//! drafter draining everything. Its peak RSS (VmHWM) must stay within
+//! cap + producers x (the broker's receive window + one item) + a baseline.
+//!
+//! Why that bound: while the queue is full the broker stops reading a
+//! producer's stream; what the producer already sent waits in HTTP/2
+//! buffers (at most the broker's receive window per stream), and the one
+//! item the broker had decoded waits for room (outside the cap until it is
+//! accepted).
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use dflash_client::{BrokerClient, ClientOptions};
+use dflash_proto::transport::BROKER_RECEIVE_STREAM_WINDOW_BYTES;
+use dflash_testkit::{sample, spawn_drafter, wait_until, workspace_binary};
+
+const MIB: u64 = 1 << 20;
+const CAP_BYTES: u64 = 64 * MIB;
+const PRODUCERS: u64 = 4;
+const ITEM_BYTES: u64 = 16 * MIB;
+const ITEMS_PER_PRODUCER: u64 = 8;
+/// The broker process without any payload: code, runtime threads, the
+/// allocator's arenas, TLS-less tonic buffers, a few MiB per connection of
+/// HTTP/2 read buffers and frames (idle it measured 10 to 20 MiB; see the
+/// README's figure).
+const BASELINE_BYTES: u64 = 48 * MIB;
+
+/// A field of `/proc/<pid>/status` in bytes (`VmHWM`, `VmRSS`).
+fn proc_status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let line = status
+        .lines()
+        .find(|line| line.starts_with(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"));
+    let kib: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|value| value.parse().ok())
+        .expect("a number of kB");
+    kib * 1024
+}
+
+/// Kills the broker when the test ends, however it ends.
+struct Broker(std::process::Child);
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_memory_stays_within_the_cap_plus_one_window_and_item_per_producer() {
+    let work = tempfile::tempdir().unwrap();
+    let ready = work.path().join("broker.address");
+    let log = std::fs::File::create(work.path().join("broker.log")).unwrap();
+    let child = std::process::Command::new(workspace_binary("broker"))
+        .args(["--listen", "127.0.0.1:0", "--expected-targets", "4"])
+        .args(["--max-queue-bytes", "64MiB", "--max-item-bytes", "17MiB"])
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let broker = Broker(child);
+    let pid = broker.0.id();
+    assert!(
+        wait_until(Duration::from_secs(60), || async { ready.exists() }).await,
+        "the broker wrote no ready file"
+    );
+    let address = format!("http://{}", std::fs::read_to_string(&ready).unwrap().trim());
+    let client = BrokerClient::connect(address.clone(), ClientOptions::default())
+        .await
+        .unwrap();
+    let idle_rss = proc_status_bytes(pid, "VmRSS");
+
+    // Phase 1: four producers push 16 MiB items with nobody reading.
+    let payload = sample(ITEM_BYTES as usize, 0);
+    let mut producers = Vec::new();
+    for target in 0..PRODUCERS {
+        let client = BrokerClient::connect(address.clone(), ClientOptions::default())
+            .await
+            .unwrap();
+        let payload = payload.clone();
+        producers.push(tokio::spawn(async move {
+            let target_id = format!("target-{target}");
+            let mut producer = client.produce(&target_id).await.unwrap();
+            for seq in 0..ITEMS_PER_PRODUCER {
+                producer
+                    .send(seq, payload.clone(), HashMap::new())
+                    .await
+                    .unwrap();
+            }
+            let report = producer.finish().await.unwrap();
+            assert_eq!(report.accepted, ITEMS_PER_PRODUCER, "{report:?}");
+            client
+                .report_done(&target_id, ITEMS_PER_PRODUCER)
+                .await
+                .unwrap();
+        }));
+    }
+    let held_at_cap = wait_until(Duration::from_secs(120), || async {
+        let status = client.status().await.unwrap();
+        status.queued_bytes >= CAP_BYTES - ITEM_BYTES
+    })
+    .await;
+    assert!(held_at_cap, "the queue never filled");
+    // Held back: the producers' windows fill up. Wait until the broker's
+    // resident size has not grown for a second (sampled every 100 ms).
+    let mut last = proc_status_bytes(pid, "VmRSS");
+    let mut unchanged_samples = 0;
+    let settle_deadline = Instant::now() + Duration::from_secs(60);
+    while unchanged_samples < 10 && Instant::now() < settle_deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = proc_status_bytes(pid, "VmRSS");
+        if now > last + MIB {
+            unchanged_samples = 0;
+        } else {
+            unchanged_samples += 1;
+        }
+        last = last.max(now);
+    }
+    let held_back_rss = proc_status_bytes(pid, "VmRSS");
+
+    // Phase 2: a drafter drains everything; the run completes.
+    let drafter = spawn_drafter(client.clone(), "drafter-0", Duration::from_secs(300));
+    for producer in producers {
+        producer.await.unwrap();
+    }
+    let drained = drafter.await.unwrap().unwrap();
+    assert_eq!(
+        drained.deliveries.len() as u64,
+        PRODUCERS * ITEMS_PER_PRODUCER
+    );
+    let peak = proc_status_bytes(pid, "VmHWM");
+    let window = u64::from(BROKER_RECEIVE_STREAM_WINDOW_BYTES);
+    let bound = CAP_BYTES + PRODUCERS * (window + ITEM_BYTES) + BASELINE_BYTES;
+    eprintln!(
+        "broker RSS: idle {} MiB, held back at the cap {} MiB, peak (VmHWM) {} MiB; bound {} MiB \
+         (cap {} + {PRODUCERS} x (window {} + item {}) + baseline {})",
+        idle_rss / MIB,
+        held_back_rss / MIB,
+        peak / MIB,
+        bound / MIB,
+        CAP_BYTES / MIB,
+        window / MIB,
+        ITEM_BYTES / MIB,
+        BASELINE_BYTES / MIB
+    );
+    assert!(
+        peak <= bound,
+        "peak RSS {} MiB over the bound {} MiB",
+        peak / MIB,
+        bound / MIB
+    );
+}
