@@ -51,6 +51,10 @@ RETRYABLE_CODES = frozenset(
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
+        # A reconnecting consumer's hello while the broker still holds its
+        # old stream (it has not yet seen that stream end): the broker lets
+        # the id in once the old stream is gone, as the Rust client expects.
+        grpc.StatusCode.ALREADY_EXISTS,
     }
 )
 
