@@ -15,6 +15,7 @@ use tracing::info;
 
 use crate::config::{DrafterServerConfig, ModelMode};
 use crate::samples::{decode_sample, SampleError, SampleExpectations};
+use crate::schedule::{run_schedule_position, RunClock};
 
 /// Errors of the engine; a failing micro-batch hands its items back.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +65,36 @@ pub trait TrainingEngine {
     fn draft_model(&self) -> Option<&DraftModel> {
         None
     }
+    /// From now on, each step's learning rate comes from the run's position
+    /// (model sync), not from this engine's own step count.
+    fn follow_run_schedule(&mut self, _schedule: RunSchedule) {}
+}
+
+/// The run-wide learning-rate schedule a drafter follows when it trains one
+/// model with others (`--sync-every` > 0); see [`crate::schedule`].
+#[derive(Debug, Clone)]
+pub struct RunSchedule {
+    /// The run's counts, kept current by the sync link and the async side.
+    pub clock: RunClock,
+    /// `--total-steps`: the run's schedule length, when given.
+    pub fixed_total_steps: Option<u64>,
+    /// `--fallback-total-steps`: while the run's size is unknown.
+    pub fallback_total_steps: u64,
+    /// Samples per step assumed before this drafter took a step
+    /// (`--max-step-samples`).
+    pub assumed_samples_per_step: u64,
+}
+
+impl RunSchedule {
+    /// The schedule of a drafter configured by `config`, on `clock`.
+    pub fn for_config(config: &DrafterServerConfig, clock: RunClock) -> Self {
+        RunSchedule {
+            clock,
+            fixed_total_steps: config.total_steps,
+            fallback_total_steps: config.fallback_total_steps,
+            assumed_samples_per_step: config.max_step_samples as u64,
+        }
+    }
 }
 
 /// Builds the engine `config` asks for, resuming from `resume_from` when given.
@@ -88,6 +119,8 @@ pub fn build_engine(
 pub struct DFlashEngine {
     trainer: DraftTrainer,
     expectations: SampleExpectations,
+    /// The run-wide schedule (model sync); `None`: this drafter's own.
+    run_schedule: Option<RunSchedule>,
 }
 
 impl DFlashEngine {
@@ -159,6 +192,7 @@ impl DFlashEngine {
         Ok(DFlashEngine {
             trainer,
             expectations,
+            run_schedule: None,
         })
     }
 }
@@ -182,11 +216,33 @@ impl TrainingEngine for DFlashEngine {
     }
 
     fn step(&mut self) -> Result<StepReport, EngineError> {
+        if let Some(schedule) = &self.run_schedule {
+            // The run's samples over this drafter's batch: its mean samples
+            // per step so far, the configured batch before its first step.
+            let progress = self.trainer.progress();
+            let samples_per_step = if progress.step > 0 && progress.samples_trained > 0 {
+                progress.samples_trained as f64 / progress.step as f64
+            } else {
+                schedule.assumed_samples_per_step as f64
+            };
+            let position = run_schedule_position(
+                schedule.clock.state(),
+                samples_per_step,
+                schedule.fixed_total_steps,
+                schedule.fallback_total_steps,
+            );
+            self.trainer
+                .set_schedule_position(position.step, position.total_steps);
+        }
         Ok(self.trainer.step()?)
     }
 
     fn discard(&mut self) {
         self.trainer.discard_accumulation();
+    }
+
+    fn follow_run_schedule(&mut self, schedule: RunSchedule) {
+        self.run_schedule = Some(schedule);
     }
 
     fn set_total_steps(&mut self, total_steps: u64) {

@@ -14,7 +14,9 @@
 //! - [`engine`]: the DFlash trainer and the synthetic stand-in behind one trait.
 //! - [`samples`]: wire sample → training sequence, with the checks that
 //!   decide dead-lettering.
-//! - [`schedule`]: the schedule-length estimate from the broker's run summary.
+//! - [`schedule`]: where a step is in its learning-rate schedule: the
+//!   run-wide schedule of model sync ([`schedule::RunClock`]), or an
+//!   independent drafter's length estimate from the broker's run summary.
 //! - [`model_sync`]: the exchange with the broker's shared draft model
 //!   (asynchronous local SGD: join from the center, a delta every
 //!   `--sync-every` steps, a final delta), run from the training thread.

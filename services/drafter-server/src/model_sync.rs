@@ -15,6 +15,11 @@
 //! training: the drafter keeps its weights and re-joins at the next sync
 //! point (taking the center, so its work since the last good sync is lost,
 //! which bounds what a broker restart costs to `--sync-every` steps).
+//!
+//! Each exchange also brings back the center's sample count (every
+//! drafter's applied deltas), which the link writes into the drafter's
+//! [`RunClock`]: the learning-rate schedule is the run's, not this drafter's
+//! (see [`crate::schedule`]).
 
 use std::time::{Duration, Instant};
 
@@ -26,6 +31,8 @@ use tch::{Device, Kind, Tensor};
 use tokio::sync::mpsc;
 use tonic::transport::Endpoint;
 use tracing::{info, warn};
+
+use crate::schedule::RunClock;
 
 use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 
@@ -127,6 +134,8 @@ pub struct SyncTotals {
     pub time_in_sync: Duration,
     pub center_version: u64,
     pub last_staleness: u64,
+    /// Samples in the center at the last exchange (every drafter's).
+    pub center_samples: u64,
 }
 
 /// The model-sync client of one drafter (lives on its training thread).
@@ -145,6 +154,8 @@ pub struct ModelSyncLink {
     samples_since_sync: u64,
     tokens_since_sync: u64,
     pub totals: SyncTotals,
+    /// Where the run is, for the run-wide learning-rate schedule.
+    clock: RunClock,
 }
 
 impl ModelSyncLink {
@@ -167,7 +178,20 @@ impl ModelSyncLink {
             samples_since_sync: 0,
             tokens_since_sync: 0,
             totals: SyncTotals::default(),
+            clock: RunClock::new(),
         })
+    }
+
+    /// Keeps `clock` current with the center's sample count and this
+    /// drafter's samples since its last exchange.
+    pub fn with_run_clock(mut self, clock: RunClock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// The run clock this link keeps current.
+    pub fn run_clock(&self) -> &RunClock {
+        &self.clock
     }
 
     /// Connects with this TLS and token (the broker's flags of the drafter).
@@ -194,6 +218,7 @@ impl ModelSyncLink {
         self.steps_since_sync += 1;
         self.samples_since_sync += samples as u64;
         self.tokens_since_sync += tokens as u64;
+        self.clock.trained(samples as u64);
         if self.steps_since_sync < self.config.sync_every {
             return;
         }
@@ -223,6 +248,7 @@ impl ModelSyncLink {
         match outcome {
             Ok(()) => {
                 self.totals.exchanges += 1;
+                self.clock.synced(self.totals.center_samples);
                 self.steps_since_sync = 0;
                 self.samples_since_sync = 0;
                 self.tokens_since_sync = 0;
@@ -275,6 +301,7 @@ impl ModelSyncLink {
             base
         };
         self.totals.center_version = result.center_version;
+        self.totals.center_samples = result.center_samples;
         self.base = Some((result.center_version, base));
         Ok(())
     }
@@ -299,6 +326,7 @@ impl ModelSyncLink {
         let begin = self.begin(kind, base_version);
         let (result, center) = self.run_exchange(begin, deltas)?;
         self.totals.center_version = result.center_version;
+        self.totals.center_samples = result.center_samples;
         self.totals.last_staleness = result.staleness;
         if !result.applied && !result.reason.is_empty() && kind == proto::SyncKind::Update {
             info!(reason = %result.reason, "model sync: delta not applied; continuing from the center");

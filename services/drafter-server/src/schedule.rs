@@ -1,6 +1,23 @@
-//! How long the learning-rate schedule should be when `--total-steps` is
-//! not given: estimated from the broker's run summary and this drafter's own
-//! step sizes, and re-estimated as training goes.
+//! Where a drafter is in its learning-rate schedule.
+//!
+//! - Independent drafters (`--sync-every 0`): each runs its own schedule
+//!   over its share of the run. When `--total-steps` is not given, its
+//!   length is estimated from the broker's run summary and this drafter's
+//!   own step sizes, and re-estimated as training goes
+//!   ([`estimate_total_steps`]).
+//! - Drafters that train one model through the broker's model sync: the
+//!   schedule is the run's, not each drafter's. The run is one schedule of
+//!   `run samples / samples per step` steps, and a drafter's position in it
+//!   is the run's samples so far (the center's count at this drafter's last
+//!   exchange, every drafter's applied deltas, plus this drafter's own
+//!   samples since) over the same samples per step
+//!   ([`run_schedule_position`]). A drafter joining late starts at the run's
+//!   current learning rate, not at warmup. [`RunClock`] carries those counts
+//!   between the sync link (which learns the center's count), the async side
+//!   (which learns the run's size from the broker's status) and the engine
+//!   (which sets the learning rate of each step).
+
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The facts the estimate uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,9 +54,105 @@ pub fn estimate_total_steps(inputs: ScheduleInputs, fallback: u64) -> u64 {
     (inputs.steps_done + remaining_steps).max(inputs.steps_done + 1)
 }
 
+/// What the run-wide schedule position is computed from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RunClockState {
+    /// Samples the whole run will train on (the broker's `expected_items`,
+    /// the targets' announced shard sizes); 0 while unknown.
+    pub run_samples_total: u64,
+    /// Samples in the center (every drafter's applied deltas) at this
+    /// drafter's last successful exchange.
+    pub center_samples: u64,
+    /// Samples this drafter trained on since that exchange (not yet in the
+    /// center's count).
+    pub samples_since_sync: u64,
+}
+
+/// The run-wide schedule clock of one drafter, shared by its sync link, its
+/// engine and its async side (a mutex held for a few loads and stores).
+#[derive(Debug, Clone, Default)]
+pub struct RunClock {
+    state: Arc<Mutex<RunClockState>>,
+}
+
+impl RunClock {
+    pub fn new() -> Self {
+        RunClock::default()
+    }
+
+    fn update(&self, change: impl FnOnce(&mut RunClockState)) {
+        change(&mut self.state.lock().unwrap_or_else(PoisonError::into_inner));
+    }
+
+    pub fn state(&self) -> RunClockState {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The run's size learned from the broker (0: still unknown).
+    pub fn set_run_samples_total(&self, samples: u64) {
+        self.update(|state| state.run_samples_total = samples);
+    }
+
+    /// An exchange succeeded: the center holds `center_samples`, and this
+    /// drafter's earlier samples are in it (or were discarded with its delta).
+    pub fn synced(&self, center_samples: u64) {
+        self.update(|state| {
+            state.center_samples = center_samples;
+            state.samples_since_sync = 0;
+        });
+    }
+
+    /// This drafter took a step on `samples` samples.
+    pub fn trained(&self, samples: u64) {
+        self.update(|state| state.samples_since_sync += samples);
+    }
+}
+
+/// A step's place in a schedule: the 0-based step and the schedule length,
+/// as `LearningRateSchedule::learning_rate(step, total_steps)` takes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulePosition {
+    pub step: u64,
+    pub total_steps: u64,
+}
+
+/// The run-wide schedule position of a drafter's next step: the run's
+/// samples so far over `samples_per_step` (this drafter's batch), within a
+/// schedule of the run's samples over the same batch. `fixed_total_steps`
+/// (`--total-steps`, meaning the run's steps) wins over the run's size;
+/// `fallback_total_steps` is used while neither is known. The position
+/// lags the run's true one by the samples other drafters trained since
+/// their last exchange (at most `--sync-every` steps each).
+pub fn run_schedule_position(
+    clock: RunClockState,
+    samples_per_step: f64,
+    fixed_total_steps: Option<u64>,
+    fallback_total_steps: u64,
+) -> SchedulePosition {
+    let samples_per_step = if samples_per_step.is_finite() {
+        samples_per_step.max(1.0)
+    } else {
+        1.0
+    };
+    let samples_done = clock.center_samples + clock.samples_since_sync;
+    let step = (samples_done as f64 / samples_per_step).floor() as u64;
+    let total_steps = match fixed_total_steps {
+        Some(total) => total,
+        None if clock.run_samples_total > 0 => {
+            (clock.run_samples_total as f64 / samples_per_step).ceil() as u64
+        }
+        None => fallback_total_steps,
+    };
+    SchedulePosition {
+        step,
+        total_steps: total_steps.max(1),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dflash_model::draft::LearningRateSchedule;
 
     fn inputs() -> ScheduleInputs {
         ScheduleInputs {
@@ -88,5 +201,104 @@ mod tests {
             ..inputs()
         };
         assert_eq!(estimate_total_steps(finished, 1), 78);
+    }
+
+    fn clock(total: u64, center: u64, since: u64) -> RunClockState {
+        RunClockState {
+            run_samples_total: total,
+            center_samples: center,
+            samples_since_sync: since,
+        }
+    }
+
+    #[test]
+    fn the_run_is_one_schedule_of_its_samples_over_the_batch() {
+        // 1000 samples at 10 per step: 100 steps; 437 samples done: step 43.
+        assert_eq!(
+            run_schedule_position(clock(1000, 400, 37), 10.0, None, 5),
+            SchedulePosition {
+                step: 43,
+                total_steps: 100
+            }
+        );
+        // A batch that does not divide the run: the last partial step counts.
+        assert_eq!(
+            run_schedule_position(clock(1001, 0, 0), 10.0, None, 5).total_steps,
+            101
+        );
+        // --total-steps is the run's length; the fallback only while the
+        // run's size is unknown.
+        assert_eq!(
+            run_schedule_position(clock(1000, 0, 20), 10.0, Some(40), 5),
+            SchedulePosition {
+                step: 2,
+                total_steps: 40
+            }
+        );
+        assert_eq!(
+            run_schedule_position(clock(0, 0, 0), 10.0, None, 5).total_steps,
+            5
+        );
+        // A nonsensical batch is treated as one sample per step.
+        assert_eq!(
+            run_schedule_position(clock(50, 7, 0), f64::NAN, None, 5),
+            SchedulePosition {
+                step: 7,
+                total_steps: 50
+            }
+        );
+    }
+
+    #[test]
+    fn drafters_at_the_same_run_position_share_one_learning_rate() {
+        let schedule = LearningRateSchedule::default();
+        // One drafter alone on the run and one of three at the same point of
+        // the run (its own samples are a third of the center's) are at the
+        // same step of the same 100-step schedule.
+        let alone = run_schedule_position(clock(1000, 600, 0), 10.0, None, 5);
+        let one_of_three = run_schedule_position(clock(1000, 590, 10), 10.0, None, 5);
+        assert_eq!(alone, one_of_three);
+        assert_eq!(
+            schedule.learning_rate(alone.step, alone.total_steps),
+            schedule.learning_rate(60, 100)
+        );
+    }
+
+    #[test]
+    fn a_late_joiner_starts_at_the_runs_learning_rate_not_at_warmup() {
+        let schedule = LearningRateSchedule::default();
+        // Joined when the center already held half of a 1000-sample run.
+        let shared = RunClock::new();
+        shared.set_run_samples_total(1000);
+        shared.synced(500);
+        let first = run_schedule_position(shared.state(), 10.0, None, 5);
+        assert_eq!(
+            first,
+            SchedulePosition {
+                step: 50,
+                total_steps: 100
+            }
+        );
+        let learning_rate = schedule.learning_rate(first.step, first.total_steps);
+        // Past the 4 warmup steps, halfway down the cosine:
+        // 6e-4 · ½(1 + cos(π · 46/96)).
+        let expected = 6e-4 * 0.5 * (1.0 + (std::f64::consts::PI * 46.0 / 96.0).cos());
+        assert!((learning_rate - expected).abs() < 1e-15, "{learning_rate}");
+        // Its own step counter (0) would have put it at warmup's first step.
+        let own_first_step = schedule.learning_rate(0, 100);
+        assert!((own_first_step - 1.5e-4).abs() < 1e-15);
+        assert!(learning_rate > 1.8 * own_first_step);
+        // Its own steps move it on between syncs; a sync takes the center's
+        // count (every drafter's applied samples) instead.
+        shared.trained(10);
+        assert_eq!(
+            run_schedule_position(shared.state(), 10.0, None, 5).step,
+            51
+        );
+        shared.synced(540);
+        assert_eq!(
+            run_schedule_position(shared.state(), 10.0, None, 5).step,
+            54
+        );
     }
 }

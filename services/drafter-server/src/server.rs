@@ -22,9 +22,10 @@ use tracing::{error, info, warn};
 
 use crate::checkpoints::latest_checkpoint;
 use crate::config::{DrafterServerConfig, ModelMode};
+use crate::engine::RunSchedule;
 use crate::engine::{build_engine, EngineError};
 use crate::metrics::DrafterMetrics;
-use crate::schedule::{estimate_total_steps, ScheduleInputs};
+use crate::schedule::{estimate_total_steps, RunClock, ScheduleInputs};
 use crate::trainer_thread::{run_training_loop, LoopSettings, TrainerCommand, TrainerEvent};
 
 /// Errors that stop a drafter-server.
@@ -245,19 +246,32 @@ async fn run_session(
         output: config.output.clone(),
     };
     let engine_config = config.clone();
+    // With model sync the schedule is the run's: the link keeps the clock
+    // current with the center, this side with the run's size.
+    let run_clock = (config.model_sync.sync_every > 0).then(RunClock::new);
     let model_sync = crate::model_sync::ModelSyncLink::new(
         tokio::runtime::Handle::current(),
         &config.broker,
         &config.drafter_id,
         &config.model_sync,
     )
-    .map(|link| link.with_security(config.security.clone()));
+    .map(|link| link.with_security(config.security.clone()))
+    .map(|link| match &run_clock {
+        Some(clock) => link.with_run_clock(clock.clone()),
+        None => link,
+    });
+    let run_schedule = run_clock
+        .clone()
+        .map(|clock| RunSchedule::for_config(&config, clock));
     let initial_total_steps = config.total_steps.unwrap_or(config.fallback_total_steps);
     let trainer_thread = std::thread::Builder::new()
         .name(format!("trainer-{}", config.drafter_id))
         .spawn(move || {
             match build_engine(&engine_config, resume_from.as_deref(), initial_total_steps) {
-                Ok(engine) => {
+                Ok(mut engine) => {
+                    if let Some(schedule) = run_schedule {
+                        engine.follow_run_schedule(schedule);
+                    }
                     let _ = ready_sender.send(Ok((engine.device_name(), engine.steps_done())));
                     run_training_loop(
                         engine,
@@ -296,6 +310,7 @@ async fn run_session(
         last_checkpoint: None,
         metrics,
         run_id: std::sync::Mutex::new(None),
+        run_clock,
     };
     let result = session.drive(&shutdown, &mut event_receiver).await;
     // Closing the command channel ends the training loop if it is still running.
@@ -338,6 +353,9 @@ struct Session {
     /// with another one lost the run, and this drafter stops instead of
     /// training on as if nothing was lost.
     run_id: std::sync::Mutex<Option<String>>,
+    /// The run-wide schedule's clock (model sync on), which learns the run's
+    /// size here; `None`: this drafter's own schedule.
+    run_clock: Option<RunClock>,
 }
 
 impl Session {
@@ -401,7 +419,8 @@ impl Session {
     }
 
     /// Re-estimates the schedule from the broker's status when
-    /// `--total-steps` is not set.
+    /// `--total-steps` is not set: this drafter's share of the run, or, on
+    /// the run-wide schedule (model sync), the run's size.
     async fn refresh_total_steps(&self, client: &BrokerClient) {
         if self.config.total_steps.is_some() {
             return;
@@ -411,6 +430,10 @@ impl Session {
             return;
         };
         let summary = status.summary.unwrap_or_default();
+        if let Some(clock) = &self.run_clock {
+            clock.set_run_samples_total(summary.expected_items);
+            return;
+        }
         let connected_drafters = status
             .drafters
             .iter()

@@ -112,6 +112,10 @@ pub struct DraftTrainer {
     settings: TrainerSettings,
     progress: TrainingProgress,
     accumulation: Accumulation,
+    /// The schedule step of the next optimizer step when it is not this
+    /// trainer's own step count (a drafter on the run-wide schedule of
+    /// model sync); taken by that step.
+    next_schedule_step: Option<u64>,
 }
 
 impl DraftTrainer {
@@ -133,6 +137,7 @@ impl DraftTrainer {
             settings,
             progress,
             accumulation: Accumulation::default(),
+            next_schedule_step: None,
         }
     }
 
@@ -182,6 +187,14 @@ impl DraftTrainer {
     pub fn set_total_steps(&mut self, total_steps: u64) {
         self.settings.total_steps = total_steps.max(1);
         self.progress.total_steps = self.settings.total_steps;
+    }
+
+    /// Places the next optimizer step at `step` of a `total_steps` schedule
+    /// instead of at this trainer's own step count: drafters that train one
+    /// model follow the run's schedule, not their own.
+    pub fn set_schedule_position(&mut self, step: u64, total_steps: u64) {
+        self.set_total_steps(total_steps);
+        self.next_schedule_step = Some(step);
     }
 
     /// Micro-batches accumulated since the last step.
@@ -255,10 +268,11 @@ impl DraftTrainer {
                 "optimizer step without any micro-batch".to_string(),
             ));
         }
+        let schedule_step = self.next_schedule_step.take().unwrap_or(self.progress.step);
         let learning_rate = self
             .settings
             .schedule
-            .learning_rate(self.progress.step, self.settings.total_steps);
+            .learning_rate(schedule_step, self.settings.total_steps);
         let mut grad_norm = 0.0;
         if accumulation.weight_sum > 0.0 {
             self.optimizer
