@@ -1,9 +1,8 @@
-//! Gives the `drafter-server` binary and the test binaries an rpath to the
-//! libtorch library folder, so they run without LD_LIBRARY_PATH.
+//! Links libtorch into the drafter-server binary and the tests: an rpath to its library folder, and
+//! `libtorch_cuda.so` kept when libtorch has CUDA (see the included file).
+
+include!("../model/link_libtorch.rs");
 
 fn main() {
-    println!("cargo:rerun-if-env-changed=LIBTORCH");
-    if let Ok(libtorch) = std::env::var("LIBTORCH") {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{libtorch}/lib");
-    }
+    link_libtorch();
 }
