@@ -126,7 +126,7 @@ const TINY_DRAFTER_FLAGS: &[&str] = &[
     "16",
 ];
 /// Model sync of the tiny default unless --drafter-args sets its own: a demo
-/// run is about 60 steps per drafter, and syncing every 2 steps kept the
+/// run is about 40 steps per drafter, and syncing every 2 steps kept the
 /// shared model within 10 % of one drafter's τ (every 10: far below).
 const TINY_SYNC_FLAGS: [&str; 2] = ["--sync-every", "2"];
 const TINY_TARGET_FLAGS: &[&str] = &["--num-draft-layers", "2"];
@@ -631,6 +631,10 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     };
 
     // τ of the first drafter's final checkpoint on the held-out prompts.
+    // Speculative decoding of one prompt runs tiny ops, for which libtorch's
+    // intra-op threads cost more than they save: the same 16-prompt eval on
+    // the loaded 2-core machine took 64.8 s with 2 threads, 9.2 s with 1.
+    tch::set_num_threads(1);
     let mut acceptance_length = None;
     let mut untrained_acceptance_length = None;
     let mut acceptance_length_drafter = None;

@@ -1,8 +1,10 @@
 //! Time of τ evaluation on the tiny target, in one run: the uncached
-//! speculative decoding of before (the whole sequence recomputed for each
-//! verification, twice) against the KV-cached one `dflash eval` now uses,
-//! on the same prompts; both must give identical tokens and acceptance
-//! lengths.
+//! speculative decoding of before (the reference: the target recomputes the
+//! whole sequence for each verification, and the drafter re-projects its
+//! whole context for each block) against the cached one `dflash eval` and
+//! `dflash local` now use (the target's KV cache and the drafter's context
+//! cache), on the same prompts; both must give identical tokens and
+//! acceptance lengths.
 //!
 //!     cargo run --release -p dflash-drafter-server --example eval_speed -- [PROMPTS] [MAX_NEW_TOKENS] [CHECKPOINT]
 //!
@@ -93,8 +95,20 @@ fn main() -> anyhow::Result<()> {
         "τ {:.3} over {verifications} verifications",
         accepted as f64 / verifications.max(1) as f64
     );
-    println!("uncached (before): {uncached_seconds:.2}s");
-    println!("KV cache (now):    {cached_seconds:.2}s");
+    let projected = |traces: &[dflash_drafter_server::eval::GenerationTrace]| -> usize {
+        traces
+            .iter()
+            .map(|trace| trace.draft_context_positions)
+            .sum()
+    };
+    println!(
+        "uncached (before): {uncached_seconds:.2}s, drafter context positions projected {}",
+        projected(&uncached)
+    );
+    println!(
+        "cached (now):      {cached_seconds:.2}s, drafter context positions projected {}",
+        projected(&cached)
+    );
     println!(
         "speed-up {:.1}x; identical tokens and acceptance lengths: {identical}",
         uncached_seconds / cached_seconds

@@ -8,18 +8,21 @@
 //! The target runs with its KV cache: the prompt is prefilled once, each
 //! verification runs only the block's positions, and the rejected part of
 //! the block is cut from the cache. The same forward captures the hidden
-//! states the drafter reads, so the drafter's context (the target states of
-//! every committed token) is kept and extended, never recomputed. Target
-//! cost is proportional to the tokens generated. The uncached original
-//! ([`speculative_generate_uncached`], recomputing the whole sequence for
-//! every verification) is kept as the reference the cached path must
-//! reproduce token for token, and as the benchmark's baseline.
+//! states the drafter reads. The drafter keeps its own cache of the context
+//! (`DraftContextCache`: each draft layer's keys and values of every
+//! committed token), extended by the committed positions after each
+//! verification, so each block's draft runs only the block's queries. Both
+//! the target's and the drafter's cost are proportional to the tokens
+//! generated. The uncached original ([`speculative_generate_uncached`],
+//! recomputing the whole sequence for every verification and the drafter's
+//! whole context for every block) is kept as the reference the cached path
+//! must reproduce token for token, and as the benchmark's baseline.
 
 use std::path::Path;
 use std::time::Instant;
 
 use dflash_model::draft::{
-    load_draft_model, BlockInputs, DraftError, DraftModel, FrozenTargetHeads,
+    load_draft_model, BlockInputs, DraftContextCache, DraftError, DraftModel, FrozenTargetHeads,
 };
 use dflash_model::target::{ModelError, TargetModel};
 use tch::{Device, Kind, Tensor};
@@ -74,6 +77,10 @@ pub struct GenerationTrace {
     pub acceptance_lengths: Vec<usize>,
     /// Target forwards run (prefill and verifications).
     pub target_forwards: usize,
+    /// Context positions the drafter projected into its layers' keys and
+    /// values: each committed position once with the cache, the whole
+    /// context again for every block without it.
+    pub draft_context_positions: usize,
 }
 
 impl EvalReport {
@@ -225,6 +232,7 @@ pub fn speculative_generate_uncached(
         .collect();
     let max_length = prompt.len() + max_new_tokens;
     let mut acceptance_lengths = Vec::new();
+    let mut draft_context_positions = 0;
     // Prefill: the first new token comes from the target alone.
     let mut token_ids = prompt.to_vec();
     if max_new_tokens == 0 {
@@ -232,6 +240,7 @@ pub fn speculative_generate_uncached(
             token_ids,
             acceptance_lengths,
             target_forwards: 0,
+            draft_context_positions,
         });
     }
     let predictions = target_argmax(target, &token_ids)?;
@@ -249,6 +258,7 @@ pub fn speculative_generate_uncached(
             let context_hidden =
                 target.capture_hidden_states(&context_ids, &context_mask, &layer_ids)?;
             let proposals = draft_block(drafter, &context_hidden, &block, start)?;
+            draft_context_positions += start;
             block[1..].copy_from_slice(&proposals);
         }
         // Verify: the target's greedy choice after each block position.
@@ -283,12 +293,13 @@ pub fn speculative_generate_uncached(
         token_ids,
         acceptance_lengths,
         target_forwards,
+        draft_context_positions,
     })
 }
 
 /// The drafter's proposals for the block anchored at `anchor` (its first
 /// token `block[0]`, masks after it), from the target states of every
-/// position before the anchor.
+/// position before the anchor, all projected anew (the reference).
 fn draft_block(
     drafter: &DraftModel,
     context_hidden: &Tensor,
@@ -319,9 +330,29 @@ fn draft_block(
     Ok(Vec::<i64>::try_from(&proposals)?)
 }
 
+/// The drafter's proposals for the block whose first token is `block[0]`
+/// (masks after it), anchored right after the cached context.
+fn draft_block_cached(
+    drafter: &DraftModel,
+    context: &DraftContextCache,
+    block: &[i64],
+) -> Result<Vec<i64>, EvalError> {
+    let block_tensor = Tensor::from_slice(block)
+        .view([1, block.len() as i64])
+        .to_device(drafter.device());
+    let draft_hidden = drafter.forward_block_cached(context, &block_tensor)?;
+    let proposals = drafter
+        .logits(&draft_hidden.get(0).narrow(0, 1, block.len() as i64 - 1))
+        .argmax(-1, false)
+        .to_device(Device::Cpu);
+    Ok(Vec::<i64>::try_from(&proposals)?)
+}
+
 /// Speculative decoding of one prompt (greedy verification) with the
-/// target's KV cache: one prefill, then one cached forward of the block per
-/// verification, which also yields the drafter's next context states.
+/// target's KV cache and the drafter's context cache: one prefill, then per
+/// verification one draft of the block's queries over the cached context and
+/// one cached target forward of the block, whose captured states of the
+/// committed positions extend the drafter's context.
 pub fn speculative_generate(
     target: &TargetModel,
     drafter: &DraftModel,
@@ -345,19 +376,24 @@ pub fn speculative_generate(
             token_ids,
             acceptance_lengths,
             target_forwards: 0,
+            draft_context_positions: 0,
         });
     }
-    let mut cache = target.new_cache(1, (max_length + config.block_size as usize) as i64);
+    let capacity = (max_length + config.block_size as usize) as i64;
+    let mut cache = target.new_cache(1, capacity);
     // Prefill: the first new token comes from the target alone.
     let (ids, mask) = ids_tensor(prompt, device);
     let prefill = target.forward_cached(&ids, &mask, &mut cache, &layer_ids)?;
     let mut target_forwards = 1;
-    // The drafter's context: target states of every token before the anchor.
-    let mut context_hidden = prefill.captured.ok_or_else(|| {
+    // The drafter's context: target states of every token before the anchor,
+    // projected once into each draft layer's keys and values.
+    let prompt_hidden = prefill.captured.ok_or_else(|| {
         EvalError::Target(ModelError::InvalidInput(
             "the drafter names no target layers".into(),
         ))
     })?;
+    let mut draft_context = drafter.new_context_cache(1, capacity);
+    drafter.extend_context(&mut draft_context, &prompt_hidden)?;
     let first = target
         .lm_head_logits(&prefill.hidden.get(0).get(prompt.len() as i64 - 1))
         .argmax(-1, false)
@@ -372,7 +408,9 @@ pub fn speculative_generate(
         let mut block = vec![config.mask_token_id; verify_size];
         block[0] = token_ids[start];
         if verify_size > 1 {
-            let proposals = draft_block(drafter, &context_hidden, &block, start)?;
+            // The block is anchored right after the drafter's context.
+            debug_assert_eq!(draft_context.len(), start as i64);
+            let proposals = draft_block_cached(drafter, &draft_context, &block)?;
             block[1..].copy_from_slice(&proposals);
         }
         // Verify: the target's greedy choice after each block position.
@@ -406,10 +444,7 @@ pub fn speculative_generate(
         // in the cache and the drafter's context; drop the rejected rest.
         cache.truncate((start + produced) as i64)?;
         if let Some(captured) = &verified.captured {
-            context_hidden = Tensor::cat(
-                &[&context_hidden, &captured.narrow(1, 0, produced as i64)],
-                1,
-            );
+            drafter.extend_context(&mut draft_context, &captured.narrow(1, 0, produced as i64))?;
         }
         start += produced;
         token_ids.truncate(start + 1);
@@ -420,6 +455,7 @@ pub fn speculative_generate(
         token_ids,
         acceptance_lengths,
         target_forwards,
+        draft_context_positions: draft_context.len() as usize,
     })
 }
 

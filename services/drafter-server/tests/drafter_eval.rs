@@ -1,15 +1,21 @@
 //! Evaluation by speculative decoding on the tiny target: decoding is
-//! lossless (identical to the target's own greedy output), and a drafter
+//! lossless (identical to the target's own greedy output), a drafter
 //! trained on the target's own greedy continuations accepts clearly more
-//! tokens per verification (τ) than an untrained one.
+//! tokens per verification (τ) than an untrained one, and the cached
+//! evaluation (target KV cache, drafter context cache) reproduces the
+//! uncached reference token for token while projecting each context
+//! position into the drafter once.
 
 mod common;
 
 use common::{random_token_sequences, tiny_target_dir};
-use dflash_drafter_server::eval::{evaluate_with_options, greedy_generate, EvalOptions};
+use dflash_drafter_server::eval::{
+    evaluate_with_options, greedy_generate, speculative_generate, speculative_generate_uncached,
+    EvalOptions,
+};
 use dflash_model::draft::{
-    save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions, DraftTrainer, FrozenTargetHeads,
-    TargetDimensions, TrainerSettings, TrainingSequence,
+    load_draft_model, save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions, DraftTrainer,
+    FrozenTargetHeads, TargetDimensions, TrainerSettings, TrainingSequence,
 };
 use dflash_model::target::TargetModel;
 use tch::{Device, Kind, Tensor};
@@ -148,6 +154,37 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
         after.verification_steps
     );
 
+    // The cached evaluation is the reference's, with a drafter that gets
+    // blocks accepted (so both caches are cut back after rejections).
+    let trained_drafter = load_draft_model(
+        &trained,
+        FrozenTargetHeads {
+            embed_tokens: target.embed_tokens_weight().shallow_clone(),
+            lm_head: target.lm_head_weight().shallow_clone(),
+        },
+        Device::Cpu,
+        Kind::Float,
+    )
+    .unwrap();
+    for (index, prompt) in held_out.iter().enumerate() {
+        let reference =
+            speculative_generate_uncached(&target, &trained_drafter, prompt, MAX_NEW_TOKENS, &[])
+                .unwrap();
+        assert_eq!(
+            after.outputs[index], reference.token_ids,
+            "prompt {index}: cached evaluation differs from the reference"
+        );
+    }
+    let reference_lengths: Vec<usize> = held_out
+        .iter()
+        .flat_map(|prompt| {
+            speculative_generate_uncached(&target, &trained_drafter, prompt, MAX_NEW_TOKENS, &[])
+                .unwrap()
+                .acceptance_lengths
+        })
+        .collect();
+    assert_eq!(after.acceptance_lengths, reference_lengths);
+
     // Speculative decoding is lossless: both give the target's greedy output.
     for (index, prompt) in held_out.iter().enumerate() {
         let greedy = greedy_generate(&target, prompt, eval_options.max_new_tokens, &[]).unwrap();
@@ -184,4 +221,68 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
         before.mean_acceptance_length,
         after.mean_acceptance_length
     );
+}
+
+#[test]
+fn cached_speculative_decoding_reproduces_the_reference_and_projects_each_position_once() {
+    let target_dir = tiny_target_dir();
+    tch::set_num_threads(1);
+    let target = TargetModel::load(target_dir, Device::Cpu, Kind::Float).unwrap();
+    let options = DraftOptions {
+        num_draft_layers: Some(2),
+        block_size: Some(BLOCK_SIZE),
+        mask_token_id: dflash_model::tiny::mask_token_id(target_dir).unwrap(),
+        target_layer_ids: None,
+    };
+    let config =
+        DraftConfig::for_target(&TargetDimensions::from(target.config()), &options).unwrap();
+    let frozen = FrozenTargetHeads {
+        embed_tokens: target.embed_tokens_weight().shallow_clone(),
+        lm_head: target.lm_head_weight().shallow_clone(),
+    };
+    let drafter = DraftModel::new(config, frozen, Device::Cpu, Kind::Float, 11).unwrap();
+    // Prompts of several lengths; one budget ends mid-block, one is a
+    // single token (the prefill alone).
+    let prompts = [
+        random_token_sequences(1, 1, 5).remove(0),
+        random_token_sequences(1, 6, 6).remove(0),
+        random_token_sequences(1, 13, 7).remove(0),
+    ];
+    for (index, prompt) in prompts.iter().enumerate() {
+        for max_new_tokens in [1, 19, MAX_NEW_TOKENS] {
+            let cached =
+                speculative_generate(&target, &drafter, prompt, max_new_tokens, &[]).unwrap();
+            let reference =
+                speculative_generate_uncached(&target, &drafter, prompt, max_new_tokens, &[])
+                    .unwrap();
+            let case = format!("prompt {index}, {max_new_tokens} new tokens");
+            assert_eq!(cached.token_ids, reference.token_ids, "{case}");
+            assert_eq!(
+                cached.acceptance_lengths, reference.acceptance_lengths,
+                "{case}"
+            );
+            assert_eq!(cached.target_forwards, reference.target_forwards, "{case}");
+            assert_eq!(
+                cached.token_ids.len(),
+                prompt.len() + max_new_tokens,
+                "{case}"
+            );
+            // Each committed position enters the drafter's context once: the
+            // whole sequence but its newest token (never a context yet).
+            assert_eq!(
+                cached.draft_context_positions,
+                cached.token_ids.len() - 1,
+                "{case}"
+            );
+            // The reference re-projects the whole context for every block:
+            // block i is anchored after prompt + the tokens of blocks < i.
+            let mut anchor = prompt.len();
+            let mut reprojected = 0;
+            for &accepted in &reference.acceptance_lengths {
+                reprojected += anchor;
+                anchor += accepted;
+            }
+            assert_eq!(reference.draft_context_positions, reprojected, "{case}");
+        }
+    }
 }

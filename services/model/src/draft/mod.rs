@@ -6,7 +6,8 @@
 //!   Hugging Face `config.json` form.
 //! - [`model`]: the network (`fc`, `hidden_norm`, `layers.{i}`, `norm`) over
 //!   a `VarStore` named like the reference `state_dict`, with the target's
-//!   frozen embedding and LM head.
+//!   frozen embedding and LM head; `DraftContextCache`, the per-layer
+//!   context keys and values speculative decoding reuses block after block.
 //! - [`objective`]: anchor sampling, block packing, the decayed masked
 //!   cross-entropy and per-position accuracy; `compute_objective_backward`
 //!   runs forward and backward with chunked logits and optional layer
@@ -35,7 +36,7 @@ pub use checkpoint::{
 };
 pub use config::{build_target_layer_ids, DraftConfig, DraftOptions, TargetDimensions};
 pub use model::{
-    AttentionImplementation, BlockInputs, DraftModel, FrozenTargetHeads,
+    AttentionImplementation, BlockInputs, DraftContextCache, DraftModel, FrozenTargetHeads,
     DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
 };
 pub use objective::{

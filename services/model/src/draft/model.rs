@@ -16,6 +16,10 @@
 //! O(blocks·B·(T + blocks·B)) memory. With `AttentionImplementation::Fused`
 //! the context part goes through libtorch's fused attention kernel, a chunk
 //! of blocks per call, so not even the O(blocks·B·T) scores are materialised.
+//!
+//! Speculative decoding drafts one block at a time after a growing context:
+//! [`DraftContextCache`] (in `context_cache`) keeps each layer's projected
+//! context keys and values, so each committed position is projected once.
 
 use std::path::Path;
 
@@ -24,9 +28,12 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use super::{DraftConfig, DraftError};
+
+mod context_cache;
 use crate::layers::{apply_rotary, rms_norm, rotary_cos_sin, swiglu_mlp};
 use crate::target::weights::{load_tensors, TensorRequest};
 use crate::target::TargetConfig;
+pub use context_cache::DraftContextCache;
 
 /// Handles on one decoder layer's parameters (shallow clones of the
 /// `VarStore` variables, so optimizer updates are seen here).
