@@ -636,16 +636,27 @@ impl DraftModel {
                 Tensor::cat(&outputs, 2)
             }
         };
-        let attended = attended
-            .transpose(1, 2)
-            .reshape([batch, queries, heads * head_dim]);
+        self.finish_layer(layer, residual, &attended)
+    }
+
+    /// The rest of a draft layer after attention, shared by the training
+    /// forward and the cached one: heads `[batch, heads, queries, head_dim]`
+    /// merged, `o_proj` plus the residual, then the post-attention norm and
+    /// the SwiGLU MLP with their residual.
+    fn finish_layer(
+        &self,
+        layer: &DraftLayerParameters,
+        residual: Tensor,
+        attended: &Tensor,
+    ) -> Tensor {
+        let attended = attended.transpose(1, 2).flatten(2, 3);
         let hidden = residual + attended.linear::<Tensor>(&self.weight(&layer.o_proj), None);
 
         let residual = hidden.shallow_clone();
         let normed = rms_norm(
             &hidden,
             &self.weight(&layer.post_attention_layernorm),
-            config.rms_norm_eps,
+            self.config.rms_norm_eps,
         );
         residual
             + swiglu_mlp(

@@ -20,7 +20,7 @@ use tch::{Kind, Tensor};
 
 use super::{repeat_key_value_heads, DraftLayerParameters, DraftModel};
 use crate::draft::DraftError;
-use crate::layers::{apply_rotary, rms_norm, rotary_cos_sin, swiglu_mlp};
+use crate::layers::{apply_rotary, rms_norm, rotary_cos_sin};
 
 /// Per draft layer, the keys and values of the context positions seen so
 /// far, for a batch of rows that all hold the same number of positions.
@@ -297,23 +297,6 @@ impl DraftModel {
             + probabilities
                 .narrow(-1, context_length, block_length)
                 .matmul(&block_value);
-        let attended = attended
-            .transpose(1, 2)
-            .reshape([batch, block_length, heads * head_dim]);
-        let hidden = residual + attended.linear::<Tensor>(&self.weight(&layer.o_proj), None);
-
-        let residual = hidden.shallow_clone();
-        let normed = rms_norm(
-            &hidden,
-            &self.weight(&layer.post_attention_layernorm),
-            config.rms_norm_eps,
-        );
-        residual
-            + swiglu_mlp(
-                &normed,
-                &self.weight(&layer.gate_proj),
-                &self.weight(&layer.up_proj),
-                &self.weight(&layer.down_proj),
-            )
+        self.finish_layer(layer, residual, &attended)
     }
 }
