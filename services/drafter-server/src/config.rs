@@ -162,6 +162,12 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_WEIGHT_DECAY", default_value_t = 0.0)]
     pub weight_decay: f64,
 
+    /// AdamW's first-moment decay β1 (PyTorch's 0.9). With model sync each
+    /// drafter uses β1^N, N the drafters sharing the center (measured from
+    /// its exchanges' staleness), so the shared model's momentum stays β1.
+    #[arg(long, env = "DFLASH_ADAM_BETA1", default_value_t = 0.9)]
+    pub adam_beta1: f64,
+
     /// Fraction of the schedule spent in linear warmup before the cosine decay.
     #[arg(long, env = "DFLASH_WARMUP_FRACTION", default_value_t = 0.04)]
     pub warmup_fraction: f64,
@@ -280,6 +286,8 @@ pub enum ConfigError {
     Device(String),
     #[error("--warmup-fraction must be in [0, 1), got {0}")]
     WarmupFraction(f64),
+    #[error("--adam-beta1 must be in [0, 1), got {0}")]
+    AdamBeta1(f64),
 }
 
 impl DrafterServerConfig {
@@ -319,6 +327,9 @@ impl DrafterServerConfig {
         }
         if !(0.0..1.0).contains(&self.warmup_fraction) {
             return Err(ConfigError::WarmupFraction(self.warmup_fraction));
+        }
+        if !(0.0..1.0).contains(&self.adam_beta1) {
+            return Err(ConfigError::AdamBeta1(self.adam_beta1));
         }
         if self.dtype == Some(DtypeChoice::F16) {
             return Err(ConfigError::UnsupportedDtype("f16"));
@@ -403,6 +414,7 @@ impl DrafterServerConfig {
             loss_gamma: None,
             learning_rate: 6e-4,
             weight_decay: 0.0,
+            adam_beta1: 0.9,
             warmup_fraction: 0.04,
             max_grad_norm: 1.0,
             grad_accumulation: 1,
@@ -564,5 +576,15 @@ mod tests {
         config.dtype = Some(DtypeChoice::Bf16);
         assert_eq!(config.validate(), Ok(()));
         assert_eq!(config.credit_items(), 72);
+        for bad in [1.0, -0.1, f64::NAN] {
+            config.adam_beta1 = bad;
+            let error = config.validate().unwrap_err().to_string();
+            assert!(
+                error.contains("--adam-beta1") && error.contains(&bad.to_string()),
+                "{error}"
+            );
+        }
+        config.adam_beta1 = 0.0;
+        assert_eq!(config.validate(), Ok(()));
     }
 }

@@ -15,7 +15,7 @@ use tracing::info;
 
 use crate::config::{DrafterServerConfig, ModelMode};
 use crate::samples::{decode_sample, SampleError, SampleExpectations};
-use crate::schedule::{run_schedule_position, RunClock};
+use crate::schedule::{asynchronous_beta1, run_schedule_position, RunClock};
 
 /// Errors of the engine; a failing micro-batch hands its items back.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +83,9 @@ pub struct RunSchedule {
     /// Samples per step assumed before this drafter took a step
     /// (`--max-step-samples`).
     pub assumed_samples_per_step: u64,
+    /// `--adam-beta1`: one drafter's β1; each of N syncing drafters uses
+    /// [`asynchronous_beta1`] of it.
+    pub adam_beta1: f64,
 }
 
 impl RunSchedule {
@@ -93,6 +96,7 @@ impl RunSchedule {
             fixed_total_steps: config.total_steps,
             fallback_total_steps: config.fallback_total_steps,
             assumed_samples_per_step: config.max_step_samples as u64,
+            adam_beta1: config.adam_beta1,
         }
     }
 }
@@ -145,6 +149,7 @@ impl DFlashEngine {
         }
         settings.max_grad_norm = config.max_grad_norm;
         settings.adamw.weight_decay = config.weight_decay;
+        settings.adamw.beta1 = config.adam_beta1;
         settings.schedule.peak_learning_rate = config.learning_rate;
         settings.schedule.warmup_fraction = config.warmup_fraction;
         settings.seed = config.seed;
@@ -225,14 +230,19 @@ impl TrainingEngine for DFlashEngine {
             } else {
                 schedule.assumed_samples_per_step as f64
             };
+            let clock = schedule.clock.state();
             let position = run_schedule_position(
-                schedule.clock.state(),
+                clock,
                 samples_per_step,
                 schedule.fixed_total_steps,
                 schedule.fallback_total_steps,
             );
             self.trainer
                 .set_schedule_position(position.step, position.total_steps);
+            self.trainer.set_adam_beta1(asynchronous_beta1(
+                schedule.adam_beta1,
+                clock.drafters_sharing,
+            ));
         }
         Ok(self.trainer.step()?)
     }

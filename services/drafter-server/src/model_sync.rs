@@ -19,7 +19,10 @@
 //! Each exchange also brings back the center's sample count (every
 //! drafter's applied deltas), which the link writes into the drafter's
 //! [`RunClock`]: the learning-rate schedule is the run's, not this drafter's
-//! (see [`crate::schedule`]).
+//! (see [`crate::schedule`]). Each UPDATE's staleness goes there too: it
+//! measures how many drafters share the center, and each of N drafters
+//! runs AdamW with β1^N so the shared model's momentum is one drafter's
+//! (asynchrony adds momentum of its own: Mitliagkas et al. 2016).
 
 use std::time::{Duration, Instant};
 
@@ -259,7 +262,11 @@ impl ModelSyncLink {
                 // restarted with an older center.
                 self.session = None;
                 self.base = None;
+                // The samples since the last exchange never reach the center:
+                // the re-join starts from the center's weights.
                 self.steps_since_sync = 0;
+                self.samples_since_sync = 0;
+                self.tokens_since_sync = 0;
                 warn!(%error, what, "model sync failed; training continues on this drafter's weights");
             }
         }
@@ -328,6 +335,9 @@ impl ModelSyncLink {
         self.totals.center_version = result.center_version;
         self.totals.center_samples = result.center_samples;
         self.totals.last_staleness = result.staleness;
+        if kind == proto::SyncKind::Update && result.applied {
+            self.clock.staleness_observed(result.staleness);
+        }
         if !result.applied && !result.reason.is_empty() && kind == proto::SyncKind::Update {
             info!(reason = %result.reason, "model sync: delta not applied; continuing from the center");
         }

@@ -16,6 +16,19 @@
 //!   between the sync link (which learns the center's count), the async side
 //!   (which learns the run's size from the broker's status) and the engine
 //!   (which sets the learning rate of each step).
+//! - The same drafters' AdamW β1 is the run's too: with N drafters applying
+//!   their steps to one center in turn, each drafter's first moment is
+//!   updated once per N center updates, and asynchrony itself adds momentum
+//!   (Mitliagkas, Zhang, Hadjis, Ré 2016, "Asynchrony begets momentum"). A
+//!   drafter therefore decays its first moment by β1^N per own step, which
+//!   is β1 per center update, the decay one drafter alone has
+//!   ([`asynchronous_beta1`]). N is measured, not configured: a delta's
+//!   staleness S counts the other drafters' exchanges since this drafter's
+//!   base, so the center takes about S + 1 drafters' steps per step of this
+//!   one (every drafter syncing every `--sync-every` steps); N is the
+//!   running mean of S + 1 over the last exchanges
+//!   ([`RunClock::staleness_observed`]), so it follows drafters that join,
+//!   leave or run at other speeds.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -55,7 +68,7 @@ pub fn estimate_total_steps(inputs: ScheduleInputs, fallback: u64) -> u64 {
 }
 
 /// What the run-wide schedule position is computed from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct RunClockState {
     /// Samples the whole run will train on (the broker's `expected_items`,
     /// the targets' announced shard sizes); 0 while unknown.
@@ -66,6 +79,9 @@ pub struct RunClockState {
     /// Samples this drafter trained on since that exchange (not yet in the
     /// center's count).
     pub samples_since_sync: u64,
+    /// Drafters' steps the center takes per step of this drafter: the
+    /// running mean of (staleness + 1) of its exchanges; 0 while unknown.
+    pub drafters_sharing: f64,
 }
 
 /// The run-wide schedule clock of one drafter, shared by its sync link, its
@@ -102,9 +118,42 @@ impl RunClock {
         });
     }
 
+    /// An UPDATE of this drafter was `staleness` center versions behind:
+    /// the center took `staleness + 1` drafters' steps per step of this one.
+    /// Kept as a running mean (weight [`SHARING_MEAN_WEIGHT`] on the newest),
+    /// since the order in which asynchronous drafters land varies.
+    pub fn staleness_observed(&self, staleness: u64) {
+        let sharing = staleness.saturating_add(1).min(1 << 20) as f64;
+        self.update(|state| {
+            state.drafters_sharing = if state.drafters_sharing > 0.0 {
+                state.drafters_sharing + SHARING_MEAN_WEIGHT * (sharing - state.drafters_sharing)
+            } else {
+                sharing
+            };
+        });
+    }
+
     /// This drafter took a step on `samples` samples.
     pub fn trained(&self, samples: u64) {
         self.update(|state| state.samples_since_sync += samples);
+    }
+}
+
+/// Weight of the newest exchange in [`RunClockState::drafters_sharing`].
+pub const SHARING_MEAN_WEIGHT: f64 = 0.25;
+
+/// AdamW's β1 for a drafter whose center takes `drafters_sharing` drafters'
+/// steps per step of its own: `beta1^N`, so its first moment decays by
+/// `beta1` per step of the center, as one drafter's does per own step (see
+/// the module doc). One drafter (or an unknown count, 0) keeps `beta1`. At
+/// β1 0.9 with three drafters that is 0.729; in the deterministic quality
+/// test (`tests/model_sync_quality.rs`) it took the center from 0.85 to
+/// 1.03 of one drafter's τ.
+pub fn asynchronous_beta1(beta1: f64, drafters_sharing: f64) -> f64 {
+    if drafters_sharing.is_finite() && drafters_sharing > 1.0 {
+        beta1.powf(drafters_sharing.min(1024.0))
+    } else {
+        beta1
     }
 }
 
@@ -208,7 +257,53 @@ mod tests {
             run_samples_total: total,
             center_samples: center,
             samples_since_sync: since,
+            drafters_sharing: 0.0,
         }
+    }
+
+    #[test]
+    fn each_of_n_drafters_decays_its_moment_by_beta1_per_center_step() {
+        // Unknown or one drafter: the configured β1, bit for bit.
+        assert_eq!(asynchronous_beta1(0.9, 0.0), 0.9);
+        assert_eq!(asynchronous_beta1(0.9, 1.0), 0.9);
+        assert_eq!(asynchronous_beta1(0.9, f64::NAN), 0.9);
+        // N drafters: β1^N per own step. Over the N center steps between two
+        // steps of one drafter its moment decays as much as one drafter's
+        // over N steps (0.9³ = 0.729; 0.9⁸ = 0.43046721).
+        assert!((asynchronous_beta1(0.9, 3.0) - 0.729).abs() < 1e-15);
+        assert!((asynchronous_beta1(0.9, 8.0) - 0.430_467_21).abs() < 1e-15);
+        // β1 0 (no momentum) stays 0; a huge count stays a valid β1.
+        assert_eq!(asynchronous_beta1(0.0, 5.0), 0.0);
+        let many = asynchronous_beta1(0.999, f64::INFINITY);
+        assert!((0.0..1.0).contains(&many), "{many}");
+        let many = asynchronous_beta1(0.999, 1e300);
+        assert!((0.0..1.0).contains(&many), "{many}");
+    }
+
+    #[test]
+    fn drafters_sharing_is_a_running_mean_of_staleness_plus_one() {
+        let shared = RunClock::new();
+        assert_eq!(shared.state().drafters_sharing, 0.0);
+        // The first UPDATE sets it: two other drafters' exchanges landed.
+        shared.staleness_observed(2);
+        assert_eq!(shared.state().drafters_sharing, 3.0);
+        // Syncs and steps leave it alone.
+        shared.synced(40);
+        shared.trained(5);
+        assert_eq!(shared.state().drafters_sharing, 3.0);
+        // One drafter left: staleness 1 from now on moves it toward 2 by a
+        // quarter of the gap per exchange: 3 - 0.25 = 2.75, then 2.5625.
+        shared.staleness_observed(1);
+        assert_eq!(shared.state().drafters_sharing, 2.75);
+        shared.staleness_observed(1);
+        assert_eq!(shared.state().drafters_sharing, 2.5625);
+        for _ in 0..200 {
+            shared.staleness_observed(1);
+        }
+        assert!((shared.state().drafters_sharing - 2.0).abs() < 1e-12);
+        // A wild staleness is bounded, never infinite.
+        shared.staleness_observed(u64::MAX);
+        assert!(shared.state().drafters_sharing.is_finite());
     }
 
     #[test]

@@ -107,6 +107,12 @@ async fn a_drafter_joining_mid_run_starts_from_the_center_and_deltas_reach_every
         first_link.after_step(&first, 4, 40);
         assert_eq!(first_link.totals.center_version, 3);
         assert_eq!(first_link.totals.last_staleness, 1);
+        // Staleness measures the drafters sharing the center (their AdamW
+        // β1 follows it): the late one's delta was fresh (1 drafter), the
+        // first one's two were 0 then 1 behind, a running mean of 1 and 2
+        // with a quarter's weight on the newest.
+        assert_eq!(late_link.run_clock().state().drafters_sharing, 1.0);
+        assert_eq!(first_link.run_clock().state().drafters_sharing, 1.25);
         // Both are the center now: the same weights up to f32 rounding of
         // (x + d) − x + x (a few ulps of values below 1).
         assert!(max_difference(&first, &late) < 1e-6);

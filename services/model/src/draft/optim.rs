@@ -78,6 +78,13 @@ pub struct AdamW {
 }
 
 impl AdamW {
+    /// Changes β1 from the next step on (the moments are kept). Drafters
+    /// that train one model set it from the number of drafters sharing the
+    /// center (`dflash-drafter-server`'s model sync).
+    pub fn set_beta1(&mut self, beta1: f64) {
+        self.settings.beta1 = beta1;
+    }
+
     /// An optimizer over `parameters` (name, tensor requiring grad).
     pub fn new(
         parameters: impl IntoIterator<Item = (String, Tensor)>,

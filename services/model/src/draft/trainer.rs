@@ -189,6 +189,13 @@ impl DraftTrainer {
         self.progress.total_steps = self.settings.total_steps;
     }
 
+    /// AdamW's β1 from the next step on (moments kept; see
+    /// [`AdamW::set_beta1`]).
+    pub fn set_adam_beta1(&mut self, beta1: f64) {
+        self.settings.adamw.beta1 = beta1;
+        self.optimizer.set_beta1(beta1);
+    }
+
     /// Places the next optimizer step at `step` of a `total_steps` schedule
     /// instead of at this trainer's own step count: drafters that train one
     /// model follow the run's schedule, not their own.
