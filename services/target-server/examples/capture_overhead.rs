@@ -1,0 +1,167 @@
+//! What the hidden-state capture costs on top of the target's forward, on
+//! the CPU for the tiny target (or any model directory), interleaved rounds
+//! in one process:
+//!
+//! - `forward`: the plain full forward a Hugging Face `model(input_ids)`
+//!   does (every layer, final norm, LM head), no output kept;
+//! - `capture`: what the target-server does per batch: the forward up to
+//!   the deepest DFlash layer with the layers' outputs kept and
+//!   concatenated, cast to bf16, copied to host memory and cut into one
+//!   encoded `Sample` per sequence.
+//!
+//! Prints tokens/s of each (median over rounds) and capture / forward.
+//! `scripts/bench/target_forward_hf.py` runs HF transformers' forward on the
+//! same model directory for the ratio against transformers.
+//!
+//! ```text
+//! cargo run --release -p dflash-target-server --example capture_overhead -- \
+//!     [--model-dir DIR] [--batch 8] [--seq-len 512] [--rounds 7] [--draft-layers 5]
+//! ```
+//!
+//! Without `--model-dir` the tiny default is written to a temporary folder;
+//! with a folder that does not exist yet it is written there (so the Python
+//! script can load the same weights).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use dflash_model::target::{build_target_layer_ids, TargetModel};
+use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
+use dflash_proto::v1::Dtype;
+use dflash_service::{configure_allocator, AllocatorMode};
+use tch::{Device, Kind, Tensor};
+
+struct Arguments {
+    model_dir: Option<PathBuf>,
+    batch: i64,
+    sequence_length: i64,
+    rounds: usize,
+    draft_layers: usize,
+}
+
+fn parse_arguments() -> anyhow::Result<Arguments> {
+    let mut arguments = Arguments {
+        model_dir: None,
+        batch: 8,
+        sequence_length: 512,
+        rounds: 7,
+        draft_layers: 5,
+    };
+    let mut words = std::env::args().skip(1);
+    while let Some(flag) = words.next() {
+        let mut value = || {
+            words
+                .next()
+                .with_context(|| format!("{flag} needs a value"))
+        };
+        match flag.as_str() {
+            "--model-dir" => arguments.model_dir = Some(PathBuf::from(value()?)),
+            "--batch" => arguments.batch = value()?.parse().context("--batch")?,
+            "--seq-len" => arguments.sequence_length = value()?.parse().context("--seq-len")?,
+            "--rounds" => arguments.rounds = value()?.parse().context("--rounds")?,
+            "--draft-layers" => {
+                arguments.draft_layers = value()?.parse().context("--draft-layers")?
+            }
+            "--bench" => {} // cargo bench passes it
+            other => bail!("unknown flag {other:?}"),
+        }
+    }
+    if arguments.batch < 1 || arguments.sequence_length < 1 || arguments.rounds < 1 {
+        bail!("--batch, --seq-len and --rounds must be at least 1");
+    }
+    Ok(arguments)
+}
+
+/// The target-server's per-batch work after the forward: bf16 on the host,
+/// one encoded sample per sequence (every sequence is full length here).
+fn to_samples(hidden: &Tensor, ids: &[i64], rows: usize) -> anyhow::Result<usize> {
+    let host = hidden
+        .f_to_kind(Kind::BFloat16)?
+        .f_to_device(Device::Cpu)?
+        .f_contiguous()?;
+    let elements = host.numel();
+    let mut buffer = vec![0u8; elements * 2];
+    host.f_copy_data_u8(&mut buffer, elements)?;
+    let buffer = Bytes::from(buffer);
+    let row_bytes = buffer.len() / rows;
+    let tokens = ids.len() / rows;
+    let width = (row_bytes / 2 / tokens) as u64;
+    let loss_mask = vec![1u8; tokens];
+    let mut encoded = 0;
+    for row in 0..rows {
+        let sample = dflash_proto::sample::encode(
+            &ids[row * tokens..(row + 1) * tokens],
+            &loss_mask,
+            buffer.slice(row * row_bytes..(row + 1) * row_bytes),
+            Dtype::Bf16,
+            width,
+        );
+        encoded += sample.tensors.len();
+    }
+    Ok(encoded)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    configure_allocator(AllocatorMode::Retained);
+    let arguments = parse_arguments()?;
+    let scratch = tempfile::tempdir()?;
+    let model_dir = arguments
+        .model_dir
+        .clone()
+        .unwrap_or_else(|| scratch.path().join("tiny-qwen3"));
+    if !model_dir.join("config.json").exists() {
+        write_tiny_model(&model_dir, &TinyModelSpec::default())?;
+    }
+    let model = TargetModel::load(&model_dir, Device::Cpu, Kind::Float)?;
+    let layer_ids =
+        build_target_layer_ids(model.config().num_hidden_layers, arguments.draft_layers);
+    let vocab = model.config().vocab_size;
+    let (rows, length) = (arguments.batch, arguments.sequence_length);
+    let ids: Vec<i64> = (0..rows * length).map(|i| (i * 31 + 7) % vocab).collect();
+    let input_ids = Tensor::from_slice(&ids).view([rows, length]);
+    let mask = input_ids.ones_like();
+    let tokens = (rows * length) as f64;
+    println!(
+        "model {} ({} layers, hidden {}), batch {rows} x {length} tokens, capture layers {layer_ids:?}, \
+         {} libtorch threads, {} rounds",
+        model_dir.display(),
+        model.config().num_hidden_layers,
+        model.config().hidden_size,
+        tch::get_num_threads(),
+        arguments.rounds
+    );
+    // One untimed pass of each: first-touch allocations and lazy init.
+    drop(model.logits(&input_ids, &mask)?);
+    let warm = model.capture_hidden_states(&input_ids, &mask, &layer_ids)?;
+    to_samples(&warm, &ids, rows as usize)?;
+    let (mut forward, mut capture) = (Vec::new(), Vec::new());
+    for _ in 0..arguments.rounds {
+        let started = Instant::now();
+        let logits = model.logits(&input_ids, &mask)?;
+        drop(logits);
+        forward.push(tokens / started.elapsed().as_secs_f64());
+
+        let started = Instant::now();
+        let hidden = model.capture_hidden_states(&input_ids, &mask, &layer_ids)?;
+        let encoded = to_samples(&hidden, &ids, rows as usize)?;
+        capture.push(tokens / started.elapsed().as_secs_f64());
+        anyhow::ensure!(encoded == 3 * rows as usize, "every sample has 3 tensors");
+    }
+    let forward = median(&mut forward);
+    let capture = median(&mut capture);
+    println!("forward (HF-style full forward, logits): {forward:.0} tokens/s");
+    println!(
+        "capture (forward to layer {}, {} layers kept, bf16, host copy, samples): {capture:.0} tokens/s",
+        layer_ids.iter().max().copied().unwrap_or(0),
+        layer_ids.len()
+    );
+    println!("capture / forward: {:.3}", capture / forward);
+    Ok(())
+}
