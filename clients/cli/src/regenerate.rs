@@ -416,6 +416,23 @@ struct ChunkContext<'a> {
     token_budget: usize,
 }
 
+impl ChunkContext<'_> {
+    /// Continues `requests` in batches of the token budget.
+    fn generate(
+        &self,
+        requests: &[GenerationRequest],
+        on_batch: &mut OnBatch<'_>,
+    ) -> anyhow::Result<Vec<dflash_model::generate::Generated>> {
+        Ok(generate(
+            self.target,
+            requests,
+            self.options,
+            self.token_budget,
+            on_batch,
+        )?)
+    }
+}
+
 /// Regenerates every assistant turn of `records` in rounds (the k-th turn
 /// of every conversation together), telling `on_tokens` how many tokens
 /// each finished batch generated.
@@ -467,13 +484,7 @@ fn regenerate_pre_tokenized(
             owners.push(position);
         }
     }
-    let outputs = generate(
-        context.target,
-        &requests,
-        context.options,
-        context.token_budget,
-        on_batch,
-    )?;
+    let outputs = context.generate(&requests, on_batch)?;
     for ((position, request), output) in owners.iter().zip(&requests).zip(outputs) {
         let input_ids = [request.prompt.as_slice(), output.tokens.as_slice()].concat();
         let loss_mask: Vec<u8> = (0..input_ids.len())
@@ -517,13 +528,7 @@ fn regenerate_chat_round(
         });
         owners.push(position);
     }
-    let outputs = generate(
-        context.target,
-        &requests,
-        context.options,
-        context.token_budget,
-        on_batch,
-    )?;
+    let outputs = context.generate(&requests, on_batch)?;
     for (position, output) in owners.into_iter().zip(outputs) {
         let mut tokens = output.tokens;
         if output.stopped {

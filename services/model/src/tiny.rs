@@ -427,6 +427,10 @@ fn weight_plan(spec: &TinyModelSpec) -> Vec<(String, Vec<i64>, Init)> {
     // the stack, so every layer visibly contributes to the hidden states.
     let linear = |fan_in: i64| Init::Normal(1.0 / (fan_in as f64).sqrt());
     let norm = || Init::AroundOne(0.1);
+    // A `[outputs, inputs]` linear weight, scaled by its fan-in.
+    let projection = |name: &'static str, outputs: i64, inputs: i64| {
+        (name, vec![outputs, inputs], linear(inputs))
+    };
     let mut plan: Vec<(String, Vec<i64>, Init)> = vec![(
         "model.embed_tokens.weight".into(),
         vec![spec.vocab, hidden],
@@ -435,26 +439,10 @@ fn weight_plan(spec: &TinyModelSpec) -> Vec<(String, Vec<i64>, Init)> {
     for layer in 0..spec.layers {
         let mut layer_plan = vec![
             ("input_layernorm", vec![hidden], norm()),
-            (
-                "self_attn.q_proj",
-                vec![query_width, hidden],
-                linear(hidden),
-            ),
-            (
-                "self_attn.k_proj",
-                vec![key_value_width, hidden],
-                linear(hidden),
-            ),
-            (
-                "self_attn.v_proj",
-                vec![key_value_width, hidden],
-                linear(hidden),
-            ),
-            (
-                "self_attn.o_proj",
-                vec![hidden, query_width],
-                linear(query_width),
-            ),
+            projection("self_attn.q_proj", query_width, hidden),
+            projection("self_attn.k_proj", key_value_width, hidden),
+            projection("self_attn.v_proj", key_value_width, hidden),
+            projection("self_attn.o_proj", hidden, query_width),
         ];
         if spec.architecture == Architecture::Qwen3 {
             layer_plan.push(("self_attn.q_norm", vec![head_dim], norm()));
@@ -462,21 +450,9 @@ fn weight_plan(spec: &TinyModelSpec) -> Vec<(String, Vec<i64>, Init)> {
         }
         layer_plan.extend([
             ("post_attention_layernorm", vec![hidden], norm()),
-            (
-                "mlp.gate_proj",
-                vec![spec.intermediate, hidden],
-                linear(hidden),
-            ),
-            (
-                "mlp.up_proj",
-                vec![spec.intermediate, hidden],
-                linear(hidden),
-            ),
-            (
-                "mlp.down_proj",
-                vec![hidden, spec.intermediate],
-                linear(spec.intermediate),
-            ),
+            projection("mlp.gate_proj", spec.intermediate, hidden),
+            projection("mlp.up_proj", spec.intermediate, hidden),
+            projection("mlp.down_proj", hidden, spec.intermediate),
         ]);
         plan.extend(layer_plan.into_iter().map(|(name, shape, init)| {
             (format!("model.layers.{layer}.{name}.weight"), shape, init)

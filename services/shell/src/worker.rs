@@ -194,15 +194,16 @@ where
     }
 
     /// Hands the command sender to another thread (the target's reader
-    /// feeds its compute thread directly); [`Self::send`] then fails.
-    pub fn take_command_sender(&mut self) -> Option<mpsc::Sender<Command>> {
-        self.commands.take()
+    /// feeds its compute thread directly); [`Self::send`] then fails, and
+    /// so does a second take.
+    pub fn take_command_sender(&mut self) -> Result<mpsc::Sender<Command>, WorkerError> {
+        self.commands.take().ok_or_else(|| self.gone())
     }
 
     /// Hands the event receiver to another thread (the target's host-copy
-    /// thread drains its compute thread directly).
-    pub fn take_event_receiver(&mut self) -> Option<mpsc::Receiver<Event>> {
-        self.events.take()
+    /// thread drains its compute thread directly); a second take fails.
+    pub fn take_event_receiver(&mut self) -> Result<mpsc::Receiver<Event>, WorkerError> {
+        self.events.take().ok_or_else(|| self.gone())
     }
 
     /// Closes the command channel: the worker reads what is queued, then

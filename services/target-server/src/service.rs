@@ -484,12 +484,7 @@ async fn stream_shard(
     let epoch = Instant::now();
     let (ready_sender, ready_receiver) =
         tokio::sync::mpsc::channel::<Vec<ReadySample>>(BATCH_CHANNEL_DEPTH);
-    let computed = threads
-        .compute
-        .take_event_receiver()
-        .ok_or_else(|| WorkerError::Gone {
-            name: "compute".into(),
-        })?;
+    let computed = threads.compute.take_event_receiver()?;
     threads.host_copy = Some({
         let counters = counters.clone();
         let metrics = metrics.clone();
@@ -574,12 +569,7 @@ async fn spawn_reader(
             .clone()
             .unwrap_or_else(|| PathBuf::from("(generated)")),
     };
-    let batch_sender = threads
-        .compute
-        .take_command_sender()
-        .ok_or_else(|| WorkerError::Gone {
-            name: "compute".into(),
-        })?;
+    let batch_sender = threads.compute.take_command_sender()?;
     let reader_stop = threads.stop.clone();
     let data_path = config.data.clone();
     let synthetic_spec = match &config.model {
