@@ -270,12 +270,10 @@ async fn run_session(
     };
     let result = session.drive(&shutdown).await;
     // Closing the command channel ends the training loop if it is still running.
-    match session.trainer.finish(TRAINER_JOIN_BOUND).await {
-        Ok(()) => {}
-        Err(error @ WorkerError::TimedOut { .. }) => {
-            warn!(%error, "training thread still busy after the server stopped; leaving it to finish on its own");
-        }
-        Err(error) => warn!(%error, "training thread ended badly after the server stopped"),
+    // A trainer still busy after the bound is left to finish on its own
+    // (`join_within` says so); the run's result stands either way.
+    if let Err(error) = session.trainer.finish(TRAINER_JOIN_BOUND).await {
+        warn!(%error, "the training thread did not end cleanly after the server stopped");
     }
     result
 }

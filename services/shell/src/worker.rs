@@ -244,7 +244,7 @@ pub async fn join_within<Output>(
     let deadline = tokio::time::Instant::now() + bound;
     while !thread.is_finished() {
         if tokio::time::Instant::now() >= deadline {
-            tracing::error!(
+            tracing::warn!(
                 thread = name,
                 ?bound,
                 "thread did not stop in time; leaving it behind"
