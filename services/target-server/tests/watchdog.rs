@@ -9,20 +9,19 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use dflash_broker::config::FailurePolicy;
 use dflash_broker::BrokerConfig;
-use dflash_client::{Consumer, ConsumerEvent};
 use dflash_proto::v1 as proto;
-use dflash_testkit::{credit, TestBroker};
+use dflash_testkit::{spawn_drafter, Drained, TestBroker};
 
 /// Seconds without an accepted item before the broker fails the target.
 const STALL: Duration = Duration::from_secs(2);
 /// The target-server's own watchdog.
 const WATCHDOG: Duration = Duration::from_secs(4);
 
-/// A broker under `policy` with one drafter's Consume stream open, and a
-/// target-server whose compute thread hangs after three batches.
+/// A broker under `policy` with one acking drafter, and a target-server
+/// whose compute thread hangs after three batches.
 struct StuckTarget {
     broker: TestBroker,
-    consumer: Consumer,
+    drafter: tokio::task::JoinHandle<Result<Drained>>,
     child: tokio::process::Child,
     started: Instant,
 }
@@ -34,8 +33,7 @@ async fn start_stuck_target(policy: FailurePolicy) -> Result<StuckTarget> {
         ..BrokerConfig::for_targets(1)
     })
     .await;
-    let client = broker.client().await;
-    let consumer = client.consume("drafter-0", credit(64)).await?;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", Duration::from_secs(60));
     let started = Instant::now();
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_target-server"))
         .args([
@@ -59,41 +57,9 @@ async fn start_stuck_target(policy: FailurePolicy) -> Result<StuckTarget> {
         .spawn()?;
     Ok(StuckTarget {
         broker,
-        consumer,
+        drafter,
         child,
         started,
-    })
-}
-
-/// What the drafter saw: every delivery acked at once, until end-of-stream.
-struct Drained {
-    end: proto::EndOfStream,
-    /// (target, seq) of every delivery, in order.
-    delivered: Vec<(String, u64)>,
-    /// Time from the last delivery to end-of-stream.
-    waited: Duration,
-}
-
-async fn ack_until_end(consumer: &mut Consumer) -> Result<Drained> {
-    let mut delivered = Vec::new();
-    let mut last_delivery = Instant::now();
-    let end = loop {
-        let event = tokio::time::timeout(Duration::from_secs(60), consumer.next())
-            .await
-            .context("end-of-stream in time")??;
-        match event {
-            ConsumerEvent::Delivery(delivery) => {
-                delivered.push((delivery.target_id.clone(), delivery.seq));
-                last_delivery = Instant::now();
-                consumer.handle().ack(vec![delivery.delivery_id]);
-            }
-            ConsumerEvent::EndOfStream(end) => break end,
-        }
-    };
-    Ok(Drained {
-        end,
-        delivered,
-        waited: last_delivery.elapsed(),
     })
 }
 
@@ -118,12 +84,9 @@ async fn a_stuck_compute_thread_aborts_the_run_and_exits_non_zero() -> Result<()
     let mut stuck = start_stuck_target(FailurePolicy::Abort).await?;
 
     // The drafter gets what was computed, then end-of-stream ABORTED.
-    let Drained {
-        end,
-        delivered,
-        waited,
-    } = ack_until_end(&mut stuck.consumer).await?;
-    let received = delivered.len();
+    let drained = (&mut stuck.drafter).await??;
+    let (end, waited) = (drained.end_of_stream, drained.quiet_before_end);
+    let received = drained.deliveries.len();
     ensure!(end.status() == proto::RunStatus::Aborted, "{end:?}");
     ensure!(end.reason.contains("no item accepted"), "{}", end.reason);
     ensure!(received > 0 && received < 100, "received {received}");
@@ -148,11 +111,13 @@ async fn a_stuck_compute_thread_under_continue_completes_with_the_target_failed(
 
     // The drafter acks what was computed; the run then completes without
     // the stuck target's remaining samples, and says so.
-    let Drained {
-        end,
-        delivered,
-        waited,
-    } = ack_until_end(&mut stuck.consumer).await?;
+    let drained = (&mut stuck.drafter).await??;
+    let (end, waited) = (drained.end_of_stream, drained.quiet_before_end);
+    let delivered: Vec<(String, u64)> = drained
+        .deliveries
+        .iter()
+        .map(|delivery| (delivery.target_id.clone(), delivery.seq))
+        .collect();
     let acked: std::collections::BTreeSet<(String, u64)> = delivered.iter().cloned().collect();
     ensure!(
         acked.len() == delivered.len(),
