@@ -84,6 +84,18 @@ pub struct GenerationTrace {
     pub draft_context_positions: usize,
 }
 
+impl GenerationTrace {
+    /// Nothing generated: the prompt alone, no target forward.
+    fn prompt_only(prompt: &[i64]) -> Self {
+        GenerationTrace {
+            token_ids: prompt.to_vec(),
+            acceptance_lengths: Vec::new(),
+            target_forwards: 0,
+            draft_context_positions: 0,
+        }
+    }
+}
+
 impl EvalReport {
     /// Generated tokens per target forward (prefills included): what the
     /// target's work buys, the speed-up bound of speculative decoding.
@@ -228,18 +240,13 @@ pub fn speculative_generate_uncached(
     let config = drafter.config();
     let layer_ids = target_layer_ids(config);
     let max_length = prompt.len() + max_new_tokens;
+    if max_new_tokens == 0 {
+        return Ok(GenerationTrace::prompt_only(prompt));
+    }
     let mut acceptance_lengths = Vec::new();
     let mut draft_context_positions = 0;
     // Prefill: the first new token comes from the target alone.
     let mut token_ids = prompt.to_vec();
-    if max_new_tokens == 0 {
-        return Ok(GenerationTrace {
-            token_ids,
-            acceptance_lengths,
-            target_forwards: 0,
-            draft_context_positions,
-        });
-    }
     let predictions = target_argmax(target, &token_ids)?;
     token_ids.push(predictions[predictions.len() - 1]);
     // `start` is the position of the newest token, the next block's anchor;
@@ -403,16 +410,11 @@ pub fn speculative_generate(
     let config = drafter.config();
     let layer_ids = target_layer_ids(config);
     let max_length = prompt.len() + max_new_tokens;
+    if max_new_tokens == 0 {
+        return Ok(GenerationTrace::prompt_only(prompt));
+    }
     let mut acceptance_lengths = Vec::new();
     let mut token_ids = prompt.to_vec();
-    if max_new_tokens == 0 {
-        return Ok(GenerationTrace {
-            token_ids,
-            acceptance_lengths,
-            target_forwards: 0,
-            draft_context_positions: 0,
-        });
-    }
     let capacity = (max_length + config.block_size as usize) as i64;
     let (mut cache, mut draft_context, first) =
         prefill(target, drafter, prompt, capacity, &layer_ids)?;
