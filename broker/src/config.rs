@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-use crate::queue::{FailurePolicy, QueueConfig};
+pub use crate::queue::FailurePolicy;
+use crate::queue::QueueConfig;
 
 /// A configuration value that cannot work, named with the flag.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -26,12 +27,21 @@ pub enum ConfigError {
     Parse(String),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum OnTargetFailure {
-    /// End the run: every drafter gets end-of-stream ABORTED.
-    Abort,
-    /// Count the failed target as finished-with-loss and complete the run.
-    Continue,
+/// `--on-target-failure` takes the queue's [`FailurePolicy`] itself (one
+/// name for the concept): `abort` or `continue`.
+impl ValueEnum for FailurePolicy {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[FailurePolicy::Abort, FailurePolicy::Continue]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(match self {
+            FailurePolicy::Abort => clap::builder::PossibleValue::new("abort")
+                .help("End the run: every drafter gets end-of-stream ABORTED"),
+            FailurePolicy::Continue => clap::builder::PossibleValue::new("continue")
+                .help("Count the failed target as finished-with-loss and complete the run"),
+        })
+    }
 }
 
 pub use dflash_service::{parse_bytes, parse_duration};
@@ -104,7 +114,7 @@ pub struct BrokerConfig {
         value_enum,
         default_value = "abort"
     )]
-    pub on_target_failure: OnTargetFailure,
+    pub on_target_failure: FailurePolicy,
 
     /// On SIGTERM/SIGINT, how long open streams get to end before they are cut.
     #[arg(long, env = "DFLASH_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
@@ -166,7 +176,7 @@ impl BrokerConfig {
             target_stall_timeout: Duration::from_secs(300),
             target_load_timeout: Duration::from_secs(1800),
             max_lease_lifetime: Duration::from_secs(1800),
-            on_target_failure: OnTargetFailure::Abort,
+            on_target_failure: FailurePolicy::Abort,
             shutdown_timeout: Duration::from_secs(10),
             keepalive_interval: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(20),
@@ -232,16 +242,13 @@ impl BrokerConfig {
     pub(crate) fn queue_config(&self) -> QueueConfig {
         QueueConfig {
             target_ids: self.target_ids(),
-            max_held_bytes: self.max_queue_bytes,
+            max_queue_bytes: self.max_queue_bytes,
             lease_timeout: self.lease_timeout,
             max_deliveries: self.max_deliveries,
             target_grace: self.target_grace,
             target_startup_timeout: (!self.target_startup_timeout.is_zero())
                 .then_some(self.target_startup_timeout),
-            on_target_failure: match self.on_target_failure {
-                OnTargetFailure::Abort => FailurePolicy::Abort,
-                OnTargetFailure::Continue => FailurePolicy::Continue,
-            },
+            on_target_failure: self.on_target_failure,
             target_stall_timeout: non_zero(self.target_stall_timeout),
             target_load_timeout: non_zero(self.target_load_timeout),
             max_lease_lifetime: non_zero(self.max_lease_lifetime),

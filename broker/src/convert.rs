@@ -8,7 +8,7 @@ use tonic::Status;
 
 use crate::queue::{
     ConsumerStats, Credit, DeadLetter, NackDisposition, Payload, ProducerStats, QueueError,
-    RunOutcome, RunState, RunSummary, Snapshot, TargetState,
+    RunState, RunStatus, RunSummary, Snapshot, TargetState,
 };
 
 /// The queue's payload on the wire side: the producer's item, shared so that
@@ -130,10 +130,10 @@ fn consumer_stats_to_proto(stats: &ConsumerStats) -> proto::ConsumerStats {
     }
 }
 
-pub fn run_status(outcome: RunOutcome) -> proto::RunStatus {
+pub fn run_status(outcome: RunStatus) -> proto::RunStatus {
     match outcome {
-        RunOutcome::Complete => proto::RunStatus::Complete,
-        RunOutcome::Aborted => proto::RunStatus::Aborted,
+        RunStatus::Complete => proto::RunStatus::Complete,
+        RunStatus::Aborted => proto::RunStatus::Aborted,
     }
 }
 
@@ -234,7 +234,7 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
         items_per_second: snapshot.acked_items_per_second,
         bytes_per_second: snapshot.acked_bytes_per_second,
         leased_bytes: snapshot.leased_bytes,
-        max_queue_bytes: snapshot.max_held_bytes,
+        max_queue_bytes: snapshot.max_queue_bytes,
         abort_reason: snapshot.abort_reason.clone(),
         dead_letter_items: snapshot
             .dead_letters

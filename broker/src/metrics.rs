@@ -99,7 +99,7 @@ fn write_queue(out: &mut Exposition, snapshot: &Snapshot) {
         (
             "max_held_bytes",
             "Bound on queued plus leased bytes; producers wait when it is reached.",
-            snapshot.max_held_bytes,
+            snapshot.max_queue_bytes,
         ),
     ];
     for (suffix, help, value) in gauges {
@@ -388,7 +388,7 @@ mod tests {
     fn config(expected_targets: u32) -> QueueConfig {
         QueueConfig {
             target_ids: QueueConfig::default_target_ids(expected_targets),
-            max_held_bytes: 1_000,
+            max_queue_bytes: 1_000,
             lease_timeout: Duration::from_secs(30),
             max_deliveries: 3,
             target_grace: Duration::from_secs(120),

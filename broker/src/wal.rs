@@ -5,7 +5,8 @@
 //!
 //! On disk: `run-id` (written once, atomically) and `segment-NNNNNNNNNNNNNNNN.wal`
 //! files of frames `[u32 body length][u32 CRC-32 of body][body]`, little
-//! endian; a body is a kind byte and its fields. Records are appended before
+//! endian; a body is a kind byte and its fields (the one framing, in
+//! `wal/record.rs`). Records are appended before
 //! anyone is answered. A torn or corrupt frame at the end of the newest
 //! segment (a crash mid-write) is cut off with a warning; corruption anywhere
 //! else refuses to start, naming the file and offset.
@@ -32,22 +33,22 @@
 //! leaves it to the OS (compaction still syncs).
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
 
 use crate::queue::{JournalEntry, Payload, Recovered};
 
+mod record;
+use record::write_frame;
+
 /// The longest `batch` leaves written records unsynced.
 pub const BATCH_SYNC_INTERVAL: Duration = Duration::from_millis(100);
 /// Smallest compaction threshold, so small caps do not compact constantly.
 const MIN_COMPACT_ABOVE: u64 = 64 << 20;
-/// A frame body larger than this is corruption, not a record.
-const MAX_FRAME_BYTES: u64 = 1 << 34;
 const RUN_ID_FILE: &str = "run-id";
 /// Held locked (an advisory `flock`) by the broker that owns the state dir.
 /// The kernel drops the lock when that process exits, however it exits
@@ -134,7 +135,7 @@ impl<P: DurablePayload> Wal<P> {
     pub fn open(
         dir: &Path,
         fsync: FsyncPolicy,
-        max_held_bytes: u64,
+        max_queue_bytes: u64,
         new_run_id: impl FnOnce() -> String,
     ) -> Result<Opened<P>, WalError> {
         fs::create_dir_all(dir).map_err(io_error(dir))?;
@@ -169,7 +170,7 @@ impl<P: DurablePayload> Wal<P> {
                 segment_path,
                 segment,
                 segment_bytes,
-                compact_above: max_held_bytes.saturating_mul(2).max(MIN_COMPACT_ABOVE),
+                compact_above: max_queue_bytes.saturating_mul(2).max(MIN_COMPACT_ABOVE),
                 last_sync: Instant::now(),
                 dirty: false,
                 compaction: None,
@@ -506,32 +507,14 @@ fn replay_segment<P: DurablePayload>(
         if offset == length {
             break None;
         }
-        let mut header = [0u8; 8];
-        if let Err(error) = reader.read_exact(&mut header) {
-            break Some(format!("frame header: {error}"));
-        }
-        let body_length = u64::from(u32::from_le_bytes([
-            header[0], header[1], header[2], header[3],
-        ]));
-        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
-        if body_length > MAX_FRAME_BYTES || offset + 8 + body_length > length {
-            break Some(format!(
-                "frame of {body_length} bytes runs past the end ({length})"
-            ));
-        }
-        let mut body = vec![0u8; body_length as usize];
-        if let Err(error) = reader.read_exact(&mut body) {
-            break Some(format!("frame body: {error}"));
-        }
-        if crc32fast::hash(&body) != crc {
-            break Some("CRC mismatch".to_string());
-        }
-        match decode_entry::<P>(&body) {
-            Ok(entry) => recovered.apply(entry),
+        match record::read_frame::<P>(&mut reader, offset, length) {
+            Ok((entry, frame_bytes)) => {
+                recovered.apply(entry);
+                offset += frame_bytes;
+                records += 1;
+            }
             Err(detail) => break Some(detail),
         }
-        offset += 8 + body_length;
-        records += 1;
     };
     drop(reader);
     let Some(detail) = failure else {
@@ -549,315 +532,4 @@ fn replay_segment<P: DurablePayload>(
     file.seek(SeekFrom::End(0)).map_err(io_error(path))?;
     file.sync_all().map_err(io_error(path))?;
     Ok((records, true))
-}
-
-// ---------------------------------------------------------------- encoding
-
-const KIND_RESET: u8 = 1;
-const KIND_CHECKPOINT_END: u8 = 2;
-const KIND_ACCEPTED: u8 = 3;
-const KIND_ACKED: u8 = 4;
-const KIND_DEAD_LETTERED: u8 = 5;
-const KIND_EPOCH: u8 = 6;
-const KIND_DONE: u8 = 7;
-const KIND_TARGET_FAILED: u8 = 8;
-const KIND_ABORTED: u8 = 9;
-const KIND_TARGET_CHECKPOINT: u8 = 10;
-const KIND_COUNTERS_CHECKPOINT: u8 = 11;
-const KIND_DEAD_LETTER_CHECKPOINT: u8 = 12;
-const KIND_DELIVERED: u8 = 13;
-
-struct Encoder(Vec<u8>);
-
-impl Encoder {
-    fn u8(&mut self, value: u8) {
-        self.0.push(value);
-    }
-    fn u32(&mut self, value: u32) {
-        self.0.extend_from_slice(&value.to_le_bytes());
-    }
-    fn u64(&mut self, value: u64) {
-        self.0.extend_from_slice(&value.to_le_bytes());
-    }
-    fn bytes(&mut self, value: &[u8]) {
-        self.u64(value.len() as u64);
-        self.0.extend_from_slice(value);
-    }
-    fn str(&mut self, value: &str) {
-        self.bytes(value.as_bytes());
-    }
-}
-
-/// Writes one frame; the bytes written.
-fn write_frame<P: DurablePayload>(
-    out: &mut impl Write,
-    entry: &JournalEntry<P>,
-) -> std::io::Result<u64> {
-    let mut body = Encoder(Vec::with_capacity(64));
-    // The payload of an accepted item is written after the small fields
-    // without another copy into `body`.
-    let mut payload: Option<Vec<u8>> = None;
-    match entry {
-        JournalEntry::Reset => body.u8(KIND_RESET),
-        JournalEntry::CheckpointEnd => body.u8(KIND_CHECKPOINT_END),
-        JournalEntry::Accepted {
-            target_id,
-            seq,
-            payload: item,
-        } => {
-            body.u8(KIND_ACCEPTED);
-            body.str(target_id);
-            body.u64(*seq);
-            let encoded = item.encode_payload();
-            body.u64(encoded.len() as u64);
-            payload = Some(encoded);
-        }
-        JournalEntry::Acked { target_id, seq } => {
-            body.u8(KIND_ACKED);
-            body.str(target_id);
-            body.u64(*seq);
-        }
-        JournalEntry::Delivered {
-            target_id,
-            seq,
-            deliveries,
-        } => {
-            body.u8(KIND_DELIVERED);
-            body.str(target_id);
-            body.u64(*seq);
-            body.u32(*deliveries);
-        }
-        JournalEntry::DeadLettered {
-            target_id,
-            seq,
-            reason,
-        } => {
-            body.u8(KIND_DEAD_LETTERED);
-            body.str(target_id);
-            body.u64(*seq);
-            body.str(reason);
-        }
-        JournalEntry::Epoch { target_id, epoch } => {
-            body.u8(KIND_EPOCH);
-            body.str(target_id);
-            body.u64(*epoch);
-        }
-        JournalEntry::Done { target_id } => {
-            body.u8(KIND_DONE);
-            body.str(target_id);
-        }
-        JournalEntry::TargetFailed { target_id, reason } => {
-            body.u8(KIND_TARGET_FAILED);
-            body.str(target_id);
-            body.str(reason);
-        }
-        JournalEntry::Aborted { reason } => {
-            body.u8(KIND_ABORTED);
-            body.str(reason);
-        }
-        JournalEntry::TargetCheckpoint {
-            target_id,
-            epoch,
-            accepted_items,
-            accepted_bytes,
-            seq_ranges,
-            done,
-            failed,
-        } => {
-            body.u8(KIND_TARGET_CHECKPOINT);
-            body.str(target_id);
-            body.u64(*epoch);
-            body.u64(*accepted_items);
-            body.u64(*accepted_bytes);
-            body.u64(seq_ranges.len() as u64);
-            for (start, end) in seq_ranges {
-                body.u64(*start);
-                body.u64(*end);
-            }
-            body.u8(u8::from(*done));
-            match failed {
-                Some(reason) => {
-                    body.u8(1);
-                    body.str(reason);
-                }
-                None => body.u8(0),
-            }
-        }
-        JournalEntry::CountersCheckpoint {
-            acked_items,
-            acked_bytes,
-            dead_letter_count,
-        } => {
-            body.u8(KIND_COUNTERS_CHECKPOINT);
-            body.u64(*acked_items);
-            body.u64(*acked_bytes);
-            body.u64(*dead_letter_count);
-        }
-        JournalEntry::DeadLetterCheckpoint {
-            target_id,
-            seq,
-            deliveries,
-            reason,
-            bytes,
-        } => {
-            body.u8(KIND_DEAD_LETTER_CHECKPOINT);
-            body.str(target_id);
-            body.u64(*seq);
-            body.u32(*deliveries);
-            body.str(reason);
-            body.u64(*bytes);
-        }
-    }
-    let payload = payload.unwrap_or_default();
-    let body_length = body.0.len() + payload.len();
-    let body_length_u32 = u32::try_from(body_length).map_err(|_| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("a record of {body_length} bytes does not fit a frame"),
-        )
-    })?;
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&body.0);
-    crc.update(&payload);
-    let mut header = [0u8; 8];
-    header[..4].copy_from_slice(&body_length_u32.to_le_bytes());
-    header[4..].copy_from_slice(&crc.finalize().to_le_bytes());
-    out.write_all(&header)?;
-    out.write_all(&body.0)?;
-    out.write_all(&payload)?;
-    Ok(8 + body_length as u64)
-}
-
-struct Decoder<'a> {
-    bytes: &'a [u8],
-}
-
-impl<'a> Decoder<'a> {
-    fn take(&mut self, count: usize) -> Result<&'a [u8], String> {
-        if self.bytes.len() < count {
-            return Err(format!(
-                "record ends early ({} of {count} bytes)",
-                self.bytes.len()
-            ));
-        }
-        let (head, rest) = self.bytes.split_at(count);
-        self.bytes = rest;
-        Ok(head)
-    }
-    fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> Result<u32, String> {
-        let bytes = self.take(4)?;
-        Ok(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
-    }
-    fn u64(&mut self) -> Result<u64, String> {
-        let bytes = self.take(8)?;
-        let mut array = [0u8; 8];
-        array.copy_from_slice(bytes);
-        Ok(u64::from_le_bytes(array))
-    }
-    fn bytes(&mut self) -> Result<&'a [u8], String> {
-        let length = self.u64()?;
-        let length = usize::try_from(length).map_err(|_| format!("length {length} too large"))?;
-        self.take(length)
-    }
-    fn string(&mut self) -> Result<String, String> {
-        String::from_utf8(self.bytes()?.to_vec()).map_err(|error| format!("text: {error}"))
-    }
-    fn target(&mut self) -> Result<Arc<str>, String> {
-        Ok(Arc::from(self.string()?.as_str()))
-    }
-}
-
-fn decode_entry<P: DurablePayload>(body: &[u8]) -> Result<JournalEntry<P>, String> {
-    let mut decoder = Decoder { bytes: body };
-    let entry = match decoder.u8()? {
-        KIND_RESET => JournalEntry::Reset,
-        KIND_CHECKPOINT_END => JournalEntry::CheckpointEnd,
-        KIND_ACCEPTED => {
-            let target_id = decoder.target()?;
-            let seq = decoder.u64()?;
-            let payload = P::decode_payload(decoder.bytes()?)
-                .map_err(|error| format!("payload of {target_id} seq {seq}: {error}"))?;
-            JournalEntry::Accepted {
-                target_id,
-                seq,
-                payload,
-            }
-        }
-        KIND_ACKED => JournalEntry::Acked {
-            target_id: decoder.target()?,
-            seq: decoder.u64()?,
-        },
-        KIND_DELIVERED => JournalEntry::Delivered {
-            target_id: decoder.target()?,
-            seq: decoder.u64()?,
-            deliveries: decoder.u32()?,
-        },
-        KIND_DEAD_LETTERED => JournalEntry::DeadLettered {
-            target_id: decoder.target()?,
-            seq: decoder.u64()?,
-            reason: decoder.string()?,
-        },
-        KIND_EPOCH => JournalEntry::Epoch {
-            target_id: decoder.target()?,
-            epoch: decoder.u64()?,
-        },
-        KIND_DONE => JournalEntry::Done {
-            target_id: decoder.target()?,
-        },
-        KIND_TARGET_FAILED => JournalEntry::TargetFailed {
-            target_id: decoder.target()?,
-            reason: decoder.string()?,
-        },
-        KIND_ABORTED => JournalEntry::Aborted {
-            reason: decoder.string()?,
-        },
-        KIND_TARGET_CHECKPOINT => {
-            let target_id = decoder.target()?;
-            let epoch = decoder.u64()?;
-            let accepted_items = decoder.u64()?;
-            let accepted_bytes = decoder.u64()?;
-            let ranges = decoder.u64()?;
-            let mut seq_ranges = Vec::new();
-            for _ in 0..ranges {
-                seq_ranges.push((decoder.u64()?, decoder.u64()?));
-            }
-            let done = decoder.u8()? != 0;
-            let failed = match decoder.u8()? {
-                0 => None,
-                _ => Some(decoder.string()?),
-            };
-            JournalEntry::TargetCheckpoint {
-                target_id,
-                epoch,
-                accepted_items,
-                accepted_bytes,
-                seq_ranges,
-                done,
-                failed,
-            }
-        }
-        KIND_COUNTERS_CHECKPOINT => JournalEntry::CountersCheckpoint {
-            acked_items: decoder.u64()?,
-            acked_bytes: decoder.u64()?,
-            dead_letter_count: decoder.u64()?,
-        },
-        KIND_DEAD_LETTER_CHECKPOINT => JournalEntry::DeadLetterCheckpoint {
-            target_id: decoder.target()?,
-            seq: decoder.u64()?,
-            deliveries: decoder.u32()?,
-            reason: decoder.string()?,
-            bytes: decoder.u64()?,
-        },
-        kind => return Err(format!("unknown record kind {kind}")),
-    };
-    if !decoder.bytes.is_empty() {
-        return Err(format!(
-            "{} bytes left after the record",
-            decoder.bytes.len()
-        ));
-    }
-    Ok(entry)
 }

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dflash_broker::config::OnTargetFailure;
+use dflash_broker::config::FailurePolicy;
 use dflash_broker::BrokerConfig;
 use dflash_client::{BrokerClient, ConsumerEvent};
 use dflash_proto::v1 as proto;
@@ -249,7 +249,7 @@ async fn target_that_reconnects_within_grace_resumes_without_duplicates() {
 }
 
 async fn run_with_dead_target(
-    policy: OnTargetFailure,
+    policy: FailurePolicy,
 ) -> (proto::EndOfStream, proto::StatusSnapshot) {
     let mut config = BrokerConfig::for_targets(2);
     config.target_grace = Duration::from_millis(300);
@@ -284,7 +284,7 @@ async fn run_with_dead_target(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn target_that_never_returns_aborts_the_run() {
-    let (end, status) = run_with_dead_target(OnTargetFailure::Abort).await;
+    let (end, status) = run_with_dead_target(FailurePolicy::Abort).await;
     assert_eq!(end.status(), proto::RunStatus::Aborted);
     assert!(
         end.reason.contains("\"target-1\"") && end.reason.contains("without ReportDone"),
@@ -296,7 +296,7 @@ async fn target_that_never_returns_aborts_the_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn target_that_never_returns_counts_as_loss_under_continue() {
-    let (end, status) = run_with_dead_target(OnTargetFailure::Continue).await;
+    let (end, status) = run_with_dead_target(FailurePolicy::Continue).await;
     assert_eq!(end.status(), proto::RunStatus::Complete, "{}", end.reason);
     let summary = end.summary.unwrap();
     assert_eq!(summary.failed_targets, vec!["target-1".to_string()]);

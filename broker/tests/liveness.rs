@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use dflash_broker::config::OnTargetFailure;
+use dflash_broker::config::FailurePolicy;
 use dflash_broker::BrokerConfig;
 use dflash_client::ConsumerEvent;
 use dflash_proto::v1 as proto;
@@ -19,7 +19,7 @@ fn config(stall: Duration, load: Duration) -> BrokerConfig {
     BrokerConfig {
         target_stall_timeout: stall,
         target_load_timeout: load,
-        on_target_failure: OnTargetFailure::Abort,
+        on_target_failure: FailurePolicy::Abort,
         ..BrokerConfig::for_targets(1)
     }
 }
@@ -40,12 +40,13 @@ async fn end_of_stream(consumer: &mut dflash_client::Consumer) -> proto::EndOfSt
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
-    let stall = Duration::from_secs(2);
-    let broker = TestBroker::start(config(stall, Duration::from_secs(60))).await;
+/// A drafter's Consume stream and a target's Produce stream, after the
+/// target's one item was accepted.
+async fn one_item_then_silence(
+    broker: &TestBroker,
+) -> (dflash_client::Consumer, dflash_client::Producer) {
     let client = broker.client().await;
-    let mut consumer = client.consume("drafter-0", credit(4)).await.unwrap();
+    let consumer = client.consume("drafter-0", credit(4)).await.unwrap();
     let mut producer = client.produce("target-0").await.unwrap();
     producer
         .send(0, sample(256, 0), HashMap::new())
@@ -57,6 +58,14 @@ async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
         })
         .await
     );
+    (consumer, producer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
+    let stall = Duration::from_secs(2);
+    let broker = TestBroker::start(config(stall, Duration::from_secs(60))).await;
+    let (mut consumer, mut producer) = one_item_then_silence(&broker).await;
     let silent_since = Instant::now();
     // Stats keep coming (the process is alive) but no item: not progress.
     let stats = tokio::spawn(async move {
@@ -89,23 +98,11 @@ async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
 async fn a_silent_producer_under_continue_completes_with_the_target_failed() {
     let stall = Duration::from_secs(2);
     let broker = TestBroker::start(BrokerConfig {
-        on_target_failure: OnTargetFailure::Continue,
+        on_target_failure: FailurePolicy::Continue,
         ..config(stall, Duration::from_secs(60))
     })
     .await;
-    let client = broker.client().await;
-    let mut consumer = client.consume("drafter-0", credit(4)).await.unwrap();
-    let mut producer = client.produce("target-0").await.unwrap();
-    producer
-        .send(0, sample(256, 0), HashMap::new())
-        .await
-        .unwrap();
-    assert!(
-        wait_until(Duration::from_secs(10), || async {
-            broker.status().await.accepted_items == 1
-        })
-        .await
-    );
+    let (mut consumer, producer) = one_item_then_silence(&broker).await;
     // The stream stays open and nothing more is sent.
     let silent_since = Instant::now();
     let end = end_of_stream(&mut consumer).await;

@@ -171,10 +171,10 @@ fn corruption_before_the_tail_is_refused_with_its_place() {
 #[test]
 fn compaction_keeps_the_log_bounded_and_the_state_equal() {
     let dir = tempfile::tempdir().unwrap();
-    let max_held_bytes = 1 << 20;
+    let max_queue_bytes = 1 << 20;
     let config = QueueConfig {
         target_ids: QueueConfig::default_target_ids(1),
-        max_held_bytes,
+        max_queue_bytes,
         lease_timeout: std::time::Duration::from_secs(30),
         max_deliveries: 3,
         target_grace: std::time::Duration::from_secs(120),
@@ -186,7 +186,7 @@ fn compaction_keeps_the_log_bounded_and_the_state_equal() {
         keepalive_detection: None,
     };
     let now = std::time::Instant::now();
-    let mut opened = Wal::<Blob>::open(dir.path(), FsyncPolicy::Never, max_held_bytes, || {
+    let mut opened = Wal::<Blob>::open(dir.path(), FsyncPolicy::Never, max_queue_bytes, || {
         "run-compact".to_string()
     })
     .unwrap();
@@ -303,12 +303,12 @@ fn log_at_the_cap(
     items: u64,
     item_bytes: usize,
 ) -> (dflash_broker::wal::Opened<Blob>, Queue<Blob>) {
-    let max_held_bytes = items * item_bytes as u64;
+    let max_queue_bytes = items * item_bytes as u64;
     let config = QueueConfig {
-        max_held_bytes,
+        max_queue_bytes,
         ..QueueConfig {
             target_ids: QueueConfig::default_target_ids(1),
-            max_held_bytes: 0,
+            max_queue_bytes: 0,
             lease_timeout: std::time::Duration::from_secs(30),
             max_deliveries: 3,
             target_grace: std::time::Duration::from_secs(120),
@@ -321,7 +321,7 @@ fn log_at_the_cap(
         }
     };
     let now = std::time::Instant::now();
-    let mut opened = Wal::<Blob>::open(dir, FsyncPolicy::Batch, max_held_bytes, || {
+    let mut opened = Wal::<Blob>::open(dir, FsyncPolicy::Batch, max_queue_bytes, || {
         "run-cap".to_string()
     })
     .unwrap();

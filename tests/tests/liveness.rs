@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use dflash_broker::config::OnTargetFailure;
+use dflash_broker::config::FailurePolicy;
 use dflash_broker::BrokerConfig;
 use dflash_client::ConsumerEvent;
 use dflash_proto::v1 as proto;
@@ -163,7 +163,7 @@ async fn a_frozen_target_fails_within_the_grace_after_it_froze() {
         keepalive_timeout,
         target_grace: grace,
         target_stall_timeout: Duration::from_secs(120),
-        on_target_failure: OnTargetFailure::Abort,
+        on_target_failure: FailurePolicy::Abort,
         ..BrokerConfig::for_targets(1)
     })
     .await;

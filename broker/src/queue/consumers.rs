@@ -43,7 +43,7 @@ impl<P: Payload> Queue<P> {
             self.release_consumer(old);
             self.effects.push(Effect::EndConsumer {
                 connection: old,
-                outcome: RunOutcome::Aborted,
+                outcome: RunStatus::Aborted,
                 reason: format!(
                     "replaced by a newer Consume stream for drafter {drafter_id:?}: this one stalled (a lease expired without an ack, nack or extension)"
                 ),

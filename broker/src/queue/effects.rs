@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::status::RunSummary;
-use super::types::{ConnectionId, DeliveryId, RunOutcome};
+use super::types::{ConnectionId, DeliveryId, RunStatus};
 
 /// One delivery for the transport to send.
 #[derive(Debug, Clone)]
@@ -26,14 +26,14 @@ pub enum Effect<P> {
     /// Send end-of-stream and close this consumer's stream.
     EndConsumer {
         connection: ConnectionId,
-        outcome: RunOutcome,
+        outcome: RunStatus,
         reason: String,
         summary: RunSummary,
     },
     /// Tell this producer why and close its stream.
     CloseProducer {
         connection: ConnectionId,
-        outcome: RunOutcome,
+        outcome: RunStatus,
         reason: String,
     },
 }

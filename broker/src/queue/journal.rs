@@ -63,16 +63,7 @@ pub enum JournalEntry<P> {
     },
     /// A target's books at a checkpoint (its items follow as `Accepted`
     /// entries, which do not count again).
-    TargetCheckpoint {
-        target_id: Arc<str>,
-        epoch: u64,
-        accepted_items: u64,
-        accepted_bytes: u64,
-        /// Accepted seqs as inclusive ranges.
-        seq_ranges: Vec<(u64, u64)>,
-        done: bool,
-        failed: Option<String>,
-    },
+    TargetCheckpoint(TargetBooks),
     /// The run's counters at a checkpoint.
     CountersCheckpoint {
         acked_items: u64,
@@ -80,13 +71,20 @@ pub enum JournalEntry<P> {
         dead_letter_count: u64,
     },
     /// A listed dead letter at a checkpoint (status shows them).
-    DeadLetterCheckpoint {
-        target_id: Arc<str>,
-        seq: u64,
-        deliveries: u32,
-        reason: String,
-        bytes: u64,
-    },
+    DeadLetterCheckpoint(DeadLetter),
+}
+
+/// A target's books, as a checkpoint restates them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TargetBooks {
+    pub target_id: Arc<str>,
+    pub epoch: u64,
+    pub accepted_items: u64,
+    pub accepted_bytes: u64,
+    /// Accepted seqs as inclusive ranges.
+    pub seq_ranges: Vec<(u64, u64)>,
+    pub done: bool,
+    pub failed: Option<String>,
 }
 
 /// A target's books rebuilt from the log.
@@ -98,6 +96,21 @@ pub struct RecoveredTarget {
     accepted_seqs: AcceptedSeqs,
     pub done: bool,
     pub failed: Option<String>,
+}
+
+impl From<TargetBooks> for RecoveredTarget {
+    fn from(books: TargetBooks) -> Self {
+        let mut accepted_seqs = AcceptedSeqs::default();
+        accepted_seqs.ranges.extend(books.seq_ranges);
+        RecoveredTarget {
+            epoch: books.epoch,
+            accepted_items: books.accepted_items,
+            accepted_bytes: books.accepted_bytes,
+            accepted_seqs,
+            done: books.done,
+            failed: books.failed,
+        }
+    }
 }
 
 impl RecoveredTarget {
@@ -164,6 +177,35 @@ impl<P: Payload> Recovered<P> {
             .unwrap_or(0)
     }
 
+    /// An accepted item is held again; outside a checkpoint it also counts
+    /// for its target (once: a seq seen before is a duplicate).
+    fn apply_accepted(&mut self, target_id: Arc<str>, seq: u64, payload: P) {
+        if !self.in_checkpoint {
+            let target = self.targets.entry(target_id.clone()).or_default();
+            if target.accepted_seqs.contains(seq) {
+                return;
+            }
+            target.accepted_seqs.insert(seq);
+            target.accepted_items += 1;
+            target.accepted_bytes += payload.size_bytes();
+        }
+        let key = self.next_key;
+        self.next_key += 1;
+        self.item_keys.insert((target_id.clone(), seq), key);
+        self.items.insert(key, (target_id, seq, payload));
+    }
+
+    /// Forgets a held item (acked or dead-lettered): its delivery count and
+    /// payload, or `None` when it is not held.
+    fn remove_item(&mut self, target_id: Arc<str>, seq: u64) -> Option<(u32, P)> {
+        let key = self.item_keys.remove(&(target_id, seq))?;
+        let deliveries = self.delivery_counts.remove(&key).unwrap_or(0);
+        self.items
+            .remove(&key)
+            .map(|(_, _, payload)| (deliveries, payload))
+    }
+
+    /// Folds one entry into the state.
     pub fn apply(&mut self, entry: JournalEntry<P>) {
         match entry {
             JournalEntry::Reset => {
@@ -177,28 +219,11 @@ impl<P: Payload> Recovered<P> {
                 target_id,
                 seq,
                 payload,
-            } => {
-                if !self.in_checkpoint {
-                    let target = self.targets.entry(target_id.clone()).or_default();
-                    if target.accepted_seqs.contains(seq) {
-                        return;
-                    }
-                    target.accepted_seqs.insert(seq);
-                    target.accepted_items += 1;
-                    target.accepted_bytes += payload.size_bytes();
-                }
-                let key = self.next_key;
-                self.next_key += 1;
-                self.item_keys.insert((target_id.clone(), seq), key);
-                self.items.insert(key, (target_id, seq, payload));
-            }
+            } => self.apply_accepted(target_id, seq, payload),
             JournalEntry::Acked { target_id, seq } => {
-                if let Some(key) = self.item_keys.remove(&(target_id, seq)) {
-                    self.delivery_counts.remove(&key);
-                    if let Some((_, _, payload)) = self.items.remove(&key) {
-                        self.acked_items += 1;
-                        self.acked_bytes += payload.size_bytes();
-                    }
+                if let Some((_, payload)) = self.remove_item(target_id, seq) {
+                    self.acked_items += 1;
+                    self.acked_bytes += payload.size_bytes();
                 }
             }
             JournalEntry::DeadLettered {
@@ -206,19 +231,16 @@ impl<P: Payload> Recovered<P> {
                 seq,
                 reason,
             } => {
-                if let Some(key) = self.item_keys.remove(&(target_id.clone(), seq)) {
-                    let deliveries = self.delivery_counts.remove(&key).unwrap_or(0);
-                    if let Some((_, _, payload)) = self.items.remove(&key) {
-                        self.dead_letter_count += 1;
-                        if self.dead_letters.len() < MAX_LISTED_DEAD_LETTERS {
-                            self.dead_letters.push(DeadLetter {
-                                target_id,
-                                seq,
-                                deliveries,
-                                reason,
-                                bytes: payload.size_bytes(),
-                            });
-                        }
+                if let Some((deliveries, payload)) = self.remove_item(target_id.clone(), seq) {
+                    self.dead_letter_count += 1;
+                    if self.dead_letters.len() < MAX_LISTED_DEAD_LETTERS {
+                        self.dead_letters.push(DeadLetter {
+                            target_id,
+                            seq,
+                            deliveries,
+                            reason,
+                            bytes: payload.size_bytes(),
+                        });
                     }
                 }
             }
@@ -245,28 +267,9 @@ impl<P: Payload> Recovered<P> {
             JournalEntry::Aborted { reason } => {
                 self.aborted = Some(reason);
             }
-            JournalEntry::TargetCheckpoint {
-                target_id,
-                epoch,
-                accepted_items,
-                accepted_bytes,
-                seq_ranges,
-                done,
-                failed,
-            } => {
-                let mut accepted_seqs = AcceptedSeqs::default();
-                accepted_seqs.ranges.extend(seq_ranges);
-                self.targets.insert(
-                    target_id,
-                    RecoveredTarget {
-                        epoch,
-                        accepted_items,
-                        accepted_bytes,
-                        accepted_seqs,
-                        done,
-                        failed,
-                    },
-                );
+            JournalEntry::TargetCheckpoint(books) => {
+                self.targets
+                    .insert(books.target_id.clone(), RecoveredTarget::from(books));
             }
             JournalEntry::CountersCheckpoint {
                 acked_items,
@@ -277,19 +280,7 @@ impl<P: Payload> Recovered<P> {
                 self.acked_bytes = acked_bytes;
                 self.dead_letter_count = dead_letter_count;
             }
-            JournalEntry::DeadLetterCheckpoint {
-                target_id,
-                seq,
-                deliveries,
-                reason,
-                bytes,
-            } => self.dead_letters.push(DeadLetter {
-                target_id,
-                seq,
-                deliveries,
-                reason,
-                bytes,
-            }),
+            JournalEntry::DeadLetterCheckpoint(dead_letter) => self.dead_letters.push(dead_letter),
         }
     }
 }
@@ -382,7 +373,7 @@ impl<P: Payload> Queue<P> {
     pub fn checkpoint_entries(&self) -> Vec<JournalEntry<P>> {
         let mut entries = vec![JournalEntry::Reset];
         for entry in self.targets.values() {
-            entries.push(JournalEntry::TargetCheckpoint {
+            entries.push(JournalEntry::TargetCheckpoint(TargetBooks {
                 target_id: entry.target_id.clone(),
                 epoch: entry.epoch,
                 accepted_items: entry.accepted_items,
@@ -398,22 +389,19 @@ impl<P: Payload> Queue<P> {
                     TargetState::Failed { reason } => Some(reason.clone()),
                     _ => None,
                 },
-            });
+            }));
         }
         entries.push(JournalEntry::CountersCheckpoint {
             acked_items: self.acked_items,
             acked_bytes: self.acked_bytes,
             dead_letter_count: self.dead_letter_count,
         });
-        for dead in &self.dead_letters {
-            entries.push(JournalEntry::DeadLetterCheckpoint {
-                target_id: dead.target_id.clone(),
-                seq: dead.seq,
-                deliveries: dead.deliveries,
-                reason: dead.reason.clone(),
-                bytes: dead.bytes,
-            });
-        }
+        entries.extend(
+            self.dead_letters
+                .iter()
+                .cloned()
+                .map(JournalEntry::DeadLetterCheckpoint),
+        );
         let mut held: Vec<ItemId> = self.items.keys().copied().collect();
         held.sort_unstable();
         for item_id in held {

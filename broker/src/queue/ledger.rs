@@ -7,6 +7,22 @@ impl<P: Payload> Queue<P> {
     /// Takes back expired leases, fails targets gone past their grace period,
     /// and samples throughput. Call it periodically.
     pub fn tick(&mut self, now: Instant) {
+        self.expire_leases(now);
+        if matches!(self.state, RunState::Running | RunState::Draining) {
+            self.fail_lapsed_targets(now);
+            self.fail_stalled_targets(now);
+            self.fail_missing_targets(now);
+        }
+        self.acked_rate
+            .record(now, self.acked_items, self.acked_bytes);
+        self.accepted_rate
+            .record(now, self.accepted_items, self.accepted_bytes);
+        self.dispatch(now);
+    }
+
+    /// Leases past their deadline go back to the head of the queue; their
+    /// consumers count an expiry and are marked stalled.
+    fn expire_leases(&mut self, now: Instant) {
         let expired: Vec<DeliveryId> = self
             .leases
             .iter()
@@ -26,92 +42,95 @@ impl<P: Payload> Queue<P> {
             returned.push(lease.item_id);
         }
         self.return_to_head(returned, "lease expired");
+    }
 
-        if matches!(self.state, RunState::Running | RunState::Draining) {
-            let grace = self.config.target_grace;
-            let lapsed: Vec<Arc<str>> = self
-                .targets
-                .values()
-                .filter(|entry| match entry.state {
-                    TargetState::Disconnected { since } => {
-                        now.saturating_duration_since(since) >= grace
-                    }
-                    _ => false,
-                })
-                .map(|entry| entry.target_id.clone())
-                .collect();
-            for target_id in lapsed {
-                let reason = format!(
-                    "stream gone for more than {:.1}s without ReportDone",
-                    grace.as_secs_f64()
-                );
-                self.fail_target(&target_id, reason, now);
-            }
-            let stalled: Vec<(Arc<str>, String)> = self
-                .targets
-                .values()
-                .filter(|entry| matches!(entry.state, TargetState::Connected { .. }))
-                .filter(|entry| self.progress_deadline(entry).is_some_and(|deadline| deadline <= now))
-                .map(|entry| {
-                    let reason = match (entry.last_progress, self.config.target_stall_timeout, self.config.target_load_timeout) {
-                        (Some(_), Some(stall), _) => format!(
-                            "connected but no item accepted for {:.1}s (--target-stall-timeout; stats and pings are not progress)",
-                            stall.as_secs_f64()
-                        ),
-                        (_, _, Some(load)) => format!(
-                            "connected but no first item within {:.1}s of its hello (--target-load-timeout)",
-                            load.as_secs_f64()
-                        ),
-                        _ => "made no progress".to_string(),
-                    };
-                    (entry.target_id.clone(), reason)
-                })
-                .collect();
-            for (target_id, reason) in stalled {
-                self.fail_target(&target_id, reason, now);
-            }
-            if let Some(timeout) = self.config.target_startup_timeout {
-                let missing: Vec<String> = self
-                    .config
-                    .target_ids
-                    .iter()
-                    .filter(|target_id| !self.targets.contains_key(target_id.as_str()))
-                    .cloned()
-                    .collect();
-                if !missing.is_empty() && now.saturating_duration_since(self.started_at) >= timeout
-                {
-                    for target_id in &missing {
-                        let entry = Self::target_entry(
-                            &mut self.targets,
-                            Arc::from(target_id.as_str()),
-                            now,
-                        );
-                        let reason =
-                            format!("never connected within {:.1}s", timeout.as_secs_f64());
-                        entry.state = TargetState::Failed {
-                            reason: reason.clone(),
-                        };
-                        self.record(JournalEntry::TargetFailed {
-                            target_id: Arc::from(target_id.as_str()),
-                            reason,
-                        });
-                    }
-                    let reason = format!(
-                        "{} of {} expected targets never connected within {:.1}s: {}",
-                        missing.len(),
-                        self.config.expected_targets(),
-                        timeout.as_secs_f64(),
-                        missing.join(", ")
-                    );
-                    self.apply_failure_policy(reason, now);
+    /// Targets disconnected for longer than `--target-grace` fail.
+    fn fail_lapsed_targets(&mut self, now: Instant) {
+        let grace = self.config.target_grace;
+        let lapsed: Vec<Arc<str>> = self
+            .targets
+            .values()
+            .filter(|entry| match entry.state {
+                TargetState::Disconnected { since } => {
+                    now.saturating_duration_since(since) >= grace
                 }
-            }
+                _ => false,
+            })
+            .map(|entry| entry.target_id.clone())
+            .collect();
+        for target_id in lapsed {
+            let reason = format!(
+                "stream gone for more than {:.1}s without ReportDone",
+                grace.as_secs_f64()
+            );
+            self.fail_target(&target_id, reason, now);
         }
-        self.acked_rate
-            .record(now, self.acked_items, self.acked_bytes);
-        self.accepted_rate
-            .record(now, self.accepted_items, self.accepted_bytes);
-        self.dispatch(now);
+    }
+
+    /// Connected targets past their progress deadline (no first item within
+    /// `--target-load-timeout`, or none since for `--target-stall-timeout`)
+    /// fail.
+    fn fail_stalled_targets(&mut self, now: Instant) {
+        let stalled: Vec<(Arc<str>, String)> = self
+            .targets
+            .values()
+            .filter(|entry| matches!(entry.state, TargetState::Connected { .. }))
+            .filter(|entry| self.progress_deadline(entry).is_some_and(|deadline| deadline <= now))
+            .map(|entry| {
+                let reason = match (entry.last_progress, self.config.target_stall_timeout, self.config.target_load_timeout) {
+                    (Some(_), Some(stall), _) => format!(
+                        "connected but no item accepted for {:.1}s (--target-stall-timeout; stats and pings are not progress)",
+                        stall.as_secs_f64()
+                    ),
+                    (_, _, Some(load)) => format!(
+                        "connected but no first item within {:.1}s of its hello (--target-load-timeout)",
+                        load.as_secs_f64()
+                    ),
+                    _ => "made no progress".to_string(),
+                };
+                (entry.target_id.clone(), reason)
+            })
+            .collect();
+        for (target_id, reason) in stalled {
+            self.fail_target(&target_id, reason, now);
+        }
+    }
+
+    /// Expected targets that never connected within
+    /// `--target-startup-timeout` fail, and the failure policy applies.
+    fn fail_missing_targets(&mut self, now: Instant) {
+        let Some(timeout) = self.config.target_startup_timeout else {
+            return;
+        };
+        let missing: Vec<String> = self
+            .config
+            .target_ids
+            .iter()
+            .filter(|target_id| !self.targets.contains_key(target_id.as_str()))
+            .cloned()
+            .collect();
+        if missing.is_empty() || now.saturating_duration_since(self.started_at) < timeout {
+            return;
+        }
+        for target_id in &missing {
+            let entry = Self::target_entry(&mut self.targets, Arc::from(target_id.as_str()), now);
+            let reason = format!("never connected within {:.1}s", timeout.as_secs_f64());
+            entry.state = TargetState::Failed {
+                reason: reason.clone(),
+            };
+            self.record(JournalEntry::TargetFailed {
+                target_id: Arc::from(target_id.as_str()),
+                reason,
+            });
+        }
+        let reason = format!(
+            "{} of {} expected targets never connected within {:.1}s: {}",
+            missing.len(),
+            self.config.expected_targets(),
+            timeout.as_secs_f64(),
+            missing.join(", ")
+        );
+        self.apply_failure_policy(reason, now);
     }
 
     /// The earliest time at which `tick` has something to do, if any: a
@@ -211,16 +230,16 @@ impl<P: Payload> Queue<P> {
             reason: reason.clone(),
         });
         self.abort_reason = reason.clone();
-        self.end_run(RunOutcome::Aborted, reason);
+        self.end_run(RunStatus::Aborted, reason);
         self.debug_check_invariants();
     }
 
     /// The one place a run ends: records the final state, sends end-of-stream
     /// to every consumer and closes every producer with the outcome.
-    fn end_run(&mut self, outcome: RunOutcome, producer_reason: String) {
+    fn end_run(&mut self, outcome: RunStatus, producer_reason: String) {
         self.state = match outcome {
-            RunOutcome::Complete => RunState::Complete,
-            RunOutcome::Aborted => RunState::Aborted,
+            RunStatus::Complete => RunState::Complete,
+            RunStatus::Aborted => RunState::Aborted,
         };
         let consumers: Vec<ConnectionId> = self.consumer_connections.keys().copied().collect();
         for connection in consumers {
@@ -250,8 +269,8 @@ impl<P: Payload> Queue<P> {
     /// its leases (none when complete) go back to the queue.
     pub(super) fn end_consumer(&mut self, connection: ConnectionId) {
         let (outcome, reason) = match self.state {
-            RunState::Complete => (RunOutcome::Complete, String::new()),
-            _ => (RunOutcome::Aborted, self.abort_reason.clone()),
+            RunState::Complete => (RunStatus::Complete, String::new()),
+            _ => (RunStatus::Aborted, self.abort_reason.clone()),
         };
         self.release_consumer(connection);
         let summary = self.summary();
@@ -281,7 +300,7 @@ impl<P: Payload> Queue<P> {
                 dead = self.dead_letter_count,
                 "run complete"
             );
-            self.end_run(RunOutcome::Complete, "run complete".to_string());
+            self.end_run(RunStatus::Complete, "run complete".to_string());
         } else {
             self.state = RunState::Draining;
         }

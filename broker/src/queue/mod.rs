@@ -10,7 +10,7 @@
 //! - One FIFO shared by every producer and consumer. A delivery goes to the
 //!   next connected consumer (round robin) whose credit window has room.
 //! - Memory is bounded: the bytes held (queued + leased) never exceed
-//!   `max_held_bytes`; [`Queue::accept_item`] answers `QueueFull` and the
+//!   `max_queue_bytes`; [`Queue::accept_item`] answers `QueueFull` and the
 //!   transport stops reading that producer until [`Queue::has_room_for`].
 //! - Every delivery is a lease until acked. A consumer that goes away returns
 //!   all its leases to the head of the queue; a lease not acked or extended
@@ -282,7 +282,7 @@ impl<P: Payload> Queue<P> {
 
     /// Whether an item of this size fits under the memory bound now.
     pub fn has_room_for(&self, bytes: u64) -> bool {
-        self.held_bytes().saturating_add(bytes) <= self.config.max_held_bytes
+        self.held_bytes().saturating_add(bytes) <= self.config.max_queue_bytes
     }
 
     fn allocate_connection(&mut self) -> ConnectionId {

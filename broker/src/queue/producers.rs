@@ -43,7 +43,7 @@ impl<P: Payload> Queue<P> {
                 self.producer_connections.remove(&old);
                 self.effects.push(Effect::CloseProducer {
                     connection: old,
-                    outcome: RunOutcome::Aborted,
+                    outcome: RunStatus::Aborted,
                     reason: format!(
                         "fenced: a newer Produce stream (epoch {epoch}) replaced this one for target {target_id:?}"
                     ),
@@ -83,7 +83,7 @@ impl<P: Payload> Queue<P> {
         self.ensure_not_ended()?;
         let bytes = payload.size_bytes();
         let held = self.held_bytes();
-        let limit = self.config.max_held_bytes;
+        let limit = self.config.max_queue_bytes;
         let Some(entry) = self.targets.get_mut(&target_key) else {
             return Err(QueueError::StaleConnection { connection });
         };

@@ -110,6 +110,52 @@ struct World {
 }
 
 impl World {
+    /// A fresh queue under `policy` (keeping a write-ahead log when
+    /// `journal`) with every target's Produce stream open.
+    fn start(policy: FailurePolicy, journal: bool) -> Result<Self, TestCaseError> {
+        let start = Instant::now();
+        let mut queue_config = config(TARGETS as u32);
+        queue_config.on_target_failure = policy;
+        let mut queue = Queue::new(queue_config.clone(), start);
+        if journal {
+            queue.enable_journal();
+        }
+        let mut world = World {
+            queue,
+            config: queue_config,
+            log: journal.then(Vec::new),
+            now: start,
+            ledger: Ledger::default(),
+            producer: [None; TARGETS],
+            epoch: [0; TARGETS],
+            next_seq: [0; TARGETS],
+            consumer: [None; DRAFTERS],
+            target_done: [false; TARGETS],
+        };
+        for target in 0..TARGETS {
+            world.step(&Op::ReconnectTarget { target })?;
+        }
+        Ok(world)
+    }
+
+    /// A drafter acks everything until the run ends (or 10,000 rounds).
+    fn drain(&mut self) -> Result<(), TestCaseError> {
+        self.step(&Op::OpenDrafter {
+            drafter: 0,
+            credit: 3,
+        })?;
+        for _ in 0..10_000 {
+            if self.queue.state() != RunState::Running && self.queue.state() != RunState::Draining {
+                break;
+            }
+            self.step(&Op::Ack {
+                drafter: 0,
+                count: 3,
+            })?;
+        }
+        Ok(())
+    }
+
     fn target_name(target: usize) -> String {
         format!("target-{target}")
     }
@@ -146,7 +192,7 @@ impl World {
                     outcome,
                     ..
                 } => {
-                    if outcome == RunOutcome::Complete {
+                    if outcome == RunStatus::Complete {
                         for key in &self.ledger.accepted {
                             prop_assert!(
                                 self.ledger.acked.contains_key(key) || self.dead_lettered(key),
@@ -170,6 +216,17 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// Up to `count` of the deliveries `drafter` holds.
+    fn held_by(&self, drafter: usize, count: usize) -> Vec<DeliveryId> {
+        self.ledger
+            .held
+            .iter()
+            .filter(|(_, (slot, ..))| *slot == drafter)
+            .map(|(&id, _)| id)
+            .take(count)
+            .collect()
     }
 
     fn dead_lettered(&self, key: &(usize, u64)) -> bool {
@@ -300,14 +357,7 @@ impl World {
             }
             Op::Ack { drafter, count } => {
                 if let Some(connection) = self.consumer[drafter] {
-                    let mine: Vec<DeliveryId> = self
-                        .ledger
-                        .held
-                        .iter()
-                        .filter(|(_, (slot, ..))| *slot == drafter)
-                        .map(|(&id, _)| id)
-                        .take(count)
-                        .collect();
+                    let mine = self.held_by(drafter, count);
                     let outcome = self.queue.ack(connection, &mine, now);
                     let mut acked_now = 0;
                     for id in mine {
@@ -320,14 +370,7 @@ impl World {
             }
             Op::Nack { drafter, poison } => {
                 if let Some(connection) = self.consumer[drafter] {
-                    let mine: Vec<DeliveryId> = self
-                        .ledger
-                        .held
-                        .iter()
-                        .filter(|(_, (slot, ..))| *slot == drafter)
-                        .map(|(&id, _)| id)
-                        .take(1)
-                        .collect();
+                    let mine = self.held_by(drafter, 1);
                     let disposition = if poison {
                         NackDisposition::DeadLetter
                     } else {
@@ -452,25 +495,8 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..200),
         continue_on_failure in any::<bool>(),
     ) {
-        let start = Instant::now();
         let policy = if continue_on_failure { FailurePolicy::Continue } else { FailurePolicy::Abort };
-        let mut queue_config = config(TARGETS as u32);
-        queue_config.on_target_failure = policy;
-        let mut world = World {
-            queue: Queue::new(queue_config.clone(), start),
-            config: queue_config,
-            log: None,
-            now: start,
-            ledger: Ledger::default(),
-            producer: [None; TARGETS],
-            epoch: [0; TARGETS],
-            next_seq: [0; TARGETS],
-            consumer: [None; DRAFTERS],
-            target_done: [false; TARGETS],
-        };
-        for target in 0..TARGETS {
-            world.step(&Op::ReconnectTarget { target })?;
-        }
+        let mut world = World::start(policy, false)?;
         for op in &ops {
             world.step(op)?;
         }
@@ -483,13 +509,7 @@ proptest! {
         for drafter in 0..DRAFTERS {
             world.step(&Op::CloseDrafter { drafter })?;
         }
-        world.step(&Op::OpenDrafter { drafter: 0, credit: 3 })?;
-        for _ in 0..10_000 {
-            if world.queue.state() != RunState::Running && world.queue.state() != RunState::Draining {
-                break;
-            }
-            world.step(&Op::Ack { drafter: 0, count: 3 })?;
-        }
+        world.drain()?;
         match world.queue.state() {
             RunState::Complete => {
                 prop_assert!(world.ledger.completed);
@@ -517,26 +537,7 @@ proptest! {
     fn restarts_from_the_log_lose_nothing(
         ops in proptest::collection::vec(op_with_restarts(), 1..200),
     ) {
-        let start = Instant::now();
-        let mut queue_config = config(TARGETS as u32);
-        queue_config.on_target_failure = FailurePolicy::Continue;
-        let mut queue = Queue::new(queue_config.clone(), start);
-        queue.enable_journal();
-        let mut world = World {
-            queue,
-            config: queue_config,
-            log: Some(Vec::new()),
-            now: start,
-            ledger: Ledger::default(),
-            producer: [None; TARGETS],
-            epoch: [0; TARGETS],
-            next_seq: [0; TARGETS],
-            consumer: [None; DRAFTERS],
-            target_done: [false; TARGETS],
-        };
-        for target in 0..TARGETS {
-            world.step(&Op::ReconnectTarget { target })?;
-        }
+        let mut world = World::start(FailurePolicy::Continue, true)?;
         for op in &ops {
             world.step(op)?;
             if matches!(op, Op::Restart) {
@@ -550,13 +551,7 @@ proptest! {
             world.step(&Op::ReconnectTarget { target })?;
             world.step(&Op::Done { target })?;
         }
-        world.step(&Op::OpenDrafter { drafter: 0, credit: 3 })?;
-        for _ in 0..10_000 {
-            if world.queue.state() != RunState::Running && world.queue.state() != RunState::Draining {
-                break;
-            }
-            world.step(&Op::Ack { drafter: 0, count: 3 })?;
-        }
+        world.drain()?;
         prop_assert_eq!(world.queue.state(), RunState::Complete);
         for key in &world.ledger.accepted {
             prop_assert!(world.ledger.acked.contains_key(key) || world.dead_lettered(key), "{key:?} lost");

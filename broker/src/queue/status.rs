@@ -61,7 +61,7 @@ pub struct Snapshot {
     pub queued_bytes: u64,
     pub leased_items: u64,
     pub leased_bytes: u64,
-    pub max_held_bytes: u64,
+    pub max_queue_bytes: u64,
     pub dead_letters: Vec<DeadLetter>,
     pub targets: Vec<TargetSnapshot>,
     pub drafters: Vec<DrafterSnapshot>,
@@ -128,7 +128,7 @@ impl<P: Payload> Queue<P> {
             queued_bytes: self.queued_bytes,
             leased_items: self.leases.len() as u64,
             leased_bytes: self.leased_bytes,
-            max_held_bytes: self.config.max_held_bytes,
+            max_queue_bytes: self.config.max_queue_bytes,
             dead_letters: self.dead_letters.clone(),
             targets: self
                 .targets
@@ -220,11 +220,11 @@ impl<P: Payload> Queue<P> {
                 self.leased_bytes
             ));
         }
-        if self.held_bytes() > self.config.max_held_bytes {
+        if self.held_bytes() > self.config.max_queue_bytes {
             return Err(format!(
                 "held {} > cap {}",
                 self.held_bytes(),
-                self.config.max_held_bytes
+                self.config.max_queue_bytes
             ));
         }
         let mut leased_items: Vec<ItemId> =

@@ -15,7 +15,7 @@ impl Payload for TestPayload {
 pub(super) fn config(expected_targets: u32) -> QueueConfig {
     QueueConfig {
         target_ids: QueueConfig::default_target_ids(expected_targets),
-        max_held_bytes: 1_000,
+        max_queue_bytes: 1_000,
         lease_timeout: Duration::from_secs(30),
         max_deliveries: 3,
         target_grace: Duration::from_secs(120),
@@ -25,6 +25,27 @@ pub(super) fn config(expected_targets: u32) -> QueueConfig {
         target_load_timeout: None,
         max_lease_lifetime: None,
         keepalive_detection: None,
+    }
+}
+
+/// A queue for one target, `target-0`, whose Produce stream is open.
+fn one_target(now: Instant) -> (Queue<TestPayload>, ConnectionId) {
+    let mut queue = Queue::new(config(1), now);
+    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    (queue, producer)
+}
+
+/// Accepts items `seqs` of 10 bytes from `producer`.
+fn accept_all(
+    queue: &mut Queue<TestPayload>,
+    producer: ConnectionId,
+    seqs: std::ops::Range<u64>,
+    now: Instant,
+) {
+    for seq in seqs {
+        queue
+            .accept_item(producer, seq, TestPayload(10), now)
+            .unwrap();
     }
 }
 
@@ -51,7 +72,7 @@ fn deliveries(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, DeliveryId,
         .collect()
 }
 
-fn ended(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, RunOutcome)> {
+fn ended(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, RunStatus)> {
     effects
         .iter()
         .filter_map(|effect| match effect {
@@ -68,15 +89,10 @@ fn ended(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, RunOutcome)> {
 #[test]
 fn shared_fifo_round_robins_across_drafters() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     let drafter_a = queue.open_consumer("drafter-a", credit(2), now).unwrap();
     let drafter_b = queue.open_consumer("drafter-b", credit(2), now).unwrap();
-    for seq in 0..4 {
-        queue
-            .accept_item(producer, seq, TestPayload(10), now)
-            .unwrap();
-    }
+    accept_all(&mut queue, producer, 0..4, now);
     let delivered = deliveries(&queue.take_effects());
     assert_eq!(delivered.len(), 4);
     let to_a = delivered
@@ -97,8 +113,7 @@ fn shared_fifo_round_robins_across_drafters() {
 #[test]
 fn credit_window_bounds_outstanding_items_and_bytes() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     let drafter = queue
         .open_consumer(
             "d",
@@ -127,8 +142,7 @@ fn credit_window_bounds_outstanding_items_and_bytes() {
         "an ack frees room for one more"
     );
     // An item larger than the byte window still flows when nothing is held.
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     queue
         .open_consumer(
             "d",
@@ -148,8 +162,7 @@ fn credit_window_bounds_outstanding_items_and_bytes() {
 #[test]
 fn memory_bound_refuses_without_changing_anything() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     queue
         .accept_item(producer, 0, TestPayload(500), now)
         .unwrap();
@@ -182,14 +195,9 @@ fn memory_bound_refuses_without_changing_anything() {
 #[test]
 fn disconnect_returns_leases_to_the_head_in_order() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     let drafter_a = queue.open_consumer("a", credit(2), now).unwrap();
-    for seq in 0..4 {
-        queue
-            .accept_item(producer, seq, TestPayload(10), now)
-            .unwrap();
-    }
+    accept_all(&mut queue, producer, 0..4, now);
     let first = deliveries(&queue.take_effects());
     assert_eq!(first.iter().map(|d| d.2).collect::<Vec<_>>(), vec![0, 1]);
     queue.close_consumer(drafter_a, now);
@@ -207,12 +215,9 @@ fn disconnect_returns_leases_to_the_head_in_order() {
 #[test]
 fn expired_lease_moves_on_and_late_ack_is_stale() {
     let start = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
-    let producer = queue.open_producer("target-0", start).unwrap().connection;
+    let (mut queue, producer) = one_target(start);
     let silent = queue.open_consumer("silent", credit(1), start).unwrap();
-    queue
-        .accept_item(producer, 0, TestPayload(10), start)
-        .unwrap();
+    accept_all(&mut queue, producer, 0..1, start);
     let first = deliveries(&queue.take_effects());
     // Zero credit is refused at the hello (INVALID_ARGUMENT); a window of 1
     // has no room while the only item is leased elsewhere.
@@ -252,12 +257,9 @@ fn expired_lease_moves_on_and_late_ack_is_stale() {
 #[test]
 fn max_deliveries_and_poison_nack_dead_letter() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     let drafter = queue.open_consumer("d", credit(1), now).unwrap();
-    queue
-        .accept_item(producer, 0, TestPayload(10), now)
-        .unwrap();
+    accept_all(&mut queue, producer, 0..1, now);
     for _ in 0..3 {
         let delivered = deliveries(&queue.take_effects());
         assert_eq!(delivered.len(), 1);
@@ -281,9 +283,7 @@ fn max_deliveries_and_poison_nack_dead_letter() {
         snapshot.dead_letters[0].reason
     );
 
-    queue
-        .accept_item(producer, 1, TestPayload(10), now)
-        .unwrap();
+    accept_all(&mut queue, producer, 1..2, now);
     let delivered = deliveries(&queue.take_effects());
     queue.nack(
         drafter,
@@ -328,7 +328,7 @@ fn newer_producer_stream_replaces_older() {
     let new = queue.open_producer("target-0", now).unwrap().connection;
     let effects = queue.take_effects();
     assert!(
-        matches!(effects.as_slice(), [Effect::CloseProducer { connection, outcome: RunOutcome::Aborted, .. }] if *connection == old)
+        matches!(effects.as_slice(), [Effect::CloseProducer { connection, outcome: RunStatus::Aborted, .. }] if *connection == old)
     );
     assert_eq!(
         queue.accept_item(old, 0, TestPayload(1), now),
@@ -437,14 +437,14 @@ fn end_of_stream_waits_for_every_target_and_every_ack() {
     queue.ack(drafter_b, &[redelivered[0].1], now);
     assert_eq!(
         ended(&queue.take_effects()),
-        vec![(drafter_b, RunOutcome::Complete)]
+        vec![(drafter_b, RunStatus::Complete)]
     );
     assert_eq!(queue.state(), RunState::Complete);
     // A drafter that connects later gets end-of-stream at once.
     let late = queue.open_consumer("late", credit(4), now).unwrap();
     assert_eq!(
         ended(&queue.take_effects()),
-        vec![(late, RunOutcome::Complete)]
+        vec![(late, RunStatus::Complete)]
     );
     queue.check_invariants().unwrap();
 }
@@ -470,7 +470,7 @@ fn target_gone_past_grace_aborts_the_run() {
     queue.tick(start + Duration::from_secs(250));
     assert_eq!(queue.state(), RunState::Aborted);
     let effects = queue.take_effects();
-    assert_eq!(ended(&effects), vec![(drafter, RunOutcome::Aborted)]);
+    assert_eq!(ended(&effects), vec![(drafter, RunStatus::Aborted)]);
     let reason = effects
         .iter()
         .find_map(|effect| match effect {
@@ -542,12 +542,9 @@ fn targets_that_never_connect_fail_after_the_startup_timeout() {
 #[test]
 fn a_second_hello_for_a_live_drafter_is_refused_and_changes_nothing() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     let first = queue.open_consumer("d", credit(1), now).unwrap();
-    queue
-        .accept_item(producer, 0, TestPayload(10), now)
-        .unwrap();
+    accept_all(&mut queue, producer, 0..1, now);
     let delivered = deliveries(&queue.take_effects());
     assert_eq!(
         delivered.iter().map(|d| d.0).collect::<Vec<_>>(),
@@ -577,12 +574,9 @@ fn a_second_hello_for_a_live_drafter_is_refused_and_changes_nothing() {
 #[test]
 fn a_restarted_drafter_gets_in_at_once_when_its_old_stream_is_gone() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     let first = queue.open_consumer("d", credit(1), now).unwrap();
-    queue
-        .accept_item(producer, 0, TestPayload(10), now)
-        .unwrap();
+    accept_all(&mut queue, producer, 0..1, now);
     queue.take_effects();
     queue.close_consumer(first, now);
     let second = queue.open_consumer("d", credit(1), now).unwrap();
@@ -598,23 +592,18 @@ fn a_restarted_drafter_gets_in_at_once_when_its_old_stream_is_gone() {
 #[test]
 fn a_stalled_drafter_stream_is_replaced_and_returns_its_leases() {
     let start = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
-    let producer = queue.open_producer("target-0", start).unwrap().connection;
+    let (mut queue, producer) = one_target(start);
     let first = queue.open_consumer("d", credit(2), start).unwrap();
-    queue
-        .accept_item(producer, 0, TestPayload(10), start)
-        .unwrap();
+    accept_all(&mut queue, producer, 0..1, start);
     queue.take_effects();
     // Its one lease expires (30 s): the stream is stalled, not live.
     let later = start + Duration::from_secs(31);
     queue.tick(later);
-    queue
-        .accept_item(producer, 1, TestPayload(10), later)
-        .unwrap();
+    accept_all(&mut queue, producer, 1..2, later);
     assert!(deliveries(&queue.take_effects()).is_empty());
     let second = queue.open_consumer("d", credit(2), later).unwrap();
     let effects = queue.take_effects();
-    assert_eq!(ended(&effects), vec![(first, RunOutcome::Aborted)]);
+    assert_eq!(ended(&effects), vec![(first, RunStatus::Aborted)]);
     assert_eq!(
         deliveries(&effects)
             .iter()
@@ -628,15 +617,9 @@ fn a_stalled_drafter_stream_is_replaced_and_returns_its_leases() {
 #[test]
 fn a_drafter_whose_lease_expired_gets_nothing_new_until_it_acks() {
     let start = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), start);
-    let producer = queue.open_producer("target-0", start).unwrap().connection;
+    let (mut queue, producer) = one_target(start);
     let hung = queue.open_consumer("hung", credit(1), start).unwrap();
-    queue
-        .accept_item(producer, 0, TestPayload(10), start)
-        .unwrap();
-    queue
-        .accept_item(producer, 1, TestPayload(10), start)
-        .unwrap();
+    accept_all(&mut queue, producer, 0..2, start);
     let first = deliveries(&queue.take_effects());
     assert_eq!(first.len(), 1);
     queue.tick(start + Duration::from_secs(31));
@@ -658,9 +641,7 @@ fn rejections_are_counted_by_reason() {
     queue.count_rejected(producer, RejectReason::TooLarge, now);
     queue.count_rejected(producer, RejectReason::Malformed, now);
     queue.count_rejected(producer, RejectReason::Malformed, now);
-    queue
-        .accept_item(producer, 1, TestPayload(10), now)
-        .unwrap();
+    accept_all(&mut queue, producer, 1..2, now);
     queue
         .report_done("target-0", 1, current_epoch(&queue, "target-0"), now)
         .unwrap();
@@ -704,7 +685,7 @@ fn report_done_needs_the_current_epoch() {
     assert_eq!(second.epoch, 2);
     assert!(queue.take_effects().iter().any(|effect| matches!(
         effect,
-        Effect::CloseProducer { connection, outcome: RunOutcome::Aborted, reason }
+        Effect::CloseProducer { connection, outcome: RunStatus::Aborted, reason }
             if *connection == first.connection && reason.starts_with("fenced")
     )));
     assert!(matches!(
@@ -725,8 +706,7 @@ fn report_done_needs_the_current_epoch() {
 #[test]
 fn out_of_order_seq_is_rejected_and_duplicates_are_not() {
     let now = Instant::now();
-    let mut queue: Queue<TestPayload> = Queue::new(config(1), now);
-    let producer = queue.open_producer("target-0", now).unwrap().connection;
+    let (mut queue, producer) = one_target(now);
     for seq in [0, 1, 5] {
         queue
             .accept_item(producer, seq, TestPayload(1), now)
@@ -846,9 +826,7 @@ fn delivery_counts_survive_a_restart_and_still_dead_letter() {
     queue.enable_journal();
     let producer = queue.open_producer("target-0", now).unwrap().connection;
     let drafter = queue.open_consumer("d", credit(1), now).unwrap();
-    queue
-        .accept_item(producer, 0, TestPayload(10), now)
-        .unwrap();
+    accept_all(&mut queue, producer, 0..1, now);
     let first = queue.take_effects();
     assert_eq!(delivery_counts(&first), vec![(0, 1)]);
     queue.nack(

@@ -31,7 +31,7 @@ pub struct QueueConfig {
     /// id is refused.
     pub target_ids: Vec<String>,
     /// Bound on bytes held in memory: queued plus leased.
-    pub max_held_bytes: u64,
+    pub max_queue_bytes: u64,
     /// A lease neither acked nor extended within this is taken back.
     pub lease_timeout: Duration,
     /// An item returned after this many deliveries is dead-lettered.
@@ -108,8 +108,10 @@ pub enum RunState {
     Aborted,
 }
 
+/// How a run ended, as end-of-stream tells every consumer (the wire's
+/// `RunStatus` without its unspecified value).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunOutcome {
+pub enum RunStatus {
     Complete,
     Aborted,
 }

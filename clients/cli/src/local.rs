@@ -322,8 +322,72 @@ async fn wait_for_broker(address: &str, deadline: Duration) -> anyhow::Result<Br
     }
 }
 
-/// Runs the pipeline; returns the summary (also printed and written).
+/// Runs the pipeline; returns the summary (also printed and written):
+/// inputs, broker, targets and drafters, watch until they exit, τ,
+/// summary.
 pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Result<LocalSummary> {
+    check_args(&args)?;
+    let started = Instant::now();
+    let (workdir, logs) = prepare_workdir(&args)?;
+    let inputs = prepare_inputs(&args, &workdir, &interrupt).await?;
+    let generation_seconds = started.elapsed().as_secs_f64();
+
+    let pipeline_started = Instant::now();
+    let (mut broker, address, client) = start_broker(&args, &workdir, &logs).await?;
+    println!("dflash local: broker at {address} (watch it with `dflash top --broker {address}`); logs in {}", logs.display());
+    let mut children = start_targets(&args, &inputs, &address, &logs)?;
+    children.extend(start_drafters(&args, &inputs, &address, &workdir, &logs)?);
+
+    let view = if args.view == View::Top && !std::io::stdout().is_terminal() {
+        View::Lines
+    } else {
+        args.view
+    };
+    let deadline = started + Duration::from_secs(args.timeout_seconds);
+    let watch = Watch {
+        client: &client,
+        address: &address,
+        view,
+        started,
+    };
+    let stop = watch.until_exit(&mut children, deadline, &interrupt).await;
+    let snapshot = client.status().await.context("final broker status")?;
+    if view == View::Top {
+        print!(
+            "\x1b[H\x1b[2J{}",
+            top::render(&snapshot, &address, RenderOptions { color: true })
+        );
+    }
+    stop_broker(&mut broker).await;
+    let pipeline_seconds = pipeline_started.elapsed().as_secs_f64();
+
+    let eval_started = Instant::now();
+    let processes: Vec<ProcessSummary> = children
+        .iter()
+        .map(|child| process_summary(child, &snapshot))
+        .collect();
+    let taus = if stop.interrupted {
+        Taus::default()
+    } else {
+        measure_taus(&inputs, &processes, &workdir).await?
+    };
+    let eval_seconds = eval_started.elapsed().as_secs_f64();
+    let timings = Timings {
+        seconds: started.elapsed().as_secs_f64(),
+        generation_seconds,
+        pipeline_seconds,
+        eval_seconds,
+    };
+    let summary = summarize(&snapshot, processes, taus, timings, &inputs, &workdir, stop);
+    std::fs::write(
+        workdir.join("summary.json"),
+        serde_json::to_string_pretty(&summary)?,
+    )?;
+    print_summary(&summary, stop.interrupted, stop.timed_out);
+    Ok(summary)
+}
+
+fn check_args(args: &LocalArgs) -> anyhow::Result<()> {
     if args.targets == 0 || args.drafters == 0 {
         bail!(
             "--targets and --drafters must be at least 1 (got {} and {})",
@@ -334,7 +398,11 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     if args.target_devices.is_empty() || args.drafter_devices.is_empty() {
         bail!("--target-devices and --drafter-devices must name at least one device");
     }
-    let started = Instant::now();
+    Ok(())
+}
+
+/// The work directory (created, made absolute) and its `logs` folder.
+fn prepare_workdir(args: &LocalArgs) -> anyhow::Result<(PathBuf, PathBuf)> {
     let workdir = match &args.workdir {
         Some(workdir) => workdir.clone(),
         None => {
@@ -348,8 +416,29 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let workdir = workdir.canonicalize().unwrap_or(workdir);
     let logs = workdir.join("logs");
+    Ok((workdir, logs))
+}
 
-    // The model and data: what was given, or the embedded tiny default.
+/// What the children run on: the model, the drafters' mask token and the
+/// data, given or made by [`prepare_inputs`].
+struct Inputs {
+    model_dir: Option<PathBuf>,
+    /// The embedded tiny default is used (its own target and drafter flags).
+    embedded_model: bool,
+    /// The drafters' mask token id and where it came from.
+    mask_token: Option<(i64, String)>,
+    data: Option<PathBuf>,
+    held_out: Option<PathBuf>,
+}
+
+/// The model and data: what was given, or the embedded tiny default and
+/// demo data it generates. Exits the process when interrupted while
+/// generating (nothing else was started yet).
+async fn prepare_inputs(
+    args: &LocalArgs,
+    workdir: &Path,
+    interrupt: &CancellationToken,
+) -> anyhow::Result<Inputs> {
     let embedded_model = args.model.is_none() && !args.synthetic;
     let model_dir = match &args.model {
         Some(model) => Some(model.clone()),
@@ -376,30 +465,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     let (data, held_out) = match (&args.data, &model_dir) {
         (Some(data), _) => (Some(data.clone()), args.held_out.clone()),
         (None, Some(model_dir)) => {
-            let spec = DemoSpec {
-                unique_sequences: args.demo_sequences,
-                epochs: args.demo_epochs,
-                held_out_prompts: args.demo_held_out,
-                ..DemoSpec::default()
-            };
-            println!(
-                "dflash local: generating {} demo sequences of {} tokens with the target (batched, KV cache; {}x in train.jsonl) ...",
-                spec.unique_sequences,
-                spec.prompt_tokens + spec.continuation_tokens,
-                spec.epochs
-            );
-            let (model, out) = (model_dir.clone(), workdir.join("data"));
-            let generation =
-                tokio::task::spawn_blocking(move || demo::write_demo_data(&model, &out, &spec));
-            let generated = tokio::select! {
-                generated = generation => generated.context("demo data thread")??,
-                () = interrupt.cancelled() => {
-                    // Nothing else was started; the generation thread cannot
-                    // be joined early (the runtime would wait for it), so end here.
-                    println!("dflash local: interrupted while generating the demo data; nothing else was started");
-                    std::process::exit(i32::from(dflash_service::Exit::Interrupted.code()));
-                }
-            };
+            let generated = generate_demo_data(args, model_dir, workdir, interrupt).await?;
             (
                 Some(generated.train),
                 args.held_out.clone().or(Some(generated.held_out)),
@@ -407,11 +473,55 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         }
         (None, None) => (None, None),
     };
-    let generation_seconds = started.elapsed().as_secs_f64();
+    Ok(Inputs {
+        model_dir,
+        embedded_model,
+        mask_token,
+        data,
+        held_out,
+    })
+}
 
-    // The broker binds port 0 and reports the port it got: no race with
-    // other processes for a "free" port.
-    let pipeline_started = Instant::now();
+async fn generate_demo_data(
+    args: &LocalArgs,
+    model_dir: &Path,
+    workdir: &Path,
+    interrupt: &CancellationToken,
+) -> anyhow::Result<demo::DemoData> {
+    let spec = DemoSpec {
+        unique_sequences: args.demo_sequences,
+        epochs: args.demo_epochs,
+        held_out_prompts: args.demo_held_out,
+        ..DemoSpec::default()
+    };
+    println!(
+        "dflash local: generating {} demo sequences of {} tokens with the target (batched, KV cache; {}x in train.jsonl) ...",
+        spec.unique_sequences,
+        spec.prompt_tokens + spec.continuation_tokens,
+        spec.epochs
+    );
+    let (model, out) = (model_dir.to_path_buf(), workdir.join("data"));
+    let generation =
+        tokio::task::spawn_blocking(move || demo::write_demo_data(&model, &out, &spec));
+    tokio::select! {
+        generated = generation => Ok(generated.context("demo data thread")??),
+        () = interrupt.cancelled() => {
+            // Nothing else was started; the generation thread cannot
+            // be joined early (the runtime would wait for it), so end here.
+            println!("dflash local: interrupted while generating the demo data; nothing else was started");
+            std::process::exit(i32::from(dflash_service::Exit::Interrupted.code()));
+        }
+    }
+}
+
+/// Starts the broker on port 0; it reports the port it got, so there is no
+/// race with other processes for a "free" port. The broker, its address
+/// and a client that got an answer from it.
+async fn start_broker(
+    args: &LocalArgs,
+    workdir: &Path,
+    logs: &Path,
+) -> anyhow::Result<(Managed, String, BrokerClient)> {
     let ready_file = workdir.join("broker.address");
     let _ = std::fs::remove_file(&ready_file);
     let mut broker = spawn(
@@ -432,7 +542,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             "--model-output".into(),
             workdir.join("center").display().to_string(),
         ],
-        &logs,
+        logs,
         None,
     )?;
     let address = match wait_for_ready_file(&ready_file, &mut broker, Duration::from_secs(30)).await
@@ -443,24 +553,30 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             return Err(error);
         }
     };
-    let client = match wait_for_broker(&address, Duration::from_secs(30)).await {
-        Ok(client) => client,
+    match wait_for_broker(&address, Duration::from_secs(30)).await {
+        Ok(client) => Ok((broker, address, client)),
         Err(error) => {
             terminate(&broker);
-            return Err(error.context(format!("see {}", broker.log.display())));
+            Err(error.context(format!("see {}", broker.log.display())))
         }
-    };
+    }
+}
 
-    println!("dflash local: broker at {address} (watch it with `dflash top --broker {address}`); logs in {}", logs.display());
-    let mut children = Vec::new();
+fn start_targets(
+    args: &LocalArgs,
+    inputs: &Inputs,
+    address: &str,
+    logs: &Path,
+) -> anyhow::Result<Vec<Managed>> {
     let child_threads = threads_per_child(args.targets + args.drafters);
     let target_binary = sibling_binary("target-server")?;
+    let mut targets = Vec::new();
     for index in 0..args.targets {
         let device = args.target_devices[index as usize % args.target_devices.len()].clone();
         let name = format!("target-{index}");
         let mut flags = vec![
             "--broker".to_string(),
-            address.clone(),
+            address.to_string(),
             "--target-id".into(),
             name.clone(),
             "--device".into(),
@@ -470,178 +586,311 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
             "--num-shards".into(),
             args.targets.to_string(),
         ];
-        match (&model_dir, args.synthetic) {
+        match (&inputs.model_dir, args.synthetic) {
             (Some(model), false) => flags.extend(["--model".into(), model.display().to_string()]),
             _ => flags.extend([
                 "--model".into(),
                 "synthetic:hidden=256,layers=2,tokens_per_s=20000,samples=200,seq_len=128".into(),
             ]),
         }
-        if let Some(data) = &data {
+        if let Some(data) = &inputs.data {
             flags.extend(["--data".into(), data.display().to_string()]);
         }
-        if embedded_model {
+        if inputs.embedded_model {
             flags.extend(TINY_TARGET_FLAGS.iter().map(|flag| flag.to_string()));
         }
         flags.extend(split_flags(&args.target_args));
-        children.push(spawn(
+        targets.push(spawn(
             &name,
             "target",
             &device,
             &target_binary,
             &flags,
-            &logs,
+            logs,
             child_threads.as_deref(),
         )?);
     }
+    Ok(targets)
+}
+
+fn start_drafters(
+    args: &LocalArgs,
+    inputs: &Inputs,
+    address: &str,
+    workdir: &Path,
+    logs: &Path,
+) -> anyhow::Result<Vec<Managed>> {
+    let child_threads = threads_per_child(args.targets + args.drafters);
     let drafter_binary = sibling_binary("drafter-server")?;
+    let mut drafters = Vec::new();
     for index in 0..args.drafters {
         let device = args.drafter_devices[index as usize % args.drafter_devices.len()].clone();
         let name = format!("drafter-{index}");
         let output = workdir.join("checkpoints").join(&name);
-        let mut flags = vec![
-            "--broker".to_string(),
-            address.clone(),
-            "--drafter-id".into(),
-            name.clone(),
-            "--device".into(),
-            device.clone(),
-            "--output".into(),
-            output.display().to_string(),
-        ];
-        match (&model_dir, args.synthetic) {
-            (Some(model), false) => {
-                flags.extend(["--target-model".into(), model.display().to_string()])
-            }
-            _ => flags.extend(["--model".into(), "synthetic:ms_per_1k_tokens=5".into()]),
-        }
-        if embedded_model {
-            flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
-        }
-        let extra_flags = split_flags(&args.drafter_args);
-        if let Some((id, _)) = &mask_token {
-            if !extra_flags
-                .iter()
-                .any(|flag| flag.starts_with("--mask-token-id"))
-            {
-                flags.extend(["--mask-token-id".to_string(), id.to_string()]);
-            }
-        }
-        if embedded_model
-            && !extra_flags
-                .iter()
-                .any(|flag| flag.starts_with("--sync-every"))
-        {
-            flags.extend(TINY_SYNC_FLAGS.iter().map(|flag| flag.to_string()));
-        }
-        flags.extend(extra_flags);
+        let flags = drafter_flags(args, inputs, address, &name, &device, &output);
         let mut managed = spawn(
             &name,
             "drafter",
             &device,
             &drafter_binary,
             &flags,
-            &logs,
+            logs,
             child_threads.as_deref(),
         )?;
         managed.output = Some(output);
-        children.push(managed);
+        drafters.push(managed);
     }
+    Ok(drafters)
+}
 
-    // Watch until every child has exited, Ctrl-C, or the timeout.
-    let view = if args.view == View::Top && !std::io::stdout().is_terminal() {
-        View::Lines
-    } else {
-        args.view
-    };
-    let deadline = started + Duration::from_secs(args.timeout_seconds);
-    let mut last_line = Instant::now();
-    let mut interrupted = false;
-    let mut timed_out = false;
-    loop {
-        for child in children
-            .iter_mut()
-            .filter(|child| child.exit_code.is_none())
-        {
-            if let Ok(Some(status)) = child.child.try_wait() {
-                child.exit_code = Some(status.code().unwrap_or(-1));
-            }
+/// One drafter's flags: the run's, the tiny default's (unless
+/// `--drafter-args` sets its own mask token or sync period), then
+/// `--drafter-args`.
+fn drafter_flags(
+    args: &LocalArgs,
+    inputs: &Inputs,
+    address: &str,
+    name: &str,
+    device: &str,
+    output: &Path,
+) -> Vec<String> {
+    let mut flags = vec![
+        "--broker".to_string(),
+        address.to_string(),
+        "--drafter-id".into(),
+        name.to_string(),
+        "--device".into(),
+        device.to_string(),
+        "--output".into(),
+        output.display().to_string(),
+    ];
+    match (&inputs.model_dir, args.synthetic) {
+        (Some(model), false) => {
+            flags.extend(["--target-model".into(), model.display().to_string()])
         }
-        if children.iter().all(|child| child.exit_code.is_some()) {
-            break;
+        _ => flags.extend(["--model".into(), "synthetic:ms_per_1k_tokens=5".into()]),
+    }
+    if inputs.embedded_model {
+        flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
+    }
+    let extra_flags = split_flags(&args.drafter_args);
+    let sets = |name: &str| extra_flags.iter().any(|flag| flag.starts_with(name));
+    if let Some((id, _)) = &inputs.mask_token {
+        if !sets("--mask-token-id") {
+            flags.extend(["--mask-token-id".to_string(), id.to_string()]);
         }
-        if interrupt.is_cancelled() || Instant::now() > deadline {
-            interrupted = interrupt.is_cancelled();
-            timed_out = !interrupted;
-            for child in children.iter().filter(|child| child.exit_code.is_none()) {
-                terminate(child);
-            }
-            // One bounded wait for all of them, then SIGKILL.
-            let stop_deadline = Instant::now() + Duration::from_secs(30);
+    }
+    if inputs.embedded_model && !sets("--sync-every") {
+        flags.extend(TINY_SYNC_FLAGS.iter().map(|flag| flag.to_string()));
+    }
+    flags.extend(extra_flags);
+    flags
+}
+
+/// How the children ended: on their own, or stopped.
+#[derive(Debug, Clone, Copy, Default)]
+struct StopReason {
+    /// Ctrl-C (or SIGTERM) stopped them.
+    interrupted: bool,
+    /// `--timeout-seconds` stopped them.
+    timed_out: bool,
+}
+
+/// The live view while the children run.
+struct Watch<'a> {
+    client: &'a BrokerClient,
+    address: &'a str,
+    view: View,
+    started: Instant,
+}
+
+impl Watch<'_> {
+    /// Watches until every child has exited, Ctrl-C, or `deadline`; stops
+    /// the children still running in the last two cases.
+    async fn until_exit(
+        &self,
+        children: &mut [Managed],
+        deadline: Instant,
+        interrupt: &CancellationToken,
+    ) -> StopReason {
+        let mut last_line = Instant::now();
+        loop {
             for child in children
                 .iter_mut()
                 .filter(|child| child.exit_code.is_none())
             {
-                let left = stop_deadline.saturating_duration_since(Instant::now());
-                match tokio::time::timeout(left, child.child.wait()).await {
-                    Ok(Ok(status)) => child.exit_code = Some(status.code().unwrap_or(-1)),
-                    _ => {
-                        let _ = child.child.kill().await;
-                        child.exit_code = Some(-9);
-                    }
+                if let Ok(Some(status)) = child.child.try_wait() {
+                    child.exit_code = Some(status.code().unwrap_or(-1));
                 }
             }
-            break;
-        }
-        if let Ok(snapshot) = client.status().await {
-            match view {
-                View::Top => {
-                    print!(
-                        "\x1b[H\x1b[2J{}",
-                        top::render(&snapshot, &address, RenderOptions { color: true })
-                    );
-                }
-                View::Lines if last_line.elapsed() >= Duration::from_secs(5) => {
-                    last_line = Instant::now();
-                    println!(
-                        "[{:>5.0}s] {:?} targets done {}/{} accepted {} trained {} queued {} leased {}",
-                        started.elapsed().as_secs_f64(),
-                        snapshot.state(),
-                        snapshot.done_targets,
-                        snapshot.expected_targets,
-                        snapshot.accepted_items,
-                        snapshot.acked_items,
-                        snapshot.queued_items,
-                        snapshot.leased_items
-                    );
-                }
-                _ => {}
+            if children.iter().all(|child| child.exit_code.is_some()) {
+                return StopReason::default();
             }
+            if interrupt.is_cancelled() || Instant::now() > deadline {
+                let interrupted = interrupt.is_cancelled();
+                stop_children(children).await;
+                return StopReason {
+                    interrupted,
+                    timed_out: !interrupted,
+                };
+            }
+            if let Ok(snapshot) = self.client.status().await {
+                self.show(&snapshot, &mut last_line);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 
-    let snapshot = client.status().await.context("final broker status")?;
-    if view == View::Top {
-        print!(
-            "\x1b[H\x1b[2J{}",
-            top::render(&snapshot, &address, RenderOptions { color: true })
-        );
+    fn show(&self, snapshot: &proto::StatusSnapshot, last_line: &mut Instant) {
+        match self.view {
+            View::Top => {
+                print!(
+                    "\x1b[H\x1b[2J{}",
+                    top::render(snapshot, self.address, RenderOptions { color: true })
+                );
+            }
+            View::Lines if last_line.elapsed() >= Duration::from_secs(5) => {
+                *last_line = Instant::now();
+                println!(
+                    "[{:>5.0}s] {:?} targets done {}/{} accepted {} trained {} queued {} leased {}",
+                    self.started.elapsed().as_secs_f64(),
+                    snapshot.state(),
+                    snapshot.done_targets,
+                    snapshot.expected_targets,
+                    snapshot.accepted_items,
+                    snapshot.acked_items,
+                    snapshot.queued_items,
+                    snapshot.leased_items
+                );
+            }
+            _ => {}
+        }
     }
-    terminate(&broker);
+}
+
+/// SIGTERM to every child still running, one bounded wait for all of them,
+/// then SIGKILL.
+async fn stop_children(children: &mut [Managed]) {
+    for child in children.iter().filter(|child| child.exit_code.is_none()) {
+        terminate(child);
+    }
+    let stop_deadline = Instant::now() + Duration::from_secs(30);
+    for child in children
+        .iter_mut()
+        .filter(|child| child.exit_code.is_none())
+    {
+        let left = stop_deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, child.child.wait()).await {
+            Ok(Ok(status)) => child.exit_code = Some(status.code().unwrap_or(-1)),
+            _ => {
+                let _ = child.child.kill().await;
+                child.exit_code = Some(-9);
+            }
+        }
+    }
+}
+
+async fn stop_broker(broker: &mut Managed) {
+    terminate(broker);
     if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(15), broker.child.wait()).await
     {
         broker.exit_code = status.code();
     } else {
         let _ = broker.child.kill().await;
     }
-    let pipeline_seconds = pipeline_started.elapsed().as_secs_f64();
-    let eval_started = Instant::now();
+}
 
-    let processes: Vec<ProcessSummary> = children
+/// The τ measurements after the pipeline.
+#[derive(Debug, Default)]
+struct Taus {
+    acceptance_length: Option<f64>,
+    untrained_acceptance_length: Option<f64>,
+    acceptance_length_drafter: Option<String>,
+    center_acceptance_length: Option<f64>,
+    tokens_per_target_forward: Option<f64>,
+    held_out_prompts: usize,
+}
+
+/// τ of the first drafter's final checkpoint (and of an untrained drafter
+/// of the same configuration) on the held-out prompts, and of the shared
+/// model when the drafters synced.
+async fn measure_taus(
+    inputs: &Inputs,
+    processes: &[ProcessSummary],
+    workdir: &Path,
+) -> anyhow::Result<Taus> {
+    let mut taus = Taus::default();
+    let (Some(model_dir), Some(held_out)) = (&inputs.model_dir, &inputs.held_out) else {
+        return Ok(taus);
+    };
+    // Speculative decoding of one prompt runs tiny ops, for which libtorch's
+    // intra-op threads cost more than they save: the same 16-prompt eval on
+    // the loaded 2-core machine took 64.8 s with 2 threads, 9.2 s with 1.
+    tch::set_num_threads(1);
+    let checkpoint = processes
         .iter()
-        .map(|child| process_summary(child, &snapshot))
-        .collect();
+        .find_map(|process| process.checkpoint.clone());
+    if let Some(checkpoint) = checkpoint {
+        let prompts = demo::read_prompts(held_out, model_dir)?;
+        taus.held_out_prompts = prompts.len();
+        let model_dir = model_dir.clone();
+        let checkpoint_for_eval = checkpoint.clone();
+        let baseline_dir = workdir.join("untrained-drafter");
+        let (trained, untrained) = tokio::task::spawn_blocking(move || {
+            let trained = dflash_drafter_server::eval::evaluate(
+                &model_dir,
+                &checkpoint_for_eval,
+                &prompts,
+                40,
+                tch::Device::Cpu,
+            )
+            .context("evaluating the trained drafter")?;
+            let baseline = dflash_drafter_server::eval::write_untrained_baseline(
+                &model_dir,
+                &checkpoint_for_eval,
+                &baseline_dir,
+            )?;
+            let untrained = dflash_drafter_server::eval::evaluate(
+                &model_dir,
+                &baseline,
+                &prompts,
+                40,
+                tch::Device::Cpu,
+            )
+            .context("evaluating the untrained baseline")?;
+            anyhow::Ok((trained, untrained))
+        })
+        .await
+        .context("evaluation thread")??;
+        taus.acceptance_length = Some(trained.mean_acceptance_length);
+        taus.tokens_per_target_forward = Some(trained.tokens_per_target_forward());
+        taus.untrained_acceptance_length = Some(untrained.mean_acceptance_length);
+        taus.acceptance_length_drafter = Some(checkpoint.display().to_string());
+    }
+    // τ of the one model the drafters trained together (model sync).
+    taus.center_acceptance_length =
+        center_tau(model_dir, held_out, &workdir.join("center")).await?;
+    Ok(taus)
+}
+
+/// Where the wall time went.
+#[derive(Debug, Clone, Copy)]
+struct Timings {
+    seconds: f64,
+    generation_seconds: f64,
+    pipeline_seconds: f64,
+    eval_seconds: f64,
+}
+
+fn summarize(
+    snapshot: &proto::StatusSnapshot,
+    processes: Vec<ProcessSummary>,
+    taus: Taus,
+    timings: Timings,
+    inputs: &Inputs,
+    workdir: &Path,
+    stop: StopReason,
+) -> LocalSummary {
     let tokens: u64 = snapshot
         .targets
         .iter()
@@ -661,81 +910,21 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         proto::BrokerState::Draining => "DRAINING (not finished)",
         _ => "RUNNING (not finished)",
     };
-
-    // τ of the first drafter's final checkpoint on the held-out prompts.
-    // Speculative decoding of one prompt runs tiny ops, for which libtorch's
-    // intra-op threads cost more than they save: the same 16-prompt eval on
-    // the loaded 2-core machine took 64.8 s with 2 threads, 9.2 s with 1.
-    tch::set_num_threads(1);
-    let mut acceptance_length = None;
-    let mut untrained_acceptance_length = None;
-    let mut acceptance_length_drafter = None;
-    let mut center_acceptance_length = None;
-    let mut tokens_per_target_forward = None;
-    let mut held_out_prompts = 0;
-    if let (Some(model_dir), Some(held_out)) = (&model_dir, &held_out) {
-        let checkpoint = processes
-            .iter()
-            .find_map(|process| process.checkpoint.clone());
-        if let (Some(checkpoint), false) = (checkpoint, interrupted) {
-            let prompts = demo::read_prompts(held_out, model_dir)?;
-            held_out_prompts = prompts.len();
-            let model_dir = model_dir.clone();
-            let checkpoint_for_eval = checkpoint.clone();
-            let baseline_dir = workdir.join("untrained-drafter");
-            let (trained, untrained) = tokio::task::spawn_blocking(move || {
-                let trained = dflash_drafter_server::eval::evaluate(
-                    &model_dir,
-                    &checkpoint_for_eval,
-                    &prompts,
-                    40,
-                    tch::Device::Cpu,
-                )
-                .context("evaluating the trained drafter")?;
-                let baseline = dflash_drafter_server::eval::write_untrained_baseline(
-                    &model_dir,
-                    &checkpoint_for_eval,
-                    &baseline_dir,
-                )?;
-                let untrained = dflash_drafter_server::eval::evaluate(
-                    &model_dir,
-                    &baseline,
-                    &prompts,
-                    40,
-                    tch::Device::Cpu,
-                )
-                .context("evaluating the untrained baseline")?;
-                anyhow::Ok((trained, untrained))
-            })
-            .await
-            .context("evaluation thread")??;
-            acceptance_length = Some(trained.mean_acceptance_length);
-            tokens_per_target_forward = Some(trained.tokens_per_target_forward());
-            untrained_acceptance_length = Some(untrained.mean_acceptance_length);
-            acceptance_length_drafter = Some(checkpoint.display().to_string());
-        }
-    }
-    // τ of the one model the drafters trained together (model sync).
-    if let (Some(model_dir), Some(held_out), false) = (&model_dir, &held_out, interrupted) {
-        center_acceptance_length = center_tau(model_dir, held_out, &workdir.join("center")).await?;
-    }
-    let eval_seconds = eval_started.elapsed().as_secs_f64();
-    let seconds = started.elapsed().as_secs_f64();
-
     let trained = snapshot.acked_items;
-    let ok = !interrupted
-        && !timed_out
+    let ok = !stop.interrupted
+        && !stop.timed_out
         && snapshot.state() == proto::BrokerState::Complete
-        && children.iter().all(|child| child.exit_code == Some(0))
+        && processes.iter().all(|process| process.exit_code == Some(0))
         && snapshot.dead_letters == 0
         && final_loss.is_none_or(f64::is_finite);
-    let summary = LocalSummary {
+    let pipeline_seconds = timings.pipeline_seconds;
+    LocalSummary {
         end_of_stream: end_of_stream.to_string(),
         abort_reason: snapshot.abort_reason.clone(),
-        seconds,
-        generation_seconds,
+        seconds: timings.seconds,
+        generation_seconds: timings.generation_seconds,
         pipeline_seconds,
-        eval_seconds,
+        eval_seconds: timings.eval_seconds,
         accepted_samples: snapshot.accepted_items,
         trained_samples: trained,
         dead_letters: snapshot.dead_letters,
@@ -749,23 +938,17 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         tokens_per_second: tokens as f64 / pipeline_seconds.max(1e-9),
         final_loss,
         processes,
-        acceptance_length,
-        untrained_acceptance_length,
-        acceptance_length_drafter,
-        center_acceptance_length,
-        held_out_prompts,
-        tokens_per_target_forward,
-        mask_token_id: mask_token.as_ref().map(|(id, _)| *id),
-        mask_token_source: mask_token.as_ref().map(|(_, source)| source.clone()),
-        workdir: workdir.clone(),
+        acceptance_length: taus.acceptance_length,
+        untrained_acceptance_length: taus.untrained_acceptance_length,
+        acceptance_length_drafter: taus.acceptance_length_drafter,
+        center_acceptance_length: taus.center_acceptance_length,
+        held_out_prompts: taus.held_out_prompts,
+        tokens_per_target_forward: taus.tokens_per_target_forward,
+        mask_token_id: inputs.mask_token.as_ref().map(|(id, _)| *id),
+        mask_token_source: inputs.mask_token.as_ref().map(|(_, source)| source.clone()),
+        workdir: workdir.to_path_buf(),
         ok,
-    };
-    std::fs::write(
-        workdir.join("summary.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
-    print_summary(&summary, interrupted, timed_out);
-    Ok(summary)
+    }
 }
 
 /// τ of the broker's center checkpoint on the held-out prompts; `None` when

@@ -64,26 +64,7 @@ enum Command {
     },
     /// Speculative decoding with a trained drafter; prints the mean acceptance length τ.
     #[cfg(feature = "model")]
-    Eval {
-        #[arg(long)]
-        target_model: PathBuf,
-        /// A drafter checkpoint directory, or a drafter-server --output folder (its latest checkpoint).
-        #[arg(long)]
-        drafter: PathBuf,
-        /// Held-out prompts (JSONL): pre-tokenized `{"input_ids": [...]}` or conversations, rendered with the chat template.
-        #[arg(long)]
-        data: PathBuf,
-        #[arg(long, default_value_t = 64)]
-        max_new_tokens: usize,
-        /// auto (the first CUDA device when libtorch sees one, else the CPU), cpu, cuda or cuda:N.
-        #[arg(long, default_value = "auto")]
-        device: dflash_service::DeviceChoice,
-        /// Also measure a freshly initialised drafter of the same configuration
-        /// (the untrained baseline). The mask token is the checkpoint's own
-        /// (`dflash_config.mask_token_id`), the one the drafter was trained with.
-        #[arg(long)]
-        compare_untrained: bool,
-    },
+    Eval(EvalArgs),
     /// Regenerate the assistant turns of a chat JSONL with the target (batched,
     /// KV cached): the drafter then learns the target's own distribution.
     #[cfg(feature = "model")]
@@ -98,6 +79,30 @@ enum Command {
         #[arg(long)]
         llama: bool,
     },
+}
+
+/// `dflash eval`'s flags.
+#[cfg(feature = "model")]
+#[derive(Debug, clap::Args)]
+struct EvalArgs {
+    #[arg(long)]
+    target_model: PathBuf,
+    /// A drafter checkpoint directory, or a drafter-server --output folder (its latest checkpoint).
+    #[arg(long)]
+    drafter: PathBuf,
+    /// Held-out prompts (JSONL): pre-tokenized `{"input_ids": [...]}` or conversations, rendered with the chat template.
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// auto (the first CUDA device when libtorch sees one, else the CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: dflash_service::DeviceChoice,
+    /// Also measure a freshly initialised drafter of the same configuration
+    /// (the untrained baseline). The mask token is the checkpoint's own
+    /// (`dflash_config.mask_token_id`), the one the drafter was trained with.
+    #[arg(long)]
+    compare_untrained: bool,
 }
 
 /// A temporary folder for the untrained baseline drafter, removed on drop.
@@ -169,38 +174,12 @@ async fn main() -> anyhow::Result<()> {
             broker,
             json,
             security,
-        } => {
-            let snapshot = connect(&broker, &security).await?.status().await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&snapshot)?);
-            } else {
-                print!(
-                    "{}",
-                    top::render(&snapshot, &broker, top::RenderOptions { color: false })
-                );
-            }
-        }
+        } => status(&broker, json, &security).await?,
         Command::Top {
             broker,
             interval_ms,
             security,
-        } => {
-            let client = connect(&broker, &security).await?;
-            let mut stream = client
-                .watch_status(Duration::from_millis(interval_ms))
-                .await?;
-            let color = std::io::stdout().is_terminal();
-            loop {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => break,
-                    message = stream.message() => match message {
-                        Ok(Some(snapshot)) => print!("\x1b[H\x1b[2J{}", top::render(&snapshot, &broker, top::RenderOptions { color })),
-                        Ok(None) => break,
-                        Err(status) => anyhow::bail!("broker status stream ended: {status}"),
-                    },
-                }
-            }
-        }
+        } => watch_top(&broker, Duration::from_millis(interval_ms), &security).await?,
         Command::Health {
             broker,
             service,
@@ -216,69 +195,7 @@ async fn main() -> anyhow::Result<()> {
             .await?
         }
         #[cfg(feature = "model")]
-        Command::Eval {
-            target_model,
-            drafter,
-            data,
-            max_new_tokens,
-            device,
-            compare_untrained,
-        } => {
-            let device = dflash_model::device::resolve_device(device)?;
-            let checkpoint = match dflash_drafter_server::checkpoints::latest_checkpoint(&drafter)?
-            {
-                Some(latest) if !drafter.join("config.json").exists() => latest,
-                _ => drafter.clone(),
-            };
-            let prompts = demo::read_prompts(&data, &target_model)?;
-            let reports = tokio::task::spawn_blocking(move || {
-                let trained = dflash_drafter_server::eval::evaluate(
-                    &target_model,
-                    &checkpoint,
-                    &prompts,
-                    max_new_tokens,
-                    device,
-                )?;
-                let untrained = if compare_untrained {
-                    let baseline_dir = tempfile_dir()?;
-                    let baseline = dflash_drafter_server::eval::write_untrained_baseline(
-                        &target_model,
-                        &checkpoint,
-                        baseline_dir.path(),
-                    )?;
-                    Some(dflash_drafter_server::eval::evaluate(
-                        &target_model,
-                        &baseline,
-                        &prompts,
-                        max_new_tokens,
-                        device,
-                    )?)
-                } else {
-                    None
-                };
-                anyhow::Ok((trained, untrained))
-            })
-            .await??;
-            let (report, untrained) = reports;
-            println!(
-                "τ (mean acceptance length) {:.3} over {} prompts, {} verification steps, {} tokens generated, {:.2} tokens per target forward, block size {}, {:.1}s",
-                report.mean_acceptance_length,
-                report.prompts,
-                report.verification_steps,
-                report.generated_tokens,
-                report.tokens_per_target_forward(),
-                report.block_size,
-                report.seconds
-            );
-            if let Some(baseline) = untrained {
-                println!(
-                    "untrained baseline: τ {:.3}, {:.2} tokens per target forward, {:.1}s",
-                    baseline.mean_acceptance_length,
-                    baseline.tokens_per_target_forward(),
-                    baseline.seconds
-                );
-            }
-        }
+        Command::Eval(args) => eval(args).await?,
         #[cfg(feature = "model")]
         Command::Regenerate(args) => {
             let report = tokio::task::spawn_blocking(move || regenerate::run(&args)).await??;
@@ -293,21 +210,124 @@ async fn main() -> anyhow::Result<()> {
             );
         }
         #[cfg(feature = "model")]
-        Command::InitTiny { dir, seed, llama } => {
-            let mut spec = if llama {
-                dflash_model::tiny::TinyModelSpec::llama()
-            } else {
-                dflash_model::tiny::TinyModelSpec::default()
-            };
-            spec.seed = seed;
-            dflash_model::tiny::write_tiny_model(&dir, &spec)
-                .with_context(|| format!("writing the tiny model to {}", dir.display()))?;
-            println!(
-                "wrote a tiny {:?} model to {}",
-                spec.architecture,
-                dir.display()
-            );
+        Command::InitTiny { dir, seed, llama } => init_tiny(&dir, seed, llama)?,
+    }
+    Ok(())
+}
+
+/// `dflash status`: one snapshot, as text or JSON.
+async fn status(broker: &str, json: bool, security: &ClientSecurityArgs) -> anyhow::Result<()> {
+    let snapshot = connect(broker, security).await?.status().await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&snapshot)?);
+    } else {
+        print!(
+            "{}",
+            top::render(&snapshot, broker, top::RenderOptions { color: false })
+        );
+    }
+    Ok(())
+}
+
+/// `dflash top`: the status stream, redrawn in place until Ctrl-C.
+async fn watch_top(
+    broker: &str,
+    interval: Duration,
+    security: &ClientSecurityArgs,
+) -> anyhow::Result<()> {
+    let client = connect(broker, security).await?;
+    let mut stream = client.watch_status(interval).await?;
+    let color = std::io::stdout().is_terminal();
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+            message = stream.message() => match message {
+                Ok(Some(snapshot)) => print!("\x1b[H\x1b[2J{}", top::render(&snapshot, broker, top::RenderOptions { color })),
+                Ok(None) => return Ok(()),
+                Err(status) => anyhow::bail!("broker status stream ended: {status}"),
+            },
         }
     }
+}
+
+/// `dflash eval`: τ of a checkpoint (and of an untrained baseline).
+#[cfg(feature = "model")]
+async fn eval(args: EvalArgs) -> anyhow::Result<()> {
+    let EvalArgs {
+        target_model,
+        drafter,
+        data,
+        max_new_tokens,
+        device,
+        compare_untrained,
+    } = args;
+    let device = dflash_model::device::resolve_device(device)?;
+    let checkpoint = match dflash_drafter_server::checkpoints::latest_checkpoint(&drafter)? {
+        Some(latest) if !drafter.join("config.json").exists() => latest,
+        _ => drafter.clone(),
+    };
+    let prompts = demo::read_prompts(&data, &target_model)?;
+    let (report, untrained) = tokio::task::spawn_blocking(move || {
+        let evaluate = |checkpoint: &std::path::Path| {
+            dflash_drafter_server::eval::evaluate(
+                &target_model,
+                checkpoint,
+                &prompts,
+                max_new_tokens,
+                device,
+            )
+        };
+        let trained = evaluate(&checkpoint)?;
+        let untrained = if compare_untrained {
+            let baseline_dir = tempfile_dir()?;
+            let baseline = dflash_drafter_server::eval::write_untrained_baseline(
+                &target_model,
+                &checkpoint,
+                baseline_dir.path(),
+            )?;
+            Some(evaluate(&baseline)?)
+        } else {
+            None
+        };
+        anyhow::Ok((trained, untrained))
+    })
+    .await??;
+    println!(
+        "τ (mean acceptance length) {:.3} over {} prompts, {} verification steps, {} tokens generated, {:.2} tokens per target forward, block size {}, {:.1}s",
+        report.mean_acceptance_length,
+        report.prompts,
+        report.verification_steps,
+        report.generated_tokens,
+        report.tokens_per_target_forward(),
+        report.block_size,
+        report.seconds
+    );
+    if let Some(baseline) = untrained {
+        println!(
+            "untrained baseline: τ {:.3}, {:.2} tokens per target forward, {:.1}s",
+            baseline.mean_acceptance_length,
+            baseline.tokens_per_target_forward(),
+            baseline.seconds
+        );
+    }
+    Ok(())
+}
+
+/// `dflash init-tiny`: the tiny Qwen3 (or Llama-3) test model.
+#[cfg(feature = "model")]
+fn init_tiny(dir: &std::path::Path, seed: u64, llama: bool) -> anyhow::Result<()> {
+    let mut spec = if llama {
+        dflash_model::tiny::TinyModelSpec::llama()
+    } else {
+        dflash_model::tiny::TinyModelSpec::default()
+    };
+    spec.seed = seed;
+    dflash_model::tiny::write_tiny_model(dir, &spec)
+        .with_context(|| format!("writing the tiny model to {}", dir.display()))?;
+    println!(
+        "wrote a tiny {:?} model to {}",
+        spec.architecture,
+        dir.display()
+    );
     Ok(())
 }

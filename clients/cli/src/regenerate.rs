@@ -239,7 +239,8 @@ impl Progress {
     }
 }
 
-/// Runs `dflash regenerate`.
+/// Runs `dflash regenerate`: load the target, read this shard's records,
+/// skip what the output already has, regenerate the rest chunk by chunk.
 pub fn run(args: &RegenerateArgs) -> anyhow::Result<RegenerateReport> {
     let started = Instant::now();
     let sampling = SamplingOptions {
@@ -251,58 +252,9 @@ pub fn run(args: &RegenerateArgs) -> anyhow::Result<RegenerateReport> {
     if args.chunk_lines == 0 || args.token_budget == 0 {
         bail!("--chunk-lines and --token-budget must be at least 1");
     }
-    let device = dflash_model::device::resolve_device(args.device)?;
-    let kind = if device == tch::Device::Cpu {
-        tch::Kind::Float
-    } else {
-        tch::Kind::BFloat16
-    };
-    let encoder = ChatEncoder::from_directory(&args.model, usize::MAX, None)
-        .map_err(|error| anyhow::anyhow!("{}: {error}", args.model.display()))?;
-    let tokenizer_path = args.model.join("tokenizer.json");
-    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
-        .map_err(|error| anyhow::anyhow!("{}: {error}", tokenizer_path.display()))?;
-    let target = TargetModel::load(&args.model, device, kind)
-        .with_context(|| format!("loading the target model from {}", args.model.display()))?;
-    let options = GenerationOptions {
-        max_new_tokens: args.max_new_tokens,
-        stop_token_ids: stop_token_ids(&args.model, &tokenizer),
-        sampling,
-        ..GenerationOptions::default()
-    };
-
-    // This shard's records, as (record index, line number, text).
-    let input = std::fs::File::open(&args.input)
-        .with_context(|| format!("opening {}", args.input.display()))?;
-    let (shard_index, shard_count) = args.shard;
-    let mut shard_lines = Vec::new();
-    let mut record_index = 0u64;
-    for (index, line) in std::io::BufReader::new(input).lines().enumerate() {
-        let line = line.with_context(|| format!("reading {}", args.input.display()))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        if record_index % shard_count == shard_index {
-            shard_lines.push((record_index, index + 1, line));
-        }
-        record_index += 1;
-    }
-    let skipped = complete_output_lines(&args.output)?;
-    if skipped > shard_lines.len() {
-        bail!(
-            "{} has {skipped} lines, more than the {} records of shard {shard_index}/{shard_count}: a different input or shard?",
-            args.output.display(),
-            shard_lines.len()
-        );
-    }
-    if let Some(parent) = args.output.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)?;
-    }
-    let mut output = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&args.output)
-        .with_context(|| format!("opening {}", args.output.display()))?;
+    let generator = Generator::load(args, sampling)?;
+    let shard_lines = read_shard_lines(args)?;
+    let (skipped, mut output) = open_output(args, shard_lines.len())?;
     let mut progress = Progress {
         started: Instant::now(),
         last: Instant::now(),
@@ -312,26 +264,13 @@ pub fn run(args: &RegenerateArgs) -> anyhow::Result<RegenerateReport> {
     let mut generated_tokens = 0;
     let mut written = 0;
     for chunk in shard_lines[skipped..].chunks(args.chunk_lines) {
-        let mut records = Vec::with_capacity(chunk.len());
-        let mut turns = Vec::with_capacity(chunk.len());
-        for (record_index, line_number, line) in chunk {
-            let value: Value = serde_json::from_str(line).map_err(|error| {
-                anyhow::anyhow!("{}:{line_number}: {error}", args.input.display())
-            })?;
-            turns.push(
-                turns_of(&value, *line_number).with_context(|| args.input.display().to_string())?,
-            );
-            records.push(Record {
-                value,
-                record_index: *record_index,
-            });
-        }
+        let (mut records, turns) = parse_chunk(args, chunk)?;
         regenerate_chunk(
             &ChunkContext {
-                target: &target,
-                encoder: &encoder,
-                tokenizer: &tokenizer,
-                options: &options,
+                target: &generator.target,
+                encoder: &generator.encoder,
+                tokenizer: &generator.tokenizer,
+                options: &generator.options,
                 token_budget: args.token_budget,
             },
             &mut records,
@@ -363,6 +302,111 @@ pub fn run(args: &RegenerateArgs) -> anyhow::Result<RegenerateReport> {
     })
 }
 
+/// The target and what generating with it needs.
+struct Generator {
+    target: TargetModel,
+    encoder: ChatEncoder,
+    tokenizer: tokenizers::Tokenizer,
+    options: GenerationOptions,
+}
+
+impl Generator {
+    fn load(args: &RegenerateArgs, sampling: SamplingOptions) -> anyhow::Result<Self> {
+        let device = dflash_model::device::resolve_device(args.device)?;
+        let kind = if device == tch::Device::Cpu {
+            tch::Kind::Float
+        } else {
+            tch::Kind::BFloat16
+        };
+        let encoder = ChatEncoder::from_directory(&args.model, usize::MAX, None)
+            .map_err(|error| anyhow::anyhow!("{}: {error}", args.model.display()))?;
+        let tokenizer_path = args.model.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+            .map_err(|error| anyhow::anyhow!("{}: {error}", tokenizer_path.display()))?;
+        let target = TargetModel::load(&args.model, device, kind)
+            .with_context(|| format!("loading the target model from {}", args.model.display()))?;
+        let options = GenerationOptions {
+            max_new_tokens: args.max_new_tokens,
+            stop_token_ids: stop_token_ids(&args.model, &tokenizer),
+            sampling,
+            ..GenerationOptions::default()
+        };
+        Ok(Self {
+            target,
+            encoder,
+            tokenizer,
+            options,
+        })
+    }
+}
+
+/// This shard's records, as (record index, line number, text); blank lines
+/// are not records.
+fn read_shard_lines(args: &RegenerateArgs) -> anyhow::Result<Vec<(u64, usize, String)>> {
+    let input = std::fs::File::open(&args.input)
+        .with_context(|| format!("opening {}", args.input.display()))?;
+    let (shard_index, shard_count) = args.shard;
+    let mut shard_lines = Vec::new();
+    let mut record_index = 0u64;
+    for (index, line) in std::io::BufReader::new(input).lines().enumerate() {
+        let line = line.with_context(|| format!("reading {}", args.input.display()))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        if record_index % shard_count == shard_index {
+            shard_lines.push((record_index, index + 1, line));
+        }
+        record_index += 1;
+    }
+    Ok(shard_lines)
+}
+
+/// Opens the output for appending: the lines it already has (a resumed
+/// run skips them) and the file.
+fn open_output(
+    args: &RegenerateArgs,
+    shard_records: usize,
+) -> anyhow::Result<(usize, std::fs::File)> {
+    let skipped = complete_output_lines(&args.output)?;
+    if skipped > shard_records {
+        let (shard_index, shard_count) = args.shard;
+        bail!(
+            "{} has {skipped} lines, more than the {shard_records} records of shard {shard_index}/{shard_count}: a different input or shard?",
+            args.output.display(),
+        );
+    }
+    if let Some(parent) = args.output.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)?;
+    }
+    let output = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&args.output)
+        .with_context(|| format!("opening {}", args.output.display()))?;
+    Ok((skipped, output))
+}
+
+/// Parses a chunk of lines into records and their turns to regenerate.
+fn parse_chunk(
+    args: &RegenerateArgs,
+    chunk: &[(u64, usize, String)],
+) -> anyhow::Result<(Vec<Record>, Vec<Turns>)> {
+    let mut records = Vec::with_capacity(chunk.len());
+    let mut turns = Vec::with_capacity(chunk.len());
+    for (record_index, line_number, line) in chunk {
+        let value: Value = serde_json::from_str(line)
+            .map_err(|error| anyhow::anyhow!("{}:{line_number}: {error}", args.input.display()))?;
+        turns.push(
+            turns_of(&value, *line_number).with_context(|| args.input.display().to_string())?,
+        );
+        records.push(Record {
+            value,
+            record_index: *record_index,
+        });
+    }
+    Ok((records, turns))
+}
+
 /// What every chunk is generated with.
 struct ChunkContext<'a> {
     target: &'a TargetModel,
@@ -370,6 +414,23 @@ struct ChunkContext<'a> {
     tokenizer: &'a tokenizers::Tokenizer,
     options: &'a GenerationOptions,
     token_budget: usize,
+}
+
+impl ChunkContext<'_> {
+    /// Continues `requests` in batches of the token budget.
+    fn generate(
+        &self,
+        requests: &[GenerationRequest],
+        on_batch: &mut OnBatch<'_>,
+    ) -> anyhow::Result<Vec<dflash_model::generate::Generated>> {
+        Ok(generate(
+            self.target,
+            requests,
+            self.options,
+            self.token_budget,
+            on_batch,
+        )?)
+    }
 }
 
 /// Regenerates every assistant turn of `records` in rounds (the k-th turn
@@ -381,38 +442,10 @@ fn regenerate_chunk(
     turns: &[Turns],
     on_tokens: &mut dyn FnMut(usize),
 ) -> anyhow::Result<()> {
-    let ChunkContext {
-        target,
-        encoder,
-        tokenizer,
-        options,
-        token_budget,
-    } = *context;
     let mut on_batch = |_: &[usize], outputs: &[dflash_model::generate::Generated]| {
         on_tokens(outputs.iter().map(|output| output.tokens.len()).sum());
     };
-    // Pre-tokenized records: one round.
-    let mut requests = Vec::new();
-    let mut owners = Vec::new();
-    for (position, turn) in turns.iter().enumerate() {
-        if let Turns::PreTokenized { prompt } = turn {
-            requests.push(GenerationRequest {
-                prompt: prompt.clone(),
-                sequence_id: records[position].record_index << 16,
-            });
-            owners.push(position);
-        }
-    }
-    let outputs = generate(target, &requests, options, token_budget, &mut on_batch)?;
-    for ((position, request), output) in owners.iter().zip(&requests).zip(outputs) {
-        let input_ids = [request.prompt.as_slice(), output.tokens.as_slice()].concat();
-        let loss_mask: Vec<u8> = (0..input_ids.len())
-            .map(|index| u8::from(index >= request.prompt.len()))
-            .collect();
-        let value = &mut records[*position].value;
-        value["input_ids"] = serde_json::json!(input_ids);
-        value["loss_mask"] = serde_json::json!(loss_mask);
-    }
+    regenerate_pre_tokenized(context, records, turns, &mut on_batch)?;
     // Chat records: round k regenerates every conversation's k-th assistant turn.
     let rounds = turns
         .iter()
@@ -425,68 +458,126 @@ fn regenerate_chunk(
         .max()
         .unwrap_or(0);
     for round in 0..rounds {
-        let mut requests = Vec::new();
-        let mut owners = Vec::new();
-        for (position, turn) in turns.iter().enumerate() {
-            let Turns::Chat {
-                list_key,
-                assistant_entries,
-                ..
-            } = turn
-            else {
-                continue;
-            };
-            let Some(&entry) = assistant_entries.get(round) else {
-                continue;
-            };
-            // The conversation before this assistant turn, earlier turns
-            // already regenerated, rendered with the generation prompt.
-            let value = &records[position].value;
-            let history: Vec<Value> = value[*list_key]
-                .as_array()
-                .map(|entries| entries[..entry].to_vec())
-                .unwrap_or_default();
-            let mut prefix = serde_json::Map::new();
-            prefix.insert((*list_key).to_string(), Value::Array(history));
-            let prefix = Value::Object(prefix).to_string();
-            let Ok(Conversation::Messages(messages)) = parse_line(&prefix) else {
-                bail!(
-                    "record {}: cannot parse the turns before assistant turn {round}",
-                    records[position].record_index
-                );
-            };
-            let prompt = encoder.encode_prompt(&messages).map_err(|error| {
-                anyhow::anyhow!("record {}: {error}", records[position].record_index)
-            })?;
+        regenerate_chat_round(context, records, turns, round, &mut on_batch)?;
+    }
+    Ok(())
+}
+
+/// The callback [`generate`] reports each finished batch to.
+type OnBatch<'a> = dyn FnMut(&[usize], &[dflash_model::generate::Generated]) + 'a;
+
+/// Pre-tokenized records: one round, the continuation after the prompt.
+fn regenerate_pre_tokenized(
+    context: &ChunkContext<'_>,
+    records: &mut [Record],
+    turns: &[Turns],
+    on_batch: &mut OnBatch<'_>,
+) -> anyhow::Result<()> {
+    let mut requests = Vec::new();
+    let mut owners = Vec::new();
+    for (position, turn) in turns.iter().enumerate() {
+        if let Turns::PreTokenized { prompt } = turn {
             requests.push(GenerationRequest {
-                prompt,
-                sequence_id: (records[position].record_index << 16) + round as u64 + 1,
+                prompt: prompt.clone(),
+                sequence_id: records[position].record_index << 16,
             });
             owners.push(position);
         }
-        let outputs = generate(target, &requests, options, token_budget, &mut on_batch)?;
-        for (position, output) in owners.into_iter().zip(outputs) {
-            let mut tokens = output.tokens;
-            if output.stopped {
-                tokens.pop();
-            }
-            let ids: Vec<u32> = tokens.iter().map(|&id| id as u32).collect();
-            let text = tokenizer
-                .decode(&ids, true)
-                .map_err(|error| anyhow::anyhow!("decoding: {error}"))?;
-            let Turns::Chat {
-                list_key,
-                content_key,
-                assistant_entries,
-            } = &turns[position]
-            else {
-                continue;
-            };
-            let entry = assistant_entries[round];
-            records[position].value[*list_key][entry][*content_key] = Value::String(text);
-        }
+    }
+    let outputs = context.generate(&requests, on_batch)?;
+    for ((position, request), output) in owners.iter().zip(&requests).zip(outputs) {
+        let input_ids = [request.prompt.as_slice(), output.tokens.as_slice()].concat();
+        let loss_mask: Vec<u8> = (0..input_ids.len())
+            .map(|index| u8::from(index >= request.prompt.len()))
+            .collect();
+        let value = &mut records[*position].value;
+        value["input_ids"] = serde_json::json!(input_ids);
+        value["loss_mask"] = serde_json::json!(loss_mask);
     }
     Ok(())
+}
+
+/// Round `round` of the chat records: every conversation's assistant turn
+/// number `round`, generated after the (already regenerated) turns before it.
+fn regenerate_chat_round(
+    context: &ChunkContext<'_>,
+    records: &mut [Record],
+    turns: &[Turns],
+    round: usize,
+    on_batch: &mut OnBatch<'_>,
+) -> anyhow::Result<()> {
+    let mut requests = Vec::new();
+    let mut owners = Vec::new();
+    for (position, turn) in turns.iter().enumerate() {
+        let Turns::Chat {
+            list_key,
+            assistant_entries,
+            ..
+        } = turn
+        else {
+            continue;
+        };
+        let Some(&entry) = assistant_entries.get(round) else {
+            continue;
+        };
+        let record = &records[position];
+        let prompt = chat_prompt(context.encoder, record, list_key, entry, round)?;
+        requests.push(GenerationRequest {
+            prompt,
+            sequence_id: (record.record_index << 16) + round as u64 + 1,
+        });
+        owners.push(position);
+    }
+    let outputs = context.generate(&requests, on_batch)?;
+    for (position, output) in owners.into_iter().zip(outputs) {
+        let mut tokens = output.tokens;
+        if output.stopped {
+            tokens.pop();
+        }
+        let ids: Vec<u32> = tokens.iter().map(|&id| id as u32).collect();
+        let text = context
+            .tokenizer
+            .decode(&ids, true)
+            .map_err(|error| anyhow::anyhow!("decoding: {error}"))?;
+        let Turns::Chat {
+            list_key,
+            content_key,
+            assistant_entries,
+        } = &turns[position]
+        else {
+            continue;
+        };
+        let entry = assistant_entries[round];
+        records[position].value[*list_key][entry][*content_key] = Value::String(text);
+    }
+    Ok(())
+}
+
+/// The conversation before assistant entry `entry` of `record`, rendered
+/// with the generation prompt.
+fn chat_prompt(
+    encoder: &ChatEncoder,
+    record: &Record,
+    list_key: &str,
+    entry: usize,
+    round: usize,
+) -> anyhow::Result<Vec<i64>> {
+    let history: Vec<Value> = record.value[list_key]
+        .as_array()
+        .map(|entries| entries[..entry].to_vec())
+        .unwrap_or_default();
+    let mut prefix = serde_json::Map::new();
+    prefix.insert(list_key.to_string(), Value::Array(history));
+    let prefix = Value::Object(prefix).to_string();
+    let Ok(Conversation::Messages(messages)) = parse_line(&prefix) else {
+        bail!(
+            "record {}: cannot parse the turns before assistant turn {round}",
+            record.record_index
+        );
+    };
+    encoder
+        .encode_prompt(&messages)
+        .map_err(|error| anyhow::anyhow!("record {}: {error}", record.record_index))
 }
 
 #[cfg(test)]

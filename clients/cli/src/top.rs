@@ -235,38 +235,7 @@ pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOpt
         "ROLE", "ID", "DEVICE", "STATE", "BUSY", "TOK/S", "SAMPLES", "LEASED", "LOSS", "LAST SEEN"
     );
     for row in rows(snapshot) {
-        let busy = row
-            .busy
-            .map_or("-".to_string(), |busy| format!("{:.0}%", busy * 100.0));
-        let busy = if row.idle.is_some() {
-            format!("IDLE {busy}")
-        } else {
-            busy
-        };
-        let mut line = format!(
-            "{:<8} {:<14} {:<8} {:<13} {:>9} {:>8} {:>11} {:>6} {:>7} {:>9}",
-            row.role,
-            row.id,
-            if row.device.is_empty() {
-                "-"
-            } else {
-                &row.device
-            },
-            row.state,
-            busy,
-            row.tokens_per_second.map_or("-".to_string(), human_count),
-            row.samples,
-            row.leased,
-            row.loss,
-            human_duration(row.last_seen),
-        );
-        if let Some(reason) = row.idle {
-            line = format!("{line}  <-- IDLE ({reason})");
-            if options.color {
-                line = format!("\x1b[1;41;97m{line}\x1b[0m");
-            }
-        }
-        let _ = writeln!(out, "{line}");
+        let _ = writeln!(out, "{}", row_line(row, options));
     }
     out.push_str(&model_sync_lines(snapshot));
     for dead in snapshot.dead_letter_items.iter().take(5) {
@@ -277,6 +246,43 @@ pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOpt
         );
     }
     out
+}
+
+/// One target's or drafter's line; an idle one is flagged (in red with
+/// `options.color`).
+fn row_line(row: Row, options: RenderOptions) -> String {
+    let busy = row
+        .busy
+        .map_or("-".to_string(), |busy| format!("{:.0}%", busy * 100.0));
+    let busy = if row.idle.is_some() {
+        format!("IDLE {busy}")
+    } else {
+        busy
+    };
+    let mut line = format!(
+        "{:<8} {:<14} {:<8} {:<13} {:>9} {:>8} {:>11} {:>6} {:>7} {:>9}",
+        row.role,
+        row.id,
+        if row.device.is_empty() {
+            "-"
+        } else {
+            &row.device
+        },
+        row.state,
+        busy,
+        row.tokens_per_second.map_or("-".to_string(), human_count),
+        row.samples,
+        row.leased,
+        row.loss,
+        human_duration(row.last_seen),
+    );
+    if let Some(reason) = row.idle {
+        line = format!("{line}  <-- IDLE ({reason})");
+        if options.color {
+            line = format!("\x1b[1;41;97m{line}\x1b[0m");
+        }
+    }
+    line
 }
 
 /// The shared draft model: the center's version and each drafter's last

@@ -138,6 +138,8 @@ fn peak_rss_bytes() -> anyhow::Result<u64> {
     Ok(kilobytes * 1024)
 }
 
+// One measurement read top to bottom (set up, time, print): long on
+// purpose, as splitting it would hide the order of what is timed.
 fn main() -> anyhow::Result<()> {
     let allocator = configure_allocator(AllocatorMode::Retained);
     let arguments = parse_arguments()?;

@@ -25,6 +25,8 @@ use dflash_model::target::TargetModel;
 use dflash_model::tiny::{mask_token_id, write_tiny_model, TinyModelSpec};
 use tch::{Device, Kind};
 
+// One measurement read top to bottom (set up, time, print): long on
+// purpose, as splitting it would hide the order of what is timed.
 fn main() -> anyhow::Result<()> {
     let mut arguments = std::env::args().skip(1);
     let prompts: usize = arguments.next().map_or(Ok(64), |text| text.parse())?;

@@ -22,9 +22,10 @@ use std::path::Path;
 use std::time::Instant;
 
 use dflash_model::draft::{
-    load_draft_model, BlockInputs, DraftContextCache, DraftError, DraftModel, FrozenTargetHeads,
+    load_draft_model, BlockInputs, DraftConfig, DraftContextCache, DraftError, DraftModel,
+    FrozenTargetHeads,
 };
-use dflash_model::target::{ModelError, TargetModel};
+use dflash_model::target::{KeyValueCache, ModelError, TargetModel};
 use tch::{Device, Kind, Tensor};
 
 /// Errors of evaluation, naming the file or input at fault.
@@ -81,6 +82,18 @@ pub struct GenerationTrace {
     /// values: each committed position once with the cache, the whole
     /// context again for every block without it.
     pub draft_context_positions: usize,
+}
+
+impl GenerationTrace {
+    /// Nothing generated: the prompt alone, no target forward.
+    fn prompt_only(prompt: &[i64]) -> Self {
+        GenerationTrace {
+            token_ids: prompt.to_vec(),
+            acceptance_lengths: Vec::new(),
+            target_forwards: 0,
+            draft_context_positions: 0,
+        }
+    }
 }
 
 impl EvalReport {
@@ -225,24 +238,15 @@ pub fn speculative_generate_uncached(
     let _no_grad = tch::no_grad_guard();
     let device = target.device();
     let config = drafter.config();
-    let layer_ids: Vec<usize> = config
-        .target_layer_ids
-        .iter()
-        .map(|&layer| layer as usize)
-        .collect();
+    let layer_ids = target_layer_ids(config);
     let max_length = prompt.len() + max_new_tokens;
+    if max_new_tokens == 0 {
+        return Ok(GenerationTrace::prompt_only(prompt));
+    }
     let mut acceptance_lengths = Vec::new();
     let mut draft_context_positions = 0;
     // Prefill: the first new token comes from the target alone.
     let mut token_ids = prompt.to_vec();
-    if max_new_tokens == 0 {
-        return Ok(GenerationTrace {
-            token_ids,
-            acceptance_lengths,
-            target_forwards: 0,
-            draft_context_positions,
-        });
-    }
     let predictions = target_argmax(target, &token_ids)?;
     token_ids.push(predictions[predictions.len() - 1]);
     // `start` is the position of the newest token, the next block's anchor;
@@ -250,9 +254,8 @@ pub fn speculative_generate_uncached(
     let mut start = prompt.len();
     let mut stopped = stop_token_ids.contains(&token_ids[start]);
     while start + 1 < max_length && !stopped {
-        let verify_size = (config.block_size as usize).min(max_length - start);
-        let mut block = vec![config.mask_token_id; verify_size];
-        block[0] = token_ids[start];
+        let mut block = masked_block(config, token_ids[start], max_length - start);
+        let verify_size = block.len();
         if verify_size > 1 {
             let (context_ids, context_mask) = ids_tensor(&token_ids[..start], device);
             let context_hidden =
@@ -266,23 +269,15 @@ pub fn speculative_generate_uncached(
         candidate.extend_from_slice(&block);
         let predictions = target_argmax(target, &candidate)?;
         let posterior = &predictions[start..start + verify_size];
-        let accepted = block[1..]
-            .iter()
-            .zip(posterior)
-            .take_while(|(proposed, verified)| proposed == verified)
-            .count();
-        let bonus = posterior[accepted];
-        token_ids.truncate(start + 1);
-        token_ids.extend_from_slice(&block[1..=accepted]);
-        token_ids.push(bonus);
-        let mut produced = (accepted + 1).min(max_length - start - 1);
-        if let Some(offset) = token_ids[start + 1..start + 1 + produced]
-            .iter()
-            .position(|token| stop_token_ids.contains(token))
-        {
-            produced = offset + 1;
-            stopped = true;
-        }
+        let (produced, stop_token_seen) = commit_block(
+            &mut token_ids,
+            &block,
+            posterior,
+            start,
+            max_length,
+            stop_token_ids,
+        );
+        stopped = stop_token_seen;
         start += produced;
         token_ids.truncate(start + 1);
         acceptance_lengths.push(produced);
@@ -295,6 +290,56 @@ pub fn speculative_generate_uncached(
         target_forwards,
         draft_context_positions,
     })
+}
+
+/// The target layers the drafter reads, as indices.
+fn target_layer_ids(config: &DraftConfig) -> Vec<usize> {
+    config
+        .target_layer_ids
+        .iter()
+        .map(|&layer| layer as usize)
+        .collect()
+}
+
+/// The next block: `anchor_token`, then mask tokens, `block_size` long or
+/// shorter when fewer than that many positions are `left`.
+fn masked_block(config: &DraftConfig, anchor_token: i64, left: usize) -> Vec<i64> {
+    let mut block = vec![config.mask_token_id; (config.block_size as usize).min(left)];
+    block[0] = anchor_token;
+    block
+}
+
+/// Commits a verified block after position `start`: the proposals the
+/// target agrees with (`posterior[k]` is its greedy token after block
+/// position `k`), then its own next token, cut at `max_length` and after
+/// the first stop token. Returns the tokens produced after `start` and
+/// whether a stop token ended the sequence; `token_ids` keeps the bonus
+/// token beyond them, which the caller drops.
+fn commit_block(
+    token_ids: &mut Vec<i64>,
+    block: &[i64],
+    posterior: &[i64],
+    start: usize,
+    max_length: usize,
+    stop_token_ids: &[i64],
+) -> (usize, bool) {
+    let accepted = block[1..]
+        .iter()
+        .zip(posterior)
+        .take_while(|(proposed, verified)| proposed == verified)
+        .count();
+    let bonus = posterior[accepted];
+    token_ids.truncate(start + 1);
+    token_ids.extend_from_slice(&block[1..=accepted]);
+    token_ids.push(bonus);
+    let produced = (accepted + 1).min(max_length - start - 1);
+    match token_ids[start + 1..start + 1 + produced]
+        .iter()
+        .position(|token| stop_token_ids.contains(token))
+    {
+        Some(offset) => (offset + 1, true),
+        None => (produced, false),
+    }
 }
 
 /// The drafter's proposals for the block anchored at `anchor` (its first
@@ -363,50 +408,25 @@ pub fn speculative_generate(
     let _no_grad = tch::no_grad_guard();
     let device = target.device();
     let config = drafter.config();
-    let layer_ids: Vec<usize> = config
-        .target_layer_ids
-        .iter()
-        .map(|&layer| layer as usize)
-        .collect();
+    let layer_ids = target_layer_ids(config);
     let max_length = prompt.len() + max_new_tokens;
+    if max_new_tokens == 0 {
+        return Ok(GenerationTrace::prompt_only(prompt));
+    }
     let mut acceptance_lengths = Vec::new();
     let mut token_ids = prompt.to_vec();
-    if max_new_tokens == 0 {
-        return Ok(GenerationTrace {
-            token_ids,
-            acceptance_lengths,
-            target_forwards: 0,
-            draft_context_positions: 0,
-        });
-    }
     let capacity = (max_length + config.block_size as usize) as i64;
-    let mut cache = target.new_cache(1, capacity);
-    // Prefill: the first new token comes from the target alone.
-    let (ids, mask) = ids_tensor(prompt, device);
-    let prefill = target.forward_cached(&ids, &mask, &mut cache, &layer_ids)?;
+    let (mut cache, mut draft_context, first) =
+        prefill(target, drafter, prompt, capacity, &layer_ids)?;
     let mut target_forwards = 1;
-    // The drafter's context: target states of every token before the anchor,
-    // projected once into each draft layer's keys and values.
-    let prompt_hidden = prefill.captured.ok_or_else(|| {
-        EvalError::Target(ModelError::InvalidInput(
-            "the drafter names no target layers".into(),
-        ))
-    })?;
-    let mut draft_context = drafter.new_context_cache(1, capacity);
-    drafter.extend_context(&mut draft_context, &prompt_hidden)?;
-    let first = target
-        .lm_head_logits(&prefill.hidden.get(0).get(prompt.len() as i64 - 1))
-        .argmax(-1, false)
-        .int64_value(&[]);
     token_ids.push(first);
     // `start` is the position of the newest token, the next block's anchor;
     // it is not in the cache yet.
     let mut start = prompt.len();
     let mut stopped = stop_token_ids.contains(&first);
     while start + 1 < max_length && !stopped {
-        let verify_size = (config.block_size as usize).min(max_length - start);
-        let mut block = vec![config.mask_token_id; verify_size];
-        block[0] = token_ids[start];
+        let mut block = masked_block(config, token_ids[start], max_length - start);
+        let verify_size = block.len();
         if verify_size > 1 {
             // The block is anchored right after the drafter's context.
             debug_assert_eq!(draft_context.len(), start as i64);
@@ -423,23 +443,15 @@ pub fn speculative_generate(
                 .argmax(-1, false)
                 .to_device(Device::Cpu),
         )?;
-        let accepted = block[1..]
-            .iter()
-            .zip(&posterior)
-            .take_while(|(proposed, verified)| proposed == verified)
-            .count();
-        let bonus = posterior[accepted];
-        token_ids.truncate(start + 1);
-        token_ids.extend_from_slice(&block[1..=accepted]);
-        token_ids.push(bonus);
-        let mut produced = (accepted + 1).min(max_length - start - 1);
-        if let Some(offset) = token_ids[start + 1..start + 1 + produced]
-            .iter()
-            .position(|token| stop_token_ids.contains(token))
-        {
-            produced = offset + 1;
-            stopped = true;
-        }
+        let (produced, stop_token_seen) = commit_block(
+            &mut token_ids,
+            &block,
+            &posterior,
+            start,
+            max_length,
+            stop_token_ids,
+        );
+        stopped = stop_token_seen;
         // Keep the committed block tokens (positions start..start+produced)
         // in the cache and the drafter's context; drop the rejected rest.
         cache.truncate((start + produced) as i64)?;
@@ -457,6 +469,34 @@ pub fn speculative_generate(
         target_forwards,
         draft_context_positions: draft_context.len() as usize,
     })
+}
+
+/// The prefill of [`speculative_generate`]: the target's KV cache over the
+/// prompt, the drafter's context (the target states of every prompt token,
+/// projected once into each draft layer's keys and values) and the first
+/// new token, which comes from the target alone.
+fn prefill(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompt: &[i64],
+    capacity: i64,
+    layer_ids: &[usize],
+) -> Result<(KeyValueCache, DraftContextCache, i64), EvalError> {
+    let mut cache = target.new_cache(1, capacity);
+    let (ids, mask) = ids_tensor(prompt, target.device());
+    let prefill = target.forward_cached(&ids, &mask, &mut cache, layer_ids)?;
+    let prompt_hidden = prefill.captured.ok_or_else(|| {
+        EvalError::Target(ModelError::InvalidInput(
+            "the drafter names no target layers".into(),
+        ))
+    })?;
+    let mut draft_context = drafter.new_context_cache(1, capacity);
+    drafter.extend_context(&mut draft_context, &prompt_hidden)?;
+    let first = target
+        .lm_head_logits(&prefill.hidden.get(0).get(prompt.len() as i64 - 1))
+        .argmax(-1, false)
+        .int64_value(&[]);
+    Ok((cache, draft_context, first))
 }
 
 /// Writes a freshly initialised drafter with the configuration of

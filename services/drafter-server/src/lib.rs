@@ -5,12 +5,14 @@
 //!
 //! # Layout
 //! - [`config`]: every flag (clap, with environment fallbacks) and its checks.
-//! - [`server`]: [`run`], the async side: Consume stream, credit window,
-//!   ack-after-step, nacks, lease extension, stats, schedule estimate,
-//!   reconnects, graceful stop, the metrics endpoint.
+//! - [`server`]: [`run`], the async side: connect, start the trainer,
+//!   pump (Consume stream, credit window, ack-after-step, nacks, lease
+//!   extension, stats, schedule estimate, reconnects, graceful stop), join
+//!   the trainer; and the metrics endpoint.
 //! - [`trainer_thread`]: the dedicated training thread (owns all libtorch
-//!   state), batching by token budget, steps and checkpoints; it talks to
-//!   the async side over bounded channels only.
+//!   state), batching by token budget, steps and checkpoints; it runs as a
+//!   `dflash_service::DeviceWorker` and talks to the async side over its
+//!   bounded channels only.
 //! - [`engine`]: the DFlash trainer and the synthetic stand-in behind one trait.
 //! - [`samples`]: wire sample → training sequence, with the checks that
 //!   decide dead-lettering.

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_client::{BrokerClient, Consumer, ConsumerEvent, ConsumerHandle};
-use dflash_proto::v1::{ConsumerStats, Credit, EndOfStream, NackDisposition, RunStatus};
+use dflash_proto::v1::{ConsumerStats, Credit, Delivery, EndOfStream, NackDisposition, RunStatus};
+use dflash_service::{DeviceWorker, WorkerChannels, WorkerError};
 use dflash_telemetry::{Registry, RegistryError};
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 use tokio::time::{interval, sleep_until, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -27,6 +27,7 @@ use crate::engine::{build_engine, EngineError};
 use crate::metrics::DrafterMetrics;
 use crate::schedule::{estimate_total_steps, RunClock, ScheduleInputs};
 use crate::trainer_thread::{run_training_loop, LoopSettings, TrainerCommand, TrainerEvent};
+use dflash_model::draft::StepReport;
 
 /// Errors that stop a drafter-server.
 #[derive(Debug, thiserror::Error)]
@@ -142,24 +143,46 @@ struct Totals {
 /// a peer that does not.
 const DELIVERY_SLACK: u64 = 16;
 
-/// The channel from the async side to the training thread.
-fn command_channel() -> (
-    mpsc::UnboundedSender<TrainerCommand>,
-    mpsc::UnboundedReceiver<TrainerCommand>,
-) {
-    mpsc::unbounded_channel()
+/// Control commands (Flush, SetTotalSteps, DiscardUnstepped, Finish) the
+/// trainer's command channel holds beyond a full credit window of
+/// deliveries before [`send_command`] waits for room: only a trainer busy
+/// for that many stats periods in one step makes the async side wait, and
+/// even then nothing is dropped.
+const CONTROL_COMMAND_ROOM: usize = 64;
+
+/// Events the training thread may report before the async side reads them.
+const TRAINER_EVENT_CAPACITY: usize = 256;
+
+/// How long the training thread gets to end once the server has stopped.
+const TRAINER_JOIN_BOUND: Duration = Duration::from_secs(5);
+
+/// The training thread as a device worker: its handshake is the loaded
+/// engine's device and resumed step.
+type TrainerWorker =
+    DeviceWorker<TrainerCommand, TrainerEvent, Result<(String, u64), EngineError>, ()>;
+
+/// The trainer's channels: room for every delivery the credit window allows
+/// (deliveries beyond it are nacked before they get here) plus
+/// [`CONTROL_COMMAND_ROOM`].
+fn trainer_channels(credit_items: u32) -> WorkerChannels {
+    WorkerChannels {
+        commands: credit_items as usize + DELIVERY_SLACK as usize + CONTROL_COMMAND_ROOM,
+        events: TRAINER_EVENT_CAPACITY,
+    }
 }
 
-/// Queues a command for the training thread. Never drops one: the channel
-/// is unbounded (deliveries are bounded by the credit window before they get
-/// here), so a Finish or SetTotalSteps sent while the trainer is busy is
-/// still seen. Fails only when the training thread is gone.
-fn send_command(
-    commands: &mpsc::UnboundedSender<TrainerCommand>,
+/// Queues a command for the training thread. Never drops one: a full
+/// channel makes it wait (reading the trainer's events meanwhile, see
+/// [`DeviceWorker::send`]), so a Finish or SetTotalSteps sent while the
+/// trainer is busy is still seen. Fails only when the training thread is
+/// gone.
+async fn send_command<Ready: Send + 'static, Output: Send + 'static>(
+    trainer: &mut DeviceWorker<TrainerCommand, TrainerEvent, Ready, Output>,
     command: TrainerCommand,
 ) -> Result<(), DrafterError> {
-    commands
+    trainer
         .send(command)
+        .await
         .map_err(|_| DrafterError::TrainerGone)
 }
 
@@ -202,7 +225,9 @@ pub async fn run_with_metrics_listener(
     outcome
 }
 
-/// The run itself, updating the instruments it registers in `registry`.
+/// The run itself, updating the instruments it registers in `registry`:
+/// start the trainer (the model loads before any credit is granted, so a
+/// slow load never holds leases), consume until the end, join the trainer.
 async fn run_session(
     config: DrafterServerConfig,
     registry: &Registry,
@@ -216,27 +241,68 @@ async fn run_session(
         ModelMode::DFlash => dflash_model::device::device_label(config.resolve_device()?),
     };
     let metrics = DrafterMetrics::register(registry, &config.drafter_id, &device_label)?;
-    std::fs::create_dir_all(&config.output).map_err(|source| DrafterError::Io {
+    let resume_from = prepare_output(&config)?;
+    // With model sync the schedule is the run's: the link keeps the clock
+    // current with the center, this side with the run's size.
+    let run_clock = (config.model_sync.sync_every > 0).then(RunClock::new);
+    let mut trainer = start_trainer(&config, resume_from, run_clock.clone())?;
+    let (device, resumed_step) = trainer
+        .ready()
+        .await
+        .map_err(|_| DrafterError::TrainerGone)??;
+    info!(drafter_id = %config.drafter_id, device = %device, resumed_step, "trainer ready");
+    let mut session = Session {
+        credit: Credit {
+            items: config.credit_items(),
+            bytes: config.credit_bytes,
+        },
+        config,
+        trainer,
+        held: HashSet::new(),
+        generation: 0,
+        totals: Totals::default(),
+        device,
+        steps_done: resumed_step,
+        last_checkpoint: None,
+        metrics,
+        run_id: std::sync::Mutex::new(None),
+        run_clock,
+    };
+    let result = session.drive(&shutdown).await;
+    // Closing the command channel ends the training loop if it is still running.
+    // A trainer still busy after the bound is left to finish on its own
+    // (`join_within` says so); the run's result stands either way.
+    if let Err(error) = session.trainer.finish(TRAINER_JOIN_BOUND).await {
+        warn!(%error, "the training thread did not end cleanly after the server stopped");
+    }
+    result
+}
+
+/// Creates `--output` and finds the checkpoint to resume from (`--resume`).
+fn prepare_output(config: &DrafterServerConfig) -> Result<Option<PathBuf>, DrafterError> {
+    let io_error = |source| DrafterError::Io {
         path: config.output.clone(),
         source,
-    })?;
-    let resume_from = if config.resume {
-        latest_checkpoint(&config.output).map_err(|source| DrafterError::Io {
-            path: config.output.clone(),
-            source,
-        })?
-    } else {
-        None
     };
-    if config.resume && resume_from.is_none() {
+    std::fs::create_dir_all(&config.output).map_err(io_error)?;
+    if !config.resume {
+        return Ok(None);
+    }
+    let resume_from = latest_checkpoint(&config.output).map_err(io_error)?;
+    if resume_from.is_none() {
         info!(output = %config.output.display(), "no checkpoint to resume from; starting fresh");
     }
+    Ok(resume_from)
+}
 
-    // The model loads on its own thread before any credit is granted, so a
-    // slow load never holds leases.
-    let (command_sender, command_receiver) = command_channel();
-    let (event_sender, mut event_receiver) = mpsc::channel(256);
-    let (ready_sender, ready_receiver) = tokio::sync::oneshot::channel();
+/// Starts the training thread: it builds the engine (the handshake says on
+/// which device, from which step), joins model sync when configured, then
+/// runs the training loop.
+fn start_trainer(
+    config: &DrafterServerConfig,
+    resume_from: Option<PathBuf>,
+    run_clock: Option<RunClock>,
+) -> Result<TrainerWorker, DrafterError> {
     let loop_settings = LoopSettings {
         batch_tokens: config.batch_tokens,
         grad_accumulation: config.grad_accumulation,
@@ -245,10 +311,6 @@ async fn run_session(
         keep_checkpoints: config.keep_checkpoints,
         output: config.output.clone(),
     };
-    let engine_config = config.clone();
-    // With model sync the schedule is the run's: the link keeps the clock
-    // current with the center, this side with the run's size.
-    let run_clock = (config.model_sync.sync_every > 0).then(RunClock::new);
     let model_sync = crate::model_sync::ModelSyncLink::new(
         tokio::runtime::Handle::current(),
         &config.broker,
@@ -260,84 +322,99 @@ async fn run_session(
         Some(clock) => link.with_run_clock(clock.clone()),
         None => link,
     });
-    let run_schedule = run_clock
-        .clone()
-        .map(|clock| RunSchedule::for_config(&config, clock));
+    let run_schedule = run_clock.map(|clock| RunSchedule::for_config(config, clock));
     let initial_total_steps = config.total_steps.unwrap_or(config.fallback_total_steps);
-    let trainer_thread = std::thread::Builder::new()
-        .name(format!("trainer-{}", config.drafter_id))
-        .spawn(move || {
-            match build_engine(&engine_config, resume_from.as_deref(), initial_total_steps) {
-                Ok(mut engine) => {
-                    if let Some(schedule) = run_schedule {
-                        engine.follow_run_schedule(schedule);
-                    }
-                    let _ = ready_sender.send(Ok((engine.device_name(), engine.steps_done())));
-                    run_training_loop(
-                        engine,
-                        loop_settings,
-                        command_receiver,
-                        event_sender,
-                        model_sync,
-                    );
+    let engine_config = config.clone();
+    let channels = trainer_channels(config.credit_items());
+    let name = format!("trainer-{}", config.drafter_id);
+    DeviceWorker::spawn(name, channels, move |mut side| {
+        match build_engine(&engine_config, resume_from.as_deref(), initial_total_steps) {
+            Ok(mut engine) => {
+                if let Some(schedule) = run_schedule {
+                    engine.follow_run_schedule(schedule);
                 }
-                Err(error) => {
-                    let _ = ready_sender.send(Err(error));
-                }
+                side.ready(Ok((engine.device_name(), engine.steps_done())));
+                let (commands, events) = side.into_channels();
+                run_training_loop(engine, loop_settings, commands, events, model_sync);
             }
-        })
-        .map_err(|source| DrafterError::Io {
+            Err(error) => {
+                side.ready(Err(error));
+            }
+        }
+    })
+    .map_err(|error| match error {
+        WorkerError::Spawn { source, .. } => DrafterError::Io {
             path: PathBuf::from("<trainer thread>"),
             source,
-        })?;
-    let (device, resumed_step) = ready_receiver
-        .await
-        .map_err(|_| DrafterError::TrainerGone)??;
-    info!(drafter_id = %config.drafter_id, device = %device, resumed_step, "trainer ready");
-
-    let mut session = Session {
-        credit: Credit {
-            items: config.credit_items(),
-            bytes: config.credit_bytes,
         },
-        config,
-        commands: command_sender,
-        held: HashSet::new(),
-        generation: 0,
-        totals: Totals::default(),
-        device,
-        steps_done: resumed_step,
-        last_checkpoint: None,
-        metrics,
-        run_id: std::sync::Mutex::new(None),
-        run_clock,
-    };
-    let result = session.drive(&shutdown, &mut event_receiver).await;
-    // Closing the command channel ends the training loop if it is still running.
-    drop(session.commands);
-    drop(event_receiver);
-    let join_deadline = Instant::now() + Duration::from_secs(5);
-    while !trainer_thread.is_finished() && Instant::now() < join_deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        _ => DrafterError::TrainerGone,
+    })
+}
+
+/// One Consume stream (replaced by a new one after a break).
+struct ConsumeStream {
+    client: BrokerClient,
+    consumer: Consumer,
+    handle: ConsumerHandle,
+    /// False once it ended or broke.
+    open: bool,
+    /// A third of the broker's lease timeout: leases are renewed on it.
+    lease_ticker: tokio::time::Interval,
+}
+
+impl ConsumeStream {
+    fn new(client: BrokerClient, consumer: Consumer) -> Self {
+        let handle = consumer.handle();
+        let lease_timeout = Duration::from_millis(consumer.welcome().lease_timeout_ms.max(300));
+        let mut lease_ticker = interval(lease_timeout / 3);
+        lease_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        Self {
+            client,
+            consumer,
+            handle,
+            open: true,
+            lease_ticker,
+        }
     }
-    if trainer_thread.is_finished() {
-        let _ = trainer_thread.join();
-    } else {
-        warn!(
-            "training thread still busy after the server stopped; leaving it to finish on its own"
-        );
+}
+
+/// The pump's clocks and its stop state.
+struct PumpState {
+    last_stats_at: Instant,
+    last_delivery_at: tokio::time::Instant,
+    /// The trainer's last sign of progress (an event, or new work handed to
+    /// an idle trainer): leases are extended only while it is recent.
+    last_trainer_progress: tokio::time::Instant,
+    /// A Flush was sent since the last delivery.
+    flush_requested: bool,
+    stopping: Option<Stopping>,
+    /// When a stop that began must be over (`--shutdown-timeout`).
+    stop_deadline: tokio::time::Instant,
+}
+
+impl PumpState {
+    fn new() -> Self {
+        let now = tokio::time::Instant::now();
+        Self {
+            last_stats_at: Instant::now(),
+            last_delivery_at: now,
+            last_trainer_progress: now,
+            flush_requested: false,
+            stopping: None,
+            stop_deadline: now + Duration::from_secs(u32::MAX as u64),
+        }
     }
-    result
 }
 
 /// The state of one server run across reconnects.
 struct Session {
     config: DrafterServerConfig,
     credit: Credit,
-    /// Unbounded so a control command (Finish above all) is never dropped
-    /// or waited for; deliveries are bounded by [`Session::held`] against
-    /// the credit window instead.
-    commands: mpsc::UnboundedSender<TrainerCommand>,
+    /// The training thread. Its command channel has room for the credit
+    /// window and then some, so a control command (Finish above all) is
+    /// never dropped and almost never waited for; deliveries are bounded by
+    /// [`Session::held`] against the credit window before they get there.
+    trainer: TrainerWorker,
     /// Deliveries of the current stream handed to the trainer and not yet
     /// acked or nacked.
     held: HashSet<u64>,
@@ -414,14 +491,14 @@ impl Session {
         }
     }
 
-    fn send_command(&self, command: TrainerCommand) -> Result<(), DrafterError> {
-        send_command(&self.commands, command)
+    async fn send_command(&mut self, command: TrainerCommand) -> Result<(), DrafterError> {
+        send_command(&mut self.trainer, command).await
     }
 
     /// Re-estimates the schedule from the broker's status when
     /// `--total-steps` is not set: this drafter's share of the run, or, on
     /// the run-wide schedule (model sync), the run's size.
-    async fn refresh_total_steps(&self, client: &BrokerClient) {
+    async fn refresh_total_steps(&mut self, client: &BrokerClient) {
         if self.config.total_steps.is_some() {
             return;
         }
@@ -450,7 +527,9 @@ impl Session {
             },
             self.config.fallback_total_steps,
         );
-        let _ = self.send_command(TrainerCommand::SetTotalSteps(total_steps));
+        let _ = self
+            .send_command(TrainerCommand::SetTotalSteps(total_steps))
+            .await;
     }
 
     /// Sends stats over the window since the last reset; `reset_window`
@@ -475,6 +554,38 @@ impl Session {
         if reset_window {
             self.totals.window_tokens = 0;
             self.totals.window_busy = Duration::ZERO;
+        }
+    }
+
+    /// Metrics, totals and the occasional log line of one optimizer step.
+    fn book_step(&mut self, report: &StepReport, busy: Duration, step_compute: Duration) {
+        self.metrics.steps.increment();
+        self.metrics.samples_trained.add(report.samples as u64);
+        self.metrics.step_seconds.set(step_compute.as_secs_f64());
+        self.metrics.loss.set(report.loss);
+        self.metrics.accuracy.set(report.accuracy);
+        self.steps_done = report.step;
+        self.totals.steps += 1;
+        self.totals.samples += report.samples as u64;
+        self.totals.tokens += report.tokens as u64;
+        self.totals.window_tokens += report.tokens as u64;
+        self.totals.busy += busy;
+        self.totals.window_busy += busy;
+        if report.loss.is_finite() {
+            self.totals.first_loss.get_or_insert(report.loss);
+            self.totals.last_loss = Some(report.loss);
+        }
+        self.totals.last_accuracy = Some(report.accuracy);
+        if report.step.is_power_of_two() || report.step.is_multiple_of(100) {
+            info!(
+                step = report.step,
+                loss = report.loss,
+                accuracy = report.accuracy,
+                learning_rate = report.learning_rate,
+                samples = report.samples,
+                tokens = report.tokens,
+                "optimizer step"
+            );
         }
     }
 
@@ -506,23 +617,7 @@ impl Session {
                 busy,
                 step_compute,
             } => {
-                self.metrics.steps.increment();
-                self.metrics.samples_trained.add(report.samples as u64);
-                self.metrics.step_seconds.set(step_compute.as_secs_f64());
-                self.metrics.loss.set(report.loss);
-                self.metrics.accuracy.set(report.accuracy);
-                self.steps_done = report.step;
-                self.totals.steps += 1;
-                self.totals.samples += report.samples as u64;
-                self.totals.tokens += report.tokens as u64;
-                self.totals.window_tokens += report.tokens as u64;
-                self.totals.busy += busy;
-                self.totals.window_busy += busy;
-                if report.loss.is_finite() {
-                    self.totals.first_loss.get_or_insert(report.loss);
-                    self.totals.last_loss = Some(report.loss);
-                }
-                self.totals.last_accuracy = Some(report.accuracy);
+                self.book_step(&report, busy, step_compute);
                 // Stats go out before the ack: the ack of the run's last item
                 // can end the stream, and the broker's final status should
                 // show this step.
@@ -533,17 +628,6 @@ impl Session {
                         .filter(|id| self.held.remove(id))
                         .collect();
                     handle.ack(current);
-                }
-                if report.step.is_power_of_two() || report.step % 100 == 0 {
-                    info!(
-                        step = report.step,
-                        loss = report.loss,
-                        accuracy = report.accuracy,
-                        learning_rate = report.learning_rate,
-                        samples = report.samples,
-                        tokens = report.tokens,
-                        "optimizer step"
-                    );
                 }
             }
             TrainerEvent::BatchFailed {
@@ -587,167 +671,226 @@ impl Session {
         None
     }
 
-    async fn drive(
-        &mut self,
-        shutdown: &CancellationToken,
-        events: &mut mpsc::Receiver<TrainerEvent>,
-    ) -> Result<DrafterReport, DrafterError> {
-        let Some((mut client, mut consumer)) = self.connect(shutdown).await? else {
-            return self.stop_without_stream(events, Stopping::Shutdown).await;
+    /// Connect, then pump: deliveries to the trainer, its events to acks
+    /// and nacks, leases extended while it makes progress, stats, the
+    /// linger flush, reconnects, and the graceful stop.
+    async fn drive(&mut self, shutdown: &CancellationToken) -> Result<DrafterReport, DrafterError> {
+        let Some((client, consumer)) = self.connect(shutdown).await? else {
+            return self.stop_without_stream(Stopping::Shutdown).await;
         };
-        let mut handle = consumer.handle();
-        let mut stream_open = true;
-        let mut lease_timeout = Duration::from_millis(consumer.welcome().lease_timeout_ms.max(300));
-        self.refresh_total_steps(&client).await;
+        let mut stream = ConsumeStream::new(client, consumer);
+        self.refresh_total_steps(&stream.client).await;
         info!(drafter_id = %self.config.drafter_id, credit_items = self.credit.items, "consuming");
-
-        let mut lease_ticker = interval(lease_timeout / 3);
-        lease_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut stats_ticker = interval(self.config.stats_period());
         stats_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        let mut last_stats_at = Instant::now();
-        let mut last_delivery_at = tokio::time::Instant::now();
-        // The trainer's last sign of progress (an event, or new work handed
-        // to an idle trainer): leases are extended only while it is recent.
-        let mut last_trainer_progress = tokio::time::Instant::now();
-        let mut flush_requested = false;
-        let mut stopping: Option<Stopping> = None;
-        let mut stop_deadline = tokio::time::Instant::now() + Duration::from_secs(u32::MAX as u64);
-
+        let mut pump = PumpState::new();
         loop {
-            let linger_at = last_delivery_at + self.config.linger;
-            let linger_armed = !self.held.is_empty() && !flush_requested && stopping.is_none();
+            let linger_at = pump.last_delivery_at + self.config.linger;
+            let linger_armed =
+                !self.held.is_empty() && !pump.flush_requested && pump.stopping.is_none();
             tokio::select! {
-                _ = shutdown.cancelled(), if stopping.is_none() => {
+                _ = shutdown.cancelled(), if pump.stopping.is_none() => {
                     info!("shutdown requested: finishing the current step, checkpointing, handing back unused deliveries");
-                    stopping = Some(Stopping::Shutdown);
-                    stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
-                    self.send_command(TrainerCommand::Finish { step_accumulated: true })?;
+                    self.begin_stop(&mut pump, Stopping::Shutdown, true).await?;
                 }
-                next = consumer.next(), if stream_open => match next {
-                    Ok(ConsumerEvent::Delivery(delivery)) => {
-                        let delivery_id = delivery.delivery_id;
-                        if stopping.is_some() {
-                            handle.nack(vec![delivery_id], "drafter stopping".into(), NackDisposition::Requeue);
-                            self.totals.requeued += 1;
-                            continue;
-                        }
-                        self.totals.first_delivery_at.get_or_insert_with(Instant::now);
-                        last_delivery_at = tokio::time::Instant::now();
-                        flush_requested = false;
-                        if self.held.len() as u64 >= u64::from(self.credit.items) + DELIVERY_SLACK {
-                            warn!(delivery_id, held = self.held.len(), credit_items = self.credit.items, "more deliveries than credit; requeueing");
-                            handle.nack(vec![delivery_id], "drafter holds more than its credit".into(), NackDisposition::Requeue);
-                            continue;
-                        }
-                        if self.held.is_empty() {
-                            last_trainer_progress = tokio::time::Instant::now();
-                        }
-                        self.held.insert(delivery_id);
-                        self.send_command(TrainerCommand::Delivery { generation: self.generation, delivery: Box::new(delivery) })?;
-                    }
-                    Ok(ConsumerEvent::EndOfStream(end)) => {
-                        stream_open = false;
-                        let status = RunStatus::try_from(end.status).unwrap_or(RunStatus::Unspecified);
-                        info!(?status, reason = %end.reason, "end of stream");
-                        if stopping.is_none() {
-                            stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
-                            self.send_command(TrainerCommand::Finish { step_accumulated: true })?;
-                        }
-                        stopping = Some(Stopping::EndOfStream(end));
-                    }
-                    Err(stream_error) => {
-                        stream_open = false;
-                        if stopping.is_some() {
-                            warn!(%stream_error, "Consume stream broke while stopping");
-                            continue;
-                        }
-                        warn!(%stream_error, held = self.held.len(), "Consume stream broke; the broker requeues our leases; reconnecting");
-                        self.generation += 1;
-                        self.held.clear();
-                        self.send_command(TrainerCommand::DiscardUnstepped)?;
-                        match self.connect(shutdown).await? {
-                            Some((new_client, new_consumer)) => {
-                                client = new_client;
-                                consumer = new_consumer;
-                                handle = consumer.handle();
-                                lease_timeout = Duration::from_millis(consumer.welcome().lease_timeout_ms.max(300));
-                                lease_ticker = interval(lease_timeout / 3);
-                                lease_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-                                stream_open = true;
-                                info!(generation = self.generation, "Consume stream reopened");
-                            }
-                            None => {
-                                stopping = Some(Stopping::Shutdown);
-                                stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
-                                self.send_command(TrainerCommand::Finish { step_accumulated: false })?;
-                            }
-                        }
-                    }
+                next = stream.consumer.next(), if stream.open => match next {
+                    Ok(ConsumerEvent::Delivery(delivery)) => self.on_delivery(delivery, &stream, &mut pump).await?,
+                    Ok(ConsumerEvent::EndOfStream(end)) => self.on_end_of_stream(end, &mut stream, &mut pump).await?,
+                    Err(stream_error) => self.on_stream_error(stream_error, shutdown, &mut stream, &mut pump).await?,
                 },
-                event = events.recv() => {
+                event = self.trainer.next_event() => {
                     let Some(event) = event else { return Err(DrafterError::TrainerGone) };
-                    last_trainer_progress = tokio::time::Instant::now();
-                    if let Some((unused, checkpoint_error)) = self.on_event(event, &handle, last_stats_at.elapsed()) {
-                        if !unused.is_empty() {
-                            self.totals.requeued += unused.len() as u64;
-                            handle.nack(unused, "drafter stopping".into(), NackDisposition::Requeue);
-                        }
-                        self.send_stats(&handle, last_stats_at.elapsed(), true);
-                        if stream_open {
-                            self.wait_for_leases_released(&client).await;
-                        }
-                        if let Some(error) = checkpoint_error {
-                            return Err(DrafterError::FinalCheckpoint(error));
-                        }
-                        let end = match stopping.take() {
-                            Some(Stopping::EndOfStream(end)) if end.status == RunStatus::Aborted as i32 => {
-                                RunEnd::Aborted { reason: end.reason }
-                            }
-                            Some(Stopping::EndOfStream(_)) => RunEnd::Complete,
-                            Some(Stopping::Shutdown) | None => RunEnd::Shutdown,
-                        };
+                    pump.last_trainer_progress = tokio::time::Instant::now();
+                    if let Some(end) = self.on_trainer_event(event, &stream, &mut pump).await? {
                         return Ok(self.report(end));
                     }
                 }
-                _ = lease_ticker.tick(), if stream_open => {
-                    if !self.held.is_empty() {
-                        if last_trainer_progress.elapsed() < self.config.trainer_stall_timeout {
-                            // A long step must not lose its leases: renew all of ours.
-                            handle.extend_leases(Vec::new());
-                        } else {
-                            warn!(held = self.held.len(), stalled_for = ?last_trainer_progress.elapsed(), "the trainer shows no progress; leases are no longer extended");
-                        }
-                    }
-                }
-                _ = stats_ticker.tick(), if stream_open => {
-                    self.send_stats(&handle, last_stats_at.elapsed(), true);
-                    last_stats_at = Instant::now();
-                    self.refresh_total_steps(&client).await;
+                _ = stream.lease_ticker.tick(), if stream.open => self.extend_leases(&stream, &pump),
+                _ = stats_ticker.tick(), if stream.open => {
+                    self.send_stats(&stream.handle, pump.last_stats_at.elapsed(), true);
+                    pump.last_stats_at = Instant::now();
+                    self.refresh_total_steps(&stream.client).await;
                 }
                 _ = sleep_until(linger_at), if linger_armed => {
-                    flush_requested = true;
-                    self.send_command(TrainerCommand::Flush)?;
+                    pump.flush_requested = true;
+                    self.send_command(TrainerCommand::Flush).await?;
                 }
-                _ = sleep_until(stop_deadline), if stopping.is_some() => {
+                _ = sleep_until(pump.stop_deadline), if pump.stopping.is_some() => {
                     return Err(DrafterError::ShutdownTimedOut(self.config.shutdown_timeout));
                 }
             }
         }
     }
 
+    /// Asks the trainer to finish (stepping what it accumulated when
+    /// `step_accumulated`) and starts the `--shutdown-timeout` clock.
+    async fn begin_stop(
+        &mut self,
+        pump: &mut PumpState,
+        stopping: Stopping,
+        step_accumulated: bool,
+    ) -> Result<(), DrafterError> {
+        pump.stopping = Some(stopping);
+        pump.stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
+        self.send_command(TrainerCommand::Finish { step_accumulated })
+            .await
+    }
+
+    /// Hands a delivery to the trainer, or back to the queue when stopping
+    /// or beyond the credit window.
+    async fn on_delivery(
+        &mut self,
+        delivery: Delivery,
+        stream: &ConsumeStream,
+        pump: &mut PumpState,
+    ) -> Result<(), DrafterError> {
+        let delivery_id = delivery.delivery_id;
+        if pump.stopping.is_some() {
+            stream.handle.nack(
+                vec![delivery_id],
+                "drafter stopping".into(),
+                NackDisposition::Requeue,
+            );
+            self.totals.requeued += 1;
+            return Ok(());
+        }
+        self.totals
+            .first_delivery_at
+            .get_or_insert_with(Instant::now);
+        pump.last_delivery_at = tokio::time::Instant::now();
+        pump.flush_requested = false;
+        if self.held.len() as u64 >= u64::from(self.credit.items) + DELIVERY_SLACK {
+            warn!(
+                delivery_id,
+                held = self.held.len(),
+                credit_items = self.credit.items,
+                "more deliveries than credit; requeueing"
+            );
+            stream.handle.nack(
+                vec![delivery_id],
+                "drafter holds more than its credit".into(),
+                NackDisposition::Requeue,
+            );
+            return Ok(());
+        }
+        if self.held.is_empty() {
+            pump.last_trainer_progress = tokio::time::Instant::now();
+        }
+        self.held.insert(delivery_id);
+        self.send_command(TrainerCommand::Delivery {
+            generation: self.generation,
+            delivery: Box::new(delivery),
+        })
+        .await
+    }
+
+    async fn on_end_of_stream(
+        &mut self,
+        end: EndOfStream,
+        stream: &mut ConsumeStream,
+        pump: &mut PumpState,
+    ) -> Result<(), DrafterError> {
+        stream.open = false;
+        let status = RunStatus::try_from(end.status).unwrap_or(RunStatus::Unspecified);
+        info!(?status, reason = %end.reason, "end of stream");
+        if pump.stopping.is_none() {
+            self.begin_stop(pump, Stopping::EndOfStream(end), true)
+                .await
+        } else {
+            pump.stopping = Some(Stopping::EndOfStream(end));
+            Ok(())
+        }
+    }
+
+    /// The stream broke: the broker requeues our leases; everything held
+    /// is forgotten and the stream reopened (or, on shutdown meanwhile, the
+    /// trainer finishes without stepping).
+    async fn on_stream_error(
+        &mut self,
+        stream_error: dflash_client::ClientError,
+        shutdown: &CancellationToken,
+        stream: &mut ConsumeStream,
+        pump: &mut PumpState,
+    ) -> Result<(), DrafterError> {
+        stream.open = false;
+        if pump.stopping.is_some() {
+            warn!(%stream_error, "Consume stream broke while stopping");
+            return Ok(());
+        }
+        warn!(%stream_error, held = self.held.len(), "Consume stream broke; the broker requeues our leases; reconnecting");
+        self.generation += 1;
+        self.held.clear();
+        self.send_command(TrainerCommand::DiscardUnstepped).await?;
+        match self.connect(shutdown).await? {
+            Some((client, consumer)) => {
+                *stream = ConsumeStream::new(client, consumer);
+                info!(generation = self.generation, "Consume stream reopened");
+                Ok(())
+            }
+            None => self.begin_stop(pump, Stopping::Shutdown, false).await,
+        }
+    }
+
+    /// Books one trainer event; once the trainer has stopped, hands back
+    /// what it did not use and says how the run ended.
+    async fn on_trainer_event(
+        &mut self,
+        event: TrainerEvent,
+        stream: &ConsumeStream,
+        pump: &mut PumpState,
+    ) -> Result<Option<RunEnd>, DrafterError> {
+        let Some((unused, checkpoint_error)) =
+            self.on_event(event, &stream.handle, pump.last_stats_at.elapsed())
+        else {
+            return Ok(None);
+        };
+        if !unused.is_empty() {
+            self.totals.requeued += unused.len() as u64;
+            stream
+                .handle
+                .nack(unused, "drafter stopping".into(), NackDisposition::Requeue);
+        }
+        self.send_stats(&stream.handle, pump.last_stats_at.elapsed(), true);
+        if stream.open {
+            self.wait_for_leases_released(&stream.client).await;
+        }
+        if let Some(error) = checkpoint_error {
+            return Err(DrafterError::FinalCheckpoint(error));
+        }
+        Ok(Some(match pump.stopping.take() {
+            Some(Stopping::EndOfStream(end)) if end.status == RunStatus::Aborted as i32 => {
+                RunEnd::Aborted { reason: end.reason }
+            }
+            Some(Stopping::EndOfStream(_)) => RunEnd::Complete,
+            Some(Stopping::Shutdown) | None => RunEnd::Shutdown,
+        }))
+    }
+
+    /// A long step must not lose its leases: renew all of ours, while the
+    /// trainer shows progress.
+    fn extend_leases(&self, stream: &ConsumeStream, pump: &PumpState) {
+        if self.held.is_empty() {
+            return;
+        }
+        if pump.last_trainer_progress.elapsed() < self.config.trainer_stall_timeout {
+            stream.handle.extend_leases(Vec::new());
+        } else {
+            warn!(held = self.held.len(), stalled_for = ?pump.last_trainer_progress.elapsed(), "the trainer shows no progress; leases are no longer extended");
+        }
+    }
+
     /// Stop when no stream could be opened (shutdown during the first connect).
     async fn stop_without_stream(
         &mut self,
-        events: &mut mpsc::Receiver<TrainerEvent>,
         stopping: Stopping,
     ) -> Result<DrafterReport, DrafterError> {
         self.send_command(TrainerCommand::Finish {
             step_accumulated: false,
-        })?;
+        })
+        .await?;
         let deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
         loop {
-            let event = tokio::time::timeout_at(deadline, events.recv())
+            let event = tokio::time::timeout_at(deadline, self.trainer.next_event())
                 .await
                 .map_err(|_| DrafterError::ShutdownTimedOut(self.config.shutdown_timeout))?
                 .ok_or(DrafterError::TrainerGone)?;
@@ -830,58 +973,93 @@ impl Session {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dflash_proto::v1::Delivery;
+    use std::sync::{Arc, Barrier};
 
-    /// A busy trainer (nothing read yet) with a full credit window queued and
-    /// a pile of schedule updates must still get the Finish sent after them:
-    /// a bounded channel with `try_send` dropped it silently (SIGTERM then
-    /// ended in a shutdown timeout without the final checkpoint).
-    #[test]
-    fn control_commands_are_never_dropped_while_the_trainer_is_busy() {
-        let (sender, mut receiver) = command_channel();
-        let credit_items = 8u64;
-        for delivery_id in 0..credit_items + DELIVERY_SLACK {
+    /// What a trainer stand-in received, in order.
+    #[derive(Debug, Default, PartialEq)]
+    struct Received {
+        deliveries: u64,
+        schedule_updates: u64,
+        finished_last: bool,
+    }
+
+    /// A busy trainer (nothing read until `gate` opens) with a full credit
+    /// window queued and a pile of schedule updates must still get the
+    /// Finish sent after them: a bounded channel with `try_send` dropped it
+    /// silently (SIGTERM then ended in a shutdown timeout without the final
+    /// checkpoint). More control commands than the channel has room for
+    /// are sent: the sender waits for the trainer instead of dropping any.
+    #[tokio::test]
+    async fn control_commands_are_never_dropped_while_the_trainer_is_busy(
+    ) -> Result<(), DrafterError> {
+        let credit_items = 8u32;
+        let gate = Arc::new(Barrier::new(2));
+        let trainer_gate = gate.clone();
+        let spawned = DeviceWorker::<TrainerCommand, TrainerEvent, (), Received>::spawn(
+            "busy-trainer",
+            trainer_channels(credit_items),
+            move |mut side| {
+                trainer_gate.wait();
+                let mut received = Received::default();
+                while let Some(command) = side.recv() {
+                    received.finished_last = false;
+                    match command {
+                        TrainerCommand::Delivery { .. } => received.deliveries += 1,
+                        TrainerCommand::SetTotalSteps(_) => received.schedule_updates += 1,
+                        TrainerCommand::Finish { .. } => received.finished_last = true,
+                        TrainerCommand::Flush | TrainerCommand::DiscardUnstepped => {}
+                    }
+                }
+                received
+            },
+        );
+        let Ok(mut trainer) = spawned else {
+            return Err(DrafterError::TrainerGone);
+        };
+        let window = u64::from(credit_items) + DELIVERY_SLACK;
+        for delivery_id in 0..window {
             let delivery = Delivery {
                 delivery_id,
                 ..Default::default()
             };
-            assert!(send_command(
-                &sender,
-                TrainerCommand::Delivery {
-                    generation: 0,
-                    delivery: Box::new(delivery),
-                },
-            )
-            .is_ok());
+            let command = TrainerCommand::Delivery {
+                generation: 0,
+                delivery: Box::new(delivery),
+            };
+            send_command(&mut trainer, command).await?;
         }
-        for total_steps in 0..100 {
-            assert!(send_command(&sender, TrainerCommand::SetTotalSteps(total_steps)).is_ok());
+        // Room for the control commands is there while the trainer is busy.
+        for total_steps in 0..CONTROL_COMMAND_ROOM as u64 {
+            send_command(&mut trainer, TrainerCommand::SetTotalSteps(total_steps)).await?;
         }
-        assert!(send_command(
-            &sender,
-            TrainerCommand::Finish {
-                step_accumulated: true
-            }
-        )
-        .is_ok());
-        let mut deliveries = 0;
-        let mut schedule_updates = 0;
-        let mut finished = false;
-        while let Ok(command) = receiver.try_recv() {
-            match command {
-                TrainerCommand::Delivery { .. } => deliveries += 1,
-                TrainerCommand::SetTotalSteps(_) => schedule_updates += 1,
-                TrainerCommand::Finish { .. } => finished = true,
-                TrainerCommand::Flush | TrainerCommand::DiscardUnstepped => {}
-            }
+        // More than that waits for the trainer, which gets going now.
+        let opener = std::thread::spawn(move || gate.wait());
+        for total_steps in CONTROL_COMMAND_ROOM as u64..100 {
+            send_command(&mut trainer, TrainerCommand::SetTotalSteps(total_steps)).await?;
         }
-        assert_eq!(deliveries, credit_items + DELIVERY_SLACK);
-        assert_eq!(schedule_updates, 100);
-        assert!(finished, "Finish was dropped");
-        drop(receiver);
+        let finish = TrainerCommand::Finish {
+            step_accumulated: true,
+        };
+        send_command(&mut trainer, finish).await?;
+        assert!(opener.join().is_ok());
+        trainer.close_commands();
         assert!(matches!(
-            send_command(&sender, TrainerCommand::Flush),
+            send_command(&mut trainer, TrainerCommand::Flush).await,
             Err(DrafterError::TrainerGone)
         ));
+        let received = trainer
+            .finish(Duration::from_secs(60))
+            .await
+            .map_err(|_| DrafterError::TrainerGone)?;
+        assert_eq!(
+            received,
+            Received {
+                deliveries: window,
+                schedule_updates: 100,
+                finished_last: true,
+            },
+            "a command was dropped"
+        );
+        Ok(())
     }
 }

@@ -1,6 +1,7 @@
 //! The dedicated training thread. It owns the engine (and so every libtorch
-//! object), receives deliveries and control commands over an unbounded
-//! channel (deliveries are bounded by the credit window upstream), forms
+//! object), runs as a [`dflash_service::DeviceWorker`]: it receives
+//! deliveries and control commands over a bounded channel with room for
+//! the credit window and the control commands, forms
 //! micro-batches by token budget, takes optimizer steps and
 //! checkpoints, and reports back over another bounded channel. It never
 //! talks to the broker: the async side acks, nacks and sends stats, so all
@@ -143,7 +144,7 @@ struct TrainingLoop {
 pub fn run_training_loop(
     engine: Box<dyn TrainingEngine>,
     settings: LoopSettings,
-    mut commands: mpsc::UnboundedReceiver<TrainerCommand>,
+    mut commands: mpsc::Receiver<TrainerCommand>,
     events: mpsc::Sender<TrainerEvent>,
     sync: Option<ModelSyncLink>,
 ) {

@@ -37,11 +37,7 @@ async fn two_drafters_train_until_the_run_completes() {
     // Stats reach the broker while training runs.
     let mut reports = Vec::new();
     for drafter in drafters {
-        let report = tokio::time::timeout(TEST_TIMEOUT, drafter)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let report = report_within(TEST_TIMEOUT, drafter).await;
         reports.push(report);
     }
     let status = broker.status().await;
@@ -85,11 +81,7 @@ async fn a_sample_of_the_wrong_hidden_width_is_dead_lettered_and_training_goes_o
         true,
     )
     .await;
-    let report = tokio::time::timeout(TEST_TIMEOUT, drafter)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let report = report_within(TEST_TIMEOUT, drafter).await;
     assert_eq!(report.end, RunEnd::Complete);
     assert_eq!(report.dead_lettered, 3);
     assert_eq!(report.samples_trained, 0);
@@ -131,11 +123,7 @@ async fn shutdown_finishes_the_step_checkpoints_and_hands_back_unused_items() {
         "the drafter did not ack one step and hold two items"
     );
     shutdown.cancel();
-    let report = tokio::time::timeout(Duration::from_secs(30), drafter)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let report = report_within(Duration::from_secs(30), drafter).await;
     assert_eq!(report.end, RunEnd::Shutdown);
     assert_eq!(report.exit(), dflash_service::Exit::Done);
     assert_eq!(report.steps, 1);
@@ -225,11 +213,7 @@ async fn an_aborted_run_checkpoints_and_exits_non_zero() {
         false,
     )
     .await;
-    let report = tokio::time::timeout(TEST_TIMEOUT, drafter)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let report = report_within(TEST_TIMEOUT, drafter).await;
     assert!(
         matches!(&report.end, RunEnd::Aborted { reason } if reason.contains("target-0")),
         "{:?}",
@@ -261,11 +245,7 @@ async fn resume_continues_from_the_latest_checkpoint() {
             true,
         )
         .await;
-        let report = tokio::time::timeout(TEST_TIMEOUT, drafter)
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
+        let report = report_within(TEST_TIMEOUT, drafter).await;
         assert_eq!(report.end, RunEnd::Complete);
         steps_after_each_run.push(report.steps);
         broker.stop().await;
@@ -308,11 +288,7 @@ async fn synthetic_mode_consumes_and_acks_without_a_model() {
         true,
     )
     .await;
-    let report = tokio::time::timeout(TEST_TIMEOUT, drafter)
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let report = report_within(TEST_TIMEOUT, drafter).await;
     assert_eq!(report.end, RunEnd::Complete);
     assert_eq!(report.samples_trained, 20);
     assert_eq!(report.tokens_trained, 1000);

@@ -88,21 +88,7 @@ pub fn generate_batch(
     let _no_grad = tch::no_grad_guard();
     let device = target.device();
     let batch = requests.len();
-    let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
-    let mut ids = vec![options.pad_token_id; batch * longest];
-    let mut mask = vec![0i64; batch * longest];
-    for (row, request) in requests.iter().enumerate() {
-        let offset = match options.padding {
-            Padding::Left => longest - request.prompt.len(),
-            Padding::Right => 0,
-        };
-        let start = row * longest + offset;
-        ids[start..start + request.prompt.len()].copy_from_slice(&request.prompt);
-        mask[start..start + request.prompt.len()].fill(1);
-    }
-    let shape = [batch as i64, longest as i64];
-    let ids = Tensor::from_slice(&ids).view(shape).to_device(device);
-    let mask = Tensor::from_slice(&mask).view(shape).to_device(device);
+    let (ids, mask, longest) = padded_prompts(requests, options, device);
     let mut cache = target.new_cache(
         batch as i64,
         (longest + options.max_new_tokens.max(1)) as i64,
@@ -121,19 +107,7 @@ pub fn generate_batch(
         return Ok(outputs);
     }
     let prefill = target.forward_cached(&ids, &mask, &mut cache, &[])?;
-    // Each row's last real prompt position.
-    let last_positions: Vec<i64> = requests
-        .iter()
-        .map(|request| match options.padding {
-            Padding::Left => longest as i64 - 1,
-            Padding::Right => request.prompt.len() as i64 - 1,
-        })
-        .collect();
-    let index = Tensor::from_slice(&last_positions)
-        .view([batch as i64, 1, 1])
-        .to_device(device)
-        .expand([batch as i64, 1, target.config().hidden_size], false);
-    let mut last_hidden = prefill.hidden.gather(1, &index, false).squeeze_dim(1);
+    let mut last_hidden = last_prompt_states(target, requests, options, longest, &prefill.hidden);
     let mut finished = vec![false; batch];
     for step in 0..options.max_new_tokens {
         let logits = target.lm_head_logits(&last_hidden).to_kind(Kind::Float);
@@ -169,6 +143,56 @@ pub fn generate_batch(
         last_hidden = step_output.hidden.squeeze_dim(1);
     }
     Ok(outputs)
+}
+
+/// The prompts padded to the longest (`options.padding` says on which
+/// side) as `[batch, longest]` ids and attention mask, and that length.
+fn padded_prompts(
+    requests: &[GenerationRequest],
+    options: &GenerationOptions,
+    device: Device,
+) -> (Tensor, Tensor, usize) {
+    let batch = requests.len();
+    let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
+    let mut ids = vec![options.pad_token_id; batch * longest];
+    let mut mask = vec![0i64; batch * longest];
+    for (row, request) in requests.iter().enumerate() {
+        let offset = match options.padding {
+            Padding::Left => longest - request.prompt.len(),
+            Padding::Right => 0,
+        };
+        let start = row * longest + offset;
+        ids[start..start + request.prompt.len()].copy_from_slice(&request.prompt);
+        mask[start..start + request.prompt.len()].fill(1);
+    }
+    let shape = [batch as i64, longest as i64];
+    let ids = Tensor::from_slice(&ids).view(shape).to_device(device);
+    let mask = Tensor::from_slice(&mask).view(shape).to_device(device);
+    (ids, mask, longest)
+}
+
+/// The prefill's hidden state at each row's last real prompt position,
+/// `[batch, hidden]`.
+fn last_prompt_states(
+    target: &TargetModel,
+    requests: &[GenerationRequest],
+    options: &GenerationOptions,
+    longest: usize,
+    prefill_hidden: &Tensor,
+) -> Tensor {
+    let batch = requests.len() as i64;
+    let last_positions: Vec<i64> = requests
+        .iter()
+        .map(|request| match options.padding {
+            Padding::Left => longest as i64 - 1,
+            Padding::Right => request.prompt.len() as i64 - 1,
+        })
+        .collect();
+    let index = Tensor::from_slice(&last_positions)
+        .view([batch, 1, 1])
+        .to_device(target.device())
+        .expand([batch, 1, target.config().hidden_size], false);
+    prefill_hidden.gather(1, &index, false).squeeze_dim(1)
 }
 
 /// Next token per row from `[B, V]` f32 logits.

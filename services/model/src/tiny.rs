@@ -416,7 +416,9 @@ fn random_bf16_bytes(seed: u64, name: &str, count: usize, init: &Init) -> Vec<u8
     bytes
 }
 
-fn write_weights(path: &Path, spec: &TinyModelSpec) -> Result<(), ModelError> {
+/// Every tensor of the tiny model with its shape and initialisation, in
+/// the order of the file.
+fn weight_plan(spec: &TinyModelSpec) -> Vec<(String, Vec<i64>, Init)> {
     let hidden = spec.hidden_size;
     let head_dim = spec.head_dim();
     let query_width = spec.heads * head_dim;
@@ -424,76 +426,39 @@ fn write_weights(path: &Path, spec: &TinyModelSpec) -> Result<(), ModelError> {
     // Linear layers scaled by 1/sqrt(fan_in) keep activations O(1) through
     // the stack, so every layer visibly contributes to the hidden states.
     let linear = |fan_in: i64| Init::Normal(1.0 / (fan_in as f64).sqrt());
+    let norm = || Init::AroundOne(0.1);
+    // A `[outputs, inputs]` linear weight, scaled by its fan-in.
+    let projection = |name: &'static str, outputs: i64, inputs: i64| {
+        (name, vec![outputs, inputs], linear(inputs))
+    };
     let mut plan: Vec<(String, Vec<i64>, Init)> = vec![(
         "model.embed_tokens.weight".into(),
         vec![spec.vocab, hidden],
         Init::Normal(1.0),
     )];
     for layer in 0..spec.layers {
-        let prefix = format!("model.layers.{layer}");
-        plan.push((
-            format!("{prefix}.input_layernorm.weight"),
-            vec![hidden],
-            Init::AroundOne(0.1),
-        ));
-        plan.push((
-            format!("{prefix}.self_attn.q_proj.weight"),
-            vec![query_width, hidden],
-            linear(hidden),
-        ));
-        plan.push((
-            format!("{prefix}.self_attn.k_proj.weight"),
-            vec![key_value_width, hidden],
-            linear(hidden),
-        ));
-        plan.push((
-            format!("{prefix}.self_attn.v_proj.weight"),
-            vec![key_value_width, hidden],
-            linear(hidden),
-        ));
-        plan.push((
-            format!("{prefix}.self_attn.o_proj.weight"),
-            vec![hidden, query_width],
-            linear(query_width),
-        ));
+        let mut layer_plan = vec![
+            ("input_layernorm", vec![hidden], norm()),
+            projection("self_attn.q_proj", query_width, hidden),
+            projection("self_attn.k_proj", key_value_width, hidden),
+            projection("self_attn.v_proj", key_value_width, hidden),
+            projection("self_attn.o_proj", hidden, query_width),
+        ];
         if spec.architecture == Architecture::Qwen3 {
-            plan.push((
-                format!("{prefix}.self_attn.q_norm.weight"),
-                vec![head_dim],
-                Init::AroundOne(0.1),
-            ));
-            plan.push((
-                format!("{prefix}.self_attn.k_norm.weight"),
-                vec![head_dim],
-                Init::AroundOne(0.1),
-            ));
+            layer_plan.push(("self_attn.q_norm", vec![head_dim], norm()));
+            layer_plan.push(("self_attn.k_norm", vec![head_dim], norm()));
         }
-        plan.push((
-            format!("{prefix}.post_attention_layernorm.weight"),
-            vec![hidden],
-            Init::AroundOne(0.1),
-        ));
-        plan.push((
-            format!("{prefix}.mlp.gate_proj.weight"),
-            vec![spec.intermediate, hidden],
-            linear(hidden),
-        ));
-        plan.push((
-            format!("{prefix}.mlp.up_proj.weight"),
-            vec![spec.intermediate, hidden],
-            linear(hidden),
-        ));
-        plan.push((
-            format!("{prefix}.mlp.down_proj.weight"),
-            vec![hidden, spec.intermediate],
-            linear(spec.intermediate),
-        ));
+        layer_plan.extend([
+            ("post_attention_layernorm", vec![hidden], norm()),
+            projection("mlp.gate_proj", spec.intermediate, hidden),
+            projection("mlp.up_proj", spec.intermediate, hidden),
+            projection("mlp.down_proj", hidden, spec.intermediate),
+        ]);
+        plan.extend(layer_plan.into_iter().map(|(name, shape, init)| {
+            (format!("model.layers.{layer}.{name}.weight"), shape, init)
+        }));
     }
-    plan.push((
-        "model.norm.weight".into(),
-        vec![hidden],
-        Init::AroundOne(0.1),
-    ));
+    plan.push(("model.norm.weight".into(), vec![hidden], norm()));
     if spec.architecture == Architecture::Llama {
         plan.push((
             "lm_head.weight".into(),
@@ -501,6 +466,11 @@ fn write_weights(path: &Path, spec: &TinyModelSpec) -> Result<(), ModelError> {
             linear(hidden),
         ));
     }
+    plan
+}
+
+fn write_weights(path: &Path, spec: &TinyModelSpec) -> Result<(), ModelError> {
+    let plan = weight_plan(spec);
     let buffers: Vec<(String, Vec<usize>, Vec<u8>)> = plan
         .into_iter()
         .map(|(name, shape, init)| {

@@ -13,54 +13,27 @@ use std::collections::BTreeMap;
 
 use dflash_model::draft::{
     compute_objective, compute_objective_backward, pack_batch, AttentionImplementation,
-    DraftConfig, DraftModel, FrozenTargetHeads, ObjectiveMemory, PackedBatch, TrainingSequence,
+    DraftConfig, DraftModel, ObjectiveMemory, PackedBatch, TrainingSequence,
 };
-use dflash_model::layers::RopeParams;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{Rng as _, SeedableRng as _};
 use tch::{Device, Kind, Tensor};
 
-const VOCAB: i64 = 64;
-const HIDDEN: i64 = 32;
+mod common;
+
+use common::{frozen_heads, tiny_draft_config, uniform_tensor, HIDDEN, VOCAB};
+
 const TOLERANCE: f64 = 1e-5;
 
+/// The tiny configuration with weights larger than the recipe's 0.02, so
+/// attention is far from uniform and a wrong mask changes the result
+/// visibly.
 fn config() -> DraftConfig {
-    DraftConfig {
-        hidden_size: HIDDEN,
-        intermediate_size: 64,
-        num_draft_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope: RopeParams::plain(10_000.0),
-        vocab_size: VOCAB,
-        max_position_embeddings: 256,
-        block_size: 4,
-        num_target_layers: 6,
-        target_layer_ids: vec![1, 3],
-        mask_token_id: VOCAB - 1,
-        // Larger than the recipe's 0.02 so attention is far from uniform
-        // and a wrong mask changes the result visibly.
-        initializer_range: 0.3,
-    }
-}
-
-fn uniform_tensor(shape: &[i64], scale: f32, generator: &mut StdRng) -> Tensor {
-    let count: i64 = shape.iter().product();
-    let values: Vec<f32> = (0..count)
-        .map(|_| generator.random_range(-scale..scale))
-        .collect();
-    Tensor::from_slice(&values).view(shape)
+    tiny_draft_config(0.3)
 }
 
 fn model(attention: AttentionImplementation) -> anyhow::Result<DraftModel> {
-    let mut generator = StdRng::seed_from_u64(11);
-    let frozen = FrozenTargetHeads {
-        embed_tokens: uniform_tensor(&[VOCAB, HIDDEN], 1.0, &mut generator),
-        lm_head: uniform_tensor(&[VOCAB, HIDDEN], 1.0, &mut generator),
-    };
-    let mut model = DraftModel::new(config(), frozen, Device::Cpu, Kind::Float, 5)?;
+    let mut model = DraftModel::new(config(), frozen_heads(11), Device::Cpu, Kind::Float, 5)?;
     model.set_attention(attention)?;
     Ok(model)
 }

@@ -4,50 +4,18 @@
 
 use dflash_model::draft::{
     load_draft_model, save_draft_checkpoint, DraftConfig, DraftModel, DraftTrainer,
-    FrozenTargetHeads, TrainerSettings, TrainingSequence, MODEL_FILE_NAME,
+    TrainerSettings, TrainingSequence, MODEL_FILE_NAME,
 };
-use dflash_model::layers::RopeParams;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{Device, Kind, Tensor};
 
-const VOCAB: i64 = 64;
-const HIDDEN: i64 = 32;
+mod common;
+
+use common::{frozen_heads, tiny_draft_config, uniform_tensor, HIDDEN, VOCAB};
 
 fn tiny_config() -> DraftConfig {
-    DraftConfig {
-        hidden_size: HIDDEN,
-        intermediate_size: 64,
-        num_draft_layers: 2,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 8,
-        rms_norm_eps: 1e-6,
-        rope: RopeParams::plain(10_000.0),
-        vocab_size: VOCAB,
-        max_position_embeddings: 256,
-        block_size: 4,
-        num_target_layers: 6,
-        target_layer_ids: vec![1, 3],
-        mask_token_id: VOCAB - 1,
-        initializer_range: 0.02,
-    }
-}
-
-fn uniform_tensor(shape: &[i64], scale: f32, generator: &mut StdRng) -> Tensor {
-    let count: i64 = shape.iter().product();
-    let values: Vec<f32> = (0..count)
-        .map(|_| generator.random_range(-scale..scale))
-        .collect();
-    Tensor::from_slice(&values).view(shape)
-}
-
-fn frozen_heads(seed: u64) -> FrozenTargetHeads {
-    let mut generator = StdRng::seed_from_u64(seed);
-    FrozenTargetHeads {
-        embed_tokens: uniform_tensor(&[VOCAB, HIDDEN], 1.0, &mut generator),
-        lm_head: uniform_tensor(&[VOCAB, HIDDEN], 1.0, &mut generator),
-    }
+    tiny_draft_config(0.02)
 }
 
 /// Sequences following a fixed random successor function over the
@@ -246,12 +214,7 @@ fn loading_rejects_missing_and_unexpected_tensors() -> anyhow::Result<()> {
         "extra.weight".to_string(),
         Tensor::zeros([2], (Kind::Float, Device::Cpu)),
     ));
-    dflash_model::draft::checkpoint::write_safetensors(
-        &checkpoint.join(MODEL_FILE_NAME),
-        &tensors,
-    )?;
-    let error = load_draft_model(&checkpoint, frozen_heads(5), Device::Cpu, Kind::Float)
-        .err()
+    let error = load_rewritten(&checkpoint, &tensors)?
         .ok_or_else(|| anyhow::anyhow!("an unexpected tensor was accepted"))?;
     assert!(
         error
@@ -261,18 +224,23 @@ fn loading_rejects_missing_and_unexpected_tensors() -> anyhow::Result<()> {
     );
 
     tensors.retain(|(name, _)| name != "extra.weight" && name != "norm.weight");
-    dflash_model::draft::checkpoint::write_safetensors(
-        &checkpoint.join(MODEL_FILE_NAME),
-        &tensors,
-    )?;
-    let error = load_draft_model(&checkpoint, frozen_heads(5), Device::Cpu, Kind::Float)
-        .err()
+    let error = load_rewritten(&checkpoint, &tensors)?
         .ok_or_else(|| anyhow::anyhow!("a missing tensor was accepted"))?;
     assert!(
         error.to_string().contains("missing tensor \"norm.weight\""),
         "{error}"
     );
     Ok(())
+}
+
+/// Rewrites the checkpoint's weights as `tensors` and loads it: the load
+/// error, `None` when it loaded.
+fn load_rewritten(
+    checkpoint: &std::path::Path,
+    tensors: &[(String, Tensor)],
+) -> anyhow::Result<Option<dflash_model::draft::DraftError>> {
+    dflash_model::draft::checkpoint::write_safetensors(&checkpoint.join(MODEL_FILE_NAME), tensors)?;
+    Ok(load_draft_model(checkpoint, frozen_heads(5), Device::Cpu, Kind::Float).err())
 }
 
 /// Writes a trained checkpoint for `scripts/check_dflash_checkpoint.py`:

@@ -13,6 +13,10 @@
 //! - [`signal`]: [`shutdown_signal`], one `CancellationToken` cancelled on
 //!   SIGINT or SIGTERM.
 //! - [`exit`]: [`Exit`], the exit-code table of every binary.
+//! - [`worker`]: [`DeviceWorker`], the one dedicated device thread of a
+//!   service (start handshake, bounded command and event channels, a join
+//!   within a bound that reports a timeout as [`WorkerError::TimedOut`]);
+//!   generic over its messages, so no libtorch here.
 //! - [`alloc`]: [`configure_allocator`], glibc malloc settings that keep
 //!   large tensor buffers across steps (and optional huge pages), which the
 //!   libtorch binaries apply first thing in `main`.
@@ -25,9 +29,11 @@ pub mod device;
 pub mod exit;
 pub mod signal;
 pub mod units;
+pub mod worker;
 
 pub use alloc::{configure_allocator, AllocatorMode, AllocatorReport};
 pub use device::{DeviceChoice, DtypeChoice};
 pub use exit::Exit;
 pub use signal::shutdown_signal;
 pub use units::{parse_bytes, parse_duration};
+pub use worker::{join_within, DeviceWorker, WorkerChannels, WorkerError, WorkerSide};

@@ -13,6 +13,8 @@ use std::io::Write;
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+// One measurement read top to bottom (set up, time, print): long on
+// purpose, as splitting it would hide the order of what is timed.
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let arguments: Vec<usize> = std::env::args()

@@ -224,14 +224,14 @@ pub struct PipelineCounters {
 /// stops computing (until `stop`), as a stuck device call would.
 pub fn run_compute_thread(
     mut backend: Backend,
-    batches: std::sync::mpsc::Receiver<PlannedBatch>,
-    computed: std::sync::mpsc::SyncSender<ComputedBatch>,
+    mut batches: tokio::sync::mpsc::Receiver<PlannedBatch>,
+    computed: tokio::sync::mpsc::Sender<ComputedBatch>,
     stop: CancellationToken,
     hang_after_batches: Option<u64>,
 ) -> Result<(), ComputeError> {
     let _no_grad = tch::no_grad_guard();
     let mut batches_done = 0u64;
-    while let Ok(batch) = batches.recv() {
+    while let Some(batch) = batches.blocking_recv() {
         if stop.is_cancelled() {
             break;
         }
@@ -271,7 +271,7 @@ pub fn run_compute_thread(
             span,
             trace_context,
         };
-        if computed.send(item).is_err() {
+        if computed.blocking_send(item).is_err() {
             break;
         }
     }
@@ -311,14 +311,14 @@ fn forward(
 /// its forward start or the end of the previous batch, whichever is later;
 /// that time is also `metrics.batch_seconds`.
 pub fn run_host_copy_thread(
-    computed: std::sync::mpsc::Receiver<ComputedBatch>,
+    mut computed: tokio::sync::mpsc::Receiver<ComputedBatch>,
     ready: tokio::sync::mpsc::Sender<Vec<ReadySample>>,
     counters: Arc<PipelineCounters>,
     metrics: TargetMetrics,
     epoch: Instant,
 ) -> Result<(), ComputeError> {
     let mut previous_done: Option<Instant> = None;
-    while let Ok(item) = computed.recv() {
+    while let Some(item) = computed.blocking_recv() {
         let ComputedBatch {
             batch,
             hidden,

@@ -18,8 +18,10 @@
 //! - `sender`: the Produce stream with reconnect-and-resume.
 //! - `metrics`: [`TargetMetrics`], the counters and gauges served at
 //!   `/metrics` (`--metrics-listen`) through `dflash-telemetry`.
-//! - `service`: [`run`], which wires threads, channels and the broker
-//!   together and ends with ReportDone.
+//! - `service`: [`run`]: connect, start the compute thread (a
+//!   `dflash_service::DeviceWorker`, model loaded behind its start
+//!   handshake) and the reader and host-copy threads, pump samples to the
+//!   broker, join every thread within `--finish-timeout`, ReportDone.
 //! - `main.rs`: the `target-server` binary (flags, logging, signals).
 //!
 //! Async code never touches tch: tensors live on the compute and host-copy

@@ -1,8 +1,9 @@
 //! [`run`]: one target-server from flags to ReportDone.
 
+use crate::batching::PlannedBatch;
 use crate::compute::{
-    run_compute_thread, run_host_copy_thread, Backend, BackendInfo, ComputeError, PipelineCounters,
-    ReadySample, SyntheticBackend,
+    run_compute_thread, run_host_copy_thread, Backend, BackendInfo, ComputeError, ComputedBatch,
+    PipelineCounters, ReadySample, SyntheticBackend,
 };
 use crate::config::{ModelSource, SyntheticSpec, TargetServerConfig};
 use crate::data::{ChatEncoder, Conversation, EncoderError};
@@ -17,6 +18,7 @@ use dflash_client::{BrokerClient, ClientError};
 use dflash_model::target::{build_target_layer_ids, TargetModel};
 use dflash_model::ModelError;
 use dflash_proto::v1::ProducerStats;
+use dflash_service::{join_within, DeviceWorker, WorkerChannels, WorkerError};
 use dflash_telemetry::{Registry, RegistryError};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -44,8 +46,8 @@ pub enum TargetServerError {
     Broker(#[from] ClientError),
     #[error("compute: {0}")]
     Compute(#[from] ComputeError),
-    #[error("the {0} thread panicked")]
-    ThreadPanicked(&'static str),
+    #[error(transparent)]
+    Thread(#[from] WorkerError),
     #[error("watchdog: the compute pipeline produced no batch for {seconds:.0} s (--watchdog-timeout) with the shard not done; a compute thread is stuck")]
     Stalled { seconds: f64 },
     #[error("cannot listen for metrics on {address}: {source}")]
@@ -174,45 +176,136 @@ fn generated_records(
         })
 }
 
+/// The compute thread as a device worker: its commands are planned batches
+/// (sent by the reader thread), its events computed batches (read by the
+/// host-copy thread), its handshake what loaded.
+type ComputeWorker = DeviceWorker<
+    PlannedBatch,
+    ComputedBatch,
+    Result<BackendInfo, TargetServerError>,
+    Result<(), ComputeError>,
+>;
+
 /// The threads of one pipeline, owned so they are always joined.
 struct PipelineThreads {
+    /// Cancelled before the threads are joined: they stop at their next
+    /// batch.
+    stop: CancellationToken,
+    compute: ComputeWorker,
     reader: Option<std::thread::JoinHandle<Result<ReaderSummary, ReaderError>>>,
-    compute: std::thread::JoinHandle<Result<(), ComputeError>>,
     host_copy: Option<std::thread::JoinHandle<Result<(), ComputeError>>>,
+}
+
+/// How each thread of a pipeline ended.
+struct JoinedThreads {
+    reader: Option<Result<Result<ReaderSummary, ReaderError>, WorkerError>>,
+    host_copy: Option<Result<Result<(), ComputeError>, WorkerError>>,
+    compute: Result<Result<(), ComputeError>, WorkerError>,
+}
+
+impl PipelineThreads {
+    /// Starts the compute thread, which loads the model (CUDA state stays
+    /// on the thread that uses it) while the caller talks to the broker.
+    fn start(
+        config: &TargetServerConfig,
+        device: Device,
+        shutdown: &CancellationToken,
+    ) -> Result<Self, TargetServerError> {
+        let stop = shutdown.child_token();
+        let config = config.clone();
+        let compute_stop = stop.clone();
+        let channels = WorkerChannels {
+            commands: BATCH_CHANNEL_DEPTH,
+            events: 1,
+        };
+        let compute = DeviceWorker::spawn("dflash-compute", channels, move |mut side| {
+            let backend = match load_backend(&config, device) {
+                Ok(backend) => backend,
+                Err(error) => {
+                    side.ready(Err(error));
+                    return Ok(());
+                }
+            };
+            if !side.ready(Ok(backend.info())) {
+                return Ok(());
+            }
+            let (batches, computed) = side.into_channels();
+            run_compute_thread(
+                backend,
+                batches,
+                computed,
+                compute_stop,
+                config.test_hang_compute_after_batches,
+            )
+        })?;
+        Ok(Self {
+            stop,
+            compute,
+            reader: None,
+            host_copy: None,
+        })
+    }
+
+    /// Stops and joins every thread, each within `bound`: the reader, the
+    /// host copy, then the compute thread.
+    async fn join(self, bound: Duration) -> JoinedThreads {
+        self.stop.cancel();
+        let reader = match self.reader {
+            Some(reader) => Some(join_within("reader", reader, bound).await),
+            None => None,
+        };
+        let host_copy = match self.host_copy {
+            Some(host_copy) => Some(join_within("host-copy", host_copy, bound).await),
+            None => None,
+        };
+        let compute = self.compute.finish(bound).await;
+        JoinedThreads {
+            reader,
+            host_copy,
+            compute,
+        }
+    }
+}
+
+impl JoinedThreads {
+    /// The first failure among the threads (reader, compute, host copy),
+    /// else what the reader read.
+    fn into_result(self) -> Result<Option<ReaderSummary>, TargetServerError> {
+        let reader = match self.reader {
+            Some(result) => Some(result??),
+            None => None,
+        };
+        self.compute??;
+        if let Some(result) = self.host_copy {
+            result??;
+        }
+        Ok(reader)
+    }
 }
 
 fn spawn_named<T: Send + 'static>(
     name: &'static str,
     body: impl FnOnce() -> T + Send + 'static,
-) -> Result<std::thread::JoinHandle<T>, TargetServerError> {
+) -> Result<std::thread::JoinHandle<T>, WorkerError> {
     std::thread::Builder::new()
         .name(format!("dflash-{name}"))
         .spawn(body)
-        .map_err(|error| {
-            TargetServerError::Config(format!("cannot start the {name} thread: {error}"))
+        .map_err(|source| WorkerError::Spawn {
+            name: name.to_string(),
+            source,
         })
 }
 
-/// Joins a thread without blocking the runtime, within `bound`.
-async fn join_thread<T: Send + 'static>(
+/// Runs `work` on the blocking pool (file reading, tokenizer loading).
+async fn blocking<T: Send + 'static>(
     name: &'static str,
-    handle: std::thread::JoinHandle<T>,
-    bound: Duration,
-) -> Result<T, TargetServerError> {
-    let joined =
-        tokio::time::timeout(bound, tokio::task::spawn_blocking(move || handle.join())).await;
-    match joined {
-        Ok(Ok(Ok(value))) => Ok(value),
-        Ok(Ok(Err(_))) | Ok(Err(_)) => Err(TargetServerError::ThreadPanicked(name)),
-        Err(_) => {
-            tracing::error!(
-                thread = name,
-                ?bound,
-                "thread did not stop in time; leaving it behind"
-            );
-            Err(TargetServerError::ThreadPanicked(name))
-        }
-    }
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, WorkerError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|_| WorkerError::Panicked {
+            name: name.to_string(),
+        })
 }
 
 /// Runs one target-server until its shard is done (then ReportDone) or
@@ -268,12 +361,44 @@ pub async fn run_with_registry(
     outcome
 }
 
-/// The run itself, updating the instruments it registers in `registry`.
+/// The run itself, updating the instruments it registers in `registry`:
+/// check, start the compute thread, stream the shard, join the threads,
+/// report done.
 async fn run_pipeline(
     config: TargetServerConfig,
     registry: &Registry,
     shutdown: CancellationToken,
 ) -> Result<TargetReport, TargetServerError> {
+    check_config(&config)?;
+    let device = dflash_model::device::resolve_device(config.device)
+        .map_err(|error| TargetServerError::Config(error.to_string()))?;
+    // The label the backend will report, known before the model loads so
+    // the metrics exist (at zero) from the first scrape.
+    let device_name = match &config.model {
+        ModelSource::Synthetic(_) => "synthetic".to_string(),
+        ModelSource::Directory(_) => dflash_model::device::device_label(device),
+    };
+    let metrics = TargetMetrics::register(registry, &config.target_id, &device_name)?;
+    // Data first: an empty or missing file should fail before anything loads.
+    let record_count = count_input_records(&config).await?;
+    let mut threads = PipelineThreads::start(&config, device, &shutdown)?;
+    let outcome = stream_shard(&config, record_count, &shutdown, &mut threads, &metrics).await;
+    let joined = threads.join(config.finish_timeout).await;
+    let (mut report, client) = outcome?;
+    // The pipeline's own failures come before a report: they explain an
+    // early end.
+    if let Some(summary) = joined.into_result()? {
+        report.reader = summary;
+    }
+    if report.completed {
+        finish_run(&client, &mut report).await?;
+    }
+    Ok(report)
+}
+
+/// The checks that need no thread: flags that cannot work together, a
+/// model directory without a config.
+fn check_config(config: &TargetServerConfig) -> Result<(), TargetServerError> {
     if config.data.is_none() && matches!(config.model, ModelSource::Directory(_)) {
         return Err(TargetServerError::Config(
             "--data is required unless --model is synthetic".into(),
@@ -285,12 +410,10 @@ async fn run_pipeline(
         ));
     }
     if let ModelSource::Directory(directory) = &config.model {
-        if !directory
-            .join(dflash_model::target::CONFIG_FILE_NAME)
-            .is_file()
-        {
+        let config_file = directory.join(dflash_model::target::CONFIG_FILE_NAME);
+        if !config_file.is_file() {
             return Err(TargetServerError::Model(ModelError::Io {
-                path: directory.join(dflash_model::target::CONFIG_FILE_NAME),
+                path: config_file,
                 source: std::io::Error::new(
                     std::io::ErrorKind::NotFound,
                     "no such file (is --model a model directory?)",
@@ -298,138 +421,46 @@ async fn run_pipeline(
             }));
         }
     }
-    let device = dflash_model::device::resolve_device(config.device)
-        .map_err(|error| TargetServerError::Config(error.to_string()))?;
-    // The label the backend will report, known before the model loads so
-    // the metrics exist (at zero) from the first scrape.
-    let device_name = match &config.model {
-        ModelSource::Synthetic(_) => "synthetic".to_string(),
-        ModelSource::Directory(_) => dflash_model::device::device_label(device),
-    };
-    let metrics = TargetMetrics::register(registry, &config.target_id, &device_name)?;
-    // Data first: an empty or missing file should fail before anything loads.
-    let record_count = match &config.data {
-        Some(path) => {
-            let path = path.clone();
-            let count = tokio::task::spawn_blocking(move || count_records(&path))
-                .await
-                .map_err(|_| TargetServerError::ThreadPanicked("record count"))??;
-            if count == 0 {
-                return Err(ReaderError::EmptyDataFile {
-                    path: config.data.clone().unwrap_or_default(),
-                }
-                .into());
-            }
-            count
-        }
-        None => match &config.model {
-            ModelSource::Synthetic(spec) => spec.samples,
-            ModelSource::Directory(_) => 0,
-        },
-    };
-
-    // The compute thread loads the model while we talk to the broker.
-    let stop = shutdown.child_token();
-    let (batch_sender, batch_receiver) = std::sync::mpsc::sync_channel(BATCH_CHANNEL_DEPTH);
-    let (computed_sender, computed_receiver) = std::sync::mpsc::sync_channel(1);
-    let (loaded_sender, loaded_receiver) =
-        tokio::sync::oneshot::channel::<Result<BackendInfo, TargetServerError>>();
-    let compute = {
-        let config = config.clone();
-        let stop = stop.clone();
-        spawn_named("compute", move || {
-            let backend = match load_backend(&config, device) {
-                Ok(backend) => backend,
-                Err(error) => {
-                    let _ = loaded_sender.send(Err(error));
-                    return Ok(());
-                }
-            };
-            if loaded_sender.send(Ok(backend.info())).is_err() {
-                return Ok(());
-            }
-            run_compute_thread(
-                backend,
-                batch_receiver,
-                computed_sender,
-                stop,
-                config.test_hang_compute_after_batches,
-            )
-        })?
-    };
-    let mut threads = PipelineThreads {
-        reader: None,
-        compute,
-        host_copy: None,
-    };
-    let outcome = run_with_threads(
-        &config,
-        record_count,
-        &stop,
-        &shutdown,
-        &mut threads,
-        batch_sender,
-        computed_receiver,
-        loaded_receiver,
-        &metrics,
-    )
-    .await;
-    stop.cancel();
-    let bound = config.finish_timeout;
-    let reader_result = match threads.reader.take() {
-        Some(reader) => Some(join_thread("reader", reader, bound).await),
-        None => None,
-    };
-    let host_copy_result = match threads.host_copy.take() {
-        Some(host_copy) => Some(join_thread("host-copy", host_copy, bound).await),
-        None => None,
-    };
-    let compute_result = join_thread("compute", threads.compute, bound).await;
-    let (mut report, client) = outcome?;
-    // The pipeline's own failures come first: they explain an early end.
-    if let Some(result) = reader_result {
-        report.reader = result??;
-    }
-    compute_result??;
-    if let Some(result) = host_copy_result {
-        result??;
-    }
-    if report.completed {
-        finish_run(&client, &mut report).await?;
-    }
-    Ok(report)
+    Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn run_with_threads(
+/// Valid records in `--data` (an empty file is an error), or the synthetic
+/// sample count.
+async fn count_input_records(config: &TargetServerConfig) -> Result<u64, TargetServerError> {
+    let Some(path) = config.data.clone() else {
+        return Ok(match &config.model {
+            ModelSource::Synthetic(spec) => spec.samples,
+            ModelSource::Directory(_) => 0,
+        });
+    };
+    let count = blocking("record count", {
+        let path = path.clone();
+        move || count_records(&path)
+    })
+    .await??;
+    if count == 0 {
+        return Err(ReaderError::EmptyDataFile { path }.into());
+    }
+    Ok(count)
+}
+
+/// Connects, waits for the model, starts the reader and host-copy threads,
+/// pumps their samples to the broker and closes the stream: the report
+/// (without the reader's summary and ReportDone, which come after the
+/// threads are joined) and the client for ReportDone.
+async fn stream_shard(
     config: &TargetServerConfig,
     record_count: u64,
-    stop: &CancellationToken,
     shutdown: &CancellationToken,
     threads: &mut PipelineThreads,
-    batch_sender: std::sync::mpsc::SyncSender<crate::batching::PlannedBatch>,
-    computed_receiver: std::sync::mpsc::Receiver<crate::compute::ComputedBatch>,
-    loaded_receiver: tokio::sync::oneshot::Receiver<Result<BackendInfo, TargetServerError>>,
     metrics: &TargetMetrics,
 ) -> Result<(TargetReport, BrokerClient), TargetServerError> {
-    let options = config
-        .security
-        .client_options()
-        .map_err(dflash_client::ClientError::from)?;
-    let window = options.producer_window_items;
-    let client = BrokerClient::connect(config.broker.clone(), options).await?;
-    let status = client.status().await?;
-    let shard = resolve_shard(
-        config.shard_index,
-        config.num_shards,
-        &config.target_id,
-        Some(status.expected_targets),
-    )?;
+    let (client, shard, window) = connect(config).await?;
     let info = tokio::select! {
-        loaded = loaded_receiver => loaded.map_err(|_| TargetServerError::ThreadPanicked("compute"))??,
+        loaded = threads.compute.ready() => loaded??,
         () = shutdown.cancelled() => return Err(TargetServerError::Config("shut down while loading the model".into())),
     };
-    let mut producer = ResilientProducer::open(
+    let producer = ResilientProducer::open(
         client.clone(),
         &config.target_id,
         window,
@@ -448,24 +479,85 @@ async fn run_with_threads(
         device = %info.device_label,
         "target-server starting"
     );
+    threads.reader = Some(spawn_reader(config, shard, resume_after_seq, &info, threads).await?);
+    let counters = Arc::new(PipelineCounters::default());
+    let epoch = Instant::now();
+    let (ready_sender, ready_receiver) =
+        tokio::sync::mpsc::channel::<Vec<ReadySample>>(BATCH_CHANNEL_DEPTH);
+    let computed = threads.compute.take_event_receiver()?;
+    threads.host_copy = Some({
+        let counters = counters.clone();
+        let metrics = metrics.clone();
+        spawn_named("host-copy", move || {
+            run_host_copy_thread(computed, ready_sender, counters, metrics, epoch)
+        })?
+    });
+    let mut pump = Pump {
+        config,
+        metrics,
+        accepted_at_start: producer.accepted_before(),
+        producer,
+        counters,
+        epoch,
+        shard,
+        layer_ids: info.layer_ids.clone(),
+        device_label: info.device_label.clone(),
+        resume_after_seq,
+        samples_total,
+        samples_sent: 0,
+        tokens_sent: 0,
+        tokens_at_last_stats: 0,
+        last_stats_at: Instant::now(),
+    };
+    let interrupted = pump.run(shutdown, ready_receiver).await?;
+    Ok((pump.close(!interrupted).await?, client))
+}
 
-    // Reader thread: the tokenizer loads there too (it can take a second).
+/// The broker connection and this target's shard (the broker's status says
+/// how many targets the run expects); the producer's credit window.
+async fn connect(
+    config: &TargetServerConfig,
+) -> Result<(BrokerClient, ShardSpec, usize), TargetServerError> {
+    let options = config
+        .security
+        .client_options()
+        .map_err(dflash_client::ClientError::from)?;
+    let window = options.producer_window_items;
+    let client = BrokerClient::connect(config.broker.clone(), options).await?;
+    let status = client.status().await?;
+    let shard = resolve_shard(
+        config.shard_index,
+        config.num_shards,
+        &config.target_id,
+        Some(status.expected_targets),
+    )?;
+    Ok((client, shard, window))
+}
+
+/// Starts the reader thread on the shard, past `resume_after_seq`, feeding
+/// the compute thread; the tokenizer loads first, on the blocking pool (it
+/// can take a second).
+async fn spawn_reader(
+    config: &TargetServerConfig,
+    shard: ShardSpec,
+    resume_after_seq: Option<u64>,
+    info: &BackendInfo,
+    threads: &mut PipelineThreads,
+) -> Result<std::thread::JoinHandle<Result<ReaderSummary, ReaderError>>, TargetServerError> {
     let tokenizer_directory: Option<PathBuf> = config.tokenizer.clone().or(match &config.model {
         ModelSource::Directory(directory) => Some(directory.clone()),
         ModelSource::Synthetic(_) => None,
     });
-    let encoder = match &tokenizer_directory {
+    let max_length = config.max_length;
+    let vocab_size = Some(info.vocab_size);
+    let encoder = match tokenizer_directory {
         Some(directory) => {
-            let directory = directory.clone();
-            let max_length = config.max_length;
-            let vocab_size = Some(info.vocab_size);
-            tokio::task::spawn_blocking(move || {
+            blocking("tokenizer", move || {
                 ChatEncoder::from_directory(&directory, max_length, vocab_size)
             })
-            .await
-            .map_err(|_| TargetServerError::ThreadPanicked("tokenizer"))??
+            .await??
         }
-        None => ChatEncoder::pre_tokenized_only(config.max_length, Some(info.vocab_size)),
+        None => ChatEncoder::pre_tokenized_only(max_length, vocab_size),
     };
     let settings = ReaderSettings {
         window_size: config.sort_window,
@@ -477,13 +569,14 @@ async fn run_with_threads(
             .clone()
             .unwrap_or_else(|| PathBuf::from("(generated)")),
     };
-    let reader_stop = stop.clone();
+    let batch_sender = threads.compute.take_command_sender()?;
+    let reader_stop = threads.stop.clone();
     let data_path = config.data.clone();
     let synthetic_spec = match &config.model {
         ModelSource::Synthetic(spec) => Some(spec.clone()),
         ModelSource::Directory(_) => None,
     };
-    threads.reader = Some(spawn_named("reader", move || {
+    Ok(spawn_named("reader", move || {
         let records: Box<dyn Iterator<Item = Result<Record, ReaderError>>> =
             match (&data_path, &synthetic_spec) {
                 (Some(path), _) => Box::new(ShardLines::open(path, shard)?),
@@ -492,167 +585,210 @@ async fn run_with_threads(
             };
         let mut reader = BatchReader::new(records, encoder, settings);
         for batch in reader.by_ref() {
-            if reader_stop.is_cancelled() || batch_sender.send(batch?).is_err() {
+            if reader_stop.is_cancelled() || batch_sender.blocking_send(batch?).is_err() {
                 break;
             }
         }
         Ok(reader.summary().clone())
-    })?);
+    })?)
+}
 
-    let counters = Arc::new(PipelineCounters::default());
-    let epoch = Instant::now();
-    let (ready_sender, mut ready_receiver) =
-        tokio::sync::mpsc::channel::<Vec<ReadySample>>(BATCH_CHANNEL_DEPTH);
-    {
-        let counters = counters.clone();
-        let metrics = metrics.clone();
-        threads.host_copy = Some(spawn_named("host-copy", move || {
-            run_host_copy_thread(computed_receiver, ready_sender, counters, metrics, epoch)
-        })?);
+/// The async end of the pipeline: samples from the host-copy thread to the
+/// broker, progress stats, and the watchdog.
+struct Pump<'a> {
+    config: &'a TargetServerConfig,
+    metrics: &'a TargetMetrics,
+    producer: ResilientProducer,
+    /// Items the broker held from this target when the run began (the
+    /// producer's own count moves on with each reconnect).
+    accepted_at_start: u64,
+    counters: Arc<PipelineCounters>,
+    /// When the pipeline started: the counters' times are relative to it.
+    epoch: Instant,
+    shard: ShardSpec,
+    layer_ids: Vec<usize>,
+    device_label: String,
+    resume_after_seq: Option<u64>,
+    samples_total: u64,
+    samples_sent: u64,
+    tokens_sent: u64,
+    /// Tokens computed at the previous stats message, for the rate.
+    tokens_at_last_stats: u64,
+    last_stats_at: Instant,
+}
+
+/// The pipeline's progress at one instant.
+struct Progress {
+    tokens: u64,
+    /// Time since the first forward started.
+    active: Duration,
+    busy_fraction: f64,
+    /// Samples the broker holds from this target, over all runs.
+    samples_done: u64,
+}
+
+impl Pump<'_> {
+    /// Sends every ready sample until the host-copy thread is done (false)
+    /// or `shutdown` fires (true: interrupted). Fails when the broker
+    /// refuses an item or the watchdog sees no batch for
+    /// `--watchdog-timeout`.
+    async fn run(
+        &mut self,
+        shutdown: &CancellationToken,
+        mut ready_receiver: tokio::sync::mpsc::Receiver<Vec<ReadySample>>,
+    ) -> Result<bool, TargetServerError> {
+        let mut stats_timer = tokio::time::interval(self.config.stats_period());
+        stats_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // The watchdog: time since the pipeline last handed over a batch.
+        // Sends (which wait on the broker's backpressure) happen in the same
+        // loop, so that wait is excluded: the clock restarts after each batch
+        // is sent.
+        let watchdog = self.config.watchdog_timeout;
+        let mut last_batch_at = Instant::now();
+        let mut watchdog_timer = tokio::time::interval(
+            (watchdog / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
+        );
+        watchdog_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => return Ok(true),
+                _ = watchdog_timer.tick(), if !watchdog.is_zero() => {
+                    if last_batch_at.elapsed() >= watchdog {
+                        tracing::error!(seconds = watchdog.as_secs_f64(), samples_sent = self.samples_sent, "watchdog: no batch from the compute pipeline");
+                        return Err(TargetServerError::Stalled { seconds: watchdog.as_secs_f64() });
+                    }
+                }
+                _ = stats_timer.tick() => self.send_progress().await,
+                ready = ready_receiver.recv() => {
+                    let Some(samples) = ready else { return Ok(false) };
+                    self.send_samples(samples).await?;
+                    last_batch_at = Instant::now();
+                }
+            }
+        }
     }
 
-    let stats_of = |samples_done: u64| {
-        let elapsed = epoch.elapsed();
+    async fn send_samples(&mut self, samples: Vec<ReadySample>) -> Result<(), TargetServerError> {
+        for ready_sample in samples {
+            self.producer
+                .send(
+                    ready_sample.seq,
+                    ready_sample.sample,
+                    ready_sample.trace_context,
+                )
+                .await
+                .inspect_err(|error| count_refused_item(self.metrics, error))?;
+            self.samples_sent += 1;
+            self.tokens_sent += ready_sample.tokens;
+            self.metrics.samples_sent.increment();
+            self.metrics.tokens.add(ready_sample.tokens);
+        }
+        Ok(())
+    }
+
+    fn progress(&self) -> Progress {
+        let counters = &self.counters;
         let first_forward =
             Duration::from_nanos(counters.first_forward_nanos.load(Ordering::Relaxed));
         let busy = Duration::from_nanos(counters.busy_nanos.load(Ordering::Relaxed));
-        let active = elapsed.saturating_sub(first_forward);
-        let tokens = counters.tokens_computed.load(Ordering::Relaxed);
-        (
-            tokens,
+        let active = self.epoch.elapsed().saturating_sub(first_forward);
+        Progress {
+            tokens: counters.tokens_computed.load(Ordering::Relaxed),
             active,
-            if active.is_zero() {
+            busy_fraction: if active.is_zero() {
                 0.0
             } else {
                 (busy.as_secs_f64() / active.as_secs_f64()).min(1.0)
             },
-            samples_done,
-        )
-    };
-    let accepted_before = producer.accepted_before();
-    let mut samples_sent = 0u64;
-    let mut tokens_sent = 0u64;
-    let mut interrupted = false;
-    let mut stats_timer = tokio::time::interval(config.stats_period());
-    stats_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut tokens_at_last_stats = 0u64;
-    let mut last_stats_at = Instant::now();
-    // The watchdog: time since the pipeline last handed over a batch. Sends
-    // (which wait on the broker's backpressure) happen in the same loop, so
-    // that wait is excluded: the clock restarts after each batch is sent.
-    let watchdog = config.watchdog_timeout;
-    let mut last_batch_at = Instant::now();
-    let mut watchdog_timer = tokio::time::interval(
-        (watchdog / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
-    );
-    watchdog_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            biased;
-            () = shutdown.cancelled() => {
-                interrupted = true;
-                break;
-            }
-            _ = watchdog_timer.tick(), if !watchdog.is_zero() => {
-                if last_batch_at.elapsed() >= watchdog {
-                    tracing::error!(seconds = watchdog.as_secs_f64(), samples_sent, "watchdog: no batch from the compute pipeline");
-                    return Err(TargetServerError::Stalled { seconds: watchdog.as_secs_f64() });
-                }
-            }
-            _ = stats_timer.tick() => {
-                let (tokens, _, busy_fraction, samples_done) = stats_of(accepted_before + samples_sent);
-                let window_seconds = last_stats_at.elapsed().as_secs_f64();
-                let tokens_per_second = if window_seconds > 0.0 { (tokens - tokens_at_last_stats) as f64 / window_seconds } else { 0.0 };
-                tokens_at_last_stats = tokens;
-                last_stats_at = Instant::now();
-                metrics.tokens_per_second.set(tokens_per_second);
-                metrics.busy_fraction.set(busy_fraction);
-                tracing::info!(samples_done, samples_total, tokens_per_second = format!("{tokens_per_second:.0}"), busy_fraction = format!("{busy_fraction:.2}"), "progress");
-                producer.send_stats(ProducerStats {
-                    tokens_per_second,
-                    busy_fraction,
-                    device: info.device_label.clone(),
-                    samples_done,
-                    samples_total,
-                    tokens_done: tokens,
-                }).await;
-            }
-            ready = ready_receiver.recv() => {
-                let Some(samples) = ready else { break };
-                for ready_sample in samples {
-                    producer
-                        .send(ready_sample.seq, ready_sample.sample, ready_sample.trace_context)
-                        .await
-                        .inspect_err(|error| count_refused_item(metrics, error))?;
-                    samples_sent += 1;
-                    tokens_sent += ready_sample.tokens;
-                    metrics.samples_sent.increment();
-                    metrics.tokens.add(ready_sample.tokens);
-                }
-                last_batch_at = Instant::now();
-            }
+            samples_done: self.accepted_at_start + self.samples_sent,
         }
     }
-    drop(ready_receiver);
-    let (tokens, compute_wall, busy_fraction, samples_done) =
-        stats_of(accepted_before + samples_sent);
-    let tokens_per_second = if compute_wall.is_zero() {
-        0.0
-    } else {
-        tokens as f64 / compute_wall.as_secs_f64()
-    };
-    metrics.tokens_per_second.set(tokens_per_second);
-    metrics.busy_fraction.set(busy_fraction);
-    producer
-        .send_stats(ProducerStats {
-            tokens_per_second,
-            busy_fraction,
-            device: info.device_label.clone(),
-            samples_done,
-            samples_total,
-            tokens_done: tokens,
-        })
-        .await;
-    let reconnects = producer.reconnects;
-    let accepted_before = producer.accepted_before();
-    let finished = tokio::time::timeout(config.finish_timeout, producer.finish()).await;
-    let produce_report = match finished {
-        Ok(report) => {
-            let report = report.inspect_err(|error| count_refused_item(metrics, error))?;
-            metrics.rejected_items.add(report.rejected.len() as u64);
-            report
-        }
-        Err(_) => {
+
+    /// The periodic stats: rates over the window since the previous ones.
+    async fn send_progress(&mut self) {
+        let progress = self.progress();
+        let window_seconds = self.last_stats_at.elapsed().as_secs_f64();
+        let tokens_per_second = if window_seconds > 0.0 {
+            (progress.tokens - self.tokens_at_last_stats) as f64 / window_seconds
+        } else {
+            0.0
+        };
+        self.tokens_at_last_stats = progress.tokens;
+        self.last_stats_at = Instant::now();
+        tracing::info!(
+            samples_done = progress.samples_done,
+            samples_total = self.samples_total,
+            tokens_per_second = format!("{tokens_per_second:.0}"),
+            busy_fraction = format!("{:.2}", progress.busy_fraction),
+            "progress"
+        );
+        self.send_stats(&progress, tokens_per_second).await;
+    }
+
+    async fn send_stats(&mut self, progress: &Progress, tokens_per_second: f64) {
+        self.metrics.tokens_per_second.set(tokens_per_second);
+        self.metrics.busy_fraction.set(progress.busy_fraction);
+        self.producer
+            .send_stats(ProducerStats {
+                tokens_per_second,
+                busy_fraction: progress.busy_fraction,
+                device: self.device_label.clone(),
+                samples_done: progress.samples_done,
+                samples_total: self.samples_total,
+                tokens_done: progress.tokens,
+            })
+            .await;
+    }
+
+    /// Final stats over the whole run, then the end of the Produce stream
+    /// (bounded by `--finish-timeout`): the report, `completed` when the
+    /// shard was read to its end.
+    async fn close(mut self, completed: bool) -> Result<TargetReport, TargetServerError> {
+        let progress = self.progress();
+        let compute_wall = progress.active;
+        let tokens_per_second = if compute_wall.is_zero() {
+            0.0
+        } else {
+            progress.tokens as f64 / compute_wall.as_secs_f64()
+        };
+        self.send_stats(&progress, tokens_per_second).await;
+        let reconnects = self.producer.reconnects;
+        let accepted_before = self.producer.accepted_before();
+        let finish_timeout = self.config.finish_timeout;
+        let Ok(finished) = tokio::time::timeout(finish_timeout, self.producer.finish()).await
+        else {
             return Err(TargetServerError::Broker(ClientError::StreamEnded {
                 stream: "Produce",
-                detail: format!(
-                    "no answer for the last items within {:?}",
-                    config.finish_timeout
-                ),
-            }))
-        }
-    };
-    let report = TargetReport {
-        target_id: config.target_id.clone(),
-        shard,
-        completed: !interrupted,
-        layer_ids: info.layer_ids.clone(),
-        device: info.device_label.clone(),
-        resume_after_seq,
-        samples_sent,
-        tokens_sent,
-        accepted: produce_report.accepted,
-        duplicates: produce_report.duplicates,
-        rejected: produce_report.rejected,
-        total_accepted: accepted_before + produce_report.accepted,
-        reported_total: None,
-        reader: ReaderSummary::default(),
-        reconnects,
-        compute_wall,
-        tokens_per_second,
-        busy_fraction,
-    };
-    Ok((report, client))
+                detail: format!("no answer for the last items within {finish_timeout:?}"),
+            }));
+        };
+        let produce_report =
+            finished.inspect_err(|error| count_refused_item(self.metrics, error))?;
+        self.metrics
+            .rejected_items
+            .add(produce_report.rejected.len() as u64);
+        Ok(TargetReport {
+            target_id: self.config.target_id.clone(),
+            shard: self.shard,
+            completed,
+            layer_ids: self.layer_ids,
+            device: self.device_label,
+            resume_after_seq: self.resume_after_seq,
+            samples_sent: self.samples_sent,
+            tokens_sent: self.tokens_sent,
+            accepted: produce_report.accepted,
+            duplicates: produce_report.duplicates,
+            rejected: produce_report.rejected,
+            total_accepted: accepted_before + produce_report.accepted,
+            reported_total: None,
+            reader: ReaderSummary::default(),
+            reconnects,
+            compute_wall,
+            tokens_per_second,
+            busy_fraction: progress.busy_fraction,
+        })
+    }
 }
 
 /// An item over the broker's gRPC message limit ends the Produce stream

@@ -182,6 +182,9 @@ pub fn drafter_status<'a>(
 pub struct Drained {
     pub deliveries: Vec<proto::Delivery>,
     pub end_of_stream: proto::EndOfStream,
+    /// Time from the last delivery (or the stream's start, without any) to
+    /// end-of-stream: how long the broker took to end a run gone quiet.
+    pub quiet_before_end: Duration,
 }
 
 /// A drafter that acks every delivery and returns everything it saw once
@@ -196,12 +199,14 @@ pub fn spawn_drafter(
         let mut consumer = client.consume(&drafter_id, credit(64)).await?;
         let handle = consumer.handle();
         let mut deliveries = Vec::new();
+        let mut last_delivery = std::time::Instant::now();
         let drain = async {
             loop {
                 match consumer.next().await? {
                     ConsumerEvent::Delivery(delivery) => {
                         handle.ack(vec![delivery.delivery_id]);
                         deliveries.push(delivery);
+                        last_delivery = std::time::Instant::now();
                     }
                     ConsumerEvent::EndOfStream(end) => return Ok::<_, anyhow::Error>(end),
                 }
@@ -213,6 +218,7 @@ pub fn spawn_drafter(
         Ok(Drained {
             deliveries,
             end_of_stream,
+            quiet_before_end: last_delivery.elapsed(),
         })
     })
 }

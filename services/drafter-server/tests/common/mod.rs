@@ -22,6 +22,21 @@ use tch::{Device, Kind, Tensor};
 #[allow(unused_imports)] // each test binary uses its own subset
 pub use dflash_testkit::{drafter_status, wait_until, TestBroker};
 
+/// The report of a drafter-server run spawned as a task, once it ended
+/// within `bound` (a test fails, naming what, when it did not).
+pub async fn report_within(
+    bound: std::time::Duration,
+    drafter: tokio::task::JoinHandle<
+        Result<dflash_drafter_server::DrafterReport, dflash_drafter_server::DrafterError>,
+    >,
+) -> dflash_drafter_server::DrafterReport {
+    tokio::time::timeout(bound, drafter)
+        .await
+        .expect("the drafter-server ended in time")
+        .expect("the drafter-server task")
+        .expect("the drafter-server run")
+}
+
 /// Target layers the test drafters (2 draft layers on the 8-layer tiny target) read.
 pub const TEST_TARGET_LAYER_IDS: [usize; 2] = [1, 5];
 

@@ -390,37 +390,7 @@ impl DraftModel {
             rotary_cos_sin(&context_positions, head_dim, &config.rope, kind, device);
         let (block_cos, block_sin) =
             rotary_cos_sin(&block_positions, head_dim, &config.rope, kind, device);
-        let masks = match self.attention {
-            AttentionImplementation::Split => {
-                // Query (block, k) may read context position p only when p < anchor.
-                AttentionMasks::Split {
-                    context_visible: context_positions
-                        .view([1, 1, context_len])
-                        .lt_tensor(&anchors.unsqueeze(-1))
-                        .unsqueeze(2)
-                        .expand([batch, num_blocks, block_size, context_len], false)
-                        .reshape([batch, 1, queries, context_len]),
-                }
-            }
-            AttentionImplementation::Fused { blocks_per_chunk } => {
-                AttentionMasks::Fused(context_attention_chunks(
-                    &anchors,
-                    context_len,
-                    block_size,
-                    blocks_per_chunk,
-                    kind,
-                )?)
-            }
-            AttentionImplementation::FusedConcatenated { blocks_per_chunk } => {
-                AttentionMasks::FusedConcatenated(fused_attention_chunks(
-                    &anchors,
-                    context_len,
-                    block_size,
-                    blocks_per_chunk,
-                    kind,
-                )?)
-            }
-        };
+        let masks = self.attention_masks(&anchors, &context_positions, block_size)?;
         let initial_hidden = self
             .embed(&inputs.block_token_ids.to_device(device))
             .view([batch, queries, -1]);
@@ -439,6 +409,47 @@ impl DraftModel {
         })
     }
 
+    /// The masks of the block-over-context attention: which context
+    /// positions each query sees (those before its block's anchor).
+    fn attention_masks(
+        &self,
+        anchors: &Tensor,
+        context_positions: &Tensor,
+        block_size: i64,
+    ) -> Result<AttentionMasks, DraftError> {
+        let (batch, num_blocks) = anchors.size2()?;
+        let context_len = context_positions.size()[0];
+        let queries = num_blocks * block_size;
+        let kind = self.compute_kind;
+        Ok(match self.attention {
+            AttentionImplementation::Split => {
+                // Query (block, k) may read context position p only when p < anchor.
+                AttentionMasks::Split {
+                    context_visible: context_positions
+                        .view([1, 1, context_len])
+                        .lt_tensor(&anchors.unsqueeze(-1))
+                        .unsqueeze(2)
+                        .expand([batch, num_blocks, block_size, context_len], false)
+                        .reshape([batch, 1, queries, context_len]),
+                }
+            }
+            AttentionImplementation::Fused { blocks_per_chunk } => AttentionMasks::Fused(
+                chunk_spans(anchors, context_len, blocks_per_chunk)?
+                    .into_iter()
+                    .map(|span| ContextAttentionChunk::new(anchors, span, block_size, kind))
+                    .collect(),
+            ),
+            AttentionImplementation::FusedConcatenated { blocks_per_chunk } => {
+                AttentionMasks::FusedConcatenated(
+                    chunk_spans(anchors, context_len, blocks_per_chunk)?
+                        .into_iter()
+                        .map(|span| FusedAttentionChunk::new(anchors, span, block_size, kind))
+                        .collect(),
+                )
+            }
+        })
+    }
+
     /// One decoder layer over `[batch, queries, hidden]`.
     fn layer_forward(
         &self,
@@ -447,21 +458,35 @@ impl DraftModel {
         context: &Tensor,
         prepared: &PreparedBlocks,
     ) -> Tensor {
+        let residual = hidden.shallow_clone();
+        let heads = self.attention_heads(layer, hidden, context, prepared);
+        let attended = match &prepared.masks {
+            AttentionMasks::Split { context_visible } => {
+                heads.split_attention(context_visible, prepared)
+            }
+            AttentionMasks::Fused(chunks) => heads.fused_attention(chunks, prepared),
+            AttentionMasks::FusedConcatenated(chunks) => {
+                heads.fused_concatenated_attention(chunks, prepared)
+            }
+        };
+        self.finish_layer(layer, residual, &attended)
+    }
+
+    /// The layer's queries (from the blocks) and keys and values (from the
+    /// context and the blocks, same weights), normed, rotated and with the
+    /// key/value heads repeated to the query heads.
+    fn attention_heads(
+        &self,
+        layer: &DraftLayerParameters,
+        hidden: &Tensor,
+        context: &Tensor,
+        prepared: &PreparedBlocks,
+    ) -> AttentionHeads {
         let config = &self.config;
-        let kind = self.compute_kind;
-        let (batch, num_blocks, block_size, context_len) = (
-            prepared.batch,
-            prepared.num_blocks,
-            prepared.block_size,
-            prepared.context_len,
-        );
-        let queries = num_blocks * block_size;
+        let batch = prepared.batch;
         let heads = config.num_attention_heads;
         let kv_heads = config.num_key_value_heads;
         let head_dim = config.head_dim;
-        let scale = (head_dim as f64).powf(-0.5);
-
-        let residual = hidden.shallow_clone();
         let normed = rms_norm(
             hidden,
             &self.weight(&layer.input_layernorm),
@@ -487,156 +512,36 @@ impl DraftModel {
             Some(&q_norm),
         );
         let query = apply_rotary(&query, &prepared.block_cos, &prepared.block_sin);
-        let context_key = split_heads(
-            context.linear::<Tensor>(&k_proj, None),
-            kv_heads,
-            Some(&k_norm),
-        );
-        let context_key = apply_rotary(&context_key, &prepared.context_cos, &prepared.context_sin);
-        let context_value = split_heads(context.linear::<Tensor>(&v_proj, None), kv_heads, None);
-        let block_key = split_heads(
-            normed.linear::<Tensor>(&k_proj, None),
-            kv_heads,
-            Some(&k_norm),
-        );
-        let block_key = apply_rotary(&block_key, &prepared.block_cos, &prepared.block_sin);
-        let block_value = split_heads(normed.linear::<Tensor>(&v_proj, None), kv_heads, None);
-        let (context_key, context_value, block_key, block_value) = (
-            repeat_key_value_heads(&context_key, heads / kv_heads),
-            repeat_key_value_heads(&context_value, heads / kv_heads),
-            repeat_key_value_heads(&block_key, heads / kv_heads),
-            repeat_key_value_heads(&block_value, heads / kv_heads),
-        );
-
-        let attended = match &prepared.masks {
-            AttentionMasks::Split { context_visible } => {
-                let context_scores = (query.matmul(&context_key.transpose(-2, -1)) * scale)
-                    .to_kind(Kind::Float)
-                    .masked_fill(&context_visible.logical_not(), f64::NEG_INFINITY);
-                let block_query = query.view([batch, heads, num_blocks, block_size, head_dim]);
-                let block_scores = (block_query.matmul(
-                    &block_key
-                        .view([batch, heads, num_blocks, block_size, head_dim])
-                        .transpose(-2, -1),
-                ) * scale)
-                    .to_kind(Kind::Float)
-                    .view([batch, heads, queries, block_size]);
-                let probabilities = Tensor::cat(&[&context_scores, &block_scores], -1)
-                    .softmax(-1, Kind::Float)
-                    .to_kind(kind);
-                let context_probabilities = probabilities.narrow(-1, 0, context_len);
-                let block_probabilities = probabilities
-                    .narrow(-1, context_len, block_size)
-                    .view([batch, heads, num_blocks, block_size, block_size]);
-                context_probabilities.matmul(&context_value)
-                    + block_probabilities
-                        .matmul(&block_value.view([batch, heads, num_blocks, block_size, head_dim]))
-                        .view([batch, heads, queries, head_dim])
-            }
-            AttentionMasks::Fused(chunks) => {
-                let block_scores = (query
-                    .view([batch, heads, num_blocks, block_size, head_dim])
-                    .matmul(
-                        &block_key
-                            .view([batch, heads, num_blocks, block_size, head_dim])
-                            .transpose(-2, -1),
-                    )
-                    * scale)
-                    .to_kind(Kind::Float)
-                    .view([batch, heads, queries, block_size]);
-                let mut context_outputs = Vec::with_capacity(chunks.len());
-                let mut context_log_sum_exps = Vec::with_capacity(chunks.len());
-                for chunk in chunks {
-                    let chunk_query = query.narrow(2, chunk.first_query, chunk.num_queries);
-                    if chunk.context_len == 0 {
-                        context_outputs.push(chunk_query.zeros_like());
-                        context_log_sum_exps.push(Tensor::full(
-                            [batch, heads, chunk.num_queries],
-                            f64::NEG_INFINITY,
-                            (Kind::Float, query.device()),
-                        ));
-                        continue;
-                    }
-                    let key = context_key.narrow(2, 0, chunk.context_len);
-                    let value = context_value.narrow(2, 0, chunk.context_len);
-                    let (output, log_sum_exp) = fused_attention_with_log_sum_exp(
-                        &chunk_query,
-                        &key,
-                        &value,
-                        &chunk.additive_mask,
-                        scale,
-                    );
-                    // d lse/dq = scale·Σ P·k and d lse/dk_j = scale·P_j·q: the
-                    // attention of the detached query over the detached keys
-                    // with the (attached) keys as values has the value Σ P·k
-                    // and gives the keys exactly that second gradient.
-                    let detached_query = chunk_query.detach();
-                    let (key_average, _) = fused_attention_with_log_sum_exp(
-                        &detached_query,
-                        &key.detach(),
-                        &key,
-                        &chunk.additive_mask,
-                        scale,
-                    );
-                    let key_average_value = key_average.detach();
-                    let log_sum_exp_gradient_carrier = ((&chunk_query - &detached_query)
-                        * &key_average_value
-                        + &detached_query * (&key_average - &key_average_value))
-                        .sum_dim_intlist(-1, false, Kind::Float)
-                        * scale;
-                    let log_sum_exp = (log_sum_exp.detach().to_kind(Kind::Float)
-                        + log_sum_exp_gradient_carrier)
-                        .masked_fill(&chunk.without_context, f64::NEG_INFINITY);
-                    context_outputs.push(output);
-                    context_log_sum_exps.push(log_sum_exp);
-                }
-                let context_output = Tensor::cat(&context_outputs, 2);
-                let context_log_sum_exp = Tensor::cat(&context_log_sum_exps, 2);
-                // The context as one more column of the within-block softmax.
-                let probabilities =
-                    Tensor::cat(&[block_scores, context_log_sum_exp.unsqueeze(-1)], -1)
-                        .softmax(-1, Kind::Float)
-                        .to_kind(kind);
-                probabilities
-                    .narrow(-1, 0, block_size)
-                    .view([batch, heads, num_blocks, block_size, block_size])
-                    .matmul(&block_value.view([batch, heads, num_blocks, block_size, head_dim]))
-                    .view([batch, heads, queries, head_dim])
-                    + probabilities.narrow(-1, block_size, 1) * context_output
-            }
-            AttentionMasks::FusedConcatenated(chunks) => {
-                let outputs: Vec<Tensor> = chunks
-                    .iter()
-                    .map(|chunk| {
-                        let first_query = chunk.first_block * block_size;
-                        let chunk_queries = chunk.num_blocks * block_size;
-                        let keys = Tensor::cat(
-                            &[
-                                context_key.narrow(2, 0, chunk.context_len),
-                                block_key.narrow(2, first_query, chunk_queries),
-                            ],
-                            2,
-                        );
-                        let values = Tensor::cat(
-                            &[
-                                context_value.narrow(2, 0, chunk.context_len),
-                                block_value.narrow(2, first_query, chunk_queries),
-                            ],
-                            2,
-                        );
-                        fused_attention(
-                            &query.narrow(2, first_query, chunk_queries),
-                            &keys,
-                            &values,
-                            &chunk.additive_mask,
-                            scale,
-                        )
-                    })
-                    .collect();
-                Tensor::cat(&outputs, 2)
-            }
+        // The context and the blocks go through the same key and value
+        // projections; keys are rotated to their own positions.
+        let keys_values = |source: &Tensor, cos: &Tensor, sin: &Tensor| {
+            let key = split_heads(
+                source.linear::<Tensor>(&k_proj, None),
+                kv_heads,
+                Some(&k_norm),
+            );
+            let key = apply_rotary(&key, cos, sin);
+            let value = split_heads(source.linear::<Tensor>(&v_proj, None), kv_heads, None);
+            (
+                repeat_key_value_heads(&key, heads / kv_heads),
+                repeat_key_value_heads(&value, heads / kv_heads),
+            )
         };
-        self.finish_layer(layer, residual, &attended)
+        let (context_key, context_value) =
+            keys_values(context, &prepared.context_cos, &prepared.context_sin);
+        let (block_key, block_value) =
+            keys_values(&normed, &prepared.block_cos, &prepared.block_sin);
+        AttentionHeads {
+            query,
+            context_key,
+            context_value,
+            block_key,
+            block_value,
+            heads,
+            head_dim,
+            scale: (head_dim as f64).powf(-0.5),
+            kind: self.compute_kind,
+        }
     }
 
     /// The rest of a draft layer after attention, shared by the training
@@ -676,6 +581,195 @@ impl DraftModel {
             prepared.block_size,
             self.config.hidden_size,
         ])
+    }
+}
+
+/// One layer's attention inputs, `[batch, heads, length, head_dim]` each
+/// (key/value heads already repeated to the query heads).
+struct AttentionHeads {
+    /// The blocks' queries.
+    query: Tensor,
+    context_key: Tensor,
+    context_value: Tensor,
+    block_key: Tensor,
+    block_value: Tensor,
+    heads: i64,
+    head_dim: i64,
+    scale: f64,
+    /// The compute kind the probabilities go back to after the f32 softmax.
+    kind: Kind,
+}
+
+impl AttentionHeads {
+    /// Each query's scores over the keys of its own block,
+    /// `[batch, heads, queries, block_size]` in f32.
+    fn within_block_scores(&self, query: &Tensor, prepared: &PreparedBlocks) -> Tensor {
+        let (batch, num_blocks, block_size) =
+            (prepared.batch, prepared.num_blocks, prepared.block_size);
+        let shape = [batch, self.heads, num_blocks, block_size, self.head_dim];
+        (query.matmul(&self.block_key.view(shape).transpose(-2, -1)) * self.scale)
+            .to_kind(Kind::Float)
+            .view([batch, self.heads, num_blocks * block_size, block_size])
+    }
+
+    /// `probabilities` `[.., queries, block_size]` over the own block's
+    /// values, `[batch, heads, queries, head_dim]`.
+    fn within_block_output(&self, probabilities: &Tensor, prepared: &PreparedBlocks) -> Tensor {
+        let (batch, num_blocks, block_size) =
+            (prepared.batch, prepared.num_blocks, prepared.block_size);
+        probabilities
+            .view([batch, self.heads, num_blocks, block_size, block_size])
+            .matmul(&self.block_value.view([
+                batch,
+                self.heads,
+                num_blocks,
+                block_size,
+                self.head_dim,
+            ]))
+            .view([batch, self.heads, num_blocks * block_size, self.head_dim])
+    }
+
+    /// [`AttentionImplementation::Split`]: the scores over the context
+    /// materialised, one softmax over `[context ‖ own block]`.
+    fn split_attention(&self, context_visible: &Tensor, prepared: &PreparedBlocks) -> Tensor {
+        let (batch, num_blocks, block_size, context_len) = (
+            prepared.batch,
+            prepared.num_blocks,
+            prepared.block_size,
+            prepared.context_len,
+        );
+        let context_scores = (self.query.matmul(&self.context_key.transpose(-2, -1)) * self.scale)
+            .to_kind(Kind::Float)
+            .masked_fill(&context_visible.logical_not(), f64::NEG_INFINITY);
+        let block_query =
+            self.query
+                .view([batch, self.heads, num_blocks, block_size, self.head_dim]);
+        let block_scores = self.within_block_scores(&block_query, prepared);
+        let probabilities = Tensor::cat(&[&context_scores, &block_scores], -1)
+            .softmax(-1, Kind::Float)
+            .to_kind(self.kind);
+        let context_probabilities = probabilities.narrow(-1, 0, context_len);
+        let block_probabilities = probabilities.narrow(-1, context_len, block_size);
+        context_probabilities.matmul(&self.context_value)
+            + self.within_block_output(&block_probabilities, prepared)
+    }
+
+    /// [`AttentionImplementation::Fused`]: the context part chunk by chunk
+    /// through the fused kernel, merged with the within-block scores through
+    /// its log-sum-exp as one more softmax column.
+    fn fused_attention(
+        &self,
+        chunks: &[ContextAttentionChunk],
+        prepared: &PreparedBlocks,
+    ) -> Tensor {
+        let (batch, num_blocks, block_size) =
+            (prepared.batch, prepared.num_blocks, prepared.block_size);
+        let block_scores = self.within_block_scores(
+            &self
+                .query
+                .view([batch, self.heads, num_blocks, block_size, self.head_dim]),
+            prepared,
+        );
+        let (context_outputs, context_log_sum_exps): (Vec<Tensor>, Vec<Tensor>) = chunks
+            .iter()
+            .map(|chunk| self.context_chunk_attention(chunk, batch))
+            .unzip();
+        let context_output = Tensor::cat(&context_outputs, 2);
+        let context_log_sum_exp = Tensor::cat(&context_log_sum_exps, 2);
+        // The context as one more column of the within-block softmax.
+        let probabilities = Tensor::cat(&[block_scores, context_log_sum_exp.unsqueeze(-1)], -1)
+            .softmax(-1, Kind::Float)
+            .to_kind(self.kind);
+        self.within_block_output(&probabilities.narrow(-1, 0, block_size), prepared)
+            + probabilities.narrow(-1, block_size, 1) * context_output
+    }
+
+    /// One chunk's attention over its context: the output and the
+    /// differentiable log-sum-exp of its scores.
+    fn context_chunk_attention(
+        &self,
+        chunk: &ContextAttentionChunk,
+        batch: i64,
+    ) -> (Tensor, Tensor) {
+        let chunk_query = self.query.narrow(2, chunk.first_query, chunk.num_queries);
+        if chunk.context_len == 0 {
+            let no_context = Tensor::full(
+                [batch, self.heads, chunk.num_queries],
+                f64::NEG_INFINITY,
+                (Kind::Float, self.query.device()),
+            );
+            return (chunk_query.zeros_like(), no_context);
+        }
+        let key = self.context_key.narrow(2, 0, chunk.context_len);
+        let value = self.context_value.narrow(2, 0, chunk.context_len);
+        let (output, log_sum_exp) = fused_attention_with_log_sum_exp(
+            &chunk_query,
+            &key,
+            &value,
+            &chunk.additive_mask,
+            self.scale,
+        );
+        // d lse/dq = scale·Σ P·k and d lse/dk_j = scale·P_j·q: the
+        // attention of the detached query over the detached keys
+        // with the (attached) keys as values has the value Σ P·k
+        // and gives the keys exactly that second gradient.
+        let detached_query = chunk_query.detach();
+        let (key_average, _) = fused_attention_with_log_sum_exp(
+            &detached_query,
+            &key.detach(),
+            &key,
+            &chunk.additive_mask,
+            self.scale,
+        );
+        let key_average_value = key_average.detach();
+        let log_sum_exp_gradient_carrier = ((&chunk_query - &detached_query) * &key_average_value
+            + &detached_query * (&key_average - &key_average_value))
+            .sum_dim_intlist(-1, false, Kind::Float)
+            * self.scale;
+        let log_sum_exp = (log_sum_exp.detach().to_kind(Kind::Float)
+            + log_sum_exp_gradient_carrier)
+            .masked_fill(&chunk.without_context, f64::NEG_INFINITY);
+        (output, log_sum_exp)
+    }
+
+    /// [`AttentionImplementation::FusedConcatenated`]: one fused call per
+    /// chunk over `[its context ‖ its blocks' keys]`.
+    fn fused_concatenated_attention(
+        &self,
+        chunks: &[FusedAttentionChunk],
+        prepared: &PreparedBlocks,
+    ) -> Tensor {
+        let block_size = prepared.block_size;
+        let outputs: Vec<Tensor> = chunks
+            .iter()
+            .map(|chunk| {
+                let first_query = chunk.span.first_block * block_size;
+                let chunk_queries = chunk.span.num_blocks * block_size;
+                let context_len = chunk.span.context_len;
+                let keys = Tensor::cat(
+                    &[
+                        self.context_key.narrow(2, 0, context_len),
+                        self.block_key.narrow(2, first_query, chunk_queries),
+                    ],
+                    2,
+                );
+                let values = Tensor::cat(
+                    &[
+                        self.context_value.narrow(2, 0, context_len),
+                        self.block_value.narrow(2, first_query, chunk_queries),
+                    ],
+                    2,
+                );
+                fused_attention(
+                    &self.query.narrow(2, first_query, chunk_queries),
+                    &keys,
+                    &values,
+                    &chunk.additive_mask,
+                    self.scale,
+                )
+            })
+            .collect();
+        Tensor::cat(&outputs, 2)
     }
 }
 
@@ -765,48 +859,77 @@ struct ContextAttentionChunk {
     without_context: Tensor,
 }
 
-/// Chunks of blocks for [`AttentionImplementation::Fused`] and their masks.
-fn context_attention_chunks(
+/// A chunk of blocks of one fused-attention call: blocks
+/// `first_block..first_block + num_blocks`.
+#[derive(Debug, Clone, Copy)]
+struct ChunkSpan {
+    first_block: i64,
+    num_blocks: i64,
+    /// Context positions any block of the chunk may see (its largest anchor).
+    context_len: i64,
+}
+
+/// The blocks in chunks of `blocks_per_chunk` (the last one shorter), each
+/// with the context its largest anchor (over the batch) lets it see.
+fn chunk_spans(
     anchors: &Tensor,
     context_len: i64,
-    block_size: i64,
     blocks_per_chunk: i64,
-    kind: Kind,
-) -> Result<Vec<ContextAttentionChunk>, DraftError> {
+) -> Result<Vec<ChunkSpan>, DraftError> {
     let (batch, num_blocks) = anchors.size2()?;
-    let device = anchors.device();
     let anchor_values = Vec::<i64>::try_from(&anchors.to_device(Device::Cpu).flatten(0, -1))?;
-    let mut chunks = Vec::new();
+    let mut spans = Vec::new();
     let mut first_block = 0;
     while first_block < num_blocks {
         let chunk_blocks = blocks_per_chunk.min(num_blocks - first_block);
         let chunk_context =
             largest_anchor(&anchor_values, batch, num_blocks, first_block, chunk_blocks)
                 .clamp(0, context_len);
-        let chunk_queries = chunk_blocks * block_size;
-        let per_query_anchor = anchors
-            .narrow(1, first_block, chunk_blocks)
-            .unsqueeze(-1)
-            .expand([batch, chunk_blocks, block_size], false)
-            .reshape([batch, 1, chunk_queries]);
-        let without_context = per_query_anchor.le(0);
-        let positions =
-            Tensor::arange(chunk_context, (Kind::Int64, device)).view([1, 1, 1, chunk_context]);
-        let visible = positions
-            .lt_tensor(&per_query_anchor.unsqueeze(-1))
-            .logical_or(&positions.eq(0).logical_and(&without_context.unsqueeze(-1)));
-        let additive_mask = Tensor::zeros(visible.size(), (kind, device))
-            .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-        chunks.push(ContextAttentionChunk {
-            first_query: first_block * block_size,
-            num_queries: chunk_queries,
+        spans.push(ChunkSpan {
+            first_block,
+            num_blocks: chunk_blocks,
             context_len: chunk_context,
-            additive_mask,
-            without_context,
         });
         first_block += chunk_blocks;
     }
-    Ok(chunks)
+    Ok(spans)
+}
+
+/// 0 where `visible`, −∞ elsewhere.
+fn additive_mask(visible: &Tensor, kind: Kind, device: Device) -> Tensor {
+    Tensor::zeros(visible.size(), (kind, device))
+        .masked_fill(&visible.logical_not(), f64::NEG_INFINITY)
+}
+
+impl ContextAttentionChunk {
+    /// The chunk `span` of [`AttentionImplementation::Fused`] and its masks.
+    fn new(anchors: &Tensor, span: ChunkSpan, block_size: i64, kind: Kind) -> Self {
+        let batch = anchors.size()[0];
+        let device = anchors.device();
+        let chunk_queries = span.num_blocks * block_size;
+        let per_query_anchor = anchors
+            .narrow(1, span.first_block, span.num_blocks)
+            .unsqueeze(-1)
+            .expand([batch, span.num_blocks, block_size], false)
+            .reshape([batch, 1, chunk_queries]);
+        let without_context = per_query_anchor.le(0);
+        let positions = Tensor::arange(span.context_len, (Kind::Int64, device)).view([
+            1,
+            1,
+            1,
+            span.context_len,
+        ]);
+        let visible = positions
+            .lt_tensor(&per_query_anchor.unsqueeze(-1))
+            .logical_or(&positions.eq(0).logical_and(&without_context.unsqueeze(-1)));
+        ContextAttentionChunk {
+            first_query: span.first_block * block_size,
+            num_queries: chunk_queries,
+            context_len: span.context_len,
+            additive_mask: additive_mask(&visible, kind, device),
+            without_context,
+        }
+    }
 }
 
 /// The largest anchor of blocks `first_block..first_block + chunk_blocks`
@@ -829,45 +952,33 @@ fn largest_anchor(
         .unwrap_or(0)
 }
 
-/// One fused-attention call: blocks `first_block..first_block + num_blocks`.
+/// One fused-attention call of [`AttentionImplementation::FusedConcatenated`].
 struct FusedAttentionChunk {
-    first_block: i64,
-    num_blocks: i64,
-    /// Context positions any block of the chunk may see (its largest anchor).
-    context_len: i64,
+    span: ChunkSpan,
     /// `[batch, 1, chunk queries, context_len + chunk queries]`: 0 where
     /// visible, −∞ elsewhere (context before the anchor, the own block).
     additive_mask: Tensor,
 }
 
-/// Splits the blocks into chunks and builds each chunk's additive mask.
-fn fused_attention_chunks(
-    anchors: &Tensor,
-    context_len: i64,
-    block_size: i64,
-    blocks_per_chunk: i64,
-    kind: Kind,
-) -> Result<Vec<FusedAttentionChunk>, DraftError> {
-    let (batch, num_blocks) = anchors.size2()?;
-    let device = anchors.device();
-    let anchor_values = Vec::<i64>::try_from(&anchors.to_device(Device::Cpu).flatten(0, -1))?;
-    let mut chunks = Vec::new();
-    let mut first_block = 0;
-    while first_block < num_blocks {
-        let chunk_blocks = blocks_per_chunk.min(num_blocks - first_block);
-        let chunk_context =
-            largest_anchor(&anchor_values, batch, num_blocks, first_block, chunk_blocks)
-                .clamp(0, context_len);
-        let chunk_anchors = anchors.narrow(1, first_block, chunk_blocks);
-        let chunk_queries = chunk_blocks * block_size;
+impl FusedAttentionChunk {
+    /// The chunk `span` of [`AttentionImplementation::FusedConcatenated`]
+    /// and its additive mask.
+    fn new(anchors: &Tensor, span: ChunkSpan, block_size: i64, kind: Kind) -> Self {
+        let batch = anchors.size()[0];
+        let device = anchors.device();
+        let chunk_anchors = anchors.narrow(1, span.first_block, span.num_blocks);
+        let chunk_queries = span.num_blocks * block_size;
         // [batch, blocks, context]: position p visible when p < anchor.
-        let context_visible = Tensor::arange(chunk_context, (Kind::Int64, device))
-            .view([1, 1, chunk_context])
+        let context_visible = Tensor::arange(span.context_len, (Kind::Int64, device))
+            .view([1, 1, span.context_len])
             .lt_tensor(&chunk_anchors.unsqueeze(-1));
         let context_visible = context_visible
             .unsqueeze(2)
-            .expand([batch, chunk_blocks, block_size, chunk_context], false)
-            .reshape([batch, 1, chunk_queries, chunk_context]);
+            .expand(
+                [batch, span.num_blocks, block_size, span.context_len],
+                false,
+            )
+            .reshape([batch, 1, chunk_queries, span.context_len]);
         // Block-diagonal: a query sees the keys of its own block only.
         let block_of_position = Tensor::arange(chunk_queries, (Kind::Int64, device))
             .divide_scalar_mode(block_size, "floor");
@@ -877,17 +988,11 @@ fn fused_attention_chunks(
             .view([1, 1, chunk_queries, chunk_queries])
             .expand([batch, 1, chunk_queries, chunk_queries], false);
         let visible = Tensor::cat(&[context_visible, block_visible], -1);
-        let additive_mask = Tensor::zeros(visible.size(), (kind, device))
-            .masked_fill(&visible.logical_not(), f64::NEG_INFINITY);
-        chunks.push(FusedAttentionChunk {
-            first_block,
-            num_blocks: chunk_blocks,
-            context_len: chunk_context,
-            additive_mask,
-        });
-        first_block += chunk_blocks;
+        FusedAttentionChunk {
+            span,
+            additive_mask: additive_mask(&visible, kind, device),
+        }
     }
-    Ok(chunks)
 }
 
 /// Fused attention `softmax(q·kᵀ·scale + mask)·v` with libtorch's kernels:
@@ -902,16 +1007,8 @@ fn fused_attention(
     scale: f64,
 ) -> Tensor {
     if query.device() == Device::Cpu {
-        let (output, _log_sum_exp) = Tensor::internal_scaled_dot_product_flash_attention_for_cpu(
-            query,
-            key,
-            value,
-            0.0,
-            false,
-            Some(additive_mask),
-            scale,
-        );
-        output
+        // The same flash kernel call; its log-sum-exp is dropped.
+        fused_attention_with_log_sum_exp(query, key, value, additive_mask, scale).0
     } else {
         Tensor::scaled_dot_product_attention(
             query,

@@ -350,7 +350,6 @@ pub fn compute_objective_backward(
             "logits chunk of {chunk} blocks, expected at least 1"
         )));
     }
-    let block_size = model.config().block_size;
     let targets = block_targets(model, batch, gamma)?;
     let weight_sum = targets.weights.sum(Kind::Float).double_value(&[]);
     let train = weight_sum > 0.0;
@@ -359,43 +358,14 @@ pub fn compute_objective_backward(
         block_token_ids: &targets.block_token_ids,
         anchor_positions: &targets.anchors,
     };
-    // Chunked weighted cross-entropy over the draft hidden states (a leaf
-    // that requires grad): each chunk back-propagates into the leaf's grad.
-    let head = |draft_hidden: &Tensor| -> Result<(f64, Tensor), DraftError> {
-        let num_blocks = draft_hidden.size()[1];
-        let chunk_blocks = memory
-            .logits_chunk_blocks
-            .unwrap_or(num_blocks)
-            .clamp(1, num_blocks.max(1));
-        let mut weighted_cross_entropy = 0.0;
-        let mut correct_chunks = Vec::new();
-        let mut first_block = 0;
-        while first_block < num_blocks {
-            let blocks = chunk_blocks.min(num_blocks - first_block);
-            let hidden = draft_hidden
-                .narrow(1, first_block, blocks)
-                .narrow(2, 1, block_size - 1);
-            let labels = targets.labels.narrow(1, first_block, blocks);
-            let weights = targets.weights.narrow(1, first_block, blocks);
-            let logits = model.logits(&hidden);
-            let cross_entropy = -logits
-                .log_softmax(-1, Kind::Float)
-                .gather(-1, &labels.unsqueeze(-1), false)
-                .squeeze_dim(-1);
-            let chunk_sum = (&cross_entropy * &weights).sum(Kind::Float);
-            weighted_cross_entropy += chunk_sum.double_value(&[]);
-            if train {
-                chunk_sum.backward();
-            }
-            correct_chunks.push(tch::no_grad(|| {
-                logits
-                    .argmax(-1, false)
-                    .eq_tensor(&labels)
-                    .to_kind(Kind::Float)
-            }));
-            first_block += blocks;
-        }
-        Ok((weighted_cross_entropy, Tensor::cat(&correct_chunks, 1)))
+    let head = |draft_hidden: &Tensor| {
+        chunked_cross_entropy(
+            model,
+            &targets,
+            draft_hidden,
+            memory.logits_chunk_blocks,
+            train,
+        )
     };
     let (weighted_cross_entropy, correct) = if memory.checkpoint_layers && train {
         model.forward_backward_checkpointed(&inputs, head)?
@@ -424,6 +394,53 @@ pub fn compute_objective_backward(
         correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
         supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
     })
+}
+
+/// The weighted cross-entropy `Σ w·CE` over the draft hidden states (a
+/// leaf that requires grad when `train`), `chunk_blocks` blocks of logits at
+/// a time: each chunk back-propagates into the leaf's grad. Also which
+/// predictions were right, `[batch, blocks, block_size − 1]`.
+fn chunked_cross_entropy(
+    model: &DraftModel,
+    targets: &BlockTargets,
+    draft_hidden: &Tensor,
+    chunk_blocks: Option<i64>,
+    train: bool,
+) -> Result<(f64, Tensor), DraftError> {
+    let block_size = model.config().block_size;
+    let num_blocks = draft_hidden.size()[1];
+    let chunk_blocks = chunk_blocks
+        .unwrap_or(num_blocks)
+        .clamp(1, num_blocks.max(1));
+    let mut weighted_cross_entropy = 0.0;
+    let mut correct_chunks = Vec::new();
+    let mut first_block = 0;
+    while first_block < num_blocks {
+        let blocks = chunk_blocks.min(num_blocks - first_block);
+        let hidden = draft_hidden
+            .narrow(1, first_block, blocks)
+            .narrow(2, 1, block_size - 1);
+        let labels = targets.labels.narrow(1, first_block, blocks);
+        let weights = targets.weights.narrow(1, first_block, blocks);
+        let logits = model.logits(&hidden);
+        let cross_entropy = -logits
+            .log_softmax(-1, Kind::Float)
+            .gather(-1, &labels.unsqueeze(-1), false)
+            .squeeze_dim(-1);
+        let chunk_sum = (&cross_entropy * &weights).sum(Kind::Float);
+        weighted_cross_entropy += chunk_sum.double_value(&[]);
+        if train {
+            chunk_sum.backward();
+        }
+        correct_chunks.push(tch::no_grad(|| {
+            logits
+                .argmax(-1, false)
+                .eq_tensor(&labels)
+                .to_kind(Kind::Float)
+        }));
+        first_block += blocks;
+    }
+    Ok((weighted_cross_entropy, Tensor::cat(&correct_chunks, 1)))
 }
 
 /// A 1-D tensor's values as f64.

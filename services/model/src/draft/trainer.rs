@@ -170,11 +170,6 @@ impl DraftTrainer {
         &self.model
     }
 
-    /// The model, to choose its attention implementation.
-    pub fn model_mut(&mut self) -> &mut DraftModel {
-        &mut self.model
-    }
-
     pub fn progress(&self) -> &TrainingProgress {
         &self.progress
     }

@@ -253,11 +253,6 @@ impl TargetModel {
         &self.lm_head
     }
 
-    /// The final RMSNorm weight `[H]`, applied before the LM head.
-    pub fn final_norm_weight(&self) -> &Tensor {
-        &self.final_norm
-    }
-
     /// Hidden states after the decoder layers in `layer_ids` (HF
     /// `hidden_states[id + 1]`; for the last layer that is, as in HF, the
     /// output after the final norm), concatenated on the last dimension:
