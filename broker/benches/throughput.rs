@@ -3,7 +3,9 @@
 //! drafters, and many small items through one broker.
 //!
 //! `cargo bench -p dflash-broker --bench throughput` (`make bench`); add
-//! `-- --quick` for a short run. Prints:
+//! `-- --quick` for a short run, `-- --rounds N` for N relay/broker pairs
+//! per throughput configuration (medians shown), `-- --only
+//! throughput,wal,eos,small,seed` for some sections. Prints:
 //! 1. For 1 MiB and 16 MiB items with 1×1 and 4×4 producers × consumers: the
 //!    broker's GB/s (first send → last delivery received), a plain TCP
 //!    store-and-forward relay's GB/s moving the same bytes, their ratio, and
@@ -44,6 +46,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
+use dflash_proto::frames::Copies;
 use dflash_proto::v1 as proto;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -199,6 +202,41 @@ struct Transfer {
     server: ProcessCounters,
     clients: ProcessCounters,
     seconds: f64,
+    /// How the consumers' tensors came out (views on a frame, or joined).
+    copies: Copies,
+    /// How the broker received the large payloads (from its `/metrics`).
+    received: Received,
+}
+
+/// The broker's `dflash_broker_received_payloads_total` by frames.
+#[derive(Debug, Clone, Copy, Default)]
+struct Received {
+    one_frame: f64,
+    several_frames: f64,
+    slices: f64,
+}
+
+/// GET `/metrics` from the broker's metrics port and read the counters of
+/// how payloads arrived.
+fn scrape_received(metrics_port: u16) -> Received {
+    use std::io::{Read, Write};
+    let mut text = String::new();
+    if let Ok(mut socket) = std::net::TcpStream::connect(("127.0.0.1", metrics_port)) {
+        let _ = socket.write_all(b"GET /metrics HTTP/1.0\r\nHost: bench\r\n\r\n");
+        let _ = socket.read_to_string(&mut text);
+    }
+    let value = |prefix: &str| -> f64 {
+        text.lines()
+            .find(|line| line.starts_with(prefix))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0.0)
+    };
+    Received {
+        one_frame: value("dflash_broker_received_payloads_total{frames=\"one\"}"),
+        several_frames: value("dflash_broker_received_payloads_total{frames=\"several\"}"),
+        slices: value("dflash_broker_received_payload_slices_total"),
+    }
 }
 
 /// Moves `items` items of `item_bytes` through a broker process with
@@ -220,7 +258,13 @@ async fn broker_transfer_with(
     consumers: u64,
     extra: &[String],
 ) -> Transfer {
-    let (broker, address) = start_broker_with(producers, extra).await;
+    let metrics_port = free_port();
+    let mut flags = vec![
+        "--metrics-listen".to_string(),
+        format!("127.0.0.1:{metrics_port}"),
+    ];
+    flags.extend_from_slice(extra);
+    let (broker, address) = start_broker_with(producers, &flags).await;
     let client = BrokerClient::connect(address, ClientOptions::default())
         .await
         .expect("connect");
@@ -241,7 +285,7 @@ async fn broker_transfer_with(
                 received += delivery.sample.map_or(0, |sample| sample.payload_bytes());
                 handle.ack(vec![delivery.delivery_id]);
             }
-            received
+            (received, consumer.copies())
         }));
     }
     let server_before = broker.counters();
@@ -263,8 +307,11 @@ async fn broker_transfer_with(
         target.await.expect("target");
     }
     let mut bytes = 0;
+    let mut copies = Copies::default();
     for drafter in drafters {
-        bytes += drafter.await.expect("drafter");
+        let (received, drafter_copies) = drafter.await.expect("drafter");
+        bytes += received;
+        copies.add(drafter_copies);
     }
     let seconds = started.elapsed().as_secs_f64();
     let server = broker.counters().since(server_before);
@@ -279,6 +326,8 @@ async fn broker_transfer_with(
         server,
         clients,
         seconds,
+        copies,
+        received: scrape_received(metrics_port),
     }
 }
 
@@ -426,6 +475,8 @@ async fn relay_transfer(item_bytes: usize, items: u64, producers: u64, consumers
         server,
         clients,
         seconds,
+        copies: Copies::default(),
+        received: Received::default(),
     }
 }
 
@@ -482,27 +533,72 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
     latencies
 }
 
-fn per_gib(value: f64, bytes_per_second: f64, seconds: f64) -> f64 {
-    value / (bytes_per_second * seconds / f64::from(1u32 << 30))
+/// Sums of a configuration's rounds: GiB moved, and the counters.
+#[derive(Default)]
+struct Totals {
+    gib: f64,
+    server: ProcessCounters,
+    clients: ProcessCounters,
+    copies: Copies,
+    received: Received,
 }
 
-fn print_throughput(quick: bool, runtime: &tokio::runtime::Runtime) {
+impl Totals {
+    fn add(&mut self, transfer: &Transfer) {
+        self.gib += transfer.bytes_per_second * transfer.seconds / f64::from(1u32 << 30);
+        self.server.minor_faults += transfer.server.minor_faults;
+        self.server.cpu_seconds += transfer.server.cpu_seconds;
+        self.clients.minor_faults += transfer.clients.minor_faults;
+        self.clients.cpu_seconds += transfer.clients.cpu_seconds;
+        self.copies.add(transfer.copies);
+        self.received.one_frame += transfer.received.one_frame;
+        self.received.several_frames += transfer.received.several_frames;
+        self.received.slices += transfer.received.slices;
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn print_throughput(quick: bool, rounds: usize, runtime: &tokio::runtime::Runtime) {
     let total_bytes: u64 = if quick { 512 << 20 } else { 2 << 30 };
     println!(
-        "throughput: {} MiB per configuration over loopback; each relaying process (broker or relay) on its own",
+        "throughput: {} MiB per configuration and round over loopback, {rounds} round(s) of relay then broker, medians; each relaying process (broker or relay) on its own, both driven by this process",
         total_bytes >> 20
     );
     println!(
-        "{:>7} {:>5} {:>12} {:>12} {:>6} {:>16} {:>16} {:>15} {:>15}",
+        "{:>7} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}",
         "item",
         "p x c",
-        "broker GB/s",
-        "relay GB/s",
+        "broker",
+        "relay",
         "ratio",
-        "broker faults/GiB",
-        "relay faults/GiB",
-        "broker cpu s/GiB",
-        "relay cpu s/GiB"
+        "faults/",
+        "GiB",
+        "cpu s/",
+        "GiB",
+        "client",
+        "cpu s/GiB",
+        "1-frame",
+        "client"
+    );
+    println!(
+        "{:>7} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}",
+        "",
+        "",
+        "GB/s",
+        "GB/s",
+        "",
+        "broker",
+        "relay",
+        "broker",
+        "relay",
+        "broker",
+        "relay",
+        "payloads",
+        "joins"
     );
     runtime.block_on(async {
         for item_bytes in [1usize << 20, 16 << 20] {
@@ -512,36 +608,45 @@ fn print_throughput(quick: bool, runtime: &tokio::runtime::Runtime) {
                 // burst of load elsewhere on the machine hits both.
                 let _ = relay_transfer(item_bytes, producers * 2, producers, consumers).await;
                 let _ = broker_transfer(item_bytes, producers * 2, producers, consumers).await;
-                let relay = relay_transfer(item_bytes, items, producers, consumers).await;
-                let broker = broker_transfer(item_bytes, items, producers, consumers).await;
+                let (mut broker_rates, mut relay_rates, mut ratios) =
+                    (Vec::new(), Vec::new(), Vec::new());
+                let (mut broker_totals, mut relay_totals) = (Totals::default(), Totals::default());
+                for _ in 0..rounds.max(1) {
+                    let relay = relay_transfer(item_bytes, items, producers, consumers).await;
+                    let broker = broker_transfer(item_bytes, items, producers, consumers).await;
+                    broker_rates.push(broker.bytes_per_second);
+                    relay_rates.push(relay.bytes_per_second);
+                    ratios.push(broker.bytes_per_second / relay.bytes_per_second);
+                    broker_totals.add(&broker);
+                    relay_totals.add(&relay);
+                }
+                let received = broker_totals.received;
+                let large = received.one_frame + received.several_frames;
+                let copies = broker_totals.copies;
+                let delivered = (copies.sliced + copies.assembled).max(1) as f64;
                 println!(
-                    "{:>3} MiB {:>5} {:>12.2} {:>12.2} {:>6.2} {:>16.0} {:>16.0} {:>15.3} {:>15.3}",
+                    "{:>3} MiB {:>5} {:>7.2} {:>7.2} {:>6.2} {:>9.0} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>7.0}% {:>7.0}%",
                     item_bytes >> 20,
                     format!("{producers}x{consumers}"),
-                    broker.bytes_per_second / 1e9,
-                    relay.bytes_per_second / 1e9,
-                    broker.bytes_per_second / relay.bytes_per_second,
-                    per_gib(
-                        broker.server.minor_faults as f64,
-                        broker.bytes_per_second,
-                        broker.seconds
-                    ),
-                    per_gib(
-                        relay.server.minor_faults as f64,
-                        relay.bytes_per_second,
-                        relay.seconds
-                    ),
-                    per_gib(
-                        broker.server.cpu_seconds,
-                        broker.bytes_per_second,
-                        broker.seconds
-                    ),
-                    per_gib(
-                        relay.server.cpu_seconds,
-                        relay.bytes_per_second,
-                        relay.seconds
-                    ),
+                    median(broker_rates) / 1e9,
+                    median(relay_rates) / 1e9,
+                    median(ratios),
+                    broker_totals.server.minor_faults as f64 / broker_totals.gib,
+                    relay_totals.server.minor_faults as f64 / relay_totals.gib,
+                    broker_totals.server.cpu_seconds / broker_totals.gib,
+                    relay_totals.server.cpu_seconds / relay_totals.gib,
+                    broker_totals.clients.cpu_seconds / broker_totals.gib,
+                    relay_totals.clients.cpu_seconds / relay_totals.gib,
+                    100.0 * received.one_frame / large.max(1.0),
+                    100.0 * copies.assembled as f64 / delivered,
                 );
+                if received.several_frames > 0.0 {
+                    println!(
+                        "{:>13} payloads across frames held as {:.1} slices each (not copied)",
+                        "",
+                        received.slices / received.several_frames
+                    );
+                }
             }
         }
     });
@@ -823,13 +928,42 @@ fn main() {
         return;
     }
     let quick = arguments.iter().any(|argument| argument == "--quick");
-    if arguments.iter().any(|argument| argument == "--wal-only") {
-        print_write_ahead_log(quick, &runtime);
-        return;
+    // `--rounds N`: relay/broker pairs per throughput configuration (the
+    // table shows medians); `--only a,b`: just these sections (throughput,
+    // wal, eos, small, seed).
+    let value_of = |flag: &str| {
+        arguments
+            .iter()
+            .position(|argument| argument == flag)
+            .and_then(|position| arguments.get(position + 1))
+            .cloned()
+    };
+    let rounds = value_of("--rounds")
+        .map(|value| value.parse().expect("--rounds N"))
+        .unwrap_or(1);
+    let only = value_of("--only").or_else(|| {
+        arguments
+            .iter()
+            .any(|argument| argument == "--wal-only")
+            .then(|| "wal".to_string())
+    });
+    let runs = |section: &str| {
+        only.as_ref()
+            .is_none_or(|only| only.split(',').any(|name| name == section))
+    };
+    if runs("throughput") {
+        print_throughput(quick, rounds, &runtime);
     }
-    print_throughput(quick, &runtime);
-    print_write_ahead_log(quick, &runtime);
-    print_end_of_stream(quick, &runtime);
-    print_many_small(quick, &runtime);
-    print_seed_scenario(quick, &runtime);
+    if runs("wal") {
+        print_write_ahead_log(quick, &runtime);
+    }
+    if runs("eos") {
+        print_end_of_stream(quick, &runtime);
+    }
+    if runs("small") {
+        print_many_small(quick, &runtime);
+    }
+    if runs("seed") {
+        print_seed_scenario(quick, &runtime);
+    }
 }
