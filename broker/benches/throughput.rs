@@ -206,6 +206,26 @@ struct Transfer {
     copies: Copies,
     /// How the broker received the large payloads (from its `/metrics`).
     received: Received,
+    /// The broker's counters over the second half of the bytes, and the
+    /// GiB of that half: the steady state, after the heap grew.
+    second_half: Option<(ProcessCounters, f64)>,
+    /// The broker's peak RSS (VmHWM); not read for the relay, which has
+    /// exited by then.
+    peak_rss_mib: f64,
+}
+
+/// A process's peak resident set (VmHWM) in MiB.
+fn peak_rss_mib(pid: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
 }
 
 /// The broker's `dflash_broker_received_payloads_total` by frames.
@@ -271,9 +291,14 @@ async fn broker_transfer_with(
     let payload = sample(item_bytes);
     let per_producer = items / producers;
 
+    // Bytes received so far by all drafters: the broker's counters are
+    // read again once half the bytes arrived, so the second half shows the
+    // steady state (the first includes growing the heap to its peak).
+    let progress = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut drafters = Vec::new();
     for index in 0..consumers {
         let client = client.clone();
+        let progress = progress.clone();
         drafters.push(tokio::spawn(async move {
             let mut consumer = client
                 .consume(&format!("d{index}"), proto::Credit { items: 4, bytes: 0 })
@@ -282,7 +307,9 @@ async fn broker_transfer_with(
             let handle = consumer.handle();
             let mut received = 0u64;
             while let Ok(ConsumerEvent::Delivery(delivery)) = consumer.next().await {
-                received += delivery.sample.map_or(0, |sample| sample.payload_bytes());
+                let bytes = delivery.sample.map_or(0, |sample| sample.payload_bytes());
+                received += bytes;
+                progress.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
                 handle.ack(vec![delivery.delivery_id]);
             }
             (received, consumer.copies())
@@ -303,6 +330,20 @@ async fn broker_transfer_with(
             None,
         )));
     }
+    let total = per_producer * producers * item_bytes as u64;
+    let halfway = {
+        let progress = progress.clone();
+        let pid = broker.pid.clone();
+        tokio::spawn(async move {
+            while progress.load(std::sync::atomic::Ordering::Relaxed) < total / 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            (
+                ProcessCounters::read(&pid),
+                progress.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        })
+    };
     for target in targets {
         target.await.expect("target");
     }
@@ -314,13 +355,15 @@ async fn broker_transfer_with(
         copies.add(drafter_copies);
     }
     let seconds = started.elapsed().as_secs_f64();
-    let server = broker.counters().since(server_before);
+    let server_after = broker.counters();
+    let server = server_after.since(server_before);
     let clients = ProcessCounters::read("self").since(clients_before);
     assert_eq!(
         bytes,
         per_producer * producers * item_bytes as u64,
         "bytes lost"
     );
+    let (server_halfway, bytes_halfway) = halfway.await.expect("halfway");
     Transfer {
         bytes_per_second: bytes as f64 / seconds,
         server,
@@ -328,6 +371,11 @@ async fn broker_transfer_with(
         seconds,
         copies,
         received: scrape_received(metrics_port),
+        second_half: Some((
+            server_after.since(server_halfway),
+            (bytes - bytes_halfway) as f64 / f64::from(1u32 << 30),
+        )),
+        peak_rss_mib: peak_rss_mib(&broker.pid),
     }
 }
 
@@ -477,6 +525,8 @@ async fn relay_transfer(item_bytes: usize, items: u64, producers: u64, consumers
         seconds,
         copies: Copies::default(),
         received: Received::default(),
+        second_half: None,
+        peak_rss_mib: 0.0,
     }
 }
 
@@ -541,6 +591,9 @@ struct Totals {
     clients: ProcessCounters,
     copies: Copies,
     received: Received,
+    second_half_faults: u64,
+    second_half_gib: f64,
+    peak_rss_mib: f64,
 }
 
 impl Totals {
@@ -554,6 +607,11 @@ impl Totals {
         self.received.one_frame += transfer.received.one_frame;
         self.received.several_frames += transfer.received.several_frames;
         self.received.slices += transfer.received.slices;
+        if let Some((counters, gib)) = transfer.second_half {
+            self.second_half_faults += counters.minor_faults;
+            self.second_half_gib += gib;
+        }
+        self.peak_rss_mib = self.peak_rss_mib.max(transfer.peak_rss_mib);
     }
 }
 
@@ -640,13 +698,20 @@ fn print_throughput(quick: bool, rounds: usize, runtime: &tokio::runtime::Runtim
                     100.0 * received.one_frame / large.max(1.0),
                     100.0 * copies.assembled as f64 / delivered,
                 );
-                if received.several_frames > 0.0 {
-                    println!(
-                        "{:>13} payloads across frames held as {:.1} slices each (not copied)",
-                        "",
-                        received.slices / received.several_frames
-                    );
-                }
+                println!(
+                    "{:>13} broker: {:.0} faults/GiB over the second half of the bytes (after the heap grew), peak RSS {:.0} MiB{}",
+                    "",
+                    broker_totals.second_half_faults as f64 / broker_totals.second_half_gib.max(1e-9),
+                    broker_totals.peak_rss_mib,
+                    if received.several_frames > 0.0 {
+                        format!(
+                            "; payloads across frames held as {:.1} slices each (not copied)",
+                            received.slices / received.several_frames
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
             }
         }
     });
