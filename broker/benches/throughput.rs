@@ -34,7 +34,9 @@
 //! guarantees): gRPC framing, HTTP/2 flow control, leases and the ledger.
 //!
 //! On a 2-core machine the clients and the relaying process share the
-//! cores; the ratio is what matters, not the absolute GB/s.
+//! cores; the ratio is what matters, not the absolute GB/s. The client
+//! process's glibc malloc keeps large blocks (`configure_allocator`, as the
+//! target-server and drafter-server do), for both sides' clients.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -970,6 +972,16 @@ fn print_write_ahead_log(quick: bool, runtime: &tokio::runtime::Runtime) {
 
 fn main() {
     let arguments: Vec<String> = std::env::args().collect();
+    if !arguments.iter().any(|argument| argument == "--serve-relay") {
+        // This process is the clients of both the broker and the relay:
+        // glibc malloc set up as the target-server and drafter-server set
+        // it up (large blocks kept for reuse), so neither side's clients
+        // pay a fresh mapping per received item. The relay stays a plain
+        // program on glibc's defaults.
+        let allocator =
+            dflash_service::configure_allocator(dflash_service::AllocatorMode::Retained);
+        eprintln!("bench clients: {allocator}");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
