@@ -4,7 +4,10 @@
 //! Concurrency: one mutex around the queue and the per-stream outboxes.
 //! Every operation runs under it and dispatches its effects before it is
 //! released, so a stream's messages leave in the order the queue decided
-//! them. Nothing under the lock blocks or copies payload bytes.
+//! them; only end-of-stream messages are sent just after it is released
+//! (their outboxes have left the map under it, so nothing can follow them),
+//! which keeps the fan-out to every drafter out of the lock. Nothing under
+//! the lock blocks or copies payload bytes.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -121,7 +124,13 @@ impl Locked {
         }
     }
 
-    fn dispatch(&mut self, effects: Vec<Effect<WirePayload>>) {
+    /// Routes effects to their streams. End-of-stream messages are returned
+    /// instead of sent: their outboxes have left the map, so nothing can
+    /// follow them, and the caller sends them once the lock is released
+    /// (the fan-out to every drafter then neither holds the lock nor wakes
+    /// streams whose closing would wait for it).
+    fn dispatch(&mut self, effects: Vec<Effect<WirePayload>>) -> Vec<Ending> {
+        let mut endings = Vec::new();
         for effect in effects {
             match effect {
                 Effect::Deliver {
@@ -164,16 +173,12 @@ impl Locked {
                     summary,
                 } => {
                     if let Some(outbox) = self.consumer_outboxes.remove(&connection) {
-                        let message = proto::ConsumeResponse {
-                            kind: Some(proto::consume_response::Kind::EndOfStream(
-                                proto::EndOfStream {
-                                    status: convert::run_status(outcome) as i32,
-                                    reason,
-                                    summary: Some(convert::summary_to_proto(&summary)),
-                                },
-                            )),
-                        };
-                        let _ = outbox.send(Ok(ConsumeOut::Message(message)));
+                        endings.push(Ending {
+                            outbox,
+                            outcome,
+                            reason,
+                            summary,
+                        });
                     }
                 }
                 Effect::CloseProducer {
@@ -195,6 +200,7 @@ impl Locked {
                 }
             }
         }
+        endings
     }
 
     fn send_to_producer(&self, connection: ConnectionId, message: proto::produce_response::Kind) {
@@ -203,6 +209,29 @@ impl Locked {
                 kind: Some(message),
             }));
         }
+    }
+}
+
+/// A Consume stream's end-of-stream, to be sent after the lock is released.
+struct Ending {
+    outbox: Outbox<ConsumeOut>,
+    outcome: crate::queue::RunOutcome,
+    reason: String,
+    summary: crate::queue::RunSummary,
+}
+
+impl Ending {
+    fn send(self) {
+        let message = proto::ConsumeResponse {
+            kind: Some(proto::consume_response::Kind::EndOfStream(
+                proto::EndOfStream {
+                    status: convert::run_status(self.outcome) as i32,
+                    reason: self.reason,
+                    summary: Some(convert::summary_to_proto(&self.summary)),
+                },
+            )),
+        };
+        let _ = self.outbox.send(Ok(ConsumeOut::Message(message)));
     }
 }
 
@@ -286,14 +315,14 @@ impl Shared {
 
     /// Runs one queue operation and dispatches its effects under the lock.
     fn with_queue<R>(&self, operation: impl FnOnce(&mut Locked, Instant) -> R) -> R {
-        let (result, room_freed, wake_ticker) = {
+        let (result, room_freed, wake_ticker, endings) = {
             let mut locked = self.locked.lock();
             let held_before = locked.queue.held_bytes();
             let state_before = locked.queue.state();
             let result = operation(&mut locked, Instant::now());
             locked.persist();
             let effects = locked.queue.take_effects();
-            locked.dispatch(effects);
+            let endings = locked.dispatch(effects);
             let room_freed =
                 locked.queue.held_bytes() < held_before || locked.queue.state() != state_before;
             let planned_wake = locked.ticker_wakes_at;
@@ -301,8 +330,11 @@ impl Shared {
                 .queue
                 .take_new_deadline()
                 .is_some_and(|deadline| planned_wake.is_none_or(|planned| deadline < planned));
-            (result, room_freed, wake_ticker)
+            (result, room_freed, wake_ticker, endings)
         };
+        for ending in endings {
+            ending.send();
+        }
         if wake_ticker {
             // Stores a permit when the ticker is busy, so no wake is lost.
             self.deadline_changed.notify_one();
