@@ -3,7 +3,9 @@
 //! drafters, and many small items through one broker.
 //!
 //! `cargo bench -p dflash-broker --bench throughput` (`make bench`); add
-//! `-- --quick` for a short run. Prints:
+//! `-- --quick` for a short run, `-- --rounds N` for N relay/broker pairs
+//! per throughput configuration (medians shown), `-- --only
+//! throughput,wal,eos,small,seed` for some sections. Prints:
 //! 1. For 1 MiB and 16 MiB items with 1×1 and 4×4 producers × consumers: the
 //!    broker's GB/s (first send → last delivery received), a plain TCP
 //!    store-and-forward relay's GB/s moving the same bytes, their ratio, and
@@ -32,7 +34,9 @@
 //! guarantees): gRPC framing, HTTP/2 flow control, leases and the ledger.
 //!
 //! On a 2-core machine the clients and the relaying process share the
-//! cores; the ratio is what matters, not the absolute GB/s.
+//! cores; the ratio is what matters, not the absolute GB/s. The client
+//! process's glibc malloc keeps large blocks (`configure_allocator`, as the
+//! target-server and drafter-server do), for both sides' clients.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -44,6 +48,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
+use dflash_proto::frames::Copies;
 use dflash_proto::v1 as proto;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -199,6 +204,61 @@ struct Transfer {
     server: ProcessCounters,
     clients: ProcessCounters,
     seconds: f64,
+    /// How the consumers' tensors came out (views on a frame, or joined).
+    copies: Copies,
+    /// How the broker received the large payloads (from its `/metrics`).
+    received: Received,
+    /// The broker's counters over the second half of the bytes, and the
+    /// GiB of that half: the steady state, after the heap grew.
+    second_half: Option<(ProcessCounters, f64)>,
+    /// The broker's peak RSS (VmHWM); not read for the relay, which has
+    /// exited by then.
+    peak_rss_mib: f64,
+}
+
+/// A process's peak resident set (VmHWM) in MiB.
+fn peak_rss_mib(pid: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|line| line.starts_with("VmHWM:"))
+                .and_then(|line| line.split_whitespace().nth(1))
+                .and_then(|kib| kib.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// The broker's `dflash_broker_received_payloads_total` by frames.
+#[derive(Debug, Clone, Copy, Default)]
+struct Received {
+    one_frame: f64,
+    several_frames: f64,
+    slices: f64,
+}
+
+/// GET `/metrics` from the broker's metrics port and read the counters of
+/// how payloads arrived.
+fn scrape_received(metrics_port: u16) -> Received {
+    use std::io::{Read, Write};
+    let mut text = String::new();
+    if let Ok(mut socket) = std::net::TcpStream::connect(("127.0.0.1", metrics_port)) {
+        let _ = socket.write_all(b"GET /metrics HTTP/1.0\r\nHost: bench\r\n\r\n");
+        let _ = socket.read_to_string(&mut text);
+    }
+    let value = |prefix: &str| -> f64 {
+        text.lines()
+            .find(|line| line.starts_with(prefix))
+            .and_then(|line| line.rsplit(' ').next())
+            .and_then(|value| value.parse().ok())
+            .unwrap_or(0.0)
+    };
+    Received {
+        one_frame: value("dflash_broker_received_payloads_total{frames=\"one\"}"),
+        several_frames: value("dflash_broker_received_payloads_total{frames=\"several\"}"),
+        slices: value("dflash_broker_received_payload_slices_total"),
+    }
 }
 
 /// Moves `items` items of `item_bytes` through a broker process with
@@ -220,16 +280,27 @@ async fn broker_transfer_with(
     consumers: u64,
     extra: &[String],
 ) -> Transfer {
-    let (broker, address) = start_broker_with(producers, extra).await;
+    let metrics_port = free_port();
+    let mut flags = vec![
+        "--metrics-listen".to_string(),
+        format!("127.0.0.1:{metrics_port}"),
+    ];
+    flags.extend_from_slice(extra);
+    let (broker, address) = start_broker_with(producers, &flags).await;
     let client = BrokerClient::connect(address, ClientOptions::default())
         .await
         .expect("connect");
     let payload = sample(item_bytes);
     let per_producer = items / producers;
 
+    // Bytes received so far by all drafters: the broker's counters are
+    // read again once half the bytes arrived, so the second half shows the
+    // steady state (the first includes growing the heap to its peak).
+    let progress = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut drafters = Vec::new();
     for index in 0..consumers {
         let client = client.clone();
+        let progress = progress.clone();
         drafters.push(tokio::spawn(async move {
             let mut consumer = client
                 .consume(&format!("d{index}"), proto::Credit { items: 4, bytes: 0 })
@@ -238,10 +309,12 @@ async fn broker_transfer_with(
             let handle = consumer.handle();
             let mut received = 0u64;
             while let Ok(ConsumerEvent::Delivery(delivery)) = consumer.next().await {
-                received += delivery.sample.map_or(0, |sample| sample.payload_bytes());
+                let bytes = delivery.sample.map_or(0, |sample| sample.payload_bytes());
+                received += bytes;
+                progress.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
                 handle.ack(vec![delivery.delivery_id]);
             }
-            received
+            (received, consumer.copies())
         }));
     }
     let server_before = broker.counters();
@@ -259,26 +332,52 @@ async fn broker_transfer_with(
             None,
         )));
     }
+    let total = per_producer * producers * item_bytes as u64;
+    let halfway = {
+        let progress = progress.clone();
+        let pid = broker.pid.clone();
+        tokio::spawn(async move {
+            while progress.load(std::sync::atomic::Ordering::Relaxed) < total / 2 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            (
+                ProcessCounters::read(&pid),
+                progress.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        })
+    };
     for target in targets {
         target.await.expect("target");
     }
     let mut bytes = 0;
+    let mut copies = Copies::default();
     for drafter in drafters {
-        bytes += drafter.await.expect("drafter");
+        let (received, drafter_copies) = drafter.await.expect("drafter");
+        bytes += received;
+        copies.add(drafter_copies);
     }
     let seconds = started.elapsed().as_secs_f64();
-    let server = broker.counters().since(server_before);
+    let server_after = broker.counters();
+    let server = server_after.since(server_before);
     let clients = ProcessCounters::read("self").since(clients_before);
     assert_eq!(
         bytes,
         per_producer * producers * item_bytes as u64,
         "bytes lost"
     );
+    let (server_halfway, bytes_halfway) = halfway.await.expect("halfway");
     Transfer {
         bytes_per_second: bytes as f64 / seconds,
         server,
         clients,
         seconds,
+        copies,
+        received: scrape_received(metrics_port),
+        second_half: Some((
+            server_after.since(server_halfway),
+            (bytes - bytes_halfway) as f64 / f64::from(1u32 << 30),
+        )),
+        peak_rss_mib: peak_rss_mib(&broker.pid),
     }
 }
 
@@ -426,6 +525,10 @@ async fn relay_transfer(item_bytes: usize, items: u64, producers: u64, consumers
         server,
         clients,
         seconds,
+        copies: Copies::default(),
+        received: Received::default(),
+        second_half: None,
+        peak_rss_mib: 0.0,
     }
 }
 
@@ -482,27 +585,80 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
     latencies
 }
 
-fn per_gib(value: f64, bytes_per_second: f64, seconds: f64) -> f64 {
-    value / (bytes_per_second * seconds / f64::from(1u32 << 30))
+/// Sums of a configuration's rounds: GiB moved, and the counters.
+#[derive(Default)]
+struct Totals {
+    gib: f64,
+    server: ProcessCounters,
+    clients: ProcessCounters,
+    copies: Copies,
+    received: Received,
+    second_half_faults: u64,
+    second_half_gib: f64,
+    peak_rss_mib: f64,
 }
 
-fn print_throughput(quick: bool, runtime: &tokio::runtime::Runtime) {
+impl Totals {
+    fn add(&mut self, transfer: &Transfer) {
+        self.gib += transfer.bytes_per_second * transfer.seconds / f64::from(1u32 << 30);
+        self.server.minor_faults += transfer.server.minor_faults;
+        self.server.cpu_seconds += transfer.server.cpu_seconds;
+        self.clients.minor_faults += transfer.clients.minor_faults;
+        self.clients.cpu_seconds += transfer.clients.cpu_seconds;
+        self.copies.add(transfer.copies);
+        self.received.one_frame += transfer.received.one_frame;
+        self.received.several_frames += transfer.received.several_frames;
+        self.received.slices += transfer.received.slices;
+        if let Some((counters, gib)) = transfer.second_half {
+            self.second_half_faults += counters.minor_faults;
+            self.second_half_gib += gib;
+        }
+        self.peak_rss_mib = self.peak_rss_mib.max(transfer.peak_rss_mib);
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn print_throughput(quick: bool, rounds: usize, runtime: &tokio::runtime::Runtime) {
     let total_bytes: u64 = if quick { 512 << 20 } else { 2 << 30 };
     println!(
-        "throughput: {} MiB per configuration over loopback; each relaying process (broker or relay) on its own",
+        "throughput: {} MiB per configuration and round over loopback, {rounds} round(s) of relay then broker, medians; each relaying process (broker or relay) on its own, both driven by this process",
         total_bytes >> 20
     );
     println!(
-        "{:>7} {:>5} {:>12} {:>12} {:>6} {:>16} {:>16} {:>15} {:>15}",
+        "{:>7} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}",
         "item",
         "p x c",
-        "broker GB/s",
-        "relay GB/s",
+        "broker",
+        "relay",
         "ratio",
-        "broker faults/GiB",
-        "relay faults/GiB",
-        "broker cpu s/GiB",
-        "relay cpu s/GiB"
+        "faults/",
+        "GiB",
+        "cpu s/",
+        "GiB",
+        "client",
+        "cpu s/GiB",
+        "1-frame",
+        "client"
+    );
+    println!(
+        "{:>7} {:>5} {:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}",
+        "",
+        "",
+        "GB/s",
+        "GB/s",
+        "",
+        "broker",
+        "relay",
+        "broker",
+        "relay",
+        "broker",
+        "relay",
+        "payloads",
+        "joins"
     );
     runtime.block_on(async {
         for item_bytes in [1usize << 20, 16 << 20] {
@@ -512,35 +668,51 @@ fn print_throughput(quick: bool, runtime: &tokio::runtime::Runtime) {
                 // burst of load elsewhere on the machine hits both.
                 let _ = relay_transfer(item_bytes, producers * 2, producers, consumers).await;
                 let _ = broker_transfer(item_bytes, producers * 2, producers, consumers).await;
-                let relay = relay_transfer(item_bytes, items, producers, consumers).await;
-                let broker = broker_transfer(item_bytes, items, producers, consumers).await;
+                let (mut broker_rates, mut relay_rates, mut ratios) =
+                    (Vec::new(), Vec::new(), Vec::new());
+                let (mut broker_totals, mut relay_totals) = (Totals::default(), Totals::default());
+                for _ in 0..rounds.max(1) {
+                    let relay = relay_transfer(item_bytes, items, producers, consumers).await;
+                    let broker = broker_transfer(item_bytes, items, producers, consumers).await;
+                    broker_rates.push(broker.bytes_per_second);
+                    relay_rates.push(relay.bytes_per_second);
+                    ratios.push(broker.bytes_per_second / relay.bytes_per_second);
+                    broker_totals.add(&broker);
+                    relay_totals.add(&relay);
+                }
+                let received = broker_totals.received;
+                let large = received.one_frame + received.several_frames;
+                let copies = broker_totals.copies;
+                let delivered = (copies.sliced + copies.assembled).max(1) as f64;
                 println!(
-                    "{:>3} MiB {:>5} {:>12.2} {:>12.2} {:>6.2} {:>16.0} {:>16.0} {:>15.3} {:>15.3}",
+                    "{:>3} MiB {:>5} {:>7.2} {:>7.2} {:>6.2} {:>9.0} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>7.0}% {:>7.0}%",
                     item_bytes >> 20,
                     format!("{producers}x{consumers}"),
-                    broker.bytes_per_second / 1e9,
-                    relay.bytes_per_second / 1e9,
-                    broker.bytes_per_second / relay.bytes_per_second,
-                    per_gib(
-                        broker.server.minor_faults as f64,
-                        broker.bytes_per_second,
-                        broker.seconds
-                    ),
-                    per_gib(
-                        relay.server.minor_faults as f64,
-                        relay.bytes_per_second,
-                        relay.seconds
-                    ),
-                    per_gib(
-                        broker.server.cpu_seconds,
-                        broker.bytes_per_second,
-                        broker.seconds
-                    ),
-                    per_gib(
-                        relay.server.cpu_seconds,
-                        relay.bytes_per_second,
-                        relay.seconds
-                    ),
+                    median(broker_rates) / 1e9,
+                    median(relay_rates) / 1e9,
+                    median(ratios),
+                    broker_totals.server.minor_faults as f64 / broker_totals.gib,
+                    relay_totals.server.minor_faults as f64 / relay_totals.gib,
+                    broker_totals.server.cpu_seconds / broker_totals.gib,
+                    relay_totals.server.cpu_seconds / relay_totals.gib,
+                    broker_totals.clients.cpu_seconds / broker_totals.gib,
+                    relay_totals.clients.cpu_seconds / relay_totals.gib,
+                    100.0 * received.one_frame / large.max(1.0),
+                    100.0 * copies.assembled as f64 / delivered,
+                );
+                println!(
+                    "{:>13} broker: {:.0} faults/GiB over the second half of the bytes (after the heap grew), peak RSS {:.0} MiB{}",
+                    "",
+                    broker_totals.second_half_faults as f64 / broker_totals.second_half_gib.max(1e-9),
+                    broker_totals.peak_rss_mib,
+                    if received.several_frames > 0.0 {
+                        format!(
+                            "; payloads across frames held as {:.1} slices each (not copied)",
+                            received.slices / received.several_frames
+                        )
+                    } else {
+                        String::new()
+                    }
                 );
             }
         }
@@ -800,6 +972,16 @@ fn print_write_ahead_log(quick: bool, runtime: &tokio::runtime::Runtime) {
 
 fn main() {
     let arguments: Vec<String> = std::env::args().collect();
+    if !arguments.iter().any(|argument| argument == "--serve-relay") {
+        // This process is the clients of both the broker and the relay:
+        // glibc malloc set up as the target-server and drafter-server set
+        // it up (large blocks kept for reuse), so neither side's clients
+        // pay a fresh mapping per received item. The relay stays a plain
+        // program on glibc's defaults.
+        let allocator =
+            dflash_service::configure_allocator(dflash_service::AllocatorMode::Retained);
+        eprintln!("bench clients: {allocator}");
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -823,13 +1005,42 @@ fn main() {
         return;
     }
     let quick = arguments.iter().any(|argument| argument == "--quick");
-    if arguments.iter().any(|argument| argument == "--wal-only") {
-        print_write_ahead_log(quick, &runtime);
-        return;
+    // `--rounds N`: relay/broker pairs per throughput configuration (the
+    // table shows medians); `--only a,b`: just these sections (throughput,
+    // wal, eos, small, seed).
+    let value_of = |flag: &str| {
+        arguments
+            .iter()
+            .position(|argument| argument == flag)
+            .and_then(|position| arguments.get(position + 1))
+            .cloned()
+    };
+    let rounds = value_of("--rounds")
+        .map(|value| value.parse().expect("--rounds N"))
+        .unwrap_or(1);
+    let only = value_of("--only").or_else(|| {
+        arguments
+            .iter()
+            .any(|argument| argument == "--wal-only")
+            .then(|| "wal".to_string())
+    });
+    let runs = |section: &str| {
+        only.as_ref()
+            .is_none_or(|only| only.split(',').any(|name| name == section))
+    };
+    if runs("throughput") {
+        print_throughput(quick, rounds, &runtime);
     }
-    print_throughput(quick, &runtime);
-    print_write_ahead_log(quick, &runtime);
-    print_end_of_stream(quick, &runtime);
-    print_many_small(quick, &runtime);
-    print_seed_scenario(quick, &runtime);
+    if runs("wal") {
+        print_write_ahead_log(quick, &runtime);
+    }
+    if runs("eos") {
+        print_end_of_stream(quick, &runtime);
+    }
+    if runs("small") {
+        print_many_small(quick, &runtime);
+    }
+    if runs("seed") {
+        print_seed_scenario(quick, &runtime);
+    }
 }

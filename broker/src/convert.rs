@@ -6,27 +6,36 @@ use std::sync::Arc;
 use dflash_proto::v1 as proto;
 use tonic::Status;
 
+use crate::payload::WireItem;
+
 use crate::queue::{
     ConsumerStats, Credit, DeadLetter, NackDisposition, Payload, ProducerStats, QueueError,
     RunState, RunStatus, RunSummary, Snapshot, TargetState,
 };
 
 /// The queue's payload on the wire side: the producer's item, shared so that
-/// a delivery and a redelivery never copy tensor bytes.
+/// a delivery and a redelivery never copy tensor bytes (each tensor's data
+/// is the slices of the frames it arrived in, see `payload`).
 #[derive(Debug, Clone)]
 pub struct WirePayload {
-    pub item: Arc<proto::Item>,
+    pub item: Arc<WireItem>,
     pub bytes: u64,
 }
 
 impl crate::wal::DurablePayload for WirePayload {
+    /// prost's encoding of the `Item` (the log's format is unchanged).
     fn encode_payload(&self) -> Vec<u8> {
-        prost::Message::encode_to_vec(self.item.as_ref())
+        // Into a growable buffer this cannot fail; prost's own encoding of
+        // the joined item is the (slower) same bytes.
+        self.item
+            .encode_to_vec()
+            .unwrap_or_else(|_| prost::Message::encode_to_vec(&self.item.to_proto()))
     }
 
     fn decode_payload(bytes: &[u8]) -> Result<Self, String> {
         let item: proto::Item =
             prost::Message::decode(bytes).map_err(|error| format!("item: {error}"))?;
+        let item = WireItem::from_proto(item);
         let bytes = item
             .sample
             .as_ref()

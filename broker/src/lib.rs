@@ -17,9 +17,14 @@
 //!   queue operations under one lock and routes effects to streams.
 //! - `server`: [`serve`], which adds health and reflection, the optional
 //!   metrics endpoint, and bounds shutdown.
-//! - `zero_copy`: the Consume route's response body, which sends each
-//!   payload from the queue's memory without copying it (every other method
-//!   is the generated server's).
+//! - `payload`: the broker's form of an item, each tensor's data kept as
+//!   the slices of the HTTP/2 frames it arrived in, decoded from a Produce
+//!   message as prost would (tested against prost) and encoded back.
+//! - `zero_copy`: the Produce and Consume routes, which move payloads from
+//!   a producer's stream to a drafter's without copying them: Produce
+//!   messages are decoded from the received frames, deliveries leave with
+//!   each payload as its own chunk (every other method is the generated
+//!   server's).
 //! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
 //! - `wal`: the write-ahead log under `--state-dir` (a segment log with a
 //!   CRC per record, compacted to the queue's byte cap on its own thread,
@@ -40,6 +45,7 @@ pub mod config;
 pub mod convert;
 pub mod metrics;
 pub mod model_sync;
+pub mod payload;
 pub mod queue;
 pub mod server;
 pub mod service;

@@ -10,6 +10,7 @@
 
 use dflash_telemetry::{Exposition, MetricKind};
 
+use crate::payload::ReceivedCounts;
 use crate::queue::{DrafterSnapshot, RunState, Snapshot, TargetSnapshot, TargetState};
 
 /// Every metric name starts with this.
@@ -17,12 +18,33 @@ pub const PREFIX: &str = "dflash_broker_";
 
 /// The text exposition (format 0.0.4) of `snapshot`.
 pub fn render(snapshot: &Snapshot) -> String {
+    render_with(snapshot, ReceivedCounts::default())
+}
+
+/// [`render`] with how large payloads arrived (counted outside the queue).
+pub fn render_with(snapshot: &Snapshot, received: ReceivedCounts) -> String {
     let mut out = Exposition::new();
     write_run(&mut out, snapshot);
     write_queue(&mut out, snapshot);
     write_targets(&mut out, &snapshot.targets);
     write_drafters(&mut out, &snapshot.drafters);
+    write_received(&mut out, received);
     out.finish()
+}
+
+fn write_received(out: &mut Exposition, received: ReceivedCounts) {
+    let mut payloads = out.family(
+        &name("received_payloads_total"),
+        "Tensors of at least 16 KiB in valid items received, by how their data arrived: within one HTTP/2 frame, or across several (kept as the frames' slices; neither is copied).",
+        MetricKind::Counter,
+    );
+    payloads.sample(&[("frames", "one")], received.one_frame as f64);
+    payloads.sample(&[("frames", "several")], received.several_frames as f64);
+    out.counter(
+        &name("received_payload_slices_total"),
+        "Frame slices the tensors that arrived across several frames are held as.",
+        received.slices as f64,
+    );
 }
 
 fn name(suffix: &str) -> String {

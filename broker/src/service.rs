@@ -4,7 +4,10 @@
 //! Concurrency: one mutex around the queue and the per-stream outboxes.
 //! Every operation runs under it and dispatches its effects before it is
 //! released, so a stream's messages leave in the order the queue decided
-//! them. Nothing under the lock blocks or copies payload bytes.
+//! them; only end-of-stream messages are sent just after it is released
+//! (their outboxes have left the map under it, so nothing can follow them),
+//! which keeps the fan-out to every drafter out of the lock. Nothing under
+//! the lock blocks or copies payload bytes.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -26,7 +29,8 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::config::BrokerConfig;
 use crate::convert::{self, WirePayload};
-use crate::queue::{ConnectionId, Effect, Queue, QueueError, RejectReason};
+use crate::payload::{ProduceIn, WireItem};
+use crate::queue::{ConnectionId, Delivery, Effect, Queue, QueueError, RejectReason};
 use crate::wal::{Wal, WalError};
 
 /// How long a new stream may take to send its hello.
@@ -42,10 +46,46 @@ const MIN_TICK_SPACING: Duration = Duration::from_millis(1);
 
 type Outbox<T> = mpsc::UnboundedSender<Result<T, Status>>;
 
+/// A Produce stream's messages, however they were decoded (from the
+/// received frames by the `zero_copy` route, or by tonic).
+pub type InboundProduce = Pin<Box<dyn Stream<Item = Result<ProduceIn, Status>> + Send>>;
+
+/// What a Consume stream sends: a delivery (encoded by the route with its
+/// payload passed through) or any other message.
+#[derive(Debug)]
+pub enum ConsumeOut {
+    Delivery(Delivery<WirePayload>),
+    Message(proto::ConsumeResponse),
+}
+
+impl ConsumeOut {
+    /// prost's message (the payload joined into one buffer per tensor: a
+    /// copy when it arrived in several frames). For the generated route;
+    /// the broker serves Consume through `zero_copy`.
+    pub fn into_proto(self) -> proto::ConsumeResponse {
+        match self {
+            ConsumeOut::Message(message) => message,
+            ConsumeOut::Delivery(delivery) => {
+                let item = delivery.payload.item.to_proto();
+                proto::ConsumeResponse {
+                    kind: Some(proto::consume_response::Kind::Delivery(proto::Delivery {
+                        delivery_id: delivery.delivery_id,
+                        target_id: delivery.target_id.to_string(),
+                        seq: delivery.seq,
+                        sample: item.sample,
+                        delivery_count: delivery.delivery_count,
+                        trace_context: item.trace_context,
+                    })),
+                }
+            }
+        }
+    }
+}
+
 /// What is guarded by the one lock.
 struct Locked {
     queue: Queue<WirePayload>,
-    consumer_outboxes: HashMap<ConnectionId, Outbox<proto::ConsumeResponse>>,
+    consumer_outboxes: HashMap<ConnectionId, Outbox<ConsumeOut>>,
     producer_outboxes: HashMap<ConnectionId, Outbox<proto::ProduceResponse>>,
     /// When the ticker will next wake on its own; an operation that creates
     /// an earlier deadline wakes it sooner.
@@ -84,7 +124,13 @@ impl Locked {
         }
     }
 
-    fn dispatch(&mut self, effects: Vec<Effect<WirePayload>>) {
+    /// Routes effects to their streams. End-of-stream messages are returned
+    /// instead of sent: their outboxes have left the map, so nothing can
+    /// follow them, and the caller sends them once the lock is released
+    /// (the fan-out to every drafter then neither holds the lock nor wakes
+    /// streams whose closing would wait for it).
+    fn dispatch(&mut self, effects: Vec<Effect<WirePayload>>) -> Vec<Ending> {
+        let mut endings = Vec::new();
         for effect in effects {
             match effect {
                 Effect::Deliver {
@@ -115,19 +161,10 @@ impl Locked {
                         );
                     }
                     let _entered = span.enter();
-                    let message = proto::ConsumeResponse {
-                        kind: Some(proto::consume_response::Kind::Delivery(proto::Delivery {
-                            delivery_id: delivery.delivery_id,
-                            target_id: delivery.target_id.to_string(),
-                            seq: delivery.seq,
-                            sample: delivery.payload.item.sample.clone(),
-                            delivery_count: delivery.delivery_count,
-                            trace_context: delivery.payload.item.trace_context.clone(),
-                        })),
-                    };
-                    // A closed receiver means the stream is going away; its
+                    // Encoded by the stream's body, outside the lock. A
+                    // closed receiver means the stream is going away; its
                     // guard returns the lease.
-                    let _ = outbox.send(Ok(message));
+                    let _ = outbox.send(Ok(ConsumeOut::Delivery(delivery)));
                 }
                 Effect::EndConsumer {
                     connection,
@@ -136,16 +173,12 @@ impl Locked {
                     summary,
                 } => {
                     if let Some(outbox) = self.consumer_outboxes.remove(&connection) {
-                        let message = proto::ConsumeResponse {
-                            kind: Some(proto::consume_response::Kind::EndOfStream(
-                                proto::EndOfStream {
-                                    status: convert::run_status(outcome) as i32,
-                                    reason,
-                                    summary: Some(convert::summary_to_proto(&summary)),
-                                },
-                            )),
-                        };
-                        let _ = outbox.send(Ok(message));
+                        endings.push(Ending {
+                            outbox,
+                            outcome,
+                            reason,
+                            summary,
+                        });
                     }
                 }
                 Effect::CloseProducer {
@@ -167,6 +200,7 @@ impl Locked {
                 }
             }
         }
+        endings
     }
 
     fn send_to_producer(&self, connection: ConnectionId, message: proto::produce_response::Kind) {
@@ -175,6 +209,29 @@ impl Locked {
                 kind: Some(message),
             }));
         }
+    }
+}
+
+/// A Consume stream's end-of-stream, to be sent after the lock is released.
+struct Ending {
+    outbox: Outbox<ConsumeOut>,
+    outcome: crate::queue::RunOutcome,
+    reason: String,
+    summary: crate::queue::RunSummary,
+}
+
+impl Ending {
+    fn send(self) {
+        let message = proto::ConsumeResponse {
+            kind: Some(proto::consume_response::Kind::EndOfStream(
+                proto::EndOfStream {
+                    status: convert::run_status(self.outcome) as i32,
+                    reason: self.reason,
+                    summary: Some(convert::summary_to_proto(&self.summary)),
+                },
+            )),
+        };
+        let _ = self.outbox.send(Ok(ConsumeOut::Message(message)));
     }
 }
 
@@ -194,6 +251,8 @@ pub(crate) struct Shared {
     /// This run's identity, in every welcome and snapshot. New on every start
     /// (a broker without durable state cannot continue an earlier run).
     pub(crate) run_id: String,
+    /// How the large payloads of accepted items arrived (in `/metrics`).
+    pub(crate) received: crate::payload::ReceivedPayloads,
     /// The model-sync service, whose status joins every snapshot.
     model_sync: std::sync::OnceLock<Arc<crate::model_sync::ModelSyncShared>>,
 }
@@ -241,6 +300,7 @@ impl Shared {
             shutdown,
             run_id,
             tasks: TaskTracker::new(),
+            received: crate::payload::ReceivedPayloads::default(),
             model_sync: std::sync::OnceLock::new(),
         }))
     }
@@ -255,14 +315,14 @@ impl Shared {
 
     /// Runs one queue operation and dispatches its effects under the lock.
     fn with_queue<R>(&self, operation: impl FnOnce(&mut Locked, Instant) -> R) -> R {
-        let (result, room_freed, wake_ticker) = {
+        let (result, room_freed, wake_ticker, endings) = {
             let mut locked = self.locked.lock();
             let held_before = locked.queue.held_bytes();
             let state_before = locked.queue.state();
             let result = operation(&mut locked, Instant::now());
             locked.persist();
             let effects = locked.queue.take_effects();
-            locked.dispatch(effects);
+            let endings = locked.dispatch(effects);
             let room_freed =
                 locked.queue.held_bytes() < held_before || locked.queue.state() != state_before;
             let planned_wake = locked.ticker_wakes_at;
@@ -270,8 +330,11 @@ impl Shared {
                 .queue
                 .take_new_deadline()
                 .is_some_and(|deadline| planned_wake.is_none_or(|planned| deadline < planned));
-            (result, room_freed, wake_ticker)
+            (result, room_freed, wake_ticker, endings)
         };
+        for ending in endings {
+            ending.send();
+        }
         if wake_ticker {
             // Stores a permit when the ticker is busy, so no wake is lost.
             self.deadline_changed.notify_one();
@@ -296,7 +359,7 @@ impl Shared {
     /// taken under the lock; the text is formatted after it is released.
     pub(crate) fn metrics_text(&self) -> String {
         let snapshot = self.locked.lock().queue.snapshot(Instant::now());
-        crate::metrics::render(&snapshot)
+        crate::metrics::render_with(&snapshot, self.received.counts())
     }
 
     /// Lease expiry, target liveness and throughput sampling: sleeps until
@@ -437,36 +500,45 @@ fn validate_id(kind: &str, id: &str) -> Result<(), Status> {
 }
 
 /// Waits for the stream's first message, which must be its hello.
-async fn first_message<T>(inbound: &mut Streaming<T>) -> Result<T, Status> {
-    match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
+async fn first_message<T, S>(inbound: &mut S) -> Result<T, Status>
+where
+    S: Stream<Item = Result<T, Status>> + Unpin,
+{
+    match tokio::time::timeout(HELLO_TIMEOUT, futures::StreamExt::next(inbound)).await {
         Err(_) => Err(Status::deadline_exceeded(format!(
             "no hello within {}s",
             HELLO_TIMEOUT.as_secs()
         ))),
-        Ok(Err(status)) => Err(status),
-        Ok(Ok(None)) => Err(Status::invalid_argument("stream ended before its hello")),
-        Ok(Ok(Some(message))) => Ok(message),
+        Ok(Some(Err(status))) => Err(status),
+        Ok(None) => Err(Status::invalid_argument("stream ended before its hello")),
+        Ok(Some(Ok(message))) => Ok(message),
     }
 }
 
 /// The stream's next message; `Ok(None)` when it ended or the broker is
 /// shutting down, `Err` when it broke (each reader then closes its queue
 /// connection).
-async fn next_request<T>(
+async fn next_request<T, S>(
     shutdown: &CancellationToken,
-    inbound: &mut Streaming<T>,
+    inbound: &mut S,
     connection: ConnectionId,
     role: &'static str,
-) -> Result<Option<T>, Status> {
+) -> Result<Option<T>, Status>
+where
+    S: Stream<Item = Result<T, Status>> + Unpin,
+{
     let message = tokio::select! {
         _ = shutdown.cancelled() => return Ok(None),
-        message = inbound.message() => message,
+        message = futures::StreamExt::next(inbound) => message,
     };
-    message.inspect_err(|status| debug!(connection, %status, role, "stream broke"))
+    message
+        .transpose()
+        .inspect_err(|status| debug!(connection, %status, role, "stream broke"))
 }
 
 /// Whether a broken inbound stream broke on a message over the decoding
-/// limit (tonic answers OUT_OF_RANGE before reading its body).
+/// limit (both decoders answer OUT_OF_RANGE, "too large", before reading
+/// its body).
 fn is_oversized_message(status: &Status) -> bool {
     status.code() == tonic::Code::OutOfRange && status.message().contains("too large")
 }
@@ -486,7 +558,7 @@ fn check_run_id(caller: &str, remembered: &str, current: &str) -> Result<(), Sta
 
 impl BrokerService {
     /// Validates a producer's item; the message names the bad value.
-    fn check_item(&self, item: &proto::Item) -> Result<u64, (RejectReason, String)> {
+    fn check_item(&self, item: &WireItem) -> Result<u64, (RejectReason, String)> {
         let Some(sample) = &item.sample else {
             return Err((
                 RejectReason::Malformed,
@@ -518,7 +590,7 @@ impl BrokerService {
         self,
         target_id: Arc<str>,
         connection: ConnectionId,
-        mut inbound: Streaming<proto::ProduceRequest>,
+        mut inbound: InboundProduce,
     ) {
         let shared = self.shared.clone();
         loop {
@@ -529,26 +601,26 @@ impl BrokerService {
                     Err(status) => {
                         if is_oversized_message(&status) {
                             self.refuse_oversized(&target_id, connection, &status);
+                        } else {
+                            self.end_broken_producer(&target_id, connection, status);
                         }
                         break;
                     }
                 };
-            match request.kind {
-                Some(proto::produce_request::Kind::Item(item)) => {
+            match request {
+                ProduceIn::Item(item) => {
                     if !self.accept_item(&target_id, connection, item).await {
                         break;
                     }
                 }
-                Some(proto::produce_request::Kind::Stats(stats)) => {
-                    shared.with_queue(|locked, now| {
-                        locked.queue.producer_stats(
-                            connection,
-                            convert::producer_stats_from_proto(stats),
-                            now,
-                        )
-                    })
-                }
-                Some(proto::produce_request::Kind::Hello(_)) | None => {
+                ProduceIn::Stats(stats) => shared.with_queue(|locked, now| {
+                    locked.queue.producer_stats(
+                        connection,
+                        convert::producer_stats_from_proto(stats),
+                        now,
+                    )
+                }),
+                ProduceIn::Hello(_) | ProduceIn::Empty => {
                     shared.with_queue(|locked, now| {
                         locked.queue.count_rejected(
                             connection,
@@ -593,16 +665,29 @@ impl BrokerService {
         });
     }
 
+    /// A Produce stream that broke on something other than an oversized
+    /// message (a malformed message, a reset): the target gets that status
+    /// as the stream's end, so it learns what was wrong. A stream the
+    /// target reset itself is gone, and the status goes nowhere.
+    fn end_broken_producer(&self, target_id: &str, connection: ConnectionId, status: Status) {
+        if matches!(
+            status.code(),
+            tonic::Code::InvalidArgument | tonic::Code::Internal
+        ) {
+            warn!(target_id, connection, %status, "malformed Produce stream; ended");
+        }
+        self.shared.with_queue(|locked, _now| {
+            if let Some(outbox) = locked.producer_outboxes.remove(&connection) {
+                let _ = outbox.send(Err(status));
+            }
+        });
+    }
+
     /// Accepts one item; false when the stream must end (replaced, run over).
     /// The `enqueue` span joins the trace of the span that made the sample
     /// and lasts until the item is queued, so time spent waiting for room
     /// (backpressure) shows in the trace.
-    async fn accept_item(
-        &self,
-        target_id: &str,
-        connection: ConnectionId,
-        item: proto::Item,
-    ) -> bool {
+    async fn accept_item(&self, target_id: &str, connection: ConnectionId, item: WireItem) -> bool {
         let span = tracing::debug_span!(
             target: TRACE_TARGET,
             "enqueue",
@@ -617,7 +702,7 @@ impl BrokerService {
         self.enqueue(connection, item).instrument(span).await
     }
 
-    async fn enqueue(&self, connection: ConnectionId, item: proto::Item) -> bool {
+    async fn enqueue(&self, connection: ConnectionId, item: WireItem) -> bool {
         let shared = &self.shared;
         let seq = item.seq;
         let bytes = match self.check_item(&item) {
@@ -638,6 +723,7 @@ impl BrokerService {
                 return true;
             }
         };
+        shared.received.record(&item);
         let payload = WirePayload {
             item: Arc::new(item),
             bytes,
@@ -763,20 +849,15 @@ impl BrokerService {
     }
 }
 
-#[tonic::async_trait]
-impl Broker for BrokerService {
-    type ProduceStream = GuardedStream<proto::ProduceResponse>;
-    type ConsumeStream = GuardedStream<proto::ConsumeResponse>;
-    type WatchStatusStream =
-        Pin<Box<dyn Stream<Item = Result<proto::StatusSnapshot, Status>> + Send>>;
-
-    async fn produce(
+impl BrokerService {
+    /// Opens a Produce stream on `inbound` (however it is decoded): the
+    /// hello, the welcome, then a reader task accepting its items.
+    pub(crate) async fn open_produce(
         &self,
-        request: Request<Streaming<proto::ProduceRequest>>,
-    ) -> Result<Response<Self::ProduceStream>, Status> {
-        let mut inbound = request.into_inner();
-        let hello = match first_message(&mut inbound).await?.kind {
-            Some(proto::produce_request::Kind::Hello(hello)) => hello,
+        mut inbound: InboundProduce,
+    ) -> Result<GuardedStream<proto::ProduceResponse>, Status> {
+        let hello = match first_message(&mut inbound).await? {
+            ProduceIn::Hello(hello) => hello,
             _ => {
                 return Err(Status::invalid_argument(
                     "the first Produce message must be a hello with target_id",
@@ -815,10 +896,89 @@ impl Broker for BrokerService {
         self.shared
             .tasks
             .spawn(self.clone().read_producer(target_id, connection, inbound));
-        Ok(Response::new(GuardedStream {
+        Ok(GuardedStream {
             inner: UnboundedReceiverStream::new(receiver),
             _guard: guard,
-        }))
+        })
+    }
+
+    /// Opens a Consume stream: the hello, the welcome, then a reader task
+    /// for acks and credit; deliveries leave through the returned stream.
+    pub(crate) async fn open_consume(
+        &self,
+        mut inbound: Streaming<proto::ConsumeRequest>,
+    ) -> Result<GuardedStream<ConsumeOut>, Status> {
+        let hello = match first_message(&mut inbound).await?.kind {
+            Some(proto::consume_request::Kind::Hello(hello)) => hello,
+            _ => {
+                return Err(Status::invalid_argument(
+                    "the first Consume message must be a hello with drafter_id",
+                ))
+            }
+        };
+        validate_id("drafter_id", &hello.drafter_id)?;
+        check_run_id(
+            &format!("drafter {:?}", hello.drafter_id),
+            &hello.run_id,
+            &self.shared.run_id,
+        )?;
+        let credit = convert::credit_from_proto(hello.credit);
+        let (outbox, receiver) = mpsc::unbounded_channel();
+        let lease_timeout_ms =
+            u64::try_from(self.shared.config.lease_timeout.as_millis()).unwrap_or(u64::MAX);
+        let connection = self
+            .shared
+            .with_queue(|locked, now| {
+                let welcome = proto::consume_response::Kind::Welcome(proto::ConsumerWelcome {
+                    summary: Some(convert::summary_to_proto(&locked.queue.summary())),
+                    lease_timeout_ms,
+                    run_id: self.shared.run_id.clone(),
+                });
+                let _ = outbox.send(Ok(ConsumeOut::Message(proto::ConsumeResponse {
+                    kind: Some(welcome),
+                })));
+                let connection = locked.queue.open_consumer(&hello.drafter_id, credit, now)?;
+                locked.consumer_outboxes.insert(connection, outbox);
+                Ok::<_, QueueError>(connection)
+            })
+            .inspect_err(
+                |error| warn!(drafter_id = %hello.drafter_id, %error, "Consume hello refused"),
+            )?;
+        info!(drafter_id = %hello.drafter_id, connection, credit_items = credit.items, "drafter connected");
+        let guard = ConnectionGuard {
+            shared: self.shared.clone(),
+            connection,
+            role: Role::Consumer,
+        };
+        self.shared
+            .tasks
+            .spawn(self.clone().read_consumer(connection, inbound));
+        Ok(GuardedStream {
+            inner: UnboundedReceiverStream::new(receiver),
+            _guard: guard,
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Broker for BrokerService {
+    type ProduceStream = GuardedStream<proto::ProduceResponse>;
+    type ConsumeStream = Pin<Box<dyn Stream<Item = Result<proto::ConsumeResponse, Status>> + Send>>;
+    type WatchStatusStream =
+        Pin<Box<dyn Stream<Item = Result<proto::StatusSnapshot, Status>> + Send>>;
+
+    /// tonic's decoding; the broker serves Produce through `zero_copy`,
+    /// which decodes from the received frames and calls [`Self::open_produce`].
+    async fn produce(
+        &self,
+        request: Request<Streaming<proto::ProduceRequest>>,
+    ) -> Result<Response<Self::ProduceStream>, Status> {
+        let inbound = futures::StreamExt::map(request.into_inner(), |request| {
+            request.map(ProduceIn::from_proto)
+        });
+        self.open_produce(Box::pin(inbound))
+            .await
+            .map(Response::new)
     }
 
     async fn report_done(
@@ -860,60 +1020,16 @@ impl Broker for BrokerService {
         }))
     }
 
+    /// Deliveries as prost messages; the broker serves Consume through
+    /// `zero_copy`, which passes each payload through.
     async fn consume(
         &self,
         request: Request<Streaming<proto::ConsumeRequest>>,
     ) -> Result<Response<Self::ConsumeStream>, Status> {
-        let mut inbound = request.into_inner();
-        let hello = match first_message(&mut inbound).await?.kind {
-            Some(proto::consume_request::Kind::Hello(hello)) => hello,
-            _ => {
-                return Err(Status::invalid_argument(
-                    "the first Consume message must be a hello with drafter_id",
-                ))
-            }
-        };
-        validate_id("drafter_id", &hello.drafter_id)?;
-        check_run_id(
-            &format!("drafter {:?}", hello.drafter_id),
-            &hello.run_id,
-            &self.shared.run_id,
-        )?;
-        let credit = convert::credit_from_proto(hello.credit);
-        let (outbox, receiver) = mpsc::unbounded_channel();
-        let lease_timeout_ms =
-            u64::try_from(self.shared.config.lease_timeout.as_millis()).unwrap_or(u64::MAX);
-        let connection = self
-            .shared
-            .with_queue(|locked, now| {
-                let welcome = proto::consume_response::Kind::Welcome(proto::ConsumerWelcome {
-                    summary: Some(convert::summary_to_proto(&locked.queue.summary())),
-                    lease_timeout_ms,
-                    run_id: self.shared.run_id.clone(),
-                });
-                let _ = outbox.send(Ok(proto::ConsumeResponse {
-                    kind: Some(welcome),
-                }));
-                let connection = locked.queue.open_consumer(&hello.drafter_id, credit, now)?;
-                locked.consumer_outboxes.insert(connection, outbox);
-                Ok::<_, QueueError>(connection)
-            })
-            .inspect_err(
-                |error| warn!(drafter_id = %hello.drafter_id, %error, "Consume hello refused"),
-            )?;
-        info!(drafter_id = %hello.drafter_id, connection, credit_items = credit.items, "drafter connected");
-        let guard = ConnectionGuard {
-            shared: self.shared.clone(),
-            connection,
-            role: Role::Consumer,
-        };
-        self.shared
-            .tasks
-            .spawn(self.clone().read_consumer(connection, inbound));
-        Ok(Response::new(GuardedStream {
-            inner: UnboundedReceiverStream::new(receiver),
-            _guard: guard,
-        }))
+        let outgoing = self.open_consume(request.into_inner()).await?;
+        let messages =
+            futures::StreamExt::map(outgoing, |message| message.map(ConsumeOut::into_proto));
+        Ok(Response::new(Box::pin(messages)))
     }
 
     async fn get_status(

@@ -1,215 +1,122 @@
-//! The `Consume` route without copying payloads: deliveries go to the
-//! drafter's HTTP/2 stream as the very `Bytes` the producer's item arrived
-//! in.
+//! The Produce and Consume routes without copying payloads: a tensor's
+//! bytes leave for the drafter's HTTP/2 stream from the very memory h2
+//! received them into from the producer's.
 //!
-//! tonic encodes every outgoing message into one contiguous buffer, which
-//! copies each 16 MiB payload once more per delivery (and, before
-//! [`dflash_proto::codec`], twice). This route serves
-//! `/dflash.v1.Broker/Consume` itself: the request stream is decoded by
-//! tonic as usual and handed to the same [`Broker::consume`] handler; only
-//! the response body differs. Each `ConsumeResponse` becomes the gRPC
-//! length prefix and the message's small fields in one buffer, with every
-//! large tensor passed through as its own chunk ([`grpc_frame`]),
-//! so h2 sends the payload straight from the queue's memory. The wire
-//! format is prost's, byte for byte (tested), so any gRPC client reads it.
+//! tonic would copy each payload twice inside the broker: it assembles every
+//! received message from its DATA frames into one decode buffer, and it
+//! encodes every outgoing message into one buffer. These routes serve
+//! `/dflash.v1.Broker/Produce` and `/dflash.v1.Broker/Consume` themselves
+//! and hand the messages to the same handlers ([`BrokerService`]'s
+//! `open_produce` and `open_consume`, which the generated trait methods
+//! call too):
+//! - Produce: the request body is read as gRPC messages made of slices of
+//!   the received frames ([`MessageReader`]), each decoded by
+//!   [`decode_produce_request`] so every large tensor's data stays those
+//!   slices (one when it came in one frame, several when it spanned
+//!   frames: never joined). Responses are small, one buffer each.
+//! - Consume: the request stream is decoded by tonic (small messages); each
+//!   delivery goes out as the gRPC prefix and small fields in buffers with
+//!   every slice of every large payload as its own chunk ([`grpc_frame`]).
 //!
-//! Every other method goes to the generated server unchanged.
+//! The wire format is prost's, byte for byte (tested), so any gRPC client
+//! or server on the other end reads and writes it. Every other method goes
+//! to the generated server unchanged.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes};
+use dflash_proto::frames::{self, Direction, MessageReader, PieceBody, Pieces};
 use dflash_proto::v1 as proto;
-use dflash_proto::v1::broker_server::{Broker, BrokerServer};
-use futures::Stream;
-use http_body::Frame;
+use dflash_proto::v1::broker_server::BrokerServer;
 use prost::encoding::{self, WireType};
-use prost::Message;
 use tonic::body::Body;
 use tonic::codec::Streaming;
 use tonic::server::NamedService;
 use tonic::Status;
 use tower::Service;
 
-use crate::service::BrokerService;
+use crate::convert::WirePayload;
+use crate::payload::{decode_produce_request, trace_context_len, ProduceIn};
+use crate::queue::Delivery;
+use crate::service::{BrokerService, ConsumeOut};
 
-/// `bytes` fields at least this long travel as their own chunk; shorter
-/// ones are copied into the message's buffer (a chunk costs more than a
-/// small copy).
-pub const ZERO_COPY_MIN_BYTES: usize = 16 << 10;
+pub use dflash_proto::frames::LARGE_PAYLOAD_BYTES as ZERO_COPY_MIN_BYTES;
 
+const PRODUCE_PATH: &str = "/dflash.v1.Broker/Produce";
 const CONSUME_PATH: &str = "/dflash.v1.Broker/Consume";
 
-/// Encodes one `ConsumeResponse` as a gRPC frame (uncompressed flag,
-/// big-endian length, prost's encoding) in pieces: every tensor's `data` of
-/// at least [`ZERO_COPY_MIN_BYTES`] is its own piece, sharing the queue's
-/// memory; everything else is copied into small buffers between them.
-///
-/// prost writes a message's fields in tag order, and proto3 leaves out
-/// default values, so a copy of a message with only some fields set encodes
-/// to exactly those fields' bytes. A `Delivery` is written as its fields
-/// 1-3, its `sample` (each tensor's fields 1-3, then the `data` field by
-/// hand), then fields 5-6; the test checks the result is prost's own
-/// encoding byte for byte.
-pub fn grpc_frame(message: &proto::ConsumeResponse) -> Result<Vec<Bytes>, Status> {
-    let length = message.encoded_len();
-    let length = u32::try_from(length).map_err(|_| {
-        Status::resource_exhausted(format!(
-            "a message of {length} bytes does not fit one gRPC frame"
-        ))
-    })?;
-    let mut pieces = Pieces::default();
-    pieces.current.put_u8(0);
-    pieces.current.put_u32(length);
-    match &message.kind {
-        Some(proto::consume_response::Kind::Delivery(delivery)) => {
-            encode_delivery(delivery, &mut pieces)?;
-        }
-        _ => encode_into(message, &mut pieces.current)?,
+/// One outgoing Consume message as a gRPC frame in pieces: a delivery with
+/// every large payload slice as its own piece (shared with the queue), any
+/// other message in one buffer.
+pub fn grpc_frame(message: ConsumeOut) -> Result<Vec<Bytes>, Status> {
+    match message {
+        ConsumeOut::Delivery(delivery) => encode_delivery(&delivery),
+        ConsumeOut::Message(message) => Ok(vec![Pieces::whole(&message)?]),
     }
+}
+
+// Field numbers of `ConsumeResponse.delivery` and `Delivery`.
+const CONSUME_RESPONSE_DELIVERY: u32 = 2;
+const DELIVERY_ID: u32 = 1;
+const DELIVERY_TARGET_ID: u32 = 2;
+const DELIVERY_SEQ: u32 = 3;
+const DELIVERY_SAMPLE: u32 = 4;
+const DELIVERY_COUNT: u32 = 5;
+const DELIVERY_TRACE_CONTEXT: u32 = 6;
+
+/// prost's encoding of `ConsumeResponse { delivery }`, written field by
+/// field in field-number order, leaving out proto3 defaults as prost does.
+fn encode_delivery(delivery: &Delivery<WirePayload>) -> Result<Vec<Bytes>, Status> {
+    let item = &delivery.payload.item;
+    let target_id = delivery.target_id.as_bytes();
+    let mut length = 0;
+    if delivery.delivery_id != 0 {
+        length += encoding::uint64::encoded_len(DELIVERY_ID, &delivery.delivery_id);
+    }
+    if !target_id.is_empty() {
+        length += frames::delimited_len(DELIVERY_TARGET_ID, target_id.len());
+    }
+    if delivery.seq != 0 {
+        length += encoding::uint64::encoded_len(DELIVERY_SEQ, &delivery.seq);
+    }
+    if let Some(sample) = &item.sample {
+        length += frames::delimited_len(DELIVERY_SAMPLE, sample.encoded_len());
+    }
+    if delivery.delivery_count != 0 {
+        length += encoding::uint32::encoded_len(DELIVERY_COUNT, &delivery.delivery_count);
+    }
+    length += trace_context_len(DELIVERY_TRACE_CONTEXT, &item.trace_context);
+
+    let mut pieces = Pieces::message(frames::delimited_len(CONSUME_RESPONSE_DELIVERY, length))?;
+    let buffer = pieces.buffer();
+    buffer.reserve(64 + target_id.len());
+    encoding::encode_key(CONSUME_RESPONSE_DELIVERY, WireType::LengthDelimited, buffer);
+    encoding::encode_varint(length as u64, buffer);
+    if delivery.delivery_id != 0 {
+        encoding::uint64::encode(DELIVERY_ID, &delivery.delivery_id, buffer);
+    }
+    if !target_id.is_empty() {
+        encoding::encode_key(DELIVERY_TARGET_ID, WireType::LengthDelimited, buffer);
+        encoding::encode_varint(target_id.len() as u64, buffer);
+        buffer.put_slice(target_id);
+    }
+    if delivery.seq != 0 {
+        encoding::uint64::encode(DELIVERY_SEQ, &delivery.seq, buffer);
+    }
+    if let Some(sample) = &item.sample {
+        sample.encode(DELIVERY_SAMPLE, &mut pieces)?;
+    }
+    let buffer = pieces.buffer();
+    if delivery.delivery_count != 0 {
+        encoding::uint32::encode(DELIVERY_COUNT, &delivery.delivery_count, buffer);
+    }
+    crate::payload::encode_trace_context(DELIVERY_TRACE_CONTEXT, &item.trace_context, buffer);
     Ok(pieces.finish())
 }
 
-/// Pieces of one frame: finished ones, and the small buffer being filled.
-#[derive(Debug, Default)]
-struct Pieces {
-    finished: Vec<Bytes>,
-    current: BytesMut,
-}
-
-impl Pieces {
-    fn pass_through(&mut self, bytes: &Bytes) {
-        if !self.current.is_empty() {
-            self.finished.push(self.current.split().freeze());
-        }
-        self.finished.push(bytes.clone());
-    }
-
-    fn finish(mut self) -> Vec<Bytes> {
-        if !self.current.is_empty() {
-            self.finished.push(self.current.split().freeze());
-        }
-        self.finished
-    }
-}
-
-/// prost's encoding appended to a growable buffer (which never runs out of
-/// room, so this fails only on a broken invariant).
-fn encode_into(message: &impl Message, buffer: &mut BytesMut) -> Result<(), Status> {
-    message
-        .encode(buffer)
-        .map_err(|error| Status::internal(format!("encoding a delivery: {error}")))
-}
-
-/// `ConsumeResponse.delivery` (field 2) with its payloads passed through.
-fn encode_delivery(delivery: &proto::Delivery, pieces: &mut Pieces) -> Result<(), Status> {
-    const CONSUME_RESPONSE_DELIVERY: u32 = 2;
-    const DELIVERY_SAMPLE: u32 = 4;
-    const SAMPLE_TENSORS: u32 = 1;
-    const TENSOR_DATA: u32 = 4;
-    let buffer = &mut pieces.current;
-    encoding::encode_key(CONSUME_RESPONSE_DELIVERY, WireType::LengthDelimited, buffer);
-    encoding::encode_varint(delivery.encoded_len() as u64, buffer);
-    let head = proto::Delivery {
-        delivery_id: delivery.delivery_id,
-        target_id: delivery.target_id.clone(),
-        seq: delivery.seq,
-        ..Default::default()
-    };
-    encode_into(&head, buffer)?;
-    if let Some(sample) = &delivery.sample {
-        encoding::encode_key(
-            DELIVERY_SAMPLE,
-            WireType::LengthDelimited,
-            &mut pieces.current,
-        );
-        encoding::encode_varint(sample.encoded_len() as u64, &mut pieces.current);
-        for tensor in &sample.tensors {
-            let buffer = &mut pieces.current;
-            encoding::encode_key(SAMPLE_TENSORS, WireType::LengthDelimited, buffer);
-            encoding::encode_varint(tensor.encoded_len() as u64, buffer);
-            let header = proto::Tensor {
-                name: tensor.name.clone(),
-                dtype: tensor.dtype,
-                shape: tensor.shape.clone(),
-                data: Bytes::new(),
-            };
-            encode_into(&header, buffer)?;
-            if tensor.data.is_empty() {
-                continue;
-            }
-            encoding::encode_key(TENSOR_DATA, WireType::LengthDelimited, buffer);
-            encoding::encode_varint(tensor.data.len() as u64, buffer);
-            if tensor.data.len() >= ZERO_COPY_MIN_BYTES {
-                pieces.pass_through(&tensor.data);
-            } else {
-                buffer.extend_from_slice(&tensor.data);
-            }
-        }
-    }
-    let tail = proto::Delivery {
-        delivery_count: delivery.delivery_count,
-        trace_context: delivery.trace_context.clone(),
-        ..Default::default()
-    };
-    encode_into(&tail, &mut pieces.current)
-}
-
-/// The response body of a Consume stream: the handler's messages as gRPC
-/// frames (in pieces), then the status in trailers.
-struct PieceBody<S> {
-    messages: Pin<Box<S>>,
-    pending: VecDeque<Bytes>,
-    finished: bool,
-}
-
-impl<S> http_body::Body for PieceBody<S>
-where
-    S: Stream<Item = Result<proto::ConsumeResponse, Status>> + Send,
-{
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        context: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        loop {
-            if let Some(piece) = self.pending.pop_front() {
-                return Poll::Ready(Some(Ok(Frame::data(piece))));
-            }
-            if self.finished {
-                return Poll::Ready(None);
-            }
-            let status = match self.messages.as_mut().poll_next(context) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(Some(Ok(message))) => match grpc_frame(&message) {
-                    Ok(pieces) => {
-                        self.pending.extend(pieces);
-                        continue;
-                    }
-                    Err(status) => status,
-                },
-                Poll::Ready(Some(Err(status))) => status,
-                Poll::Ready(None) => Status::ok(""),
-            };
-            self.finished = true;
-            let mut trailers = http::HeaderMap::new();
-            if let Err(status) = status.add_header(&mut trailers) {
-                tracing::warn!(%status, "a Consume status could not be written as trailers");
-            }
-            return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.finished && self.pending.is_empty()
-    }
-}
-
-/// `dflash.v1.Broker` with its Consume route served by [`PieceBody`] and
+/// `dflash.v1.Broker` with its Produce and Consume routes served here and
 /// every other method by the generated server.
 #[derive(Clone)]
 pub struct BrokerRoutes {
@@ -238,6 +145,81 @@ impl NamedService for BrokerRoutes {
 type RouteFuture =
     Pin<Box<dyn std::future::Future<Output = Result<http::Response<Body>, Infallible>> + Send>>;
 
+/// A gRPC response carrying `body`'s messages.
+fn grpc_response(body: Body) -> http::Response<Body> {
+    let mut response = http::Response::new(body);
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    response
+}
+
+/// Refuses a compressed request stream the way tonic's generated server
+/// does when it accepts no compression: UNIMPLEMENTED, naming the encoding.
+fn refuse_compression(headers: &http::HeaderMap) -> Result<(), Status> {
+    match headers.get("grpc-encoding") {
+        Some(encoding) if encoding != "identity" => Err(Status::unimplemented(format!(
+            "the request stream is compressed with {encoding:?}; this broker accepts uncompressed streams only"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+impl BrokerRoutes {
+    fn produce(&self, request: http::Request<Body>) -> RouteFuture {
+        let service = self.service.clone();
+        let message_limit = self.message_limit;
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            if let Err(status) = refuse_compression(&parts.headers) {
+                return Ok(status.into_http());
+            }
+            let mut decoded = 0u64;
+            let inbound = futures::StreamExt::map(
+                MessageReader::new(body, Direction::Request, message_limit),
+                move |message| {
+                    let message = message?;
+                    decoded += 1;
+                    decode_produce_request(message).map_err(|error| error.into_status(decoded))
+                },
+            );
+            let inbound: Pin<Box<dyn futures::Stream<Item = Result<ProduceIn, Status>> + Send>> =
+                Box::pin(inbound);
+            match service.open_produce(inbound).await {
+                Ok(answers) => Ok(grpc_response(Body::new(PieceBody::response(
+                    answers,
+                    |answer: proto::ProduceResponse| Ok(vec![Pieces::whole(&answer)?]),
+                )))),
+                Err(status) => Ok(status.into_http()),
+            }
+        })
+    }
+
+    fn consume(&self, request: http::Request<Body>) -> RouteFuture {
+        let service = self.service.clone();
+        let message_limit = self.message_limit;
+        Box::pin(async move {
+            let (parts, body) = request.into_parts();
+            if let Err(status) = refuse_compression(&parts.headers) {
+                return Ok(status.into_http());
+            }
+            let requests = Streaming::new_request(
+                tonic_prost::ProstDecoder::<proto::ConsumeRequest>::default(),
+                body,
+                None,
+                Some(message_limit),
+            );
+            match service.open_consume(requests).await {
+                Ok(outgoing) => Ok(grpc_response(Body::new(PieceBody::response(
+                    outgoing, grpc_frame,
+                )))),
+                Err(status) => Ok(status.into_http()),
+            }
+        })
+    }
+}
+
 impl Service<http::Request<Body>> for BrokerRoutes {
     type Response = http::Response<Body>;
     type Error = Infallible;
@@ -248,118 +230,16 @@ impl Service<http::Request<Body>> for BrokerRoutes {
     }
 
     fn call(&mut self, request: http::Request<Body>) -> RouteFuture {
-        if request.uri().path() != CONSUME_PATH {
-            let mut generated = self.generated.clone();
-            return Box::pin(async move { generated.call(request).await });
+        match request.uri().path() {
+            PRODUCE_PATH => self.produce(request),
+            CONSUME_PATH => self.consume(request),
+            _ => {
+                let mut generated = self.generated.clone();
+                Box::pin(async move { generated.call(request).await })
+            }
         }
-        let service = self.service.clone();
-        let message_limit = self.message_limit;
-        Box::pin(async move {
-            let (parts, body) = request.into_parts();
-            let requests = Streaming::new_request(
-                tonic_prost::ProstDecoder::<proto::ConsumeRequest>::default(),
-                body,
-                None,
-                Some(message_limit),
-            );
-            let request = tonic::Request::from_http(http::Request::from_parts(parts, requests));
-            let response = match Broker::consume(&service, request).await {
-                Ok(response) => response,
-                Err(status) => return Ok(status.into_http()),
-            };
-            let (metadata, messages, extensions) = response.into_parts();
-            let body = PieceBody {
-                messages: Box::pin(messages),
-                pending: VecDeque::new(),
-                finished: false,
-            };
-            let mut http_response = http::Response::new(Body::new(body));
-            *http_response.headers_mut() = metadata.into_headers();
-            *http_response.extensions_mut() = extensions;
-            http_response.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("application/grpc"),
-            );
-            Ok(http_response)
-        })
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn delivery(payload: Bytes) -> proto::ConsumeResponse {
-        proto::ConsumeResponse {
-            kind: Some(proto::consume_response::Kind::Delivery(proto::Delivery {
-                delivery_id: 9,
-                target_id: "target-3".into(),
-                seq: 41,
-                sample: Some(proto::Sample {
-                    tensors: vec![
-                        proto::Tensor::from_parts(
-                            "input_ids",
-                            proto::Dtype::I32,
-                            vec![4],
-                            Bytes::from(vec![1u8; 16]),
-                        ),
-                        proto::Tensor::from_parts(
-                            "hidden_states",
-                            proto::Dtype::U8,
-                            vec![payload.len() as u64],
-                            payload,
-                        ),
-                    ],
-                }),
-                delivery_count: 2,
-                trace_context: [("traceparent".to_string(), "00-ab-cd-01".to_string())]
-                    .into_iter()
-                    .collect(),
-            })),
-        }
-    }
-
-    fn joined(pieces: &[Bytes]) -> Vec<u8> {
-        pieces
-            .iter()
-            .flat_map(|piece| piece.iter().copied())
-            .collect()
-    }
-
-    /// The pieces are prost's encoding behind the gRPC prefix, byte for
-    /// byte, and the large payload is the queue's own memory.
-    #[test]
-    fn a_delivery_is_prosts_bytes_with_the_payload_passed_through() {
-        let payload = Bytes::from(
-            (0..(1u32 << 20))
-                .map(|value| value as u8)
-                .collect::<Vec<_>>(),
-        );
-        let message = delivery(payload.clone());
-        let pieces = grpc_frame(&message).unwrap();
-
-        let mut expected = vec![0u8];
-        expected.extend_from_slice(&(message.encoded_len() as u32).to_be_bytes());
-        expected.extend_from_slice(&message.encode_to_vec());
-        assert_eq!(joined(&pieces), expected);
-        assert!(
-            pieces
-                .iter()
-                .any(|piece| piece.as_ptr() == payload.as_ptr() && piece.len() == payload.len()),
-            "the payload was copied"
-        );
-        // Prefix and small fields, the payload, and the fields after it.
-        assert_eq!(pieces.len(), 3);
-    }
-
-    /// Small payloads are copied into one piece; decoding gives the message.
-    #[test]
-    fn small_messages_are_one_piece_and_decode_back() {
-        let message = delivery(Bytes::from(vec![3u8; 100]));
-        let pieces = grpc_frame(&message).unwrap();
-        assert_eq!(pieces.len(), 1);
-        let bytes = joined(&pieces);
-        let decoded = proto::ConsumeResponse::decode(&bytes[5..]).unwrap();
-        assert_eq!(decoded, message);
-    }
-}
+mod tests;

@@ -8,6 +8,10 @@
 //!   (`dflash/v1/model_sync.proto`: the shared draft model).
 //! - `codec`: the gRPC codec of every generated client and server (prost's,
 //!   encoding each message into one exact-size buffer).
+//! - `frames`: gRPC messages read from HTTP/2 DATA frames as slices of
+//!   those frames ([`frames::MessageReader`], [`frames::Rope`]) and written
+//!   with each large payload as its own chunk ([`frames::Pieces`]): no copy
+//!   of a payload on either side.
 //! - `credentials`: the bearer token and PEM files, read the same way by
 //!   the broker and every client.
 //! - `json`: enum names for the JSON form of status snapshots.
@@ -27,6 +31,7 @@ pub mod v1 {
 
 pub mod codec;
 pub mod credentials;
+pub mod frames;
 pub mod json;
 pub mod sample;
 pub mod tensor;

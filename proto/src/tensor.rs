@@ -99,6 +99,13 @@ impl Tensor {
     /// Checks that the name is set, the dtype known, and the byte length is
     /// exactly elements × element size.
     pub fn validate(&self) -> Result<(), TensorError> {
+        self.validate_length(self.data.len() as u64)
+    }
+
+    /// [`Tensor::validate`] for a tensor whose `actual` data bytes are held
+    /// elsewhere (the broker keeps a large payload as the slices of the
+    /// frames it arrived in).
+    pub fn validate_length(&self, actual: u64) -> Result<(), TensorError> {
         if self.name.is_empty() {
             return Err(TensorError::EmptyName);
         }
@@ -111,7 +118,6 @@ impl Tensor {
                 name: self.name.clone(),
                 shape: self.shape.clone(),
             })?;
-        let actual = self.data.len() as u64;
         if actual != expected {
             return Err(TensorError::ByteLength {
                 name: self.name.clone(),

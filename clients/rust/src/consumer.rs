@@ -2,10 +2,12 @@
 //! acks, nacks, credit and stats go out through a [`ConsumerHandle`], whose
 //! methods are synchronous so a training thread can ack after its step.
 
+use dflash_proto::frames::{Copies, PieceBody};
 use dflash_proto::v1 as proto;
-use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
+use futures::StreamExt;
 use tokio::sync::mpsc;
 
+use crate::wire::{self, ResponseMessages};
 use crate::ClientError;
 
 /// What the broker sent next.
@@ -70,7 +72,7 @@ pub struct Consumer {
     drafter_id: String,
     welcome: proto::ConsumerWelcome,
     handle: ConsumerHandle,
-    responses: tonic::Streaming<proto::ConsumeResponse>,
+    responses: ResponseMessages,
     ended: bool,
 }
 
@@ -85,11 +87,15 @@ impl std::fmt::Debug for Consumer {
 }
 
 impl Consumer {
+    /// Opens the stream on `channel`. Deliveries are decoded from the
+    /// received frames (`wire`): a tensor that arrived within one frame is
+    /// a view on it, one that spanned frames is joined once.
     pub(crate) async fn open(
-        mut client: GeneratedClient<crate::AuthChannel>,
+        mut channel: crate::AuthChannel,
         drafter_id: &str,
         credit: proto::Credit,
         run_id: &str,
+        max_message_bytes: usize,
     ) -> Result<Self, ClientError> {
         let (requests, receiver) = mpsc::unbounded_channel();
         let hello = proto::ConsumeRequest {
@@ -100,17 +106,22 @@ impl Consumer {
             })),
         };
         let _ = requests.send(hello);
-        let mut responses = client
-            .consume(tokio_stream::wrappers::UnboundedReceiverStream::new(
-                receiver,
-            ))
-            .await
-            .map_err(|status| ClientError::Call {
-                call: "Consume",
-                status,
-            })?
-            .into_inner();
-        let welcome = match responses.message().await {
+        let body = PieceBody::request(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(receiver).map(Ok),
+            |request: proto::ConsumeRequest| wire::whole(&request),
+        );
+        let mut responses = wire::call(
+            &mut channel,
+            wire::CONSUME_PATH,
+            tonic::body::Body::new(body),
+            max_message_bytes,
+        )
+        .await
+        .map_err(|status| ClientError::Call {
+            call: "Consume",
+            status,
+        })?;
+        let welcome = match responses.message::<proto::ConsumeResponse>().await {
             Ok(Some(proto::ConsumeResponse {
                 kind: Some(proto::consume_response::Kind::Welcome(welcome)),
             })) => welcome,
@@ -149,6 +160,12 @@ impl Consumer {
         self.handle.clone()
     }
 
+    /// How the tensors received so far came out: views on the frame they
+    /// arrived in, or joined once from several frames.
+    pub fn copies(&self) -> Copies {
+        self.responses.copies()
+    }
+
     /// The next delivery, or the end-of-stream. An error means the stream
     /// broke without end-of-stream (the broker went away): reconnect.
     pub async fn next(&mut self) -> Result<ConsumerEvent, ClientError> {
@@ -159,7 +176,7 @@ impl Consumer {
             });
         }
         loop {
-            match self.responses.message().await {
+            match self.responses.message::<proto::ConsumeResponse>().await {
                 Ok(Some(response)) => match response.kind {
                     Some(proto::consume_response::Kind::Delivery(delivery)) => {
                         return Ok(ConsumerEvent::Delivery(delivery))

@@ -12,6 +12,10 @@
 //!   nacks, credit and stats from any thread.
 //! - `security`: TLS, mutual TLS and the bearer token of every connection
 //!   ([`ClientSecurityArgs`], the flags every client role shares).
+//! - `wire`: the Produce and Consume streams' bodies without tonic's
+//!   copies: an item's tensors go out as their own chunks (no copy), a
+//!   delivery's tensors are views on the received HTTP/2 frames (joined
+//!   once only when one spans frames; [`Consumer::copies`] counts).
 //!
 //! A client remembers the broker's run id from its first welcome and each
 //! target's latest epoch, and sends them in later hellos and ReportDone: a
@@ -23,6 +27,7 @@
 mod consumer;
 mod producer;
 pub mod security;
+mod wire;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -308,13 +313,14 @@ impl BrokerClient {
     /// Opens a target's Produce stream on its own connection and waits for
     /// the welcome (which says where to resume).
     pub async fn produce(&self, target_id: &str) -> Result<Producer, ClientError> {
-        let client = Self::open_channel(&self.address, &self.options).await?;
+        let channel = connect_channel(&self.address, &self.options).await?;
         let run_id = self.session().run_id();
         let producer = Producer::open(
-            client,
+            channel,
             target_id,
             &run_id,
             self.options.producer_window_items,
+            self.options.max_message_bytes,
         )
         .await?;
         let mut session = self.session();
@@ -333,9 +339,16 @@ impl BrokerClient {
         drafter_id: &str,
         credit: proto::Credit,
     ) -> Result<Consumer, ClientError> {
-        let client = Self::open_channel(&self.address, &self.options).await?;
+        let channel = connect_channel(&self.address, &self.options).await?;
         let run_id = self.session().run_id();
-        let consumer = Consumer::open(client, drafter_id, credit, &run_id).await?;
+        let consumer = Consumer::open(
+            channel,
+            drafter_id,
+            credit,
+            &run_id,
+            self.options.max_message_bytes,
+        )
+        .await?;
         self.session().observe_run(&consumer.welcome().run_id)?;
         Ok(consumer)
     }

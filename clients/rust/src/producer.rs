@@ -4,11 +4,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use dflash_proto::frames::PieceBody;
 use dflash_proto::v1 as proto;
-use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
+use futures::StreamExt;
 use tokio::sync::{mpsc, Mutex, Semaphore};
 use tokio::task::JoinHandle;
 
+use crate::wire::{self, ResponseMessages};
 use crate::ClientError;
 
 /// What the broker answered for the items of one stream.
@@ -45,11 +47,14 @@ pub struct Producer {
 }
 
 impl Producer {
+    /// Opens the stream on `channel`. Items go out with each tensor's data
+    /// as its own chunk of the HTTP/2 body (`wire`): not copied.
     pub(crate) async fn open(
-        mut client: GeneratedClient<crate::AuthChannel>,
+        mut channel: crate::AuthChannel,
         target_id: &str,
         run_id: &str,
         window_items: usize,
+        max_message_bytes: usize,
     ) -> Result<Self, ClientError> {
         let (requests, receiver) = mpsc::channel(window_items.max(1));
         let hello = proto::ProduceRequest {
@@ -65,15 +70,22 @@ impl Producer {
                 stream: "Produce",
                 detail: "before hello".to_string(),
             })?;
-        let mut responses = client
-            .produce(tokio_stream::wrappers::ReceiverStream::new(receiver))
-            .await
-            .map_err(|status| ClientError::Call {
-                call: "Produce",
-                status,
-            })?
-            .into_inner();
-        let welcome = match responses.message().await {
+        let body = PieceBody::request(
+            tokio_stream::wrappers::ReceiverStream::new(receiver).map(Ok),
+            wire::produce_request,
+        );
+        let mut responses = wire::call(
+            &mut channel,
+            wire::PRODUCE_PATH,
+            tonic::body::Body::new(body),
+            max_message_bytes,
+        )
+        .await
+        .map_err(|status| ClientError::Call {
+            call: "Produce",
+            status,
+        })?;
+        let welcome = match responses.message::<proto::ProduceResponse>().await {
             Ok(Some(proto::ProduceResponse {
                 kind: Some(proto::produce_response::Kind::Welcome(welcome)),
             })) => welcome,
@@ -252,12 +264,12 @@ impl Drop for Producer {
 }
 
 async fn read_answers(
-    mut responses: tonic::Streaming<proto::ProduceResponse>,
+    mut responses: ResponseMessages,
     window: Arc<Semaphore>,
     answers: Arc<Mutex<Answers>>,
 ) {
     loop {
-        match responses.message().await {
+        match responses.message::<proto::ProduceResponse>().await {
             Ok(Some(response)) => {
                 let mut answers = answers.lock().await;
                 match response.kind {
