@@ -4,12 +4,15 @@
 //!
 //! - `forward`: the plain full forward a Hugging Face `model(input_ids)`
 //!   does (every layer, final norm, LM head), no output kept;
+//! - `forward to depth`: the forward up to the deepest DFlash layer, only
+//!   that layer's output kept (what capture cannot do with less);
 //! - `capture`: what the target-server does per batch: the forward up to
 //!   the deepest DFlash layer with the layers' outputs kept and
 //!   concatenated, cast to bf16, copied to host memory and cut into one
 //!   encoded `Sample` per sequence.
 //!
-//! Prints tokens/s of each (median over rounds) and capture / forward.
+//! Prints tokens/s of each (median over rounds), capture / forward and
+//! capture / forward to depth (the capture's own overhead).
 //! `scripts/bench/target_forward_hf.py` runs HF transformers' forward on the
 //! same model directory for the ratio against transformers.
 //!
@@ -141,12 +144,17 @@ fn main() -> anyhow::Result<()> {
     drop(model.logits(&input_ids, &mask)?);
     let warm = model.capture_hidden_states(&input_ids, &mask, &layer_ids)?;
     to_samples(&warm, &ids, rows as usize)?;
-    let (mut forward, mut capture) = (Vec::new(), Vec::new());
+    let deepest = layer_ids.iter().max().copied().unwrap_or(0);
+    let (mut forward, mut to_depth, mut capture) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..arguments.rounds {
         let started = Instant::now();
         let logits = model.logits(&input_ids, &mask)?;
         drop(logits);
         forward.push(tokens / started.elapsed().as_secs_f64());
+
+        let started = Instant::now();
+        drop(model.capture_hidden_states(&input_ids, &mask, &[deepest])?);
+        to_depth.push(tokens / started.elapsed().as_secs_f64());
 
         let started = Instant::now();
         let hidden = model.capture_hidden_states(&input_ids, &mask, &layer_ids)?;
@@ -155,13 +163,18 @@ fn main() -> anyhow::Result<()> {
         anyhow::ensure!(encoded == 3 * rows as usize, "every sample has 3 tensors");
     }
     let forward = median(&mut forward);
+    let to_depth = median(&mut to_depth);
     let capture = median(&mut capture);
     println!("forward (HF-style full forward, logits): {forward:.0} tokens/s");
+    println!("forward to layer {deepest} (its output only): {to_depth:.0} tokens/s");
     println!(
-        "capture (forward to layer {}, {} layers kept, bf16, host copy, samples): {capture:.0} tokens/s",
-        layer_ids.iter().max().copied().unwrap_or(0),
+        "capture (forward to layer {deepest}, {} layers kept, bf16, host copy, samples): {capture:.0} tokens/s",
         layer_ids.len()
     );
     println!("capture / forward: {:.3}", capture / forward);
+    println!(
+        "capture / forward to layer {deepest}: {:.3} (the capture's own cost)",
+        capture / to_depth
+    );
     Ok(())
 }
