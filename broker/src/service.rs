@@ -215,7 +215,7 @@ impl Locked {
 /// A Consume stream's end-of-stream, to be sent after the lock is released.
 struct Ending {
     outbox: Outbox<ConsumeOut>,
-    outcome: crate::queue::RunOutcome,
+    outcome: crate::queue::RunStatus,
     reason: String,
     summary: crate::queue::RunSummary,
 }
