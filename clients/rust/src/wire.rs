@@ -29,7 +29,11 @@ type ResponseBody = <AuthChannel as Service<http::Request<Body>>>::Response;
 
 /// The messages of a streaming call's response, then its status.
 pub(crate) struct ResponseMessages {
-    reader: MessageReader<<ResponseBody as HttpResponse>::Body>,
+    /// In a `Mutex` only so that `ResponseMessages` is `Sync` (tonic's body
+    /// is `Send` but not `Sync`, and callers hold `&Consumer` across
+    /// awaits in `Send` futures); it is only reached through `get_mut`,
+    /// which never locks.
+    reader: std::sync::Mutex<MessageReader<<ResponseBody as HttpResponse>::Body>>,
     copies: Copies,
     /// The status that ended the stream, once it ended.
     ended: Option<Status>,
@@ -56,7 +60,11 @@ impl ResponseMessages {
                     Err(status.clone())
                 };
             }
-            match self.reader.next().await {
+            let reader = self
+                .reader
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match reader.next().await {
                 Some(Ok(mut message)) => {
                     let decoded = T::decode(&mut message).map_err(|error| {
                         Status::internal(format!("the broker sent an undecodable message: {error}"))
@@ -66,7 +74,7 @@ impl ResponseMessages {
                 }
                 Some(Err(status)) => self.ended = Some(status),
                 None => {
-                    self.ended = Some(match self.reader.trailers().map(Status::from_header_map) {
+                    self.ended = Some(match reader.trailers().map(Status::from_header_map) {
                         Some(Some(status)) => status,
                         _ => Status::unknown("the broker's stream ended without a grpc-status"),
                     });
@@ -126,7 +134,11 @@ pub(crate) async fn call(
         return Err(http_status(response.status()));
     }
     Ok(ResponseMessages {
-        reader: MessageReader::new(response.into_body(), Direction::Response, max_message_bytes),
+        reader: std::sync::Mutex::new(MessageReader::new(
+            response.into_body(),
+            Direction::Response,
+            max_message_bytes,
+        )),
         copies: Copies::default(),
         ended: None,
     })
