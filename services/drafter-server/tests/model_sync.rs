@@ -381,8 +381,9 @@ async fn train(
 ///
 /// At this size the ratio center / one drafter spread from 0.95 to 1.16 in
 /// repeated runs (async scheduling decides who trains what), so the issue's
-/// 10 % is not asserted here; the bounds below still fail when the sync
-/// does nothing useful (independent drafters sit near 3x).
+/// 10 % is not asserted here (`model_sync_quality.rs` asserts it in a fixed
+/// interleaving); the bounds below still fail when the sync does nothing
+/// useful (independent drafters sit near 3x on average).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_synced_drafters_learn_like_one_and_better_than_three_independent() {
     let work = tempfile::tempdir().unwrap();
@@ -411,12 +412,17 @@ async fn three_synced_drafters_learn_like_one_and_better_than_three_independent(
         synced <= 1.5 * alone,
         "center {synced} far from one drafter's {alone}"
     );
-    for loss in &independent {
-        assert!(
-            synced < 0.6 * loss,
-            "center {synced} not clearly better than an independent drafter's {loss}"
-        );
-    }
+    // Against the independent drafters as a set: the shared queue deals
+    // items to whoever asks first, so one independent drafter that started
+    // early may train on most of the samples and come close to one drafter
+    // alone (a CI run saw 58.4, 23.5 and 56.9 beside a center of 19.1). A
+    // sync that does nothing leaves the center at the untrained loss or at
+    // one drafter's share, far above 0.6 of their mean.
+    let independent_mean = independent.iter().sum::<f64>() / independent.len() as f64;
+    assert!(
+        synced < 0.6 * independent_mean,
+        "center {synced} not clearly better than the independent drafters' mean {independent_mean}"
+    );
 }
 
 /// A broker restart: the center resumes from its last checkpoint, a sync
