@@ -198,15 +198,12 @@ fn reflection_services() -> Result<
     >,
     ServeError,
 > {
-    let v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
-    Ok((v1, v1alpha))
+    let described = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    Ok((described().build_v1()?, described().build_v1alpha()?))
 }
 
 /// The tasks that run beside the gRPC server: the queue's ticker, the model

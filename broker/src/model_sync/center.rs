@@ -217,6 +217,27 @@ impl UploadedTensor {
         self.shape.iter().product::<u64>() * self.dtype.element_bytes() as u64
     }
 
+    /// Calls `apply` on each chunk, in order, with the range of the
+    /// tensor's elements it holds; an error `apply` returns names this
+    /// tensor.
+    fn for_each_chunk(
+        &self,
+        mut apply: impl FnMut(std::ops::Range<usize>, &Bytes) -> Result<(), arith::LengthMismatch>,
+    ) -> Result<(), SyncError> {
+        let mut element_offset = 0usize;
+        for chunk in &self.chunks {
+            let elements = chunk.len() / self.dtype.element_bytes();
+            apply(element_offset..element_offset + elements, chunk).map_err(|error| {
+                SyncError::BadTensor {
+                    name: self.name.clone(),
+                    detail: error.to_string(),
+                }
+            })?;
+            element_offset += elements;
+        }
+        Ok(())
+    }
+
     /// Checks that `chunk` continues this tensor exactly: the same dtype and
     /// shape as its first chunk, at the next offset, whole elements, and not
     /// past the tensor's end.
@@ -765,10 +786,7 @@ fn add_delta(
     for uploaded in &upload.tensors {
         let index = center.by_name[&uploaded.name];
         let tensor = &mut center.tensors[index];
-        let mut element_offset = 0usize;
-        for chunk in &uploaded.chunks {
-            let elements = chunk.len() / uploaded.dtype.element_bytes();
-            let range = element_offset..element_offset + elements;
+        uploaded.for_each_chunk(|range, chunk| {
             let sum = if momentum {
                 Some(&mut tensor.delta_sum[range.clone()])
             } else {
@@ -781,12 +799,7 @@ fn add_delta(
                 uploaded.dtype,
                 learning_rate,
             )
-            .map_err(|error| SyncError::BadTensor {
-                name: uploaded.name.clone(),
-                detail: error.to_string(),
-            })?;
-            element_offset += elements;
-        }
+        })?;
     }
     Ok(())
 }
@@ -833,19 +846,7 @@ fn check_against_center(center: &Center, name: &str, shape: &[u64]) -> Result<()
 }
 
 fn decode_chunks(values: &mut [f32], uploaded: &UploadedTensor) -> Result<(), SyncError> {
-    let mut element_offset = 0usize;
-    for chunk in &uploaded.chunks {
-        let elements = chunk.len() / uploaded.dtype.element_bytes();
-        arith::decode_into(
-            &mut values[element_offset..element_offset + elements],
-            chunk,
-            uploaded.dtype,
-        )
-        .map_err(|error| SyncError::BadTensor {
-            name: uploaded.name.clone(),
-            detail: error.to_string(),
-        })?;
-        element_offset += elements;
-    }
-    Ok(())
+    uploaded.for_each_chunk(|range, chunk| {
+        arith::decode_into(&mut values[range], chunk, uploaded.dtype)
+    })
 }
