@@ -443,38 +443,11 @@ fn write_drafter_reported(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     use super::*;
-    use crate::queue::{
-        ConsumerStats, Credit, FailurePolicy, Payload, ProducerStats, Queue, QueueConfig,
-        RejectReason,
-    };
-
-    #[derive(Debug, Clone)]
-    struct TestPayload(u64);
-
-    impl Payload for TestPayload {
-        fn size_bytes(&self) -> u64 {
-            self.0
-        }
-    }
-
-    fn config(expected_targets: u32) -> QueueConfig {
-        QueueConfig {
-            target_ids: QueueConfig::default_target_ids(expected_targets),
-            max_queue_bytes: 1_000,
-            lease_timeout: Duration::from_secs(30),
-            max_deliveries: 3,
-            target_grace: Duration::from_secs(120),
-            target_startup_timeout: None,
-            on_target_failure: FailurePolicy::Abort,
-            target_stall_timeout: None,
-            target_load_timeout: None,
-            max_lease_lifetime: None,
-            keepalive_detection: None,
-        }
-    }
+    use crate::queue::tests::{config, TestPayload};
+    use crate::queue::{ConsumerStats, Credit, ProducerStats, Queue, RejectReason};
 
     /// Checks the text is well formed (every sample belongs to the family
     /// whose HELP and TYPE precede it, values parse) and returns
