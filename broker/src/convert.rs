@@ -9,8 +9,8 @@ use tonic::Status;
 use crate::payload::WireItem;
 
 use crate::queue::{
-    ConsumerStats, Credit, DeadLetter, NackDisposition, Payload, ProducerStats, QueueError,
-    RunState, RunStatus, RunSummary, Snapshot, TargetState,
+    ConsumerStats, Credit, DeadLetter, DrafterSnapshot, NackDisposition, Payload, ProducerStats,
+    QueueError, RunState, RunStatus, RunSummary, Snapshot, TargetSnapshot, TargetState,
 };
 
 /// The queue's payload on the wire side: the producer's item, shared so that
@@ -173,67 +173,19 @@ fn millis(duration: std::time::Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// The status snapshot on the wire. `run_id` and `model_sync` are left empty
+/// for the service to fill in.
 pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
-    let state = match snapshot.state {
-        RunState::Running => proto::BrokerState::Running,
-        RunState::Draining => proto::BrokerState::Draining,
-        RunState::Complete => proto::BrokerState::Complete,
-        RunState::Aborted => proto::BrokerState::Aborted,
-    };
     proto::StatusSnapshot {
-        state: state as i32,
+        state: run_state_to_proto(snapshot.state) as i32,
         expected_targets: snapshot.expected_targets,
         done_targets: snapshot.done_targets,
         queued_items: snapshot.queued_items,
         queued_bytes: snapshot.queued_bytes,
         leased_items: snapshot.leased_items,
         dead_letters: snapshot.summary.dead_letters,
-        targets: snapshot
-            .targets
-            .iter()
-            .map(|target| {
-                let (state, failure_reason) = match &target.state {
-                    TargetState::Connected { .. } => (proto::TargetState::Connected, String::new()),
-                    TargetState::Disconnected { .. } => {
-                        (proto::TargetState::Disconnected, String::new())
-                    }
-                    TargetState::Done => (proto::TargetState::Done, String::new()),
-                    TargetState::Failed { reason } => (proto::TargetState::Failed, reason.clone()),
-                };
-                proto::TargetStatus {
-                    target_id: target.target_id.clone(),
-                    state: state as i32,
-                    accepted_items: target.accepted_items,
-                    accepted_bytes: target.accepted_bytes,
-                    rejected_items: target.rejected_items,
-                    duplicate_items: target.duplicate_items,
-                    last_seen_ms_ago: millis(target.last_seen_ago),
-                    stats: target.stats.as_ref().map(producer_stats_to_proto),
-                    failure_reason,
-                    highest_seq: target.highest_seq,
-                }
-            })
-            .collect(),
-        drafters: snapshot
-            .drafters
-            .iter()
-            .map(|drafter| proto::DrafterStatus {
-                drafter_id: drafter.drafter_id.clone(),
-                connected: drafter.connected,
-                leased_items: drafter.leased_items,
-                delivered_items: drafter.delivered_items,
-                acked_items: drafter.acked_items,
-                nacked_items: drafter.nacked_items,
-                expired_leases: drafter.expired_leases,
-                last_seen_ms_ago: millis(drafter.last_seen_ago),
-                stats: drafter.stats.as_ref().map(consumer_stats_to_proto),
-                credit: Some(proto::Credit {
-                    items: drafter.credit.items,
-                    bytes: drafter.credit.bytes,
-                }),
-                leased_bytes: drafter.leased_bytes,
-            })
-            .collect(),
+        targets: snapshot.targets.iter().map(target_to_proto).collect(),
+        drafters: snapshot.drafters.iter().map(drafter_to_proto).collect(),
         accepted_items: snapshot.accepted_items,
         accepted_bytes: snapshot.accepted_bytes,
         delivered_items: snapshot.delivered_items,
@@ -257,5 +209,58 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
         run_id: String::new(),
         // Filled in by the service from the model-sync state.
         model_sync: None,
+    }
+}
+
+/// The run's state on the wire.
+fn run_state_to_proto(state: RunState) -> proto::BrokerState {
+    match state {
+        RunState::Running => proto::BrokerState::Running,
+        RunState::Draining => proto::BrokerState::Draining,
+        RunState::Complete => proto::BrokerState::Complete,
+        RunState::Aborted => proto::BrokerState::Aborted,
+    }
+}
+
+/// One target's status on the wire; the failure reason is empty unless it
+/// failed.
+fn target_to_proto(target: &TargetSnapshot) -> proto::TargetStatus {
+    let (state, failure_reason) = match &target.state {
+        TargetState::Connected { .. } => (proto::TargetState::Connected, String::new()),
+        TargetState::Disconnected { .. } => (proto::TargetState::Disconnected, String::new()),
+        TargetState::Done => (proto::TargetState::Done, String::new()),
+        TargetState::Failed { reason } => (proto::TargetState::Failed, reason.clone()),
+    };
+    proto::TargetStatus {
+        target_id: target.target_id.clone(),
+        state: state as i32,
+        accepted_items: target.accepted_items,
+        accepted_bytes: target.accepted_bytes,
+        rejected_items: target.rejected_items,
+        duplicate_items: target.duplicate_items,
+        last_seen_ms_ago: millis(target.last_seen_ago),
+        stats: target.stats.as_ref().map(producer_stats_to_proto),
+        failure_reason,
+        highest_seq: target.highest_seq,
+    }
+}
+
+/// One drafter's status on the wire.
+fn drafter_to_proto(drafter: &DrafterSnapshot) -> proto::DrafterStatus {
+    proto::DrafterStatus {
+        drafter_id: drafter.drafter_id.clone(),
+        connected: drafter.connected,
+        leased_items: drafter.leased_items,
+        delivered_items: drafter.delivered_items,
+        acked_items: drafter.acked_items,
+        nacked_items: drafter.nacked_items,
+        expired_leases: drafter.expired_leases,
+        last_seen_ms_ago: millis(drafter.last_seen_ago),
+        stats: drafter.stats.as_ref().map(consumer_stats_to_proto),
+        credit: Some(proto::Credit {
+            items: drafter.credit.items,
+            bytes: drafter.credit.bytes,
+        }),
+        leased_bytes: drafter.leased_bytes,
     }
 }

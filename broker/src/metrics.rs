@@ -96,7 +96,17 @@ fn write_run(out: &mut Exposition, snapshot: &Snapshot) {
     );
 }
 
+/// Writes the queue's series: its gauges (what it holds now), its counters
+/// (what passed through it), rejections by reason, and the ack rates.
 fn write_queue(out: &mut Exposition, snapshot: &Snapshot) {
+    write_queue_gauges(out, snapshot);
+    write_queue_counters(out, snapshot);
+    write_queue_rejections_and_rates(out, snapshot);
+}
+
+/// Writes what the queue holds now: queued and leased items and bytes, and
+/// its bound.
+fn write_queue_gauges(out: &mut Exposition, snapshot: &Snapshot) {
     let gauges = [
         (
             "queued_items",
@@ -127,6 +137,11 @@ fn write_queue(out: &mut Exposition, snapshot: &Snapshot) {
     for (suffix, help, value) in gauges {
         out.gauge(&name(suffix), help, value as f64);
     }
+}
+
+/// Writes the queue's counters: items and bytes accepted, deliveries,
+/// redeliveries, acks and dead letters.
+fn write_queue_counters(out: &mut Exposition, snapshot: &Snapshot) {
     let counters = [
         (
             "accepted_items_total",
@@ -162,6 +177,11 @@ fn write_queue(out: &mut Exposition, snapshot: &Snapshot) {
     for (suffix, help, value) in counters {
         out.counter(&name(suffix), help, value as f64);
     }
+}
+
+/// Writes the rejected items by reason and the acked items and bytes per
+/// second.
+fn write_queue_rejections_and_rates(out: &mut Exposition, snapshot: &Snapshot) {
     let mut rejected = out.family(
         &name("rejected_items_total"),
         "Items rejected, by reason.",
@@ -191,7 +211,16 @@ fn target_state_label(state: &TargetState) -> &'static str {
     }
 }
 
+/// Writes the per-target series: each target's state, what the broker
+/// counted for it, then what it reported about itself.
 fn write_targets(out: &mut Exposition, targets: &[TargetSnapshot]) {
+    write_target_states(out, targets);
+    write_target_series(out, targets);
+    write_target_reported(out, targets);
+}
+
+/// Writes one `target_state` series per target, the one for its state.
+fn write_target_states(out: &mut Exposition, targets: &[TargetSnapshot]) {
     let mut state = out.family(
         &name("target_state"),
         "Each target's state (the series with value 1).",
@@ -206,6 +235,11 @@ fn write_targets(out: &mut Exposition, targets: &[TargetSnapshot]) {
             1.0,
         );
     }
+}
+
+/// Writes what the broker counted for each target (accepted, rejected, last
+/// seen), labelled with the target's id.
+fn write_target_series(out: &mut Exposition, targets: &[TargetSnapshot]) {
     type TargetValue = fn(&TargetSnapshot) -> f64;
     let per_target: [(&str, &str, MetricKind, TargetValue); 3] = [
         (
@@ -233,7 +267,11 @@ fn write_targets(out: &mut Exposition, targets: &[TargetSnapshot]) {
             family.sample(&[("target_id", &target.target_id)], value(target));
         }
     }
-    // What the target itself reported (labelled with its device).
+}
+
+/// Writes what each target reported about itself, labelled with its id and
+/// device; a target that reported nothing yet has no series.
+fn write_target_reported(out: &mut Exposition, targets: &[TargetSnapshot]) {
     type StatsValue = fn(&crate::queue::ProducerStats) -> f64;
     let reported: [(&str, &str, MetricKind, StatsValue); 4] = [
         (
@@ -274,7 +312,16 @@ fn write_targets(out: &mut Exposition, targets: &[TargetSnapshot]) {
     }
 }
 
+/// Writes the per-drafter series: what the broker knows of each drafter,
+/// then what each drafter reported about itself.
 fn write_drafters(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
+    write_drafter_series(out, drafters);
+    write_drafter_reported(out, drafters);
+}
+
+/// Writes what the broker itself knows of each drafter (its stream, leases,
+/// deliveries and acks), labelled with the drafter's id.
+fn write_drafter_series(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
     type DrafterValue = fn(&DrafterSnapshot) -> f64;
     let per_drafter: [(&str, &str, MetricKind, DrafterValue); 8] = [
         (
@@ -332,6 +379,12 @@ fn write_drafters(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
             family.sample(&[("drafter_id", &drafter.drafter_id)], value(drafter));
         }
     }
+}
+
+/// Writes what each drafter reported about itself (rate, loss, steps),
+/// labelled with its id and device; a drafter that reported nothing yet has
+/// no series.
+fn write_drafter_reported(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
     type StatsValue = fn(&crate::queue::ConsumerStats) -> f64;
     let reported: [(&str, &str, MetricKind, StatsValue); 6] = [
         (
@@ -390,38 +443,11 @@ fn write_drafters(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
 
     use super::*;
-    use crate::queue::{
-        ConsumerStats, Credit, FailurePolicy, Payload, ProducerStats, Queue, QueueConfig,
-        RejectReason,
-    };
-
-    #[derive(Debug, Clone)]
-    struct TestPayload(u64);
-
-    impl Payload for TestPayload {
-        fn size_bytes(&self) -> u64 {
-            self.0
-        }
-    }
-
-    fn config(expected_targets: u32) -> QueueConfig {
-        QueueConfig {
-            target_ids: QueueConfig::default_target_ids(expected_targets),
-            max_queue_bytes: 1_000,
-            lease_timeout: Duration::from_secs(30),
-            max_deliveries: 3,
-            target_grace: Duration::from_secs(120),
-            target_startup_timeout: None,
-            on_target_failure: FailurePolicy::Abort,
-            target_stall_timeout: None,
-            target_load_timeout: None,
-            max_lease_lifetime: None,
-            keepalive_detection: None,
-        }
-    }
+    use crate::queue::tests::{config, TestPayload};
+    use crate::queue::{ConsumerStats, Credit, ProducerStats, Queue, RejectReason};
 
     /// Checks the text is well formed (every sample belongs to the family
     /// whose HELP and TYPE precede it, values parse) and returns

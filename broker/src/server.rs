@@ -7,13 +7,19 @@ use std::time::Duration;
 
 use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
 use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
+use tonic::transport::server::Router;
 use tonic::transport::Server;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
+use tonic_reflection::server::{v1 as reflection_v1, v1alpha as reflection_v1alpha};
 use tracing::{info, warn};
 
+use crate::auth::ServerSecurity;
 use crate::config::{BrokerConfig, ConfigError};
 use crate::service::{BrokerService, Shared};
 use crate::zero_copy::BrokerRoutes;
@@ -78,6 +84,71 @@ pub async fn serve_with_metrics(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     config.validate()?;
+    warn_if_keepalive_outlasts_grace(&config);
+    let security = config.security.load()?;
+    let internal = CancellationToken::new();
+    let shared = Shared::new(config.clone(), internal.clone())?;
+    let service = BrokerService::new(shared.clone());
+    let model_sync =
+        crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
+    shared.set_model_sync(model_sync.clone());
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    report_serving(&health_reporter).await;
+    let reflection = reflection_services()?;
+    let background = Background::spawn(&shared, &model_sync, metrics_listener);
+    log_listening(&listener, &config, &security);
+
+    let server_stop = CancellationToken::new();
+    let router = grpc_router(
+        &config,
+        &security,
+        health_service,
+        reflection,
+        &model_sync,
+        service,
+    )?;
+    let mut server = tokio::spawn(router.serve_with_incoming_shutdown(
+        nodelay_incoming(listener),
+        server_stop.clone().cancelled_owned(),
+    ));
+
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        result = &mut server => {
+            // The server ended on its own (listener failure).
+            internal.cancel();
+            background.abort().await;
+            return match result {
+                Ok(outcome) => outcome.map_err(ServeError::from),
+                Err(join_error) => {
+                    warn!(%join_error, "grpc server task failed");
+                    Ok(())
+                }
+            };
+        }
+    }
+
+    info!(state = ?shared.run_state(), "shutting down");
+    report_not_serving(&health_reporter).await;
+    internal.cancel();
+    shared.end_all_streams();
+    server_stop.cancel();
+    let deadline = config.shutdown_timeout;
+    drain_server(server, deadline).await;
+    background.ticker.abort();
+    stop_center_writer(background.center_writer, deadline).await;
+    save_center_on_shutdown(&shared, &model_sync, deadline).await;
+    stop_metrics(background.metrics, &background.metrics_stop).await;
+    wait_for_tasks(&model_sync, &shared).await;
+    drop::<Arc<Shared>>(shared);
+    info!("broker stopped");
+    Ok(())
+}
+
+/// Warns when keepalive would notice a frozen target only after its grace
+/// ran out (the flags are legal, but the grace then decides, not keepalive).
+fn warn_if_keepalive_outlasts_grace(config: &BrokerConfig) {
     let keepalive_detection = config.keepalive_interval + config.keepalive_timeout;
     if keepalive_detection >= config.target_grace {
         warn!(
@@ -86,46 +157,107 @@ pub async fn serve_with_metrics(
             "--keepalive-interval + --keepalive-timeout is not below --target-grace: a frozen target is noticed only when keepalive drops its stream, after its grace"
         );
     }
-    let security = config.security.load()?;
-    let internal = CancellationToken::new();
-    let shared = Shared::new(config.clone(), internal.clone())?;
-    let service = BrokerService::new(shared.clone());
-    let model_sync =
-        crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
-    shared.set_model_sync(model_sync.clone());
-    let message_limit = dflash_proto::transport::message_limit_bytes(config.max_item_bytes);
+}
 
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+/// Reports both broker services SERVING on the health service.
+async fn report_serving(health_reporter: &HealthReporter) {
     health_reporter
         .set_serving::<BrokerServer<BrokerService>>()
         .await;
     health_reporter
         .set_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
         .await;
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+}
 
-    let ticker = tokio::spawn(shared.clone().run_ticker());
-    let mut center_writer = tokio::spawn(model_sync.clone().run_background({
-        let shared = shared.clone();
-        move || shared.run_state()
-    }));
-    let metrics_stop = CancellationToken::new();
-    let metrics = metrics_listener.map(|metrics_listener| {
-        info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");
-        let shared = shared.clone();
-        tokio::spawn(dflash_telemetry::serve_metrics(
-            metrics_listener,
-            move || shared.metrics_text(),
-            metrics_stop.clone(),
-        ))
-    });
+/// Reports both broker services, and the server as a whole (`""`),
+/// NOT_SERVING: the first step of a shutdown.
+async fn report_not_serving(health_reporter: &HealthReporter) {
+    health_reporter
+        .set_not_serving::<BrokerServer<BrokerService>>()
+        .await;
+    health_reporter
+        .set_not_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
+        .await;
+    health_reporter
+        .set_service_status("", ServingStatus::NotServing)
+        .await;
+}
+
+/// The two reflection services (v1 and v1alpha), each describing the
+/// broker's and the health service's protos.
+type ReflectionServices<V1, V1Alpha> = (
+    reflection_v1::ServerReflectionServer<V1>,
+    reflection_v1alpha::ServerReflectionServer<V1Alpha>,
+);
+
+/// Builds the v1 and v1alpha reflection services.
+fn reflection_services() -> Result<
+    ReflectionServices<
+        impl reflection_v1::ServerReflection,
+        impl reflection_v1alpha::ServerReflection,
+    >,
+    ServeError,
+> {
+    let described = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(dflash_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    Ok((described().build_v1()?, described().build_v1alpha()?))
+}
+
+/// The tasks that run beside the gRPC server: the queue's ticker, the model
+/// sync center writer and, when asked for, the metrics endpoint.
+struct Background {
+    ticker: JoinHandle<()>,
+    center_writer: JoinHandle<()>,
+    metrics: Option<JoinHandle<()>>,
+    metrics_stop: CancellationToken,
+}
+
+impl Background {
+    /// Spawns the ticker, the center writer and the metrics endpoint (on
+    /// `metrics_listener`, when there is one).
+    fn spawn(
+        shared: &Arc<Shared>,
+        model_sync: &Arc<crate::model_sync::ModelSyncShared>,
+        metrics_listener: Option<TcpListener>,
+    ) -> Background {
+        let ticker = tokio::spawn(shared.clone().run_ticker());
+        let center_writer = tokio::spawn(model_sync.clone().run_background({
+            let shared = shared.clone();
+            move || shared.run_state()
+        }));
+        let metrics_stop = CancellationToken::new();
+        let metrics = metrics_listener.map(|metrics_listener| {
+            info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");
+            let shared = shared.clone();
+            tokio::spawn(dflash_telemetry::serve_metrics(
+                metrics_listener,
+                move || shared.metrics_text(),
+                metrics_stop.clone(),
+            ))
+        });
+        Background {
+            ticker,
+            center_writer,
+            metrics,
+            metrics_stop,
+        }
+    }
+
+    /// Stops everything at once, for a server that ended on its own: the
+    /// ticker and the center writer are aborted, the metrics endpoint is
+    /// stopped (bounded).
+    async fn abort(self) {
+        self.ticker.abort();
+        self.center_writer.abort();
+        stop_metrics(self.metrics, &self.metrics_stop).await;
+    }
+}
+
+/// Logs where the broker listens, for which targets, and with what security.
+fn log_listening(listener: &TcpListener, config: &BrokerConfig, security: &ServerSecurity) {
     let local_address = listener.local_addr().ok();
     info!(
         address = ?local_address,
@@ -134,8 +266,24 @@ pub async fn serve_with_metrics(
         token = security.token.is_some(),
         "broker listening"
     );
+}
 
-    let server_stop = CancellationToken::new();
+/// Builds the gRPC router: TLS, the HTTP/2 windows and keepalive, and every
+/// service behind its token check.
+fn grpc_router<H, V1, V1Alpha>(
+    config: &BrokerConfig,
+    security: &ServerSecurity,
+    health_service: HealthServer<H>,
+    (reflection_v1, reflection_v1alpha): ReflectionServices<V1, V1Alpha>,
+    model_sync: &Arc<crate::model_sync::ModelSyncShared>,
+    service: BrokerService,
+) -> Result<Router, ServeError>
+where
+    H: Health,
+    V1: reflection_v1::ServerReflection,
+    V1Alpha: reflection_v1alpha::ServerReflection,
+{
+    let message_limit = dflash_proto::transport::message_limit_bytes(config.max_item_bytes);
     let mut builder = Server::builder();
     if let Some(tls) = security.tls.clone() {
         builder = builder.tls_config(tls)?;
@@ -143,7 +291,7 @@ pub async fn serve_with_metrics(
     // Every service sits behind the token check (a no-op without a token,
     // or for a service the operator exempts).
     let broker_check = security.check(false);
-    let server = builder
+    Ok(builder
         // Bounds what a producer pushes beyond --max-queue-bytes while the
         // broker is not reading its stream (see the constant).
         .initial_stream_window_size(Some(BROKER_RECEIVE_STREAM_WINDOW_BYTES))
@@ -171,53 +319,30 @@ pub async fn serve_with_metrics(
         .add_service(InterceptedService::new(
             BrokerRoutes::new(service, message_limit),
             broker_check,
-        ))
-        .serve_with_incoming_shutdown(
-            // tonic applies `tcp_nodelay` only to sockets it binds itself:
-            // set it on each accepted socket, or Nagle's algorithm holds
-            // small messages (end-of-stream, acks) for a delayed-ACK period.
-            futures::StreamExt::map(TcpListenerStream::new(listener), |accepted| {
-                if let Ok(socket) = &accepted {
-                    let _ = socket.set_nodelay(true);
-                }
-                accepted
-            }),
-            server_stop.clone().cancelled_owned(),
-        );
-    let mut server = tokio::spawn(server);
+        )))
+}
 
-    tokio::select! {
-        _ = shutdown.cancelled() => {}
-        result = &mut server => {
-            // The server ended on its own (listener failure).
-            internal.cancel();
-            ticker.abort();
-            center_writer.abort();
-            stop_metrics(metrics, &metrics_stop).await;
-            return match result {
-                Ok(outcome) => outcome.map_err(ServeError::from),
-                Err(join_error) => {
-                    warn!(%join_error, "grpc server task failed");
-                    Ok(())
-                }
-            };
+/// The accepted connections of `listener`, each with `TCP_NODELAY` set:
+/// tonic applies `tcp_nodelay` only to sockets it binds itself, and without
+/// it Nagle's algorithm holds small messages (end-of-stream, acks) for a
+/// delayed-ACK period.
+fn nodelay_incoming(
+    listener: TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    futures::StreamExt::map(TcpListenerStream::new(listener), |accepted| {
+        if let Ok(socket) = &accepted {
+            let _ = socket.set_nodelay(true);
         }
-    }
+        accepted
+    })
+}
 
-    info!(state = ?shared.run_state(), "shutting down");
-    health_reporter
-        .set_not_serving::<BrokerServer<BrokerService>>()
-        .await;
-    health_reporter
-        .set_not_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
-        .await;
-    health_reporter
-        .set_service_status("", ServingStatus::NotServing)
-        .await;
-    internal.cancel();
-    shared.end_all_streams();
-    server_stop.cancel();
-    let deadline = config.shutdown_timeout;
+/// Waits up to `deadline` for the stopped gRPC server to finish; past it,
+/// cuts the connections still open.
+async fn drain_server(
+    mut server: JoinHandle<Result<(), tonic::transport::Error>>,
+    deadline: Duration,
+) {
     match tokio::time::timeout(deadline, &mut server).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(error))) => warn!(%error, "grpc server ended with an error"),
@@ -227,9 +352,12 @@ pub async fn serve_with_metrics(
             server.abort();
         }
     }
-    ticker.abort();
-    // The writer stops at the cancelled token; a write it started finishes
-    // (bounded) before the last one below.
+}
+
+/// Waits up to `deadline` for the center writer: it stops at the cancelled
+/// token, and a write it started finishes (bounded) before the last one
+/// [`save_center_on_shutdown`] makes.
+async fn stop_center_writer(mut center_writer: JoinHandle<()>, deadline: Duration) {
     if tokio::time::timeout(deadline, &mut center_writer)
         .await
         .is_err()
@@ -237,8 +365,16 @@ pub async fn serve_with_metrics(
         warn!("the center writer did not stop in time");
         center_writer.abort();
     }
-    // The center as it is now, so a restart resumes from it (the final one
-    // when the run completed and it was not written yet).
+}
+
+/// Writes the center as it is now, so a restart resumes from it (the final
+/// one when the run completed and it was not written yet), bounded by
+/// `deadline`.
+async fn save_center_on_shutdown(
+    shared: &Shared,
+    model_sync: &crate::model_sync::ModelSyncShared,
+    deadline: Duration,
+) {
     let final_center = shared.run_state() == crate::queue::RunState::Complete;
     match tokio::time::timeout(deadline, model_sync.save(final_center)).await {
         Ok(Ok(_)) => {}
@@ -247,7 +383,11 @@ pub async fn serve_with_metrics(
             warn!(timeout = ?deadline, "writing the center on shutdown did not finish in time")
         }
     }
-    stop_metrics(metrics, &metrics_stop).await;
+}
+
+/// Closes the model sync sessions' and the stream readers' task trackers and
+/// waits for each, two seconds at the most.
+async fn wait_for_tasks(model_sync: &crate::model_sync::ModelSyncShared, shared: &Shared) {
     let sessions = model_sync.tasks().clone();
     sessions.close();
     if tokio::time::timeout(Duration::from_secs(2), sessions.wait())
@@ -264,14 +404,11 @@ pub async fn serve_with_metrics(
     {
         warn!("stream readers did not stop in time");
     }
-    drop::<Arc<Shared>>(shared);
-    info!("broker stopped");
-    Ok(())
 }
 
 /// Stops the metrics endpoint (it serves until the gRPC side has drained, so
 /// the final state can still be scraped) and waits for it, bounded.
-async fn stop_metrics(metrics: Option<tokio::task::JoinHandle<()>>, stop: &CancellationToken) {
+async fn stop_metrics(metrics: Option<JoinHandle<()>>, stop: &CancellationToken) {
     stop.cancel();
     if let Some(mut metrics) = metrics {
         if tokio::time::timeout(METRICS_STOP_TIMEOUT, &mut metrics)

@@ -30,7 +30,9 @@ use tracing::{debug, info, warn, Instrument};
 use crate::config::BrokerConfig;
 use crate::convert::{self, WirePayload};
 use crate::payload::{ProduceIn, WireItem};
-use crate::queue::{ConnectionId, Delivery, Effect, Queue, QueueError, RejectReason};
+use crate::queue::{
+    ConnectionId, Delivery, Effect, ItemAccepted, Queue, QueueError, RejectReason, RunStatus,
+};
 use crate::wal::{Wal, WalError};
 
 /// How long a new stream may take to send its hello.
@@ -136,36 +138,7 @@ impl Locked {
                 Effect::Deliver {
                     connection,
                     delivery,
-                } => {
-                    let Some(outbox) = self.consumer_outboxes.get(&connection) else {
-                        continue;
-                    };
-                    // Joins the producer's trace; disabled (and nearly free)
-                    // unless spans are exported.
-                    let span = tracing::debug_span!(
-                        target: TRACE_TARGET,
-                        "deliver",
-                        target_id = %delivery.target_id,
-                        seq = delivery.seq,
-                        delivery_id = delivery.delivery_id,
-                        delivery_count = delivery.delivery_count,
-                        drafter_id = tracing::field::Empty,
-                    );
-                    if !span.is_disabled() {
-                        if let Some(drafter_id) = self.queue.drafter_id_of(connection) {
-                            span.record("drafter_id", drafter_id);
-                        }
-                        dflash_telemetry::set_parent_from(
-                            &span,
-                            &delivery.payload.item.trace_context,
-                        );
-                    }
-                    let _entered = span.enter();
-                    // Encoded by the stream's body, outside the lock. A
-                    // closed receiver means the stream is going away; its
-                    // guard returns the lease.
-                    let _ = outbox.send(Ok(ConsumeOut::Delivery(delivery)));
-                }
+                } => self.deliver(connection, delivery),
                 Effect::EndConsumer {
                     connection,
                     outcome,
@@ -185,22 +158,88 @@ impl Locked {
                     connection,
                     outcome,
                     reason,
-                } => {
-                    if let Some(outbox) = self.producer_outboxes.remove(&connection) {
-                        let message = proto::ProduceResponse {
-                            kind: Some(proto::produce_response::Kind::Closed(
-                                proto::StreamClosed {
-                                    status: convert::run_status(outcome) as i32,
-                                    reason,
-                                },
-                            )),
-                        };
-                        let _ = outbox.send(Ok(message));
-                    }
-                }
+                } => self.close_producer(connection, outcome, reason),
             }
         }
         endings
+    }
+
+    /// Hands one delivery to its consumer's stream (nothing when that stream
+    /// is gone), inside a `deliver` span that joins the producer's trace.
+    fn deliver(&self, connection: ConnectionId, delivery: Delivery<WirePayload>) {
+        let Some(outbox) = self.consumer_outboxes.get(&connection) else {
+            return;
+        };
+        // Joins the producer's trace; disabled (and nearly free)
+        // unless spans are exported.
+        let span = tracing::debug_span!(
+            target: TRACE_TARGET,
+            "deliver",
+            target_id = %delivery.target_id,
+            seq = delivery.seq,
+            delivery_id = delivery.delivery_id,
+            delivery_count = delivery.delivery_count,
+            drafter_id = tracing::field::Empty,
+        );
+        if !span.is_disabled() {
+            if let Some(drafter_id) = self.queue.drafter_id_of(connection) {
+                span.record("drafter_id", drafter_id);
+            }
+            dflash_telemetry::set_parent_from(&span, &delivery.payload.item.trace_context);
+        }
+        let _entered = span.enter();
+        // Encoded by the stream's body, outside the lock. A
+        // closed receiver means the stream is going away; its
+        // guard returns the lease.
+        let _ = outbox.send(Ok(ConsumeOut::Delivery(delivery)));
+    }
+
+    /// Sends a producer its `Closed` message and drops its outbox, which
+    /// ends its stream.
+    fn close_producer(&mut self, connection: ConnectionId, outcome: RunStatus, reason: String) {
+        if let Some(outbox) = self.producer_outboxes.remove(&connection) {
+            let message = proto::ProduceResponse {
+                kind: Some(proto::produce_response::Kind::Closed(proto::StreamClosed {
+                    status: convert::run_status(outcome) as i32,
+                    reason,
+                })),
+            };
+            let _ = outbox.send(Ok(message));
+        }
+    }
+
+    /// Offers one item to the queue, logs the queue's change to the
+    /// write-ahead log, and then answers the producer: accepted (or a
+    /// duplicate), or rejected. A full queue or a stale connection gets no
+    /// answer; the caller waits for room or ends the stream.
+    fn accept_and_answer(
+        &mut self,
+        connection: ConnectionId,
+        seq: u64,
+        payload: WirePayload,
+        now: Instant,
+    ) -> Result<ItemAccepted, QueueError> {
+        let outcome = self.queue.accept_item(connection, seq, payload, now);
+        // Logged before the target hears "accepted".
+        self.persist();
+        match &outcome {
+            Ok(accepted) => self.send_to_producer(
+                connection,
+                proto::produce_response::Kind::Accepted(proto::ItemAccepted {
+                    seq,
+                    duplicate: accepted.duplicate,
+                }),
+            ),
+            Err(QueueError::QueueFull { .. } | QueueError::StaleConnection { .. }) => {}
+            Err(error) => self.send_to_producer(
+                connection,
+                proto::produce_response::Kind::Rejected(proto::ItemRejected {
+                    seq,
+                    reason: error.to_string(),
+                }),
+            ),
+        }
+        outcome
     }
 
     fn send_to_producer(&self, connection: ConnectionId, message: proto::produce_response::Kind) {
@@ -702,24 +741,17 @@ impl BrokerService {
         self.enqueue(connection, item).instrument(span).await
     }
 
+    /// Queues one item of a producer's stream, waiting for room while the
+    /// queue is full; answers the producer (accepted, duplicate or rejected)
+    /// and records the outcome on the `enqueue` span. False when the stream
+    /// must end.
     async fn enqueue(&self, connection: ConnectionId, item: WireItem) -> bool {
         let shared = &self.shared;
         let seq = item.seq;
         let bytes = match self.check_item(&item) {
             Ok(bytes) => bytes,
             Err((reject_reason, reason)) => {
-                warn!(connection, seq, %reason, "item rejected");
-                tracing::Span::current().record("outcome", "rejected");
-                shared.with_queue(|locked, now| {
-                    locked.queue.count_rejected(connection, reject_reason, now);
-                    locked.send_to_producer(
-                        connection,
-                        proto::produce_response::Kind::Rejected(proto::ItemRejected {
-                            seq,
-                            reason,
-                        }),
-                    );
-                });
+                self.reject_item(connection, seq, reject_reason, reason);
                 return true;
             }
         };
@@ -733,29 +765,7 @@ impl BrokerService {
             tokio::pin!(room);
             room.as_mut().enable();
             let outcome = shared.with_queue(|locked, now| {
-                let outcome = locked
-                    .queue
-                    .accept_item(connection, seq, payload.clone(), now);
-                // Logged before the target hears "accepted".
-                locked.persist();
-                match &outcome {
-                    Ok(accepted) => locked.send_to_producer(
-                        connection,
-                        proto::produce_response::Kind::Accepted(proto::ItemAccepted {
-                            seq,
-                            duplicate: accepted.duplicate,
-                        }),
-                    ),
-                    Err(QueueError::QueueFull { .. } | QueueError::StaleConnection { .. }) => {}
-                    Err(error) => locked.send_to_producer(
-                        connection,
-                        proto::produce_response::Kind::Rejected(proto::ItemRejected {
-                            seq,
-                            reason: error.to_string(),
-                        }),
-                    ),
-                }
-                outcome
+                locked.accept_and_answer(connection, seq, payload.clone(), now)
             });
             match outcome {
                 Ok(accepted) => {
@@ -785,6 +795,26 @@ impl BrokerService {
                 }
             }
         }
+    }
+
+    /// Rejects an item that failed [`Self::check_item`]: logs it, counts it
+    /// and tells the producer why (its stream goes on).
+    fn reject_item(
+        &self,
+        connection: ConnectionId,
+        seq: u64,
+        reject_reason: RejectReason,
+        reason: String,
+    ) {
+        warn!(connection, seq, %reason, "item rejected");
+        tracing::Span::current().record("outcome", "rejected");
+        self.shared.with_queue(|locked, now| {
+            locked.queue.count_rejected(connection, reject_reason, now);
+            locked.send_to_producer(
+                connection,
+                proto::produce_response::Kind::Rejected(proto::ItemRejected { seq, reason }),
+            );
+        });
     }
 
     async fn read_consumer(

@@ -46,6 +46,24 @@ fn open(dir: &std::path::Path) -> dflash_broker::wal::Opened<Blob> {
     Wal::<Blob>::open(dir, FsyncPolicy::Always, 1 << 20, || "run-test".to_string()).unwrap()
 }
 
+/// A queue of one target holding at most `max_queue_bytes`, with the
+/// queue tests' other settings.
+fn one_target_config(max_queue_bytes: u64) -> QueueConfig {
+    QueueConfig {
+        target_ids: QueueConfig::default_target_ids(1),
+        max_queue_bytes,
+        lease_timeout: std::time::Duration::from_secs(30),
+        max_deliveries: 3,
+        target_grace: std::time::Duration::from_secs(120),
+        target_startup_timeout: None,
+        on_target_failure: dflash_broker::queue::FailurePolicy::Abort,
+        target_stall_timeout: None,
+        target_load_timeout: None,
+        max_lease_lifetime: None,
+        keepalive_detection: None,
+    }
+}
+
 fn segments(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
     let mut found: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
@@ -172,19 +190,7 @@ fn corruption_before_the_tail_is_refused_with_its_place() {
 fn compaction_keeps_the_log_bounded_and_the_state_equal() {
     let dir = tempfile::tempdir().unwrap();
     let max_queue_bytes = 1 << 20;
-    let config = QueueConfig {
-        target_ids: QueueConfig::default_target_ids(1),
-        max_queue_bytes,
-        lease_timeout: std::time::Duration::from_secs(30),
-        max_deliveries: 3,
-        target_grace: std::time::Duration::from_secs(120),
-        target_startup_timeout: None,
-        on_target_failure: dflash_broker::queue::FailurePolicy::Abort,
-        target_stall_timeout: None,
-        target_load_timeout: None,
-        max_lease_lifetime: None,
-        keepalive_detection: None,
-    };
+    let config = one_target_config(max_queue_bytes);
     let now = std::time::Instant::now();
     let mut opened = Wal::<Blob>::open(dir.path(), FsyncPolicy::Never, max_queue_bytes, || {
         "run-compact".to_string()
@@ -304,22 +310,7 @@ fn log_at_the_cap(
     item_bytes: usize,
 ) -> (dflash_broker::wal::Opened<Blob>, Queue<Blob>) {
     let max_queue_bytes = items * item_bytes as u64;
-    let config = QueueConfig {
-        max_queue_bytes,
-        ..QueueConfig {
-            target_ids: QueueConfig::default_target_ids(1),
-            max_queue_bytes: 0,
-            lease_timeout: std::time::Duration::from_secs(30),
-            max_deliveries: 3,
-            target_grace: std::time::Duration::from_secs(120),
-            target_startup_timeout: None,
-            on_target_failure: dflash_broker::queue::FailurePolicy::Abort,
-            target_stall_timeout: None,
-            target_load_timeout: None,
-            max_lease_lifetime: None,
-            keepalive_detection: None,
-        }
-    };
+    let config = one_target_config(max_queue_bytes);
     let now = std::time::Instant::now();
     let mut opened = Wal::<Blob>::open(dir, FsyncPolicy::Batch, max_queue_bytes, || {
         "run-cap".to_string()

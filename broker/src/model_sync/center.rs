@@ -216,6 +216,90 @@ impl UploadedTensor {
     fn expected_bytes(&self) -> u64 {
         self.shape.iter().product::<u64>() * self.dtype.element_bytes() as u64
     }
+
+    /// Calls `apply` on each chunk, in order, with the range of the
+    /// tensor's elements it holds; an error `apply` returns names this
+    /// tensor.
+    fn for_each_chunk(
+        &self,
+        mut apply: impl FnMut(std::ops::Range<usize>, &Bytes) -> Result<(), arith::LengthMismatch>,
+    ) -> Result<(), SyncError> {
+        let mut element_offset = 0usize;
+        for chunk in &self.chunks {
+            let elements = chunk.len() / self.dtype.element_bytes();
+            apply(element_offset..element_offset + elements, chunk).map_err(|error| {
+                SyncError::BadTensor {
+                    name: self.name.clone(),
+                    detail: error.to_string(),
+                }
+            })?;
+            element_offset += elements;
+        }
+        Ok(())
+    }
+
+    /// Checks that `chunk` continues this tensor exactly: the same dtype and
+    /// shape as its first chunk, at the next offset, whole elements, and not
+    /// past the tensor's end.
+    fn check_continued_by(
+        &self,
+        chunk: &proto::TensorChunk,
+        dtype: WireDtype,
+    ) -> Result<(), SyncError> {
+        if self.dtype != dtype || self.shape != chunk.shape {
+            return Err(bad_chunk(
+                chunk,
+                format!(
+                    "chunk says {} {:?}, the tensor's first chunk said {} {:?}",
+                    dtype.name(),
+                    chunk.shape,
+                    self.dtype.name(),
+                    self.shape
+                ),
+            ));
+        }
+        if chunk.offset != self.received_bytes {
+            return Err(bad_chunk(
+                chunk,
+                format!(
+                    "chunk at offset {}, expected {}",
+                    chunk.offset, self.received_bytes
+                ),
+            ));
+        }
+        let element_bytes = dtype.element_bytes() as u64;
+        let length = chunk.data.len() as u64;
+        if !length.is_multiple_of(element_bytes) {
+            return Err(bad_chunk(
+                chunk,
+                format!(
+                    "chunk of {length} bytes is not a whole number of {} elements",
+                    dtype.name()
+                ),
+            ));
+        }
+        if self.received_bytes + length > self.expected_bytes() {
+            return Err(bad_chunk(
+                chunk,
+                format!(
+                    "{} bytes received, more than the {} of {} {:?}",
+                    self.received_bytes + length,
+                    self.expected_bytes(),
+                    dtype.name(),
+                    self.shape
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A [`SyncError::BadTensor`] naming `chunk`'s tensor.
+fn bad_chunk(chunk: &proto::TensorChunk, detail: String) -> SyncError {
+    SyncError::BadTensor {
+        name: chunk.name.clone(),
+        detail,
+    }
 }
 
 /// An exchange being received on one session.
@@ -247,89 +331,66 @@ impl Upload {
 
     /// Adds one chunk after checking it continues its tensor exactly.
     pub fn add_chunk(&mut self, chunk: proto::TensorChunk) -> Result<(), SyncError> {
-        let bad = |detail: String| SyncError::BadTensor {
-            name: chunk.name.clone(),
-            detail,
-        };
         let dtype = dtype_from_proto(chunk.dtype)?;
         let continues_last = self
             .tensors
             .last()
             .is_some_and(|last| last.name == chunk.name);
         if !continues_last {
-            if chunk.offset != 0 {
-                return Err(bad(format!(
-                    "first chunk at offset {}, expected 0",
-                    chunk.offset
-                )));
-            }
-            if self.tensors.iter().any(|tensor| tensor.name == chunk.name) {
-                return Err(SyncError::DuplicateTensor(chunk.name));
-            }
-            if let Some(last) = self.tensors.last() {
-                if last.received_bytes != last.expected_bytes() {
-                    return Err(SyncError::BadTensor {
-                        name: last.name.clone(),
-                        detail: format!(
-                            "{} of {} bytes before the next tensor began",
-                            last.received_bytes,
-                            last.expected_bytes()
-                        ),
-                    });
-                }
-            }
-            let elements = chunk
-                .shape
-                .iter()
-                .try_fold(1u64, |product, &dim| product.checked_mul(dim));
-            if elements.is_none() || chunk.shape.is_empty() {
-                return Err(bad(format!("invalid shape {:?}", chunk.shape)));
-            }
-            self.tensors.push(UploadedTensor {
-                name: chunk.name.clone(),
-                dtype,
-                shape: chunk.shape.clone(),
-                chunks: Vec::new(),
-                received_bytes: 0,
-            });
+            self.begin_tensor(&chunk, dtype)?;
         }
         let Some(tensor) = self.tensors.last_mut() else {
-            return Err(bad("no tensor".to_string()));
+            return Err(bad_chunk(&chunk, "no tensor".to_string()));
         };
-        if tensor.dtype != dtype || tensor.shape != chunk.shape {
-            return Err(bad(format!(
-                "chunk says {} {:?}, the tensor's first chunk said {} {:?}",
-                dtype.name(),
-                chunk.shape,
-                tensor.dtype.name(),
-                tensor.shape
-            )));
-        }
-        if chunk.offset != tensor.received_bytes {
-            return Err(bad(format!(
-                "chunk at offset {}, expected {}",
-                chunk.offset, tensor.received_bytes
-            )));
-        }
-        let element_bytes = dtype.element_bytes() as u64;
-        let length = chunk.data.len() as u64;
-        if !length.is_multiple_of(element_bytes) {
-            return Err(bad(format!(
-                "chunk of {length} bytes is not a whole number of {} elements",
-                dtype.name()
-            )));
-        }
-        if tensor.received_bytes + length > tensor.expected_bytes() {
-            return Err(bad(format!(
-                "{} bytes received, more than the {} of {} {:?}",
-                tensor.received_bytes + length,
-                tensor.expected_bytes(),
-                dtype.name(),
-                tensor.shape
-            )));
-        }
-        tensor.received_bytes += length;
+        tensor.check_continued_by(&chunk, dtype)?;
+        tensor.received_bytes += chunk.data.len() as u64;
         tensor.chunks.push(chunk.data);
+        Ok(())
+    }
+
+    /// Starts a new tensor with `chunk`, its first: the chunk is at offset 0,
+    /// the name is new, the tensor before it is complete, and the shape is
+    /// valid.
+    fn begin_tensor(
+        &mut self,
+        chunk: &proto::TensorChunk,
+        dtype: WireDtype,
+    ) -> Result<(), SyncError> {
+        if chunk.offset != 0 {
+            return Err(bad_chunk(
+                chunk,
+                format!("first chunk at offset {}, expected 0", chunk.offset),
+            ));
+        }
+        if self.tensors.iter().any(|tensor| tensor.name == chunk.name) {
+            return Err(SyncError::DuplicateTensor(chunk.name.clone()));
+        }
+        if let Some(last) = self.tensors.last() {
+            if last.received_bytes != last.expected_bytes() {
+                return Err(SyncError::BadTensor {
+                    name: last.name.clone(),
+                    detail: format!(
+                        "{} of {} bytes before the next tensor began",
+                        last.received_bytes,
+                        last.expected_bytes()
+                    ),
+                });
+            }
+        }
+        let elements = chunk
+            .shape
+            .iter()
+            .try_fold(1u64, |product, &dim| product.checked_mul(dim));
+        if elements.is_none() || chunk.shape.is_empty() {
+            return Err(bad_chunk(chunk, format!("invalid shape {:?}", chunk.shape)));
+        }
+        self.tensors.push(UploadedTensor {
+            name: chunk.name.clone(),
+            dtype,
+            shape: chunk.shape.clone(),
+            chunks: Vec::new(),
+            received_bytes: 0,
+        });
         Ok(())
     }
 
@@ -563,6 +624,10 @@ impl ModelSyncState {
         Ok(outcome)
     }
 
+    /// Applies one drafter's delta to the center: checks the upload against
+    /// the center, discards it when it is too stale, else adds it (scaled by
+    /// the outer learning rate) and takes a momentum step when enough deltas
+    /// have come in.
     fn update(&mut self, drafter_id: &str, upload: &Upload) -> Result<CommitOutcome, SyncError> {
         let open_sessions = self
             .drafters
@@ -571,28 +636,7 @@ impl ModelSyncState {
             .count() as u32;
         let settings = self.settings;
         let center = self.center.as_mut().ok_or(SyncError::NoCenter)?;
-        if upload.base_version > center.version {
-            return Err(SyncError::FutureBase {
-                base: upload.base_version,
-                center: center.version,
-            });
-        }
-        // Every tensor of the center exactly once, with its shape.
-        if upload.tensors.len() != center.tensors.len() {
-            let sent: std::collections::HashSet<&str> = upload
-                .tensors
-                .iter()
-                .map(|tensor| tensor.name.as_str())
-                .collect();
-            for tensor in &center.tensors {
-                if !sent.contains(tensor.name.as_str()) {
-                    return Err(SyncError::MissingTensor(tensor.name.clone()));
-                }
-            }
-        }
-        for tensor in &upload.tensors {
-            check_against_center(center, &tensor.name, &tensor.shape)?;
-        }
+        check_upload_against_center(center, upload)?;
         let send_center = upload.kind == ExchangeKind::Update;
         let staleness = center.version - upload.base_version;
         if settings.max_staleness > 0 && staleness > settings.max_staleness {
@@ -617,55 +661,12 @@ impl ModelSyncState {
             });
         }
         let momentum = settings.momentum > 0.0;
-        for uploaded in &upload.tensors {
-            let index = center.by_name[&uploaded.name];
-            let tensor = &mut center.tensors[index];
-            let mut element_offset = 0usize;
-            for chunk in &uploaded.chunks {
-                let elements = chunk.len() / uploaded.dtype.element_bytes();
-                let range = element_offset..element_offset + elements;
-                let sum = if momentum {
-                    Some(&mut tensor.delta_sum[range.clone()])
-                } else {
-                    None
-                };
-                arith::add_scaled(
-                    &mut tensor.values[range],
-                    sum,
-                    chunk,
-                    uploaded.dtype,
-                    settings.learning_rate,
-                )
-                .map_err(|error| SyncError::BadTensor {
-                    name: uploaded.name.clone(),
-                    detail: error.to_string(),
-                })?;
-                element_offset += elements;
-            }
-        }
+        add_delta(center, upload, settings.learning_rate, momentum)?;
         center.version += 1;
         center.updates_applied += 1;
         center.samples += upload.samples;
         if momentum {
-            center.pending_deltas += 1;
-            let delay = match settings.momentum_delay {
-                0 => open_sessions.max(1),
-                delay => delay,
-            };
-            if center.pending_deltas >= delay {
-                let count = center.pending_deltas;
-                for tensor in &mut center.tensors {
-                    arith::delayed_nesterov_step(
-                        &mut tensor.values,
-                        &mut tensor.velocity,
-                        &mut tensor.delta_sum,
-                        count,
-                        settings.learning_rate,
-                        settings.momentum,
-                    );
-                }
-                center.pending_deltas = 0;
-            }
+            count_delta_for_momentum(center, &settings, open_sessions);
         }
         Ok(CommitOutcome {
             center_version: center.version,
@@ -745,6 +746,89 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Checks an upload against the center before anything is applied: its base
+/// is not from the future, and it holds every tensor of the center exactly
+/// once, each with the center's shape.
+fn check_upload_against_center(center: &Center, upload: &Upload) -> Result<(), SyncError> {
+    if upload.base_version > center.version {
+        return Err(SyncError::FutureBase {
+            base: upload.base_version,
+            center: center.version,
+        });
+    }
+    // Every tensor of the center exactly once, with its shape.
+    if upload.tensors.len() != center.tensors.len() {
+        let sent: std::collections::HashSet<&str> = upload
+            .tensors
+            .iter()
+            .map(|tensor| tensor.name.as_str())
+            .collect();
+        for tensor in &center.tensors {
+            if !sent.contains(tensor.name.as_str()) {
+                return Err(SyncError::MissingTensor(tensor.name.clone()));
+            }
+        }
+    }
+    for tensor in &upload.tensors {
+        check_against_center(center, &tensor.name, &tensor.shape)?;
+    }
+    Ok(())
+}
+
+/// Adds `learning_rate` times the uploaded delta to the center's values,
+/// chunk by chunk, and (with momentum) to each tensor's running delta sum.
+fn add_delta(
+    center: &mut Center,
+    upload: &Upload,
+    learning_rate: f32,
+    momentum: bool,
+) -> Result<(), SyncError> {
+    for uploaded in &upload.tensors {
+        let index = center.by_name[&uploaded.name];
+        let tensor = &mut center.tensors[index];
+        uploaded.for_each_chunk(|range, chunk| {
+            let sum = if momentum {
+                Some(&mut tensor.delta_sum[range.clone()])
+            } else {
+                None
+            };
+            arith::add_scaled(
+                &mut tensor.values[range],
+                sum,
+                chunk,
+                uploaded.dtype,
+                learning_rate,
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Counts one more applied delta towards the delayed Nesterov step, and
+/// takes the step once the delay (the setting, or else the number of open
+/// sessions) is reached.
+fn count_delta_for_momentum(center: &mut Center, settings: &OuterSettings, open_sessions: u32) {
+    center.pending_deltas += 1;
+    let delay = match settings.momentum_delay {
+        0 => open_sessions.max(1),
+        delay => delay,
+    };
+    if center.pending_deltas >= delay {
+        let count = center.pending_deltas;
+        for tensor in &mut center.tensors {
+            arith::delayed_nesterov_step(
+                &mut tensor.values,
+                &mut tensor.velocity,
+                &mut tensor.delta_sum,
+                count,
+                settings.learning_rate,
+                settings.momentum,
+            );
+        }
+        center.pending_deltas = 0;
+    }
+}
+
 fn check_against_center(center: &Center, name: &str, shape: &[u64]) -> Result<(), SyncError> {
     let index = center
         .by_name
@@ -762,19 +846,7 @@ fn check_against_center(center: &Center, name: &str, shape: &[u64]) -> Result<()
 }
 
 fn decode_chunks(values: &mut [f32], uploaded: &UploadedTensor) -> Result<(), SyncError> {
-    let mut element_offset = 0usize;
-    for chunk in &uploaded.chunks {
-        let elements = chunk.len() / uploaded.dtype.element_bytes();
-        arith::decode_into(
-            &mut values[element_offset..element_offset + elements],
-            chunk,
-            uploaded.dtype,
-        )
-        .map_err(|error| SyncError::BadTensor {
-            name: uploaded.name.clone(),
-            detail: error.to_string(),
-        })?;
-        element_offset += elements;
-    }
-    Ok(())
+    uploaded.for_each_chunk(|range, chunk| {
+        arith::decode_into(&mut values[range], chunk, uploaded.dtype)
+    })
 }

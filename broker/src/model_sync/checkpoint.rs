@@ -62,7 +62,9 @@ pub struct CenterState {
     pub method: String,
 }
 
-/// Writes `center` to `dir` atomically, replacing what was there.
+/// Writes `center` to `dir` atomically, replacing what was there: every
+/// file goes into a hidden staging sibling first, which then takes `dir`'s
+/// place.
 pub fn write_center(dir: &Path, center: &Center, method: &str) -> Result<(), CheckpointError> {
     let parent = match dir.parent() {
         Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
@@ -82,7 +84,18 @@ pub fn write_center(dir: &Path, center: &Center, method: &str) -> Result<(), Che
         std::fs::remove_dir_all(&staging).map_err(io_error(&staging))?;
     }
     std::fs::create_dir_all(&staging).map_err(io_error(&staging))?;
+    write_center_files(&staging, center, method)?;
+    sync_directory(&staging)?;
+    replace_directory(dir, &staging, &parent, &name)
+}
 
+/// Writes the center's files into `staging`: the model config, the weights,
+/// the outer optimizer's state when it has momentum, and the counters.
+fn write_center_files(
+    staging: &Path,
+    center: &Center,
+    method: &str,
+) -> Result<(), CheckpointError> {
     let config_path = staging.join(CONFIG_FILE_NAME);
     let config: serde_json::Value =
         serde_json::from_str(&center.config_json).map_err(|error| CheckpointError::Format {
@@ -129,20 +142,29 @@ pub fn write_center(dir: &Path, center: &Center, method: &str) -> Result<(), Che
         path: staging.join(STATE_FILE_NAME),
         detail: error.to_string(),
     })?;
-    write_text(&staging.join(STATE_FILE_NAME), &pretty(&state_json))?;
-    sync_directory(&staging)?;
+    write_text(&staging.join(STATE_FILE_NAME), &pretty(&state_json))
+}
 
+/// Puts the written `staging` directory in `dir`'s place (moving the old
+/// one aside and removing it, when there is one) and syncs `parent`, so a
+/// reader sees the whole old center or the whole new one.
+fn replace_directory(
+    dir: &Path,
+    staging: &Path,
+    parent: &Path,
+    name: &str,
+) -> Result<(), CheckpointError> {
     if dir.exists() {
         let retired = parent.join(format!(".{name}.old-{}", std::process::id()));
         std::fs::rename(dir, &retired).map_err(io_error(dir))?;
-        std::fs::rename(&staging, dir).map_err(io_error(dir))?;
+        std::fs::rename(staging, dir).map_err(io_error(dir))?;
         std::fs::remove_dir_all(&retired).map_err(io_error(&retired))?;
     } else {
-        std::fs::rename(&staging, dir).map_err(io_error(dir))?;
+        std::fs::rename(staging, dir).map_err(io_error(dir))?;
     }
-    File::open(&parent)
+    File::open(parent)
         .and_then(|file| file.sync_all())
-        .map_err(io_error(&parent))?;
+        .map_err(io_error(parent))?;
     Ok(())
 }
 
@@ -156,27 +178,7 @@ pub fn read_center(dir: &Path, momentum: bool) -> Result<Option<Center>, Checkpo
     }
     let config_path = dir.join(CONFIG_FILE_NAME);
     let config_json = std::fs::read_to_string(&config_path).map_err(io_error(&config_path))?;
-    let state_path = dir.join(STATE_FILE_NAME);
-    let state: CenterState = match std::fs::read_to_string(&state_path) {
-        Ok(text) => serde_json::from_str(&text).map_err(|error| CheckpointError::Format {
-            path: state_path.clone(),
-            detail: error.to_string(),
-        })?,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => CenterState {
-            version: 0,
-            samples: 0,
-            updates_applied: 0,
-            updates_discarded: 0,
-            pending_deltas: 0,
-            method: String::new(),
-        },
-        Err(source) => {
-            return Err(CheckpointError::Io {
-                path: state_path,
-                source,
-            })
-        }
-    };
+    let state = read_state(dir)?;
     let mut tensors: Vec<CenterTensor> = read_f32_safetensors(&model_path)?
         .into_iter()
         .map(|(name, shape, values)| CenterTensor {
@@ -187,40 +189,11 @@ pub fn read_center(dir: &Path, momentum: bool) -> Result<Option<Center>, Checkpo
             delta_sum: Vec::new(),
         })
         .collect();
-    let mut pending_deltas = state.pending_deltas;
-    if momentum {
-        let optimizer_path = dir.join(OPTIMIZER_FILE_NAME);
-        let mut stored: HashMap<String, Vec<f32>> = if optimizer_path.is_file() {
-            read_f32_safetensors(&optimizer_path)?
-                .into_iter()
-                .map(|(name, _, values)| (name, values))
-                .collect()
-        } else {
-            pending_deltas = 0;
-            HashMap::new()
-        };
-        for tensor in &mut tensors {
-            let elements = tensor.values.len();
-            let mut take = |prefix: &str| -> Result<Vec<f32>, CheckpointError> {
-                match stored.remove(&format!("{prefix}{}", tensor.name)) {
-                    Some(values) if values.len() == elements => Ok(values),
-                    Some(values) => Err(CheckpointError::Format {
-                        path: optimizer_path.clone(),
-                        detail: format!(
-                            "{prefix}{} has {} elements, the weight has {elements}",
-                            tensor.name,
-                            values.len()
-                        ),
-                    }),
-                    None => Ok(vec![0.0; elements]),
-                }
-            };
-            tensor.velocity = take(VELOCITY_PREFIX)?;
-            tensor.delta_sum = take(DELTA_SUM_PREFIX)?;
-        }
+    let pending_deltas = if momentum {
+        read_optimizer_state(dir, &mut tensors, state.pending_deltas)?
     } else {
-        pending_deltas = 0;
-    }
+        0
+    };
     let mut center = Center::new(config_json, tensors, state.version).map_err(|error| {
         CheckpointError::Format {
             path: dir.to_path_buf(),
@@ -232,6 +205,72 @@ pub fn read_center(dir: &Path, momentum: bool) -> Result<Option<Center>, Checkpo
     center.updates_discarded = state.updates_discarded;
     center.pending_deltas = pending_deltas;
     Ok(Some(center))
+}
+
+/// Reads the center's counters; all zero when the checkpoint has none (a
+/// drafter's checkpoint used as the starting center).
+fn read_state(dir: &Path) -> Result<CenterState, CheckpointError> {
+    let state_path = dir.join(STATE_FILE_NAME);
+    match std::fs::read_to_string(&state_path) {
+        Ok(text) => serde_json::from_str(&text).map_err(|error| CheckpointError::Format {
+            path: state_path.clone(),
+            detail: error.to_string(),
+        }),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(CenterState {
+            version: 0,
+            samples: 0,
+            updates_applied: 0,
+            updates_discarded: 0,
+            pending_deltas: 0,
+            method: String::new(),
+        }),
+        Err(source) => Err(CheckpointError::Io {
+            path: state_path,
+            source,
+        }),
+    }
+}
+
+/// Fills each tensor's velocity and delta sum from the outer optimizer's
+/// file (zeros for a tensor it does not hold, or for all when there is no
+/// file). Returns the pending deltas to resume with: `pending_deltas` as
+/// saved, or 0 without the file.
+fn read_optimizer_state(
+    dir: &Path,
+    tensors: &mut [CenterTensor],
+    pending_deltas: u32,
+) -> Result<u32, CheckpointError> {
+    let optimizer_path = dir.join(OPTIMIZER_FILE_NAME);
+    let (mut stored, pending_deltas): (HashMap<String, Vec<f32>>, u32) = if optimizer_path.is_file()
+    {
+        let stored = read_f32_safetensors(&optimizer_path)?
+            .into_iter()
+            .map(|(name, _, values)| (name, values))
+            .collect();
+        (stored, pending_deltas)
+    } else {
+        (HashMap::new(), 0)
+    };
+    for tensor in tensors {
+        let elements = tensor.values.len();
+        let mut take = |prefix: &str| -> Result<Vec<f32>, CheckpointError> {
+            match stored.remove(&format!("{prefix}{}", tensor.name)) {
+                Some(values) if values.len() == elements => Ok(values),
+                Some(values) => Err(CheckpointError::Format {
+                    path: optimizer_path.clone(),
+                    detail: format!(
+                        "{prefix}{} has {} elements, the weight has {elements}",
+                        tensor.name,
+                        values.len()
+                    ),
+                }),
+                None => Ok(vec![0.0; elements]),
+            }
+        };
+        tensor.velocity = take(VELOCITY_PREFIX)?;
+        tensor.delta_sum = take(DELTA_SUM_PREFIX)?;
+    }
+    Ok(pending_deltas)
 }
 
 fn write_f32_safetensors(

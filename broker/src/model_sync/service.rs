@@ -20,7 +20,8 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-use super::center::{dtype_to_proto, ModelSyncState, SyncError, Upload};
+use super::arith::WireDtype;
+use super::center::{dtype_to_proto, EncodedTensor, ModelSyncState, SyncError, Upload};
 use super::checkpoint::{read_center, write_center, CheckpointError};
 use super::config::ModelSyncConfig;
 use crate::queue::RunState;
@@ -337,6 +338,9 @@ async fn run_session(
     drop(guard);
 }
 
+/// Handles one message of an open session: `Begin` opens an exchange,
+/// `Chunk` adds to it, `Commit` applies it ([`commit_exchange`]); anything
+/// else is refused.
 async fn handle_request(
     shared: &ModelSyncShared,
     drafter_id: &str,
@@ -367,81 +371,116 @@ async fn handle_request(
             let open = upload
                 .take()
                 .ok_or_else(|| Status::failed_precondition("commit outside an exchange"))?;
-            let reply_dtype = open.reply_dtype;
-            let kind = open.kind;
-            let (outcome, center) = {
-                let mut state = shared.state.lock();
-                let outcome = state.commit(
-                    drafter_id,
-                    open,
-                    commit.tensors,
-                    model_config_json,
-                    Instant::now(),
-                )?;
-                let center = if outcome.send_center {
-                    state.encode_center(reply_dtype)
-                } else {
-                    None
-                };
-                (outcome, center)
-            };
-            debug!(
+            commit_exchange(
+                shared,
                 drafter_id,
-                ?kind,
-                version = outcome.center_version,
-                staleness = outcome.staleness,
-                applied = outcome.applied,
-                "model sync exchange"
-            );
-            if outcome.initialised {
-                info!(drafter_id, "center initialised from this drafter's weights");
-            }
-            let result = proto::SyncResult {
-                center_version: outcome.center_version,
-                staleness: outcome.staleness,
-                applied: outcome.applied,
-                reason: outcome.reason,
-                initialised: outcome.initialised,
-                weights_follow: center.is_some(),
-                center_samples: outcome.center_samples,
-            };
-            send(outbox, proto::sync_response::Kind::Result(result)).await?;
-            if let Some((version, tensors)) = center {
-                let count = tensors.len() as u32;
-                let dtype = dtype_to_proto(reply_dtype) as i32;
-                for (name, shape, bytes) in tensors {
-                    let mut offset = 0usize;
-                    while offset < bytes.len() || offset == 0 {
-                        let end = (offset + CHUNK_BYTES).min(bytes.len());
-                        let chunk = proto::TensorChunk {
-                            name: name.clone(),
-                            dtype,
-                            shape: shape.clone(),
-                            offset: offset as u64,
-                            data: bytes.slice(offset..end),
-                        };
-                        send(outbox, proto::sync_response::Kind::Chunk(chunk)).await?;
-                        offset = end;
-                        if end == bytes.len() {
-                            break;
-                        }
-                    }
-                }
-                send(
-                    outbox,
-                    proto::sync_response::Kind::Done(proto::SyncDone {
-                        center_version: version,
-                        tensors: count,
-                    }),
-                )
-                .await?;
-            }
-            Ok(())
+                model_config_json,
+                open,
+                commit.tensors,
+                outbox,
+            )
+            .await
         }
         Some(Kind::Hello(_)) | None => Err(Status::invalid_argument(
             "unexpected message: hello was already sent, expected begin, chunk or commit",
         )),
     }
+}
+
+/// Commits a complete exchange: applies it to the center under the lock
+/// (taking the center to send back in the same lock, so the reply is one
+/// version), logs it, and sends the result, then the center when the
+/// exchange asks for it.
+async fn commit_exchange(
+    shared: &ModelSyncShared,
+    drafter_id: &str,
+    model_config_json: &str,
+    open: Upload,
+    declared_tensors: u32,
+    outbox: &Outbox,
+) -> Result<(), Status> {
+    let reply_dtype = open.reply_dtype;
+    let kind = open.kind;
+    let (outcome, center) = {
+        let mut state = shared.state.lock();
+        let outcome = state.commit(
+            drafter_id,
+            open,
+            declared_tensors,
+            model_config_json,
+            Instant::now(),
+        )?;
+        let center = if outcome.send_center {
+            state.encode_center(reply_dtype)
+        } else {
+            None
+        };
+        (outcome, center)
+    };
+    debug!(
+        drafter_id,
+        ?kind,
+        version = outcome.center_version,
+        staleness = outcome.staleness,
+        applied = outcome.applied,
+        "model sync exchange"
+    );
+    if outcome.initialised {
+        info!(drafter_id, "center initialised from this drafter's weights");
+    }
+    let result = proto::SyncResult {
+        center_version: outcome.center_version,
+        staleness: outcome.staleness,
+        applied: outcome.applied,
+        reason: outcome.reason,
+        initialised: outcome.initialised,
+        weights_follow: center.is_some(),
+        center_samples: outcome.center_samples,
+    };
+    send(outbox, proto::sync_response::Kind::Result(result)).await?;
+    if let Some((version, tensors)) = center {
+        send_center(outbox, reply_dtype, version, tensors).await?;
+    }
+    Ok(())
+}
+
+/// Sends the center (encoded as `reply_dtype`) tensor by tensor in chunks
+/// of at most [`CHUNK_BYTES`] (an empty tensor as one empty chunk), then
+/// the `Done` that names its version and tensor count.
+async fn send_center(
+    outbox: &Outbox,
+    reply_dtype: WireDtype,
+    version: u64,
+    tensors: Vec<EncodedTensor>,
+) -> Result<(), Status> {
+    let count = tensors.len() as u32;
+    let dtype = dtype_to_proto(reply_dtype) as i32;
+    for (name, shape, bytes) in tensors {
+        let mut offset = 0usize;
+        while offset < bytes.len() || offset == 0 {
+            let end = (offset + CHUNK_BYTES).min(bytes.len());
+            let chunk = proto::TensorChunk {
+                name: name.clone(),
+                dtype,
+                shape: shape.clone(),
+                offset: offset as u64,
+                data: bytes.slice(offset..end),
+            };
+            send(outbox, proto::sync_response::Kind::Chunk(chunk)).await?;
+            offset = end;
+            if end == bytes.len() {
+                break;
+            }
+        }
+    }
+    send(
+        outbox,
+        proto::sync_response::Kind::Done(proto::SyncDone {
+            center_version: version,
+            tensors: count,
+        }),
+    )
+    .await
 }
 
 /// Sends one response; a gone receiver means the drafter left.

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
 use super::arith::{self, WireDtype};
-use super::center::{ModelSyncState, OuterSettings, SyncError, Upload};
+use super::center::{CommitOutcome, ModelSyncState, OuterSettings, SyncError, Upload};
 
 /// Plain asynchronous local SGD (no momentum): every center is a sum of
 /// deltas, exact on these values.
@@ -65,6 +65,27 @@ fn upload(
     upload
 }
 
+/// Commits an f32 exchange of both tensors (see [`weights`]) from
+/// `drafter_id`, in chunks of four elements; it must be accepted.
+fn commit_f32(
+    state: &mut ModelSyncState,
+    drafter_id: &str,
+    kind: proto::SyncKind,
+    base_version: u64,
+    tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
+    now: Instant,
+) -> CommitOutcome {
+    state
+        .commit(
+            drafter_id,
+            upload(kind, base_version, tensors, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap()
+}
+
 fn center_values(state: &ModelSyncState, name: &str) -> Vec<f32> {
     let center = state.center().unwrap();
     center.tensors[center.by_name[name]].values.clone()
@@ -100,15 +121,7 @@ fn the_first_join_initialises_the_center_and_later_joins_start_from_it() {
     // A drafter joining mid-run, after one update, gets the current center,
     // not its own (different) initial weights.
     let delta = weights([0.25, 0.0, 0.0, 0.0], [0.0, 0.0, 1.0]);
-    state
-        .commit(
-            "d0",
-            upload(proto::SyncKind::Update, 0, &delta, WireDtype::F32, 4),
-            2,
-            CONFIG,
-            now,
-        )
-        .unwrap();
+    commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
     state.open_session("late");
     let own = weights([9.0; 4], [9.0; 3]);
     let outcome = state
@@ -262,26 +275,10 @@ fn deltas_beyond_the_staleness_bound_are_discarded_and_the_drafter_restarts() {
     let delta = weights([1.0; 4], [1.0; 3]);
     for _ in 0..2 {
         let base = state.version().unwrap();
-        state
-            .commit(
-                "d0",
-                upload(proto::SyncKind::Update, base, &delta, WireDtype::F32, 4),
-                2,
-                CONFIG,
-                now,
-            )
-            .unwrap();
+        commit_f32(&mut state, "d0", proto::SyncKind::Update, base, &delta, now);
     }
     let before = center_values(&state, "a");
-    let outcome = state
-        .commit(
-            "d1",
-            upload(proto::SyncKind::Update, 0, &delta, WireDtype::F32, 4),
-            2,
-            CONFIG,
-            now,
-        )
-        .unwrap();
+    let outcome = commit_f32(&mut state, "d1", proto::SyncKind::Update, 0, &delta, now);
     assert!(!outcome.applied);
     assert_eq!(outcome.staleness, 2);
     assert!(outcome.reason.contains("staleness 2"), "{}", outcome.reason);
@@ -291,15 +288,7 @@ fn deltas_beyond_the_staleness_bound_are_discarded_and_the_drafter_restarts() {
     let record = state.drafter("d1").unwrap();
     assert_eq!((record.updates_discarded, record.base_version), (1, 2));
     // Exactly at the bound is still applied.
-    let outcome = state
-        .commit(
-            "d1",
-            upload(proto::SyncKind::Update, 1, &delta, WireDtype::F32, 4),
-            2,
-            CONFIG,
-            now,
-        )
-        .unwrap();
+    let outcome = commit_f32(&mut state, "d1", proto::SyncKind::Update, 1, &delta, now);
     assert!(outcome.applied);
 }
 
@@ -420,15 +409,7 @@ fn the_final_center_waits_only_for_open_sessions_without_a_final_sync() {
     state.close_session("killed");
     assert_eq!(state.awaiting_final(), vec!["d0", "d1"]);
     let delta = weights([1.0; 4], [1.0; 3]);
-    let outcome = state
-        .commit(
-            "d0",
-            upload(proto::SyncKind::Final, 0, &delta, WireDtype::F32, 4),
-            2,
-            CONFIG,
-            now,
-        )
-        .unwrap();
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Final, 0, &delta, now);
     assert!(outcome.applied);
     assert!(!outcome.send_center, "a final sync gets no weights back");
     // A final sync without a delta (no step since the last sync).
@@ -459,15 +440,7 @@ fn momentum_is_applied_to_the_mean_of_the_delayed_deltas() {
     for delta_b in [[2.0f32, 0.0, 0.0], [4.0, 0.0, 0.0]] {
         let delta = weights([0.0; 4], delta_b);
         let base = state.version().unwrap();
-        state
-            .commit(
-                "d0",
-                upload(proto::SyncKind::Update, base, &delta, WireDtype::F32, 4),
-                2,
-                CONFIG,
-                now,
-            )
-            .unwrap();
+        commit_f32(&mut state, "d0", proto::SyncKind::Update, base, &delta, now);
     }
     // Immediate steps: +2 +4; after the second, velocity = mean 3 and the
     // Nesterov push adds lr·μ·3 = 1.5: 0.5 + 6 + 1.5 = 8.

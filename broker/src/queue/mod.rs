@@ -45,7 +45,7 @@ mod proptests;
 mod rate;
 mod status;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod types;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};

@@ -4,7 +4,7 @@ use super::*;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct TestPayload(pub u64);
+pub(crate) struct TestPayload(pub u64);
 
 impl Payload for TestPayload {
     fn size_bytes(&self) -> u64 {
@@ -12,7 +12,7 @@ impl Payload for TestPayload {
     }
 }
 
-pub(super) fn config(expected_targets: u32) -> QueueConfig {
+pub(crate) fn config(expected_targets: u32) -> QueueConfig {
     QueueConfig {
         target_ids: QueueConfig::default_target_ids(expected_targets),
         max_queue_bytes: 1_000,
