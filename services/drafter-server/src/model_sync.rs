@@ -454,11 +454,36 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
     proto::SyncRequest { kind: Some(kind) }
 }
 
+/// One exchange on an open session: the upload (BEGIN, chunks, COMMIT),
+/// the broker's result, then the center when it follows.
 async fn exchange(
     session: &mut Session,
     begin: proto::SyncBegin,
     tensors: Vec<WireTensor>,
 ) -> Result<(proto::SyncResult, Option<Vec<WireTensor>>), SyncClientError> {
+    upload(session, begin, tensors).await?;
+    let result = match next(session).await? {
+        proto::sync_response::Kind::Result(result) => result,
+        other => {
+            return Err(SyncClientError::Protocol(format!(
+                "expected a result, got {other:?}"
+            )))
+        }
+    };
+    if !result.weights_follow {
+        return Ok((result, None));
+    }
+    let center = receive_center(session).await?;
+    Ok((result, Some(center)))
+}
+
+/// Sends BEGIN, every tensor in chunks of at most `CHUNK_BYTES`, then
+/// COMMIT with the tensor count.
+async fn upload(
+    session: &Session,
+    begin: proto::SyncBegin,
+    tensors: Vec<WireTensor>,
+) -> Result<(), SyncClientError> {
     let dtype = begin.reply_dtype;
     let send = |kind| {
         let requests = session.requests.clone();
@@ -493,18 +518,12 @@ async fn exchange(
     send(proto::sync_request::Kind::Commit(proto::SyncCommit {
         tensors: count,
     }))
-    .await?;
-    let result = match next(session).await? {
-        proto::sync_response::Kind::Result(result) => result,
-        other => {
-            return Err(SyncClientError::Protocol(format!(
-                "expected a result, got {other:?}"
-            )))
-        }
-    };
-    if !result.weights_follow {
-        return Ok((result, None));
-    }
+    .await
+}
+
+/// The center's tensors, chunk by chunk in order, until DONE (whose count
+/// must match).
+async fn receive_center(session: &mut Session) -> Result<Vec<WireTensor>, SyncClientError> {
     let mut center: Vec<WireTensor> = Vec::new();
     loop {
         match next(session).await? {
@@ -533,7 +552,7 @@ async fn exchange(
                         done.tensors
                     )));
                 }
-                return Ok((result, Some(center)));
+                return Ok(center);
             }
             other => {
                 return Err(SyncClientError::Protocol(format!(
