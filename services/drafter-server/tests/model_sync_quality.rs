@@ -21,7 +21,7 @@
 //! that the target continues greedily, as `dflash eval` does.
 //!
 //! Sweeps: `DFLASH_SYNC_QUALITY_{SEED,LR,EPOCHS,SYNC_EVERY,MOMENTUM,OUTER_LR,
-//! DRAFTERS}` override the settings below (`-- --nocapture` prints τ and
+//! DRAFTERS,ADAM_BETA1}` override the settings below (`-- --nocapture` prints τ and
 //! the loss curves).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -113,6 +113,7 @@ fn drafter_config(id: &str, work: &Path, seed: u64) -> DrafterServerConfig {
     config.block_size = BLOCK_SIZE;
     config.num_anchors = 32;
     config.learning_rate = knob("LR", LEARNING_RATE);
+    config.adam_beta1 = knob("ADAM_BETA1", config.adam_beta1);
     config.max_step_samples = BATCH;
     config.seed = seed;
     config
