@@ -44,6 +44,8 @@ logger = logging.getLogger("dflash_client")
 #: how grpc-core reports a connection that broke under a call (a cut in the
 #: middle of a write surfaces as INTERNAL "Internal error from Core"); the
 #: broker never sends them. Retrying is bounded either way.
+# The same set as the Rust client's `RETRYABLE_CODES` (clients/rust/src/lib.rs);
+# tests on both sides read the other's.
 RETRYABLE_CODES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,

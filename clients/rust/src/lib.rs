@@ -81,6 +81,23 @@ pub enum ClientError {
     RunChanged { remembered: String, current: String },
 }
 
+/// The statuses after which a client reconnects and tries again: the
+/// broker went away, restarted or is shutting down, or the transport failed
+/// (grpc-core reports those as UNAVAILABLE, INTERNAL, UNKNOWN, CANCELLED or
+/// DEADLINE_EXCEEDED), or a reconnecting consumer's hello came while the
+/// broker still held its old stream (ALREADY_EXISTS: it lets the id in once
+/// that stream is gone). The Python client's `RETRYABLE_CODES`
+/// (`clients/python/dflash_client/aio.py`) is the same set; a test on each
+/// side reads the other's.
+pub const RETRYABLE_CODES: [tonic::Code; 6] = [
+    tonic::Code::Unavailable,
+    tonic::Code::Internal,
+    tonic::Code::Unknown,
+    tonic::Code::Cancelled,
+    tonic::Code::DeadlineExceeded,
+    tonic::Code::AlreadyExists,
+];
+
 impl ClientError {
     /// The gRPC status behind this error, when the broker sent one.
     pub fn status(&self) -> Option<&tonic::Status> {
@@ -90,26 +107,14 @@ impl ClientError {
         }
     }
 
-    /// Whether reconnecting and trying again can help. False for what the
-    /// broker refused on purpose (the run ended or was lost, a bad value, an
-    /// unknown id, a fenced stream, an item over the limit, no credentials)
-    /// and for a stream the broker closed: retrying those only hides the
-    /// reason.
+    /// Whether reconnecting and trying again can help: a status in
+    /// [`RETRYABLE_CODES`], a failed connection, a stream that ended without
+    /// a status. Not what the broker refused on purpose (the run ended or
+    /// was lost, a bad value, an unknown id, a fenced stream, an item over
+    /// the limit, no credentials): retrying those only hides the reason.
     pub fn is_retryable(&self) -> bool {
-        use tonic::Code;
         match self {
-            ClientError::Call { status, .. } => !matches!(
-                status.code(),
-                Code::FailedPrecondition
-                    | Code::Unauthenticated
-                    | Code::PermissionDenied
-                    | Code::InvalidArgument
-                    | Code::NotFound
-                    | Code::Aborted
-                    | Code::ResourceExhausted
-                    | Code::OutOfRange
-                    | Code::Unimplemented
-            ),
+            ClientError::Call { status, .. } => RETRYABLE_CODES.contains(&status.code()),
             ClientError::InvalidAddress { .. }
             | ClientError::Protocol { .. }
             | ClientError::ProducerClosed { .. }
@@ -384,4 +389,73 @@ pub async fn connect_channel(
             source,
         })?;
     Ok(options.security.wrap(channel))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `DeadlineExceeded` → `DEADLINE_EXCEEDED`, as grpc's Python names it.
+    fn python_name(code: tonic::Code) -> String {
+        let mut name = String::new();
+        for (index, letter) in format!("{code:?}").chars().enumerate() {
+            if letter.is_ascii_uppercase() && index > 0 {
+                name.push('_');
+            }
+            name.push(letter.to_ascii_uppercase());
+        }
+        name
+    }
+
+    #[test]
+    fn the_python_client_retries_the_same_statuses() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../python/dflash_client/aio.py"
+        );
+        let source = std::fs::read_to_string(path).unwrap();
+        let start = source.find("RETRYABLE_CODES = frozenset(").unwrap();
+        let end = start + source[start..].find("\n)").unwrap();
+        let mut python: Vec<String> = source[start..end]
+            .split("grpc.StatusCode.")
+            .skip(1)
+            .map(|rest| {
+                rest.chars()
+                    .take_while(|c| c.is_ascii_uppercase() || *c == '_')
+                    .collect()
+            })
+            .collect();
+        let mut rust: Vec<String> = RETRYABLE_CODES.iter().map(|&c| python_name(c)).collect();
+        python.sort();
+        rust.sort();
+        assert_eq!(python, rust);
+        assert_eq!(
+            python_name(tonic::Code::DeadlineExceeded),
+            "DEADLINE_EXCEEDED"
+        );
+    }
+
+    #[test]
+    fn refusals_are_not_retried_and_transport_failures_are() {
+        let call = |code| ClientError::Call {
+            call: "Produce",
+            status: tonic::Status::new(code, "x"),
+        };
+        for code in [
+            tonic::Code::FailedPrecondition,
+            tonic::Code::Unauthenticated,
+            tonic::Code::PermissionDenied,
+            tonic::Code::InvalidArgument,
+            tonic::Code::NotFound,
+            tonic::Code::Aborted,
+            tonic::Code::ResourceExhausted,
+            tonic::Code::OutOfRange,
+            tonic::Code::Unimplemented,
+        ] {
+            assert!(!call(code).is_retryable(), "{code:?}");
+        }
+        for code in RETRYABLE_CODES {
+            assert!(call(code).is_retryable(), "{code:?}");
+        }
+    }
 }
