@@ -2,14 +2,24 @@
 //! overhead: the real `broker` binary with a 64 MiB cap, 4 producers of
 //! 16 MiB items pushing as fast as they can while no drafter reads (the
 //! queue full, every producer held back by HTTP/2 flow control), then a
-//! drafter draining everything. Its peak RSS (VmHWM) must stay within
-//! cap + producers x (the broker's receive window + one item) + a baseline.
+//! drafter draining everything. Its RSS while every producer is held back
+//! must stay within cap + producers x (the broker's receive window + one
+//! item) + a baseline, and its peak RSS (VmHWM) over the whole run within
+//! that plus one item per producer for the allocator.
 //!
 //! Why that bound: while the queue is full the broker stops reading a
 //! producer's stream; what the producer already sent waits in HTTP/2
 //! buffers (at most the broker's receive window per stream), and the one
 //! item the broker had decoded waits for room (outside the cap until it is
 //! accepted).
+//!
+//! Why the drain's allowance: the broker's jemalloc keeps freed pages (decay
+//! off) in the arena of the thread that freed them. While the drafter
+//! drains, an acked item's frames are freed on one connection's thread and
+//! the next item's frames are allocated on a producer connection's thread,
+//! often another arena, so RSS runs ahead of live bytes by up to about an
+//! item per producer. Measured on the 2-core machine: held back 187 to 191
+//! MiB, peak 208 to 244 MiB over six runs, quiet and under two busy loops.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -143,22 +153,31 @@ async fn broker_memory_stays_within_the_cap_plus_one_window_and_item_per_produce
     let peak = proc_status_bytes(pid, "VmHWM");
     let window = u64::from(BROKER_RECEIVE_STREAM_WINDOW_BYTES);
     let bound = CAP_BYTES + PRODUCERS * (window + ITEM_BYTES) + BASELINE_BYTES;
+    let peak_bound = bound + PRODUCERS * ITEM_BYTES;
     eprintln!(
-        "broker RSS: idle {} MiB, held back at the cap {} MiB, peak (VmHWM) {} MiB; bound {} MiB \
-         (cap {} + {PRODUCERS} x (window {} + item {}) + baseline {})",
+        "broker RSS: idle {} MiB, held back at the cap {} MiB (bound {} MiB: cap {} + {PRODUCERS} x \
+         (window {} + item {}) + baseline {}), peak (VmHWM) {} MiB (bound {} MiB: + {PRODUCERS} x \
+         item for the allocator)",
         idle_rss / MIB,
         held_back_rss / MIB,
-        peak / MIB,
         bound / MIB,
         CAP_BYTES / MIB,
         window / MIB,
         ITEM_BYTES / MIB,
-        BASELINE_BYTES / MIB
+        BASELINE_BYTES / MIB,
+        peak / MIB,
+        peak_bound / MIB
     );
     assert!(
-        peak <= bound,
+        held_back_rss <= bound,
+        "RSS held back at the cap {} MiB over the bound {} MiB",
+        held_back_rss / MIB,
+        bound / MIB
+    );
+    assert!(
+        peak <= peak_bound,
         "peak RSS {} MiB over the bound {} MiB",
         peak / MIB,
-        bound / MIB
+        peak_bound / MIB
     );
 }
