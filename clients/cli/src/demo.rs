@@ -60,14 +60,7 @@ fn generate_continuations(
     new_tokens: usize,
 ) -> anyhow::Result<Vec<Vec<i64>>> {
     use dflash_model::generate::{generate, GenerationOptions, GenerationRequest};
-    let requests: Vec<GenerationRequest> = prompts
-        .iter()
-        .enumerate()
-        .map(|(index, prompt)| GenerationRequest {
-            prompt: prompt.clone(),
-            sequence_id: index as u64,
-        })
-        .collect();
+    let requests: Vec<GenerationRequest> = GenerationRequest::numbered(prompts);
     let options = GenerationOptions {
         max_new_tokens: new_tokens,
         ..GenerationOptions::default()

@@ -85,14 +85,7 @@ fn sync_every() -> u64 {
 /// meant to imitate (as `dflash local`'s demo data).
 fn self_generated(target: &TargetModel, count: usize, seed: u64) -> Vec<Vec<i64>> {
     let prompts = random_token_sequences(count, PROMPT_LENGTH, seed);
-    let requests: Vec<GenerationRequest> = prompts
-        .iter()
-        .enumerate()
-        .map(|(index, prompt)| GenerationRequest {
-            prompt: prompt.clone(),
-            sequence_id: index as u64,
-        })
-        .collect();
+    let requests: Vec<GenerationRequest> = GenerationRequest::numbered(&prompts);
     let options = GenerationOptions {
         max_new_tokens: CONTINUATION,
         ..GenerationOptions::default()

@@ -58,6 +58,20 @@ pub struct GenerationRequest {
     pub sequence_id: u64,
 }
 
+impl GenerationRequest {
+    /// One request per prompt, each prompt's index as its sequence id.
+    pub fn numbered(prompts: &[Vec<i64>]) -> Vec<GenerationRequest> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(index, prompt)| GenerationRequest {
+                prompt: prompt.clone(),
+                sequence_id: index as u64,
+            })
+            .collect()
+    }
+}
+
 /// The continuation of one prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Generated {

@@ -46,14 +46,7 @@ fn prompts() -> Vec<Vec<i64>> {
 }
 
 fn requests(prompts: &[Vec<i64>]) -> Vec<GenerationRequest> {
-    prompts
-        .iter()
-        .enumerate()
-        .map(|(index, prompt)| GenerationRequest {
-            prompt: prompt.clone(),
-            sequence_id: index as u64,
-        })
-        .collect()
+    GenerationRequest::numbered(prompts)
 }
 
 fn cached_equals_uncached(spec: &TinyModelSpec) -> Result<()> {
