@@ -154,7 +154,7 @@ pub fn summary_to_proto(summary: &RunSummary) -> proto::RunSummary {
         accepted_items: summary.accepted_items,
         accepted_bytes: summary.accepted_bytes,
         acked_items: summary.acked_items,
-        dead_letters: summary.dead_letters,
+        dead_letters: summary.dead_letter_count,
         expected_items: summary.expected_items,
     }
 }
@@ -183,7 +183,7 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
         queued_items: snapshot.queued_items,
         queued_bytes: snapshot.queued_bytes,
         leased_items: snapshot.leased_items,
-        dead_letters: snapshot.summary.dead_letters,
+        dead_letters: snapshot.summary.dead_letter_count,
         targets: snapshot.targets.iter().map(target_to_proto).collect(),
         drafters: snapshot.drafters.iter().map(drafter_to_proto).collect(),
         accepted_items: snapshot.accepted_items,

@@ -129,7 +129,7 @@ fn write_queue_gauges(out: &mut Exposition, snapshot: &Snapshot) {
             snapshot.leased_bytes,
         ),
         (
-            "max_held_bytes",
+            "max_queue_bytes",
             "Bound on queued plus leased bytes; producers wait when it is reached.",
             snapshot.max_queue_bytes,
         ),
@@ -171,7 +171,7 @@ fn write_queue_counters(out: &mut Exposition, snapshot: &Snapshot) {
         (
             "dead_letters_total",
             "Items given up on after too many deliveries or a poison nack.",
-            snapshot.summary.dead_letters,
+            snapshot.summary.dead_letter_count,
         ),
     ];
     for (suffix, help, value) in counters {

@@ -50,9 +50,6 @@ pub enum ServeError {
     },
 }
 
-/// How long the metrics endpoint gets to stop once the broker is stopping.
-const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
-
 /// Serves the broker on `listener` until `shutdown` is cancelled, then ends
 /// every open stream (UNAVAILABLE), reports NOT_SERVING, and returns within
 /// `config.shutdown_timeout` even if a peer does not go away. When
@@ -63,14 +60,9 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     config.validate()?;
-    let metrics_listener = match config.metrics_listen {
-        Some(address) => Some(
-            TcpListener::bind(address)
-                .await
-                .map_err(|source| ServeError::MetricsListen { address, source })?,
-        ),
-        None => None,
-    };
+    let metrics_listener = dflash_telemetry::bind_metrics_listener(config.metrics_listen)
+        .await
+        .map_err(|(address, source)| ServeError::MetricsListen { address, source })?;
     serve_with_metrics(listener, metrics_listener, config, shutdown).await
 }
 
@@ -411,7 +403,7 @@ async fn wait_for_tasks(model_sync: &crate::model_sync::ModelSyncShared, shared:
 async fn stop_metrics(metrics: Option<JoinHandle<()>>, stop: &CancellationToken) {
     stop.cancel();
     if let Some(mut metrics) = metrics {
-        if tokio::time::timeout(METRICS_STOP_TIMEOUT, &mut metrics)
+        if tokio::time::timeout(dflash_telemetry::METRICS_STOP_TIMEOUT, &mut metrics)
             .await
             .is_err()
         {

@@ -17,7 +17,7 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
     };
     // A small demo keeps the debug-build test to a couple of minutes.
     let output = std::process::Command::new(dflash_testkit::workspace_binary("dflash"))
-        .args(["local", "--view", "lines", "--timeout-seconds", "900"])
+        .args(["local", "--view", "lines", "--timeout", "15m"])
         .args(["--demo-sequences", "48", "--demo-epochs", "4", "--workdir"])
         .arg(&workdir)
         .output()

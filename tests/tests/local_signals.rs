@@ -7,7 +7,9 @@
 use std::io::Read as _;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use dflash_testkit::wait_until_blocking;
 
 /// Processes whose command line names `workdir` (the run's children do).
 fn processes_naming(workdir: &Path, except: u32) -> Vec<String> {
@@ -32,24 +34,13 @@ fn processes_naming(workdir: &Path, except: u32) -> Vec<String> {
         .collect()
 }
 
-fn wait_until(deadline: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let started = Instant::now();
-    while started.elapsed() < deadline {
-        if condition() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    condition()
-}
-
 #[test]
 fn sigterm_stops_the_children_and_prints_the_summary() {
     let temporary = tempfile::tempdir().unwrap();
     let workdir = temporary.path().join("run");
     // Enough epochs that the pipeline is still running when the signal comes.
     let mut local = Command::new(dflash_testkit::workspace_binary("dflash"))
-        .args(["local", "--view", "lines", "--timeout-seconds", "900"])
+        .args(["local", "--view", "lines", "--timeout", "15m"])
         .args([
             "--demo-sequences",
             "32",
@@ -63,14 +54,14 @@ fn sigterm_stops_the_children_and_prints_the_summary() {
         .spawn()
         .unwrap();
     let drafter_log = workdir.join("logs").join("drafter-1.log");
-    let started = wait_until(Duration::from_secs(300), || {
+    let started = wait_until_blocking(Duration::from_secs(300), || {
         drafter_log.is_file() && !processes_naming(&workdir, local.id()).is_empty()
     });
     assert!(started, "the pipeline's children never started");
     let pid = local.id().to_string();
     let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(status.success());
-    let exited = wait_until(Duration::from_secs(120), || {
+    let exited = wait_until_blocking(Duration::from_secs(120), || {
         matches!(local.try_wait(), Ok(Some(_)))
     });
     if !exited {

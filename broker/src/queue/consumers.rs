@@ -186,10 +186,12 @@ impl<P: Payload> Queue<P> {
         for delivery_id in held {
             if let Some(lease) = self.leases.get_mut(&delivery_id) {
                 if lease.connection == connection {
+                    self.lease_deadlines.remove(&(lease.deadline, delivery_id));
                     lease.deadline = match self.config.max_lease_lifetime {
                         Some(_) => deadline.min(lease.expires_at_latest),
                         None => deadline,
                     };
+                    self.lease_deadlines.insert((lease.deadline, delivery_id));
                 }
             }
         }

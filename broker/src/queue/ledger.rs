@@ -24,14 +24,14 @@ impl<P: Payload> Queue<P> {
     /// consumers count an expiry and are marked stalled.
     fn expire_leases(&mut self, now: Instant) {
         let expired: Vec<DeliveryId> = self
-            .leases
+            .lease_deadlines
             .iter()
-            .filter(|(_, lease)| lease.deadline <= now)
-            .map(|(&delivery_id, _)| delivery_id)
+            .take_while(|(deadline, _)| *deadline <= now)
+            .map(|&(_, delivery_id)| delivery_id)
             .collect();
         let mut returned = Vec::new();
         for delivery_id in expired {
-            let Some(lease) = self.leases.remove(&delivery_id) else {
+            let Some(lease) = self.remove_lease(delivery_id) else {
                 continue;
             };
             self.unlink_lease(lease.connection, delivery_id, lease.item_id);
@@ -137,10 +137,10 @@ impl<P: Payload> Queue<P> {
     /// lease deadline, a disconnected target's grace, the startup timeout.
     /// The transport sleeps until then instead of polling.
     pub fn next_deadline(&self) -> Option<Instant> {
+        let lease = self.lease_deadlines.first().map(|&(deadline, _)| deadline);
         if matches!(self.state, RunState::Complete | RunState::Aborted) {
-            return self.leases.values().map(|lease| lease.deadline).min();
+            return lease;
         }
-        let lease = self.leases.values().map(|lease| lease.deadline).min();
         let target = self
             .targets
             .values()
@@ -316,9 +316,16 @@ impl<P: Payload> Queue<P> {
             Some(lease) if lease.connection == connection => {}
             _ => return None,
         }
-        let lease = self.leases.remove(&delivery_id)?;
+        let lease = self.remove_lease(delivery_id)?;
         self.unlink_lease(connection, delivery_id, lease.item_id);
         Some(lease.item_id)
+    }
+
+    /// Removes a lease from the lease table and its deadline index.
+    fn remove_lease(&mut self, delivery_id: DeliveryId) -> Option<Lease> {
+        let lease = self.leases.remove(&delivery_id)?;
+        self.lease_deadlines.remove(&(lease.deadline, delivery_id));
+        Some(lease)
     }
 
     /// Drops a removed lease from its drafter's books and the leased bytes.
@@ -473,6 +480,7 @@ impl<P: Payload> Queue<P> {
                 expires_at_latest: expires_at_latest.max(deadline),
             },
         );
+        self.lease_deadlines.insert((deadline, delivery_id));
         self.note_deadline(deadline);
         self.leased_bytes += bytes;
         self.delivered_items += 1;

@@ -192,6 +192,9 @@ pub struct Queue<P: Payload> {
     queue: VecDeque<ItemId>,
     queued_bytes: u64,
     leases: HashMap<DeliveryId, Lease>,
+    /// Every lease by its deadline, so expiry and [`Queue::next_deadline`]
+    /// look at the leases that are due, not at every lease under the lock.
+    lease_deadlines: BTreeSet<(Instant, DeliveryId)>,
     leased_bytes: u64,
     dead_letters: Vec<DeadLetter>,
     dead_letter_count: u64,
@@ -232,6 +235,7 @@ impl<P: Payload> Queue<P> {
             queue: VecDeque::new(),
             queued_bytes: 0,
             leases: HashMap::new(),
+            lease_deadlines: BTreeSet::new(),
             leased_bytes: 0,
             dead_letters: Vec::new(),
             dead_letter_count: 0,

@@ -11,7 +11,9 @@ pub struct RunSummary {
     pub accepted_items: u64,
     pub accepted_bytes: u64,
     pub acked_items: u64,
-    pub dead_letters: u64,
+    /// Items dead-lettered over the run (the snapshot lists the first
+    /// 100 of them).
+    pub dead_letter_count: u64,
     pub expected_items: u64,
 }
 
@@ -108,7 +110,7 @@ impl<P: Payload> Queue<P> {
             accepted_items: self.accepted_items,
             accepted_bytes: self.accepted_bytes,
             acked_items: self.acked_items,
-            dead_letters: self.dead_letter_count,
+            dead_letter_count: self.dead_letter_count,
             expected_items,
         }
     }
@@ -208,18 +210,7 @@ impl<P: Payload> Queue<P> {
                 self.queued_bytes
             ));
         }
-        let leased_bytes: u64 = self
-            .leases
-            .values()
-            .filter_map(|lease| self.items.get(&lease.item_id))
-            .map(|item| item.bytes)
-            .sum();
-        if leased_bytes != self.leased_bytes {
-            return Err(format!(
-                "leased bytes {} != sum {leased_bytes}",
-                self.leased_bytes
-            ));
-        }
+        self.check_leases(leased)?;
         if self.held_bytes() > self.config.max_queue_bytes {
             return Err(format!(
                 "held {} > cap {}",
@@ -254,6 +245,34 @@ impl<P: Payload> Queue<P> {
             return Err(format!(
                 "rejections by reason sum to {rejected_by_reason}, rejected items are {}",
                 self.rejected_items
+            ));
+        }
+        Ok(())
+    }
+
+    /// The leased bytes and the deadline index agree with the lease table.
+    fn check_leases(&self, leased: u64) -> Result<(), String> {
+        let leased_bytes: u64 = self
+            .leases
+            .values()
+            .filter_map(|lease| self.items.get(&lease.item_id))
+            .map(|item| item.bytes)
+            .sum();
+        if leased_bytes != self.leased_bytes {
+            return Err(format!(
+                "leased bytes {} != sum {leased_bytes}",
+                self.leased_bytes
+            ));
+        }
+        let indexed = self.lease_deadlines.len() as u64;
+        if indexed != leased
+            || self
+                .leases
+                .iter()
+                .any(|(&id, lease)| !self.lease_deadlines.contains(&(lease.deadline, id)))
+        {
+            return Err(format!(
+                "lease deadline index ({indexed} entries) does not match the {leased} leases"
             ));
         }
         Ok(())

@@ -56,13 +56,15 @@ pub struct LocalArgs {
     #[arg(long)]
     pub held_out: Option<PathBuf>,
 
-    /// Devices of the targets, assigned in turn (e.g. `cuda:0,cuda:1`).
+    /// Devices of the targets, assigned in turn (e.g. `cuda:0,cuda:1`;
+    /// `auto`, `cpu`, `cuda`, `cuda:N` as the services take them). The CPU
+    /// by default: the demo is for a laptop.
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    pub target_devices: Vec<String>,
+    pub target_devices: Vec<dflash_service::DeviceChoice>,
 
     /// Devices of the drafters, assigned in turn.
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    pub drafter_devices: Vec<String>,
+    pub drafter_devices: Vec<dflash_service::DeviceChoice>,
 
     /// Run without a model: synthetic hidden states and synthetic training,
     /// to load-test the plumbing.
@@ -78,9 +80,13 @@ pub struct LocalArgs {
     #[arg(long, value_enum, default_value = "top")]
     pub view: View,
 
-    /// Give up (and fail) after this many seconds.
-    #[arg(long, default_value_t = 1800)]
-    pub timeout_seconds: u64,
+    /// Give up (and fail) after this long (`30m`, `90s`).
+    #[arg(long, default_value = "30m", value_parser = dflash_service::parse_duration)]
+    pub timeout: Duration,
+
+    /// The previous release's spelling, in seconds (hidden).
+    #[arg(long = "timeout-seconds", hide = true)]
+    pub timeout_seconds: Option<u64>,
 
     /// Extra flags for every target-server (one string, split on spaces).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
@@ -343,7 +349,10 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     } else {
         args.view
     };
-    let deadline = started + Duration::from_secs(args.timeout_seconds);
+    let deadline = started
+        + args
+            .timeout_seconds
+            .map_or(args.timeout, Duration::from_secs);
     let watch = Watch {
         client: &client,
         address: &address,
@@ -572,7 +581,7 @@ fn start_targets(
     let target_binary = sibling_binary("target-server")?;
     let mut targets = Vec::new();
     for index in 0..args.targets {
-        let device = args.target_devices[index as usize % args.target_devices.len()].clone();
+        let device = args.target_devices[index as usize % args.target_devices.len()].to_string();
         let name = format!("target-{index}");
         let mut flags = vec![
             "--broker".to_string(),
@@ -624,7 +633,7 @@ fn start_drafters(
     let drafter_binary = sibling_binary("drafter-server")?;
     let mut drafters = Vec::new();
     for index in 0..args.drafters {
-        let device = args.drafter_devices[index as usize % args.drafter_devices.len()].clone();
+        let device = args.drafter_devices[index as usize % args.drafter_devices.len()].to_string();
         let name = format!("drafter-{index}");
         let output = workdir.join("checkpoints").join(&name);
         let flags = drafter_flags(args, inputs, address, &name, &device, &output);
@@ -692,7 +701,7 @@ fn drafter_flags(
 struct StopReason {
     /// Ctrl-C (or SIGTERM) stopped them.
     interrupted: bool,
-    /// `--timeout-seconds` stopped them.
+    /// `--timeout` stopped them.
     timed_out: bool,
 }
 

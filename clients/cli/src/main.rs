@@ -42,9 +42,12 @@ enum Command {
     Top {
         #[arg(long, env = "DFLASH_BROKER", default_value = "http://127.0.0.1:50051")]
         broker: String,
-        /// Redraw interval in milliseconds.
-        #[arg(long, default_value_t = 1000)]
-        interval_ms: u64,
+        /// Redraw interval (`500ms`, `2s`).
+        #[arg(long, default_value = "1s", value_parser = dflash_service::parse_duration)]
+        interval: Duration,
+        /// The previous release's spelling, in milliseconds (hidden).
+        #[arg(long = "interval-ms", hide = true)]
+        interval_ms: Option<u64>,
         #[command(flatten)]
         security: ClientSecurityArgs,
     },
@@ -56,9 +59,12 @@ enum Command {
         /// The service to check; "" is the whole server.
         #[arg(long, default_value = "dflash.v1.Broker")]
         service: String,
-        /// Give up after this many milliseconds.
-        #[arg(long, default_value_t = 3000)]
-        timeout_ms: u64,
+        /// Give up after this long (`3s`, `500ms`).
+        #[arg(long, default_value = "3s", value_parser = dflash_service::parse_duration)]
+        timeout: Duration,
+        /// The previous release's spelling, in milliseconds (hidden).
+        #[arg(long = "timeout-ms", hide = true)]
+        timeout_ms: Option<u64>,
         #[command(flatten)]
         security: ClientSecurityArgs,
     },
@@ -167,7 +173,7 @@ async fn main() -> anyhow::Result<()> {
             let interrupt: CancellationToken = dflash_service::shutdown_signal();
             let summary = local::run(args, interrupt).await?;
             if !summary.ok {
-                std::process::exit(1);
+                std::process::exit(i32::from(dflash_service::Exit::Failed.code()));
             }
         }
         Command::Status {
@@ -177,22 +183,22 @@ async fn main() -> anyhow::Result<()> {
         } => status(&broker, json, &security).await?,
         Command::Top {
             broker,
+            interval,
             interval_ms,
             security,
-        } => watch_top(&broker, Duration::from_millis(interval_ms), &security).await?,
+        } => {
+            let interval = interval_ms.map_or(interval, Duration::from_millis);
+            watch_top(&broker, interval, &security).await?
+        }
         Command::Health {
             broker,
             service,
+            timeout,
             timeout_ms,
             security,
         } => {
-            health(
-                &broker,
-                &service,
-                Duration::from_millis(timeout_ms),
-                &security,
-            )
-            .await?
+            let timeout = timeout_ms.map_or(timeout, Duration::from_millis);
+            health(&broker, &service, timeout, &security).await?
         }
         #[cfg(feature = "model")]
         Command::Eval(args) => eval(args).await?,
@@ -229,7 +235,7 @@ async fn status(broker: &str, json: bool, security: &ClientSecurityArgs) -> anyh
     Ok(())
 }
 
-/// `dflash top`: the status stream, redrawn in place until Ctrl-C.
+/// `dflash top`: the status stream, redrawn in place until SIGINT or SIGTERM.
 async fn watch_top(
     broker: &str,
     interval: Duration,
@@ -238,9 +244,10 @@ async fn watch_top(
     let client = connect(broker, security).await?;
     let mut stream = client.watch_status(interval).await?;
     let color = std::io::stdout().is_terminal();
+    let stop = dflash_service::shutdown_signal();
     loop {
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            () = stop.cancelled() => return Ok(()),
             message = stream.message() => match message {
                 Ok(Some(snapshot)) => print!("\x1b[H\x1b[2J{}", top::render(&snapshot, broker, top::RenderOptions { color })),
                 Ok(None) => return Ok(()),

@@ -7,7 +7,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
-use dflash_service::{parse_duration, DeviceChoice, DtypeChoice};
+use dflash_service::{parse_bytes, parse_duration, DeviceChoice, DtypeChoice};
 use tch::{Device, Kind};
 
 /// What trains on the deliveries.
@@ -197,8 +197,8 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_PREFETCH_SAMPLES", default_value_t = 8)]
     pub prefetch_samples: usize,
 
-    /// Byte limit of the credit window (0: none).
-    #[arg(long, env = "DFLASH_CREDIT_BYTES", default_value_t = 0)]
+    /// Byte limit of the credit window (`256MiB`; 0: none).
+    #[arg(long, env = "DFLASH_CREDIT_BYTES", default_value = "0", value_parser = parse_bytes)]
     pub credit_bytes: u64,
 
     /// When no delivery has arrived for this long, train on what is held

@@ -32,7 +32,6 @@ use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 use tch::{Device, Kind, Tensor};
 use tokio::sync::mpsc;
-use tonic::transport::Endpoint;
 use tracing::{info, warn};
 
 use crate::schedule::RunClock;
@@ -413,20 +412,16 @@ async fn open(
     let security = security
         .load()
         .map_err(|error| connect_error(error.to_string()))?;
-    let endpoint = Endpoint::from_shared(broker.clone())
-        .map_err(|error| connect_error(error.to_string()))?
-        .initial_stream_window_size(Some(16 << 20))
-        .initial_connection_window_size(Some(64 << 20))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(20))
-        .tcp_nodelay(true);
-    let channel = security
-        .apply(endpoint, &broker)
-        .map_err(|error| connect_error(error.to_string()))?
-        .connect()
+    // The same transport settings as every other stream of the client
+    // (windows, frame size, keepalive: `dflash_proto::transport`).
+    let options = dflash_client::ClientOptions {
+        security,
+        ..dflash_client::ClientOptions::default()
+    };
+    let channel = dflash_client::connect_channel(&broker, &options)
         .await
         .map_err(|error| connect_error(error.to_string()))?;
-    let mut client = ModelSyncClient::new(security.wrap(channel))
+    let mut client = ModelSyncClient::new(channel)
         .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
         .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES);
     let (requests, receiver) = mpsc::channel(4);

@@ -186,9 +186,6 @@ async fn send_command<Ready: Send + 'static, Output: Send + 'static>(
         .map_err(|_| DrafterError::TrainerGone)
 }
 
-/// How long the metrics endpoint gets to stop once the run is over.
-const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
-
 /// Runs a drafter-server until end-of-stream or `shutdown`. When
 /// `config.metrics_listen` is set, serves Prometheus metrics there for as
 /// long as the run lasts.
@@ -197,14 +194,9 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<DrafterReport, DrafterError> {
     config.validate()?;
-    let metrics_listener = match config.metrics_listen {
-        Some(address) => Some(
-            TcpListener::bind(address)
-                .await
-                .map_err(|source| DrafterError::MetricsListen { address, source })?,
-        ),
-        None => None,
-    };
+    let metrics_listener = dflash_telemetry::bind_metrics_listener(config.metrics_listen)
+        .await
+        .map_err(|(address, source)| DrafterError::MetricsListen { address, source })?;
     run_with_metrics_listener(config, metrics_listener, shutdown).await
 }
 
@@ -218,11 +210,9 @@ pub async fn run_with_metrics_listener(
     shutdown: CancellationToken,
 ) -> Result<DrafterReport, DrafterError> {
     let registry = Arc::new(Registry::new());
-    let endpoint =
-        dflash_telemetry::MetricsEndpoint::start(metrics_listener, registry.clone(), &shutdown);
-    let outcome = run_session(config, &registry, shutdown).await;
-    endpoint.stop(METRICS_STOP_TIMEOUT).await;
-    outcome
+    let run = run_session(config, &registry, shutdown.clone());
+    dflash_telemetry::MetricsEndpoint::during(metrics_listener, registry.clone(), &shutdown, run)
+        .await
 }
 
 /// The run itself, updating the instruments it registers in `registry`:

@@ -33,6 +33,29 @@ impl Exit {
     }
 }
 
+impl Exit {
+    /// Every exit, in code order.
+    pub const ALL: [Exit; 5] = [
+        Exit::Done,
+        Exit::Failed,
+        Exit::Usage,
+        Exit::Aborted,
+        Exit::Interrupted,
+    ];
+
+    /// The word that opens the code's row in the table (here and in the
+    /// README).
+    pub fn name(self) -> &'static str {
+        match self {
+            Exit::Done => "done",
+            Exit::Failed => "failed",
+            Exit::Usage => "usage",
+            Exit::Aborted => "aborted",
+            Exit::Interrupted => "interrupted",
+        }
+    }
+}
+
 impl From<Exit> for ExitCode {
     fn from(exit: Exit) -> ExitCode {
         ExitCode::from(exit.code())
@@ -45,14 +68,7 @@ mod tests {
 
     #[test]
     fn codes_are_distinct_and_usage_is_clap_s() {
-        let all = [
-            Exit::Done,
-            Exit::Failed,
-            Exit::Usage,
-            Exit::Aborted,
-            Exit::Interrupted,
-        ];
-        let mut codes: Vec<u8> = all.iter().map(|exit| exit.code()).collect();
+        let mut codes: Vec<u8> = Exit::ALL.iter().map(|exit| exit.code()).collect();
         codes.sort_unstable();
         codes.dedup();
         assert_eq!(codes, vec![0, 1, 2, 3, 4]);

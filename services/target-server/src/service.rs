@@ -97,9 +97,6 @@ pub struct TargetReport {
 /// Samples of data kept in flight between threads (batches per channel).
 const BATCH_CHANNEL_DEPTH: usize = 2;
 
-/// How long the metrics endpoint gets to stop once the run is over.
-const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
-
 /// Loads the backend on the compute thread (CUDA state stays on the thread
 /// that uses it) and works out the layer ids.
 fn load_backend(config: &TargetServerConfig, device: Device) -> Result<Backend, TargetServerError> {
@@ -316,14 +313,9 @@ pub async fn run(
     config: TargetServerConfig,
     shutdown: CancellationToken,
 ) -> Result<TargetReport, TargetServerError> {
-    let metrics_listener = match config.metrics_listen {
-        Some(address) => Some(
-            TcpListener::bind(address)
-                .await
-                .map_err(|source| TargetServerError::MetricsListen { address, source })?,
-        ),
-        None => None,
-    };
+    let metrics_listener = dflash_telemetry::bind_metrics_listener(config.metrics_listen)
+        .await
+        .map_err(|(address, source)| TargetServerError::MetricsListen { address, source })?;
     run_with_metrics_listener(config, metrics_listener, shutdown).await
 }
 
@@ -354,11 +346,9 @@ pub async fn run_with_registry(
     metrics_listener: Option<TcpListener>,
     shutdown: CancellationToken,
 ) -> Result<TargetReport, TargetServerError> {
-    let endpoint =
-        dflash_telemetry::MetricsEndpoint::start(metrics_listener, registry.clone(), &shutdown);
-    let outcome = run_pipeline(config, &registry, shutdown).await;
-    endpoint.stop(METRICS_STOP_TIMEOUT).await;
-    outcome
+    let run = run_pipeline(config, &registry, shutdown.clone());
+    dflash_telemetry::MetricsEndpoint::during(metrics_listener, registry.clone(), &shutdown, run)
+        .await
 }
 
 /// The run itself, updating the instruments it registers in `registry`:

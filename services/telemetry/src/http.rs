@@ -252,6 +252,24 @@ impl Response {
     }
 }
 
+/// How long a metrics endpoint gets to stop once its run is over.
+pub const METRICS_STOP_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Binds a service's `--metrics-listen` address (`None`: no endpoint),
+/// before anything else starts, so a taken port fails the service at once.
+/// The error names the address.
+pub async fn bind_metrics_listener(
+    address: Option<std::net::SocketAddr>,
+) -> Result<Option<TcpListener>, (std::net::SocketAddr, std::io::Error)> {
+    match address {
+        Some(address) => TcpListener::bind(address)
+            .await
+            .map(Some)
+            .map_err(|source| (address, source)),
+        None => Ok(None),
+    }
+}
+
 /// A run's metrics endpoint: serves `registry` on an optional listener as an
 /// owned task, and stops it (bounded) when the run is over. One shape for
 /// every service that serves a [`crate::Registry`].
@@ -277,6 +295,21 @@ impl MetricsEndpoint {
             ))
         });
         MetricsEndpoint { task, stop }
+    }
+
+    /// Serves `registry` on `listener` (if any) while `run` runs, then stops
+    /// the endpoint within [`METRICS_STOP_TIMEOUT`]: the shape of a service's
+    /// whole run.
+    pub async fn during<T>(
+        listener: Option<TcpListener>,
+        registry: Arc<crate::Registry>,
+        parent: &CancellationToken,
+        run: impl std::future::Future<Output = T>,
+    ) -> T {
+        let endpoint = MetricsEndpoint::start(listener, registry, parent);
+        let outcome = run.await;
+        endpoint.stop(METRICS_STOP_TIMEOUT).await;
+        outcome
     }
 
     /// Stops the endpoint and waits for it at most `timeout`, then aborts it.

@@ -19,7 +19,9 @@
 //! - `registry`: [`Registry`] with [`Counter`]s and [`Gauge`]s that code
 //!   updates as it goes, rendered through `exposition`.
 //! - `http`: [`serve_metrics`], a minimal HTTP/1.1 server for `GET /metrics`,
-//!   and [`MetricsEndpoint`], which a run starts and stops around itself.
+//!   [`bind_metrics_listener`] (a `--metrics-listen` flag's listener) and
+//!   [`MetricsEndpoint`], which a run starts and stops around itself
+//!   ([`MetricsEndpoint::during`]).
 //!
 //! Must not depend on any other dflash crate: the broker and the services
 //! depend on this one.
@@ -31,7 +33,10 @@ mod propagation;
 mod registry;
 
 pub use exposition::{Exposition, Family, MetricKind};
-pub use http::{serve_metrics, MetricsEndpoint, METRICS_CONTENT_TYPE};
+pub use http::{
+    bind_metrics_listener, serve_metrics, MetricsEndpoint, METRICS_CONTENT_TYPE,
+    METRICS_STOP_TIMEOUT,
+};
 pub use init::{
     init, init_with_exporter, LogFormat, TelemetryError, TelemetryGuard, TRACE_FILTER_ENV,
 };

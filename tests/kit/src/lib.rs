@@ -6,7 +6,8 @@
 //! # Layout
 //! - [`TestBroker`]: the real broker (`dflash_broker::serve`) in-process on
 //!   `127.0.0.1:0`, optionally with its metrics endpoint; stopped with a bound.
-//! - [`wait_until`]: polls a condition (tests never sleep a fixed time).
+//! - [`wait_until`] (and [`wait_until_blocking`], without a runtime): polls a
+//!   condition (tests never sleep a fixed time).
 //! - [`sample`], [`credit`], [`drafter_status`]: wire values of a chosen size.
 //! - [`spawn_drafter`]: a consumer that acks everything until end-of-stream.
 //! - [`span_attribute`]: an attribute of an exported span.
@@ -141,6 +142,21 @@ where
             return false;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// [`wait_until`] for tests without a runtime: polls `condition` from the
+/// calling thread every 100 ms until it holds or `timeout` passes.
+pub fn wait_until_blocking(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
