@@ -1,13 +1,15 @@
 //! The drafter's training step as the drafter-server runs it (forward,
-//! chunked loss, backward, AdamW), on the CPU for the tiny target (hidden 64,
-//! 5 draft layers, block 16), for several anchor counts in one process:
-//! prints tokens/s, minor page faults per step and peak RSS for each.
+//! chunked loss, backward, AdamW), for the tiny target (hidden 64, 5 draft
+//! layers, block 16), for several anchor counts in one process: prints
+//! tokens/s, minor page faults per step and peak RSS for each, and on a GPU
+//! (`--device cuda:0`) which CUDA allocator is in force and the GPU memory's
+//! peak after a step (NVML).
 //!
 //! ```text
 //! cargo run --release --workspace --example drafter_step -- \
 //!     [--anchors 64,512] [--steps 5] [--seq-len 512] [--seqs 8] \
 //!     [--attention split|fused|concatenated] [--attention-chunk 8] [--logits-chunk 32|all] \
-//!     [--checkpoint-layers] [--vocab 512]
+//!     [--checkpoint-layers] [--vocab 512] [--device cpu|cuda:N] [--dtype f32|bf16]
 //! ```
 //!
 //! The allocator is set up like the binaries do (`DFLASH_MALLOC=system`
@@ -36,6 +38,8 @@ struct Arguments {
     logits_chunk_blocks: Option<i64>,
     checkpoint_layers: bool,
     vocab: Option<i64>,
+    device: Device,
+    kind: Kind,
 }
 
 fn parse_arguments() -> anyhow::Result<Arguments> {
@@ -50,6 +54,8 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
             .logits_chunk_blocks,
         checkpoint_layers: false,
         vocab: None,
+        device: Device::Cpu,
+        kind: Kind::Float,
     };
     let mut attention_chunk = dflash_model::draft::DEFAULT_BLOCKS_PER_ATTENTION_CHUNK;
     let mut attention_name = "split".to_string();
@@ -87,6 +93,17 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
                 }
             }
             "--vocab" => arguments.vocab = Some(number(&value)? as i64),
+            "--device" => {
+                let choice: dflash_service::DeviceChoice =
+                    value.parse().map_err(anyhow::Error::msg)?;
+                arguments.device = dflash_model::device::resolve_device(choice)?;
+            }
+            "--dtype" => {
+                let choice =
+                    <dflash_service::DtypeChoice as clap::ValueEnum>::from_str(&value, true)
+                        .map_err(|error| anyhow::anyhow!("--dtype {value:?}: {error}"))?;
+                arguments.kind = dflash_model::device::kind_of(choice);
+            }
             other => bail!("unknown flag {other:?}"),
         }
     }
@@ -160,7 +177,7 @@ fn main() -> anyhow::Result<()> {
     println!(
         "drafter step: tiny target (hidden {}, vocab {}), {} draft layers, block {block_size}, \
          {} × {} tokens per step, {} threads, {allocator}, attention {:?}, logits chunk {:?}, \
-         checkpoint layers {}",
+         checkpoint layers {}, device {:?} {:?}",
         config.hidden_size,
         config.vocab_size,
         config.num_draft_layers,
@@ -170,7 +187,23 @@ fn main() -> anyhow::Result<()> {
         arguments.attention,
         arguments.logits_chunk_blocks,
         arguments.checkpoint_layers,
+        arguments.device,
+        arguments.kind,
     );
+    let gpu_memory = match arguments.device {
+        Device::Cuda(index) => {
+            let settings = dflash_service::CudaAllocatorSettings::from_environment();
+            println!(
+                "{settings}{}",
+                settings
+                    .warning()
+                    .map(|w| format!(": {w}"))
+                    .unwrap_or_default()
+            );
+            dflash_service::GpuMemoryMonitor::start(index)
+        }
+        _ => None,
+    };
     let mut generator = StdRng::seed_from_u64(0);
     let vocab_for_tokens = config.vocab_size.min(500);
     let batches: Vec<Vec<TrainingSequence>> = (0..2)
@@ -193,8 +226,10 @@ fn main() -> anyhow::Result<()> {
         .collect();
 
     for &num_anchors in &arguments.anchors {
-        let frozen = FrozenTargetHeads::load(target_dir.path(), Device::Cpu, Kind::Float)?.1;
-        let mut model = DraftModel::new(config.clone(), frozen, Device::Cpu, Kind::Float, 0)?;
+        let frozen =
+            FrozenTargetHeads::load(target_dir.path(), arguments.device, arguments.kind)?.1;
+        let mut model =
+            DraftModel::new(config.clone(), frozen, arguments.device, arguments.kind, 0)?;
         model.set_attention(arguments.attention)?;
         let mut settings = TrainerSettings::recipe_defaults(block_size, arguments.steps as u64 + 1);
         settings.num_anchors = num_anchors;
@@ -226,6 +261,13 @@ fn main() -> anyhow::Result<()> {
             first.loss,
             last.loss
         );
+        if let Some(reading) = gpu_memory.as_ref().and_then(|monitor| monitor.sample()) {
+            println!(
+                "anchors {num_anchors}: GPU memory {:.2} GiB in use after the last step, peak {:.2} GiB",
+                reading.used_bytes as f64 / (1u64 << 30) as f64,
+                reading.peak_bytes as f64 / (1u64 << 30) as f64
+            );
+        }
     }
     Ok(())
 }

@@ -49,6 +49,7 @@ async fn main() -> std::process::ExitCode {
                 tokens_per_second = report.tokens_per_second,
                 busy_fraction = report.busy_fraction,
                 checkpoint = ?report.final_checkpoint,
+                device_memory_peak_bytes = ?report.device_memory_peak_bytes,
                 "drafter-server finished"
             );
             if let RunEnd::Aborted { reason } = &report.end {

@@ -31,6 +31,11 @@ pub struct DrafterMetrics {
     pub tokens_per_second: Gauge,
     /// Fraction of the last stats interval the device was busy.
     pub busy_fraction: Gauge,
+    /// The GPU's used memory after the last step, and its peak (NVML: what
+    /// libtorch's caching allocator reserved plus the CUDA context); zero on
+    /// the CPU.
+    pub device_memory_used_bytes: Gauge,
+    pub device_memory_peak_bytes: Gauge,
 }
 
 impl DrafterMetrics {
@@ -75,6 +80,14 @@ impl DrafterMetrics {
                 "busy_fraction",
                 "Fraction of the last stats interval that the device was computing.",
             )?,
+            device_memory_used_bytes: gauge(
+                "device_memory_used_bytes",
+                "GPU memory in use after the last step (NVML; 0 on the CPU).",
+            )?,
+            device_memory_peak_bytes: gauge(
+                "device_memory_peak_bytes",
+                "Largest GPU memory in use after any step of this process (NVML; 0 on the CPU).",
+            )?,
         })
     }
 }
@@ -100,8 +113,8 @@ mod tests {
             text.contains("dflash_drafter_loss{drafter_id=\"drafter-2\",device=\"cuda:1\"} 1.5\n"),
             "{text}"
         );
-        assert_eq!(text.matches("# TYPE ").count(), 8, "{text}");
-        assert_eq!(text.matches("drafter_id=\"drafter-2\"").count(), 8);
+        assert_eq!(text.matches("# TYPE ").count(), 10, "{text}");
+        assert_eq!(text.matches("drafter_id=\"drafter-2\"").count(), 10);
         // One run registers once: a second registration is a bug, not a reset.
         assert!(DrafterMetrics::register(&registry, "drafter-2", "cuda:1").is_err());
     }

@@ -100,6 +100,8 @@ pub struct DrafterReport {
     /// Compute time over wall time from the first delivery to the end.
     pub busy_fraction: f64,
     pub device: String,
+    /// The GPU's peak memory in use after a step (NVML), on CUDA only.
+    pub device_memory_peak_bytes: Option<u64>,
 }
 
 impl DrafterReport {
@@ -226,9 +228,16 @@ async fn run_session(
     config.validate()?;
     // The label the engine will report, known before the model loads so the
     // metrics exist (at zero) from the first scrape.
-    let device_label = match config.model {
-        ModelMode::Synthetic { .. } => "synthetic".to_string(),
-        ModelMode::DFlash => dflash_model::device::device_label(config.resolve_device()?),
+    let (device_label, gpu_memory) = match config.model {
+        ModelMode::Synthetic { .. } => ("synthetic".to_string(), None),
+        ModelMode::DFlash => {
+            let device = config.resolve_device()?;
+            let gpu_memory = match device {
+                tch::Device::Cuda(index) => dflash_service::GpuMemoryMonitor::start(index),
+                _ => None,
+            };
+            (dflash_model::device::device_label(device), gpu_memory)
+        }
     };
     let metrics = DrafterMetrics::register(registry, &config.drafter_id, &device_label)?;
     let resume_from = prepare_output(&config)?;
@@ -257,6 +266,7 @@ async fn run_session(
         metrics,
         run_id: std::sync::Mutex::new(None),
         run_clock,
+        gpu_memory,
     };
     let result = session.drive(&shutdown).await;
     // Closing the command channel ends the training loop if it is still running.
@@ -423,6 +433,8 @@ struct Session {
     /// The run-wide schedule's clock (model sync on), which learns the run's
     /// size here; `None`: this drafter's own schedule.
     run_clock: Option<RunClock>,
+    /// The GPU's memory, read after every step (CUDA with NVML only).
+    gpu_memory: Option<dflash_service::GpuMemoryMonitor>,
 }
 
 impl Session {
@@ -566,6 +578,18 @@ impl Session {
             self.totals.last_loss = Some(report.loss);
         }
         self.totals.last_accuracy = Some(report.accuracy);
+        if let Some(reading) = self
+            .gpu_memory
+            .as_ref()
+            .and_then(|monitor| monitor.sample())
+        {
+            self.metrics
+                .device_memory_used_bytes
+                .set(reading.used_bytes as f64);
+            self.metrics
+                .device_memory_peak_bytes
+                .set(reading.peak_bytes as f64);
+        }
         if report.step.is_power_of_two() || report.step.is_multiple_of(100) {
             info!(
                 step = report.step,
@@ -956,6 +980,7 @@ impl Session {
                 0.0
             },
             device: self.device.clone(),
+            device_memory_peak_bytes: self.gpu_memory.as_ref().map(|monitor| monitor.peak_bytes()),
         }
     }
 }

@@ -20,11 +20,16 @@
 //! - [`alloc`]: [`configure_allocator`], glibc malloc settings that keep
 //!   large tensor buffers across steps (and optional huge pages), which the
 //!   libtorch binaries apply first thing in `main`.
+//! - [`cuda_memory`]: on a GPU, which CUDA allocator libtorch uses
+//!   ([`CudaAllocatorSettings`]: caching on or off, from the environment)
+//!   and the device memory's peak ([`DeviceMemoryProbe`], NVML loaded at run
+//!   time; nothing on a host without the driver).
 //!
 //! Must not depend on libtorch, tonic or any other crate of ours: the broker
 //! and the operator CLI link it without libtorch.
 
 pub mod alloc;
+pub mod cuda_memory;
 pub mod device;
 pub mod exit;
 pub mod signal;
@@ -32,6 +37,10 @@ pub mod units;
 pub mod worker;
 
 pub use alloc::{configure_allocator, AllocatorMode, AllocatorReport};
+pub use cuda_memory::{
+    CudaAllocatorSettings, DeviceMemory, DeviceMemoryProbe, GpuMemoryMonitor, GpuMemoryReading,
+    PeakTracker,
+};
 pub use device::{DeviceChoice, DtypeChoice};
 pub use exit::Exit;
 pub use signal::shutdown_signal;

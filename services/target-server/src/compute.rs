@@ -309,12 +309,14 @@ fn forward(
 /// them to the async sender. Also keeps the device busy-time estimate: a
 /// batch's device work ends when its copy to host completes, and starts at
 /// its forward start or the end of the previous batch, whichever is later;
-/// that time is also `metrics.batch_seconds`.
+/// that time is also `metrics.batch_seconds`. On CUDA it reads the GPU's
+/// memory after each batch (`gpu_memory`) into the memory gauges.
 pub fn run_host_copy_thread(
     mut computed: tokio::sync::mpsc::Receiver<ComputedBatch>,
     ready: tokio::sync::mpsc::Sender<Vec<ReadySample>>,
     counters: Arc<PipelineCounters>,
     metrics: TargetMetrics,
+    gpu_memory: Option<Arc<dflash_service::GpuMemoryMonitor>>,
     epoch: Instant,
 ) -> Result<(), ComputeError> {
     let mut previous_done: Option<Instant> = None;
@@ -344,6 +346,14 @@ pub fn run_host_copy_thread(
             .fetch_add(device_time.as_nanos() as u64, Ordering::Relaxed);
         metrics.batch_seconds.set(device_time.as_secs_f64());
         metrics.batches.increment();
+        if let Some(reading) = gpu_memory.as_ref().and_then(|monitor| monitor.sample()) {
+            metrics
+                .device_memory_used_bytes
+                .set(reading.used_bytes as f64);
+            metrics
+                .device_memory_peak_bytes
+                .set(reading.peak_bytes as f64);
+        }
         let samples: Vec<ReadySample> = batch
             .samples
             .into_iter()

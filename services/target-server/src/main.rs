@@ -49,6 +49,13 @@ async fn main() -> std::process::ExitCode {
                 report.device,
                 report.busy_fraction * 100.0
             );
+            if let Some(peak) = report.device_memory_peak_bytes {
+                println!(
+                    "target {}: GPU memory peak {:.2} GiB (NVML, after a batch)",
+                    report.target_id,
+                    peak as f64 / (1u64 << 30) as f64
+                );
+            }
             Exit::Done.into()
         }
         Err(error) => {

@@ -31,6 +31,11 @@ pub struct TargetMetrics {
     pub busy_fraction: Gauge,
     /// Device time of the last batch: its forward and copy to host.
     pub batch_seconds: Gauge,
+    /// The GPU's used memory after the last batch, and its peak (NVML: what
+    /// libtorch's caching allocator reserved plus the CUDA context); zero on
+    /// the CPU.
+    pub device_memory_used_bytes: Gauge,
+    pub device_memory_peak_bytes: Gauge,
 }
 
 impl TargetMetrics {
@@ -77,6 +82,14 @@ impl TargetMetrics {
                 "batch_seconds",
                 "Device seconds of the last batch (forward and copy to host).",
             )?,
+            device_memory_used_bytes: gauge(
+                "device_memory_used_bytes",
+                "GPU memory in use after the last batch (NVML; 0 on the CPU).",
+            )?,
+            device_memory_peak_bytes: gauge(
+                "device_memory_peak_bytes",
+                "Largest GPU memory in use after any batch of this process (NVML; 0 on the CPU).",
+            )?,
         })
     }
 }
@@ -104,8 +117,8 @@ mod tests {
             ),
             "{text}"
         );
-        assert_eq!(text.matches("# TYPE ").count(), 7, "{text}");
-        assert_eq!(text.matches("target_id=\"target-3\"").count(), 7);
+        assert_eq!(text.matches("# TYPE ").count(), 9, "{text}");
+        assert_eq!(text.matches("target_id=\"target-3\"").count(), 9);
         // One run registers once: a second registration is a bug, not a reset.
         assert!(TargetMetrics::register(&registry, "target-3", "cuda:1").is_err());
     }

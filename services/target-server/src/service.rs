@@ -92,6 +92,8 @@ pub struct TargetReport {
     pub tokens_per_second: f64,
     /// Fraction of `compute_wall` the device was busy.
     pub busy_fraction: f64,
+    /// The GPU's peak memory in use after a batch (NVML), on CUDA only.
+    pub device_memory_peak_bytes: Option<u64>,
 }
 
 /// Samples of data kept in flight between threads (batches per channel).
@@ -369,10 +371,24 @@ async fn run_pipeline(
         ModelSource::Directory(_) => dflash_model::device::device_label(device),
     };
     let metrics = TargetMetrics::register(registry, &config.target_id, &device_name)?;
+    let gpu_memory = match (&config.model, device) {
+        (ModelSource::Directory(_), Device::Cuda(index)) => {
+            dflash_service::GpuMemoryMonitor::start(index).map(Arc::new)
+        }
+        _ => None,
+    };
     // Data first: an empty or missing file should fail before anything loads.
     let record_count = count_input_records(&config).await?;
     let mut threads = PipelineThreads::start(&config, device, &shutdown)?;
-    let outcome = stream_shard(&config, record_count, &shutdown, &mut threads, &metrics).await;
+    let outcome = stream_shard(
+        &config,
+        record_count,
+        &shutdown,
+        &mut threads,
+        &metrics,
+        gpu_memory.clone(),
+    )
+    .await;
     let joined = threads.join(config.finish_timeout).await;
     let (mut report, client) = outcome?;
     // The pipeline's own failures come before a report: they explain an
@@ -380,6 +396,7 @@ async fn run_pipeline(
     if let Some(summary) = joined.into_result()? {
         report.reader = summary;
     }
+    report.device_memory_peak_bytes = gpu_memory.map(|monitor| monitor.peak_bytes());
     if report.completed {
         finish_run(&client, &mut report).await?;
     }
@@ -444,6 +461,7 @@ async fn stream_shard(
     shutdown: &CancellationToken,
     threads: &mut PipelineThreads,
     metrics: &TargetMetrics,
+    gpu_memory: Option<Arc<dflash_service::GpuMemoryMonitor>>,
 ) -> Result<(TargetReport, BrokerClient), TargetServerError> {
     let (client, shard, window) = connect(config).await?;
     let info = tokio::select! {
@@ -479,7 +497,7 @@ async fn stream_shard(
         let counters = counters.clone();
         let metrics = metrics.clone();
         spawn_named("host-copy", move || {
-            run_host_copy_thread(computed, ready_sender, counters, metrics, epoch)
+            run_host_copy_thread(computed, ready_sender, counters, metrics, gpu_memory, epoch)
         })?
     });
     let mut pump = Pump {
@@ -777,6 +795,7 @@ impl Pump<'_> {
             compute_wall,
             tokens_per_second,
             busy_fraction: progress.busy_fraction,
+            device_memory_peak_bytes: None,
         })
     }
 }
