@@ -21,19 +21,24 @@ check() { # name, then a command that must succeed
 links_no_torch() { ! ldd "$ops_cli" | grep -Eq 'libtorch|libc10'; }
 check "the operator dflash links no libtorch" links_no_torch
 
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-log="$(mktemp)"
-"$target_dir/debug/broker" --listen "127.0.0.1:$port" --expected-targets 3 >"$log" 2>&1 &
+# The broker binds port 0 and writes the address it got (no free-port race).
+work="$(mktemp -d)"
+"$target_dir/debug/broker" --listen "127.0.0.1:0" --ready-file "$work/address" --expected-targets 3 >"$work/log" 2>&1 &
 broker_pid=$!
-trap 'kill "$broker_pid" 2>/dev/null || true; rm -f "$log"' EXIT
-status_json() { env -u LD_LIBRARY_PATH "$ops_cli" status --json --broker "http://127.0.0.1:$port" 2>/dev/null; }
+trap 'kill "$broker_pid" 2>/dev/null || true; rm -rf "$work"' EXIT
+for _ in $(seq 1 100); do
+  if [[ -s "$work/address" ]]; then break; fi
+  sleep 0.1
+done
+address="$(cat "$work/address")"
+status_json() { env -u LD_LIBRARY_PATH "$ops_cli" status --json --broker "http://$address" 2>/dev/null; }
 for _ in $(seq 1 100); do
   if status_json >/dev/null; then break; fi
   sleep 0.1
 done
 json_names_three_targets() { status_json | python3 -c 'import json,sys; s=json.load(sys.stdin); sys.exit(0 if s["expected_targets"] == 3 else 1)'; }
 check "status --json reads a live broker" json_names_three_targets
-table_shows_the_broker() { env -u LD_LIBRARY_PATH "$ops_cli" status --broker "http://127.0.0.1:$port" | grep -q "targets done 0/3"; }
+table_shows_the_broker() { env -u LD_LIBRARY_PATH "$ops_cli" status --broker "http://$address" | grep -q "targets done 0/3"; }
 check "status prints the top table" table_shows_the_broker
 no_model_commands() { ! "$ops_cli" --help | grep -Eq '^  (local|eval|init-tiny) '; }
 check "the model commands are not in the operator build" no_model_commands

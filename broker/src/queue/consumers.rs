@@ -82,7 +82,7 @@ impl<P: Payload> Queue<P> {
     }
 
     pub fn set_credit(&mut self, connection: ConnectionId, credit: Credit, now: Instant) {
-        if let Some(entry) = self.consumer_entry(connection) {
+        if let Some(entry) = self.drafter_of_connection(connection) {
             entry.credit = credit;
             entry.last_seen = now;
             self.dispatch(now);
@@ -90,7 +90,7 @@ impl<P: Payload> Queue<P> {
     }
 
     pub fn consumer_stats(&mut self, connection: ConnectionId, stats: ConsumerStats, now: Instant) {
-        if let Some(entry) = self.consumer_entry(connection) {
+        if let Some(entry) = self.drafter_of_connection(connection) {
             entry.stats = Some(stats);
             entry.last_seen = now;
         }
@@ -114,7 +114,7 @@ impl<P: Payload> Queue<P> {
                             target_id: item.target_id,
                             seq: item.seq,
                         });
-                        if let Some(entry) = self.consumer_entry(connection) {
+                        if let Some(entry) = self.drafter_of_connection(connection) {
                             entry.acked_items += 1;
                         }
                     }
@@ -144,7 +144,7 @@ impl<P: Payload> Queue<P> {
             match self.take_lease(connection, delivery_id) {
                 Some(item_id) => {
                     outcome.acked += 1;
-                    if let Some(entry) = self.consumer_entry(connection) {
+                    if let Some(entry) = self.drafter_of_connection(connection) {
                         entry.nacked_items += 1;
                     }
                     match disposition {
@@ -175,7 +175,7 @@ impl<P: Payload> Queue<P> {
         if !self.consumer_alive(connection, now) {
             return;
         }
-        let Some(entry) = self.consumer_entry(connection) else {
+        let Some(entry) = self.drafter_of_connection(connection) else {
             return;
         };
         let held: Vec<DeliveryId> = if delivery_ids.is_empty() {
@@ -207,7 +207,11 @@ impl<P: Payload> Queue<P> {
         }
     }
 
-    pub(super) fn consumer_entry(&mut self, connection: ConnectionId) -> Option<&mut DrafterEntry> {
+    /// The drafter a consumer stream belongs to, while that stream is its current one.
+    pub(super) fn drafter_of_connection(
+        &mut self,
+        connection: ConnectionId,
+    ) -> Option<&mut DrafterEntry> {
         let drafter_id = self.consumer_connections.get(&connection)?;
         let entry = self.drafters.get_mut(drafter_id)?;
         (entry.connection == Some(connection)).then_some(entry)
@@ -216,7 +220,7 @@ impl<P: Payload> Queue<P> {
     /// The consumer acked, nacked or extended: it is seen now and no longer
     /// stalled. False when the connection is not current.
     pub(super) fn consumer_alive(&mut self, connection: ConnectionId, now: Instant) -> bool {
-        match self.consumer_entry(connection) {
+        match self.drafter_of_connection(connection) {
             Some(entry) => {
                 entry.last_seen = now;
                 entry.stalled = false;

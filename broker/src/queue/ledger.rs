@@ -35,7 +35,7 @@ impl<P: Payload> Queue<P> {
                 continue;
             };
             self.unlink_lease(lease.connection, delivery_id, lease.item_id);
-            if let Some(entry) = self.consumer_entry(lease.connection) {
+            if let Some(entry) = self.drafter_of_connection(lease.connection) {
                 entry.expired_leases += 1;
                 entry.stalled = true;
             }
@@ -484,7 +484,7 @@ impl<P: Payload> Queue<P> {
         self.note_deadline(deadline);
         self.leased_bytes += bytes;
         self.delivered_items += 1;
-        if let Some(entry) = self.consumer_entry(connection) {
+        if let Some(entry) = self.drafter_of_connection(connection) {
             entry.leases.insert(delivery_id);
             entry.leased_bytes += bytes;
             entry.delivered_items += 1;

@@ -28,6 +28,12 @@
 //!   `keepalive_detection` before the drop if later); the failure policy
 //!   aborts the run or counts it as finished-with-loss.
 //!
+//! Names: a *target* and a *drafter* are identities (an id, its entry, its
+//! counters, its fate in the run); a *producer* and a *consumer* are one
+//! stream of theirs (a connection: opened, fenced, closed). So
+//! `open_producer` opens a stream for a target, and `drafter_of_connection`
+//! finds the drafter a consumer stream belongs to.
+//!
 //! Modules: `types` (ids, config, policies, errors, operation answers),
 //! `effects` (the outbox), `producers` and `consumers` (the stream
 //! operations), `ledger` (items, the FIFO, leases, dead letters, dispatch,

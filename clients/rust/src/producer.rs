@@ -165,14 +165,24 @@ impl Producer {
         })
     }
 
-    /// Sends one item. Waits while the window of unanswered items is full
-    /// (and HTTP/2 flow control while the broker's queue is full).
+    /// Sends one item made of its parts; see [`Producer::send_item`].
     pub async fn send(
         &mut self,
         seq: u64,
         sample: proto::Sample,
         trace_context: HashMap<String, String>,
     ) -> Result<(), ClientError> {
+        self.send_item(proto::Item {
+            seq,
+            sample: Some(sample),
+            trace_context,
+        })
+        .await
+    }
+
+    /// Sends one item as it is. Waits while the window of unanswered items
+    /// is full (and HTTP/2 flow control while the broker's queue is full).
+    pub async fn send_item(&mut self, item: proto::Item) -> Result<(), ClientError> {
         if let Some(error) = self.failure().await {
             return Err(error);
         }
@@ -188,11 +198,7 @@ impl Producer {
         // The permit is returned by the reader when the answer arrives.
         permit.forget();
         let request = proto::ProduceRequest {
-            kind: Some(proto::produce_request::Kind::Item(proto::Item {
-                seq,
-                sample: Some(sample),
-                trace_context,
-            })),
+            kind: Some(proto::produce_request::Kind::Item(item)),
         };
         self.send_request(request).await
     }

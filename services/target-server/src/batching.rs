@@ -15,23 +15,24 @@
 //! broker already has. Changing `--sort-window` or `--max-length` between
 //! restarts of one run breaks that and is refused by nothing: don't.
 
-use crate::data::EncodedSample;
+use crate::data::TokenizedSequence;
 
-/// A sample with its place in the data and in the stream.
+/// A tokenized sequence with its place in the data and in the stream (its
+/// seq becomes the item's).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SequencedSample {
+pub struct NumberedSequence {
     /// Position in this target's processing order; the broker's per-target
     /// item sequence number.
     pub seq: u64,
     /// 1-based line of the data file it came from (0 for generated data).
     pub line_number: u64,
-    pub sample: EncodedSample,
+    pub sequence: TokenizedSequence,
 }
 
 /// Samples that go through the model together, right-padded to the longest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlannedBatch {
-    pub samples: Vec<SequencedSample>,
+    pub samples: Vec<NumberedSequence>,
 }
 
 impl PlannedBatch {
@@ -39,7 +40,7 @@ impl PlannedBatch {
     pub fn padded_length(&self) -> usize {
         self.samples
             .iter()
-            .map(|sample| sample.sample.input_ids.len())
+            .map(|sample| sample.sequence.input_ids.len())
             .max()
             .unwrap_or(0)
     }
@@ -48,13 +49,13 @@ impl PlannedBatch {
     pub fn real_tokens(&self) -> usize {
         self.samples
             .iter()
-            .map(|sample| sample.sample.input_ids.len())
+            .map(|sample| sample.sequence.input_ids.len())
             .sum()
     }
 }
 
 /// Sorts one window longest first; equal lengths keep file order.
-pub fn sort_window(window: &mut [(u64, EncodedSample)]) {
+pub fn sort_window(window: &mut [(u64, TokenizedSequence)]) {
     window.sort_by(|(line_a, sample_a), (line_b, sample_b)| {
         sample_b
             .input_ids
@@ -68,14 +69,14 @@ pub fn sort_window(window: &mut [(u64, EncodedSample)]) {
 /// max_batch_tokens`. A sample longer than the budget gets a batch of its
 /// own rather than being dropped.
 pub fn split_into_batches(
-    samples: Vec<SequencedSample>,
+    samples: Vec<NumberedSequence>,
     max_batch_tokens: usize,
 ) -> Vec<PlannedBatch> {
     let mut batches = Vec::new();
-    let mut current: Vec<SequencedSample> = Vec::new();
+    let mut current: Vec<NumberedSequence> = Vec::new();
     let mut current_longest = 0usize;
     for sample in samples {
-        let length = sample.sample.input_ids.len();
+        let length = sample.sequence.input_ids.len();
         let longest_if_added = current_longest.max(length);
         if !current.is_empty() && (current.len() + 1) * longest_if_added > max_batch_tokens {
             batches.push(PlannedBatch {
@@ -96,11 +97,11 @@ pub fn split_into_batches(
 mod tests {
     use super::*;
 
-    fn sample(seq: u64, length: usize) -> SequencedSample {
-        SequencedSample {
+    fn sample(seq: u64, length: usize) -> NumberedSequence {
+        NumberedSequence {
             seq,
             line_number: seq + 1,
-            sample: EncodedSample {
+            sequence: TokenizedSequence {
                 input_ids: vec![7; length],
                 loss_mask: vec![1; length],
                 truncated: false,
@@ -141,9 +142,9 @@ mod tests {
 
     #[test]
     fn windows_sort_longest_first_with_stable_ties() {
-        let mut window: Vec<(u64, EncodedSample)> = [(1u64, 3usize), (2, 7), (3, 3), (4, 9)]
+        let mut window: Vec<(u64, TokenizedSequence)> = [(1u64, 3usize), (2, 7), (3, 3), (4, 9)]
             .iter()
-            .map(|&(line, length)| (line, sample(0, length).sample))
+            .map(|&(line, length)| (line, sample(0, length).sequence))
             .collect();
         sort_window(&mut window);
         let lines: Vec<u64> = window.iter().map(|(line, _)| *line).collect();

@@ -18,7 +18,7 @@ use crate::config::SyntheticSpec;
 use crate::metrics::TargetMetrics;
 use bytes::Bytes;
 use dflash_model::target::TargetModel;
-use dflash_proto::v1::{Dtype, Sample};
+use dflash_proto::v1::{Dtype, Item};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -148,7 +148,7 @@ impl SyntheticBackend {
         let payloads = batch
             .samples
             .iter()
-            .map(|sample| self.payload(sample.sample.input_ids.len()))
+            .map(|sample| self.payload(sample.sequence.input_ids.len()))
             .collect();
         self.tokens_produced += batch.real_tokens() as u64;
         if self.spec.tokens_per_second > 0.0 {
@@ -196,14 +196,15 @@ pub struct ComputedBatch {
     pub trace_context: HashMap<String, String>,
 }
 
-/// One sample ready to send.
+/// One item ready to send: the `proto::Item` the Produce stream carries,
+/// built here once (on the host-copy thread), and its token count for the
+/// stats.
 #[derive(Debug, Clone)]
-pub struct ReadySample {
-    pub seq: u64,
-    /// W3C trace context of the batch that made it (empty without tracing).
-    pub trace_context: HashMap<String, String>,
+pub struct ReadyItem {
+    /// seq, sample (the `dflash_proto::sample` schema) and the W3C trace
+    /// context of the batch that made it (empty without tracing).
+    pub item: Item,
     pub tokens: u64,
-    pub sample: Sample,
 }
 
 /// Counters shared by the threads and read by the stats reporter.
@@ -290,7 +291,7 @@ fn forward(
     let mut ids = vec![0i64; rows * length];
     let mut mask = vec![0i64; rows * length];
     for (row, sample) in batch.samples.iter().enumerate() {
-        let tokens = &sample.sample.input_ids;
+        let tokens = &sample.sequence.input_ids;
         ids[row * length..row * length + tokens.len()].copy_from_slice(tokens);
         mask[row * length..row * length + tokens.len()].fill(1);
     }
@@ -313,7 +314,7 @@ fn forward(
 /// memory after each batch (`gpu_memory`) into the memory gauges.
 pub fn run_host_copy_thread(
     mut computed: tokio::sync::mpsc::Receiver<ComputedBatch>,
-    ready: tokio::sync::mpsc::Sender<Vec<ReadySample>>,
+    ready: tokio::sync::mpsc::Sender<Vec<ReadyItem>>,
     counters: Arc<PipelineCounters>,
     metrics: TargetMetrics,
     gpu_memory: Option<Arc<dflash_service::GpuMemoryMonitor>>,
@@ -354,36 +355,38 @@ pub fn run_host_copy_thread(
                 .device_memory_peak_bytes
                 .set(reading.peak_bytes as f64);
         }
-        let samples: Vec<ReadySample> = batch
+        let items: Vec<ReadyItem> = batch
             .samples
             .into_iter()
             .zip(payloads)
             .map(|(sequenced, hidden_payload)| {
-                let tokens = sequenced.sample.input_ids.len();
+                let tokens = sequenced.sequence.input_ids.len();
                 let width = (hidden_payload.len() / 2).checked_div(tokens).unwrap_or(0);
-                ReadySample {
-                    seq: sequenced.seq,
-                    trace_context: trace_context.clone(),
+                ReadyItem {
+                    item: Item {
+                        seq: sequenced.seq,
+                        sample: Some(dflash_proto::sample::encode(
+                            &sequenced.sequence.input_ids,
+                            &sequenced.sequence.loss_mask,
+                            hidden_payload,
+                            Dtype::Bf16,
+                            width as u64,
+                        )),
+                        trace_context: trace_context.clone(),
+                    },
                     tokens: tokens as u64,
-                    sample: dflash_proto::sample::encode(
-                        &sequenced.sample.input_ids,
-                        &sequenced.sample.loss_mask,
-                        hidden_payload,
-                        Dtype::Bf16,
-                        width as u64,
-                    ),
                 }
             })
             .collect();
         drop(span);
         counters.tokens_computed.fetch_add(
-            samples.iter().map(|sample| sample.tokens).sum(),
+            items.iter().map(|ready| ready.tokens).sum(),
             Ordering::Relaxed,
         );
         counters
             .samples_computed
-            .fetch_add(samples.len() as u64, Ordering::Relaxed);
-        if ready.blocking_send(samples).is_err() {
+            .fetch_add(items.len() as u64, Ordering::Relaxed);
+        if ready.blocking_send(items).is_err() {
             break;
         }
     }
@@ -418,7 +421,7 @@ fn split_batch(tensor: &Tensor, batch: &PlannedBatch) -> Result<Vec<Bytes>, Comp
         .enumerate()
         .map(|(row, sample)| {
             let start = row * row_bytes;
-            buffer.slice(start..start + sample.sample.input_ids.len() * token_bytes)
+            buffer.slice(start..start + sample.sequence.input_ids.len() * token_bytes)
         })
         .collect())
 }
@@ -426,18 +429,18 @@ fn split_batch(tensor: &Tensor, batch: &PlannedBatch) -> Result<Vec<Bytes>, Comp
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batching::SequencedSample;
-    use crate::data::EncodedSample;
+    use crate::batching::NumberedSequence;
+    use crate::data::TokenizedSequence;
 
     fn batch_of(lengths: &[usize]) -> PlannedBatch {
         PlannedBatch {
             samples: lengths
                 .iter()
                 .enumerate()
-                .map(|(seq, &length)| SequencedSample {
+                .map(|(seq, &length)| NumberedSequence {
                     seq: seq as u64,
                     line_number: seq as u64 + 1,
-                    sample: EncodedSample {
+                    sequence: TokenizedSequence {
                         input_ids: vec![3; length],
                         loss_mask: vec![1; length],
                         truncated: false,

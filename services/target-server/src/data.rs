@@ -65,9 +65,11 @@ pub enum Conversation {
     Messages(Vec<ChatMessage>),
 }
 
-/// Token ids and their loss mask (1 = the drafter is trained on it).
+/// One data record tokenized: token ids and their loss mask (1 = the drafter
+/// is trained on it). Numbered it becomes a [`crate::batching::NumberedSequence`],
+/// computed a [`crate::compute::ReadyItem`] (the `proto::Item` sent as is).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EncodedSample {
+pub struct TokenizedSequence {
     pub input_ids: Vec<i64>,
     pub loss_mask: Vec<u8>,
     /// Whether the sequence was cut to `--max-length`.
@@ -411,7 +413,7 @@ impl ChatEncoder {
     }
 
     /// Encodes one conversation, truncated to the max length.
-    pub fn encode(&self, conversation: &Conversation) -> Result<EncodedSample, LineError> {
+    pub fn encode(&self, conversation: &Conversation) -> Result<TokenizedSequence, LineError> {
         let (mut input_ids, mut loss_mask) = match conversation {
             Conversation::PreTokenized {
                 input_ids,
@@ -436,7 +438,7 @@ impl ChatEncoder {
         let truncated = input_ids.len() > self.max_length;
         input_ids.truncate(self.max_length);
         loss_mask.truncate(self.max_length);
-        Ok(EncodedSample {
+        Ok(TokenizedSequence {
             input_ids,
             loss_mask,
             truncated,

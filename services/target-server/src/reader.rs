@@ -4,8 +4,8 @@
 //! Synchronous and free of tch and tokio; it runs on its own thread so that
 //! tokenization never holds up the device.
 
-use crate::batching::{sort_window, split_into_batches, PlannedBatch, SequencedSample};
-use crate::data::{parse_line, ChatEncoder, Conversation, EncodedSample, LineError};
+use crate::batching::{sort_window, split_into_batches, NumberedSequence, PlannedBatch};
+use crate::data::{parse_line, ChatEncoder, Conversation, LineError, TokenizedSequence};
 use crate::shard::ShardSpec;
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
@@ -204,7 +204,7 @@ impl<I: Iterator<Item = Result<Record, ReaderError>>> BatchReader<I> {
         &self.summary
     }
 
-    fn encode(&self, content: RecordContent) -> Result<EncodedSample, LineError> {
+    fn encode(&self, content: RecordContent) -> Result<TokenizedSequence, LineError> {
         let conversation = match content {
             RecordContent::Line(text) => parse_line(&text?)?,
             RecordContent::Generated(conversation) => conversation,
@@ -241,7 +241,8 @@ impl<I: Iterator<Item = Result<Record, ReaderError>>> BatchReader<I> {
 
     /// Reads one window, sorts it, numbers it and queues its batches.
     fn fill_window(&mut self) -> Result<(), ReaderError> {
-        let mut window: Vec<(u64, EncodedSample)> = Vec::with_capacity(self.settings.window_size);
+        let mut window: Vec<(u64, TokenizedSequence)> =
+            Vec::with_capacity(self.settings.window_size);
         while window.len() < self.settings.window_size.max(1) {
             let Some(record) = self.records.next() else {
                 self.exhausted = true;
@@ -269,10 +270,10 @@ impl<I: Iterator<Item = Result<Record, ReaderError>>> BatchReader<I> {
                 self.summary.skipped_for_resume += 1;
                 continue;
             }
-            sequenced.push(SequencedSample {
+            sequenced.push(NumberedSequence {
                 seq,
                 line_number,
-                sample,
+                sequence: sample,
             });
         }
         self.ready.extend(split_into_batches(
@@ -337,7 +338,7 @@ mod tests {
 
     fn collect(
         reader: &mut BatchReader<ShardLines<std::io::Cursor<Vec<u8>>>>,
-    ) -> Result<Vec<SequencedSample>, ReaderError> {
+    ) -> Result<Vec<NumberedSequence>, ReaderError> {
         let mut samples = Vec::new();
         for batch in reader.by_ref() {
             samples.extend(batch?.samples);

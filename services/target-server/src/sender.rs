@@ -3,14 +3,14 @@
 //! The client library's `Producer` keeps at most a window of items
 //! unanswered; when its stream breaks, those items may or may not have
 //! reached the broker. This wrapper remembers the last window's worth of
-//! samples, reopens the stream (the broker's welcome says which seq it has
+//! items, reopens the stream (the broker's welcome says which seq it has
 //! up to), and re-sends only what came after that. Everything before the
 //! remembered window was answered, because `send` only returns once a
 //! window slot is free.
 
 use dflash_client::{BrokerClient, ClientError, ProduceReport, Producer};
-use dflash_proto::v1::{ProducerStats, Sample};
-use std::collections::{HashMap, VecDeque};
+use dflash_proto::v1::{Item, ProducerStats};
+use std::collections::VecDeque;
 use std::time::Duration;
 
 /// A Produce stream with reconnect-and-resume.
@@ -18,8 +18,9 @@ pub struct ResilientProducer {
     client: BrokerClient,
     target_id: String,
     producer: Producer,
-    /// The last `window` samples sent, for re-sending after a reconnect.
-    recent: VecDeque<(u64, Sample, HashMap<String, String>)>,
+    /// The last `window` items sent, for re-sending after a reconnect
+    /// (clones share the payload bytes).
+    recent: VecDeque<Item>,
     window: usize,
     max_reconnects: u32,
     pub reconnects: u32,
@@ -55,24 +56,18 @@ impl ResilientProducer {
         self.producer.accepted_before()
     }
 
-    /// Sends one item; `trace_context` is the W3C context of the span that
-    /// made it.
-    pub async fn send(
-        &mut self,
-        seq: u64,
-        sample: Sample,
-        trace_context: HashMap<String, String>,
-    ) -> Result<(), ClientError> {
-        self.recent
-            .push_back((seq, sample.clone(), trace_context.clone()));
+    /// Sends one item (its `trace_context` is the W3C context of the span
+    /// that made it).
+    pub async fn send_item(&mut self, item: Item) -> Result<(), ClientError> {
+        self.recent.push_back(item.clone());
         while self.recent.len() > self.window {
             self.recent.pop_front();
         }
-        let mut pending = vec![(seq, sample, trace_context)];
+        let mut pending = vec![item];
         loop {
             let mut failure = None;
-            for (seq, sample, trace_context) in pending.drain(..) {
-                if let Err(error) = self.producer.send(seq, sample, trace_context).await {
+            for item in pending.drain(..) {
+                if let Err(error) = self.producer.send_item(item).await {
                     failure = Some(error);
                     break;
                 }
@@ -85,7 +80,7 @@ impl ResilientProducer {
             pending = self
                 .recent
                 .iter()
-                .filter(|(seq, _, _)| resume.is_none_or(|resume| *seq > resume))
+                .filter(|item| resume.is_none_or(|resume| item.seq > resume))
                 .cloned()
                 .collect();
         }

@@ -3,7 +3,7 @@
 use crate::batching::PlannedBatch;
 use crate::compute::{
     run_compute_thread, run_host_copy_thread, Backend, BackendInfo, ComputeError, ComputedBatch,
-    PipelineCounters, ReadySample, SyntheticBackend,
+    PipelineCounters, ReadyItem, SyntheticBackend,
 };
 use crate::config::{ModelSource, SyntheticSpec, TargetServerConfig};
 use crate::data::{ChatEncoder, Conversation, EncoderError};
@@ -491,7 +491,7 @@ async fn stream_shard(
     let counters = Arc::new(PipelineCounters::default());
     let epoch = Instant::now();
     let (ready_sender, ready_receiver) =
-        tokio::sync::mpsc::channel::<Vec<ReadySample>>(BATCH_CHANNEL_DEPTH);
+        tokio::sync::mpsc::channel::<Vec<ReadyItem>>(BATCH_CHANNEL_DEPTH);
     let computed = threads.compute.take_event_receiver()?;
     threads.host_copy = Some({
         let counters = counters.clone();
@@ -643,7 +643,7 @@ impl Pump<'_> {
     async fn run(
         &mut self,
         shutdown: &CancellationToken,
-        mut ready_receiver: tokio::sync::mpsc::Receiver<Vec<ReadySample>>,
+        mut ready_receiver: tokio::sync::mpsc::Receiver<Vec<ReadyItem>>,
     ) -> Result<bool, TargetServerError> {
         let mut stats_timer = tokio::time::interval(self.config.stats_period());
         stats_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -669,28 +669,24 @@ impl Pump<'_> {
                 }
                 _ = stats_timer.tick() => self.send_progress().await,
                 ready = ready_receiver.recv() => {
-                    let Some(samples) = ready else { return Ok(false) };
-                    self.send_samples(samples).await?;
+                    let Some(items) = ready else { return Ok(false) };
+                    self.send_items(items).await?;
                     last_batch_at = Instant::now();
                 }
             }
         }
     }
 
-    async fn send_samples(&mut self, samples: Vec<ReadySample>) -> Result<(), TargetServerError> {
-        for ready_sample in samples {
+    async fn send_items(&mut self, items: Vec<ReadyItem>) -> Result<(), TargetServerError> {
+        for ready in items {
             self.producer
-                .send(
-                    ready_sample.seq,
-                    ready_sample.sample,
-                    ready_sample.trace_context,
-                )
+                .send_item(ready.item)
                 .await
                 .inspect_err(|error| count_refused_item(self.metrics, error))?;
             self.samples_sent += 1;
-            self.tokens_sent += ready_sample.tokens;
+            self.tokens_sent += ready.tokens;
             self.metrics.samples_sent.increment();
-            self.metrics.tokens.add(ready_sample.tokens);
+            self.metrics.tokens.add(ready.tokens);
         }
         Ok(())
     }
