@@ -7,6 +7,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
+use dflash_model::draft::{AttentionImplementation, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK};
 use dflash_service::{parse_bytes, parse_duration, DeviceChoice, DtypeChoice};
 use tch::{Device, Kind};
 
@@ -86,6 +87,14 @@ pub struct LegacyMillisecondFlags {
     pub reconnect_timeout_ms: Option<u64>,
 }
 
+/// `--attention`: see [`DrafterServerConfig::attention_for`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttentionChoice {
+    Auto,
+    Split,
+    Fused,
+}
+
 /// Every setting of a drafter-server.
 #[derive(Debug, Clone, PartialEq, Args)]
 pub struct DrafterServerConfig {
@@ -148,6 +157,14 @@ pub struct DrafterServerConfig {
     /// Most anchors (training blocks) drawn per sequence.
     #[arg(long, env = "DFLASH_NUM_ANCHORS", default_value_t = 512)]
     pub num_anchors: usize,
+
+    /// How the draft layers compute the blocks' attention over the context:
+    /// `fused` (libtorch's fused kernel, nothing of size queries × context
+    /// materialised: what fits a GPU at Qwen3-8B sizes), `split` (the scores
+    /// materialised), or `auto`: fused on a GPU, split on the CPU. The same
+    /// function either way (equal within 1e-5 in f32, gradients included).
+    #[arg(long, env = "DFLASH_ATTENTION", value_enum, default_value_t = AttentionChoice::Auto)]
+    pub attention: AttentionChoice,
 
     /// Decay γ of the per-position loss weights exp(-(k-1)/γ); by default
     /// 7 for block 16 and 4 for block 8.
@@ -381,6 +398,19 @@ impl DrafterServerConfig {
             .map_err(|error| ConfigError::Device(error.to_string()))
     }
 
+    /// The attention implementation `--attention` asks for on `device`.
+    pub fn attention_for(&self, device: Device) -> AttentionImplementation {
+        let fused = AttentionImplementation::Fused {
+            blocks_per_chunk: DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
+        };
+        match self.attention {
+            AttentionChoice::Split => AttentionImplementation::Split,
+            AttentionChoice::Fused => fused,
+            AttentionChoice::Auto if device == Device::Cpu => AttentionImplementation::Split,
+            AttentionChoice::Auto => fused,
+        }
+    }
+
     /// The compute dtype: --dtype, else f32 on the CPU and bf16 on a GPU.
     pub fn compute_kind(&self, device: Device) -> Kind {
         dflash_model::device::kind_for(self.dtype, device)
@@ -411,6 +441,7 @@ impl DrafterServerConfig {
             mask_token_id: None,
             target_layer_ids: None,
             num_anchors: 512,
+            attention: AttentionChoice::Auto,
             loss_gamma: None,
             learning_rate: 6e-4,
             weight_decay: 0.0,
@@ -489,6 +520,38 @@ mod tests {
             parsed,
             DrafterServerConfig::with_defaults("d", "http://x", PathBuf::from("/tmp/x"))
         );
+    }
+
+    #[test]
+    fn attention_is_fused_on_a_gpu_unless_the_flag_says_otherwise() {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: DrafterServerConfig,
+        }
+        let base = ["drafter-server", "--drafter-id", "d", "--output", "/tmp/x"];
+        let parse = |extra: &[&str]| {
+            <Flags as clap::Parser>::try_parse_from(base.iter().chain(extra))
+                .map(|flags| flags.config)
+        };
+        let fused = AttentionImplementation::Fused {
+            blocks_per_chunk: DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
+        };
+        let auto = parse(&[]).unwrap();
+        assert_eq!(auto.attention, AttentionChoice::Auto);
+        assert_eq!(
+            auto.attention_for(Device::Cpu),
+            AttentionImplementation::Split
+        );
+        assert_eq!(auto.attention_for(Device::Cuda(0)), fused);
+        let forced = parse(&["--attention", "fused"]).unwrap();
+        assert_eq!(forced.attention_for(Device::Cpu), fused);
+        let split = parse(&["--attention", "split"]).unwrap();
+        assert_eq!(
+            split.attention_for(Device::Cuda(0)),
+            AttentionImplementation::Split
+        );
+        assert!(parse(&["--attention", "flash"]).is_err());
     }
 
     #[test]

@@ -153,7 +153,7 @@ impl DFlashEngine {
         settings.schedule.peak_learning_rate = config.learning_rate;
         settings.schedule.warmup_fraction = config.warmup_fraction;
         settings.seed = config.seed;
-        let trainer = match resume_from {
+        let mut trainer = match resume_from {
             Some(checkpoint) => {
                 info!(checkpoint = %checkpoint.display(), "resuming from checkpoint");
                 DraftTrainer::resume(checkpoint, frozen, device, compute_kind, settings)?
@@ -181,6 +181,7 @@ impl DFlashEngine {
                 DraftTrainer::new(model, settings)
             }
         };
+        trainer.set_attention(config.attention_for(device))?;
         let draft_config = trainer.model().config();
         info!(
             parameters = trainer.model().num_parameters(),
@@ -188,6 +189,7 @@ impl DFlashEngine {
             block_size = draft_config.block_size,
             target_layer_ids = ?draft_config.target_layer_ids,
             step = trainer.progress().step,
+            attention = ?config.attention_for(device),
             "draft model ready"
         );
         let expectations = SampleExpectations {

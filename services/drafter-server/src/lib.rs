@@ -40,6 +40,6 @@ pub mod schedule;
 pub mod server;
 pub mod trainer_thread;
 
-pub use config::{DrafterServerConfig, ModelMode};
+pub use config::{AttentionChoice, DrafterServerConfig, ModelMode};
 pub use eval::{evaluate, EvalOptions, EvalReport};
 pub use server::{run, run_with_metrics_listener, DrafterError, DrafterReport, RunEnd};

@@ -21,7 +21,7 @@ use super::objective::{
     TrainingSequence,
 };
 use super::optim::{AdamW, AdamWSettings, LearningRateSchedule};
-use super::{accuracy_ratios, DraftError, DraftModel, FrozenTargetHeads};
+use super::{accuracy_ratios, AttentionImplementation, DraftError, DraftModel, FrozenTargetHeads};
 
 /// Hyper-parameters of the objective and the optimizer.
 #[derive(Debug, Clone, PartialEq)]
@@ -168,6 +168,12 @@ impl DraftTrainer {
 
     pub fn model(&self) -> &DraftModel {
         &self.model
+    }
+
+    /// Switches how the draft layers compute attention (the same function;
+    /// see [`AttentionImplementation`]), e.g. the fused kernels on a GPU.
+    pub fn set_attention(&mut self, attention: AttentionImplementation) -> Result<(), DraftError> {
+        self.model.set_attention(attention)
     }
 
     pub fn progress(&self) -> &TrainingProgress {
