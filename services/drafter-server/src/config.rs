@@ -498,24 +498,21 @@ mod tests {
         assert!("llama".parse::<ModelMode>().is_err());
     }
 
-    #[test]
-    fn with_defaults_equals_the_flag_defaults() {
+    /// The drafter-server's flags as clap parses them: drafter id `d`,
+    /// output `/tmp/x`, then `extra`.
+    fn parse_flags(extra: &[&str]) -> Result<DrafterServerConfig, clap::Error> {
         #[derive(clap::Parser)]
         struct Flags {
             #[command(flatten)]
             config: DrafterServerConfig,
         }
-        let parsed = <Flags as clap::Parser>::try_parse_from([
-            "drafter-server",
-            "--drafter-id",
-            "d",
-            "--broker",
-            "http://x",
-            "--output",
-            "/tmp/x",
-        ])
-        .unwrap()
-        .config;
+        let base = ["drafter-server", "--drafter-id", "d", "--output", "/tmp/x"];
+        <Flags as clap::Parser>::try_parse_from(base.iter().chain(extra)).map(|flags| flags.config)
+    }
+
+    #[test]
+    fn with_defaults_equals_the_flag_defaults() {
+        let parsed = parse_flags(&["--broker", "http://x"]).unwrap();
         assert_eq!(
             parsed,
             DrafterServerConfig::with_defaults("d", "http://x", PathBuf::from("/tmp/x"))
@@ -524,16 +521,7 @@ mod tests {
 
     #[test]
     fn attention_is_fused_on_a_gpu_unless_the_flag_says_otherwise() {
-        #[derive(clap::Parser)]
-        struct Flags {
-            #[command(flatten)]
-            config: DrafterServerConfig,
-        }
-        let base = ["drafter-server", "--drafter-id", "d", "--output", "/tmp/x"];
-        let parse = |extra: &[&str]| {
-            <Flags as clap::Parser>::try_parse_from(base.iter().chain(extra))
-                .map(|flags| flags.config)
-        };
+        let parse = parse_flags;
         let fused = AttentionImplementation::Fused {
             blocks_per_chunk: DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
         };
@@ -556,39 +544,18 @@ mod tests {
 
     #[test]
     fn metrics_listen_parses_a_socket_address() {
-        #[derive(clap::Parser)]
-        struct Flags {
-            #[command(flatten)]
-            config: DrafterServerConfig,
-        }
-        let base = ["drafter-server", "--drafter-id", "d", "--output", "/tmp/x"];
-        let parsed = <Flags as clap::Parser>::try_parse_from(
-            base.iter().chain(&["--metrics-listen", "127.0.0.1:9092"]),
-        )
-        .unwrap()
-        .config;
+        let parsed = parse_flags(&["--metrics-listen", "127.0.0.1:9092"]).unwrap();
         assert_eq!(
             parsed.metrics_listen,
             Some(SocketAddr::from(([127, 0, 0, 1], 9092)))
         );
-        assert!(<Flags as clap::Parser>::try_parse_from(
-            base.iter().chain(&["--metrics-listen", "localhost"])
-        )
-        .is_err());
+        assert!(parse_flags(&["--metrics-listen", "localhost"]).is_err());
     }
 
     #[test]
     fn durations_take_units_and_the_old_millisecond_flags_still_work() {
-        #[derive(clap::Parser)]
-        struct Flags {
-            #[command(flatten)]
-            config: DrafterServerConfig,
-        }
-        let base = ["drafter-server", "--drafter-id", "d", "--output", "/tmp/x"];
         let parse = |extra: &[&str]| {
-            let mut config = <Flags as clap::Parser>::try_parse_from(base.iter().chain(extra))
-                .unwrap()
-                .config;
+            let mut config = parse_flags(extra).unwrap();
             config.apply_legacy_flags();
             config
         };
@@ -612,10 +579,7 @@ mod tests {
         );
         assert_eq!(old.stats_interval, Duration::from_millis(100));
         assert_eq!(old.legacy, LegacyMillisecondFlags::default());
-        assert!(
-            <Flags as clap::Parser>::try_parse_from(base.iter().chain(&["--linger", "soon"]))
-                .is_err()
-        );
+        assert!(parse_flags(&["--linger", "soon"]).is_err());
     }
 
     #[test]
