@@ -9,8 +9,8 @@ use tonic::Status;
 use crate::payload::WireItem;
 
 use crate::queue::{
-    ConsumerStats, Credit, DeadLetter, DrafterSnapshot, NackDisposition, Payload, ProducerStats,
-    QueueError, RunState, RunStatus, RunSummary, Snapshot, TargetSnapshot, TargetState,
+    BrokerState, ConsumerStats, Credit, DeadLetter, DrafterSnapshot, NackDisposition, Payload,
+    ProducerStats, QueueError, RunStatus, RunSummary, Snapshot, TargetSnapshot, TargetState,
 };
 
 /// The queue's payload on the wire side: the producer's item, shared so that
@@ -177,7 +177,7 @@ fn millis(duration: std::time::Duration) -> u64 {
 /// for the service to fill in.
 pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
     proto::StatusSnapshot {
-        state: run_state_to_proto(snapshot.state) as i32,
+        state: broker_state_to_proto(snapshot.state) as i32,
         expected_targets: snapshot.expected_targets,
         done_targets: snapshot.done_targets,
         queued_items: snapshot.queued_items,
@@ -213,12 +213,12 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
 }
 
 /// The run's state on the wire.
-fn run_state_to_proto(state: RunState) -> proto::BrokerState {
+fn broker_state_to_proto(state: BrokerState) -> proto::BrokerState {
     match state {
-        RunState::Running => proto::BrokerState::Running,
-        RunState::Draining => proto::BrokerState::Draining,
-        RunState::Complete => proto::BrokerState::Complete,
-        RunState::Aborted => proto::BrokerState::Aborted,
+        BrokerState::Running => proto::BrokerState::Running,
+        BrokerState::Draining => proto::BrokerState::Draining,
+        BrokerState::Complete => proto::BrokerState::Complete,
+        BrokerState::Aborted => proto::BrokerState::Aborted,
     }
 }
 

@@ -11,7 +11,7 @@
 use dflash_telemetry::{Exposition, MetricKind};
 
 use crate::payload::ReceivedCounts;
-use crate::queue::{DrafterSnapshot, RunState, Snapshot, TargetSnapshot, TargetState};
+use crate::queue::{BrokerState, DrafterSnapshot, Snapshot, TargetSnapshot, TargetState};
 
 /// Every metric name starts with this.
 pub const PREFIX: &str = "dflash_broker_";
@@ -51,12 +51,12 @@ fn name(suffix: &str) -> String {
     format!("{PREFIX}{suffix}")
 }
 
-fn run_state_label(state: RunState) -> &'static str {
+fn broker_state_label(state: BrokerState) -> &'static str {
     match state {
-        RunState::Running => "running",
-        RunState::Draining => "draining",
-        RunState::Complete => "complete",
-        RunState::Aborted => "aborted",
+        BrokerState::Running => "running",
+        BrokerState::Draining => "draining",
+        BrokerState::Complete => "complete",
+        BrokerState::Aborted => "aborted",
     }
 }
 
@@ -67,17 +67,17 @@ fn write_run(out: &mut Exposition, snapshot: &Snapshot) {
         MetricKind::Gauge,
     );
     for candidate in [
-        RunState::Running,
-        RunState::Draining,
-        RunState::Complete,
-        RunState::Aborted,
+        BrokerState::Running,
+        BrokerState::Draining,
+        BrokerState::Complete,
+        BrokerState::Aborted,
     ] {
         let current = if candidate == snapshot.state {
             1.0
         } else {
             0.0
         };
-        state.sample(&[("state", run_state_label(candidate))], current);
+        state.sample(&[("state", broker_state_label(candidate))], current);
     }
     out.gauge(
         &name("uptime_seconds"),

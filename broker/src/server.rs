@@ -121,7 +121,7 @@ pub async fn serve_with_metrics(
         }
     }
 
-    info!(state = ?shared.run_state(), "shutting down");
+    info!(state = ?shared.broker_state(), "shutting down");
     report_not_serving(&health_reporter).await;
     internal.cancel();
     shared.end_all_streams();
@@ -218,7 +218,7 @@ impl Background {
         let ticker = tokio::spawn(shared.clone().run_ticker());
         let center_writer = tokio::spawn(model_sync.clone().run_background({
             let shared = shared.clone();
-            move || shared.run_state()
+            move || shared.broker_state()
         }));
         let metrics_stop = CancellationToken::new();
         let metrics = metrics_listener.map(|metrics_listener| {
@@ -367,7 +367,7 @@ async fn save_center_on_shutdown(
     model_sync: &crate::model_sync::ModelSyncShared,
     deadline: Duration,
 ) {
-    let final_center = shared.run_state() == crate::queue::RunState::Complete;
+    let final_center = shared.broker_state() == crate::queue::BrokerState::Complete;
     match tokio::time::timeout(deadline, model_sync.save(final_center)).await {
         Ok(Ok(_)) => {}
         Ok(Err(error)) => warn!(%error, "writing the center on shutdown failed"),

@@ -39,9 +39,6 @@ use crate::wal::{Wal, WalError};
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest accepted target or drafter id.
 const MAX_ID_LENGTH: usize = 256;
-/// The ticker wakes at the queue's next deadline, and at least this often to
-/// sample throughput for status.
-const THROUGHPUT_SAMPLE_INTERVAL: Duration = Duration::from_millis(500);
 /// Floor on the ticker's sleep, so a deadline that `tick` leaves in place
 /// cannot make it spin.
 const MIN_TICK_SPACING: Duration = Duration::from_millis(1);
@@ -242,6 +239,12 @@ impl Locked {
         outcome
     }
 
+    /// When the write-ahead log's batched sync is due: `None` without a log
+    /// or with nothing to sync.
+    fn wal_sync_due(&self) -> Option<Instant> {
+        self.wal.as_ref()?.sync_due()
+    }
+
     fn send_to_producer(&self, connection: ConnectionId, message: proto::produce_response::Kind) {
         if let Some(outbox) = self.producer_outboxes.get(&connection) {
             let _ = outbox.send(Ok(proto::ProduceResponse {
@@ -358,16 +361,18 @@ impl Shared {
             let mut locked = self.locked.lock();
             let held_before = locked.queue.held_bytes();
             let state_before = locked.queue.state();
-            let result = operation(&mut locked, Instant::now());
+            let now = Instant::now();
+            let result = operation(&mut locked, now);
             locked.persist();
             let effects = locked.queue.take_effects();
             let endings = locked.dispatch(effects);
             let room_freed =
                 locked.queue.held_bytes() < held_before || locked.queue.state() != state_before;
             let planned_wake = locked.ticker_wakes_at;
-            let wake_ticker = locked
-                .queue
-                .take_new_deadline()
+            let wake_ticker = [locked.queue.take_new_deadline(), locked.wal_sync_due()]
+                .into_iter()
+                .flatten()
+                .min()
                 .is_some_and(|deadline| planned_wake.is_none_or(|planned| deadline < planned));
             (result, room_freed, wake_ticker, endings)
         };
@@ -401,33 +406,36 @@ impl Shared {
         crate::metrics::render_with(&snapshot, self.received.counts())
     }
 
-    /// Lease expiry, target liveness and throughput sampling: sleeps until
-    /// the queue's next deadline (or the next throughput sample, whichever
-    /// is first) and is woken early when an operation creates an earlier one.
+    /// Lease expiry, target liveness and the write-ahead log's batched sync:
+    /// sleeps until the queue's next deadline or the log's next sync,
+    /// whichever is first (with neither, until woken), and is woken early
+    /// when an operation creates an earlier one. An idle broker does not wake.
     pub(crate) async fn run_ticker(self: Arc<Self>) {
         loop {
             let wake_at = self.with_queue(|locked, now| {
                 locked.queue.tick(now);
-                let mut sample_at = now + THROUGHPUT_SAMPLE_INTERVAL;
                 if let Some(wal) = &mut locked.wal {
                     if let Err(error) = wal.sync_if_due(now) {
                         warn!(%error, "write-ahead log sync failed");
                     }
-                    if wal.is_dirty() {
-                        sample_at = sample_at.min(now + crate::wal::BATCH_SYNC_INTERVAL);
-                    }
                 }
-                let wake_at = locked
-                    .queue
-                    .next_deadline()
-                    .map_or(sample_at, |deadline| deadline.min(sample_at))
-                    .max(now + MIN_TICK_SPACING);
-                locked.ticker_wakes_at = Some(wake_at);
+                let wake_at = [locked.queue.next_deadline(), locked.wal_sync_due()]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                    .map(|wake_at| wake_at.max(now + MIN_TICK_SPACING));
+                locked.ticker_wakes_at = wake_at;
                 wake_at
             });
+            let sleep = async {
+                match wake_at {
+                    Some(wake_at) => tokio::time::sleep_until(wake_at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = self.shutdown.cancelled() => break,
-                _ = tokio::time::sleep_until(wake_at.into()) => {}
+                _ = sleep => {}
                 _ = self.deadline_changed.notified() => {}
             }
         }
@@ -449,7 +457,7 @@ impl Shared {
         }
     }
 
-    pub(crate) fn run_state(&self) -> crate::queue::RunState {
+    pub(crate) fn broker_state(&self) -> crate::queue::BrokerState {
         self.locked.lock().queue.state()
     }
 }

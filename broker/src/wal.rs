@@ -225,9 +225,11 @@ impl<P: DurablePayload> Wal<P> {
         Ok(())
     }
 
-    /// Whether records were written since the last sync.
-    pub fn is_dirty(&self) -> bool {
-        self.dirty
+    /// When [`Wal::sync_if_due`] next has work: with `batch` and records
+    /// written since the last sync, one interval after that sync; else never.
+    pub fn sync_due(&self) -> Option<Instant> {
+        (self.fsync == FsyncPolicy::Batch && self.dirty)
+            .then(|| self.last_sync + BATCH_SYNC_INTERVAL)
     }
 
     /// Bytes in the newest segment.

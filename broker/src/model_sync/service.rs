@@ -24,7 +24,7 @@ use super::arith::WireDtype;
 use super::center::{dtype_to_proto, EncodedTensor, ModelSyncState, SyncError, Upload};
 use super::checkpoint::{read_center, write_center, CheckpointError};
 use super::config::ModelSyncConfig;
-use crate::queue::RunState;
+use crate::queue::BrokerState;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -155,7 +155,7 @@ impl ModelSyncShared {
     /// Writes the center periodically and, once the run is COMPLETE, waits
     /// (bounded by --model-final-sync-timeout) for the final sync of every
     /// drafter with an open session, then writes the final center.
-    pub async fn run_background(self: Arc<Self>, run_state: impl Fn() -> RunState + Send) {
+    pub async fn run_background(self: Arc<Self>, broker_state: impl Fn() -> BrokerState + Send) {
         let mut ticker = tokio::time::interval(POLL_INTERVAL);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_periodic = Instant::now();
@@ -170,7 +170,7 @@ impl ModelSyncShared {
                 let state = self.state.lock();
                 state.center().is_some() && !state.final_saved
             };
-            if run_state() == RunState::Complete && final_pending {
+            if broker_state() == BrokerState::Complete && final_pending {
                 let since = *complete_since.get_or_insert_with(Instant::now);
                 let awaiting = self.state.lock().awaiting_final();
                 let timed_out = since.elapsed() >= self.config.model_final_sync_timeout;

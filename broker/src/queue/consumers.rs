@@ -75,8 +75,8 @@ impl<P: Payload> Queue<P> {
             .insert(connection, drafter_id.to_string());
         self.forget_old_drafters();
         match self.state {
-            RunState::Complete | RunState::Aborted => self.end_consumer(connection),
-            RunState::Running | RunState::Draining => self.dispatch(now),
+            BrokerState::Complete | BrokerState::Aborted => self.end_consumer(connection),
+            BrokerState::Running | BrokerState::Draining => self.dispatch(now),
         }
         Ok(connection)
     }
@@ -108,6 +108,8 @@ impl<P: Payload> Queue<P> {
             match self.take_lease(connection, delivery_id) {
                 Some(item_id) => {
                     if let Some(item) = self.items.remove(&item_id) {
+                        self.acked_rate
+                            .record(now, self.acked_items, self.acked_bytes);
                         self.acked_items += 1;
                         self.acked_bytes += item.bytes;
                         self.record(JournalEntry::Acked {
@@ -184,16 +186,17 @@ impl<P: Payload> Queue<P> {
             delivery_ids.to_vec()
         };
         for delivery_id in held {
-            if let Some(lease) = self.leases.get_mut(&delivery_id) {
-                if lease.connection == connection {
-                    self.lease_deadlines.remove(&(lease.deadline, delivery_id));
-                    lease.deadline = match self.config.max_lease_lifetime {
-                        Some(_) => deadline.min(lease.expires_at_latest),
-                        None => deadline,
-                    };
-                    self.lease_deadlines.insert((lease.deadline, delivery_id));
-                }
+            let Some(lease) = self.leases.get(&delivery_id) else {
+                continue;
+            };
+            if lease.connection != connection {
+                continue;
             }
+            let extended = match self.config.max_lease_lifetime {
+                Some(_) => deadline.min(lease.expires_at_latest),
+                None => deadline,
+            };
+            self.set_lease_deadline(delivery_id, extended);
         }
         self.debug_check_invariants();
     }

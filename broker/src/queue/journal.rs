@@ -362,9 +362,9 @@ impl<P: Payload> Queue<P> {
         queue.dead_letter_count = recovered.dead_letter_count;
         if let Some(reason) = recovered.aborted {
             queue.abort_reason = reason;
-            queue.state = RunState::Aborted;
+            queue.state = BrokerState::Aborted;
         }
-        queue.update_run_state();
+        queue.update_broker_state();
         queue
     }
 
@@ -421,7 +421,7 @@ impl<P: Payload> Queue<P> {
             }
         }
         entries.push(JournalEntry::CheckpointEnd);
-        if self.state == RunState::Aborted {
+        if self.state == BrokerState::Aborted {
             entries.push(JournalEntry::Aborted {
                 reason: self.abort_reason.clone(),
             });

@@ -4,19 +4,15 @@
 use super::*;
 
 impl<P: Payload> Queue<P> {
-    /// Takes back expired leases, fails targets gone past their grace period,
-    /// and samples throughput. Call it periodically.
+    /// Takes back expired leases and fails targets gone past their grace
+    /// period. Call it at [`Queue::next_deadline`].
     pub fn tick(&mut self, now: Instant) {
         self.expire_leases(now);
-        if matches!(self.state, RunState::Running | RunState::Draining) {
+        if matches!(self.state, BrokerState::Running | BrokerState::Draining) {
             self.fail_lapsed_targets(now);
             self.fail_stalled_targets(now);
             self.fail_missing_targets(now);
         }
-        self.acked_rate
-            .record(now, self.acked_items, self.acked_bytes);
-        self.accepted_rate
-            .record(now, self.accepted_items, self.accepted_bytes);
         self.dispatch(now);
     }
 
@@ -138,7 +134,7 @@ impl<P: Payload> Queue<P> {
     /// The transport sleeps until then instead of polling.
     pub fn next_deadline(&self) -> Option<Instant> {
         let lease = self.lease_deadlines.first().map(|&(deadline, _)| deadline);
-        if matches!(self.state, RunState::Complete | RunState::Aborted) {
+        if matches!(self.state, BrokerState::Complete | BrokerState::Aborted) {
             return lease;
         }
         let target = self
@@ -200,7 +196,7 @@ impl<P: Payload> Queue<P> {
 
     pub(super) fn ensure_not_ended(&self) -> Result<(), QueueError> {
         match self.state {
-            RunState::Complete | RunState::Aborted => Err(QueueError::RunEnded {
+            BrokerState::Complete | BrokerState::Aborted => Err(QueueError::RunEnded {
                 state: self.state,
                 reason: if self.abort_reason.is_empty() {
                     "every target is done and every item acked".to_string()
@@ -208,7 +204,7 @@ impl<P: Payload> Queue<P> {
                     self.abort_reason.clone()
                 },
             }),
-            RunState::Running | RunState::Draining => Ok(()),
+            BrokerState::Running | BrokerState::Draining => Ok(()),
         }
     }
 
@@ -222,7 +218,7 @@ impl<P: Payload> Queue<P> {
     /// Ends the run as ABORTED: every consumer gets end-of-stream, every
     /// producer is closed. Items still queued stay counted in status.
     pub fn abort(&mut self, reason: String) {
-        if matches!(self.state, RunState::Complete | RunState::Aborted) {
+        if matches!(self.state, BrokerState::Complete | BrokerState::Aborted) {
             return;
         }
         tracing::error!(%reason, "run aborted");
@@ -238,8 +234,8 @@ impl<P: Payload> Queue<P> {
     /// to every consumer and closes every producer with the outcome.
     fn end_run(&mut self, outcome: RunStatus, producer_reason: String) {
         self.state = match outcome {
-            RunStatus::Complete => RunState::Complete,
-            RunStatus::Aborted => RunState::Aborted,
+            RunStatus::Complete => BrokerState::Complete,
+            RunStatus::Aborted => BrokerState::Aborted,
         };
         let consumers: Vec<ConnectionId> = self.consumer_connections.keys().copied().collect();
         for connection in consumers {
@@ -269,7 +265,7 @@ impl<P: Payload> Queue<P> {
     /// its leases (none when complete) go back to the queue.
     pub(super) fn end_consumer(&mut self, connection: ConnectionId) {
         let (outcome, reason) = match self.state {
-            RunState::Complete => (RunStatus::Complete, String::new()),
+            BrokerState::Complete => (RunStatus::Complete, String::new()),
             _ => (RunStatus::Aborted, self.abort_reason.clone()),
         };
         self.release_consumer(connection);
@@ -285,8 +281,8 @@ impl<P: Payload> Queue<P> {
     /// Moves RUNNING → DRAINING once every expected target is finished, and
     /// to COMPLETE (end-of-stream to every consumer) once nothing is queued
     /// or leased either.
-    pub(super) fn update_run_state(&mut self) {
-        if matches!(self.state, RunState::Complete | RunState::Aborted) {
+    pub(super) fn update_broker_state(&mut self) {
+        if matches!(self.state, BrokerState::Complete | BrokerState::Aborted) {
             return;
         }
         let all_finished = self.finished_targets() >= self.config.expected_targets();
@@ -302,7 +298,7 @@ impl<P: Payload> Queue<P> {
             );
             self.end_run(RunStatus::Complete, "run complete".to_string());
         } else {
-            self.state = RunState::Draining;
+            self.state = BrokerState::Draining;
         }
     }
 
@@ -319,6 +315,24 @@ impl<P: Payload> Queue<P> {
         let lease = self.remove_lease(delivery_id)?;
         self.unlink_lease(connection, delivery_id, lease.item_id);
         Some(lease.item_id)
+    }
+
+    // The lease table and its deadline index change only through these
+    // three, so the index cannot drift from the table.
+
+    /// Adds a lease to the lease table and its deadline index.
+    fn insert_lease(&mut self, delivery_id: DeliveryId, lease: Lease) {
+        self.lease_deadlines.insert((lease.deadline, delivery_id));
+        self.leases.insert(delivery_id, lease);
+    }
+
+    /// Moves a lease's deadline, in the table and in the index.
+    pub(super) fn set_lease_deadline(&mut self, delivery_id: DeliveryId, deadline: Instant) {
+        if let Some(lease) = self.leases.get_mut(&delivery_id) {
+            self.lease_deadlines.remove(&(lease.deadline, delivery_id));
+            lease.deadline = deadline;
+            self.lease_deadlines.insert((deadline, delivery_id));
+        }
     }
 
     /// Removes a lease from the lease table and its deadline index.
@@ -395,7 +409,7 @@ impl<P: Payload> Queue<P> {
     /// Hands queued items to consumers with room, round robin, then checks
     /// whether the run is complete.
     pub(super) fn dispatch(&mut self, now: Instant) {
-        if matches!(self.state, RunState::Running | RunState::Draining) {
+        if matches!(self.state, BrokerState::Running | BrokerState::Draining) {
             while let Some(&item_id) = self.queue.front() {
                 let Some(bytes) = self.items.get(&item_id).map(|item| item.bytes) else {
                     self.queue.pop_front();
@@ -409,7 +423,7 @@ impl<P: Payload> Queue<P> {
                 self.deliver(item_id, connection, now);
             }
         }
-        self.update_run_state();
+        self.update_broker_state();
         self.debug_check_invariants();
     }
 
@@ -471,7 +485,7 @@ impl<P: Payload> Queue<P> {
             .max_lease_lifetime
             .map_or(now + self.config.lease_timeout, |lifetime| now + lifetime);
         let deadline = (now + self.config.lease_timeout).min(expires_at_latest);
-        self.leases.insert(
+        self.insert_lease(
             delivery_id,
             Lease {
                 item_id,
@@ -480,7 +494,6 @@ impl<P: Payload> Queue<P> {
                 expires_at_latest: expires_at_latest.max(deadline),
             },
         );
-        self.lease_deadlines.insert((deadline, delivery_id));
         self.note_deadline(deadline);
         self.leased_bytes += bytes;
         self.delivered_items += 1;

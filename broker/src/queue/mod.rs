@@ -183,7 +183,7 @@ const MAX_LISTED_DEAD_LETTERS: usize = 100;
 pub struct Queue<P: Payload> {
     config: QueueConfig,
     started_at: Instant,
-    state: RunState,
+    state: BrokerState,
     abort_reason: String,
     next_connection: ConnectionId,
     next_delivery: DeliveryId,
@@ -227,7 +227,7 @@ impl<P: Payload> Queue<P> {
         Queue {
             config,
             started_at: now,
-            state: RunState::Running,
+            state: BrokerState::Running,
             abort_reason: String::new(),
             next_connection: 1,
             next_delivery: 1,
@@ -264,7 +264,7 @@ impl<P: Payload> Queue<P> {
         }
     }
 
-    pub fn state(&self) -> RunState {
+    pub fn state(&self) -> BrokerState {
         self.state
     }
 

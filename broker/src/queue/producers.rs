@@ -143,6 +143,8 @@ impl<P: Payload> Queue<P> {
         if let Some(stall) = self.config.target_stall_timeout {
             self.note_deadline(now + stall);
         }
+        self.accepted_rate
+            .record(now, self.accepted_items, self.accepted_bytes);
         self.accepted_items += 1;
         self.accepted_bytes += bytes;
         self.dispatch(now);
@@ -220,7 +222,7 @@ impl<P: Payload> Queue<P> {
         epoch: u64,
         now: Instant,
     ) -> Result<DoneAccepted, QueueError> {
-        if self.state == RunState::Aborted {
+        if self.state == BrokerState::Aborted {
             return Err(QueueError::RunEnded {
                 state: self.state,
                 reason: self.abort_reason.clone(),

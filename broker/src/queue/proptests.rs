@@ -145,7 +145,9 @@ impl World {
             credit: 3,
         })?;
         for _ in 0..10_000 {
-            if self.queue.state() != RunState::Running && self.queue.state() != RunState::Draining {
+            if self.queue.state() != BrokerState::Running
+                && self.queue.state() != BrokerState::Draining
+            {
                 break;
             }
             self.step(&Op::Ack {
@@ -514,7 +516,7 @@ proptest! {
         }
         world.drain()?;
         match world.queue.state() {
-            RunState::Complete => {
+            BrokerState::Complete => {
                 prop_assert!(world.ledger.completed);
                 for key in &world.ledger.accepted {
                     prop_assert!(world.ledger.acked.contains_key(key) || world.dead_lettered(key), "{key:?} lost");
@@ -522,7 +524,7 @@ proptest! {
                 let snapshot = world.queue.snapshot(world.now);
                 prop_assert_eq!(snapshot.acked_items + snapshot.summary.dead_letter_count, snapshot.accepted_items);
             }
-            RunState::Aborted => prop_assert!(!continue_on_failure, "aborted under the continue policy"),
+            BrokerState::Aborted => prop_assert!(!continue_on_failure, "aborted under the continue policy"),
             other => prop_assert!(false, "run stuck in {other:?}"),
         }
     }
@@ -555,7 +557,7 @@ proptest! {
             world.step(&Op::Done { target })?;
         }
         world.drain()?;
-        prop_assert_eq!(world.queue.state(), RunState::Complete);
+        prop_assert_eq!(world.queue.state(), BrokerState::Complete);
         for key in &world.ledger.accepted {
             prop_assert!(world.ledger.acked.contains_key(key) || world.dead_lettered(key), "{key:?} lost");
         }

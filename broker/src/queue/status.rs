@@ -56,7 +56,7 @@ pub struct DrafterSnapshot {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
-    pub state: RunState,
+    pub state: BrokerState,
     pub expected_targets: u32,
     pub done_targets: u32,
     pub queued_items: u64,
@@ -237,7 +237,7 @@ impl<P: Payload> Queue<P> {
                 }
             }
         }
-        if self.state == RunState::Complete && (queued > 0 || leased > 0) {
+        if self.state == BrokerState::Complete && (queued > 0 || leased > 0) {
             return Err("complete with items outstanding".to_string());
         }
         let rejected_by_reason: u64 = self.rejected_by_reason.values().sum();

@@ -400,7 +400,7 @@ fn unexpected_extra_target_is_refused() {
         queue.report_done("stray", 0, 1, now),
         Err(QueueError::UnknownTarget { .. })
     ));
-    assert_eq!(queue.state(), RunState::Running);
+    assert_eq!(queue.state(), BrokerState::Running);
     assert_eq!(
         queue.open_producer("", now).unwrap_err(),
         QueueError::EmptyTargetId
@@ -422,7 +422,7 @@ fn end_of_stream_waits_for_every_target_and_every_ack() {
     queue
         .report_done("target-1", 0, current_epoch(&queue, "target-1"), now)
         .unwrap();
-    assert_eq!(queue.state(), RunState::Draining);
+    assert_eq!(queue.state(), BrokerState::Draining);
     assert!(
         ended(&queue.take_effects()).is_empty(),
         "an item is still leased"
@@ -439,7 +439,7 @@ fn end_of_stream_waits_for_every_target_and_every_ack() {
         ended(&queue.take_effects()),
         vec![(drafter_b, RunStatus::Complete)]
     );
-    assert_eq!(queue.state(), RunState::Complete);
+    assert_eq!(queue.state(), BrokerState::Complete);
     // A drafter that connects later gets end-of-stream at once.
     let late = queue.open_consumer("late", credit(4), now).unwrap();
     assert_eq!(
@@ -457,7 +457,7 @@ fn target_gone_past_grace_aborts_the_run() {
     let drafter = queue.open_consumer("d", credit(4), start).unwrap();
     queue.close_producer(p0, start);
     queue.tick(start + Duration::from_secs(119));
-    assert_eq!(queue.state(), RunState::Running);
+    assert_eq!(queue.state(), BrokerState::Running);
     // Back within the grace period: resumes, nothing failed.
     let p0 = queue
         .open_producer("target-0", start + Duration::from_secs(119))
@@ -465,10 +465,10 @@ fn target_gone_past_grace_aborts_the_run() {
         .connection;
     queue.close_producer(p0, start + Duration::from_secs(130));
     queue.tick(start + Duration::from_secs(249));
-    assert_eq!(queue.state(), RunState::Running);
+    assert_eq!(queue.state(), BrokerState::Running);
     // The grace ends at 130 + 120 s: a tick at that deadline acts.
     queue.tick(start + Duration::from_secs(250));
-    assert_eq!(queue.state(), RunState::Aborted);
+    assert_eq!(queue.state(), BrokerState::Aborted);
     let effects = queue.take_effects();
     assert_eq!(ended(&effects), vec![(drafter, RunStatus::Aborted)]);
     let reason = effects
@@ -504,11 +504,11 @@ fn continue_policy_counts_failed_target_as_finished_with_loss() {
         .report_done("target-1", 0, current_epoch(&queue, "target-1"), start)
         .unwrap();
     queue.tick(start + Duration::from_secs(121));
-    assert_eq!(queue.state(), RunState::Draining);
+    assert_eq!(queue.state(), BrokerState::Draining);
     let delivered = deliveries(&queue.take_effects());
     let latest = delivered.last().unwrap().1;
     queue.ack(drafter, &[latest], start + Duration::from_secs(121));
-    assert_eq!(queue.state(), RunState::Complete);
+    assert_eq!(queue.state(), BrokerState::Complete);
     assert_eq!(queue.summary().failed_targets, vec!["target-0".to_string()]);
     assert!(
         queue
@@ -530,9 +530,9 @@ fn targets_that_never_connect_fail_after_the_startup_timeout() {
     );
     queue.open_producer("target-0", start).unwrap();
     queue.tick(start + Duration::from_secs(59));
-    assert_eq!(queue.state(), RunState::Running);
+    assert_eq!(queue.state(), BrokerState::Running);
     queue.tick(start + Duration::from_secs(60));
-    assert_eq!(queue.state(), RunState::Aborted);
+    assert_eq!(queue.state(), BrokerState::Aborted);
     assert!(queue
         .snapshot(start)
         .abort_reason
@@ -796,7 +796,7 @@ fn next_deadline_covers_leases_grace_and_startup() {
     );
     // Ticking exactly at the deadline acts on it (no busy loop).
     queue.tick(later + Duration::from_secs(120));
-    assert_eq!(queue.state(), RunState::Aborted);
+    assert_eq!(queue.state(), BrokerState::Aborted);
 }
 
 /// Delivery counts of the deliveries among `effects`, by seq.
@@ -880,9 +880,9 @@ fn a_frozen_target_fails_one_grace_after_its_last_message_not_after_keepalive() 
         Some(start + Duration::from_secs(120))
     );
     queue.tick(start + Duration::from_secs(119));
-    assert_eq!(queue.state(), RunState::Running);
+    assert_eq!(queue.state(), BrokerState::Running);
     queue.tick(start + Duration::from_secs(120));
-    assert_eq!(queue.state(), RunState::Aborted);
+    assert_eq!(queue.state(), BrokerState::Aborted);
 
     // A stream that stayed open longer than keepalive could hide a dead
     // peer answered its pings until 30 s before it was dropped.
@@ -900,5 +900,5 @@ fn a_frozen_target_fails_one_grace_after_its_last_message_not_after_keepalive() 
         Some(start + Duration::from_secs(70 + 120))
     );
     queue.tick(start + Duration::from_secs(189));
-    assert_eq!(queue.state(), RunState::Running);
+    assert_eq!(queue.state(), BrokerState::Running);
 }

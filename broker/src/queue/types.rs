@@ -100,8 +100,11 @@ pub struct ConsumerStats {
     pub accuracy: f64,
 }
 
+/// Where the run stands, as status shows it (the wire's `BrokerState`
+/// without its unspecified value): targets producing, every target finished
+/// and the rest draining, or ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RunState {
+pub enum BrokerState {
     Running,
     Draining,
     Complete,
@@ -215,7 +218,7 @@ pub enum QueueError {
     #[error("stream {connection} is no longer current (replaced or closed)")]
     StaleConnection { connection: ConnectionId },
     #[error("the run has ended ({state:?}): {reason}")]
-    RunEnded { state: RunState, reason: String },
+    RunEnded { state: BrokerState, reason: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -132,6 +132,26 @@ impl TinyModelSpec {
     }
 }
 
+/// The token ids [`random_token_sequences`] draws from: ordinary tokens of
+/// the tiny vocabulary (byte and merge tokens, no special token).
+pub const ORDINARY_TOKEN_IDS: std::ops::Range<i64> = 3..300;
+
+/// `count` token sequences of `length` drawn from `generator` over
+/// [`ORDINARY_TOKEN_IDS`]: the demo's prompts and the tests' sequences.
+pub fn random_token_sequences(
+    count: usize,
+    length: usize,
+    generator: &mut impl rand::Rng,
+) -> Vec<Vec<i64>> {
+    (0..count)
+        .map(|_| {
+            (0..length)
+                .map(|_| generator.random_range(ORDINARY_TOKEN_IDS))
+                .collect()
+        })
+        .collect()
+}
+
 /// Writes the tiny model directory `dir` (created if missing).
 pub fn write_tiny_model(dir: &Path, spec: &TinyModelSpec) -> Result<(), ModelError> {
     spec.validate()?;

@@ -16,7 +16,7 @@ use dflash_model::target::TargetModel;
 use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
 use dflash_proto::v1 as proto;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use tch::{Device, Kind, Tensor};
 
 #[allow(unused_imports)] // each test binary uses its own subset
@@ -52,14 +52,7 @@ pub fn tiny_target_dir() -> &'static Path {
 
 /// Token sequences of `length` over the tiny vocabulary, deterministic in `seed`.
 pub fn random_token_sequences(count: usize, length: usize, seed: u64) -> Vec<Vec<i64>> {
-    let mut generator = StdRng::seed_from_u64(seed);
-    (0..count)
-        .map(|_| {
-            (0..length)
-                .map(|_| generator.random_range(3..300))
-                .collect()
-        })
-        .collect()
+    dflash_model::tiny::random_token_sequences(count, length, &mut StdRng::seed_from_u64(seed))
 }
 
 /// Samples with the tiny target's real hidden states at [`TEST_TARGET_LAYER_IDS`];
