@@ -11,7 +11,11 @@
 //!    store-and-forward relay's GB/s moving the same bytes, their ratio, and
 //!    the relaying process's minor page faults and CPU seconds per GiB.
 //! 2. End-of-stream latency (last ReportDone sent → every drafter has
-//!    end-of-stream), p50 and p99, with 4, 64 and 256 drafters.
+//!    end-of-stream), p50 and p99, with 4, 64 and 256 drafters, each on its
+//!    own connection: once with every drafter keeping its stream until all
+//!    have their end-of-stream (drafters on their own hosts), once with each
+//!    dropping its stream on arrival, so the teardown of the first ones
+//!    competes for this machine's two cores with the fan-out to the rest.
 //! 3. 64 targets × 64 drafters with 64 KiB items: items/s and CPU µs per
 //!    item of the broker process and of the client process, separately.
 //! 4. The seed's scenario: 5 synthetic targets × 3 synthetic drafters, with
@@ -102,6 +106,21 @@ impl ProcessCounters {
             cpu_seconds: (self.cpu_seconds - earlier.cpu_seconds).max(0.0),
         }
     }
+}
+
+/// CPU time a process's threads have run so far, from each thread's
+/// `schedstat` (nanoseconds, unlike `stat`'s 10 ms ticks, so a fan-out of a
+/// few milliseconds is measured, not sampled).
+fn process_cpu(pid: &str) -> Duration {
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Duration::ZERO;
+    };
+    threads
+        .filter_map(Result::ok)
+        .filter_map(|thread| std::fs::read_to_string(thread.path().join("schedstat")).ok())
+        .filter_map(|line| line.split_whitespace().next()?.parse::<u64>().ok())
+        .map(Duration::from_nanos)
+        .sum()
 }
 
 /// A relaying process (the broker binary or the relay), killed on drop.
@@ -532,12 +551,37 @@ async fn relay_transfer(item_bytes: usize, items: u64, producers: u64, consumers
     }
 }
 
-/// Seconds from the last ReportDone being sent until every one of
-/// `drafters` has its end-of-stream, over `runs` fresh broker processes.
-async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> {
+/// When a synthetic drafter lets go of its stream after end-of-stream.
+#[derive(Clone, Copy, PartialEq)]
+enum Teardown {
+    /// Each drafter keeps its stream and connection until every drafter has
+    /// its end-of-stream, as drafters on their own hosts do: their teardown
+    /// does not run on the cores the fan-out to the others needs.
+    AfterAll,
+    /// Each drafter drops its stream on arrival: the close of the first
+    /// drafters' connections (here and in the broker) runs on the same two
+    /// cores during the fan-out to the rest.
+    OnArrival,
+}
+
+/// What one end-of-stream configuration measured over its runs.
+struct EndOfStream {
+    /// From the last ReportDone being sent until every drafter has its
+    /// end-of-stream, sorted.
+    latencies: Vec<Duration>,
+    /// CPU time over those same windows, summed over the runs: the broker
+    /// process's, and this (the clients') process's.
+    broker_cpu: Duration,
+    clients_cpu: Duration,
+}
+
+/// End-of-stream to `drafters` over `runs` fresh broker processes. Each
+/// drafter has its own connection, as `BrokerClient::consume` opens.
+async fn end_of_stream_latencies(runs: usize, drafters: usize, teardown: Teardown) -> EndOfStream {
     let mut latencies = Vec::new();
+    let (mut broker_cpu, mut clients_cpu) = (Duration::ZERO, Duration::ZERO);
     for _ in 0..runs {
-        let (_broker, address) = start_broker(1).await;
+        let (broker, address) = start_broker(1).await;
         let client = BrokerClient::connect(address, ClientOptions::default())
             .await
             .expect("connect");
@@ -555,7 +599,9 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
                             consumer.handle().ack(vec![delivery.delivery_id]);
                         }
                         Ok(ConsumerEvent::EndOfStream(_)) | Err(_) => {
-                            let _ = ended_sender.send(Instant::now());
+                            let arrived = Instant::now();
+                            let kept = (teardown == Teardown::AfterAll).then_some(consumer);
+                            let _ = ended_sender.send((arrived, kept));
                             return;
                         }
                     }
@@ -573,16 +619,27 @@ async fn end_of_stream_latencies(runs: usize, drafters: usize) -> Vec<Duration> 
         }
         // The clock starts when ReportDone is sent: the latency covers the
         // call itself and the fan-out of end-of-stream to every drafter.
+        let (broker_before, clients_before) = (process_cpu(&broker.pid), process_cpu("self"));
         let reported = Instant::now();
         client.report_done("target-0", 1).await.expect("done");
         let mut last = reported;
+        let mut kept = Vec::with_capacity(drafters);
         for _ in 0..drafters {
-            last = last.max(ended.recv().await.expect("end-of-stream"));
+            let (arrived, consumer) = ended.recv().await.expect("end-of-stream");
+            last = last.max(arrived);
+            kept.push(consumer);
         }
         latencies.push(last.saturating_duration_since(reported));
+        broker_cpu += process_cpu(&broker.pid).saturating_sub(broker_before);
+        clients_cpu += process_cpu("self").saturating_sub(clients_before);
+        drop(kept);
     }
     latencies.sort();
-    latencies
+    EndOfStream {
+        latencies,
+        broker_cpu,
+        clients_cpu,
+    }
 }
 
 /// Sums of a configuration's rounds: GiB moved, and the counters.
@@ -728,15 +785,26 @@ fn print_end_of_stream(quick: bool, runtime: &tokio::runtime::Runtime) {
                 (false, 256) => 20,
                 (false, _) => 100,
             };
-            let latencies = end_of_stream_latencies(runs, drafters).await;
-            let percentile = |fraction: f64| {
-                latencies[((latencies.len() - 1) as f64 * fraction).round() as usize]
-            };
-            println!(
-                "end-of-stream latency, {drafters:>3} drafters, {runs:>3} runs: p50 {:>7.2} ms, p99 {:>7.2} ms",
-                percentile(0.50).as_secs_f64() * 1e3,
-                percentile(0.99).as_secs_f64() * 1e3
-            );
+            for (teardown, label) in [
+                (Teardown::AfterAll, "drafters keep their streams"),
+                (Teardown::OnArrival, "each drops its stream on arrival"),
+            ] {
+                let measured = end_of_stream_latencies(runs, drafters, teardown).await;
+                let latencies = &measured.latencies;
+                let percentile = |fraction: f64| {
+                    latencies[((latencies.len() - 1) as f64 * fraction).round() as usize]
+                };
+                let per_drafter_us =
+                    |cpu: Duration| cpu.as_secs_f64() * 1e6 / (runs * drafters) as f64;
+                println!(
+                    "end-of-stream latency, {drafters:>3} drafters, {runs:>3} runs: p50 {:>7.2} ms, p99 {:>7.2} ms; \
+                     CPU per drafter in the window: broker {:>5.1} us, clients {:>5.1} us ({label})",
+                    percentile(0.50).as_secs_f64() * 1e3,
+                    percentile(0.99).as_secs_f64() * 1e3,
+                    per_drafter_us(measured.broker_cpu),
+                    per_drafter_us(measured.clients_cpu),
+                );
+            }
         }
     });
 }
