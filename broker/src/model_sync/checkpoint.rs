@@ -10,7 +10,6 @@
 //! whole previous center or the whole new one.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
@@ -43,6 +42,15 @@ pub enum CheckpointError {
     Format { path: PathBuf, detail: String },
 }
 
+impl From<dflash_service::DurableError> for CheckpointError {
+    fn from(error: dflash_service::DurableError) -> Self {
+        CheckpointError::Io {
+            path: error.path,
+            source: error.source,
+        }
+    }
+}
+
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
         path: path.to_path_buf(),
@@ -66,27 +74,7 @@ pub struct CenterState {
 /// file goes into a hidden staging sibling first, which then takes `dir`'s
 /// place.
 pub fn write_center(dir: &Path, center: &Center, method: &str) -> Result<(), CheckpointError> {
-    let parent = match dir.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = dir
-        .file_name()
-        .ok_or_else(|| CheckpointError::Format {
-            path: dir.to_path_buf(),
-            detail: "has no final component".to_string(),
-        })?
-        .to_string_lossy()
-        .into_owned();
-    std::fs::create_dir_all(&parent).map_err(io_error(&parent))?;
-    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(io_error(&staging))?;
-    }
-    std::fs::create_dir_all(&staging).map_err(io_error(&staging))?;
-    write_center_files(&staging, center, method)?;
-    sync_directory(&staging)?;
-    replace_directory(dir, &staging, &parent, &name)
+    dflash_service::replace_directory(dir, |staging| write_center_files(staging, center, method))
 }
 
 /// Writes the center's files into `staging`: the model config, the weights,
@@ -143,29 +131,6 @@ fn write_center_files(
         detail: error.to_string(),
     })?;
     write_text(&staging.join(STATE_FILE_NAME), &pretty(&state_json))
-}
-
-/// Puts the written `staging` directory in `dir`'s place (moving the old
-/// one aside and removing it, when there is one) and syncs `parent`, so a
-/// reader sees the whole old center or the whole new one.
-fn replace_directory(
-    dir: &Path,
-    staging: &Path,
-    parent: &Path,
-    name: &str,
-) -> Result<(), CheckpointError> {
-    if dir.exists() {
-        let retired = parent.join(format!(".{name}.old-{}", std::process::id()));
-        std::fs::rename(dir, &retired).map_err(io_error(dir))?;
-        std::fs::rename(staging, dir).map_err(io_error(dir))?;
-        std::fs::remove_dir_all(&retired).map_err(io_error(&retired))?;
-    } else {
-        std::fs::rename(staging, dir).map_err(io_error(dir))?;
-    }
-    File::open(parent)
-        .and_then(|file| file.sync_all())
-        .map_err(io_error(parent))?;
-    Ok(())
 }
 
 /// Reads a center written by [`write_center`]; `None` when `dir` holds no
@@ -340,22 +305,5 @@ fn pretty(value: &serde_json::Value) -> String {
 }
 
 fn write_text(path: &Path, text: &str) -> Result<(), CheckpointError> {
-    std::fs::write(path, text).map_err(io_error(path))?;
-    File::open(path)
-        .and_then(|file| file.sync_all())
-        .map_err(io_error(path))
-}
-
-fn sync_directory(dir: &Path) -> Result<(), CheckpointError> {
-    for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
-        let entry = entry.map_err(io_error(dir))?;
-        if entry.path().is_file() {
-            File::open(entry.path())
-                .and_then(|file| file.sync_all())
-                .map_err(io_error(&entry.path()))?;
-        }
-    }
-    File::open(dir)
-        .and_then(|file| file.sync_all())
-        .map_err(io_error(dir))
+    Ok(dflash_service::write_synced(path, text.as_bytes())?)
 }

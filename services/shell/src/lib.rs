@@ -20,6 +20,9 @@
 //! - [`alloc`]: [`configure_allocator`], glibc malloc settings that keep
 //!   large tensor buffers across steps (and optional huge pages), which the
 //!   libtorch binaries apply first thing in `main`.
+//! - [`durable`]: files that survive a crash: [`write_synced`],
+//!   [`sync_directory`], and [`replace_directory`], a checkpoint directory
+//!   replaced as a whole (the draft model's and the broker's center).
 //! - [`cuda_memory`]: on a GPU, which CUDA allocator libtorch uses
 //!   ([`CudaAllocatorSettings`]: caching on or off, from the environment)
 //!   and the device memory's peak ([`DeviceMemoryProbe`], NVML loaded at run
@@ -31,6 +34,7 @@
 pub mod alloc;
 pub mod cuda_memory;
 pub mod device;
+pub mod durable;
 pub mod exit;
 pub mod signal;
 pub mod units;
@@ -42,6 +46,7 @@ pub use cuda_memory::{
     PeakTracker,
 };
 pub use device::{DeviceChoice, DtypeChoice};
+pub use durable::{replace_directory, sync_directory, write_synced, DurableError};
 pub use exit::Exit;
 pub use signal::shutdown_signal;
 pub use units::{parse_bytes, parse_duration};

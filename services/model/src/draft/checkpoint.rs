@@ -8,8 +8,7 @@
 //! the whole previous checkpoint or the whole new one, never a torn one.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use safetensors::tensor::TensorView;
 use serde::{Deserialize, Serialize};
@@ -43,6 +42,15 @@ pub struct TrainingProgress {
     pub last_loss: f64,
 }
 
+impl From<dflash_service::DurableError> for DraftError {
+    fn from(error: dflash_service::DurableError) -> Self {
+        DraftError::Io {
+            path: error.path,
+            source: error.source,
+        }
+    }
+}
+
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> DraftError + '_ {
     move |source| DraftError::Io {
         path: path.to_path_buf(),
@@ -57,22 +65,17 @@ pub fn save_draft_checkpoint(
     model: &DraftModel,
     training: Option<(&AdamW, &TrainingProgress)>,
 ) -> Result<(), DraftError> {
-    let parent = match dir.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let name = dir
-        .file_name()
-        .ok_or_else(|| DraftError::Checkpoint(format!("{} has no final component", dir.display())))?
-        .to_string_lossy()
-        .into_owned();
-    std::fs::create_dir_all(&parent).map_err(io_error(&parent))?;
-    let staging = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    if staging.exists() {
-        std::fs::remove_dir_all(&staging).map_err(io_error(&staging))?;
-    }
-    std::fs::create_dir_all(&staging).map_err(io_error(&staging))?;
+    dflash_service::replace_directory(dir, |staging| {
+        write_checkpoint_files(staging, model, training)
+    })
+}
 
+/// Writes a checkpoint's files into the empty directory `staging`.
+fn write_checkpoint_files(
+    staging: &Path,
+    model: &DraftModel,
+    training: Option<(&AdamW, &TrainingProgress)>,
+) -> Result<(), DraftError> {
     let config_json = model.config().to_hf_json("float32");
     write_json(&staging.join(CONFIG_FILE_NAME), &config_json)?;
     let parameters: Vec<(String, Tensor)> = {
@@ -91,17 +94,6 @@ pub fn save_draft_checkpoint(
             .map_err(|error| DraftError::Checkpoint(format!("trainer state: {error}")))?;
         write_json(&staging.join(TRAINER_STATE_FILE_NAME), &progress_json)?;
     }
-    sync_directory(&staging)?;
-
-    if dir.exists() {
-        let retired = parent.join(format!(".{name}.old-{}", std::process::id()));
-        std::fs::rename(dir, &retired).map_err(io_error(dir))?;
-        std::fs::rename(&staging, dir).map_err(io_error(dir))?;
-        std::fs::remove_dir_all(&retired).map_err(io_error(&retired))?;
-    } else {
-        std::fs::rename(&staging, dir).map_err(io_error(dir))?;
-    }
-    sync_directory(&parent)?;
     Ok(())
 }
 
@@ -220,23 +212,8 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), DraftError> 
         path: path.to_path_buf(),
         source,
     })?;
-    std::fs::write(path, text + "\n").map_err(io_error(path))?;
-    File::open(path)
-        .and_then(|file| file.sync_all())
-        .map_err(io_error(path))
-}
-
-/// fsyncs a directory so renames and new entries in it survive a crash.
-fn sync_directory(dir: &Path) -> Result<(), DraftError> {
-    for entry in std::fs::read_dir(dir).map_err(io_error(dir))? {
-        let entry = entry.map_err(io_error(dir))?;
-        if entry.path().is_file() {
-            File::open(entry.path())
-                .and_then(|file| file.sync_all())
-                .map_err(io_error(&entry.path()))?;
-        }
-    }
-    File::open(dir)
-        .and_then(|file| file.sync_all())
-        .map_err(io_error(dir))
+    Ok(dflash_service::write_synced(
+        path,
+        (text + "\n").as_bytes(),
+    )?)
 }
