@@ -398,3 +398,39 @@ fn background_compaction_keeps_every_entry_and_frees_the_caller() {
         held_for[1].as_secs_f64() * 1e3
     );
 }
+
+/// The broker's ticker sleeps until `sync_due` (it has no periodic wake),
+/// so under `batch` a log with unsynced records must name when its sync is
+/// due, and a synced log, or one under `always` or `never`, must not.
+#[test]
+fn only_a_batch_log_with_unsynced_records_has_a_sync_due() {
+    use dflash_broker::wal::BATCH_SYNC_INTERVAL;
+    use std::time::Instant;
+    for policy in [FsyncPolicy::Batch, FsyncPolicy::Always, FsyncPolicy::Never] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut wal = Wal::<Blob>::open(dir.path(), policy, 1 << 20, || "run-test".to_string())
+            .unwrap()
+            .wal;
+        assert_eq!(wal.sync_due(), None, "{policy:?}: nothing written yet");
+        wal.sync().unwrap();
+        let synced_at = Instant::now();
+        wal.append(&[accepted("target-0", 0, 10)]).unwrap();
+        let appended_at = Instant::now();
+        match (policy, wal.sync_due()) {
+            // Due one interval after the last sync: no later than one
+            // interval after `synced_at`, which the sync preceded.
+            (FsyncPolicy::Batch, Some(due)) => {
+                assert!(due <= synced_at + BATCH_SYNC_INTERVAL, "{due:?}")
+            }
+            // The append itself synced, which it does only once the
+            // interval since the last sync had passed.
+            (FsyncPolicy::Batch, None) => assert!(
+                appended_at.duration_since(synced_at) >= BATCH_SYNC_INTERVAL,
+                "batch: unsynced records without a due time"
+            ),
+            (_, due) => assert_eq!(due, None, "{policy:?} has no batched sync"),
+        }
+        wal.sync().unwrap();
+        assert_eq!(wal.sync_due(), None, "{policy:?}: synced");
+    }
+}
