@@ -108,10 +108,10 @@ impl<P: Payload> Queue<P> {
             match self.take_lease(connection, delivery_id) {
                 Some(item_id) => {
                     if let Some(item) = self.items.remove(&item_id) {
-                        self.acked_rate
-                            .record(now, self.acked_items, self.acked_bytes);
                         self.acked_items += 1;
                         self.acked_bytes += item.bytes;
+                        self.acked_rate
+                            .record(now, self.acked_items, self.acked_bytes);
                         self.record(JournalEntry::Acked {
                             target_id: item.target_id,
                             seq: item.seq,

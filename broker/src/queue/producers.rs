@@ -143,10 +143,10 @@ impl<P: Payload> Queue<P> {
         if let Some(stall) = self.config.target_stall_timeout {
             self.note_deadline(now + stall);
         }
-        self.accepted_rate
-            .record(now, self.accepted_items, self.accepted_bytes);
         self.accepted_items += 1;
         self.accepted_bytes += bytes;
+        self.accepted_rate
+            .record(now, self.accepted_items, self.accepted_bytes);
         self.dispatch(now);
         Ok(ItemAccepted { duplicate: false })
     }

@@ -6,16 +6,19 @@ use std::time::{Duration, Instant};
 /// Keeps samples of (time, items, bytes) totals over a sliding window and
 /// answers the rate over the window that ends now.
 ///
-/// Samples are recorded where the totals change (at most one per
-/// `window / 20`), not on a timer: the counters are a step function, so the
-/// totals at the window's start are those of the last sample at or before
-/// it, and an idle meter reads zero once its window has passed.
+/// Totals are recorded where they change (the ring keeps at most one per
+/// `window / 20`, plus the latest), not on a timer. The rate is taken from
+/// the last known totals at or before the window's start, over the time
+/// since them, so a busy meter reads its true rate and an idle one reads
+/// zero once its last change has left the window.
 #[derive(Debug, Clone)]
 pub struct RateMeter {
     window: Duration,
     /// Minimum spacing between kept samples, so the ring stays small.
     sample_every: Duration,
     samples: VecDeque<(Instant, u64, u64)>,
+    /// The totals of the latest change, kept or not in `samples`.
+    latest: (Instant, u64, u64),
 }
 
 impl RateMeter {
@@ -26,11 +29,14 @@ impl RateMeter {
             window,
             sample_every: window / 20,
             samples,
+            latest: (now, 0, 0),
         }
     }
 
-    /// Records the current totals (cheap; call it whenever they change).
+    /// Records the totals just after they changed (cheap; call it on every
+    /// change).
     pub fn record(&mut self, now: Instant, items_total: u64, bytes_total: u64) {
+        self.latest = (now, items_total, bytes_total);
         let due = self
             .samples
             .back()
@@ -48,21 +54,18 @@ impl RateMeter {
         }
     }
 
-    /// (items/s, bytes/s) over the window ending at `now`: from the last
-    /// sample at or before the window's start (or the first sample, in a
-    /// meter younger than its window) to `now`.
+    /// (items/s, bytes/s) from the last known totals at or before the
+    /// window's start (the first sample, in a meter younger than its
+    /// window) to `now`.
     pub fn rate(&self, now: Instant, items_total: u64, bytes_total: u64) -> (f64, f64) {
         let start = now.checked_sub(self.window);
-        let base = self
-            .samples
-            .iter()
-            .rev()
+        let base = std::iter::once(&self.latest)
+            .chain(self.samples.iter().rev())
             .find(|&&(time, _, _)| start.is_some_and(|start| time <= start))
             .or(self.samples.front());
         let Some(&(since, items_then, bytes_then)) = base else {
             return (0.0, 0.0);
         };
-        let since = start.map_or(since, |start| since.max(start));
         let seconds = now.saturating_duration_since(since).as_secs_f64();
         if seconds <= 0.0 {
             return (0.0, 0.0);
@@ -111,6 +114,32 @@ mod tests {
         // The whole window idle, with no record since: zero, not a decay.
         let (idle, _) = meter.rate(start + Duration::from_secs(16), 50, 0);
         assert_eq!(idle, 0.0, "items/s after a window idle");
+    }
+
+    #[test]
+    fn a_busy_meter_reads_its_rate_with_changes_between_kept_samples() {
+        let start = Instant::now();
+        let mut meter = RateMeter::new(Duration::from_secs(10), start);
+        // One item every 100 ms for 30 s: five changes per kept sample
+        // (the ring keeps one per 500 ms), so the window's start falls
+        // between kept samples most of the time.
+        let mut now = start;
+        for item in 1..=300u64 {
+            now = start + Duration::from_millis(100 * item);
+            meter.record(now, item, item * 1000);
+            if item > 100 {
+                let (items, bytes) = meter.rate(now, item, item * 1000);
+                // Exactly 10/s over any span that starts at a kept sample;
+                // the bound is float rounding only.
+                assert!(
+                    (items - 10.0).abs() < 1e-9,
+                    "items/s {items} at item {item}"
+                );
+                assert!((bytes - 10_000.0).abs() < 1e-6, "bytes/s {bytes}");
+            }
+        }
+        let (later, _) = meter.rate(now + Duration::from_millis(30), 300, 300_000);
+        assert!(later < 10.0, "no change for 30 ms lowers the rate: {later}");
     }
 
     #[test]
