@@ -521,25 +521,24 @@ mod tests {
 
     #[test]
     fn attention_is_fused_on_a_gpu_unless_the_flag_says_otherwise() {
-        let parse = parse_flags;
         let fused = AttentionImplementation::Fused {
             blocks_per_chunk: DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
         };
-        let auto = parse(&[]).unwrap();
+        let auto = parse_flags(&[]).unwrap();
         assert_eq!(auto.attention, AttentionChoice::Auto);
         assert_eq!(
             auto.attention_for(Device::Cpu),
             AttentionImplementation::Split
         );
         assert_eq!(auto.attention_for(Device::Cuda(0)), fused);
-        let forced = parse(&["--attention", "fused"]).unwrap();
+        let forced = parse_flags(&["--attention", "fused"]).unwrap();
         assert_eq!(forced.attention_for(Device::Cpu), fused);
-        let split = parse(&["--attention", "split"]).unwrap();
+        let split = parse_flags(&["--attention", "split"]).unwrap();
         assert_eq!(
             split.attention_for(Device::Cuda(0)),
             AttentionImplementation::Split
         );
-        assert!(parse(&["--attention", "flash"]).is_err());
+        assert!(parse_flags(&["--attention", "flash"]).is_err());
     }
 
     #[test]

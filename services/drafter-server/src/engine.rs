@@ -181,7 +181,8 @@ impl DFlashEngine {
                 DraftTrainer::new(model, settings)
             }
         };
-        trainer.set_attention(config.attention_for(device))?;
+        let attention = config.attention_for(device);
+        trainer.set_attention(attention)?;
         let draft_config = trainer.model().config();
         info!(
             parameters = trainer.model().num_parameters(),
@@ -189,7 +190,7 @@ impl DFlashEngine {
             block_size = draft_config.block_size,
             target_layer_ids = ?draft_config.target_layer_ids,
             step = trainer.progress().step,
-            attention = ?config.attention_for(device),
+            ?attention,
             "draft model ready"
         );
         let expectations = SampleExpectations {
