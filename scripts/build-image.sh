@@ -11,7 +11,8 @@
 #      from the context instead of a compile), the context holding the
 #      broker, target-server, drafter-server and dflash binaries from
 #      $CARGO_TARGET_DIR/<profile> and libtorch's libraries from
-#      .cache/libtorch/lib.
+#      .cache/libtorch/lib. The image runs as the non-root user 10001 (see
+#      the Dockerfile's runtime-base stage).
 #
 # Usage: scripts/build-image.sh [--profile debug|release] [--tag NAME:TAG]
 #                               [--rebuild-base] [--base-only]
@@ -113,6 +114,11 @@ for library in "$libtorch_lib"/*; do
   cp -l "$resolved" "$staging/lib/$(basename "$library")" 2>/dev/null ||
     cp "$resolved" "$staging/lib/$(basename "$library")"
 done
+# The image runs as uid 10001, not root: whatever this shell's umask, the
+# libraries are readable and the binaries executable by it, and writable by
+# nobody but root.
+chmod -R u=rwX,go=rX "$staging"
+chmod 0755 "$staging"/bin/*
 started=$SECONDS
 # The classic builder (no buildx here) builds the stages before the target
 # only: runtime-base and prebuilt, never the compile stage.
