@@ -5,6 +5,8 @@
 # imported from there, in the shared venv of scripts/python-venv.sh, so
 # several checkouts never overwrite each other's copy.
 #
+# The TLS tests need the openssl command line.
+#
 # Usage: scripts/check-python.sh BIN_DIR   (e.g. target/debug)
 # Last line: `check-python: N passed, M failed` (.ci/run adds it up).
 set -euo pipefail
@@ -14,6 +16,8 @@ bin_dir="${1:?usage: check-python.sh BIN_DIR}"
 for binary in broker target-server drafter-server dflash; do
   [[ -x "$bin_dir/$binary" ]] || { echo "check-python: $bin_dir/$binary is missing (cargo build --workspace --bins)" >&2; exit 1; }
 done
+# The TLS tests make their certificates with the openssl command line.
+command -v openssl >/dev/null || { echo "check-python: openssl is not on PATH (the TLS tests make their certificates with it)" >&2; exit 1; }
 python="$(bash "$repo_root/scripts/python-venv.sh")"
 
 site="$repo_root/clients/python/build/installed"

@@ -9,6 +9,9 @@ Layout
 - `tensors`: sample validation and encoding (the rules of
   proto/src/tensor.rs), zero-copy numpy/torch views of deliveries.
 - `records`: broker messages as dicts (status snapshots, run summaries).
+- `security`: TLS, mutual TLS and the bearer token (the Rust roles' flags
+  in keyword form: `tls_ca`, `tls_cert`, `tls_key`, `tls_domain`,
+  `token_file`, and DFLASH_TOKEN).
 - `errors`: the exceptions.
 - `_proto`: stubs generated from proto/dflash/v1/broker.proto by
   tools/generate_proto.py (checked current by the tests).
@@ -17,7 +20,7 @@ Depends on grpcio, protobuf and numpy; torch only when torch tensors are
 given or asked for. No model code.
 """
 
-from .aio import AsyncBrokerClient, AsyncConsumer, AsyncProducer, ClientOptions, Delivery, ProduceReport
+from .aio import AsyncBrokerClient, AsyncConsumer, AsyncProducer, ClientOptions, Delivery, ProduceReport, UnsentAck
 from .errors import (
     BrokerCallError,
     BrokerError,
@@ -25,8 +28,10 @@ from .errors import (
     InvalidSample,
     ProtocolError,
     RunAborted,
+    SecurityError,
     StreamClosed,
 )
+from .security import add_security_arguments, security_options
 from .sync import BrokerClient, Consumer, Producer
 from .tensors import (
     HIDDEN_STATES,
@@ -59,9 +64,13 @@ __all__ = [
     "Producer",
     "ProtocolError",
     "RunAborted",
+    "SecurityError",
     "StreamClosed",
+    "UnsentAck",
     "WireTensor",
+    "add_security_arguments",
     "bf16_bits_to_float32",
     "float32_to_bf16_bytes",
     "make_sample",
+    "security_options",
 ]

@@ -11,6 +11,22 @@ returned its leases to the queue). Any other status (FAILED_PRECONDITION for a
 run id the broker no longer serves, INVALID_ARGUMENT, NOT_FOUND,
 UNAUTHENTICATED, PERMISSION_DENIED, ABORTED for a stream a newer one
 replaced, ...) raises `BrokerCallError` at once.
+
+The reconnect budget is per outage, as in the Rust target-server: a
+producer's `producer_max_reconnects` counts the reopening attempts since
+its stream last made progress (an answer, or a welcome showing more items
+accepted than before), so routine broker restarts over a long run never add
+up to it; a consumer keeps reconnecting for `consumer_reconnect_timeout_s`
+from the first failure of an outage.
+
+No ack or nack is dropped silently: one that cannot go out (its stream
+broke, or the writer died with it still queued) is logged at WARNING, left
+out of `ack`'s and `nack`'s return value when known at the call, and
+recorded in `AsyncConsumer.unsent_acks`. The broker gives those leases back
+and the items come again (at-least-once).
+
+TLS, mutual TLS and the bearer token: see `security` (the Rust flags'
+names in keyword form, fields of `ClientOptions`).
 """
 
 from __future__ import annotations
@@ -20,7 +36,7 @@ import collections
 import dataclasses
 import logging
 import time
-from typing import Any, AsyncIterator, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -35,6 +51,7 @@ from .errors import (
     StreamClosed,
 )
 from .records import message_to_dict
+from .security import PathLike, Transport, environment_options, resolve_transport, split_address
 from .tensors import WireTensor, check_trace_context, make_sample, received_tensors
 
 logger = logging.getLogger("dflash_client")
@@ -44,7 +61,7 @@ logger = logging.getLogger("dflash_client")
 #: how grpc-core reports a connection that broke under a call (a cut in the
 #: middle of a write surfaces as INTERNAL "Internal error from Core"); the
 #: broker never sends them. Retrying is bounded either way.
-# The same set as the Rust client's `RETRYABLE_CODES` (clients/rust/src/lib.rs);
+# The same set as the Rust client's `RETRYABLE_CODES` (crates/client/src/lib.rs);
 # tests on both sides read the other's.
 RETRYABLE_CODES = frozenset(
     {
@@ -66,19 +83,56 @@ _SERVICE = "/dflash.v1.Broker/"
 @dataclasses.dataclass
 class ClientOptions:
     """Transport settings; the defaults suit hidden-state payloads of up to
-    256 MiB, like the Rust client's."""
+    256 MiB, like the Rust client's. The security fields are the Rust
+    roles' flags in keyword form (`--tls-ca` is `tls_ca`; see `security`);
+    none set and an http:// or host:port address: plaintext, no token
+    unless DFLASH_TOKEN is set."""
 
     max_message_bytes: int = (256 << 20) + (1 << 20)
     keepalive_interval_s: float = 10.0
     keepalive_timeout_s: float = 20.0
     #: Items a producer may have sent and not yet had answered.
     producer_window_items: int = 16
-    #: Times a broken Produce stream is reopened before giving up.
+    #: Attempts to reopen a broken Produce stream in one outage before
+    #: giving up; the count starts again once the stream makes progress.
     producer_max_reconnects: int = 10
     #: How long a consumer keeps reconnecting to a broker that went away.
     consumer_reconnect_timeout_s: float = 60.0
     #: Timeout of unary calls (status, ReportDone).
     call_timeout_s: float = 30.0
+    #: PEM CA bundle that signed the broker's certificate; enables TLS (an
+    #: https:// address without it uses the system's roots).
+    tls_ca: Optional[PathLike] = None
+    #: PEM client certificate for mutual TLS (with `tls_key`).
+    tls_cert: Optional[PathLike] = None
+    #: PEM private key of `tls_cert`.
+    tls_key: Optional[PathLike] = None
+    #: Name to verify the broker's certificate against, when it is not the
+    #: host of the broker address.
+    tls_domain: Optional[str] = None
+    #: File holding the bearer token; the DFLASH_TOKEN environment variable
+    #: may hold the token instead (not both).
+    token_file: Optional[PathLike] = None
+
+    @classmethod
+    def from_environment(cls, environ: Optional[Mapping[str, str]] = None, **fields: Any) -> "ClientOptions":
+        """Options with the security settings of the environment
+        (DFLASH_TLS_CA, DFLASH_TLS_CERT, DFLASH_TLS_KEY, DFLASH_TLS_DOMAIN,
+        DFLASH_TOKEN_FILE, as the Rust roles read them); `fields` win."""
+        return cls(**{**environment_options(environ), **fields})
+
+    def transport(self, address: str, environ: Optional[Mapping[str, str]] = None) -> Transport:
+        """Reads the security files and the token for `address` (raises
+        SecurityError naming the option and file)."""
+        return resolve_transport(
+            address,
+            tls_ca=self.tls_ca,
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_domain=self.tls_domain,
+            token_file=self.token_file,
+            environ=environ,
+        )
 
     def channel_arguments(self) -> List[Tuple[str, Any]]:
         return [
@@ -95,18 +149,27 @@ class ClientOptions:
 
 
 def normalize_address(address: str) -> str:
-    """`http://host:port` (as the Rust tools take it) or `host:port`."""
-    for prefix in ("http://", "grpc://"):
-        if address.startswith(prefix):
-            address = address[len(prefix) :]
-    address = address.rstrip("/")
-    if not address or address.startswith("https://"):
-        raise ValueError(f"invalid broker address {address!r}: expected host:port or http://host:port")
-    return address
+    """`host:port` of `http://host:port`, `https://host:port` (as the Rust
+    tools take them) or `host:port`."""
+    return split_address(address)[0]
 
 
 def _backoff(attempt: int) -> float:
     return 0.2 * (2 ** min(attempt, 4))
+
+
+#: Statuses whose message also says how the client connected.
+_CONNECTION_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def _connection_note(client: "AsyncBrokerClient", code: Any) -> Optional[str]:
+    if code not in _CONNECTION_CODES:
+        return None
+    note = f"connecting to {client.address} over {client.transport.description}"
+    if code == grpc.StatusCode.UNAVAILABLE and not client.uses_tls:
+        # grpc says only "Socket closed" when a TLS port hangs up on plaintext.
+        note += "; a broker serving TLS needs tls_ca or an https:// address"
+    return note
 
 
 def _status_of(error: BaseException) -> Tuple[Optional[grpc.StatusCode], str]:
@@ -117,15 +180,77 @@ def _status_of(error: BaseException) -> Tuple[Optional[grpc.StatusCode], str]:
 
 class AsyncBrokerClient:
     """A broker address plus transport options. Unary calls share one
-    channel; each Produce or Consume stream opens its own."""
+    channel; each Produce or Consume stream opens its own. TLS and the
+    token are resolved here, once (SecurityError for a setting that cannot
+    be used)."""
 
     def __init__(self, address: str, options: Optional[ClientOptions] = None):
-        self.address = normalize_address(address)
         self.options = options or ClientOptions()
+        self.transport = self.options.transport(address)
+        self.address = self.transport.target
         self._channel: Optional[grpc.aio.Channel] = None
 
+    @property
+    def uses_tls(self) -> bool:
+        return self.transport.credentials is not None
+
+    @property
+    def metadata(self) -> Tuple[Tuple[str, str], ...]:
+        """What every call carries: the token, when there is one."""
+        return self.transport.metadata
+
     def new_channel(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(self.address, options=self.options.channel_arguments())
+        return self.transport.new_channel(self.options.channel_arguments())
+
+    def call_error(self, call: str, code: Any, details: str) -> BrokerCallError:
+        """A BrokerCallError that, for a failure to reach or be let in by the
+        broker, also says how this client connected (TLS or plaintext, and
+        where its token came from), the usual cause."""
+        return BrokerCallError(call, code, details, connection=_connection_note(self, code))
+
+    async def open_stream(self, channel: grpc.aio.Channel, method: str, hello: Any, response_type: Any) -> Tuple[Any, Any]:
+        """Opens the bidirectional stream `method` on `channel`, says `hello`
+        and reads the first answer: (call, answer or grpc.aio.EOF). A
+        failure raises BrokerCallError with the broker's status.
+
+        A broker refuses a missing or wrong token before reading anything,
+        so the hello's write races the refusal; when the write loses,
+        grpc-core reports its own INTERNAL "Internal error from Core" and the
+        broker's status is lost (about one open in four). A unary GetStatus
+        on the same channel then gets the refusal for certain, so the caller
+        sees UNAUTHENTICATED (not retried) instead of a retryable INTERNAL."""
+        call = channel.stream_stream(
+            _SERVICE + method,
+            request_serializer=type(hello).SerializeToString,
+            response_deserializer=response_type.FromString,
+        )(metadata=self.metadata)
+        try:
+            await call.write(hello)
+            return call, await call.read()
+        except grpc.aio.AioRpcError as error:
+            code, details = error.code(), error.details() or ""
+        except Exception:
+            # The call ended before the welcome: its status says why.
+            code, details = await call.code(), (await call.details()) or ""
+        if code == grpc.StatusCode.INTERNAL:
+            code, details = await self._refusal_behind_internal(channel, code, details)
+        raise self.call_error(method, code, details)
+
+    async def _refusal_behind_internal(self, channel: grpc.aio.Channel, code: Any, details: str) -> Tuple[Any, str]:
+        """The broker's refusal of this client (UNAUTHENTICATED,
+        PERMISSION_DENIED) that a stream's INTERNAL may hide, else the
+        INTERNAL itself."""
+        probe = channel.unary_unary(
+            _SERVICE + "GetStatus",
+            request_serializer=pb.GetStatusRequest.SerializeToString,
+            response_deserializer=pb.StatusSnapshot.FromString,
+        )
+        try:
+            await probe(pb.GetStatusRequest(), timeout=self.options.call_timeout_s, metadata=self.metadata)
+        except grpc.aio.AioRpcError as refusal:
+            if refusal.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return refusal.code(), refusal.details() or ""
+        return code, details
 
     def _unary_channel(self) -> grpc.aio.Channel:
         if self._channel is None:
@@ -150,9 +275,9 @@ class AsyncBrokerClient:
             response_deserializer=response_type.FromString,
         )
         try:
-            return await call(request, timeout=self.options.call_timeout_s)
+            return await call(request, timeout=self.options.call_timeout_s, metadata=self.metadata)
         except grpc.aio.AioRpcError as error:
-            raise BrokerCallError(method, error.code(), error.details() or "") from None
+            raise self.call_error(method, error.code(), error.details() or "") from None
 
     async def status(self) -> Dict[str, Any]:
         """One snapshot of the broker's state, as a dict (see `records`)."""
@@ -166,7 +291,7 @@ class AsyncBrokerClient:
             _SERVICE + "WatchStatus",
             request_serializer=pb.WatchStatusRequest.SerializeToString,
             response_deserializer=pb.StatusSnapshot.FromString,
-        )(pb.WatchStatusRequest(interval_ms=interval_ms))
+        )(pb.WatchStatusRequest(interval_ms=interval_ms), metadata=self.metadata)
         try:
             while True:
                 snapshot = await call.read()
@@ -174,7 +299,7 @@ class AsyncBrokerClient:
                     return
                 yield message_to_dict(snapshot)
         except grpc.aio.AioRpcError as error:
-            raise BrokerCallError("WatchStatus", error.code(), error.details() or "") from None
+            raise self.call_error("WatchStatus", error.code(), error.details() or "") from None
         finally:
             call.cancel()
 
@@ -221,6 +346,8 @@ class ProduceReport:
     #: welcome's resume_after_seq covered them).
     accepted_unanswered: int = 0
     rejected: List[Tuple[int, str]] = dataclasses.field(default_factory=list)
+    #: Times a broken stream was reopened, over the producer's life (the
+    #: budget, `producer_max_reconnects`, is per outage).
     reconnects: int = 0
 
 
@@ -252,6 +379,11 @@ class AsyncProducer:
         self._fatal: Optional[BaseException] = None
         self._finishing = False
         self._progress = asyncio.Event()
+        #: Reopening attempts in the current outage (the budget is
+        #: `producer_max_reconnects`); back to 0 when the stream makes
+        #: progress: an answer arrives, or a welcome shows more items
+        #: accepted than the broken stream's did.
+        self._outage_attempts = 0
 
     # ------------------------------------------------------------ public
 
@@ -380,30 +512,20 @@ class AsyncProducer:
         if self._channel is not None:
             await self._channel.close()
         self._channel = self.client.new_channel()
-        call = self._channel.stream_stream(
-            _SERVICE + "Produce",
-            request_serializer=pb.ProduceRequest.SerializeToString,
-            response_deserializer=pb.ProduceResponse.FromString,
-        )()
         hello = pb.ProduceRequest(hello=pb.ProducerHello(target_id=self.target_id, run_id=self._run_id))
-        try:
-            await call.write(hello)
-            response = await call.read()
-        except grpc.aio.AioRpcError as error:
-            self._raise_call_error(error)
-        except Exception:
-            # The call ended before the welcome: its status says why.
-            code = await call.code()
-            details = await call.details()
-            raise BrokerCallError("Produce", code, details or "") from None
+        call, response = await self.client.open_stream(self._channel, "Produce", hello, pb.ProduceResponse)
         if response is grpc.aio.EOF:
-            raise BrokerCallError("Produce", grpc.StatusCode.UNAVAILABLE, "the stream ended before the welcome")
+            raise self.client.call_error("Produce", grpc.StatusCode.UNAVAILABLE, "the stream ended before the welcome")
         kind = response.WhichOneof("kind")
         if kind == "closed":
             raise StreamClosed(pb.RunStatus.Name(response.closed.status), response.closed.reason)
         if kind != "welcome":
             raise ProtocolError(f"Produce: expected welcome, got {kind}")
         welcome = response.welcome
+        if self.welcome is not None and welcome.accepted_items > self._accepted_before:
+            # The broken stream had items accepted whose answers were lost:
+            # that was progress, so this outage is over.
+            self._outage_attempts = 0
         self.welcome = message_to_dict(welcome)
         self._run_id = welcome.run_id
         self._accepted_before = welcome.accepted_items
@@ -411,9 +533,6 @@ class AsyncProducer:
         self._call = call
         self._broken = None
         self._reader = asyncio.ensure_future(self._read_answers(call))
-
-    def _raise_call_error(self, error: grpc.aio.AioRpcError) -> None:
-        raise BrokerCallError("Produce", error.code(), error.details() or "") from None
 
     async def _read_answers(self, call: Any) -> None:
         try:
@@ -424,6 +543,9 @@ class AsyncProducer:
                         self._broken = "the broker ended the Produce stream"
                     return
                 kind = response.WhichOneof("kind")
+                if kind in ("accepted", "rejected"):
+                    # An answer: the stream works, the outage (if any) is over.
+                    self._outage_attempts = 0
                 if kind == "accepted":
                     self._pending.pop(response.accepted.seq, None)
                     if response.accepted.duplicate:
@@ -443,7 +565,7 @@ class AsyncProducer:
             if error.code() in RETRYABLE_CODES:
                 self._broken = f"{error.code().name}: {error.details()}"
             else:
-                self._fatal = BrokerCallError("Produce", error.code(), error.details() or "")
+                self._fatal = self.client.call_error("Produce", error.code(), error.details() or "")
         except asyncio.CancelledError:
             if not self._finishing:
                 self._broken = "the Produce stream was cancelled"
@@ -478,17 +600,29 @@ class AsyncProducer:
 
     async def _reconnect(self) -> None:
         """Reopens the stream and re-sends the unanswered items that the new
-        welcome does not cover; BrokerUnavailable after max_reconnects."""
+        welcome does not cover; BrokerUnavailable once this outage has
+        spent `producer_max_reconnects` attempts without progress."""
         last_reason = self._broken or "the stream broke"
+        budget = self.client.options.producer_max_reconnects
         while True:
             self._raise_if_fatal()
-            if self._report.reconnects >= self.client.options.producer_max_reconnects:
+            if self._outage_attempts >= budget:
                 raise BrokerUnavailable(
-                    f"Produce stream of {self.target_id} broke and {self._report.reconnects} reconnects failed: {last_reason}"
+                    f"Produce stream of {self.target_id} broke and {self._outage_attempts} attempts to reopen it "
+                    f"in a row made no progress (producer_max_reconnects {budget}; "
+                    f"{self._report.reconnects} reconnects in all): {last_reason}"
                 )
+            self._outage_attempts += 1
             self._report.reconnects += 1
-            delay = _backoff(self._report.reconnects)
-            logger.warning("Produce stream of %s broke (%s); reopening in %.1fs", self.target_id, last_reason, delay)
+            delay = _backoff(self._outage_attempts)
+            logger.warning(
+                "Produce stream of %s broke (%s); reopening in %.1fs (attempt %d of %d in this outage)",
+                self.target_id,
+                last_reason,
+                delay,
+                self._outage_attempts,
+                budget,
+            )
             await asyncio.sleep(delay)
             if self._reader is not None and not self._reader.done():
                 self._reader.cancel()
@@ -560,11 +694,39 @@ class Delivery:
 DeliveryRef = Union[Delivery, int]
 
 
+@dataclasses.dataclass(frozen=True)
+class UnsentAck:
+    """An ack or nack that never went out: its stream broke before it was
+    written (or it was asked for after). The broker gives the lease back
+    when it sees the stream end, so the item comes again."""
+
+    #: "ack" or "nack".
+    kind: str
+    delivery_id: int
+    target_id: str
+    seq: int
+    #: Why it was not sent.
+    reason: str
+
+
+@dataclasses.dataclass
+class _Outgoing:
+    """A request waiting for the Consume stream's writer, with the
+    deliveries it settles when it is an ack or a nack."""
+
+    request: pb.ConsumeRequest
+    #: "ack", "nack", "extend", "credit" or "stats".
+    kind: str
+    deliveries: Tuple[Delivery, ...] = ()
+
+
 class AsyncConsumer:
     """A drafter's Consume stream: `async for delivery in consumer`. The
     iteration ends when the broker sends end-of-stream COMPLETE (then
     `end_of_stream` holds the run summary) and raises RunAborted on ABORTED.
-    Acks, nacks, extensions and credit are plain methods that never block."""
+    Acks, nacks, extensions and credit are plain methods that never block;
+    an ack or nack that cannot go out is reported (`unsent_acks`), never
+    dropped silently."""
 
     def __init__(self, client: AsyncBrokerClient, drafter_id: str, credit_items: int, credit_bytes: int, extend_leases: bool = True):
         if not drafter_id:
@@ -593,6 +755,11 @@ class AsyncConsumer:
         #: Delivery ids of the current stream handed out and not acked or nacked.
         self._held: Dict[int, Delivery] = {}
         self._closed = False
+        #: Why the current stream's writer stopped; None while it runs.
+        #: Nothing more goes out on this stream once it is set.
+        self._writer_stopped: Optional[str] = None
+        #: Every ack and nack that never went out, oldest first.
+        self._unsent: List[UnsentAck] = []
 
     @property
     def run_id(self) -> str:
@@ -601,6 +768,12 @@ class AsyncConsumer:
     @property
     def held(self) -> List[int]:
         return sorted(self._held)
+
+    @property
+    def unsent_acks(self) -> List[UnsentAck]:
+        """Every ack and nack that never went out on a stream (each was also
+        logged at WARNING), oldest first. Their items come again."""
+        return list(self._unsent)
 
     async def open(self) -> "AsyncConsumer":
         await self._open_stream()
@@ -646,7 +819,7 @@ class AsyncConsumer:
                 response = read_task.result()
             except grpc.aio.AioRpcError as error:
                 if error.code() not in RETRYABLE_CODES:
-                    raise BrokerCallError("Consume", error.code(), error.details() or "") from None
+                    raise self.client.call_error("Consume", error.code(), error.details() or "") from None
                 reconnect_deadline = await self._reconnect(f"{error.code().name}: {error.details()}", reconnect_deadline)
                 continue
             except asyncio.CancelledError:
@@ -678,47 +851,62 @@ class AsyncConsumer:
 
     def ack(self, deliveries: Union[DeliveryRef, Iterable[DeliveryRef]]) -> int:
         """Acks deliveries (Delivery objects or ids). Returns how many were
-        sent; deliveries of an older stream are stale (the broker took them
-        back when that stream broke) and are skipped."""
-        ids = self._current_ids(deliveries)
-        if ids:
-            self._send(pb.ConsumeRequest(ack=pb.Ack(delivery_ids=ids)))
-        return len(ids)
+        queued on the live stream. Those that cannot go out (of an older
+        stream, which the broker took back when it broke, or on a stream
+        whose writer has died) are logged at WARNING and recorded in
+        `unsent_acks`; their items come again."""
+        held = self._take_held("ack", deliveries)
+        if not held:
+            return 0
+        request = pb.ConsumeRequest(ack=pb.Ack(delivery_ids=[delivery.delivery_id for delivery in held]))
+        return len(held) if self._send(_Outgoing(request, "ack", tuple(held))) else 0
 
     def nack(self, deliveries: Union[DeliveryRef, Iterable[DeliveryRef]], reason: str = "", dead_letter: bool = False) -> int:
         """Gives deliveries back: to the head of the queue, or (dead_letter)
-        straight to the dead letters for an item that is bad anywhere."""
-        ids = self._current_ids(deliveries)
-        if ids:
-            disposition = pb.NACK_DISPOSITION_DEAD_LETTER if dead_letter else pb.NACK_DISPOSITION_REQUEUE
-            self._send(pb.ConsumeRequest(nack=pb.Nack(delivery_ids=ids, reason=reason, disposition=disposition)))
-        return len(ids)
+        straight to the dead letters for an item that is bad anywhere.
+        Returns how many were queued, like `ack`."""
+        held = self._take_held("nack", deliveries)
+        if not held:
+            return 0
+        disposition = pb.NACK_DISPOSITION_DEAD_LETTER if dead_letter else pb.NACK_DISPOSITION_REQUEUE
+        request = pb.ConsumeRequest(
+            nack=pb.Nack(delivery_ids=[delivery.delivery_id for delivery in held], reason=reason, disposition=disposition)
+        )
+        return len(held) if self._send(_Outgoing(request, "nack", tuple(held))) else 0
 
-    def extend(self, deliveries: Optional[Union[DeliveryRef, Iterable[DeliveryRef]]] = None) -> None:
-        """Renews leases: these deliveries, or every held one."""
-        ids = sorted(self._held) if deliveries is None else self._current_ids(deliveries, release=False)
-        if ids:
-            self._send(pb.ConsumeRequest(extend_leases=pb.ExtendLeases(delivery_ids=ids)))
+    def extend(self, deliveries: Optional[Union[DeliveryRef, Iterable[DeliveryRef]]] = None) -> bool:
+        """Renews leases: these deliveries, or every held one. False when
+        they could not be queued (the stream is gone, and its leases with it)."""
+        held = list(self._held.values()) if deliveries is None else self._take_held("extend", deliveries, release=False)
+        if not held:
+            return True
+        request = pb.ConsumeRequest(extend_leases=pb.ExtendLeases(delivery_ids=sorted(delivery.delivery_id for delivery in held)))
+        return self._send(_Outgoing(request, "extend"))
 
-    def set_credit(self, items: int, bytes: int = 0) -> None:
+    def set_credit(self, items: int, bytes: int = 0) -> bool:
+        """A new credit window; False when the stream is gone (the next
+        stream's hello carries it)."""
         self.credit = pb.Credit(items=items, bytes=bytes)
-        self._send(pb.ConsumeRequest(credit=self.credit))
+        return self._send(_Outgoing(pb.ConsumeRequest(credit=self.credit), "credit"))
 
-    def send_stats(self, **fields: Any) -> None:
+    def send_stats(self, **fields: Any) -> bool:
         """ConsumerStats (tokens_per_second, loss, busy_fraction, device,
-        steps, samples_trained, accuracy), shown in the broker's status."""
-        self._send(pb.ConsumeRequest(stats=pb.ConsumerStats(**fields)))
+        steps, samples_trained, accuracy), shown in the broker's status.
+        Best effort: False when the stream is gone."""
+        return self._send(_Outgoing(pb.ConsumeRequest(stats=pb.ConsumerStats(**fields)), "stats"))
 
     async def close(self, flush_timeout_s: float = 5.0) -> None:
         """Sends what is queued (acks, nacks), then ends the stream; the
-        broker returns any held leases to the queue."""
+        broker returns any held leases to the queue. Acks still queued
+        after `flush_timeout_s` are reported like any unsent ack."""
         self._closed = True
         if self._requests is not None and self._tasks and not self._tasks[0].done():
             try:
                 await asyncio.wait_for(self._requests.join(), flush_timeout_s)
             except asyncio.TimeoutError:
-                logger.warning("Consume stream of %s closed with unsent acks or nacks", self.drafter_id)
+                pass  # stopping the writer below reports what it did not send
         await self._stop_tasks()
+        self._writer_stopped = "the consumer is closed"
         if self._read_task is not None:
             self._read_task.cancel()
             self._read_task = None
@@ -730,27 +918,62 @@ class AsyncConsumer:
 
     # ------------------------------------------------------------ internals
 
-    def _current_ids(self, deliveries: Any, release: bool = True) -> List[int]:
+    def _take_held(self, kind: str, deliveries: Any, release: bool = True) -> List[Delivery]:
+        """The held deliveries of the current stream among `deliveries`
+        (released from `held` when `release`). An ack or nack of a delivery
+        from an older stream is recorded as unsent; one of a delivery this
+        consumer does not hold (acked twice, an unknown id) is logged."""
         if isinstance(deliveries, (Delivery, int)):
             deliveries = [deliveries]
-        ids = []
-        for delivery in deliveries:
-            if isinstance(delivery, Delivery):
-                if delivery.stream_generation != self._generation:
-                    logger.info("delivery %d of %s seq %d is from an older stream: skipped", delivery.delivery_id, delivery.target_id, delivery.seq)
+        taken = []
+        stale = []
+        for reference in deliveries:
+            if isinstance(reference, Delivery):
+                if reference.stream_generation != self._generation:
+                    stale.append(reference)
                     continue
-                delivery_id = delivery.delivery_id
+                delivery_id = reference.delivery_id
             else:
-                delivery_id = int(delivery)
-            if delivery_id in self._held:
-                if release:
-                    del self._held[delivery_id]
-                ids.append(delivery_id)
-        return ids
+                delivery_id = int(reference)
+            delivery = self._held.pop(delivery_id, None) if release else self._held.get(delivery_id)
+            if delivery is None:
+                logger.warning(
+                    "%s of delivery %d by %s not sent: it is not held (already acked or nacked, or of a stream that broke)",
+                    kind,
+                    delivery_id,
+                    self.drafter_id,
+                )
+                continue
+            taken.append(delivery)
+        if stale and kind in ("ack", "nack"):
+            self._record_unsent(kind, stale, "its stream broke before the ack; the broker took the lease back")
+        return taken
 
-    def _send(self, request: pb.ConsumeRequest) -> None:
-        if self._requests is not None and self.end_of_stream is None:
-            self._requests.put_nowait(request)
+    def _send(self, outgoing: _Outgoing) -> bool:
+        """Queues `outgoing` for the writer; False (an ack or nack recorded
+        as unsent) when the writer has stopped."""
+        if self.end_of_stream is not None:
+            return False  # the run is over: nothing is held, nothing to say
+        reason = "the consumer is not open" if self._requests is None else self._writer_stopped
+        if reason is None:
+            self._requests.put_nowait(outgoing)
+            return True
+        if outgoing.deliveries:
+            self._record_unsent(outgoing.kind, outgoing.deliveries, reason)
+        else:
+            logger.debug("%s of %s not sent: %s", outgoing.kind, self.drafter_id, reason)
+        return False
+
+    def _record_unsent(self, kind: str, deliveries: Sequence[Delivery], reason: str) -> None:
+        self._unsent.extend(UnsentAck(kind, delivery.delivery_id, delivery.target_id, delivery.seq, reason) for delivery in deliveries)
+        logger.warning(
+            "%d %s(s) of %s not sent (%s); the broker gives those leases back and the items come again: %s",
+            len(deliveries),
+            kind,
+            self.drafter_id,
+            reason,
+            ", ".join(f"{delivery.target_id} seq {delivery.seq}" for delivery in deliveries),
+        )
 
     def _accept_delivery(self, message: pb.Delivery) -> Delivery:
         delivery = Delivery(
@@ -773,23 +996,10 @@ class AsyncConsumer:
         if self._channel is not None:
             await self._channel.close()
         self._channel = self.client.new_channel()
-        call = self._channel.stream_stream(
-            _SERVICE + "Consume",
-            request_serializer=pb.ConsumeRequest.SerializeToString,
-            response_deserializer=pb.ConsumeResponse.FromString,
-        )()
         hello = pb.ConsumeRequest(hello=pb.ConsumerHello(drafter_id=self.drafter_id, credit=self.credit, run_id=self._run_id))
-        try:
-            await call.write(hello)
-            response = await call.read()
-        except grpc.aio.AioRpcError as error:
-            raise BrokerCallError("Consume", error.code(), error.details() or "") from None
-        except Exception:
-            code = await call.code()
-            details = await call.details()
-            raise BrokerCallError("Consume", code, details or "") from None
+        call, response = await self.client.open_stream(self._channel, "Consume", hello, pb.ConsumeResponse)
         if response is grpc.aio.EOF:
-            raise BrokerCallError("Consume", grpc.StatusCode.UNAVAILABLE, "the stream ended before the welcome")
+            raise self.client.call_error("Consume", grpc.StatusCode.UNAVAILABLE, "the stream ended before the welcome")
         if response.WhichOneof("kind") != "welcome":
             raise ProtocolError(f"Consume: expected welcome, got {response.WhichOneof('kind')}")
         welcome = response.welcome
@@ -799,22 +1009,49 @@ class AsyncConsumer:
         self._held.clear()
         self._call = call
         self._requests = asyncio.Queue()
+        self._writer_stopped = None
         self._tasks = [asyncio.ensure_future(self._write_requests(call, self._requests))]
         if self.extend_leases_automatically and welcome.lease_timeout_ms > 0:
             interval = max(welcome.lease_timeout_ms / 3000.0, 0.02)
             self._tasks.append(asyncio.ensure_future(self._extend_held_leases(interval)))
 
     async def _write_requests(self, call: Any, requests: asyncio.Queue) -> None:
-        while True:
-            request = await requests.get()
-            try:
-                await call.write(request)
-            except Exception as error:
-                # The read side sees why the stream ended and reconnects.
-                logger.debug("Consume write failed: %s", error)
-                return
-            finally:
+        """Writes queued requests in order until the stream fails or the
+        task is stopped; then reports what it did not write."""
+        current: Optional[_Outgoing] = None
+        try:
+            while True:
+                current = await requests.get()
+                await call.write(current.request)
+                current = None
                 requests.task_done()
+        except asyncio.CancelledError:
+            self._writer_stop(requests, current, "the stream was closed before they were written")
+            raise
+        except Exception as error:
+            # The read side sees why the stream ended and reconnects.
+            code, details = _status_of(error)
+            cause = f"{code.name}: {details}" if code is not None else (details or type(error).__name__)
+            self._writer_stop(requests, current, f"the Consume stream broke ({cause})")
+
+    def _writer_stop(self, requests: asyncio.Queue, current: Optional[_Outgoing], reason: str) -> None:
+        """Marks the writer of `requests` stopped and reports every ack and
+        nack it had not written (unless the run is over: then none is owed)."""
+        unsent = [current] if current is not None else []
+        while True:
+            try:
+                unsent.append(requests.get_nowait())
+            except asyncio.QueueEmpty:
+                break
+        for _ in unsent:
+            requests.task_done()
+        if requests is self._requests:
+            self._writer_stopped = reason
+        if self.end_of_stream is not None:
+            return
+        for outgoing in unsent:
+            if outgoing.deliveries:
+                self._record_unsent(outgoing.kind, outgoing.deliveries, reason)
 
     async def _extend_held_leases(self, interval: float) -> None:
         while True:

@@ -25,12 +25,25 @@ class BrokerCallError(BrokerError):
     PERMISSION_DENIED, ...): for example a broker that lost the run's state
     refusing this target's old run id. Raised at once, never retried."""
 
-    def __init__(self, call: str, code: Any, details: str):
+    def __init__(self, call: str, code: Any, details: str, connection: Optional[str] = None):
         self.call = call
         self.code = code
         self.details = details
+        #: How the client connected (TLS or plaintext, the token's origin),
+        #: for failures to reach the broker or be let in by it.
+        self.connection = connection
         code_name = getattr(code, "name", str(code))
-        super().__init__(f"broker call {call} failed: {code_name}: {details}")
+        message = f"broker call {call} failed: {code_name}: {details}"
+        if connection:
+            message += f" ({connection})"
+        super().__init__(message)
+
+
+class SecurityError(BrokerError, ValueError):
+    """A TLS or token setting that cannot be used (a file that cannot be
+    read or holds no PEM block, a certificate without its key, a token
+    given twice or holding spaces, TLS options with an http:// address).
+    The message names the option and the file, never the token."""
 
 
 class BrokerUnavailable(BrokerError):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Coroutine, Dict, Iterable, Iterator, Mapping, Optional, TypeVar, Union
+from typing import Any, Coroutine, Dict, Iterable, Iterator, List, Mapping, Optional, TypeVar, Union
 
-from .aio import AsyncBrokerClient, AsyncConsumer, AsyncProducer, ClientOptions, Delivery, ProduceReport
+from .aio import AsyncBrokerClient, AsyncConsumer, AsyncProducer, ClientOptions, Delivery, ProduceReport, UnsentAck
 
 T = TypeVar("T")
 
@@ -49,12 +49,17 @@ class _LoopThread:
 
 
 class BrokerClient:
-    """A broker address (`host:port` or `http://host:port`) and its event
-    loop thread. Close it (or use `with`) when done."""
+    """A broker address (`host:port`, `http://host:port` or
+    `https://host:port`) and its event loop thread. Close it (or use
+    `with`) when done. TLS and the token come from `options` (see
+    `ClientOptions`); a setting that cannot be used raises SecurityError
+    here."""
 
     def __init__(self, address: str, options: Optional[ClientOptions] = None):
+        # Resolved before the thread starts, so a bad setting leaves nothing behind.
+        client = AsyncBrokerClient(address, options)
         self._loop = _LoopThread()
-        self._client = AsyncBrokerClient(address, options)
+        self._client = client
 
     @property
     def address(self) -> str:
@@ -63,6 +68,10 @@ class BrokerClient:
     @property
     def options(self) -> ClientOptions:
         return self._client.options
+
+    @property
+    def uses_tls(self) -> bool:
+        return self._client.uses_tls
 
     def close(self) -> None:
         try:
@@ -198,6 +207,15 @@ class Consumer:
     def reconnects(self) -> int:
         return self._consumer.reconnects
 
+    @property
+    def held(self) -> List[int]:
+        return self._consumer.held
+
+    @property
+    def unsent_acks(self) -> List[UnsentAck]:
+        """Every ack and nack that never went out (see AsyncConsumer)."""
+        return self._consumer.unsent_acks
+
     def __iter__(self) -> "Consumer":
         return self
 
@@ -224,14 +242,14 @@ class Consumer:
     def nack(self, deliveries: DeliveryRefs, reason: str = "", dead_letter: bool = False) -> int:
         return self._call(self._consumer.nack, deliveries, reason, dead_letter)
 
-    def extend(self, deliveries: Optional[DeliveryRefs] = None) -> None:
-        self._call(self._consumer.extend, deliveries)
+    def extend(self, deliveries: Optional[DeliveryRefs] = None) -> bool:
+        return self._call(self._consumer.extend, deliveries)
 
-    def set_credit(self, items: int, bytes: int = 0) -> None:
-        self._call(self._consumer.set_credit, items, bytes)
+    def set_credit(self, items: int, bytes: int = 0) -> bool:
+        return self._call(self._consumer.set_credit, items, bytes)
 
-    def send_stats(self, **fields: Any) -> None:
-        self._call(self._consumer.send_stats, **fields)
+    def send_stats(self, **fields: Any) -> bool:
+        return self._call(self._consumer.send_stats, **fields)
 
     def close(self) -> None:
         self._loop.run(self._consumer.close(), timeout=30)

@@ -35,7 +35,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_client import BrokerClient, ClientOptions
+from dflash_client import BrokerClient, ClientOptions, add_security_arguments, security_options
 
 #: Markers that close a turn in common templates, after the tokenizer's eos.
 END_OF_TURN_MARKERS = ["<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<|endoftext|>"]
@@ -167,6 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: bfloat16 on a GPU, float32 on the CPU")
     parser.add_argument("--max-bad-lines", type=int, default=0)
     parser.add_argument("--stats-interval-s", type=float, default=5.0)
+    add_security_arguments(parser)  # --tls-ca, --tls-cert, --tls-key, --tls-domain, --token-file
     arguments = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not 0 <= arguments.shard_index < arguments.num_shards:
@@ -187,7 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.info("target layers %s, hidden_states width %d", layer_ids, width)
 
     samples_total = sum(1 for _ in shard_lines(arguments.data, arguments.shard_index, arguments.num_shards))
-    with BrokerClient(arguments.broker, ClientOptions()) as client:
+    with BrokerClient(arguments.broker, ClientOptions(**security_options(arguments))) as client:
         producer = client.producer(arguments.target_id, hidden_width=width)
         resume = producer.resume_after_seq
         logging.info("welcome: resume after seq %s, run %r, epoch %d", resume, producer.run_id, producer.epoch)

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoTokenizer, Qwen3Config
 
 from dflash.model import DFlashDraftModel, build_target_layer_ids
 
-from dflash_client import BrokerClient, RunAborted
+from dflash_client import BrokerClient, ClientOptions, RunAborted, add_security_arguments, security_options
 
 
 def load_target_tensors(model_dir: pathlib.Path, names: Sequence[str]) -> Dict[str, torch.Tensor]:
@@ -127,6 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--prefetch", type=int, default=4, help="extra deliveries held beyond one batch")
     parser.add_argument("--linger-s", type=float, default=0.5, help="step on a partial batch after this long without a delivery")
     parser.add_argument("--seed", type=int, default=0)
+    add_security_arguments(parser)  # --tls-ca, --tls-cert, --tls-key, --tls-domain, --token-file
     arguments = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.manual_seed(arguments.seed)
@@ -150,7 +151,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     steps = samples_trained = tokens_trained = 0
     last_loss = float("nan")
     started = time.monotonic()
-    with BrokerClient(arguments.broker) as client:
+    with BrokerClient(arguments.broker, ClientOptions(**security_options(arguments))) as client:
         consumer = client.consumer(arguments.drafter_id, credit_items=arguments.batch_samples + arguments.prefetch)
         batch: List[Any] = []
         try:

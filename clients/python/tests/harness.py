@@ -123,6 +123,42 @@ class Broker:
         self.process.stop()
 
 
+class Certificates:
+    """A CA, the broker's certificate (localhost and 127.0.0.1) and a client
+    certificate it signed, another CA that signed nothing here, and two
+    tokens, made with the openssl command line (as scripts/check-deploy.sh
+    does) in `folder`."""
+
+    TOKEN = "t0ken-for-python-tests"
+    WRONG_TOKEN = "not-the-token"
+
+    def __init__(self, folder: pathlib.Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+                      "-subj", "/CN=dflash python test CA", "-keyout", "ca.key", "-out", "ca.pem")
+        self._openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "2",
+                      "-subj", "/CN=another CA", "-keyout", "other-ca.key", "-out", "other-ca.pem")
+        for name, extensions in (
+            ("broker", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
+            ("client", "subjectAltName=DNS:drafter-0\nextendedKeyUsage=clientAuth\n"),
+        ):
+            self._openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                          "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr")
+            (folder / f"{name}.ext").write_text(extensions)
+            self._openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                          "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem")
+        (folder / "token").write_text(self.TOKEN + "\n")
+        (folder / "wrong-token").write_text(self.WRONG_TOKEN + "\n")
+
+    def _openssl(self, *arguments: str) -> None:
+        result = subprocess.run(["openssl", *arguments], cwd=self.folder, capture_output=True, text=True)
+        assert result.returncode == 0, f"openssl {' '.join(arguments)} failed ({result.returncode}):\n{result.stderr}"
+
+    def path(self, name: str) -> pathlib.Path:
+        return self.folder / name
+
+
 def python_process(name: str, arguments: Sequence[str], log_dir: pathlib.Path, env: Optional[Dict[str, str]] = None) -> Process:
     """A Python child running with this interpreter (and its sys.path)."""
     environment = {"PYTHONPATH": os.pathsep.join(path for path in sys.path if path), "PYTHONUNBUFFERED": "1"}
