@@ -55,7 +55,7 @@ check-python: setup
 check-grpcurl: setup
 	bash scripts/check-grpcurl.sh
 
-## `dflash status`/`top` built without libtorch (--no-default-features) work
+## `dflash-ops status`/`top`/`health` (no libtorch) work
 ## against a live broker and link no libtorch.
 check-ops-cli: setup
 	bash scripts/check-ops-cli.sh

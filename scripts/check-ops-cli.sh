@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# The operator's `dflash status` and `dflash top` need no libtorch: builds
-# `dflash` with `--no-default-features` (its own target folder, so the full
-# `dflash` of the workspace build is left alone), checks that it links no
-# libtorch, and runs `status` against a live broker with no libtorch on the
-# library path, the way an operator's laptop or a bare container would.
+# The operator's `dflash-ops status`, `top` and `health` need no libtorch:
+# builds `dflash-ops` (clients/ops, part of every workspace build), checks
+# that it links no libtorch, and runs it against a live broker with no
+# libtorch on the library path, the way an operator's laptop or a bare
+# container would.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
 target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
-ops_target="$target_dir/ops-cli"
-cargo build --quiet -p dflash-cli --no-default-features --bin dflash --target-dir "$ops_target"
+cargo build --quiet -p dflash-ops --bin dflash-ops
 cargo build --quiet -p dflash-broker --bin broker
-ops_cli="$ops_target/debug/dflash"
+ops_cli="$target_dir/debug/dflash-ops"
 passed=0
 failed=0
 check() { # name, then a command that must succeed
@@ -19,7 +18,9 @@ check() { # name, then a command that must succeed
   if "$@"; then passed=$((passed + 1)); else echo "check-ops-cli: FAILED: $name" >&2; failed=$((failed + 1)); fi
 }
 links_no_torch() { ! ldd "$ops_cli" | grep -Eq 'libtorch|libc10'; }
-check "the operator dflash links no libtorch" links_no_torch
+check "dflash-ops links no libtorch" links_no_torch
+no_torch_in_its_dependencies() { ! cargo tree -p dflash-ops -e normal --prefix none | grep -Eq '^(tch|torch-sys|dflash-model|dflash-device) '; }
+check "dflash-ops depends on no libtorch crate" no_torch_in_its_dependencies
 
 # The broker binds port 0 and writes the address it got (no free-port race).
 work="$(mktemp -d)"
@@ -40,7 +41,9 @@ json_names_three_targets() { status_json | python3 -c 'import json,sys; s=json.l
 check "status --json reads a live broker" json_names_three_targets
 table_shows_the_broker() { env -u LD_LIBRARY_PATH "$ops_cli" status --broker "http://$address" | grep -q "targets done 0/3"; }
 check "status prints the top table" table_shows_the_broker
-no_model_commands() { ! "$ops_cli" --help | grep -Eq '^  (local|eval|init-tiny) '; }
-check "the model commands are not in the operator build" no_model_commands
+healthy() { env -u LD_LIBRARY_PATH "$ops_cli" health --broker "http://$address" | grep -q SERVING; }
+check "health answers SERVING" healthy
+no_model_commands() { ! "$ops_cli" --help | grep -Eq '^  (local|eval|init-tiny|regenerate) '; }
+check "the model commands are not in dflash-ops" no_model_commands
 echo "check-ops-cli: $passed passed, $failed failed"
 (( failed == 0 ))

@@ -1046,8 +1046,7 @@ fn main() {
         // it up (large blocks kept for reuse), so neither side's clients
         // pay a fresh mapping per received item. The relay stays a plain
         // program on glibc's defaults.
-        let allocator =
-            dflash_service::configure_allocator(dflash_service::AllocatorMode::Retained);
+        let allocator = dflash_device::configure_allocator(dflash_device::AllocatorMode::Retained);
         eprintln!("bench clients: {allocator}");
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -44,7 +44,7 @@ impl ValueEnum for FailurePolicy {
     }
 }
 
-pub use dflash_service::{parse_bytes, parse_duration};
+pub use dflash_shell::{parse_bytes, parse_duration};
 
 /// Everything the broker is configured with.
 #[derive(Debug, Clone, Args)]

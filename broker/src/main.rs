@@ -1,6 +1,6 @@
 //! The `broker` binary: flags, telemetry, signals and bind; everything else
 //! is in the library. Exit codes follow the one table of every dflash binary
-//! (`dflash_service::Exit`): 0 after serving until SIGTERM/SIGINT, 1 on an
+//! (`dflash_shell::Exit`): 0 after serving until SIGTERM/SIGINT, 1 on an
 //! error (a bad flag value, an address that cannot be bound), 2 on a wrong
 //! command line.
 
@@ -14,7 +14,7 @@ use clap::Parser;
 /// already mapped. `make bench` prints the minor faults per GiB.
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-use dflash_service::Exit;
+use dflash_shell::Exit;
 use dflash_telemetry::LogFormat;
 
 /// The dflash broker: the shared hidden-state queue between target-servers
@@ -63,7 +63,7 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
             .and_then(|()| std::fs::rename(&partial, ready_file))
             .map_err(|error| anyhow::anyhow!("writing {}: {error}", ready_file.display()))?;
     }
-    let shutdown = dflash_service::shutdown_signal();
+    let shutdown = dflash_shell::shutdown_signal();
     dflash_broker::serve(listener, cli.config, shutdown).await?;
     Ok(())
 }

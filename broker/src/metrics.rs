@@ -45,6 +45,16 @@ fn write_received(out: &mut Exposition, received: ReceivedCounts) {
         "Frame slices the tensors that arrived across several frames are held as.",
         received.slices as f64,
     );
+    out.gauge(
+        &name("waiting_for_room_items"),
+        "Decoded items whose producer waits for room in the full queue (at most one per open Produce stream; not counted in queued bytes).",
+        received.waiting_items as f64,
+    );
+    out.gauge(
+        &name("waiting_for_room_bytes"),
+        "Payload bytes of the items waiting for room.",
+        received.waiting_bytes as f64,
+    );
 }
 
 fn name(suffix: &str) -> String {

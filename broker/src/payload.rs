@@ -244,6 +244,11 @@ pub struct ReceivedPayloads {
     one_frame: AtomicU64,
     several_frames: AtomicU64,
     slices: AtomicU64,
+    /// Decoded items whose producer's reader waits for room in a full
+    /// queue: held outside `--max-queue-bytes` (one per producer stream at
+    /// most), and let go as soon as that stream ends or is fenced.
+    waiting_items: AtomicU64,
+    waiting_bytes: AtomicU64,
 }
 
 /// A reading of [`ReceivedPayloads`].
@@ -253,6 +258,24 @@ pub struct ReceivedCounts {
     pub several_frames: u64,
     /// Slices of the payloads that came in several frames.
     pub slices: u64,
+    /// Items (and their payload bytes) decoded and waiting for room.
+    pub waiting_items: u64,
+    pub waiting_bytes: u64,
+}
+
+/// Counts one decoded item as waiting for room while it lives.
+pub struct WaitingForRoom<'a> {
+    payloads: &'a ReceivedPayloads,
+    bytes: u64,
+}
+
+impl Drop for WaitingForRoom<'_> {
+    fn drop(&mut self) {
+        self.payloads.waiting_items.fetch_sub(1, Ordering::Relaxed);
+        self.payloads
+            .waiting_bytes
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+    }
 }
 
 impl ReceivedPayloads {
@@ -274,11 +297,23 @@ impl ReceivedPayloads {
         }
     }
 
+    /// Counts an item of `bytes` as waiting for room until the guard drops.
+    pub fn wait_for_room(&self, bytes: u64) -> WaitingForRoom<'_> {
+        self.waiting_items.fetch_add(1, Ordering::Relaxed);
+        self.waiting_bytes.fetch_add(bytes, Ordering::Relaxed);
+        WaitingForRoom {
+            payloads: self,
+            bytes,
+        }
+    }
+
     pub fn counts(&self) -> ReceivedCounts {
         ReceivedCounts {
             one_frame: self.one_frame.load(Ordering::Relaxed),
             several_frames: self.several_frames.load(Ordering::Relaxed),
             slices: self.slices.load(Ordering::Relaxed),
+            waiting_items: self.waiting_items.load(Ordering::Relaxed),
+            waiting_bytes: self.waiting_bytes.load(Ordering::Relaxed),
         }
     }
 }

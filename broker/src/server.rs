@@ -216,10 +216,8 @@ impl Background {
         metrics_listener: Option<TcpListener>,
     ) -> Background {
         let ticker = tokio::spawn(shared.clone().run_ticker());
-        let center_writer = tokio::spawn(model_sync.clone().run_background({
-            let shared = shared.clone();
-            move || shared.broker_state()
-        }));
+        let center_writer =
+            tokio::spawn(model_sync.clone().run_background(shared.watch_run_state()));
         let metrics_stop = CancellationToken::new();
         let metrics = metrics_listener.map(|metrics_listener| {
             info!(address = ?metrics_listener.local_addr().ok(), "metrics listening");

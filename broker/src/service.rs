@@ -86,6 +86,10 @@ struct Locked {
     queue: Queue<WirePayload>,
     consumer_outboxes: HashMap<ConnectionId, Outbox<ConsumeOut>>,
     producer_outboxes: HashMap<ConnectionId, Outbox<proto::ProduceResponse>>,
+    /// Set when a Produce stream's outbox is removed (the stream ended, was
+    /// fenced or closed); `with_queue` takes it to wake readers waiting for
+    /// room, so a gone stream's reader drops its decoded item at once.
+    producer_stream_ended: bool,
     /// When the ticker will next wake on its own; an operation that creates
     /// an earlier deadline wakes it sooner.
     ticker_wakes_at: Option<Instant>,
@@ -194,7 +198,7 @@ impl Locked {
     /// Sends a producer its `Closed` message and drops its outbox, which
     /// ends its stream.
     fn close_producer(&mut self, connection: ConnectionId, outcome: RunStatus, reason: String) {
-        if let Some(outbox) = self.producer_outboxes.remove(&connection) {
+        if let Some(outbox) = self.remove_producer_outbox(connection) {
             let message = proto::ProduceResponse {
                 kind: Some(proto::produce_response::Kind::Closed(proto::StreamClosed {
                     status: convert::run_status(outcome) as i32,
@@ -245,6 +249,17 @@ impl Locked {
         self.wal.as_ref()?.sync_due()
     }
 
+    /// Drops a Produce stream's outbox (ending its response stream) and
+    /// marks that a producer's reader may have to stop waiting for room.
+    fn remove_producer_outbox(
+        &mut self,
+        connection: ConnectionId,
+    ) -> Option<Outbox<proto::ProduceResponse>> {
+        let outbox = self.producer_outboxes.remove(&connection);
+        self.producer_stream_ended |= outbox.is_some();
+        outbox
+    }
+
     fn send_to_producer(&self, connection: ConnectionId, message: proto::produce_response::Kind) {
         if let Some(outbox) = self.producer_outboxes.get(&connection) {
             let _ = outbox.send(Ok(proto::ProduceResponse {
@@ -286,6 +301,9 @@ pub(crate) struct Shared {
     /// Woken when an operation created a deadline earlier than the ticker's
     /// planned wake.
     deadline_changed: Notify,
+    /// The run state, published on every change (the center writer waits
+    /// on it instead of polling).
+    run_state: tokio::sync::watch::Sender<crate::queue::BrokerState>,
     config: BrokerConfig,
     /// Cancelled on shutdown: readers stop, streams end with UNAVAILABLE.
     shutdown: CancellationToken,
@@ -328,11 +346,14 @@ impl Shared {
                 (queue, Some(opened.wal), opened.run_id)
             }
         };
+        let run_state = tokio::sync::watch::Sender::new(queue.state());
         Ok(Arc::new(Shared {
+            run_state,
             locked: Mutex::new(Locked {
                 queue,
                 consumer_outboxes: HashMap::new(),
                 producer_outboxes: HashMap::new(),
+                producer_stream_ended: false,
                 ticker_wakes_at: None,
                 wal,
             }),
@@ -366,14 +387,23 @@ impl Shared {
             locked.persist();
             let effects = locked.queue.take_effects();
             let endings = locked.dispatch(effects);
-            let room_freed =
-                locked.queue.held_bytes() < held_before || locked.queue.state() != state_before;
+            // A Produce stream that ended or was fenced also wakes the
+            // waiters: its reader may hold a decoded item waiting for room,
+            // and must let it go now rather than when room is freed.
+            let producer_stream_ended = std::mem::take(&mut locked.producer_stream_ended);
+            let room_freed = locked.queue.held_bytes() < held_before
+                || locked.queue.state() != state_before
+                || producer_stream_ended;
             let planned_wake = locked.ticker_wakes_at;
             let wake_ticker = [locked.queue.take_new_deadline(), locked.wal_sync_due()]
                 .into_iter()
                 .flatten()
                 .min()
                 .is_some_and(|deadline| planned_wake.is_none_or(|planned| deadline < planned));
+            let state_after = locked.queue.state();
+            if state_after != state_before {
+                self.run_state.send_replace(state_after);
+            }
             (result, room_freed, wake_ticker, endings)
         };
         for ending in endings {
@@ -460,6 +490,13 @@ impl Shared {
     pub(crate) fn broker_state(&self) -> crate::queue::BrokerState {
         self.locked.lock().queue.state()
     }
+
+    /// The run state as it changes.
+    pub(crate) fn watch_run_state(
+        &self,
+    ) -> tokio::sync::watch::Receiver<crate::queue::BrokerState> {
+        self.run_state.subscribe()
+    }
 }
 
 /// A fresh run id: 64 random bits (std's per-process random hasher keys,
@@ -494,7 +531,7 @@ impl Drop for ConnectionGuard {
         let connection = self.connection;
         self.shared.with_queue(|locked, now| match self.role {
             Role::Producer => {
-                locked.producer_outboxes.remove(&connection);
+                locked.remove_producer_outbox(connection);
                 locked.queue.close_producer(connection, now);
             }
             Role::Consumer => {
@@ -687,7 +724,7 @@ impl BrokerService {
             }
         }
         shared.with_queue(|locked, now| {
-            locked.producer_outboxes.remove(&connection);
+            locked.remove_producer_outbox(connection);
             locked.queue.close_producer(connection, now);
         });
     }
@@ -706,7 +743,7 @@ impl BrokerService {
             locked
                 .queue
                 .count_rejected(connection, RejectReason::TooLarge, now);
-            if let Some(outbox) = locked.producer_outboxes.remove(&connection) {
+            if let Some(outbox) = locked.remove_producer_outbox(connection) {
                 let _ = outbox.send(Err(Status::resource_exhausted(reason)));
             }
         });
@@ -724,7 +761,7 @@ impl BrokerService {
             warn!(target_id, connection, %status, "malformed Produce stream; ended");
         }
         self.shared.with_queue(|locked, _now| {
-            if let Some(outbox) = locked.producer_outboxes.remove(&connection) {
+            if let Some(outbox) = locked.remove_producer_outbox(connection) {
                 let _ = outbox.send(Err(status));
             }
         });
@@ -768,6 +805,9 @@ impl BrokerService {
             item: Arc::new(item),
             bytes,
         };
+        // Counted while this stream's reader holds the decoded item waiting
+        // for room; a fenced or closed stream wakes it (see `with_queue`).
+        let mut waiting = None;
         loop {
             let room = shared.room.notified();
             tokio::pin!(room);
@@ -788,6 +828,7 @@ impl BrokerService {
                 Err(QueueError::QueueFull { .. }) => {
                     // Stop reading this stream until room is freed: HTTP/2
                     // flow control then holds the target back.
+                    waiting.get_or_insert_with(|| shared.received.wait_for_room(bytes));
                     tokio::select! {
                         _ = shared.shutdown.cancelled() => return false,
                         _ = &mut room => {}

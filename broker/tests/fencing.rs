@@ -269,3 +269,87 @@ async fn a_second_consume_hello_for_a_live_drafter_is_refused_until_the_first_is
     assert_eq!(delivery.seq, 1);
     broker.stop().await;
 }
+
+/// The broker's `waiting_for_room` gauges (items, bytes) from `/metrics`.
+async fn waiting_for_room(broker: &TestBroker) -> (f64, f64) {
+    let address = broker.metrics_address.expect("metrics endpoint");
+    let metrics =
+        dflash_testkit::parse_metrics(&dflash_testkit::http_get(address, "/metrics").await);
+    (
+        metrics["dflash_broker_waiting_for_room_items"],
+        metrics["dflash_broker_waiting_for_room_bytes"],
+    )
+}
+
+/// Defect (d) of #24: a producer whose reader holds a decoded item waiting
+/// for room in a full queue, then is fenced by a newer stream of the same
+/// target (or goes away), lets that item go at once; before, the reader
+/// stayed parked with it, outside `--max-queue-bytes`, until room was freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_producer_waiting_for_room_lets_its_item_go() {
+    const ITEM_BYTES: usize = 16 << 10;
+    let broker = TestBroker::start_with_metrics(BrokerConfig {
+        // Room for two items (payload plus ids and mask), not three.
+        max_queue_bytes: 2 * ITEM_BYTES as u64 + 1024,
+        max_item_bytes: ITEM_BYTES as u64 * 2,
+        ..BrokerConfig::for_targets(1)
+    })
+    .await;
+    let client = broker.client().await;
+    let mut first = client.produce("target-0").await.unwrap();
+    for seq in 0..3 {
+        first
+            .send(seq, sample(ITEM_BYTES, seq), HashMap::new())
+            .await
+            .unwrap();
+    }
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            waiting_for_room(&broker).await.0 == 1.0
+        })
+        .await,
+        "the third item waits for room: {:?}",
+        waiting_for_room(&broker).await
+    );
+    let (_, bytes) = waiting_for_room(&broker).await;
+    assert!(bytes >= ITEM_BYTES as f64, "{bytes}");
+
+    // A newer stream of the same target fences the first; no room is freed.
+    let second = client.produce("target-0").await.unwrap();
+    assert_eq!(second.resume_after_seq(), Some(1));
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            waiting_for_room(&broker).await == (0.0, 0.0)
+        })
+        .await,
+        "the fenced stream's item is still held: {:?}",
+        waiting_for_room(&broker).await
+    );
+    let snapshot = status(&broker).await;
+    assert_eq!(snapshot.accepted_items, 2, "{snapshot:?}");
+    assert_eq!(snapshot.queued_items, 2, "{snapshot:?}");
+
+    // The same for a stream whose client goes away while it waits.
+    let mut second = second;
+    second
+        .send(2, sample(ITEM_BYTES, 2), HashMap::new())
+        .await
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            waiting_for_room(&broker).await.0 == 1.0
+        })
+        .await
+    );
+    drop(second);
+    drop(first);
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            waiting_for_room(&broker).await == (0.0, 0.0)
+        })
+        .await,
+        "a closed stream's item is still held: {:?}",
+        waiting_for_room(&broker).await
+    );
+    broker.stop().await;
+}

@@ -14,7 +14,7 @@ training layout and the loss are written here from the DFlash recipe:
   exp(-(k-1)/gamma) * loss_mask[anchor+k] (0 past the end);
   loss = sum(w * CE) / sum(w).
 
-Output (under services/model/tests/fixtures/draft/golden/ by default):
+Output (under crates/model/tests/fixtures/draft/golden/ by default):
 * config.json + model.safetensors: written by `save_pretrained` of the
   reference model, i.e. exactly what a Hugging Face user has;
 * golden.safetensors: frozen embedding and LM head, the inputs (per sequence),
@@ -95,7 +95,7 @@ def training_forward(model, embed, target_hidden, input_ids, anchors):
 
 
 def main() -> None:
-    output = Path(sys.argv[1] if len(sys.argv) > 1 else "services/model/tests/fixtures/draft/golden")
+    output = Path(sys.argv[1] if len(sys.argv) > 1 else "crates/model/tests/fixtures/draft/golden")
     output.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(1234)
     model = DFlashDraftModel(config()).float().eval()

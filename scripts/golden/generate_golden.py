@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Golden KV-cached generation of the tiny target models, from transformers' own `generate`.
 
-Reads the committed tiny model directories (`services/model/tests/fixtures/target/tiny_*`,
+Reads the committed tiny model directories (`crates/model/tests/fixtures/target/tiny_*`,
 written by `target_golden.py`), runs `generate` in float32 on a left-padded batch of
 prompts of unequal lengths with greedy decoding and transformers' KV cache, and writes
-one safetensors fixture per model for `services/model/tests/generation_golden.rs`:
+one safetensors fixture per model for `crates/model/tests/generation_golden.rs`:
 
 - `input_ids` int64 [B, P] and `attention_mask` int64 [B, P]: the left-padded prompts
   (padding id 0, a real token, so a leak of padding into valid positions shows up);
@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-FIXTURE_DIR = "services/model/tests/fixtures/target"
+FIXTURE_DIR = "crates/model/tests/fixtures/target"
 PROMPT_LENGTHS = [7, 3, 5]
 NEW_TOKENS = 10
 

@@ -4,7 +4,7 @@
 Reads the tiny model directories the Rust side wrote (`cargo run -p dflash-model
 --example write_tiny -- DIR [qwen3|llama]`), runs `Qwen3ForCausalLM` /
 `LlamaForCausalLM` in float32 with `output_hidden_states=True`, and writes one
-safetensors fixture per model for `services/model/tests/target_parity.rs`:
+safetensors fixture per model for `crates/model/tests/target_parity.rs`:
 
 - `input_ids` int64 [B, T] and `attention_mask` int64 [B, T]: a right-padded
   batch of unequal lengths (padding id = 0 on purpose, a real token, so a
@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-FIXTURE_DIR = "services/model/tests/fixtures/target"
+FIXTURE_DIR = "crates/model/tests/fixtures/target"
 SEQUENCE_LENGTHS = [13, 6, 10]
 
 

@@ -1,4 +1,4 @@
-//! The exit-code table (`dflash_service::Exit`, the README's "Flags and exit
+//! The exit-code table (`dflash_shell::Exit`, the README's "Flags and exit
 //! codes") with the real binaries: every binary exits 2 on a wrong command
 //! line, and a drafter-server whose run the broker ends ABORTED exits 3.
 
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use dflash_broker::config::FailurePolicy;
 use dflash_broker::BrokerConfig;
-use dflash_service::Exit;
+use dflash_shell::Exit;
 use dflash_testkit::{workspace_binary, TestBroker};
 
 /// Kills a child process when the test ends, however it ends.

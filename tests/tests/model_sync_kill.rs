@@ -225,7 +225,12 @@ async fn a_drafter_killed_while_syncing_neither_corrupts_nor_blocks_the_center()
         })
     })
     .await;
-    assert!(kept_syncing, "{:?}", sync_status(&client).await);
+    assert!(
+        kept_syncing,
+        "{:?}; broker log: {}",
+        sync_status(&client).await,
+        broker.log()
+    );
 
     // The run ends COMPLETE: the victim's leases went back to the queue and
     // the survivors trained them, then saw end-of-stream and exited 0.

@@ -73,6 +73,21 @@ fn check_length(values: usize, bytes: &[u8], dtype: WireDtype) -> Result<(), Len
     Ok(())
 }
 
+/// `Σ decode(bytes)[i]²` in f64: NaN or infinity when any value is not
+/// finite, so one number tells both the norm and whether the delta is sane.
+pub fn squared_sum(bytes: &[u8], dtype: WireDtype) -> f64 {
+    match dtype {
+        WireDtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|raw| f64::from(f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]])).powi(2))
+            .sum(),
+        WireDtype::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|raw| f64::from(bf16_to_f32(u16::from_le_bytes([raw[0], raw[1]]))).powi(2))
+            .sum(),
+    }
+}
+
 /// `values[i] = decode(bytes)[i]`.
 pub fn decode_into(
     values: &mut [f32],

@@ -8,6 +8,7 @@
 //! never holds anything another drafter needs.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -28,7 +29,31 @@ pub struct OuterSettings {
     /// A delta whose base is more than this many center updates old is
     /// discarded and the drafter restarts from the center (0: no bound).
     pub max_staleness: u64,
+    /// A delta whose L2 norm is over this many times the largest norm of
+    /// the last [`DELTA_NORM_WINDOW`] applied deltas is discarded, once
+    /// [`DELTA_NORM_WARMUP`] were applied (0: no bound). A delta with a NaN
+    /// or an infinity is always discarded.
+    ///
+    /// The largest, not the median: while the learning rate warms up each
+    /// delta may be a few times the previous one, and over a window that
+    /// adds up to far more than any fixed multiple of the median (a rule
+    /// that discarded every delta of a legitimately faster drafter, which
+    /// then never caught up). Growth past the window's largest by this
+    /// factor in one exchange is not training, it is a fault.
+    pub max_delta_norm_ratio: f32,
 }
+
+/// Default of [`OuterSettings::max_delta_norm_ratio`]: consecutive deltas
+/// of the same number of local steps differ by small factors; one ten times
+/// the largest recent one is broken.
+pub const DEFAULT_MAX_DELTA_NORM_RATIO: f32 = 10.0;
+/// Applied deltas whose norms the bound is over (their largest).
+pub const DELTA_NORM_WINDOW: usize = 32;
+/// Applied deltas before the norm bound applies.
+pub const DELTA_NORM_WARMUP: usize = 4;
+/// A delta whose norm is at most this fraction of the weights' norm (when
+/// the center was made or resumed) is never an outlier.
+pub const DELTA_NORM_FLOOR: f64 = 0.05;
 
 impl Default for OuterSettings {
     fn default() -> Self {
@@ -37,6 +62,7 @@ impl Default for OuterSettings {
             momentum: 0.7,
             momentum_delay: 0,
             max_staleness: 0,
+            max_delta_norm_ratio: DEFAULT_MAX_DELTA_NORM_RATIO,
         }
     }
 }
@@ -91,15 +117,20 @@ pub enum SyncError {
 }
 
 /// One tensor of the center, in f32, with its outer optimizer state.
+///
+/// Each buffer is shared (`Arc`): a snapshot for a save or a reply clones
+/// the pointers under the lock, not the values (12 bytes per parameter:
+/// 12.6 GB for a 1B-parameter drafter), and an update copies a buffer only
+/// while such a snapshot still holds it ([`Arc::make_mut`]).
 #[derive(Debug, Clone)]
 pub struct CenterTensor {
     pub name: String,
     pub shape: Vec<u64>,
-    pub values: Vec<f32>,
+    pub values: Arc<Vec<f32>>,
     /// Nesterov velocity (empty when the momentum is 0).
-    pub velocity: Vec<f32>,
+    pub velocity: Arc<Vec<f32>>,
     /// Sum of the deltas since the last momentum step (empty likewise).
-    pub delta_sum: Vec<f32>,
+    pub delta_sum: Arc<Vec<f32>>,
 }
 
 /// The run's shared weights.
@@ -128,6 +159,26 @@ impl Center {
         serde_json::from_str::<serde_json::Value>(&config_json)
             .map_err(|error| SyncError::Config(error.to_string()))?;
         tensors.sort_by(|left, right| left.name.cmp(&right.name));
+        // The run's one model is finite by construction: no JOIN and no
+        // checkpoint may make it otherwise.
+        for tensor in &tensors {
+            let buffers = [
+                ("weights", &tensor.values),
+                ("outer velocity", &tensor.velocity),
+                ("outer delta sum", &tensor.delta_sum),
+            ];
+            for (what, values) in buffers {
+                if let Some(index) = values.iter().position(|value| !value.is_finite()) {
+                    return Err(SyncError::BadTensor {
+                        name: tensor.name.clone(),
+                        detail: format!(
+                            "{what} are not finite ({} at element {index}): refused as the run's model",
+                            values[index]
+                        ),
+                    });
+                }
+            }
+        }
         let mut by_name = HashMap::new();
         for (index, tensor) in tensors.iter().enumerate() {
             if by_name.insert(tensor.name.clone(), index).is_some() {
@@ -144,6 +195,17 @@ impl Center {
             updates_applied: 0,
             updates_discarded: 0,
         })
+    }
+
+    /// The L2 norm of every weight together (one pass; taken when the
+    /// center is made or resumed, not per exchange).
+    pub fn weights_norm(&self) -> f64 {
+        self.tensors
+            .iter()
+            .flat_map(|tensor| tensor.values.iter())
+            .map(|&value| f64::from(value).powi(2))
+            .sum::<f64>()
+            .sqrt()
     }
 
     pub fn parameters(&self) -> u64 {
@@ -166,6 +228,25 @@ impl Center {
 
 /// One center tensor encoded for the wire: name, shape, bytes.
 pub type EncodedTensor = (String, Vec<u64>, Bytes);
+
+/// One version of the center's weights (name, shape, shared values), in
+/// checkpoint order; see [`ModelSyncState::center_snapshot`].
+pub struct CenterSnapshot {
+    pub version: u64,
+    pub tensors: Vec<(String, Vec<u64>, Arc<Vec<f32>>)>,
+}
+
+impl CenterSnapshot {
+    /// The weights encoded as `dtype`, one buffer per tensor.
+    pub fn encode(self, dtype: WireDtype) -> (u64, Vec<EncodedTensor>) {
+        let tensors = self
+            .tensors
+            .into_iter()
+            .map(|(name, shape, values)| (name, shape, Bytes::from(arith::encode(&values, dtype))))
+            .collect();
+        (self.version, tensors)
+    }
+}
 
 /// What kind of exchange a drafter began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -311,6 +392,30 @@ pub struct Upload {
     pub samples: u64,
     pub reply_dtype: WireDtype,
     pub tensors: Vec<UploadedTensor>,
+    /// [`Upload::norm`], when taken before the commit (outside the lock).
+    pub measured_norm: Option<f64>,
+}
+
+impl Upload {
+    /// Takes [`Upload::norm`] now, so the commit under the lock need not.
+    pub fn measure_norm(&mut self) {
+        self.measured_norm = Some(self.norm());
+    }
+
+    /// The L2 norm of every tensor's values together (NaN or infinity when
+    /// any value is not finite); computed outside the center's lock.
+    pub fn norm(&self) -> f64 {
+        self.tensors
+            .iter()
+            .flat_map(|tensor| {
+                tensor
+                    .chunks
+                    .iter()
+                    .map(|chunk| arith::squared_sum(chunk, tensor.dtype))
+            })
+            .sum::<f64>()
+            .sqrt()
+    }
 }
 
 impl Upload {
@@ -326,6 +431,7 @@ impl Upload {
             samples: begin.samples,
             reply_dtype,
             tensors: Vec::new(),
+            measured_norm: None,
         })
     }
 
@@ -451,6 +557,15 @@ pub struct DrafterRecord {
 pub struct ModelSyncState {
     settings: OuterSettings,
     center: Option<Center>,
+    /// Norms of the last applied deltas (the norm bound's reference); starts
+    /// empty after a restart, so the bound waits for its warm-up again.
+    recent_delta_norms: std::collections::VecDeque<f64>,
+    /// The L2 norm of the center's weights when it was made or resumed:
+    /// the scale below which no delta is an outlier (see [`refuse_delta`]).
+    weights_norm_at_start: Option<f64>,
+    /// Deltas refused as not finite, and as over the norm bound.
+    pub non_finite_deltas: u64,
+    pub outlier_deltas: u64,
     drafters: BTreeMap<String, DrafterRecord>,
     /// The newest version written to disk, where, and whether as final.
     pub saved_version: Option<u64>,
@@ -462,7 +577,11 @@ impl ModelSyncState {
     pub fn new(settings: OuterSettings, center: Option<Center>) -> Self {
         ModelSyncState {
             settings,
+            weights_norm_at_start: center.as_ref().map(Center::weights_norm),
             center,
+            recent_delta_norms: std::collections::VecDeque::with_capacity(DELTA_NORM_WINDOW),
+            non_finite_deltas: 0,
+            outlier_deltas: 0,
             drafters: BTreeMap::new(),
             saved_version: None,
             saved_path: String::new(),
@@ -538,7 +657,10 @@ impl ModelSyncState {
                     center_samples: center.samples,
                 }
             }
-            ExchangeKind::Update | ExchangeKind::Final => self.update(drafter_id, &upload)?,
+            ExchangeKind::Update | ExchangeKind::Final => {
+                let norm = upload.measured_norm.unwrap_or_else(|| upload.norm());
+                self.update(drafter_id, &upload, norm)?
+            }
         };
         let record = self.drafters.entry(drafter_id.to_string()).or_default();
         record.last_sync = Some(now);
@@ -594,20 +716,19 @@ impl ModelSyncState {
             let elements = uploaded.shape.iter().product::<u64>() as usize;
             let mut values = vec![0.0f32; elements];
             decode_chunks(&mut values, &uploaded)?;
+            let optimizer_buffer = || {
+                Arc::new(if momentum {
+                    vec![0.0; elements]
+                } else {
+                    Vec::new()
+                })
+            };
             tensors.push(CenterTensor {
-                velocity: if momentum {
-                    vec![0.0; elements]
-                } else {
-                    Vec::new()
-                },
-                delta_sum: if momentum {
-                    vec![0.0; elements]
-                } else {
-                    Vec::new()
-                },
+                velocity: optimizer_buffer(),
+                delta_sum: optimizer_buffer(),
                 name: uploaded.name,
                 shape: uploaded.shape,
-                values,
+                values: Arc::new(values),
             });
         }
         let center = Center::new(model_config_json.to_string(), tensors, 0)?;
@@ -620,6 +741,7 @@ impl ModelSyncState {
             send_center: false,
             center_samples: 0,
         };
+        self.weights_norm_at_start = Some(center.weights_norm());
         self.center = Some(center);
         Ok(outcome)
     }
@@ -628,7 +750,12 @@ impl ModelSyncState {
     /// the center, discards it when it is too stale, else adds it (scaled by
     /// the outer learning rate) and takes a momentum step when enough deltas
     /// have come in.
-    fn update(&mut self, drafter_id: &str, upload: &Upload) -> Result<CommitOutcome, SyncError> {
+    fn update(
+        &mut self,
+        drafter_id: &str,
+        upload: &Upload,
+        norm: f64,
+    ) -> Result<CommitOutcome, SyncError> {
         let open_sessions = self
             .drafters
             .values()
@@ -660,6 +787,29 @@ impl ModelSyncState {
                 center_samples: center.samples,
             });
         }
+        let floor = DELTA_NORM_FLOOR * self.weights_norm_at_start.unwrap_or(0.0);
+        if let Some(reason) = refuse_delta(&settings, &self.recent_delta_norms, norm, floor) {
+            center.updates_discarded += 1;
+            if norm.is_finite() {
+                self.outlier_deltas += 1;
+            } else {
+                self.non_finite_deltas += 1;
+            }
+            tracing::warn!(drafter_id, norm, %reason, "delta discarded; the drafter restarts from the center");
+            return Ok(CommitOutcome {
+                center_version: center.version,
+                staleness,
+                applied: false,
+                reason,
+                initialised: false,
+                send_center,
+                center_samples: center.samples,
+            });
+        }
+        if self.recent_delta_norms.len() == DELTA_NORM_WINDOW {
+            self.recent_delta_norms.pop_front();
+        }
+        self.recent_delta_norms.push_back(norm);
         let momentum = settings.momentum > 0.0;
         add_delta(center, upload, settings.learning_rate, momentum)?;
         center.version += 1;
@@ -683,19 +833,28 @@ impl ModelSyncState {
     /// bytes), in checkpoint order. Taken under the lock so a reply is one
     /// version, never torn between two.
     pub fn encode_center(&self, dtype: WireDtype) -> Option<(u64, Vec<EncodedTensor>)> {
+        self.center_snapshot()
+            .map(|snapshot| snapshot.encode(dtype))
+    }
+
+    /// The center's weights at this version, sharing their buffers: taken
+    /// under the lock (cheap), encoded after it ([`CenterSnapshot::encode`]).
+    pub fn center_snapshot(&self) -> Option<CenterSnapshot> {
         let center = self.center.as_ref()?;
-        let tensors = center
-            .tensors
-            .iter()
-            .map(|tensor| {
-                (
-                    tensor.name.clone(),
-                    tensor.shape.clone(),
-                    Bytes::from(arith::encode(&tensor.values, dtype)),
-                )
-            })
-            .collect();
-        Some((center.version, tensors))
+        Some(CenterSnapshot {
+            version: center.version,
+            tensors: center
+                .tensors
+                .iter()
+                .map(|tensor| {
+                    (
+                        tensor.name.clone(),
+                        tensor.shape.clone(),
+                        tensor.values.clone(),
+                    )
+                })
+                .collect(),
+        })
     }
 
     /// The status for `GetStatus`.
@@ -742,6 +901,34 @@ impl ModelSyncState {
     }
 }
 
+/// Why a delta of this `norm` must not reach the center, if it must not:
+/// a NaN or an infinity in it, or a norm over `max_delta_norm_ratio` times
+/// the largest of the recent applied deltas' norms and over `floor` (a
+/// small fraction of the weights' own norm, under which a delta is never
+/// an outlier: the first deltas of a run, at a warming-up learning rate,
+/// can be a hundred times smaller than the next ones).
+fn refuse_delta(
+    settings: &OuterSettings,
+    recent_norms: &std::collections::VecDeque<f64>,
+    norm: f64,
+    floor: f64,
+) -> Option<String> {
+    if !norm.is_finite() {
+        return Some("the delta holds a NaN or an infinity".to_string());
+    }
+    let ratio = f64::from(settings.max_delta_norm_ratio);
+    if ratio <= 0.0 || recent_norms.len() < DELTA_NORM_WARMUP || norm <= floor {
+        return None;
+    }
+    let largest = recent_norms.iter().copied().fold(0.0, f64::max);
+    (norm > ratio * largest).then(|| {
+        format!(
+            "delta norm {norm:.4e} is over {ratio} x the largest {largest:.4e} of the last {} applied deltas (--max-delta-norm-ratio)",
+            recent_norms.len()
+        )
+    })
+}
+
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
@@ -786,14 +973,13 @@ fn add_delta(
     for uploaded in &upload.tensors {
         let index = center.by_name[&uploaded.name];
         let tensor = &mut center.tensors[index];
+        // Copies a buffer only while a snapshot (a save in progress) holds it.
+        let values = Arc::make_mut(&mut tensor.values);
+        let mut delta_sum = momentum.then(|| Arc::make_mut(&mut tensor.delta_sum));
         uploaded.for_each_chunk(|range, chunk| {
-            let sum = if momentum {
-                Some(&mut tensor.delta_sum[range.clone()])
-            } else {
-                None
-            };
+            let sum = delta_sum.as_deref_mut().map(|sum| &mut sum[range.clone()]);
             arith::add_scaled(
-                &mut tensor.values[range],
+                &mut values[range],
                 sum,
                 chunk,
                 uploaded.dtype,
@@ -817,9 +1003,9 @@ fn count_delta_for_momentum(center: &mut Center, settings: &OuterSettings, open_
         let count = center.pending_deltas;
         for tensor in &mut center.tensors {
             arith::delayed_nesterov_step(
-                &mut tensor.values,
-                &mut tensor.velocity,
-                &mut tensor.delta_sum,
+                Arc::<Vec<f32>>::make_mut(&mut tensor.values).as_mut_slice(),
+                Arc::<Vec<f32>>::make_mut(&mut tensor.velocity).as_mut_slice(),
+                Arc::<Vec<f32>>::make_mut(&mut tensor.delta_sum).as_mut_slice(),
                 count,
                 settings.learning_rate,
                 settings.momentum,

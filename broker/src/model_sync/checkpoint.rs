@@ -42,8 +42,8 @@ pub enum CheckpointError {
     Format { path: PathBuf, detail: String },
 }
 
-impl From<dflash_service::DurableError> for CheckpointError {
-    fn from(error: dflash_service::DurableError) -> Self {
+impl From<dflash_shell::DurableError> for CheckpointError {
+    fn from(error: dflash_shell::DurableError) -> Self {
         CheckpointError::Io {
             path: error.path,
             source: error.source,
@@ -74,7 +74,20 @@ pub struct CenterState {
 /// file goes into a hidden staging sibling first, which then takes `dir`'s
 /// place.
 pub fn write_center(dir: &Path, center: &Center, method: &str) -> Result<(), CheckpointError> {
-    dflash_service::replace_directory(dir, |staging| write_center_files(staging, center, method))
+    // Never written unless finite: a saved center is what every later
+    // resume and every user of the run trusts.
+    for tensor in &center.tensors {
+        if let Some(index) = tensor.values.iter().position(|value| !value.is_finite()) {
+            return Err(CheckpointError::Format {
+                path: dir.to_path_buf(),
+                detail: format!(
+                    "tensor {:?} is not finite ({} at element {index}); the center is not written",
+                    tensor.name, tensor.values[index]
+                ),
+            });
+        }
+    }
+    dflash_shell::replace_directory(dir, |staging| write_center_files(staging, center, method))
 }
 
 /// Writes the center's files into `staging`: the model config, the weights,
@@ -108,12 +121,12 @@ fn write_center_files(
             state.push((
                 format!("{VELOCITY_PREFIX}{}", tensor.name),
                 tensor,
-                &tensor.velocity,
+                tensor.velocity.as_slice(),
             ));
             state.push((
                 format!("{DELTA_SUM_PREFIX}{}", tensor.name),
                 tensor,
-                &tensor.delta_sum,
+                tensor.delta_sum.as_slice(),
             ));
         }
         write_f32_safetensors(&staging.join(OPTIMIZER_FILE_NAME), &state)?;
@@ -149,9 +162,9 @@ pub fn read_center(dir: &Path, momentum: bool) -> Result<Option<Center>, Checkpo
         .map(|(name, shape, values)| CenterTensor {
             name,
             shape,
-            values,
-            velocity: Vec::new(),
-            delta_sum: Vec::new(),
+            values: std::sync::Arc::new(values),
+            velocity: std::sync::Arc::default(),
+            delta_sum: std::sync::Arc::default(),
         })
         .collect();
     let pending_deltas = if momentum {
@@ -232,8 +245,8 @@ fn read_optimizer_state(
                 None => Ok(vec![0.0; elements]),
             }
         };
-        tensor.velocity = take(VELOCITY_PREFIX)?;
-        tensor.delta_sum = take(DELTA_SUM_PREFIX)?;
+        tensor.velocity = std::sync::Arc::new(take(VELOCITY_PREFIX)?);
+        tensor.delta_sum = std::sync::Arc::new(take(DELTA_SUM_PREFIX)?);
     }
     Ok(pending_deltas)
 }
@@ -305,5 +318,5 @@ fn pretty(value: &serde_json::Value) -> String {
 }
 
 fn write_text(path: &Path, text: &str) -> Result<(), CheckpointError> {
-    Ok(dflash_service::write_synced(path, text.as_bytes())?)
+    Ok(dflash_shell::write_synced(path, text.as_bytes())?)
 }

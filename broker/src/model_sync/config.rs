@@ -44,6 +44,12 @@ pub struct ModelSyncConfig {
     /// discarded and its drafter restarts from the center (0: no bound).
     #[arg(long, env = "DFLASH_SYNC_MAX_STALENESS", default_value_t = 0)]
     pub sync_max_staleness: u64,
+
+    /// A delta whose L2 norm is over this many times the largest norm of the
+    /// last 32 applied deltas is discarded (after 4 applied; 0: no bound).
+    /// A delta with a NaN or an infinity is always discarded.
+    #[arg(long, env = "DFLASH_MAX_DELTA_NORM_RATIO", default_value_t = super::center::DEFAULT_MAX_DELTA_NORM_RATIO)]
+    pub max_delta_norm_ratio: f32,
 }
 
 impl Default for ModelSyncConfig {
@@ -57,6 +63,7 @@ impl Default for ModelSyncConfig {
             outer_momentum: outer.momentum,
             outer_momentum_delay: outer.momentum_delay,
             sync_max_staleness: outer.max_staleness,
+            max_delta_norm_ratio: outer.max_delta_norm_ratio,
         }
     }
 }
@@ -68,6 +75,7 @@ impl ModelSyncConfig {
             momentum: self.outer_momentum,
             momentum_delay: self.outer_momentum_delay,
             max_staleness: self.sync_max_staleness,
+            max_delta_norm_ratio: self.max_delta_norm_ratio,
         }
     }
 
@@ -83,6 +91,12 @@ impl ModelSyncConfig {
             return Err(ConfigError::Parse(format!(
                 "--outer-momentum must be in [0, 1), got {}",
                 self.outer_momentum
+            )));
+        }
+        let ratio = self.max_delta_norm_ratio;
+        if !(ratio == 0.0 || (ratio.is_finite() && ratio > 1.0)) {
+            return Err(ConfigError::Parse(format!(
+                "--max-delta-norm-ratio must be 0 (no bound) or a finite ratio above 1, got {ratio}"
             )));
         }
         if self.model_final_sync_timeout.is_zero() {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_server::{ModelSync, ModelSyncServer};
 use parking_lot::Mutex;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -29,8 +29,6 @@ use crate::queue::BrokerState;
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_ID_LENGTH: usize = 256;
-/// How often the background task looks at the run state and the clock.
-const POLL_INTERVAL: Duration = Duration::from_millis(50);
 
 impl From<SyncError> for Status {
     fn from(error: SyncError) -> Self {
@@ -62,6 +60,9 @@ pub struct ModelSyncShared {
     /// write, so a caller that stops waiting (an aborted task) does not let
     /// a second write start while the first is still renaming files.
     save_lock: Arc<tokio::sync::Mutex<()>>,
+    /// Woken when an exchange commits or a session closes: the center
+    /// writer re-checks what it waits for.
+    sync_changed: Notify,
 }
 
 impl ModelSyncShared {
@@ -89,6 +90,7 @@ impl ModelSyncShared {
             shutdown,
             tasks: TaskTracker::new(),
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
+            sync_changed: Notify::new(),
         }))
     }
 
@@ -155,26 +157,40 @@ impl ModelSyncShared {
     /// Writes the center periodically and, once the run is COMPLETE, waits
     /// (bounded by --model-final-sync-timeout) for the final sync of every
     /// drafter with an open session, then writes the final center.
-    pub async fn run_background(self: Arc<Self>, broker_state: impl Fn() -> BrokerState + Send) {
-        let mut ticker = tokio::time::interval(POLL_INTERVAL);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ///
+    /// It sleeps until something it waits for can have happened: the run
+    /// state changed, an exchange committed or a session closed
+    /// (`sync_changed`), the periodic save of a changed center is due, the
+    /// final-sync bound passed, or a failed save's retry is due. An idle
+    /// broker does not wake it.
+    pub async fn run_background(
+        self: Arc<Self>,
+        mut run_state: tokio::sync::watch::Receiver<BrokerState>,
+    ) {
         let mut last_periodic = Instant::now();
         let mut complete_since: Option<Instant> = None;
         let mut warned_final = false;
+        let mut retry = SaveRetry::default();
         loop {
-            tokio::select! {
-                _ = self.shutdown.cancelled() => break,
-                _ = ticker.tick() => {}
-            }
-            let final_pending = {
+            let (final_pending, center_changed) = {
                 let state = self.state.lock();
-                state.center().is_some() && !state.final_saved
+                let center_version = state.center().map(|center| center.version);
+                (
+                    center_version.is_some() && !state.final_saved,
+                    center_version.is_some() && center_version != state.saved_version,
+                )
             };
-            if broker_state() == BrokerState::Complete && final_pending {
-                let since = *complete_since.get_or_insert_with(Instant::now);
+            let complete = *run_state.borrow_and_update() == BrokerState::Complete;
+            let now = Instant::now();
+            // A failed save is retried when its back-off has passed.
+            let retry_due = retry.due.is_none_or(|due| now >= due);
+            let mut wake_at: Option<Instant> = None;
+            if complete && final_pending {
+                let since = *complete_since.get_or_insert(now);
                 let awaiting = self.state.lock().awaiting_final();
-                let timed_out = since.elapsed() >= self.config.model_final_sync_timeout;
-                if awaiting.is_empty() || timed_out {
+                let deadline = since + self.config.model_final_sync_timeout;
+                let ready = awaiting.is_empty() || now >= deadline;
+                if ready && retry_due {
                     if !awaiting.is_empty() && !warned_final {
                         warn!(?awaiting, timeout = ?self.config.model_final_sync_timeout, "writing the final center without these drafters' final sync");
                         warned_final = true;
@@ -184,21 +200,70 @@ impl ModelSyncShared {
                             // Without --model-output there is nothing to
                             // write; the final center is the one in memory.
                             self.state.lock().final_saved = true;
+                            retry = SaveRetry::default();
                         }
-                        Err(error) => warn!(%error, "writing the final center failed"),
+                        Err(error) => retry.failed("final", &error),
+                    }
+                    continue;
+                }
+                wake_at = if ready { retry.due } else { Some(deadline) };
+            } else if center_changed
+                && self.config.model_output.is_some()
+                && !self.config.model_save_every.is_zero()
+            {
+                let due = last_periodic + self.config.model_save_every;
+                if now >= due && retry_due {
+                    last_periodic = now;
+                    match self.save(false).await {
+                        Ok(_) => retry = SaveRetry::default(),
+                        Err(error) => retry.failed("periodic", &error),
+                    }
+                    continue;
+                }
+                wake_at = if now >= due { retry.due } else { Some(due) };
+            }
+            let sleep = async {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.shutdown.cancelled() => break,
+                changed = run_state.changed() => {
+                    if changed.is_err() {
+                        // The broker is going away; shutdown follows.
+                        self.shutdown.cancelled().await;
+                        break;
                     }
                 }
-                continue;
-            }
-            if !self.config.model_save_every.is_zero()
-                && last_periodic.elapsed() >= self.config.model_save_every
-            {
-                last_periodic = Instant::now();
-                if let Err(error) = self.save(false).await {
-                    warn!(%error, "periodic center checkpoint failed; the run continues");
-                }
+                () = self.sync_changed.notified() => {}
+                () = sleep => {}
             }
         }
+    }
+}
+
+/// Back-off of a failed center save: 1 s, doubling to at most 60 s, each
+/// failure logged with the next attempt's delay (no copy, no write until
+/// then).
+#[derive(Default)]
+struct SaveRetry {
+    failures: u32,
+    due: Option<Instant>,
+}
+
+impl SaveRetry {
+    const FIRST: Duration = Duration::from_secs(1);
+    const LONGEST: Duration = Duration::from_secs(60);
+
+    fn failed(&mut self, which: &str, error: &CheckpointError) {
+        self.failures += 1;
+        let delay = Self::FIRST
+            .saturating_mul(1 << self.failures.saturating_sub(1).min(6))
+            .min(Self::LONGEST);
+        self.due = Some(Instant::now() + delay);
+        warn!(%error, which, failures = self.failures, retry_in = ?delay, "writing the center failed; retrying");
     }
 }
 
@@ -218,6 +283,7 @@ struct SessionGuard {
 impl Drop for SessionGuard {
     fn drop(&mut self) {
         self.shared.state.lock().close_session(&self.drafter_id);
+        self.shared.sync_changed.notify_one();
     }
 }
 
@@ -401,7 +467,11 @@ async fn commit_exchange(
 ) -> Result<(), Status> {
     let reply_dtype = open.reply_dtype;
     let kind = open.kind;
-    let (outcome, center) = {
+    let mut open = open;
+    // One pass over the delta, before the lock: its norm (NaN when any
+    // value is not finite) decides whether it may touch the center.
+    open.measure_norm();
+    let (outcome, snapshot) = {
         let mut state = shared.state.lock();
         let outcome = state.commit(
             drafter_id,
@@ -410,13 +480,16 @@ async fn commit_exchange(
             model_config_json,
             Instant::now(),
         )?;
-        let center = if outcome.send_center {
-            state.encode_center(reply_dtype)
+        // The reply's version: its buffers shared, encoded after the lock.
+        let snapshot = if outcome.send_center {
+            state.center_snapshot()
         } else {
             None
         };
-        (outcome, center)
+        (outcome, snapshot)
     };
+    shared.sync_changed.notify_one();
+    let center = snapshot.map(|snapshot| snapshot.encode(reply_dtype));
     debug!(
         drafter_id,
         ?kind,

@@ -88,7 +88,7 @@ fn commit_f32(
 
 fn center_values(state: &ModelSyncState, name: &str) -> Vec<f32> {
     let center = state.center().unwrap();
-    center.tensors[center.by_name[name]].values.clone()
+    center.tensors[center.by_name[name]].values.to_vec()
 }
 
 fn joined_state(settings: OuterSettings) -> (ModelSyncState, Instant) {
@@ -434,6 +434,7 @@ fn momentum_is_applied_to_the_mean_of_the_delayed_deltas() {
         momentum: 0.5,
         momentum_delay: 2,
         max_staleness: 0,
+        max_delta_norm_ratio: 0.0,
     };
     let (mut state, now) = joined_state(settings);
     let initial = center_values(&state, "b");
@@ -449,4 +450,108 @@ fn momentum_is_applied_to_the_mean_of_the_delayed_deltas() {
     assert_eq!(center.pending_deltas, 0);
     // Weights, velocity and delta sum: three f32 copies.
     assert_eq!(center.memory_bytes(), 3 * 4 * 7);
+}
+
+/// #22: a delta with a NaN or an infinity is discarded with its reason, in
+/// either wire dtype, and the center (values and version) is unchanged; the
+/// drafter is sent the center to restart from.
+#[test]
+fn a_non_finite_delta_is_discarded_and_changes_nothing() {
+    for (dtype, bad) in [(WireDtype::F32, f32::NAN), (WireDtype::Bf16, f32::INFINITY)] {
+        let (mut state, now) = joined_state(plain());
+        state.open_session("d1");
+        let before_a = center_values(&state, "a");
+        let delta = weights([1.0, bad, 0.0, 0.0], [0.0, 0.0, 0.0]);
+        let outcome = state
+            .commit(
+                "d1",
+                upload(proto::SyncKind::Update, 0, &delta, dtype, 4),
+                2,
+                CONFIG,
+                now,
+            )
+            .unwrap();
+        assert!(!outcome.applied, "{dtype:?}");
+        assert!(outcome.send_center);
+        assert!(
+            outcome.reason.contains("NaN or an infinity"),
+            "{}",
+            outcome.reason
+        );
+        assert_eq!(outcome.center_version, 0);
+        assert_eq!(center_values(&state, "a"), before_a);
+        assert_eq!(state.non_finite_deltas, 1);
+        assert!(center_values(&state, "b")
+            .iter()
+            .all(|value| value.is_finite()));
+    }
+}
+
+/// #22: after the warm-up, a finite delta far above the recent applied
+/// deltas' largest norm is discarded; one within the bound is applied.
+#[test]
+fn an_outlier_delta_norm_is_discarded_by_the_largest_recent_norm_rule() {
+    let (mut state, now) = joined_state(plain());
+    let small = weights([0.25, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    for version in 0..super::center::DELTA_NORM_WARMUP as u64 {
+        let outcome = commit_f32(
+            &mut state,
+            "d0",
+            proto::SyncKind::Update,
+            version,
+            &small,
+            now,
+        );
+        assert!(outcome.applied);
+    }
+    let version = super::center::DELTA_NORM_WARMUP as u64;
+    let before = center_values(&state, "a");
+    // Norm 0.25 x 11 is over 10 x the largest, 0.25.
+    let huge = weights([0.25 * 11.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    let outcome = commit_f32(
+        &mut state,
+        "d0",
+        proto::SyncKind::Update,
+        version,
+        &huge,
+        now,
+    );
+    assert!(!outcome.applied);
+    assert!(outcome.reason.contains("largest"), "{}", outcome.reason);
+    assert_eq!(center_values(&state, "a"), before);
+    assert_eq!(state.outlier_deltas, 1);
+    // Nine times the largest is within the bound.
+    let large = weights([0.25 * 9.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    let outcome = commit_f32(
+        &mut state,
+        "d0",
+        proto::SyncKind::Update,
+        version,
+        &large,
+        now,
+    );
+    assert!(outcome.applied, "{}", outcome.reason);
+}
+
+/// #22: the center is finite by construction: a first JOIN with a NaN is
+/// refused (no center is made) and names the tensor.
+#[test]
+fn a_join_with_non_finite_weights_never_becomes_the_center() {
+    let mut state = ModelSyncState::new(plain(), None);
+    state.open_session("d0");
+    let initial = weights([1.0, 2.0, f32::NAN, 4.0], [0.5, -0.5, 8.0]);
+    let error = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Join, 0, &initial, WireDtype::F32, 3),
+            2,
+            CONFIG,
+            Instant::now(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&error, SyncError::BadTensor { name, detail } if name == "a" && detail.contains("not finite")),
+        "{error}"
+    );
+    assert!(state.center().is_none());
 }

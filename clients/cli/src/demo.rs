@@ -7,7 +7,7 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{Device, Kind};

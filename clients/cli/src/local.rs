@@ -20,7 +20,7 @@ use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
 use crate::demo::{self, DemoSpec};
-use crate::top::{self, RenderOptions};
+use dflash_ops::top::{self, RenderOptions};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum View {
@@ -60,11 +60,11 @@ pub struct LocalArgs {
     /// `auto`, `cpu`, `cuda`, `cuda:N` as the services take them). The CPU
     /// by default: the demo is for a laptop.
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    pub target_devices: Vec<dflash_service::DeviceChoice>,
+    pub target_devices: Vec<dflash_shell::DeviceChoice>,
 
     /// Devices of the drafters, assigned in turn.
     #[arg(long, value_delimiter = ',', default_value = "cpu")]
-    pub drafter_devices: Vec<dflash_service::DeviceChoice>,
+    pub drafter_devices: Vec<dflash_shell::DeviceChoice>,
 
     /// Run without a model: synthetic hidden states and synthetic training,
     /// to load-test the plumbing.
@@ -81,12 +81,8 @@ pub struct LocalArgs {
     pub view: View,
 
     /// Give up (and fail) after this long (`30m`, `90s`).
-    #[arg(long, default_value = "30m", value_parser = dflash_service::parse_duration)]
+    #[arg(long, default_value = "30m", value_parser = dflash_shell::parse_duration)]
     pub timeout: Duration,
-
-    /// The previous release's spelling, in seconds (hidden).
-    #[arg(long = "timeout-seconds", hide = true)]
-    pub timeout_seconds: Option<u64>,
 
     /// Extra flags for every target-server (one string, split on spaces).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
@@ -349,10 +345,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     } else {
         args.view
     };
-    let deadline = started
-        + args
-            .timeout_seconds
-            .map_or(args.timeout, Duration::from_secs);
+    let deadline = started + args.timeout;
     let watch = Watch {
         client: &client,
         address: &address,
@@ -518,7 +511,7 @@ async fn generate_demo_data(
             // Nothing else was started; the generation thread cannot
             // be joined early (the runtime would wait for it), so end here.
             println!("dflash local: interrupted while generating the demo data; nothing else was started");
-            std::process::exit(i32::from(dflash_service::Exit::Interrupted.code()));
+            std::process::exit(i32::from(dflash_shell::Exit::Interrupted.code()));
         }
     }
 }

@@ -23,7 +23,7 @@ use anyhow::{bail, Context as _};
 use clap::Args;
 use dflash_model::generate::{generate, GenerationOptions, GenerationRequest};
 use dflash_model::sampling::SamplingOptions;
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use dflash_target_server::data::{parse_line, ChatEncoder, Conversation};
 use serde_json::Value;
 
@@ -62,7 +62,7 @@ pub struct RegenerateArgs {
     pub chunk_lines: usize,
     /// auto (the first CUDA device when libtorch sees one, else the CPU), cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
-    pub device: dflash_service::DeviceChoice,
+    pub device: dflash_shell::DeviceChoice,
 }
 
 fn parse_shard(text: &str) -> Result<(u64, u64), String> {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use dflash_cli::regenerate::{run, RegenerateArgs};
 use dflash_model::generate::greedy_generate_uncached;
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use serde_json::{json, Value};
 
 const MAX_NEW_TOKENS: usize = 6;
@@ -47,7 +47,7 @@ fn args(model: &Path, input: &Path, output: PathBuf, shard: (u64, u64)) -> Regen
         shard,
         token_budget: 64,
         chunk_lines: 2,
-        device: dflash_service::DeviceChoice::Cpu,
+        device: dflash_shell::DeviceChoice::Cpu,
     }
 }
 

@@ -93,7 +93,7 @@ def test_python_producer_feeds_the_rust_drafter_server(start_broker, tiny, tmp_p
     drafter = Process(
         "drafter-server",
         [binary("drafter-server"), "--broker", f"http://{broker.address}", "--drafter-id", "drafter-rs", "--target-model", tiny,
-         "--output", output, "--device", "cpu", "--num-anchors", "8", "--max-step-samples", "4", "--linger-ms", "200", "--total-steps", "8"],
+         "--output", output, "--device", "cpu", "--num-anchors", "8", "--max-step-samples", "4", "--linger", "200ms", "--total-steps", "8"],
         tmp_path,
     )
     items = 12

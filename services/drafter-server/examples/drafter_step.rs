@@ -19,12 +19,12 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+use dflash_device::{configure_allocator, AllocatorMode};
 use dflash_model::draft::{
     AttentionImplementation, DraftConfig, DraftModel, DraftOptions, DraftTrainer,
     FrozenTargetHeads, TargetDimensions, TrainerSettings, TrainingSequence,
 };
 use dflash_model::tiny::{mask_token_id, write_tiny_model, TinyModelSpec};
-use dflash_service::{configure_allocator, AllocatorMode};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{Device, Kind, Tensor};
@@ -94,14 +94,13 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
             }
             "--vocab" => arguments.vocab = Some(number(&value)? as i64),
             "--device" => {
-                let choice: dflash_service::DeviceChoice =
+                let choice: dflash_shell::DeviceChoice =
                     value.parse().map_err(anyhow::Error::msg)?;
                 arguments.device = dflash_model::device::resolve_device(choice)?;
             }
             "--dtype" => {
-                let choice =
-                    <dflash_service::DtypeChoice as clap::ValueEnum>::from_str(&value, true)
-                        .map_err(|error| anyhow::anyhow!("--dtype {value:?}: {error}"))?;
+                let choice = <dflash_shell::DtypeChoice as clap::ValueEnum>::from_str(&value, true)
+                    .map_err(|error| anyhow::anyhow!("--dtype {value:?}: {error}"))?;
                 arguments.kind = dflash_model::device::kind_of(choice);
             }
             other => bail!("unknown flag {other:?}"),
@@ -192,7 +191,7 @@ fn main() -> anyhow::Result<()> {
     );
     let gpu_memory = match arguments.device {
         Device::Cuda(index) => {
-            let settings = dflash_service::CudaAllocatorSettings::from_environment();
+            let settings = dflash_device::CudaAllocatorSettings::from_environment();
             println!(
                 "{settings}{}",
                 settings
@@ -200,7 +199,7 @@ fn main() -> anyhow::Result<()> {
                     .map(|w| format!(": {w}"))
                     .unwrap_or_default()
             );
-            dflash_service::GpuMemoryMonitor::start(index)
+            dflash_device::GpuMemoryMonitor::start(index)
         }
         _ => None,
     };

@@ -21,7 +21,7 @@ use dflash_model::draft::{
     load_draft_model, save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions,
     FrozenTargetHeads, TargetDimensions,
 };
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use dflash_model::tiny::{mask_token_id, write_tiny_model, TinyModelSpec};
 use tch::{Device, Kind};
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use clap::Args;
 use dflash_model::draft::{AttentionImplementation, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK};
-use dflash_service::{parse_bytes, parse_duration, DeviceChoice, DtypeChoice};
+use dflash_shell::{parse_bytes, parse_duration, DeviceChoice, DtypeChoice};
 use tch::{Device, Kind};
 
 /// What trains on the deliveries.
@@ -70,21 +70,6 @@ fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
                 .map_err(|_| format!("invalid layer id {part:?} in {text:?}"))
         })
         .collect()
-}
-
-/// Hidden aliases of the millisecond flags of the previous release: a value
-/// given here wins over the new flag's default (see
-/// [`DrafterServerConfig::apply_legacy_flags`]).
-#[derive(Debug, Clone, Default, PartialEq, Args)]
-pub struct LegacyMillisecondFlags {
-    #[arg(long = "linger-ms", hide = true)]
-    pub linger_ms: Option<u64>,
-    #[arg(long = "stats-interval-ms", hide = true)]
-    pub stats_interval_ms: Option<u64>,
-    #[arg(long = "shutdown-timeout-ms", hide = true)]
-    pub shutdown_timeout_ms: Option<u64>,
-    #[arg(long = "reconnect-timeout-ms", hide = true)]
-    pub reconnect_timeout_ms: Option<u64>,
 }
 
 /// `--attention`: see [`DrafterServerConfig::attention_for`].
@@ -268,11 +253,17 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_TRAINER_STALL_TIMEOUT", default_value = "10m", value_parser = parse_duration)]
     pub trainer_stall_timeout: Duration,
 
-    /// The previous release's millisecond spellings (`--linger-ms`,
-    /// `--stats-interval-ms`, `--shutdown-timeout-ms`,
-    /// `--reconnect-timeout-ms`), hidden, kept for one release.
-    #[command(flatten)]
-    pub legacy: LegacyMillisecondFlags,
+    /// Skipped optimizer steps in a row (loss or gradient norm not finite,
+    /// or a gradient spike) after which this drafter stops with an error
+    /// and a non-zero exit; its held items go back to the queue. 0: never.
+    #[arg(long, env = "DFLASH_MAX_SKIPPED_STEPS", default_value_t = 5)]
+    pub max_skipped_steps: u64,
+
+    /// A step whose gradient norm exceeds this many times the median norm
+    /// of the last 32 steps taken is skipped (after 8 steps); 0 turns the
+    /// bound off. Non-finite steps are always skipped.
+    #[arg(long, env = "DFLASH_GRAD_NORM_SPIKE_RATIO", default_value_t = dflash_model::draft::DEFAULT_GRAD_NORM_SPIKE_RATIO)]
+    pub grad_norm_spike_ratio: f64,
 
     /// Serve Prometheus metrics (`GET /metrics`, `dflash_drafter_*`) on this
     /// address, e.g. `0.0.0.0:9092`; off when unset.
@@ -305,6 +296,8 @@ pub enum ConfigError {
     WarmupFraction(f64),
     #[error("--adam-beta1 must be in [0, 1), got {0}")]
     AdamBeta1(f64),
+    #[error("--grad-norm-spike-ratio must be 0 (off) or a finite ratio above 1, got {0}")]
+    GradNormSpikeRatio(f64),
 }
 
 impl DrafterServerConfig {
@@ -348,48 +341,14 @@ impl DrafterServerConfig {
         if !(0.0..1.0).contains(&self.adam_beta1) {
             return Err(ConfigError::AdamBeta1(self.adam_beta1));
         }
+        let spike = self.grad_norm_spike_ratio;
+        if !(spike == 0.0 || (spike.is_finite() && spike > 1.0)) {
+            return Err(ConfigError::GradNormSpikeRatio(spike));
+        }
         if self.dtype == Some(DtypeChoice::F16) {
             return Err(ConfigError::UnsupportedDtype("f16"));
         }
         Ok(())
-    }
-
-    /// Moves values given with the hidden millisecond flags into the new
-    /// duration fields (warning once); called by `main` after parsing.
-    pub fn apply_legacy_flags(&mut self) {
-        let legacy = std::mem::take(&mut self.legacy);
-        for (flag, value, field) in [
-            ("--linger-ms", legacy.linger_ms, &mut self.linger),
-            (
-                "--stats-interval-ms",
-                legacy.stats_interval_ms,
-                &mut self.stats_interval,
-            ),
-            (
-                "--shutdown-timeout-ms",
-                legacy.shutdown_timeout_ms,
-                &mut self.shutdown_timeout,
-            ),
-            (
-                "--reconnect-timeout-ms",
-                legacy.reconnect_timeout_ms,
-                &mut self.reconnect_timeout,
-            ),
-            (
-                "--sync-timeout-ms",
-                self.model_sync.legacy_sync_timeout_ms.take(),
-                &mut self.model_sync.sync_timeout,
-            ),
-        ] {
-            if let Some(milliseconds) = value {
-                tracing::warn!(
-                    flag,
-                    milliseconds,
-                    "deprecated flag: use the duration flag without -ms (e.g. 500ms, 2s)"
-                );
-                *field = Duration::from_millis(milliseconds);
-            }
-        }
     }
 
     /// The device `--device` names, checked against what libtorch sees.
@@ -464,7 +423,8 @@ impl DrafterServerConfig {
             shutdown_timeout: Duration::from_secs(120),
             reconnect_timeout: Duration::from_secs(60),
             trainer_stall_timeout: Duration::from_secs(600),
-            legacy: LegacyMillisecondFlags::default(),
+            max_skipped_steps: 5,
+            grad_norm_spike_ratio: dflash_model::draft::DEFAULT_GRAD_NORM_SPIKE_RATIO,
             metrics_listen: None,
             model_sync: crate::model_sync::SyncConfig::default(),
             security: dflash_client::ClientSecurityArgs::default(),
@@ -552,32 +512,26 @@ mod tests {
     }
 
     #[test]
-    fn durations_take_units_and_the_old_millisecond_flags_still_work() {
-        let parse = |extra: &[&str]| {
-            let mut config = parse_flags(extra).unwrap();
-            config.apply_legacy_flags();
-            config
-        };
-        let new = parse(&["--linger", "250ms", "--shutdown-timeout", "3m"]);
+    fn durations_take_units_and_the_old_millisecond_flags_are_gone() {
+        let new = parse_flags(&["--linger", "250ms", "--shutdown-timeout", "3m"]).unwrap();
         assert_eq!(new.linger, Duration::from_millis(250));
         assert_eq!(new.shutdown_timeout, Duration::from_secs(180));
-        let old = parse(&[
-            "--linger-ms",
-            "250",
-            "--stats-interval-ms",
-            "100",
-            "--sync-timeout-ms",
-            "1500",
-        ]);
-        assert_eq!(old.linger, Duration::from_millis(250));
-        assert_eq!(old.model_sync.sync_timeout, Duration::from_millis(1500));
-        assert_eq!(old.model_sync.legacy_sync_timeout_ms, None);
         assert_eq!(
-            parse(&["--sync-timeout", "90s"]).model_sync.sync_timeout,
+            parse_flags(&["--sync-timeout", "90s"])
+                .unwrap()
+                .model_sync
+                .sync_timeout,
             Duration::from_secs(90)
         );
-        assert_eq!(old.stats_interval, Duration::from_millis(100));
-        assert_eq!(old.legacy, LegacyMillisecondFlags::default());
+        for old in [
+            "--linger-ms",
+            "--stats-interval-ms",
+            "--shutdown-timeout-ms",
+            "--reconnect-timeout-ms",
+            "--sync-timeout-ms",
+        ] {
+            assert!(parse_flags(&[old, "250"]).is_err(), "{old} still parses");
+        }
         assert!(parse_flags(&["--linger", "soon"]).is_err());
     }
 

@@ -148,6 +148,7 @@ impl DFlashEngine {
             settings.loss_decay_gamma = gamma;
         }
         settings.max_grad_norm = config.max_grad_norm;
+        settings.grad_norm_spike_ratio = config.grad_norm_spike_ratio;
         settings.adamw.weight_decay = config.weight_decay;
         settings.adamw.beta1 = config.adam_beta1;
         settings.schedule.peak_learning_rate = config.learning_rate;

@@ -25,7 +25,7 @@ use dflash_model::draft::{
     load_draft_model, BlockInputs, DraftConfig, DraftContextCache, DraftError, DraftModel,
     FrozenTargetHeads,
 };
-use dflash_model::target::{KeyValueCache, ModelError, TargetModel};
+use dflash_model::target_model::{KeyValueCache, ModelError, TargetModel};
 use tch::{Device, Kind, Tensor};
 
 /// Errors of evaluation, naming the file or input at fault.

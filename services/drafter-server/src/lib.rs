@@ -11,7 +11,7 @@
 //!   the trainer; and the metrics endpoint.
 //! - [`trainer_thread`]: the dedicated training thread (owns all libtorch
 //!   state), batching by token budget, steps and checkpoints; it runs as a
-//!   `dflash_service::DeviceWorker` and talks to the async side over its
+//!   `dflash_device::DeviceWorker` and talks to the async side over its
 //!   bounded channels only.
 //! - [`engine`]: the DFlash trainer and the synthetic stand-in behind one trait.
 //! - [`samples`]: wire sample → training sequence, with the checks that

@@ -3,7 +3,7 @@
 
 use clap::Parser;
 use dflash_drafter_server::{run, DrafterServerConfig, RunEnd};
-use dflash_service::Exit;
+use dflash_shell::Exit;
 use tracing::{error, info};
 
 /// Trains a DFlash draft model from the dflash broker's hidden-state queue.
@@ -25,8 +25,8 @@ struct Cli {
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     // First: with huge pages this may re-execute the process.
-    let allocator = dflash_service::configure_allocator(dflash_service::AllocatorMode::Retained);
-    let mut cli = Cli::parse();
+    let allocator = dflash_device::configure_allocator(dflash_device::AllocatorMode::Retained);
+    let cli = Cli::parse();
     // Held to the end: dropping it flushes the spans still buffered.
     let telemetry = match dflash_telemetry::init("drafter-server", cli.log_format) {
         Ok(guard) => guard,
@@ -35,9 +35,8 @@ async fn main() -> std::process::ExitCode {
             return Exit::Failed.into();
         }
     };
-    cli.config.apply_legacy_flags();
     tracing::info!(%allocator, "allocator set up");
-    let shutdown = dflash_service::shutdown_signal();
+    let shutdown = dflash_shell::shutdown_signal();
     let result = run(cli.config, shutdown).await;
     telemetry.flush();
     match result {

@@ -21,6 +21,8 @@ pub struct DrafterMetrics {
     pub samples_trained: Counter,
     /// Samples this model cannot use, nacked to the dead letters.
     pub rejected_items: Counter,
+    /// Optimizer steps skipped: loss or gradient not finite, or a spike.
+    pub skipped_steps: Counter,
     /// Compute time of the last step: its micro-batches and the update.
     pub step_seconds: Gauge,
     /// Loss of the last step.
@@ -62,6 +64,10 @@ impl DrafterMetrics {
             rejected_items: counter(
                 "rejected_items_total",
                 "Samples this drafter's model cannot use, nacked to the dead letters.",
+            )?,
+            skipped_steps: counter(
+                "skipped_steps_total",
+                "Optimizer steps skipped because their loss or gradient norm was not finite or spiked (nothing of them reached the weights).",
             )?,
             step_seconds: gauge(
                 "step_seconds",
@@ -113,8 +119,8 @@ mod tests {
             text.contains("dflash_drafter_loss{drafter_id=\"drafter-2\",device=\"cuda:1\"} 1.5\n"),
             "{text}"
         );
-        assert_eq!(text.matches("# TYPE ").count(), 10, "{text}");
-        assert_eq!(text.matches("drafter_id=\"drafter-2\"").count(), 10);
+        assert_eq!(text.matches("# TYPE ").count(), 11, "{text}");
+        assert_eq!(text.matches("drafter_id=\"drafter-2\"").count(), 11);
         // One run registers once: a second registration is a bug, not a reset.
         assert!(DrafterMetrics::register(&registry, "drafter-2", "cuda:1").is_err());
     }

@@ -78,13 +78,8 @@ pub struct SyncConfig {
 
     /// Bound on one exchange (e.g. `90s`, `2m`); past it the drafter
     /// continues on its own weights and re-joins at the next sync point.
-    #[arg(long, env = "DFLASH_SYNC_TIMEOUT", default_value = "2m", value_parser = dflash_service::parse_duration)]
+    #[arg(long, env = "DFLASH_SYNC_TIMEOUT", default_value = "2m", value_parser = dflash_shell::parse_duration)]
     pub sync_timeout: Duration,
-
-    /// The previous release's millisecond spelling of `--sync-timeout`;
-    /// moved into it by `DrafterServerConfig::apply_legacy_flags`.
-    #[arg(long = "sync-timeout-ms", hide = true)]
-    pub legacy_sync_timeout_ms: Option<u64>,
 }
 
 impl Default for SyncConfig {
@@ -93,7 +88,6 @@ impl Default for SyncConfig {
             sync_every: 10,
             sync_dtype: SyncDtype::F32,
             sync_timeout: Duration::from_secs(120),
-            legacy_sync_timeout_ms: None,
         }
     }
 }

@@ -30,6 +30,8 @@ pub enum SampleError {
     TokenOutOfRange { token: i64, vocab_size: i64 },
     #[error("tensor \"hidden_states\": libtorch refused the bytes: {0}")]
     Tensor(String),
+    #[error("tensor \"hidden_states\": {count} non-finite values (NaN or infinity), the first at token {token}, column {column}: never trained on (a bf16 overflow or a fault in the target that made it)")]
+    NonFinite { count: u64, token: u64, column: u64 },
 }
 
 /// Checks and converts a sample; tensors are copied out of the wire bytes
@@ -56,6 +58,18 @@ pub fn decode_sample(
         return Err(SampleError::TokenOutOfRange {
             token,
             vocab_size: expectations.vocab_size,
+        });
+    }
+    // One sample with a NaN would make every later loss NaN and, through
+    // model sync, the shared model's weights: it is dead-lettered here,
+    // before it reaches the model (a scan of the wire bytes, no tensor).
+    if let Some(non_finite) =
+        schema::non_finite_values(&decoded.hidden_states.data, decoded.hidden_dtype)
+    {
+        return Err(SampleError::NonFinite {
+            count: non_finite.count,
+            token: non_finite.first_index / decoded.width.max(1),
+            column: non_finite.first_index % decoded.width.max(1),
         });
     }
     let kind = match decoded.hidden_dtype {
@@ -114,6 +128,25 @@ mod tests {
     fn sample(tokens: &[i32], width: u64) -> Sample {
         let hidden = vec![0u8; tokens.len() * width as usize * 2];
         encode_sample(tokens, &vec![1; tokens.len()], &hidden, width)
+    }
+
+    #[test]
+    fn a_sample_with_a_nan_or_an_infinity_is_refused_naming_where() {
+        let mut hidden = vec![0u8; 3 * 4 * 2];
+        // bf16 NaN (0x7FC0) at token 2, column 1; -inf (0xFF80) later.
+        hidden[(2 * 4 + 1) * 2..(2 * 4 + 1) * 2 + 2].copy_from_slice(&0x7FC0u16.to_le_bytes());
+        hidden[(2 * 4 + 3) * 2..(2 * 4 + 3) * 2 + 2].copy_from_slice(&0xFF80u16.to_le_bytes());
+        let error = decode_sample(&encode_sample(&[1, 2, 3], &[1, 1, 1], &hidden, 4), EXPECT)
+            .expect_err("refused");
+        assert_eq!(
+            error,
+            SampleError::NonFinite {
+                count: 2,
+                token: 2,
+                column: 1
+            }
+        );
+        assert!(error.to_string().contains("2 non-finite values"), "{error}");
     }
 
     #[test]

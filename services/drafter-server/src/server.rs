@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_client::{BrokerClient, Consumer, ConsumerEvent, ConsumerHandle};
+use dflash_device::{DeviceWorker, WorkerChannels, WorkerError};
 use dflash_proto::v1::{ConsumerStats, Credit, Delivery, EndOfStream, NackDisposition, RunStatus};
-use dflash_service::{DeviceWorker, WorkerChannels, WorkerError};
 use dflash_telemetry::{Registry, RegistryError};
 use tokio::net::TcpListener;
 use tokio::time::{interval, sleep_until, MissedTickBehavior};
@@ -56,6 +56,8 @@ pub enum DrafterError {
     ShutdownTimedOut(Duration),
     #[error("final checkpoint failed: {0}")]
     FinalCheckpoint(String),
+    #[error("{count} optimizer steps in a row were skipped (--max-skipped-steps); the last: {last_reason}; this drafter's model or device is broken, stopping it")]
+    SkippedSteps { count: u64, last_reason: String },
     #[error("cannot listen for metrics on {address}: {source}")]
     MetricsListen {
         address: SocketAddr,
@@ -90,6 +92,9 @@ pub struct DrafterReport {
     pub dead_lettered: u64,
     /// Deliveries handed back to the queue (failed batches, shutdown).
     pub requeued: u64,
+    /// Optimizer steps skipped because their loss or gradient was not
+    /// finite or spiked (weights, moments and step count unchanged).
+    pub skipped_steps: u64,
     pub final_checkpoint: Option<PathBuf>,
     /// Loss of the first and the last optimizer step of this process.
     pub first_loss: Option<f64>,
@@ -105,13 +110,13 @@ pub struct DrafterReport {
 }
 
 impl DrafterReport {
-    /// How the process exits (the table in `dflash_service::exit`): done
+    /// How the process exits (the table in `dflash_shell::exit`): done
     /// for COMPLETE and for a graceful stop (everything unused was handed
     /// back, nothing is owed), aborted for ABORTED.
-    pub fn exit(&self) -> dflash_service::Exit {
+    pub fn exit(&self) -> dflash_shell::Exit {
         match self.end {
-            RunEnd::Complete | RunEnd::Shutdown => dflash_service::Exit::Done,
-            RunEnd::Aborted { .. } => dflash_service::Exit::Aborted,
+            RunEnd::Complete | RunEnd::Shutdown => dflash_shell::Exit::Done,
+            RunEnd::Aborted { .. } => dflash_shell::Exit::Aborted,
         }
     }
 }
@@ -130,6 +135,10 @@ struct Totals {
     tokens: u64,
     dead_lettered: u64,
     requeued: u64,
+    skipped_steps: u64,
+    /// Skipped steps since the last step taken, and why the last one was.
+    consecutive_skipped_steps: u64,
+    last_skip_reason: String,
     busy: Duration,
     first_loss: Option<f64>,
     last_loss: Option<f64>,
@@ -233,7 +242,7 @@ async fn run_session(
         ModelMode::DFlash => {
             let device = config.resolve_device()?;
             let gpu_memory = match device {
-                tch::Device::Cuda(index) => dflash_service::GpuMemoryMonitor::start(index),
+                tch::Device::Cuda(index) => dflash_device::GpuMemoryMonitor::start(index),
                 _ => None,
             };
             (dflash_model::device::device_label(device), gpu_memory)
@@ -434,7 +443,7 @@ struct Session {
     /// size here; `None`: this drafter's own schedule.
     run_clock: Option<RunClock>,
     /// The GPU's memory, read after every step (CUDA with NVML only).
-    gpu_memory: Option<dflash_service::GpuMemoryMonitor>,
+    gpu_memory: Option<dflash_device::GpuMemoryMonitor>,
 }
 
 impl Session {
@@ -631,6 +640,7 @@ impl Session {
                 busy,
                 step_compute,
             } => {
+                self.totals.consecutive_skipped_steps = 0;
                 self.book_step(&report, busy, step_compute);
                 // Stats go out before the ack: the ack of the run's last item
                 // can end the stream, and the broker's final status should
@@ -643,6 +653,24 @@ impl Session {
                         .collect();
                     handle.ack(current);
                 }
+            }
+            TrainerEvent::StepSkipped {
+                generation,
+                delivery_ids,
+                reason,
+            } => {
+                self.totals.skipped_steps += 1;
+                self.totals.consecutive_skipped_steps += 1;
+                self.metrics.skipped_steps.increment();
+                if generation == self.generation {
+                    let current: Vec<u64> = delivery_ids
+                        .into_iter()
+                        .filter(|id| self.held.remove(id))
+                        .collect();
+                    self.totals.requeued += current.len() as u64;
+                    handle.nack(current, reason.clone(), NackDisposition::Requeue);
+                }
+                self.totals.last_skip_reason = reason;
             }
             TrainerEvent::BatchFailed {
                 generation,
@@ -853,9 +881,17 @@ impl Session {
         stream: &ConsumeStream,
         pump: &mut PumpState,
     ) -> Result<Option<RunEnd>, DrafterError> {
-        let Some((unused, checkpoint_error)) =
-            self.on_event(event, &stream.handle, pump.last_stats_at.elapsed())
-        else {
+        let finished = self.on_event(event, &stream.handle, pump.last_stats_at.elapsed());
+        let max_skipped = self.config.max_skipped_steps;
+        if max_skipped > 0 && self.totals.consecutive_skipped_steps >= max_skipped {
+            // The broker requeues what this drafter still holds when its
+            // stream goes; nothing of the skipped steps reached the model.
+            return Err(DrafterError::SkippedSteps {
+                count: self.totals.consecutive_skipped_steps,
+                last_reason: self.totals.last_skip_reason.clone(),
+            });
+        }
+        let Some((unused, checkpoint_error)) = finished else {
             return Ok(None);
         };
         if !unused.is_empty() {
@@ -965,6 +1001,7 @@ impl Session {
             tokens_trained: self.totals.tokens,
             dead_lettered: self.totals.dead_lettered,
             requeued: self.totals.requeued,
+            skipped_steps: self.totals.skipped_steps,
             final_checkpoint: self.last_checkpoint.clone(),
             first_loss: self.totals.first_loss,
             last_loss: self.totals.last_loss,

@@ -1,5 +1,5 @@
 //! The dedicated training thread. It owns the engine (and so every libtorch
-//! object), runs as a [`dflash_service::DeviceWorker`]: it receives
+//! object), runs as a [`dflash_device::DeviceWorker`]: it receives
 //! deliveries and control commands over a bounded channel with room for
 //! the credit window and the control commands, forms
 //! micro-batches by token budget, takes optimizer steps and
@@ -32,8 +32,9 @@ use tokio::sync::mpsc;
 use tracing::{info, warn, Span};
 
 use crate::checkpoints::{prune_step_checkpoints, record_latest, step_dir_name};
-use crate::engine::{PreparedSample, TrainingEngine};
+use crate::engine::{EngineError, PreparedSample, TrainingEngine};
 use crate::model_sync::ModelSyncLink;
+use dflash_model::draft::DraftError;
 
 /// The test hook's environment variable (see the module docs).
 const HANG_AFTER_STEPS_VARIABLE: &str = "DFLASH_TEST_HANG_TRAINER_AFTER_STEPS";
@@ -75,6 +76,15 @@ pub enum TrainerEvent {
         busy: Duration,
         /// Compute time of this step alone: its micro-batches and the update.
         step_compute: Duration,
+    },
+    /// The step's loss or gradient was not finite (or spiked): nothing of
+    /// it reached the weights; its deliveries go back to the queue (another
+    /// delivery may train on them; a sample that breaks every step reaches
+    /// the dead letters through the broker's delivery limit).
+    StepSkipped {
+        generation: u64,
+        delivery_ids: Vec<u64>,
+        reason: String,
     },
     /// A micro-batch or step failed; its deliveries go back to the queue.
     BatchFailed {
@@ -221,6 +231,8 @@ impl TrainingLoop {
             delivery_id,
             sample,
             trace_context,
+            target_id,
+            seq,
             ..
         } = delivery;
         let sample = sample.unwrap_or_default();
@@ -228,7 +240,7 @@ impl TrainingLoop {
             Err(error) => self.emit(TrainerEvent::Rejected {
                 generation,
                 delivery_id,
-                reason: error.to_string(),
+                reason: format!("target {target_id} seq {seq}: {error}"),
             }),
             Ok(prepared) => {
                 self.pending.push(HeldSample {
@@ -376,6 +388,15 @@ impl TrainingLoop {
                         warn!(%error, step, "periodic checkpoint failed; training continues");
                     }
                 }
+            }
+            Err(EngineError::Draft(DraftError::StepSkipped(skipped))) => {
+                warn!(reason = %skipped, samples = delivery_ids.len(), "optimizer step skipped; its items go back to the queue");
+                self.engine.discard();
+                self.emit(TrainerEvent::StepSkipped {
+                    generation: self.generation,
+                    delivery_ids,
+                    reason: format!("optimizer step skipped: {skipped}"),
+                });
             }
             Err(error) => {
                 self.engine.discard();

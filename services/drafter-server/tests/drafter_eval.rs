@@ -17,7 +17,7 @@ use dflash_model::draft::{
     load_draft_model, save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions, DraftTrainer,
     FrozenTargetHeads, TargetDimensions, TrainerSettings, TrainingSequence,
 };
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use tch::{Device, Kind, Tensor};
 
 const PROMPT_LENGTH: usize = 6;

@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::*;
 use dflash_broker::BrokerConfig;
 use dflash_drafter_server::checkpoints::latest_checkpoint;
+use dflash_drafter_server::samples::encode_sample;
 use dflash_drafter_server::{run, ModelMode, RunEnd};
 use tokio_util::sync::CancellationToken;
 
@@ -47,7 +48,7 @@ async fn two_drafters_train_until_the_run_completes() {
     assert_eq!(total_samples, 24, "every item is trained on exactly once");
     for report in &reports {
         assert_eq!(report.end, RunEnd::Complete);
-        assert_eq!(report.exit(), dflash_service::Exit::Done);
+        assert_eq!(report.exit(), dflash_shell::Exit::Done);
         assert!(report.steps > 0, "{} took no step", report.drafter_id);
         assert!(report.last_loss.is_some_and(f64::is_finite));
         let checkpoint = report.final_checkpoint.clone().expect("final checkpoint");
@@ -95,6 +96,91 @@ async fn a_sample_of_the_wrong_hidden_width_is_dead_lettered_and_training_goes_o
     broker.stop().await;
 }
 
+/// One sample whose hidden states hold a NaN among good ones (#22): it is
+/// dead-lettered naming its (target, seq), never trained on; the run ends
+/// COMPLETE, every loss stays finite and the final weights load finite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sample_with_a_nan_is_dead_lettered_by_target_and_seq_and_the_model_stays_finite() {
+    const POISONED_SEQ: usize = 5;
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let output = tempfile::tempdir().unwrap();
+    let config = test_drafter_config("drafter-0", &broker.address, output.path().to_path_buf());
+    let drafter = tokio::spawn(run(config, CancellationToken::new()));
+    let mut samples = target_samples(&random_token_sequences(12, 24, 3));
+    // bf16 NaN (0x7FC0) in the middle of one sample's hidden states.
+    let hidden = samples[POISONED_SEQ]
+        .tensors
+        .iter_mut()
+        .find(|tensor| tensor.name == "hidden_states")
+        .unwrap();
+    let mut bytes = hidden.data.to_vec();
+    let middle = (bytes.len() / 2) & !1;
+    bytes[middle..middle + 2].copy_from_slice(&0x7FC0u16.to_le_bytes());
+    hidden.data = bytes.into();
+    produce(&broker.address, "target-0", samples, true).await;
+    let report = report_within(TEST_TIMEOUT, drafter).await;
+    assert_eq!(report.end, RunEnd::Complete);
+    assert_eq!(report.dead_lettered, 1);
+    assert_eq!(report.samples_trained, 11);
+    assert!(report.last_loss.is_some_and(f64::is_finite), "{report:?}");
+    let status = broker.status().await;
+    assert_eq!(status.dead_letters, 1);
+    let dead = &status.dead_letter_items[0];
+    assert_eq!(
+        (dead.target_id.as_str(), dead.seq),
+        ("target-0", POISONED_SEQ as u64)
+    );
+    assert!(
+        dead.reason.contains("target target-0 seq 5") && dead.reason.contains("non-finite"),
+        "{}",
+        dead.reason
+    );
+    let checkpoint = report.final_checkpoint.clone().expect("final checkpoint");
+    let weights = tch::Tensor::read_safetensors(checkpoint.join("model.safetensors")).unwrap();
+    for (name, tensor) in weights {
+        let finite = tensor.isfinite().all().int64_value(&[]) == 1;
+        assert!(finite, "{name} is not finite");
+    }
+    broker.stop().await;
+}
+
+/// Samples whose hidden states are finite but overflow the model (bf16
+/// 3e38: the projection reaches infinity, the loss is NaN) make every step
+/// non-finite: each is skipped (the model unchanged, the items requeued),
+/// and `--max-skipped-steps` in a row stop the drafter with an error naming
+/// the reason; nothing is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn steps_that_go_non_finite_are_skipped_and_too_many_in_a_row_stop_the_drafter() {
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let output = tempfile::tempdir().unwrap();
+    let mut config = test_drafter_config("drafter-0", &broker.address, output.path().to_path_buf());
+    config.max_skipped_steps = 3;
+    let drafter = tokio::spawn(run(config, CancellationToken::new()));
+    let huge = (((3.0e38f32).to_bits() >> 16) as u16).to_le_bytes();
+    let samples: Vec<_> = (0..4)
+        .map(|_| {
+            let tokens: Vec<i32> = (0..12).map(|token| token + 3).collect();
+            let hidden: Vec<u8> = huge.iter().copied().cycle().take(12 * 128 * 2).collect();
+            encode_sample(&tokens, &[1; 12], &hidden, 128)
+        })
+        .collect();
+    produce(&broker.address, "target-0", samples, true).await;
+    let outcome = tokio::time::timeout(TEST_TIMEOUT, drafter)
+        .await
+        .expect("the drafter stopped in time")
+        .unwrap();
+    let error = outcome.expect_err("the drafter fails");
+    let message = error.to_string();
+    assert!(
+        message.contains("3 optimizer steps in a row were skipped")
+            && message.contains("not finite"),
+        "{message}"
+    );
+    let status = broker.status().await;
+    assert_eq!(status.acked_items, 0, "{status:?}");
+    broker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shutdown_finishes_the_step_checkpoints_and_hands_back_unused_items() {
     let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
@@ -125,7 +211,7 @@ async fn shutdown_finishes_the_step_checkpoints_and_hands_back_unused_items() {
     shutdown.cancel();
     let report = report_within(Duration::from_secs(30), drafter).await;
     assert_eq!(report.end, RunEnd::Shutdown);
-    assert_eq!(report.exit(), dflash_service::Exit::Done);
+    assert_eq!(report.exit(), dflash_shell::Exit::Done);
     assert_eq!(report.steps, 1);
     assert_eq!(report.requeued, 2);
     let checkpoint = report
@@ -219,7 +305,7 @@ async fn an_aborted_run_checkpoints_and_exits_non_zero() {
         "{:?}",
         report.end
     );
-    assert_eq!(report.exit(), dflash_service::Exit::Aborted);
+    assert_eq!(report.exit(), dflash_shell::Exit::Aborted);
     let checkpoint = report.final_checkpoint.expect("checkpoint before exiting");
     assert!(checkpoint.join("model.safetensors").is_file());
     broker.stop().await;

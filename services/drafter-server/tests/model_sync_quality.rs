@@ -39,7 +39,7 @@ use dflash_drafter_server::schedule::RunClock;
 use dflash_drafter_server::DrafterServerConfig;
 use dflash_model::draft::save_draft_checkpoint;
 use dflash_model::generate::{generate, GenerationOptions, GenerationRequest};
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use dflash_proto::v1 as proto;
 use tch::{Device, Kind};
 

@@ -30,10 +30,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
-use dflash_model::target::{build_target_layer_ids, TargetModel};
+use dflash_device::{configure_allocator, AllocatorMode};
+use dflash_model::target_model::{build_target_layer_ids, TargetModel};
 use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
 use dflash_proto::v1::Dtype;
-use dflash_service::{configure_allocator, AllocatorMode};
 use tch::{Device, Kind, Tensor};
 
 struct Arguments {

@@ -14,10 +14,10 @@
 //! growing memory.
 
 use crate::batching::PlannedBatch;
-use crate::config::SyntheticSpec;
+use crate::config::{NonFiniteAction, SyntheticSpec};
 use crate::metrics::TargetMetrics;
 use bytes::Bytes;
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use dflash_proto::v1::{Dtype, Item};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +35,8 @@ pub enum ComputeError {
     Torch(#[from] tch::TchError),
     #[error("{0}")]
     Invalid(String),
+    #[error("seq {seq}: the captured hidden states hold {count} non-finite values (NaN or infinity); not sent (--on-non-finite fail)")]
+    NonFinite { seq: u64, count: u64 },
 }
 
 /// What produces hidden states.
@@ -148,7 +150,19 @@ impl SyntheticBackend {
         let payloads = batch
             .samples
             .iter()
-            .map(|sample| self.payload(sample.sequence.input_ids.len()))
+            .map(|sample| {
+                let payload = self.payload(sample.sequence.input_ids.len());
+                if self.spec.nan_at_seq != Some(sample.seq) {
+                    return payload;
+                }
+                // A bf16 NaN (0x7FC0) in the middle of the sample.
+                let mut poisoned = payload.to_vec();
+                let middle = (poisoned.len() / 2) & !1;
+                if poisoned.len() >= 2 {
+                    poisoned[middle..middle + 2].copy_from_slice(&0x7FC0u16.to_le_bytes());
+                }
+                Bytes::from(poisoned)
+            })
             .collect();
         self.tokens_produced += batch.real_tokens() as u64;
         if self.spec.tokens_per_second > 0.0 {
@@ -217,6 +231,8 @@ pub struct PipelineCounters {
     pub busy_nanos: AtomicU64,
     /// Nanoseconds from the pipeline's epoch to the first forward start.
     pub first_forward_nanos: AtomicU64,
+    /// Captures with a NaN or an infinity, never sent (`--on-non-finite skip`).
+    pub non_finite_samples: AtomicU64,
 }
 
 /// Runs forwards until the input channel closes, the output channel closes
@@ -317,8 +333,9 @@ pub fn run_host_copy_thread(
     ready: tokio::sync::mpsc::Sender<Vec<ReadyItem>>,
     counters: Arc<PipelineCounters>,
     metrics: TargetMetrics,
-    gpu_memory: Option<Arc<dflash_service::GpuMemoryMonitor>>,
+    gpu_memory: Option<Arc<dflash_device::GpuMemoryMonitor>>,
     epoch: Instant,
+    on_non_finite: NonFiniteAction,
 ) -> Result<(), ComputeError> {
     let mut previous_done: Option<Instant> = None;
     while let Some(item) = computed.blocking_recv() {
@@ -355,10 +372,33 @@ pub fn run_host_copy_thread(
                 .device_memory_peak_bytes
                 .set(reading.peak_bytes as f64);
         }
-        let items: Vec<ReadyItem> = batch
-            .samples
+        let mut samples = Vec::with_capacity(batch.samples.len());
+        for (sequenced, hidden_payload) in batch.samples.into_iter().zip(payloads) {
+            // The fault shows at its source: a NaN or an infinity (a bf16
+            // overflow, a faulty device) is never sent to the drafters.
+            let Some(non_finite) =
+                dflash_proto::sample::non_finite_values(&hidden_payload, Dtype::Bf16)
+            else {
+                samples.push((sequenced, hidden_payload));
+                continue;
+            };
+            metrics.non_finite_samples.increment();
+            tracing::error!(
+                seq = sequenced.seq,
+                non_finite_values = non_finite.count,
+                action = ?on_non_finite,
+                "captured hidden states are not finite; the sample is not sent"
+            );
+            if on_non_finite == NonFiniteAction::Fail {
+                return Err(ComputeError::NonFinite {
+                    seq: sequenced.seq,
+                    count: non_finite.count,
+                });
+            }
+            counters.non_finite_samples.fetch_add(1, Ordering::Relaxed);
+        }
+        let items: Vec<ReadyItem> = samples
             .into_iter()
-            .zip(payloads)
             .map(|(sequenced, hidden_payload)| {
                 let tokens = sequenced.sequence.input_ids.len();
                 let width = (hidden_payload.len() / 2).checked_div(tokens).unwrap_or(0);

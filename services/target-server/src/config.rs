@@ -2,7 +2,7 @@
 //! parsing into typed values.
 
 use clap::Parser;
-use dflash_service::parse_duration;
+use dflash_shell::parse_duration;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -43,6 +43,10 @@ pub struct SyntheticSpec {
     /// Length of generated samples.
     pub seq_len: usize,
     pub seed: u64,
+    /// The sample with this seq gets a NaN in its hidden states, as a bf16
+    /// overflow or a faulty device would give it (fault drills of the
+    /// non-finite guards).
+    pub nan_at_seq: Option<u64>,
 }
 
 impl Default for SyntheticSpec {
@@ -55,6 +59,7 @@ impl Default for SyntheticSpec {
             samples: 1000,
             seq_len: 512,
             seed: 0,
+            nan_at_seq: None,
         }
     }
 }
@@ -89,9 +94,12 @@ impl FromStr for ModelSource {
                 "samples" => spec.samples = value.parse().map_err(|error| invalid(&error))?,
                 "seq_len" => spec.seq_len = value.parse().map_err(|error| invalid(&error))?,
                 "seed" => spec.seed = value.parse().map_err(|error| invalid(&error))?,
+                "nan_at_seq" => {
+                    spec.nan_at_seq = Some(value.parse().map_err(|error| invalid(&error))?)
+                }
                 other => {
                     return Err(format!(
-                        "unknown synthetic parameter {other:?} (known: hidden, layers, tokens_per_s, vocab, samples, seq_len, seed)"
+                        "unknown synthetic parameter {other:?} (known: hidden, layers, tokens_per_s, vocab, samples, seq_len, seed, nan_at_seq)"
                     ))
                 }
             }
@@ -106,7 +114,17 @@ impl FromStr for ModelSource {
     }
 }
 
-pub use dflash_service::{DeviceChoice, DtypeChoice};
+pub use dflash_shell::{DeviceChoice, DtypeChoice};
+
+/// What a target does with a capture that holds a NaN or an infinity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum NonFiniteAction {
+    /// Count and log it, send the rest (the default: a restart would meet
+    /// the same sample again).
+    Skip,
+    /// Stop the target with an error naming the sample's seq.
+    Fail,
+}
 
 /// target-server: runs a frozen target LLM on one device over its shard of a
 /// JSONL data set and streams the DFlash hidden states to the broker.
@@ -184,12 +202,14 @@ pub struct TargetServerConfig {
     pub num_shards: Option<u32>,
 
     /// Interval of the stats messages to the broker (`500ms`, `2s`; a bare
-    /// number is seconds, so the old `--stats-interval-seconds` still works).
-    #[arg(long, alias = "stats-interval-seconds", env = "DFLASH_STATS_INTERVAL", default_value = DEFAULT_STATS_INTERVAL, value_parser = parse_duration)]
+    /// number is seconds).
+    #[arg(long, env = "DFLASH_STATS_INTERVAL", default_value = DEFAULT_STATS_INTERVAL, value_parser = parse_duration)]
     pub stats_interval: Duration,
 
-    /// Times a broken Produce stream is reopened (resuming where the broker
-    /// is) before giving up.
+    /// Attempts to reopen a broken Produce stream (resuming where the broker
+    /// is) in one outage before giving up. The count starts again once a
+    /// reopened stream shows the broker accepted more of this target's items,
+    /// so routine broker restarts over a long run never add up to it.
     #[arg(long, env = "DFLASH_MAX_RECONNECTS", default_value_t = DEFAULT_MAX_RECONNECTS)]
     pub max_reconnects: u32,
 
@@ -198,8 +218,8 @@ pub struct TargetServerConfig {
     pub log_format: dflash_telemetry::LogFormat,
 
     /// How long to wait for the broker to answer the last items (at the
-    /// end, or on shutdown); `--finish-timeout-seconds` is the old spelling.
-    #[arg(long, alias = "finish-timeout-seconds", env = "DFLASH_FINISH_TIMEOUT", default_value = DEFAULT_FINISH_TIMEOUT, value_parser = parse_duration)]
+    /// end; an interrupted run waits at most 5 s of it).
+    #[arg(long, env = "DFLASH_FINISH_TIMEOUT", default_value = DEFAULT_FINISH_TIMEOUT, value_parser = parse_duration)]
     pub finish_timeout: Duration,
 
     /// Serve Prometheus metrics (`GET /metrics`) on this address, e.g.
@@ -220,6 +240,13 @@ pub struct TargetServerConfig {
     /// before the broker gives the target up.
     #[arg(long, env = "DFLASH_WATCHDOG_TIMEOUT", default_value = "4m", value_parser = parse_duration)]
     pub watchdog_timeout: Duration,
+
+    /// A captured sample whose hidden states hold a NaN or an infinity (a
+    /// bf16 overflow, a faulty GPU or kernel) is never sent: `skip` counts
+    /// and logs it and goes on (ReportDone's total leaves it out), `fail`
+    /// stops this target with an error naming its seq.
+    #[arg(long, env = "DFLASH_ON_NON_FINITE", value_enum, default_value_t = NonFiniteAction::Skip)]
+    pub on_non_finite: NonFiniteAction,
 
     /// Test hook: the compute thread hangs (until shutdown) after this many
     /// batches, to exercise the watchdog and the broker's stall detection.
@@ -259,6 +286,7 @@ impl TargetServerConfig {
             metrics_listen: None,
             security: dflash_client::ClientSecurityArgs::default(),
             watchdog_timeout: Duration::from_secs(240),
+            on_non_finite: NonFiniteAction::Skip,
             test_hang_compute_after_batches: None,
         }
     }

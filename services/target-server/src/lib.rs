@@ -19,7 +19,7 @@
 //! - `metrics`: [`TargetMetrics`], the counters and gauges served at
 //!   `/metrics` (`--metrics-listen`) through `dflash-telemetry`.
 //! - `service`: [`run`]: connect, start the compute thread (a
-//!   `dflash_service::DeviceWorker`, model loaded behind its start
+//!   `dflash_device::DeviceWorker`, model loaded behind its start
 //!   handshake) and the reader and host-copy threads, pump samples to the
 //!   broker, join every thread within `--finish-timeout`, ReportDone.
 //! - `main.rs`: the `target-server` binary (flags, logging, signals).
@@ -38,7 +38,9 @@ pub mod sender;
 pub mod service;
 pub mod shard;
 
-pub use config::{DeviceChoice, DtypeChoice, ModelSource, SyntheticSpec, TargetServerConfig};
+pub use config::{
+    DeviceChoice, DtypeChoice, ModelSource, NonFiniteAction, SyntheticSpec, TargetServerConfig,
+};
 pub use metrics::TargetMetrics;
 pub use service::{
     run, run_with_metrics_listener, run_with_registry, TargetReport, TargetServerError,

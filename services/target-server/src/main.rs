@@ -1,17 +1,17 @@
 //! The `target-server` binary: flags, logging, signals; the work is in
 //! [`dflash_target_server::run`]. Exit codes follow the one table of every
-//! dflash binary (`dflash_service::Exit`): 0 shard done and reported, 1
+//! dflash binary (`dflash_shell::Exit`): 0 shard done and reported, 1
 //! failed (including items the broker rejected), 2 wrong command line, 4
 //! stopped by a signal before the shard was done (a restart resumes).
 
 use clap::Parser;
-use dflash_service::Exit;
+use dflash_shell::Exit;
 use dflash_target_server::{run, TargetServerConfig};
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     // First: with huge pages this may re-execute the process.
-    let allocator = dflash_service::configure_allocator(dflash_service::AllocatorMode::Retained);
+    let allocator = dflash_device::configure_allocator(dflash_device::AllocatorMode::Retained);
     let config = TargetServerConfig::parse();
     let telemetry = match dflash_telemetry::init("target-server", config.log_format) {
         Ok(guard) => guard,
@@ -21,7 +21,7 @@ async fn main() -> std::process::ExitCode {
         }
     };
     tracing::info!(%allocator, "allocator set up");
-    let shutdown = dflash_service::shutdown_signal();
+    let shutdown = dflash_shell::shutdown_signal();
     let outcome = run(config, shutdown).await;
     telemetry.flush();
     match outcome {

@@ -25,6 +25,8 @@ pub struct TargetMetrics {
     pub tokens: Counter,
     /// Items the broker rejected; known when the Produce stream closes.
     pub rejected_items: Counter,
+    /// Captures with a NaN or an infinity, never sent (`--on-non-finite`).
+    pub non_finite_samples: Counter,
     /// Token rate over the last stats interval (over the run at the end).
     pub tokens_per_second: Gauge,
     /// Fraction of the time since the first forward the device was busy.
@@ -69,6 +71,10 @@ impl TargetMetrics {
             rejected_items: counter(
                 "rejected_items_total",
                 "Items the broker rejected (counted when the Produce stream closes).",
+            )?,
+            non_finite_samples: counter(
+                "non_finite_samples_total",
+                "Captured samples whose hidden states held a NaN or an infinity; never sent (--on-non-finite).",
             )?,
             tokens_per_second: gauge(
                 "tokens_per_second",
@@ -117,8 +123,8 @@ mod tests {
             ),
             "{text}"
         );
-        assert_eq!(text.matches("# TYPE ").count(), 9, "{text}");
-        assert_eq!(text.matches("target_id=\"target-3\"").count(), 9);
+        assert_eq!(text.matches("# TYPE ").count(), 10, "{text}");
+        assert_eq!(text.matches("target_id=\"target-3\"").count(), 10);
         // One run registers once: a second registration is a bug, not a reset.
         assert!(TargetMetrics::register(&registry, "target-3", "cuda:1").is_err());
     }

@@ -22,7 +22,16 @@ pub struct ResilientProducer {
     /// (clones share the payload bytes).
     recent: VecDeque<Item>,
     window: usize,
+    /// Reopening attempts allowed in one outage.
     max_reconnects: u32,
+    /// Attempts in the current outage: back to 0 once a reopened stream
+    /// shows that the stream before it had items accepted, so routine
+    /// broker restarts over a long run never add up to the budget.
+    outage_attempts: u32,
+    /// What the broker had accepted from this target when the current
+    /// stream opened (its welcome).
+    accepted_at_open: u64,
+    /// Every reopening over the process's life (reported, not limited).
     pub reconnects: u32,
 }
 
@@ -34,6 +43,7 @@ impl ResilientProducer {
         max_reconnects: u32,
     ) -> Result<Self, ClientError> {
         let producer = client.produce(target_id).await?;
+        let accepted_at_open = producer.accepted_before();
         Ok(ResilientProducer {
             client,
             target_id: target_id.to_string(),
@@ -41,6 +51,8 @@ impl ResilientProducer {
             recent: VecDeque::with_capacity(window + 1),
             window: window.max(1),
             max_reconnects,
+            outage_attempts: 0,
+            accepted_at_open,
             reconnects: 0,
         })
     }
@@ -88,21 +100,30 @@ impl ResilientProducer {
 
     /// Reopens the stream after `error`, unless the broker refused or closed
     /// it on purpose (a non-retryable status: the run ended or was lost, an
-    /// item over the limit, a fenced stream) or the reconnect budget is spent.
+    /// item over the limit, a fenced stream) or this outage has spent the
+    /// reconnect budget. The budget is per outage: a reopened stream whose
+    /// welcome shows more items accepted than when the broken stream opened
+    /// ends the outage, and the next break starts counting from zero.
     async fn reconnect(&mut self, error: ClientError) -> Result<(), ClientError> {
-        if !error.is_retryable() || self.reconnects >= self.max_reconnects {
-            tracing::error!(target_id = %self.target_id, %error, "produce stream ended; not retrying");
+        if !error.is_retryable() || self.outage_attempts >= self.max_reconnects {
+            tracing::error!(target_id = %self.target_id, %error, attempts = self.outage_attempts, "produce stream ended; not retrying");
             return Err(error);
         }
         let mut last_error = error;
-        while self.reconnects < self.max_reconnects {
+        while self.outage_attempts < self.max_reconnects {
+            self.outage_attempts += 1;
             self.reconnects += 1;
-            let backoff = Duration::from_millis(200u64.saturating_mul(1 << self.reconnects.min(5)));
-            tracing::warn!(target_id = %self.target_id, attempt = self.reconnects, error = %last_error, ?backoff, "produce stream broke; reopening");
+            let backoff =
+                Duration::from_millis(200u64.saturating_mul(1 << self.outage_attempts.min(5)));
+            tracing::warn!(target_id = %self.target_id, attempt = self.outage_attempts, error = %last_error, ?backoff, "produce stream broke; reopening");
             tokio::time::sleep(backoff).await;
             match self.client.produce(&self.target_id).await {
                 Ok(producer) => {
                     tracing::info!(target_id = %self.target_id, resume_after_seq = ?producer.resume_after_seq(), "produce stream reopened");
+                    if producer.accepted_before() > self.accepted_at_open {
+                        self.outage_attempts = 0;
+                    }
+                    self.accepted_at_open = producer.accepted_before();
                     self.producer = producer;
                     return Ok(());
                 }

@@ -14,11 +14,11 @@ use crate::reader::{
 };
 use crate::sender::ResilientProducer;
 use crate::shard::{resolve_shard, ShardError, ShardSpec};
-use dflash_client::{BrokerClient, ClientError};
-use dflash_model::target::{build_target_layer_ids, TargetModel};
+use dflash_client::{BrokerClient, ClientError, ProduceReport};
+use dflash_device::{join_within, DeviceWorker, WorkerChannels, WorkerError};
+use dflash_model::target_model::{build_target_layer_ids, TargetModel};
 use dflash_model::ModelError;
 use dflash_proto::v1::ProducerStats;
-use dflash_service::{join_within, DeviceWorker, WorkerChannels, WorkerError};
 use dflash_telemetry::{Registry, RegistryError};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -94,10 +94,17 @@ pub struct TargetReport {
     pub busy_fraction: f64,
     /// The GPU's peak memory in use after a batch (NVML), on CUDA only.
     pub device_memory_peak_bytes: Option<u64>,
+    /// Captures with a NaN or an infinity that were not sent
+    /// (`--on-non-finite skip`); ReportDone's total leaves them out.
+    pub non_finite_skipped: u64,
 }
 
 /// Samples of data kept in flight between threads (batches per channel).
 const BATCH_CHANNEL_DEPTH: usize = 2;
+
+/// How long an interrupted run waits for the broker's last answers (at most
+/// `--finish-timeout`): a target the broker holds back gets none.
+const INTERRUPTED_FINISH_GRACE: Duration = Duration::from_secs(5);
 
 /// Loads the backend on the compute thread (CUDA state stays on the thread
 /// that uses it) and works out the layer ids.
@@ -373,7 +380,7 @@ async fn run_pipeline(
     let metrics = TargetMetrics::register(registry, &config.target_id, &device_name)?;
     let gpu_memory = match (&config.model, device) {
         (ModelSource::Directory(_), Device::Cuda(index)) => {
-            dflash_service::GpuMemoryMonitor::start(index).map(Arc::new)
+            dflash_device::GpuMemoryMonitor::start(index).map(Arc::new)
         }
         _ => None,
     };
@@ -417,7 +424,7 @@ fn check_config(config: &TargetServerConfig) -> Result<(), TargetServerError> {
         ));
     }
     if let ModelSource::Directory(directory) = &config.model {
-        let config_file = directory.join(dflash_model::target::CONFIG_FILE_NAME);
+        let config_file = directory.join(dflash_model::target_model::CONFIG_FILE_NAME);
         if !config_file.is_file() {
             return Err(TargetServerError::Model(ModelError::Io {
                 path: config_file,
@@ -461,7 +468,7 @@ async fn stream_shard(
     shutdown: &CancellationToken,
     threads: &mut PipelineThreads,
     metrics: &TargetMetrics,
-    gpu_memory: Option<Arc<dflash_service::GpuMemoryMonitor>>,
+    gpu_memory: Option<Arc<dflash_device::GpuMemoryMonitor>>,
 ) -> Result<(TargetReport, BrokerClient), TargetServerError> {
     let (client, shard, window) = connect(config).await?;
     let info = tokio::select! {
@@ -496,8 +503,17 @@ async fn stream_shard(
     threads.host_copy = Some({
         let counters = counters.clone();
         let metrics = metrics.clone();
+        let on_non_finite = config.on_non_finite;
         spawn_named("host-copy", move || {
-            run_host_copy_thread(computed, ready_sender, counters, metrics, gpu_memory, epoch)
+            run_host_copy_thread(
+                computed,
+                ready_sender,
+                counters,
+                metrics,
+                gpu_memory,
+                epoch,
+                on_non_finite,
+            )
         })?
     });
     let mut pump = Pump {
@@ -667,10 +683,23 @@ impl Pump<'_> {
                         return Err(TargetServerError::Stalled { seconds: watchdog.as_secs_f64() });
                     }
                 }
-                _ = stats_timer.tick() => self.send_progress().await,
+                // Both sends wait while the broker holds this target back
+                // (a full queue, a reconnect's backoff): SIGTERM still ends
+                // the wait, and the stream is closed as interrupted.
+                _ = stats_timer.tick() => {
+                    tokio::select! {
+                        biased;
+                        () = shutdown.cancelled() => return Ok(true),
+                        () = self.send_progress() => {}
+                    }
+                }
                 ready = ready_receiver.recv() => {
                     let Some(items) = ready else { return Ok(false) };
-                    self.send_items(items).await?;
+                    tokio::select! {
+                        biased;
+                        () = shutdown.cancelled() => return Ok(true),
+                        sent = self.send_items(items) => sent?,
+                    }
                     last_batch_at = Instant::now();
                 }
             }
@@ -756,19 +785,42 @@ impl Pump<'_> {
         } else {
             progress.tokens as f64 / compute_wall.as_secs_f64()
         };
-        self.send_stats(&progress, tokens_per_second).await;
+        // An interrupted run (SIGTERM) may be held back by a full queue that
+        // will not answer its last items: it waits a short grace, not the
+        // whole finish timeout, and the unanswered items are resent by the
+        // next start (the broker's welcome says where it is).
+        let finish_timeout = if completed {
+            self.config.finish_timeout
+        } else {
+            self.config.finish_timeout.min(INTERRUPTED_FINISH_GRACE)
+        };
+        let _ = tokio::time::timeout(
+            finish_timeout,
+            self.send_stats(&progress, tokens_per_second),
+        )
+        .await;
         let reconnects = self.producer.reconnects;
         let accepted_before = self.producer.accepted_before();
-        let finish_timeout = self.config.finish_timeout;
-        let Ok(finished) = tokio::time::timeout(finish_timeout, self.producer.finish()).await
-        else {
-            return Err(TargetServerError::Broker(ClientError::StreamEnded {
-                stream: "Produce",
-                detail: format!("no answer for the last items within {finish_timeout:?}"),
-            }));
+        let produce_report = match tokio::time::timeout(finish_timeout, self.producer.finish())
+            .await
+        {
+            Ok(finished) => {
+                finished.inspect_err(|error| count_refused_item(self.metrics, error))?
+            }
+            Err(_) if !completed => {
+                tracing::warn!(
+                    grace = ?finish_timeout,
+                    "interrupted while the broker held this target back: the last items are unanswered; a restart resends them"
+                );
+                ProduceReport::default()
+            }
+            Err(_) => {
+                return Err(TargetServerError::Broker(ClientError::StreamEnded {
+                    stream: "Produce",
+                    detail: format!("no answer for the last items within {finish_timeout:?}"),
+                }))
+            }
         };
-        let produce_report =
-            finished.inspect_err(|error| count_refused_item(self.metrics, error))?;
         self.metrics
             .rejected_items
             .add(produce_report.rejected.len() as u64);
@@ -792,6 +844,7 @@ impl Pump<'_> {
             tokens_per_second,
             busy_fraction: progress.busy_fraction,
             device_memory_peak_bytes: None,
+            non_finite_skipped: self.counters.non_finite_samples.load(Ordering::Relaxed),
         })
     }
 }
@@ -817,7 +870,12 @@ async fn finish_run(
     client: &BrokerClient,
     report: &mut TargetReport,
 ) -> Result<(), TargetServerError> {
-    let total_items = report.reader.samples;
+    // What the broker must hold: every sample numbered, less the captures
+    // this process refused to send (never a sample the broker lost).
+    let total_items = report
+        .reader
+        .samples
+        .saturating_sub(report.non_finite_skipped);
     client.report_done(&report.target_id, total_items).await?;
     report.reported_total = Some(total_items);
     tracing::info!(

@@ -333,7 +333,7 @@ async fn report_done_counts_the_shard_not_the_broker() -> Result<()> {
     Ok(())
 }
 
-/// The exit-code table (`dflash_service::Exit`): a target stopped by SIGTERM
+/// The exit-code table (`dflash_shell::Exit`): a target stopped by SIGTERM
 /// before its shard is done exits 4 ("interrupted, a restart resumes"), not
 /// 2, which is clap's code for a wrong command line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,7 +370,7 @@ async fn sigterm_before_the_shard_is_done_exits_interrupted() -> Result<()> {
     ensure!(killed.success());
     let status = tokio::time::timeout(Duration::from_secs(60), child.wait()).await??;
     ensure!(
-        status.code() == Some(i32::from(dflash_service::Exit::Interrupted.code())),
+        status.code() == Some(i32::from(dflash_shell::Exit::Interrupted.code())),
         "{status:?}"
     );
     ensure!(broker.status().await.done_targets == 0);

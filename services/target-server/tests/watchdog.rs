@@ -98,7 +98,7 @@ async fn a_stuck_compute_thread_aborts_the_run_and_exits_non_zero() -> Result<()
     // The target-server's watchdog ends it with a non-zero exit and the reason.
     let (status, stderr) = wait_for_exit(stuck).await?;
     ensure!(
-        status.code() == Some(i32::from(dflash_service::Exit::Failed.code())),
+        status.code() == Some(i32::from(dflash_shell::Exit::Failed.code())),
         "{status:?}\n{stderr}"
     );
     ensure!(stderr.contains("watchdog"), "{stderr}");

@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use dflash_client::{BrokerClient, ClientOptions};
 use dflash_drafter_server::samples::{bf16_bytes, encode_sample};
 use dflash_drafter_server::{DrafterServerConfig, ModelMode};
-use dflash_model::target::TargetModel;
+use dflash_model::target_model::TargetModel;
 use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
 use dflash_proto::v1 as proto;
 use rand::rngs::StdRng;

@@ -1,0 +1,461 @@
+//! # dflash-client
+//!
+//! The Rust client of the dflash broker, used by target-servers, drafter-
+//! servers, the `dflash` CLI and the system tests.
+//!
+//! # Layout
+//! - [`BrokerClient`]: connects (HTTP/2 windows, keepalive and message limits
+//!   set for large payloads), status calls, ReportDone, and opens streams.
+//! - `producer`: [`Producer`], a target's pipelined Produce stream with a
+//!   bounded window of unanswered items.
+//! - `consumer`: [`Consumer`] and its cloneable [`ConsumerHandle`] for acks,
+//!   nacks, credit and stats from any thread.
+//! - `security`: TLS, mutual TLS and the bearer token of every connection
+//!   ([`ClientSecurityArgs`], the flags every client role shares).
+//! - `wire`: the Produce and Consume streams' bodies without tonic's
+//!   copies: an item's tensors go out as their own chunks (no copy), a
+//!   delivery's tensors are views on the received HTTP/2 frames (joined
+//!   once only when one spans frames; [`Consumer::copies`] counts).
+//!
+//! A client remembers the broker's run id from its first welcome and each
+//! target's latest epoch, and sends them in later hellos and ReportDone: a
+//! broker that lost the run (a new run id) or a fenced stream is refused with
+//! a status [`ClientError::is_retryable`] says not to retry.
+//!
+//! Depends only on `dflash-proto` and tonic; no model code.
+
+mod consumer;
+mod producer;
+pub mod security;
+mod wire;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dflash_proto::transport;
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
+use tonic::transport::Endpoint;
+
+pub use consumer::{Consumer, ConsumerEvent, ConsumerHandle};
+pub use producer::{ProduceReport, Producer};
+pub use security::{AuthChannel, ClientSecurity, ClientSecurityArgs};
+
+/// Errors of the client, each naming what failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid broker address {address:?}: {source}")]
+    InvalidAddress {
+        address: String,
+        source: tonic::transport::Error,
+    },
+    #[error("cannot connect to the broker at {address}: {source}")]
+    Connect {
+        address: String,
+        source: tonic::transport::Error,
+    },
+    #[error(transparent)]
+    Security(#[from] security::SecurityError),
+    #[error("broker call {call} failed: {status}")]
+    Call {
+        call: &'static str,
+        status: tonic::Status,
+    },
+    #[error("broker stream {stream} ended unexpectedly{}", if .detail.is_empty() { String::new() } else { format!(": {}", .detail) })]
+    StreamEnded {
+        stream: &'static str,
+        detail: String,
+    },
+    #[error("broker sent an unexpected message on {stream}: {detail}")]
+    Protocol {
+        stream: &'static str,
+        detail: String,
+    },
+    #[error("the broker closed this Produce stream ({status:?}): {reason}")]
+    ProducerClosed {
+        status: proto::RunStatus,
+        reason: String,
+    },
+    #[error("the broker serves run {current:?}, this client was in run {remembered:?}: the broker lost that run's state; what it accepted cannot be accounted for")]
+    RunChanged { remembered: String, current: String },
+}
+
+/// The statuses after which a client reconnects and tries again: the
+/// broker went away, restarted or is shutting down, or the transport failed
+/// (grpc-core reports those as UNAVAILABLE, INTERNAL, UNKNOWN, CANCELLED or
+/// DEADLINE_EXCEEDED), or a reconnecting consumer's hello came while the
+/// broker still held its old stream (ALREADY_EXISTS: it lets the id in once
+/// that stream is gone). The Python client's `RETRYABLE_CODES`
+/// (`clients/python/dflash_client/aio.py`) is the same set; a test on each
+/// side reads the other's.
+pub const RETRYABLE_CODES: [tonic::Code; 6] = [
+    tonic::Code::Unavailable,
+    tonic::Code::Internal,
+    tonic::Code::Unknown,
+    tonic::Code::Cancelled,
+    tonic::Code::DeadlineExceeded,
+    tonic::Code::AlreadyExists,
+];
+
+impl ClientError {
+    /// The gRPC status behind this error, when the broker sent one.
+    pub fn status(&self) -> Option<&tonic::Status> {
+        match self {
+            ClientError::Call { status, .. } => Some(status),
+            _ => None,
+        }
+    }
+
+    /// Whether reconnecting and trying again can help: a status in
+    /// [`RETRYABLE_CODES`], a failed connection, a stream that ended without
+    /// a status. Not what the broker refused on purpose (the run ended or
+    /// was lost, a bad value, an unknown id, a fenced stream, an item over
+    /// the limit, no credentials): retrying those only hides the reason.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Call { status, .. } => RETRYABLE_CODES.contains(&status.code()),
+            ClientError::InvalidAddress { .. }
+            | ClientError::Protocol { .. }
+            | ClientError::ProducerClosed { .. }
+            | ClientError::RunChanged { .. }
+            // A bad certificate, key or token file does not fix itself.
+            | ClientError::Security(_) => false,
+            ClientError::Connect { .. } | ClientError::StreamEnded { .. } => true,
+        }
+    }
+}
+
+/// What a client learned from the broker's welcomes, shared by its clones.
+#[derive(Debug, Default)]
+pub(crate) struct Session {
+    /// The run id from the first welcome; sent in every later hello.
+    run_id: Option<String>,
+    /// Each target's epoch from its latest Produce welcome.
+    epochs: HashMap<String, u64>,
+}
+
+impl Session {
+    /// Records a welcome's run id; an error when it differs from the one
+    /// this client already worked in.
+    pub(crate) fn observe_run(&mut self, run_id: &str) -> Result<(), ClientError> {
+        if run_id.is_empty() {
+            return Ok(());
+        }
+        match &self.run_id {
+            Some(remembered) if remembered != run_id => Err(ClientError::RunChanged {
+                remembered: remembered.clone(),
+                current: run_id.to_string(),
+            }),
+            Some(_) => Ok(()),
+            None => {
+                self.run_id = Some(run_id.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    pub(crate) fn run_id(&self) -> String {
+        self.run_id.clone().unwrap_or_default()
+    }
+}
+
+/// Transport settings. The defaults suit hidden-state payloads of up to 256 MiB.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    pub connect_timeout: Duration,
+    pub max_message_bytes: usize,
+    pub stream_window_bytes: u32,
+    pub connection_window_bytes: u32,
+    pub keepalive_interval: Duration,
+    pub keepalive_timeout: Duration,
+    /// Items a producer may have sent and not yet had answered.
+    pub producer_window_items: usize,
+    /// TLS and the bearer token (none by default).
+    pub security: ClientSecurity,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            connect_timeout: Duration::from_secs(10),
+            max_message_bytes: transport::message_limit_bytes(transport::DEFAULT_MAX_ITEM_BYTES),
+            stream_window_bytes: transport::STREAM_WINDOW_BYTES,
+            connection_window_bytes: transport::CONNECTION_WINDOW_BYTES,
+            keepalive_interval: Duration::from_secs(10),
+            keepalive_timeout: Duration::from_secs(20),
+            producer_window_items: 16,
+            security: ClientSecurity::default(),
+        }
+    }
+}
+
+/// A connection to the broker. Cheap to clone; each Produce or Consume
+/// stream opens its own HTTP/2 connection so one large stream never shares
+/// a connection window with another.
+#[derive(Clone)]
+pub struct BrokerClient {
+    address: String,
+    options: ClientOptions,
+    client: GeneratedClient<AuthChannel>,
+    session: Arc<Mutex<Session>>,
+}
+
+impl BrokerClient {
+    /// Connects to `address` (e.g. `http://127.0.0.1:50051`).
+    pub async fn connect(
+        address: impl Into<String>,
+        options: ClientOptions,
+    ) -> Result<Self, ClientError> {
+        let address = address.into();
+        let client = Self::open_channel(&address, &options).await?;
+        Ok(BrokerClient {
+            address,
+            options,
+            client,
+            session: Arc::new(Mutex::new(Session::default())),
+        })
+    }
+
+    /// Seeds the run id a previous client of this process worked in, so a
+    /// reconnect through a fresh client still refuses a broker that lost
+    /// that run.
+    pub fn remembering_run(self, run_id: Option<String>) -> Self {
+        if run_id.is_some() {
+            self.session().run_id = run_id;
+        }
+        self
+    }
+
+    /// The run id this client works in (from its first welcome), if any.
+    pub fn run_id(&self) -> Option<String> {
+        self.session().run_id.clone()
+    }
+
+    fn session(&self) -> std::sync::MutexGuard<'_, Session> {
+        // A panic while holding this lock leaves plain data behind: go on.
+        self.session
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The address this client connects to.
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    async fn open_channel(
+        address: &str,
+        options: &ClientOptions,
+    ) -> Result<GeneratedClient<AuthChannel>, ClientError> {
+        let channel = connect_channel(address, options).await?;
+        Ok(GeneratedClient::new(channel)
+            .max_decoding_message_size(options.max_message_bytes)
+            .max_encoding_message_size(options.max_message_bytes))
+    }
+
+    pub async fn status(&self) -> Result<proto::StatusSnapshot, ClientError> {
+        self.client
+            .clone()
+            .get_status(proto::GetStatusRequest {})
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| ClientError::Call {
+                call: "GetStatus",
+                status,
+            })
+    }
+
+    /// A stream of snapshots every `interval`.
+    pub async fn watch_status(
+        &self,
+        interval: Duration,
+    ) -> Result<tonic::Streaming<proto::StatusSnapshot>, ClientError> {
+        let interval_ms = u32::try_from(interval.as_millis()).unwrap_or(u32::MAX);
+        self.client
+            .clone()
+            .watch_status(proto::WatchStatusRequest { interval_ms })
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| ClientError::Call {
+                call: "WatchStatus",
+                status,
+            })
+    }
+
+    /// Reports a target finished with `total_items` accepted items in all,
+    /// with the epoch of this client's latest Produce stream for the target
+    /// and the run id: the broker refuses a report from a fenced stream or
+    /// an earlier run.
+    pub async fn report_done(
+        &self,
+        target_id: &str,
+        total_items: u64,
+    ) -> Result<proto::ReportDoneResponse, ClientError> {
+        let (epoch, run_id) = {
+            let session = self.session();
+            (
+                session.epochs.get(target_id).copied().unwrap_or(0),
+                session.run_id(),
+            )
+        };
+        self.client
+            .clone()
+            .report_done(proto::ReportDoneRequest {
+                target_id: target_id.to_string(),
+                total_items,
+                epoch,
+                run_id,
+            })
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(|status| ClientError::Call {
+                call: "ReportDone",
+                status,
+            })
+    }
+
+    /// Opens a target's Produce stream on its own connection and waits for
+    /// the welcome (which says where to resume).
+    pub async fn produce(&self, target_id: &str) -> Result<Producer, ClientError> {
+        let channel = connect_channel(&self.address, &self.options).await?;
+        let run_id = self.session().run_id();
+        let producer = Producer::open(
+            channel,
+            target_id,
+            &run_id,
+            self.options.producer_window_items,
+            self.options.max_message_bytes,
+        )
+        .await?;
+        let mut session = self.session();
+        session.observe_run(producer.run_id())?;
+        session
+            .epochs
+            .insert(target_id.to_string(), producer.epoch());
+        drop(session);
+        Ok(producer)
+    }
+
+    /// Opens a drafter's Consume stream on its own connection with an initial
+    /// credit window, and waits for the welcome.
+    pub async fn consume(
+        &self,
+        drafter_id: &str,
+        credit: proto::Credit,
+    ) -> Result<Consumer, ClientError> {
+        let channel = connect_channel(&self.address, &self.options).await?;
+        let run_id = self.session().run_id();
+        let consumer = Consumer::open(
+            channel,
+            drafter_id,
+            credit,
+            &run_id,
+            self.options.max_message_bytes,
+        )
+        .await?;
+        self.session().observe_run(&consumer.welcome().run_id)?;
+        Ok(consumer)
+    }
+}
+
+/// A channel to `address` with `options`' transport settings, TLS and token:
+/// for other services on the broker's port (health, model sync).
+pub async fn connect_channel(
+    address: &str,
+    options: &ClientOptions,
+) -> Result<AuthChannel, ClientError> {
+    let endpoint = Endpoint::from_shared(address.to_string())
+        .map_err(|source| ClientError::InvalidAddress {
+            address: address.to_string(),
+            source,
+        })?
+        .connect_timeout(options.connect_timeout)
+        .initial_stream_window_size(Some(options.stream_window_bytes))
+        .initial_connection_window_size(Some(options.connection_window_bytes))
+        // The broker's deliveries arrive in 1 MiB DATA frames instead of
+        // HTTP/2's default 16 KiB.
+        .max_frame_size(transport::MAX_FRAME_BYTES)
+        .http2_keep_alive_interval(options.keepalive_interval)
+        .keep_alive_timeout(options.keepalive_timeout)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true);
+    let endpoint = options.security.apply(endpoint, address)?;
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|source| ClientError::Connect {
+            address: address.to_string(),
+            source,
+        })?;
+    Ok(options.security.wrap(channel))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `DeadlineExceeded` → `DEADLINE_EXCEEDED`, as grpc's Python names it.
+    fn python_name(code: tonic::Code) -> String {
+        let mut name = String::new();
+        for (index, letter) in format!("{code:?}").chars().enumerate() {
+            if letter.is_ascii_uppercase() && index > 0 {
+                name.push('_');
+            }
+            name.push(letter.to_ascii_uppercase());
+        }
+        name
+    }
+
+    #[test]
+    fn the_python_client_retries_the_same_statuses() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../clients/python/dflash_client/aio.py"
+        );
+        let source = std::fs::read_to_string(path).unwrap();
+        let start = source.find("RETRYABLE_CODES = frozenset(").unwrap();
+        let end = start + source[start..].find("\n)").unwrap();
+        let mut python: Vec<String> = source[start..end]
+            .split("grpc.StatusCode.")
+            .skip(1)
+            .map(|rest| {
+                rest.chars()
+                    .take_while(|c| c.is_ascii_uppercase() || *c == '_')
+                    .collect()
+            })
+            .collect();
+        let mut rust: Vec<String> = RETRYABLE_CODES.iter().map(|&c| python_name(c)).collect();
+        python.sort();
+        rust.sort();
+        assert_eq!(python, rust);
+        assert_eq!(
+            python_name(tonic::Code::DeadlineExceeded),
+            "DEADLINE_EXCEEDED"
+        );
+    }
+
+    #[test]
+    fn refusals_are_not_retried_and_transport_failures_are() {
+        let call = |code| ClientError::Call {
+            call: "Produce",
+            status: tonic::Status::new(code, "x"),
+        };
+        for code in [
+            tonic::Code::FailedPrecondition,
+            tonic::Code::Unauthenticated,
+            tonic::Code::PermissionDenied,
+            tonic::Code::InvalidArgument,
+            tonic::Code::NotFound,
+            tonic::Code::Aborted,
+            tonic::Code::ResourceExhausted,
+            tonic::Code::OutOfRange,
+            tonic::Code::Unimplemented,
+        ] {
+            assert!(!call(code).is_retryable(), "{code:?}");
+        }
+        for code in RETRYABLE_CODES {
+            assert!(call(code).is_retryable(), "{code:?}");
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! Draft checkpoints: a directory that is both a Hugging Face model
+//! directory for the reference `DFlashDraftModel.from_pretrained`
+//! (`config.json` + `model.safetensors`, draft parameters only) and a
+//! resumable training state (`optimizer.safetensors` + `trainer_state.json`).
+//!
+//! A checkpoint is written into a hidden temporary sibling directory and
+//! renamed into place, so a reader (or `--resume` after a crash) sees either
+//! the whole previous checkpoint or the whole new one, never a torn one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use safetensors::tensor::TensorView;
+use serde::{Deserialize, Serialize};
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use super::model::{add_named_variable, parameter_shapes};
+use super::{AdamW, DraftConfig, DraftError, DraftModel, FrozenTargetHeads};
+
+pub const CONFIG_FILE_NAME: &str = "config.json";
+pub const MODEL_FILE_NAME: &str = "model.safetensors";
+pub const OPTIMIZER_FILE_NAME: &str = "optimizer.safetensors";
+pub const TRAINER_STATE_FILE_NAME: &str = "trainer_state.json";
+
+/// Where training stood when the checkpoint was taken; with the optimizer
+/// moments it is everything `--resume` needs (anchor sampling is seeded per
+/// step from `seed`, so no RNG state is stored).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingProgress {
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Schedule length the learning rate was computed against.
+    pub total_steps: u64,
+    pub samples_trained: u64,
+    pub tokens_trained: u64,
+    /// Base seed of anchor sampling.
+    pub seed: u64,
+    /// Learning rate used by the last step (informational).
+    pub learning_rate: f64,
+    /// Loss of the last step (informational).
+    pub last_loss: f64,
+}
+
+impl From<dflash_shell::DurableError> for DraftError {
+    fn from(error: dflash_shell::DurableError) -> Self {
+        DraftError::Io {
+            path: error.path,
+            source: error.source,
+        }
+    }
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> DraftError + '_ {
+    move |source| DraftError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes a checkpoint of `model` (and, when given, the optimizer and
+/// progress) to `dir` atomically. An existing `dir` is replaced.
+pub fn save_draft_checkpoint(
+    dir: &Path,
+    model: &DraftModel,
+    training: Option<(&AdamW, &TrainingProgress)>,
+) -> Result<(), DraftError> {
+    dflash_shell::replace_directory(dir, |staging| {
+        write_checkpoint_files(staging, model, training)
+    })
+}
+
+/// Writes a checkpoint's files into the empty directory `staging`.
+fn write_checkpoint_files(
+    staging: &Path,
+    model: &DraftModel,
+    training: Option<(&AdamW, &TrainingProgress)>,
+) -> Result<(), DraftError> {
+    let config_json = model.config().to_hf_json("float32");
+    write_json(&staging.join(CONFIG_FILE_NAME), &config_json)?;
+    let parameters: Vec<(String, Tensor)> = {
+        let mut variables: Vec<(String, Tensor)> =
+            model.var_store().variables().into_iter().collect();
+        variables.sort_by(|left, right| left.0.cmp(&right.0));
+        variables
+    };
+    write_safetensors(&staging.join(MODEL_FILE_NAME), &parameters)?;
+    if let Some((optimizer, progress)) = training {
+        write_safetensors(
+            &staging.join(OPTIMIZER_FILE_NAME),
+            &optimizer.state_tensors(),
+        )?;
+        let progress_json = serde_json::to_value(progress)
+            .map_err(|error| DraftError::Checkpoint(format!("trainer state: {error}")))?;
+        write_json(&staging.join(TRAINER_STATE_FILE_NAME), &progress_json)?;
+    }
+    Ok(())
+}
+
+/// Reads a checkpoint's `config.json`.
+pub fn load_draft_config(dir: &Path) -> Result<DraftConfig, DraftError> {
+    let path = dir.join(CONFIG_FILE_NAME);
+    let text = std::fs::read_to_string(&path).map_err(io_error(&path))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|source| DraftError::Json {
+            path: path.clone(),
+            source,
+        })?;
+    DraftConfig::from_hf_json(&value)
+}
+
+/// Loads a draft model from a checkpoint directory. Every parameter of the
+/// configuration must be present with its shape, and nothing else may be:
+/// the same strictness as the reference loader's missing/unexpected keys.
+pub fn load_draft_model(
+    dir: &Path,
+    frozen: FrozenTargetHeads,
+    device: Device,
+    compute_kind: Kind,
+) -> Result<DraftModel, DraftError> {
+    let config = load_draft_config(dir)?;
+    let path = dir.join(MODEL_FILE_NAME);
+    let mut stored = read_safetensors(&path)?;
+    let var_store = VarStore::new(device);
+    for (name, shape) in parameter_shapes(&config) {
+        let tensor = stored.remove(&name).ok_or_else(|| {
+            DraftError::Checkpoint(format!("{}: missing tensor {name:?}", path.display()))
+        })?;
+        if tensor.size() != shape {
+            return Err(DraftError::Checkpoint(format!(
+                "{}: tensor {name:?} has shape {:?}, the config implies {shape:?}",
+                path.display(),
+                tensor.size()
+            )));
+        }
+        add_named_variable(&var_store, &name, &tensor.to_kind(Kind::Float))?;
+    }
+    if let Some(unexpected) = stored.keys().next() {
+        return Err(DraftError::Checkpoint(format!(
+            "{}: unexpected tensor {unexpected:?} ({} unexpected in all)",
+            path.display(),
+            stored.len()
+        )));
+    }
+    DraftModel::from_var_store(config, var_store, frozen, compute_kind)
+}
+
+/// The optimizer moments and progress of a checkpoint written with training state.
+pub fn load_training_state(
+    dir: &Path,
+) -> Result<(TrainingProgress, BTreeMap<String, Tensor>), DraftError> {
+    let progress_path = dir.join(TRAINER_STATE_FILE_NAME);
+    let text = std::fs::read_to_string(&progress_path).map_err(io_error(&progress_path))?;
+    let progress: TrainingProgress =
+        serde_json::from_str(&text).map_err(|source| DraftError::Json {
+            path: progress_path,
+            source,
+        })?;
+    let moments = read_safetensors(&dir.join(OPTIMIZER_FILE_NAME))?
+        .into_iter()
+        .collect();
+    Ok((progress, moments))
+}
+
+/// Writes named tensors with the `{"format": "pt"}` metadata transformers
+/// checks for.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), DraftError> {
+    let mut buffers = Vec::with_capacity(tensors.len());
+    for (name, tensor) in tensors {
+        let tensor = tensor.detach().to_device(Device::Cpu).contiguous();
+        let dtype = match tensor.kind() {
+            Kind::Float => safetensors::Dtype::F32,
+            Kind::BFloat16 => safetensors::Dtype::BF16,
+            Kind::Half => safetensors::Dtype::F16,
+            Kind::Int64 => safetensors::Dtype::I64,
+            Kind::Int => safetensors::Dtype::I32,
+            Kind::Uint8 => safetensors::Dtype::U8,
+            other => {
+                return Err(DraftError::Checkpoint(format!(
+                    "tensor {name:?}: cannot store kind {other:?}"
+                )));
+            }
+        };
+        let byte_count = tensor.numel() * tensor.kind().elt_size_in_bytes();
+        let mut bytes = vec![0u8; byte_count];
+        tensor.f_copy_data_u8(&mut bytes, tensor.numel())?;
+        let shape: Vec<usize> = tensor.size().iter().map(|&dim| dim as usize).collect();
+        buffers.push((name.clone(), dtype, shape, bytes));
+    }
+    let views = buffers
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            TensorView::new(*dtype, shape.clone(), bytes)
+                .map(|view| (name.clone(), view))
+                .map_err(|error| DraftError::Checkpoint(format!("tensor {name:?}: {error}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(metadata), path)
+        .map_err(|error| DraftError::Checkpoint(format!("{}: {error}", path.display())))
+}
+
+/// Reads every tensor of a safetensors file onto the CPU.
+pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>, DraftError> {
+    let tensors = Tensor::read_safetensors(path)
+        .map_err(|error| DraftError::Checkpoint(format!("{}: {error}", path.display())))?;
+    Ok(tensors.into_iter().collect())
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), DraftError> {
+    let text = serde_json::to_string_pretty(value).map_err(|source| DraftError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(dflash_shell::write_synced(path, (text + "\n").as_bytes())?)
+}

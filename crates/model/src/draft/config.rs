@@ -1,0 +1,438 @@
+//! The draft model's configuration and its `config.json` form.
+//!
+//! The checkpoint's `config.json` is a Hugging Face Qwen3 configuration plus
+//! the DFlash keys the reference `dflash` package reads (`block_size`,
+//! `num_target_layers`, `dflash_config.{target_layer_ids, mask_token_id}`),
+//! so that `DFlashDraftModel.from_pretrained` rebuilds exactly the module
+//! tree whose weights we save. Everything not specific to DFlash (widths,
+//! heads, RoPE, vocabulary) defaults from the target model, because the
+//! drafter shares the target's embedding and LM head and must agree with
+//! them.
+
+use serde_json::{json, Value};
+
+use super::DraftError;
+use crate::layers::{Llama3RopeScaling, RopeParams};
+use crate::target_model::TargetConfig;
+
+/// Default number of draft decoder layers (the DFlash Qwen3-8B recipe).
+pub const DEFAULT_NUM_DRAFT_LAYERS: i64 = 5;
+/// Default number of tokens per drafted block.
+pub const DEFAULT_BLOCK_SIZE: i64 = 16;
+
+/// Shape of the draft model: widths and heads follow the target, depth,
+/// block size, mask token and the tapped target layers are DFlash's own.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftConfig {
+    /// Width of the residual stream; equal to the target's so the target's
+    /// embedding and LM head can be used unchanged.
+    pub hidden_size: i64,
+    /// Inner width of the SwiGLU MLP.
+    pub intermediate_size: i64,
+    /// Number of draft decoder layers (`num_hidden_layers` in `config.json`).
+    pub num_draft_layers: i64,
+    pub num_attention_heads: i64,
+    /// Key/value heads (grouped-query attention when fewer than query heads).
+    pub num_key_value_heads: i64,
+    pub head_dim: i64,
+    pub rms_norm_eps: f64,
+    /// Rotary embedding parameters, taken from the target.
+    pub rope: RopeParams,
+    pub vocab_size: i64,
+    pub max_position_embeddings: i64,
+    /// Tokens per drafted block: the anchor token plus `block_size - 1` masks.
+    pub block_size: i64,
+    /// Number of decoder layers of the target (`num_target_layers`).
+    pub num_target_layers: i64,
+    /// Target layers whose outputs are concatenated as the draft's context;
+    /// their count fixes the input width of `fc`.
+    pub target_layer_ids: Vec<i64>,
+    /// Token id that fills the not-yet-drafted positions of a block.
+    pub mask_token_id: i64,
+    /// Standard deviation of the normal initialisation of linear weights
+    /// (HF `initializer_range`).
+    pub initializer_range: f64,
+}
+
+/// The target-side facts a draft configuration is derived from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TargetDimensions {
+    pub hidden_size: i64,
+    pub intermediate_size: i64,
+    pub num_hidden_layers: i64,
+    pub num_attention_heads: i64,
+    pub num_key_value_heads: i64,
+    pub head_dim: i64,
+    pub rms_norm_eps: f64,
+    pub rope: RopeParams,
+    pub vocab_size: i64,
+    pub max_position_embeddings: i64,
+}
+
+/// The DFlash-specific choices; `None` fields take the defaults.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DraftOptions {
+    pub num_draft_layers: Option<i64>,
+    pub block_size: Option<i64>,
+    pub mask_token_id: i64,
+    /// Target layers to tap; defaults to [`build_target_layer_ids`] of the
+    /// target depth and the number of draft layers.
+    pub target_layer_ids: Option<Vec<i64>>,
+}
+
+/// [`crate::target_model::build_target_layer_ids`] in the draft config's integer type.
+pub fn build_target_layer_ids(num_target_layers: i64, num_draft_layers: i64) -> Vec<i64> {
+    crate::target_model::build_target_layer_ids(
+        num_target_layers.max(0) as usize,
+        num_draft_layers.max(0) as usize,
+    )
+    .into_iter()
+    .map(|layer| layer as i64)
+    .collect()
+}
+
+impl From<&TargetConfig> for TargetDimensions {
+    fn from(target: &TargetConfig) -> Self {
+        TargetDimensions {
+            hidden_size: target.hidden_size,
+            intermediate_size: target.intermediate_size,
+            num_hidden_layers: target.num_hidden_layers as i64,
+            num_attention_heads: target.num_attention_heads,
+            num_key_value_heads: target.num_key_value_heads,
+            head_dim: target.head_dim,
+            rms_norm_eps: target.rms_norm_eps,
+            rope: target.rope.clone(),
+            vocab_size: target.vocab_size,
+            // Targets without a limit (i64::MAX) get Qwen3's default, which
+            // is only informational for the drafter.
+            max_position_embeddings: target.max_position_embeddings.min(1 << 20),
+        }
+    }
+}
+
+impl DraftConfig {
+    /// A draft configuration for a target: widths from the target, DFlash
+    /// choices from `options` with the documented defaults.
+    pub fn for_target(
+        target: &TargetDimensions,
+        options: &DraftOptions,
+    ) -> Result<Self, DraftError> {
+        let num_draft_layers = options.num_draft_layers.unwrap_or(DEFAULT_NUM_DRAFT_LAYERS);
+        let target_layer_ids = options
+            .target_layer_ids
+            .clone()
+            .unwrap_or_else(|| build_target_layer_ids(target.num_hidden_layers, num_draft_layers));
+        let config = DraftConfig {
+            hidden_size: target.hidden_size,
+            intermediate_size: target.intermediate_size,
+            num_draft_layers,
+            num_attention_heads: target.num_attention_heads,
+            num_key_value_heads: target.num_key_value_heads,
+            head_dim: target.head_dim,
+            rms_norm_eps: target.rms_norm_eps,
+            rope: target.rope.clone(),
+            vocab_size: target.vocab_size,
+            max_position_embeddings: target.max_position_embeddings,
+            block_size: options.block_size.unwrap_or(DEFAULT_BLOCK_SIZE),
+            num_target_layers: target.num_hidden_layers,
+            target_layer_ids,
+            mask_token_id: options.mask_token_id,
+            initializer_range: 0.02,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Width of the concatenated target hidden states a sample carries.
+    pub fn target_hidden_width(&self) -> i64 {
+        self.target_layer_ids.len() as i64 * self.hidden_size
+    }
+
+    /// Checks the invariants the forward relies on.
+    pub fn validate(&self) -> Result<(), DraftError> {
+        let invalid = |reason: String| Err(DraftError::InvalidConfig(reason));
+        if self.hidden_size <= 0 || self.intermediate_size <= 0 || self.head_dim <= 0 {
+            return invalid(format!(
+                "hidden_size {}, intermediate_size {} and head_dim {} must be positive",
+                self.hidden_size, self.intermediate_size, self.head_dim
+            ));
+        }
+        if self.num_draft_layers <= 0 {
+            return invalid(format!(
+                "num_hidden_layers {} must be positive",
+                self.num_draft_layers
+            ));
+        }
+        if self.num_attention_heads <= 0
+            || self.num_key_value_heads <= 0
+            || self.num_attention_heads % self.num_key_value_heads != 0
+        {
+            return invalid(format!(
+                "num_attention_heads {} must be a positive multiple of num_key_value_heads {}",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return invalid(format!(
+                "head_dim {} must be even for rotary embeddings",
+                self.head_dim
+            ));
+        }
+        if self.block_size < 2 {
+            return invalid(format!("block_size {} must be at least 2", self.block_size));
+        }
+        if self.target_layer_ids.is_empty() {
+            return invalid("target_layer_ids is empty".to_string());
+        }
+        if let Some(bad) = self
+            .target_layer_ids
+            .iter()
+            .find(|&&layer| layer < 0 || layer >= self.num_target_layers)
+        {
+            return invalid(format!(
+                "target layer id {bad} is outside the target's {} layers",
+                self.num_target_layers
+            ));
+        }
+        if self.mask_token_id < 0 || self.mask_token_id >= self.vocab_size {
+            return invalid(format!(
+                "mask_token_id {} is outside the vocabulary of {} tokens",
+                self.mask_token_id, self.vocab_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// The checkpoint's `config.json`: a Qwen3 configuration the reference
+    /// `DFlashDraftModel` (`config_class = Qwen3Config`) accepts, with the
+    /// DFlash keys both at the top level (older readers) and in
+    /// `dflash_config` (read first by `dflash` 0.1.0).
+    pub fn to_hf_json(&self, torch_dtype: &str) -> Value {
+        let mut rope_parameters = json!({ "rope_type": "default", "rope_theta": self.rope.theta });
+        let mut rope_scaling = Value::Null;
+        if let Some(scaling) = &self.rope.scaling {
+            let llama3 = json!({
+                "rope_type": "llama3",
+                "factor": scaling.factor,
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            });
+            rope_scaling = llama3.clone();
+            rope_parameters = llama3;
+            rope_parameters["rope_theta"] = json!(self.rope.theta);
+        }
+        json!({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_draft_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": rope_scaling,
+            "rope_parameters": rope_parameters,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "use_sliding_window": false,
+            "sliding_window": null,
+            "tie_word_embeddings": false,
+            "initializer_range": self.initializer_range,
+            "use_cache": true,
+            "torch_dtype": torch_dtype,
+            "dtype": torch_dtype,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": self.target_layer_ids,
+            "dflash_config": {
+                "target_layer_ids": self.target_layer_ids,
+                "mask_token_id": self.mask_token_id,
+                "block_size": self.block_size,
+            },
+        })
+    }
+
+    /// Reads a checkpoint's `config.json`, looking up the DFlash keys in
+    /// `dflash_config` first and at the top level second, like the reference.
+    pub fn from_hf_json(value: &Value) -> Result<Self, DraftError> {
+        let integer = |name: &str| -> Result<i64, DraftError> {
+            dflash_value(value, name)
+                .and_then(Value::as_i64)
+                .ok_or_else(|| {
+                    DraftError::InvalidConfig(format!(
+                        "config.json: missing or non-integer {name:?}"
+                    ))
+                })
+        };
+        let float = |name: &str| -> Result<f64, DraftError> {
+            value.get(name).and_then(Value::as_f64).ok_or_else(|| {
+                DraftError::InvalidConfig(format!("config.json: missing or non-numeric {name:?}"))
+            })
+        };
+        let hidden_size = integer("hidden_size")?;
+        let num_attention_heads = integer("num_attention_heads")?;
+        let head_dim = match value.get("head_dim").and_then(Value::as_i64) {
+            Some(head_dim) => head_dim,
+            None if num_attention_heads > 0 => hidden_size / num_attention_heads,
+            None => 0,
+        };
+        let num_draft_layers = integer("num_hidden_layers")?;
+        let num_target_layers = integer("num_target_layers")?;
+        let target_layer_ids = match dflash_value(value, "target_layer_ids") {
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .map(|id| {
+                    id.as_i64().ok_or_else(|| {
+                        DraftError::InvalidConfig(format!(
+                            "config.json: target layer id {id} is not an integer"
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            Some(other) => {
+                return Err(DraftError::InvalidConfig(format!(
+                    "config.json: target_layer_ids {other} is not a list"
+                )))
+            }
+            None => build_target_layer_ids(num_target_layers, num_draft_layers),
+        };
+        let config = DraftConfig {
+            hidden_size,
+            intermediate_size: integer("intermediate_size")?,
+            num_draft_layers,
+            num_attention_heads,
+            num_key_value_heads: dflash_value(value, "num_key_value_heads")
+                .and_then(Value::as_i64)
+                .unwrap_or(num_attention_heads),
+            head_dim,
+            rms_norm_eps: float("rms_norm_eps")?,
+            rope: rope_from_json(value)?,
+            vocab_size: integer("vocab_size")?,
+            max_position_embeddings: integer("max_position_embeddings")?,
+            block_size: dflash_value(value, "block_size")
+                .and_then(Value::as_i64)
+                .unwrap_or(DEFAULT_BLOCK_SIZE),
+            num_target_layers,
+            target_layer_ids,
+            mask_token_id: integer("mask_token_id")?,
+            initializer_range: value
+                .get("initializer_range")
+                .and_then(Value::as_f64)
+                .unwrap_or(0.02),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// `dflash_config[name]`, else the top-level `name` (the reference's lookup order).
+fn dflash_value<'a>(value: &'a Value, name: &str) -> Option<&'a Value> {
+    value
+        .get("dflash_config")
+        .and_then(|dflash| dflash.get(name))
+        .or_else(|| value.get(name))
+        .filter(|found| !found.is_null())
+}
+
+/// RoPE parameters from `rope_parameters` (transformers 5) or the legacy
+/// `rope_theta` / `rope_scaling` keys.
+fn rope_from_json(value: &Value) -> Result<RopeParams, DraftError> {
+    let parameters = value
+        .get("rope_parameters")
+        .filter(|found| found.is_object());
+    let theta = parameters
+        .and_then(|parameters| parameters.get("rope_theta"))
+        .or_else(|| value.get("rope_theta"))
+        .and_then(Value::as_f64)
+        .unwrap_or(10_000.0);
+    let scaling_source =
+        parameters.or_else(|| value.get("rope_scaling").filter(|found| found.is_object()));
+    let rope_type = scaling_source
+        .and_then(|scaling| scaling.get("rope_type").or_else(|| scaling.get("type")))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let scaling = match (rope_type, scaling_source) {
+        ("default", _) | (_, None) => None,
+        ("llama3", Some(scaling)) => {
+            let field = |name: &str| {
+                scaling.get(name).and_then(Value::as_f64).ok_or_else(|| {
+                    DraftError::InvalidConfig(format!(
+                        "config.json: llama3 rope scaling lacks {name:?}"
+                    ))
+                })
+            };
+            Some(Llama3RopeScaling {
+                factor: field("factor")?,
+                low_freq_factor: field("low_freq_factor")?,
+                high_freq_factor: field("high_freq_factor")?,
+                original_max_position_embeddings: field("original_max_position_embeddings")?,
+            })
+        }
+        (other, _) => {
+            return Err(DraftError::InvalidConfig(format!(
+                "config.json: rope type {other:?} is not supported (default and llama3 are)"
+            )))
+        }
+    };
+    Ok(RopeParams { theta, scaling })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_target() -> TargetDimensions {
+        TargetDimensions {
+            hidden_size: 32,
+            intermediate_size: 64,
+            num_hidden_layers: 8,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            rms_norm_eps: 1e-6,
+            rope: RopeParams::plain(1_000_000.0),
+            vocab_size: 100,
+            max_position_embeddings: 512,
+        }
+    }
+
+    #[test]
+    fn config_json_round_trips() {
+        let options = DraftOptions {
+            num_draft_layers: Some(2),
+            block_size: Some(4),
+            mask_token_id: 99,
+            target_layer_ids: None,
+        };
+        let config = DraftConfig::for_target(&tiny_target(), &options).unwrap();
+        assert_eq!(config.target_layer_ids, vec![1, 5]);
+        let json = config.to_hf_json("float32");
+        assert_eq!(json["dflash_config"]["mask_token_id"], 99);
+        assert_eq!(json["architectures"][0], "DFlashDraftModel");
+        assert_eq!(DraftConfig::from_hf_json(&json).unwrap(), config);
+    }
+
+    #[test]
+    fn invalid_configs_are_rejected_with_the_value() {
+        let options = DraftOptions {
+            mask_token_id: 100,
+            ..DraftOptions::default()
+        };
+        let error = DraftConfig::for_target(&tiny_target(), &options).unwrap_err();
+        assert!(error.to_string().contains("mask_token_id 100"), "{error}");
+        let options = DraftOptions {
+            target_layer_ids: Some(vec![8]),
+            mask_token_id: 1,
+            ..DraftOptions::default()
+        };
+        let error = DraftConfig::for_target(&tiny_target(), &options).unwrap_err();
+        assert!(error.to_string().contains("target layer id 8"), "{error}");
+    }
+}

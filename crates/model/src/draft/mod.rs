@@ -1,0 +1,84 @@
+//! The DFlash draft model (arXiv 2602.06036), its training objective, its
+//! optimizer and its checkpoint format.
+//!
+//! # Layout
+//! - [`config`]: `DraftConfig`, derived from the target's config, and its
+//!   Hugging Face `config.json` form.
+//! - [`model`]: the network (`fc`, `hidden_norm`, `layers.{i}`, `norm`) over
+//!   a `VarStore` named like the reference `state_dict`, with the target's
+//!   frozen embedding and LM head; `DraftContextCache`, the per-layer
+//!   context keys and values speculative decoding reuses block after block.
+//! - [`objective`]: anchor sampling, block packing, the decayed masked
+//!   cross-entropy and per-position accuracy; `compute_objective_backward`
+//!   runs forward and backward with chunked logits and optional layer
+//!   checkpointing (`ObjectiveMemory`).
+//! - [`optim`]: AdamW, warmup + cosine schedule, gradient clipping, with
+//!   state that can be saved.
+//! - [`trainer`]: micro-batch accumulation and optimizer steps over the
+//!   above, plus checkpoint save and resume; no queue, no threads.
+//! - [`checkpoint`]: atomic save / load of `model.safetensors`,
+//!   `config.json` (loadable by `dflash`'s `DFlashDraftModel.from_pretrained`)
+//!   and the optimizer/trainer state for resuming.
+//!
+//! Nothing here knows about the broker or threads: the drafter-server drives
+//! it from its own training thread.
+
+pub mod checkpoint;
+pub mod config;
+pub mod model;
+pub mod objective;
+pub mod optim;
+pub mod trainer;
+
+pub use checkpoint::{
+    load_draft_model, load_training_state, save_draft_checkpoint, TrainingProgress,
+    CONFIG_FILE_NAME, MODEL_FILE_NAME, OPTIMIZER_FILE_NAME, TRAINER_STATE_FILE_NAME,
+};
+pub use config::{build_target_layer_ids, DraftConfig, DraftOptions, TargetDimensions};
+pub use model::{
+    AttentionImplementation, BlockInputs, DraftContextCache, DraftModel, FrozenTargetHeads,
+    DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
+};
+pub use objective::{
+    accuracy_ratios, compute_objective, compute_objective_backward, default_loss_decay_gamma,
+    overall_accuracy, pack_batch, sample_anchors, BackwardOutput, ObjectiveMemory, ObjectiveOutput,
+    PackedBatch, TrainingSequence,
+};
+pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
+pub use trainer::{
+    DraftTrainer, MicroBatchReport, SkippedStep, StepReport, TrainerSettings,
+    DEFAULT_GRAD_NORM_SPIKE_RATIO, DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
+};
+
+use std::path::PathBuf;
+
+/// Errors of the draft model code. Messages carry the offending value.
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error("invalid draft config: {0}")]
+    InvalidConfig(String),
+    #[error("shape mismatch: {0}")]
+    ShapeMismatch(String),
+    #[error("draft parameter {0:?} is missing")]
+    MissingParameter(String),
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error(transparent)]
+    Model(#[from] crate::target_model::ModelError),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    #[error("optimizer step skipped: {0}")]
+    StepSkipped(trainer::SkippedStep),
+}

@@ -1,0 +1,295 @@
+//! AdamW with a linear-warmup cosine schedule and global-norm gradient
+//! clipping, written over plain tensors rather than `tch::nn::Optimizer`
+//! because libtorch's C optimizer state cannot be read back out, and
+//! `--resume` must restore the moment estimates exactly.
+
+use std::collections::BTreeMap;
+
+use tch::{Kind, Tensor};
+
+use super::DraftError;
+
+/// AdamW hyper-parameters (PyTorch's defaults apart from the learning rate).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamWSettings {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub epsilon: f64,
+    /// Decoupled weight decay, applied to every parameter.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWSettings {
+    fn default() -> Self {
+        AdamWSettings {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+/// Peak learning rate, linear warmup over `warmup_fraction` of the steps,
+/// then cosine decay to `min_lr_ratio × peak`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LearningRateSchedule {
+    pub peak_learning_rate: f64,
+    pub warmup_fraction: f64,
+    pub min_lr_ratio: f64,
+}
+
+impl Default for LearningRateSchedule {
+    fn default() -> Self {
+        LearningRateSchedule {
+            peak_learning_rate: 6e-4,
+            warmup_fraction: 0.04,
+            min_lr_ratio: 0.0,
+        }
+    }
+}
+
+impl LearningRateSchedule {
+    /// Learning rate of the optimizer step with 0-based index `step` out of
+    /// `total_steps`. Steps past the end stay at the floor.
+    pub fn learning_rate(&self, step: u64, total_steps: u64) -> f64 {
+        let total_steps = total_steps.max(1);
+        let warmup_steps = ((total_steps as f64) * self.warmup_fraction).ceil() as u64;
+        let floor = self.peak_learning_rate * self.min_lr_ratio;
+        if step < warmup_steps {
+            return self.peak_learning_rate * (step + 1) as f64 / warmup_steps as f64;
+        }
+        let decay_steps = total_steps.saturating_sub(warmup_steps).max(1);
+        let progress = ((step - warmup_steps) as f64 / decay_steps as f64).min(1.0);
+        floor
+            + (self.peak_learning_rate - floor)
+                * 0.5
+                * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+}
+
+/// AdamW over named parameters; the names key the saved moment estimates.
+pub struct AdamW {
+    settings: AdamWSettings,
+    /// Parameter name → (parameter, first moment, second moment).
+    states: BTreeMap<String, (Tensor, Tensor, Tensor)>,
+    /// Optimizer steps taken so far (drives the bias correction).
+    steps_taken: u64,
+}
+
+impl AdamW {
+    /// Changes β1 from the next step on (the moments are kept). Drafters
+    /// that train one model set it from the number of drafters sharing the
+    /// center (`dflash-drafter-server`'s model sync).
+    pub fn set_beta1(&mut self, beta1: f64) {
+        self.settings.beta1 = beta1;
+    }
+
+    /// An optimizer over `parameters` (name, tensor requiring grad).
+    pub fn new(
+        parameters: impl IntoIterator<Item = (String, Tensor)>,
+        settings: AdamWSettings,
+    ) -> Self {
+        let states = parameters
+            .into_iter()
+            .map(|(name, parameter)| {
+                let first_moment = parameter.zeros_like().to_kind(Kind::Float);
+                let second_moment = parameter.zeros_like().to_kind(Kind::Float);
+                (name, (parameter, first_moment, second_moment))
+            })
+            .collect();
+        AdamW {
+            settings,
+            states,
+            steps_taken: 0,
+        }
+    }
+
+    pub fn steps_taken(&self) -> u64 {
+        self.steps_taken
+    }
+
+    /// Sets every parameter's gradient to zero (or leaves it undefined).
+    pub fn zero_grad(&mut self) {
+        for (parameter, _, _) in self.states.values_mut() {
+            parameter.zero_grad();
+        }
+    }
+
+    /// Multiplies every gradient by `factor` (normalising accumulated sums).
+    pub fn scale_gradients(&mut self, factor: f64) {
+        let _no_grad = tch::no_grad_guard();
+        for (parameter, _, _) in self.states.values() {
+            let mut gradient = parameter.grad();
+            if gradient.defined() {
+                let _ = gradient.g_mul_scalar_(factor);
+            }
+        }
+    }
+
+    /// Scales gradients so their global L2 norm is at most `max_norm`
+    /// (PyTorch `clip_grad_norm_`), returning the norm before clipping.
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
+        let total_norm = self.gradient_norm();
+        self.clip_gradients(max_norm, total_norm);
+        total_norm
+    }
+
+    /// The global L2 norm of every gradient: one fused reduction on the
+    /// device and one read back to the host (not one per parameter). NaN or
+    /// infinity when any gradient is not finite.
+    pub fn gradient_norm(&self) -> f64 {
+        let _no_grad = tch::no_grad_guard();
+        let squares: Vec<tch::Tensor> = self
+            .states
+            .values()
+            .filter_map(|(parameter, _, _)| {
+                let gradient = parameter.grad();
+                gradient
+                    .defined()
+                    .then(|| gradient.to_kind(Kind::Float).square().sum(Kind::Float))
+            })
+            .collect();
+        if squares.is_empty() {
+            return 0.0;
+        }
+        tch::Tensor::stack(&squares, 0)
+            .sum(Kind::Float)
+            .double_value(&[])
+            .sqrt()
+    }
+
+    /// Scales the gradients so their global norm (`total_norm`, from
+    /// [`AdamW::gradient_norm`]) is at most `max_norm`.
+    pub fn clip_gradients(&mut self, max_norm: f64, total_norm: f64) {
+        let _no_grad = tch::no_grad_guard();
+        let clip_coefficient = (max_norm / (total_norm + 1e-6)).min(1.0);
+        if clip_coefficient < 1.0 {
+            for (parameter, _, _) in self.states.values() {
+                let mut gradient = parameter.grad();
+                if gradient.defined() {
+                    let _ = gradient.g_mul_scalar_(clip_coefficient);
+                }
+            }
+        }
+    }
+
+    /// One AdamW update at `learning_rate` (PyTorch `AdamW` semantics).
+    pub fn step(&mut self, learning_rate: f64) {
+        let _no_grad = tch::no_grad_guard();
+        self.steps_taken += 1;
+        let settings = &self.settings;
+        let bias_correction1 = 1.0 - settings.beta1.powi(self.steps_taken as i32);
+        let bias_correction2_sqrt = (1.0 - settings.beta2.powi(self.steps_taken as i32)).sqrt();
+        for (parameter, first_moment, second_moment) in self.states.values_mut() {
+            let gradient = parameter.grad();
+            if !gradient.defined() {
+                continue;
+            }
+            let gradient = gradient.to_kind(Kind::Float);
+            if settings.weight_decay != 0.0 {
+                let _ = parameter.g_mul_scalar_(1.0 - learning_rate * settings.weight_decay);
+            }
+            let _ = first_moment.g_mul_scalar_(settings.beta1);
+            let _ = first_moment.g_add_(&(&gradient * (1.0 - settings.beta1)));
+            let _ = second_moment.g_mul_scalar_(settings.beta2);
+            let _ = second_moment.g_add_(&(gradient.square() * (1.0 - settings.beta2)));
+            let denominator = second_moment.sqrt() / bias_correction2_sqrt + settings.epsilon;
+            let update = (&*first_moment / denominator) * (learning_rate / bias_correction1);
+            let _ = parameter.g_sub_(&update.to_kind(parameter.kind()));
+        }
+    }
+
+    /// The moment estimates as named tensors (`exp_avg.{name}`,
+    /// `exp_avg_sq.{name}`), for the checkpoint.
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.states
+            .iter()
+            .flat_map(|(name, (_, first_moment, second_moment))| {
+                [
+                    (format!("exp_avg.{name}"), first_moment.shallow_clone()),
+                    (format!("exp_avg_sq.{name}"), second_moment.shallow_clone()),
+                ]
+            })
+            .collect()
+    }
+
+    /// Restores moment estimates saved by [`AdamW::state_tensors`] and the
+    /// step count; every parameter must have both moments with its shape.
+    pub fn load_state(
+        &mut self,
+        saved: &BTreeMap<String, Tensor>,
+        steps_taken: u64,
+    ) -> Result<(), DraftError> {
+        let _no_grad = tch::no_grad_guard();
+        for (name, (parameter, first_moment, second_moment)) in self.states.iter_mut() {
+            for (prefix, moment) in [("exp_avg", first_moment), ("exp_avg_sq", second_moment)] {
+                let key = format!("{prefix}.{name}");
+                let stored = saved.get(&key).ok_or_else(|| {
+                    DraftError::Checkpoint(format!("optimizer state lacks {key:?}"))
+                })?;
+                if stored.size() != parameter.size() {
+                    return Err(DraftError::Checkpoint(format!(
+                        "optimizer state {key:?} has shape {:?}, the parameter has {:?}",
+                        stored.size(),
+                        parameter.size()
+                    )));
+                }
+                moment.copy_(&stored.to_device(moment.device()).to_kind(Kind::Float));
+            }
+        }
+        self.steps_taken = steps_taken;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_linearly_then_decays_to_the_floor() {
+        let schedule = LearningRateSchedule::default();
+        // 100 steps: 4 warmup steps.
+        assert!((schedule.learning_rate(0, 100) - 1.5e-4).abs() < 1e-12);
+        assert!((schedule.learning_rate(3, 100) - 6e-4).abs() < 1e-12);
+        assert!(schedule.learning_rate(50, 100) < 6e-4);
+        assert!(schedule.learning_rate(50, 100) > schedule.learning_rate(90, 100));
+        assert!(schedule.learning_rate(100, 100).abs() < 1e-12);
+    }
+
+    #[test]
+    fn adamw_first_step_moves_each_weight_by_the_learning_rate() {
+        let parameter = Tensor::from_slice(&[1.0f32, -2.0]).set_requires_grad(true);
+        let mut optimizer = AdamW::new(
+            [("w".to_string(), parameter.shallow_clone())],
+            AdamWSettings::default(),
+        );
+        let loss = (&parameter * Tensor::from_slice(&[3.0f32, -0.5])).sum(Kind::Float);
+        loss.backward();
+        optimizer.step(0.1);
+        // Bias-corrected first step: update = lr · sign(g).
+        let values = Vec::<f32>::try_from(&parameter.detach()).unwrap();
+        assert!(
+            (values[0] - 0.9).abs() < 1e-5 && (values[1] + 1.9).abs() < 1e-5,
+            "{values:?}"
+        );
+        assert_eq!(optimizer.state_tensors().len(), 2);
+    }
+
+    #[test]
+    fn clipping_bounds_the_global_norm() {
+        let parameter = Tensor::from_slice(&[0.0f32, 0.0]).set_requires_grad(true);
+        let mut optimizer = AdamW::new(
+            [("w".to_string(), parameter.shallow_clone())],
+            AdamWSettings::default(),
+        );
+        (&parameter * Tensor::from_slice(&[3.0f32, 4.0]))
+            .sum(Kind::Float)
+            .backward();
+        let norm = optimizer.clip_grad_norm(1.0);
+        assert!((norm - 5.0).abs() < 1e-6);
+        let clipped = parameter.grad().norm().double_value(&[]);
+        assert!((clipped - 1.0).abs() < 1e-4, "{clipped}");
+    }
+}

@@ -1,0 +1,178 @@
+//! The Produce stream across broker restarts (defects (b) and (c) of #24):
+//! the reconnect budget is per outage, so routine restarts of a long run
+//! never add up to it; and SIGTERM (the run's shutdown token) is honoured
+//! while the broker holds the target back.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use dflash_broker::BrokerConfig;
+use dflash_proto::v1::Item;
+use dflash_target_server::sender::ResilientProducer;
+use dflash_target_server::{run, DeviceChoice, ModelSource, TargetServerConfig};
+use dflash_testkit::{sample, wait_until, BrokerProcess, TestBroker};
+use tokio_util::sync::CancellationToken;
+
+const ITEM_BYTES: usize = 4096;
+
+fn item(seq: u64) -> Item {
+    Item {
+        seq,
+        sample: Some(sample(ITEM_BYTES, seq)),
+        trace_context: HashMap::new(),
+    }
+}
+
+/// Five SIGKILL-and-restart cycles of the broker binary on its state dir,
+/// with items accepted between them, against a budget of 3 attempts: each
+/// outage needs one or two, so the budget holds only if it is per outage
+/// (the previous, process-wide count gave up at the third restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routine_broker_restarts_never_add_up_to_the_reconnect_budget() {
+    const RESTARTS: u64 = 5;
+    const ITEMS_BETWEEN: u64 = 3;
+    const BUDGET: u32 = 3;
+    let work = tempfile::tempdir().unwrap();
+    let state_dir = work.path().join("state");
+    let mut broker = BrokerProcess::start(
+        &[
+            "--expected-targets",
+            "1",
+            "--state-dir",
+            state_dir.to_str().unwrap(),
+            "--fsync",
+            "always",
+        ],
+        work.path().join("broker.log"),
+    )
+    .await;
+    let mut producer = ResilientProducer::open(broker.client().await, "target-0", 4, BUDGET)
+        .await
+        .unwrap();
+    let mut seq = 0;
+    for restart in 0..RESTARTS {
+        for _ in 0..ITEMS_BETWEEN {
+            producer
+                .send_item(item(seq))
+                .await
+                .unwrap_or_else(|error| panic!("seq {seq} after {restart} restarts: {error}"));
+            seq += 1;
+        }
+        let expected = seq;
+        assert!(
+            wait_until(Duration::from_secs(30), || async {
+                broker.client().await.status().await.unwrap().accepted_items == expected
+            })
+            .await,
+            "the broker has seqs 0..{expected}; log: {}",
+            broker.log()
+        );
+        broker.restart().await;
+    }
+    producer
+        .send_item(item(seq))
+        .await
+        .unwrap_or_else(|error| panic!("seq {seq} after {RESTARTS} restarts: {error}"));
+    let report = producer.finish().await.unwrap();
+    assert!(report.rejected.is_empty(), "{report:?}");
+    let status = broker.client().await.status().await.unwrap();
+    assert_eq!(status.accepted_items, seq + 1, "{status:?}");
+}
+
+/// A target held back by a full queue (no drafter) stops when its shutdown
+/// token fires, within the finish timeout, instead of waiting for room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_is_honoured_while_the_broker_holds_the_target_back() {
+    const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
+    let mut broker_config = BrokerConfig::for_targets(1);
+    broker_config.max_queue_bytes = 8 * 1024;
+    broker_config.max_item_bytes = 8 * 1024;
+    let broker = TestBroker::start(broker_config).await;
+    let model: ModelSource = "synthetic:hidden=16,layers=2,tokens_per_s=0,samples=200,seq_len=32"
+        .parse()
+        .unwrap();
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.device = DeviceChoice::Cpu;
+    config.max_batch_tokens = 64;
+    config.finish_timeout = FINISH_TIMEOUT;
+    let shutdown = CancellationToken::new();
+    let target = tokio::spawn(run(config, shutdown.clone()));
+    // Held back: the queue is full and the producer window is spent, so the
+    // broker stops reading the stream.
+    let last_accepted = std::sync::atomic::AtomicU64::new(u64::MAX);
+    assert!(
+        wait_until(Duration::from_secs(60), || async {
+            let status = broker.status().await;
+            let before =
+                last_accepted.swap(status.accepted_items, std::sync::atomic::Ordering::Relaxed);
+            // Three items of about 2.1 KiB fill the 8 KiB queue.
+            status.queued_items >= 3 && status.accepted_items == before
+        })
+        .await,
+        "the target never filled the queue"
+    );
+    let cancelled_at = Instant::now();
+    shutdown.cancel();
+    let outcome = tokio::time::timeout(FINISH_TIMEOUT + Duration::from_secs(10), target)
+        .await
+        .expect("the target ignored its shutdown while held back")
+        .unwrap();
+    let elapsed = cancelled_at.elapsed();
+    match outcome {
+        Ok(report) => assert!(!report.completed, "{report:?}"),
+        Err(error) => panic!("an interrupted run is not an error: {error}"),
+    }
+    assert!(
+        elapsed < FINISH_TIMEOUT + Duration::from_secs(5),
+        "{elapsed:?}"
+    );
+    broker.stop().await;
+}
+
+/// `--on-non-finite skip` (the default): a capture with a NaN is counted and
+/// never sent; ReportDone's total leaves it out, so the run still completes
+/// with every other (target, seq) accepted. `fail` stops the target naming
+/// the seq, before ReportDone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_finite_capture_is_never_sent_and_skip_or_fail_is_honoured() {
+    use dflash_target_server::NonFiniteAction;
+    const SAMPLES: u64 = 8;
+    const POISONED: u64 = 3;
+    let model: ModelSource =
+        format!("synthetic:hidden=16,layers=2,tokens_per_s=0,samples={SAMPLES},seq_len=16,nan_at_seq={POISONED}")
+            .parse()
+            .unwrap();
+
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model.clone(), None);
+    config.device = DeviceChoice::Cpu;
+    let drafter =
+        dflash_testkit::spawn_drafter(broker.client().await, "drafter-0", Duration::from_secs(60));
+    let report = run(config, CancellationToken::new()).await.unwrap();
+    assert!(report.completed, "{report:?}");
+    assert_eq!(report.non_finite_skipped, 1, "{report:?}");
+    assert_eq!(report.reported_total, Some(SAMPLES - 1));
+    let drained = drafter.await.unwrap().unwrap();
+    let mut seqs: Vec<u64> = drained
+        .deliveries
+        .iter()
+        .map(|delivery| delivery.seq)
+        .collect();
+    seqs.sort_unstable();
+    let expected: Vec<u64> = (0..SAMPLES).filter(|&seq| seq != POISONED).collect();
+    assert_eq!(seqs, expected, "every seq but the poisoned one, once");
+    broker.stop().await;
+
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.device = DeviceChoice::Cpu;
+    config.on_non_finite = NonFiniteAction::Fail;
+    let error = run(config, CancellationToken::new())
+        .await
+        .expect_err("the target stops");
+    assert!(error.to_string().contains("seq 3"), "{error}");
+    assert_eq!(broker.status().await.done_targets, 0);
+    broker.stop().await;
+}
