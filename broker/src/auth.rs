@@ -11,6 +11,7 @@
 //! unless `--token-exempt none` says otherwise.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use clap::{Args, ValueEnum};
 use dflash_proto::credentials::{load_token, read_pem, CredentialError, Token};
@@ -18,11 +19,15 @@ use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tracing::warn;
 
+use crate::roles::{Credentials, CredentialsError, Principal};
+
 /// A configured security value that cannot be used, naming the flag and file.
 #[derive(Debug, thiserror::Error)]
 pub enum SecurityError {
     #[error(transparent)]
     Credential(#[from] CredentialError),
+    #[error(transparent)]
+    Credentials(#[from] CredentialsError),
     #[error("{0}")]
     Flags(String),
 }
@@ -61,6 +66,14 @@ pub struct BrokerSecurity {
     #[arg(long, env = "DFLASH_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
 
+    /// File of credentials with roles: one `role identity token` a line
+    /// (role target, drafter or operator; identity an id or `*`; the token
+    /// or `sha256:<hex>` of it). Each RPC is then authorized by the caller's
+    /// role and identity (see `dflash_broker::roles`). May be combined with
+    /// --token-file, whose shared token grants every role.
+    #[arg(long, env = "DFLASH_CREDENTIALS_FILE")]
+    pub credentials: Option<PathBuf>,
+
     /// Services reachable without the token (comma-separated: health,
     /// reflection, or none).
     #[arg(
@@ -78,6 +91,8 @@ pub struct BrokerSecurity {
 pub struct ServerSecurity {
     pub tls: Option<ServerTlsConfig>,
     pub token: Option<Token>,
+    /// `--credentials`: tokens with roles (empty without the flag).
+    pub credentials: Arc<Credentials>,
     pub health_open: bool,
     pub reflection_open: bool,
 }
@@ -122,9 +137,20 @@ impl BrokerSecurity {
                 ))
             }
         };
+        let credentials = match &self.credentials {
+            Some(path) => Credentials::load(path)?,
+            None => Credentials::default(),
+        };
+        let token = load_token(self.token_file.as_deref())?;
+        if token.is_some() && !credentials.is_empty() {
+            warn!("--token-file's shared token grants every role beside --credentials: give each pod its own credential");
+        } else if token.is_some() {
+            warn!("the shared token (--token-file) grants every role to whoever holds it: fine for a trusted single-tenant setup; --credentials gives each role its own");
+        }
         Ok(ServerSecurity {
             tls,
-            token: load_token(self.token_file.as_deref())?,
+            credentials: Arc::new(credentials),
+            token,
             health_open: self.token_exempt.contains(&TokenExempt::Health),
             reflection_open: self.token_exempt.contains(&TokenExempt::Reflection),
         })
@@ -137,35 +163,54 @@ impl ServerSecurity {
     pub fn check(&self, exempt: bool) -> TokenCheck {
         TokenCheck {
             token: if exempt { None } else { self.token.clone() },
+            credentials: if exempt {
+                Arc::default()
+            } else {
+                self.credentials.clone()
+            },
         }
     }
 }
 
-/// The interceptor in front of each service: with a token configured, a
-/// call whose `authorization` metadata is not `Bearer <token>` is refused
-/// with UNAUTHENTICATED before the handler sees it.
+/// The interceptor in front of each service: with a token or credentials
+/// configured, a call whose `authorization` metadata is not `Bearer <token>`
+/// of one of them is refused with UNAUTHENTICATED before the handler sees
+/// it. An accepted call carries its [`Principal`] (the credential's role and
+/// identity) in its extensions, for the handler's authorization.
 #[derive(Debug, Clone)]
 pub struct TokenCheck {
     token: Option<Token>,
+    credentials: Arc<Credentials>,
 }
 
 impl Interceptor for TokenCheck {
-    fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        let Some(token) = &self.token else {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
+        if self.token.is_none() && self.credentials.is_empty() {
+            request.extensions_mut().insert(Principal::unrestricted());
             return Ok(request);
-        };
+        }
         let presented = request
             .metadata()
             .get("authorization")
             .map(|value| value.as_bytes())
             .and_then(|value| value.strip_prefix(b"Bearer "));
-        match presented {
-            Some(candidate) if token.matches(candidate) => Ok(request),
-            Some(_) => {
+        let principal = presented.and_then(|candidate| match &self.token {
+            Some(token) if token.matches(candidate) => Some(Principal::unrestricted()),
+            _ => self.credentials.principal_of(candidate),
+        });
+        match (presented, principal) {
+            (_, Some(principal)) => {
+                request.extensions_mut().insert(principal);
+                Ok(request)
+            }
+            (Some(_), None) => {
                 warn!(peer = ?request.remote_addr(), "refused a call with a wrong token");
                 Err(tonic::Status::unauthenticated("wrong bearer token"))
             }
-            None => {
+            (None, None) => {
                 warn!(peer = ?request.remote_addr(), "refused a call without a bearer token");
                 Err(tonic::Status::unauthenticated(
                     "missing bearer token (authorization: Bearer <token>)",

@@ -47,6 +47,7 @@ pub mod metrics;
 pub mod model_sync;
 pub mod payload;
 pub mod queue;
+pub mod roles;
 pub mod server;
 pub mod service;
 pub mod wal;

@@ -9,6 +9,7 @@
 //! which keeps the fan-out to every drafter out of the lock. Nothing under
 //! the lock blocks or copies payload bytes.
 
+use crate::roles::{Principal, Role};
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -513,7 +514,7 @@ fn new_run_id() -> String {
 }
 
 #[derive(Clone, Copy)]
-enum Role {
+enum StreamKind {
     Producer,
     Consumer,
 }
@@ -523,18 +524,18 @@ enum Role {
 struct ConnectionGuard {
     shared: Arc<Shared>,
     connection: ConnectionId,
-    role: Role,
+    kind: StreamKind,
 }
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
         let connection = self.connection;
-        self.shared.with_queue(|locked, now| match self.role {
-            Role::Producer => {
+        self.shared.with_queue(|locked, now| match self.kind {
+            StreamKind::Producer => {
                 locked.remove_producer_outbox(connection);
                 locked.queue.close_producer(connection, now);
             }
-            Role::Consumer => {
+            StreamKind::Consumer => {
                 locked.consumer_outboxes.remove(&connection);
                 locked.queue.close_consumer(connection, now);
             }
@@ -934,6 +935,7 @@ impl BrokerService {
     pub(crate) async fn open_produce(
         &self,
         mut inbound: InboundProduce,
+        principal: Principal,
     ) -> Result<GuardedStream<proto::ProduceResponse>, Status> {
         let hello = match first_message(&mut inbound).await? {
             ProduceIn::Hello(hello) => hello,
@@ -944,6 +946,7 @@ impl BrokerService {
             }
         };
         validate_id("target_id", &hello.target_id)?;
+        principal.authorize(Role::Target, &hello.target_id, "Produce")?;
         check_run_id(
             &format!("target {:?}", hello.target_id),
             &hello.run_id,
@@ -969,7 +972,7 @@ impl BrokerService {
         let guard = ConnectionGuard {
             shared: self.shared.clone(),
             connection,
-            role: Role::Producer,
+            kind: StreamKind::Producer,
         };
         let target_id: Arc<str> = Arc::from(hello.target_id.as_str());
         self.shared
@@ -986,6 +989,7 @@ impl BrokerService {
     pub(crate) async fn open_consume(
         &self,
         mut inbound: Streaming<proto::ConsumeRequest>,
+        principal: Principal,
     ) -> Result<GuardedStream<ConsumeOut>, Status> {
         let hello = match first_message(&mut inbound).await?.kind {
             Some(proto::consume_request::Kind::Hello(hello)) => hello,
@@ -996,6 +1000,7 @@ impl BrokerService {
             }
         };
         validate_id("drafter_id", &hello.drafter_id)?;
+        principal.authorize(Role::Drafter, &hello.drafter_id, "Consume")?;
         check_run_id(
             &format!("drafter {:?}", hello.drafter_id),
             &hello.run_id,
@@ -1027,7 +1032,7 @@ impl BrokerService {
         let guard = ConnectionGuard {
             shared: self.shared.clone(),
             connection,
-            role: Role::Consumer,
+            kind: StreamKind::Consumer,
         };
         self.shared
             .tasks
@@ -1052,10 +1057,11 @@ impl Broker for BrokerService {
         &self,
         request: Request<Streaming<proto::ProduceRequest>>,
     ) -> Result<Response<Self::ProduceStream>, Status> {
+        let principal = Principal::of(request.extensions());
         let inbound = futures::StreamExt::map(request.into_inner(), |request| {
             request.map(ProduceIn::from_proto)
         });
-        self.open_produce(Box::pin(inbound))
+        self.open_produce(Box::pin(inbound), principal)
             .await
             .map(Response::new)
     }
@@ -1064,8 +1070,12 @@ impl Broker for BrokerService {
         &self,
         request: Request<proto::ReportDoneRequest>,
     ) -> Result<Response<proto::ReportDoneResponse>, Status> {
+        let principal = Principal::of(request.extensions());
         let request = request.into_inner();
         validate_id("target_id", &request.target_id)?;
+        // Only the target's own credential may end its shard, and nobody
+        // else learns its epoch or counts from the refusal.
+        principal.authorize(Role::Target, &request.target_id, "ReportDone")?;
         check_run_id(
             &format!("ReportDone for target {:?}", request.target_id),
             &request.run_id,
@@ -1105,7 +1115,8 @@ impl Broker for BrokerService {
         &self,
         request: Request<Streaming<proto::ConsumeRequest>>,
     ) -> Result<Response<Self::ConsumeStream>, Status> {
-        let outgoing = self.open_consume(request.into_inner()).await?;
+        let principal = Principal::of(request.extensions());
+        let outgoing = self.open_consume(request.into_inner(), principal).await?;
         let messages =
             futures::StreamExt::map(outgoing, |message| message.map(ConsumeOut::into_proto));
         Ok(Response::new(Box::pin(messages)))

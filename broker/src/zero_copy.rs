@@ -22,6 +22,7 @@
 //! or server on the other end reads and writes it. Every other method goes
 //! to the generated server unchanged.
 
+use crate::roles::Principal;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -175,6 +176,7 @@ impl BrokerRoutes {
             if let Err(status) = refuse_compression(&parts.headers) {
                 return Ok(status.into_http());
             }
+            let principal = Principal::of(&parts.extensions);
             let mut decoded = 0u64;
             let inbound = futures::StreamExt::map(
                 MessageReader::new(body, Direction::Request, message_limit),
@@ -186,7 +188,7 @@ impl BrokerRoutes {
             );
             let inbound: Pin<Box<dyn futures::Stream<Item = Result<ProduceIn, Status>> + Send>> =
                 Box::pin(inbound);
-            match service.open_produce(inbound).await {
+            match service.open_produce(inbound, principal).await {
                 Ok(answers) => Ok(grpc_response(Body::new(PieceBody::response(
                     answers,
                     |answer: proto::ProduceResponse| Ok(vec![Pieces::whole(&answer)?]),
@@ -204,13 +206,14 @@ impl BrokerRoutes {
             if let Err(status) = refuse_compression(&parts.headers) {
                 return Ok(status.into_http());
             }
+            let principal = Principal::of(&parts.extensions);
             let requests = Streaming::new_request(
                 tonic_prost::ProstDecoder::<proto::ConsumeRequest>::default(),
                 body,
                 None,
                 Some(message_limit),
             );
-            match service.open_consume(requests).await {
+            match service.open_consume(requests, principal).await {
                 Ok(outgoing) => Ok(grpc_response(Body::new(PieceBody::response(
                     outgoing, grpc_frame,
                 )))),

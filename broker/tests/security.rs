@@ -352,3 +352,150 @@ fn broker_help_and_errors_never_show_the_token() {
         "{stderr}"
     );
 }
+
+/// The code of a failed call, however the client reports it (a status on
+/// open, or a stream that ended with one).
+fn refusal_code<T: std::fmt::Debug>(result: Result<T, ClientError>) -> String {
+    match result {
+        Ok(value) => panic!("expected a refusal, got {value:?}"),
+        Err(ClientError::Call { status, .. }) => format!("{:?}", status.code()),
+        Err(other) => other.to_string(),
+    }
+}
+
+/// #22 roles: with `--credentials`, each credential may call only its
+/// role's RPCs for its own identity; a refused call is PERMISSION_DENIED (an
+/// unknown or missing token UNAUTHENTICATED), names no other target's
+/// state, and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_role_may_call_only_its_own_rpcs_and_a_refusal_changes_nothing() {
+    let folder = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = folder.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let credentials = write(
+        "credentials",
+        "# role identity token\n\
+         target   target-0 token-of-target-zero\n\
+         target   target-1 token-of-target-one\n\
+         drafter  *        token-of-every-drafter\n\
+         operator *        token-of-the-operator\n",
+    );
+    let broker = TestBroker::start(broker_config(BrokerSecurity {
+        credentials: Some(credentials),
+        ..BrokerSecurity::none()
+    }))
+    .await;
+    let address = broker.address.clone();
+    let client_for = |name: &'static str, token: &'static str| {
+        let path = write(name, token);
+        let address = address.clone();
+        async move { connect(&address, token_file(path)).await.unwrap() }
+    };
+    let target_zero = client_for("t0", "token-of-target-zero").await;
+    let target_one = client_for("t1", "token-of-target-one").await;
+    let drafter = client_for("d", "token-of-every-drafter").await;
+    let operator = client_for("o", "token-of-the-operator").await;
+
+    // Unknown and missing credentials.
+    assert_eq!(
+        status_code(&address, ClientSecurityArgs::default()).await,
+        Err("Unauthenticated".to_string())
+    );
+    assert_eq!(
+        status_code(&address, token_file(write("x", "token-of-a-stranger"))).await,
+        Err("Unauthenticated".to_string())
+    );
+
+    // A drafter credential may not produce or end a shard.
+    assert_eq!(
+        refusal_code(drafter.produce("target-0").await),
+        "PermissionDenied"
+    );
+    assert_eq!(
+        refusal_code(drafter.report_done("target-0", 0).await),
+        "PermissionDenied"
+    );
+    // A target credential may not produce or report as another target;
+    // the refusal tells nothing of target-0's epoch or counts.
+    assert_eq!(
+        refusal_code(target_one.produce("target-0").await),
+        "PermissionDenied"
+    );
+    match target_one.report_done("target-0", 7).await {
+        Err(ClientError::Call { status, .. }) => {
+            assert_eq!(status.code(), tonic::Code::PermissionDenied);
+            assert!(!status.message().contains("epoch"), "{}", status.message());
+        }
+        other => panic!("expected PERMISSION_DENIED, got {other:?}"),
+    }
+    // Nor consume, nor open the model sync.
+    assert_eq!(
+        refusal_code(
+            target_zero
+                .consume("drafter-0", dflash_testkit::credit(4))
+                .await
+        ),
+        "PermissionDenied"
+    );
+    let channel = dflash_client::connect_channel(
+        &address,
+        &token_file(write("t0-again", "token-of-target-zero"))
+            .client_options()
+            .unwrap(),
+    )
+    .await
+    .unwrap();
+    let hello = proto::SyncRequest {
+        kind: Some(proto::sync_request::Kind::Hello(proto::SyncHello {
+            drafter_id: "drafter-0".to_string(),
+            model_config_json: "{}".to_string(),
+        })),
+    };
+    let session = proto::model_sync_client::ModelSyncClient::new(channel)
+        .session(tokio_stream::iter(vec![hello]))
+        .await;
+    assert_eq!(
+        session.map(|_| ()).unwrap_err().code(),
+        tonic::Code::PermissionDenied
+    );
+    // An operator credential reads status but may not consume.
+    assert_eq!(
+        refusal_code(
+            operator
+                .consume("drafter-0", dflash_testkit::credit(4))
+                .await
+        ),
+        "PermissionDenied"
+    );
+
+    // Nothing changed.
+    let status = operator.status().await.expect("status as the operator");
+    assert_eq!(status.accepted_items, 0);
+    assert_eq!(status.done_targets, 0);
+    assert!(status.targets.is_empty(), "{:?}", status.targets);
+    assert!(status.drafters.is_empty(), "{:?}", status.drafters);
+    assert!(!status.model_sync.unwrap_or_default().has_center);
+
+    // Each role doing its own part completes the run.
+    let consumer = spawn_drafter(drafter.clone(), "drafter-0", Duration::from_secs(30));
+    let mut producer = target_zero
+        .produce("target-0")
+        .await
+        .expect("produce as itself");
+    producer
+        .send(0, sample(1024, 7), HashMap::new())
+        .await
+        .unwrap();
+    assert_eq!(producer.finish().await.unwrap().accepted, 1);
+    target_zero
+        .report_done("target-0", 1)
+        .await
+        .expect("its own ReportDone");
+    let drained = consumer.await.unwrap().expect("the drafter drains");
+    assert_eq!(drained.deliveries.len(), 1);
+    assert_eq!(drained.end_of_stream.status(), proto::RunStatus::Complete);
+    broker.stop().await;
+}

@@ -301,6 +301,7 @@ impl ModelSync for ModelSyncService {
         &self,
         request: Request<Streaming<proto::SyncRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
+        let principal = crate::roles::Principal::of(request.extensions());
         let mut inbound = request.into_inner();
         let first = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
             Err(_) => return Err(Status::deadline_exceeded("no hello within 30s")),
@@ -323,6 +324,11 @@ impl ModelSync for ModelSyncService {
                 hello.drafter_id
             )));
         }
+        principal.authorize(
+            crate::roles::Role::Drafter,
+            &hello.drafter_id,
+            "ModelSync.Session",
+        )?;
         serde_json::from_str::<serde_json::Value>(&hello.model_config_json).map_err(|error| {
             Status::invalid_argument(format!("model_config_json is not valid JSON: {error}"))
         })?;

@@ -1,0 +1,366 @@
+//! Who may call what: credentials that carry a role (target, drafter,
+//! operator) and optionally the one identity they stand for, and the
+//! checks each RPC makes with them.
+//!
+//! A credentials file (`--credentials FILE`) has one credential a line:
+//!
+//! ```text
+//! # role     identity   token (or sha256:<hex of the token>)
+//! target     target-0   sha256:5e8848...
+//! target     target-1   sha256:6b86b2...
+//! drafter    *          sha256:d4735e...
+//! operator   *          sha256:4e0740...
+//! ```
+//!
+//! `*` stands for any identity of the role. Tokens are kept as SHA-256
+//! digests (a file may hold the hash only: `printf %s "$token" | sha256sum`),
+//! and a presented token is hashed once and compared with every digest in
+//! constant time. The single shared token (`--token-file`) still works and
+//! grants every role (a trusted single-tenant setup; the broker warns).
+//!
+//! | RPC | role | identity checked against |
+//! |---|---|---|
+//! | Produce | target | the hello's `target_id` |
+//! | ReportDone | target | the request's `target_id` |
+//! | Consume | drafter | the hello's `drafter_id` |
+//! | ModelSync.Session | drafter | the hello's `drafter_id` |
+//! | GetStatus, WatchStatus | any | — |
+//!
+//! A refusal is PERMISSION_DENIED and names only the caller's own role and
+//! identity, never the state of the target or drafter it asked about; it
+//! comes before any other check, so it changes nothing.
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+/// What a credential lets its holder do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Target,
+    Drafter,
+    Operator,
+    /// The shared token, or no credentials configured: every role.
+    Any,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Target => "target",
+            Role::Drafter => "drafter",
+            Role::Operator => "operator",
+            Role::Any => "any",
+        }
+    }
+}
+
+/// The caller of one RPC, as its credential says (set by the interceptor in
+/// the request's extensions).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    pub role: Role,
+    /// The one target or drafter id the credential stands for; `None`: any.
+    pub identity: Option<String>,
+}
+
+impl Principal {
+    /// Every role (the shared token, or no credentials configured).
+    pub fn unrestricted() -> Self {
+        Principal {
+            role: Role::Any,
+            identity: None,
+        }
+    }
+
+    /// The caller as the interceptor recorded it; unrestricted when none was
+    /// recorded (no interceptor: an in-process service without security).
+    pub fn of(extensions: &http::Extensions) -> Principal {
+        extensions
+            .get::<Principal>()
+            .cloned()
+            .unwrap_or_else(Principal::unrestricted)
+    }
+
+    /// Whether this caller may act as `role` for `identity` (`action` names
+    /// the RPC in the refusal).
+    pub fn authorize(&self, role: Role, identity: &str, action: &str) -> Result<(), tonic::Status> {
+        if self.role == Role::Any {
+            return Ok(());
+        }
+        if self.role != role {
+            return Err(tonic::Status::permission_denied(format!(
+                "{action} needs a {} credential; this one is a {} credential",
+                role.name(),
+                self.role.name()
+            )));
+        }
+        match &self.identity {
+            Some(own) if own != identity => Err(tonic::Status::permission_denied(format!(
+                "{action}: this credential stands for {} {own:?}, not {identity:?}",
+                role.name()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A credentials file that cannot be used; the message names the file and line.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    #[error("--credentials {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--credentials {path} line {line}: {detail}")]
+    Line {
+        path: PathBuf,
+        line: usize,
+        detail: String,
+    },
+    #[error("--credentials {0}: no credential in the file")]
+    Empty(PathBuf),
+}
+
+struct Credential {
+    digest: [u8; 32],
+    principal: Principal,
+}
+
+/// The credentials of `--credentials`.
+#[derive(Default)]
+pub struct Credentials {
+    entries: Vec<Credential>,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Digests only, and not even those: the count and the roles.
+        formatter
+            .debug_list()
+            .entries(self.entries.iter().map(|entry| &entry.principal))
+            .finish()
+    }
+}
+
+impl Credentials {
+    pub fn load(path: &Path) -> Result<Self, CredentialsError> {
+        let text = std::fs::read_to_string(path).map_err(|source| CredentialsError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let credentials = Self::parse(&text).map_err(|(line, detail)| CredentialsError::Line {
+            path: path.to_path_buf(),
+            line,
+            detail,
+        })?;
+        if credentials.entries.is_empty() {
+            return Err(CredentialsError::Empty(path.to_path_buf()));
+        }
+        Ok(credentials)
+    }
+
+    /// Parses the file's text; an error is (line number, what is wrong).
+    pub fn parse(text: &str) -> Result<Self, (usize, String)> {
+        let mut entries: Vec<Credential> = Vec::new();
+        for (index, line) in text.lines().enumerate() {
+            let number = index + 1;
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let [role, identity, token] = fields.as_slice() else {
+                return Err((
+                    number,
+                    format!(
+                        "expected three fields (role identity token), got {}",
+                        fields.len()
+                    ),
+                ));
+            };
+            let role = match *role {
+                "target" => Role::Target,
+                "drafter" => Role::Drafter,
+                "operator" => Role::Operator,
+                other => {
+                    return Err((
+                        number,
+                        format!("role {other:?} is not target, drafter or operator"),
+                    ))
+                }
+            };
+            let identity = match *identity {
+                "*" => None,
+                id if id.len() <= 256 && !id.chars().any(char::is_control) => Some(id.to_string()),
+                id => return Err((number, format!("identity {id:?} is not a valid id"))),
+            };
+            let digest = match token.strip_prefix("sha256:") {
+                Some(hex) => parse_digest(hex).ok_or_else(|| {
+                    (
+                        number,
+                        "sha256: must be followed by 64 hex digits".to_string(),
+                    )
+                })?,
+                None if token.len() >= 16 && token.bytes().all(|byte| byte.is_ascii_graphic()) => {
+                    digest_of(token.as_bytes())
+                }
+                None => {
+                    return Err((
+                        number,
+                        "a token must be at least 16 printable characters (or sha256:<hex>)"
+                            .to_string(),
+                    ))
+                }
+            };
+            if entries.iter().any(|entry| entry.digest == digest) {
+                return Err((number, "the same token is listed twice".to_string()));
+            }
+            entries.push(Credential {
+                digest,
+                principal: Principal { role, identity },
+            });
+        }
+        Ok(Credentials { entries })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The principal of a presented token, if it is one of ours. Every
+    /// digest is compared (in constant time each), whichever matches.
+    pub fn principal_of(&self, presented: &[u8]) -> Option<Principal> {
+        let digest = digest_of(presented);
+        let mut found = None;
+        for entry in &self.entries {
+            if constant_time_equal(&entry.digest, &digest) {
+                found = Some(entry.principal.clone());
+            }
+        }
+        found
+    }
+}
+
+fn digest_of(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+fn parse_digest(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut digest = [0u8; 32];
+    for (index, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(index * 2..index * 2 + 2)?, 16).ok()?;
+    }
+    Some(digest)
+}
+
+fn constant_time_equal(left: &[u8; 32], right: &[u8; 32]) -> bool {
+    left.iter()
+        .zip(right)
+        .fold(0u8, |difference, (a, b)| difference | (a ^ b))
+        == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = "\
+# role identity token
+target   target-0  token-of-target-zero
+drafter  *         sha256:8c1f6d3f0b4e3f1c6e4b5c7a9d0e2f4a6b8c0d2e4f6a8b0c2d4e6f8a0b2c4d6e
+operator *         token-of-the-operator
+";
+
+    #[test]
+    fn tokens_map_to_their_role_and_identity() {
+        let credentials = Credentials::parse(FILE).unwrap();
+        assert_eq!(
+            credentials.principal_of(b"token-of-target-zero"),
+            Some(Principal {
+                role: Role::Target,
+                identity: Some("target-0".to_string())
+            })
+        );
+        assert_eq!(
+            credentials
+                .principal_of(b"token-of-the-operator")
+                .map(|principal| principal.role),
+            Some(Role::Operator)
+        );
+        assert_eq!(credentials.principal_of(b"token-of-nobody-at-all"), None);
+        // A hashed entry matches the token whose digest it is.
+        let hashed = format!(
+            "drafter * sha256:{}",
+            digest_of(b"drafter-secret-token")
+                .iter()
+                .map(|byte| format!("{byte:02x}"))
+                .collect::<String>()
+        );
+        let credentials = Credentials::parse(&hashed).unwrap();
+        assert_eq!(
+            credentials
+                .principal_of(b"drafter-secret-token")
+                .map(|principal| principal.role),
+            Some(Role::Drafter)
+        );
+    }
+
+    #[test]
+    fn bad_lines_name_their_number_and_fault() {
+        for (text, line, fault) in [
+            ("target target-0", 1, "three fields"),
+            ("\nadmin * token-token-token-token", 2, "\"admin\""),
+            ("target t short", 1, "at least 16"),
+            ("drafter * sha256:abc", 1, "64 hex"),
+            (
+                "target a same-token-same-token\ntarget b same-token-same-token",
+                2,
+                "twice",
+            ),
+        ] {
+            let (number, detail) = Credentials::parse(text).err().unwrap();
+            assert_eq!(number, line, "{text:?}");
+            assert!(detail.contains(fault), "{text:?}: {detail}");
+        }
+    }
+
+    #[test]
+    fn a_principal_acts_only_as_its_role_and_identity() {
+        let target_zero = Principal {
+            role: Role::Target,
+            identity: Some("target-0".to_string()),
+        };
+        assert!(target_zero
+            .authorize(Role::Target, "target-0", "Produce")
+            .is_ok());
+        let other = target_zero
+            .authorize(Role::Target, "target-1", "ReportDone")
+            .unwrap_err();
+        assert_eq!(other.code(), tonic::Code::PermissionDenied);
+        assert!(
+            other.message().contains("\"target-0\""),
+            "{}",
+            other.message()
+        );
+        let drafter = Principal {
+            role: Role::Drafter,
+            identity: None,
+        };
+        assert!(drafter
+            .authorize(Role::Drafter, "drafter-9", "Consume")
+            .is_ok());
+        let refused = drafter
+            .authorize(Role::Target, "target-0", "ReportDone")
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(Principal::unrestricted()
+            .authorize(Role::Target, "target-3", "Produce")
+            .is_ok());
+    }
+}
