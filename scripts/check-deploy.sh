@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # The deployment with real containers on a real network: builds the runtime
 # image on the local base (scripts/build-image.sh, from the binaries already
-# built), brings up deploy/compose in synthetic CPU mode with TLS and the
-# bearer token, and checks through `dflash status --json` (the host's Rust
-# client, over TLS with the token):
+# built), brings up deploy/compose in synthetic CPU mode with TLS and a
+# credential per role (each target its own token, the drafters theirs, the
+# broker only the hashes: --credentials), and checks through `dflash status
+# --json` (the host's Rust client, over TLS with the operator's token):
 #
 #   run 1: 5 targets x 3 drafters; drafters scaled to 4 mid-run; one drafter
 #          SIGKILLed mid-run (its leases go to the others); another cut off
 #          the network longer than the lease timeout, then reconnected (its
-#          leases redelivered, its late acks ignored). The run ends COMPLETE
-#          with every sample acked exactly once and no dead letters. grpcurl
-#          and the Rust client without the token or with a wrong one are
-#          refused (UNAUTHENTICATED), with it they work; plaintext is refused.
+#          leases redelivered, its late acks ignored). Mid-run, grpcurl
+#          with a drafter's token cannot Produce or ReportDone, a target's
+#          cannot Consume or ReportDone for another target, the operator's
+#          can do none of them (PERMISSION_DENIED); the broker holds no
+#          token and each container only its own. The run ends COMPLETE
+#          with every sample acked exactly once and no dead letters, every
+#          role on its own token. grpcurl and the Rust client without a
+#          token or with a wrong one are refused (UNAUTHENTICATED), with a
+#          role's token they read the status.
 #   run 2: a target container stopped for good: the run ends ABORTED naming
 #          it within the grace period plus a minute, and the drafters exit.
 #
@@ -21,7 +27,8 @@
 # root file system (writing / fails, /tmp is a writable tmpfs); the broker
 # alone mounts the `broker-state` and `broker-center` volumes, and writes
 # both; drafters write their checkpoints on the `checkpoints` volume as
-# 10001. The certificates and the token come from deploy/make-certs.sh.
+# 10001. The certificates, the tokens and the broker's credentials file come
+# from deploy/make-certs.sh.
 #
 # The broker keeps its write-ahead log in the `broker-state` volume
 # (--state-dir=/state); each run is its own compose project, so each gets
@@ -98,16 +105,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# --- certificates and the token (deploy/make-certs.sh) ----------------------
+# --- certificates, tokens, credentials (deploy/make-certs.sh) ---------------
+# One token per target (the compose TLS file mounts target-N.token into
+# target-N), the drafters' and the operator's; the broker gets `credentials`.
 tls="$work/tls"
 (
-  bash "$repo_root/deploy/make-certs.sh" --days 2 "$tls" 2>/dev/null &&
+  bash "$repo_root/deploy/make-certs.sh" --days 2 \
+    --target-ids target-0,target-1,target-2,target-3,target-4 "$tls" 2>/dev/null &&
     cd "$tls" &&
     openssl rand -hex 32 >wrong-token &&
     # The containers run as uid 10001, not this user: readable by all (a
     # throw-away folder; deploy/README.md says chown for a real one).
     chmod 644 ./*
-) || { fail "test certificates and token made with deploy/make-certs.sh"; summary; exit 1; }
+) || { fail "test certificates, tokens and credentials made with deploy/make-certs.sh"; summary; exit 1; }
+operator_token="$tls/operator.token"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
@@ -118,10 +129,10 @@ files=()
 compose() { "${compose_tool[@]}" -p "$project" --env-file "$env_file" "${files[@]}" "$@"; }
 broker_port=""
 
-# dflash status --json over TLS with the token (or as given in $@).
+# dflash status --json over TLS with the operator's token (or as given in $@).
 status_json() {
   "$dflash" status --json --broker "https://127.0.0.1:$broker_port" \
-    --tls-ca "$tls/ca.pem" --token-file "$tls/token" "$@" 2>"$work/status.err"
+    --tls-ca "$tls/ca.pem" --token-file "$operator_token" "$@" 2>"$work/status.err"
 }
 # A value of the status snapshot: python expression over `s`.
 status_value() { status_json | python3 -c "import json,sys; s=json.load(sys.stdin); print($1)" 2>/dev/null; }
@@ -171,14 +182,82 @@ files=(-f "$compose_dir/docker-compose.yml" -f "$compose_dir/docker-compose.cpu.
 run_started=$SECONDS
 compose up -d --scale drafter=3 >"$work/up.log" 2>&1 || { cat "$work/up.log"; fail "compose up (5 targets x 3 drafters)"; summary; exit 1; }
 status_answers() { status_json >/dev/null; }
-check "compose up: broker answers over TLS with the token" wait_for 60 status_answers
+check "compose up: broker answers over TLS with the operator's token" wait_for 60 status_answers
 running_with_three() {
   [[ "$(status_value 'sum(1 for d in s["drafters"] if d["connected"])')" == 3 ]] &&
     [[ "$(status_value 's["accepted_items"] > 0 and s["acked_items"] > 0')" == True ]]
 }
-check "5 targets produce and 3 drafters ack (over TLS, with the token)" wait_for 90 running_with_three
+check "5 targets produce and 3 drafters ack (over TLS, each with its own token)" wait_for 90 running_with_three
 check "the broker's compose health check reports healthy" wait_for 30 \
   bash -c "[[ \"\$(docker inspect -f '{{.State.Health.Status}}' $(container_of broker))\" == healthy ]]"
+
+# Authorization by role, mid-run: a credential of the wrong role (or of
+# another target) is refused before anything changes; the run goes on and
+# its final accounting (below) shows nothing was touched.
+grpc() { "$grpcurl" -cacert "$tls/ca.pem" -max-time 20 "$@"; }
+# grpcurl prints the code's name: "Code: PermissionDenied".
+denied() { local output; output="$("$@" 2>&1)"; grep -q "Code: PermissionDenied" <<<"$output" || { say "    $output"; return 1; }; }
+# $1: the token file; then grpcurl's method and request (JSON).
+as_role() {
+  local token_file="$1" method="$2" request="$3"
+  grpc -H "authorization: Bearer $(cat "$token_file")" -d "$request" "127.0.0.1:$broker_port" "dflash.v1.Broker/$method"
+}
+report_done='{"target_id": "target-1", "total_items": 1}'
+produce='{"hello": {"target_id": "target-1"}}'
+consume='{"hello": {"drafter_id": "intruder", "credit": {"items": 1}}}'
+check "mid-run: a drafter's token cannot ReportDone (PERMISSION_DENIED)" denied as_role "$tls/drafter.token" ReportDone "$report_done"
+check "mid-run: a drafter's token cannot Produce (PERMISSION_DENIED)" denied as_role "$tls/drafter.token" Produce "$produce"
+check "mid-run: a target's token cannot Consume (PERMISSION_DENIED)" denied as_role "$tls/target-0.token" Consume "$consume"
+target_zero_as_target_one() {
+  denied as_role "$tls/target-0.token" ReportDone "$report_done" &&
+    denied as_role "$tls/target-0.token" Produce "$produce"
+}
+check "mid-run: target-0's token cannot ReportDone or Produce as target-1 (PERMISSION_DENIED)" target_zero_as_target_one
+operator_denied() {
+  denied as_role "$operator_token" ReportDone "$report_done" &&
+    denied as_role "$operator_token" Produce "$produce" &&
+    denied as_role "$operator_token" Consume "$consume"
+}
+check "mid-run: the operator's token cannot ReportDone, Produce or Consume (PERMISSION_DENIED)" operator_denied
+every_role_reads_status() {
+  local token_file
+  for token_file in "$tls/target-3.token" "$tls/drafter.token" "$operator_token"; do
+    as_role "$token_file" GetStatus '{}' | grep BROKER_STATE_RUNNING >/dev/null || { say "    GetStatus with $(basename "$token_file") failed"; return 1; }
+  done
+}
+check "mid-run: GetStatus answers every role's token" every_role_reads_status
+# What each container holds: the broker the credentials file (hashes
+# only) and no token; every other container its own role's token only.
+mounted_secrets() {
+  local id service mounted ok=0 count=0 expected token_file
+  for id in $(compose ps -q); do
+    count=$((count + 1))
+    service="$(docker inspect -f '{{index .Config.Labels "com.docker.compose.service"}}' "$id")"
+    mounted="$(docker exec "$id" ls /tls | tr '\n' ' ')"
+    case "$service" in
+      broker)
+        expected="broker.key broker.pem ca.pem credentials "
+        docker exec "$id" sh -c 'env | grep -qE "^DFLASH_TOKEN(_FILE)?="' && { say "    broker: a DFLASH_TOKEN* variable"; ok=1; }
+        docker exec "$id" sh -c 'grep -v "^#" /tls/credentials | grep -vE "^(target|drafter|operator) [^ ]+ sha256:[0-9a-f]{64}$"' &&
+          { say "    broker: a credential that is not a sha256 hash"; ok=1; }
+        for token_file in "$tls"/*.token; do
+          docker exec "$id" grep -rqF "$(cat "$token_file")" /tls && { say "    broker: holds $(basename "$token_file")"; ok=1; }
+        done
+        ;;
+      target-*) expected="ca.pem token "; token_file="$tls/$service.token" ;;
+      drafter) expected="ca.pem token "; token_file="$tls/drafter.token" ;;
+      *) expected="?"; ;;
+    esac
+    [[ "$mounted" == "$expected" ]] || { say "    $service: /tls holds $mounted"; ok=1; }
+    if [[ "$service" != broker ]]; then
+      [[ "$(docker exec "$id" cat /tls/token)" == "$(cat "$token_file")" ]] ||
+        { say "    $service: /tls/token is not $(basename "$token_file")"; ok=1; }
+    fi
+  done
+  say "    $count containers checked"
+  ((count >= 9)) && return $ok
+}
+check "the broker mounts only the credentials file (sha256 hashes, no token, no token variable); each target its own token, drafters theirs" mounted_secrets
 
 # Secure defaults, on every container of the run as it runs.
 containers_hardened() {
@@ -290,14 +369,13 @@ for problem in problems: print("  problem:", problem)
 sys.exit(1 if problems else 0)
 PY
 }
-check "run 1 COMPLETE: all $samples samples acked exactly once, no dead letters ($((SECONDS - run_started)) s)" acct
+check "run 1 COMPLETE with each role's own token: all $samples samples acked exactly once, no dead letters ($((SECONDS - run_started)) s)" acct
 run1_id="$(status_value 's["run_id"]')"
 state_dir_used() { compose logs broker 2>&1 | grep "state loaded from the write-ahead log" >/dev/null; }
 check "run 1's broker keeps its state in the broker-state volume (--state-dir)" state_dir_used
 if ((failed > 0)); then dump_logs; fi
 
-# TLS and the token from the host: grpcurl and the Rust client.
-grpc() { "$grpcurl" -cacert "$tls/ca.pem" "$@"; }
+# TLS and the tokens from the host: grpcurl and the Rust client.
 # (grep reads all its input, never -q: with pipefail, a writer cut off by an
 # early exit fails the check with a broken pipe.)
 grpc_lists() { grpc "127.0.0.1:$broker_port" list | grep -x dflash.v1.Broker >/dev/null; }
@@ -307,15 +385,21 @@ refused() { local output; output="$("$@" 2>&1)"; grep -qE "Unauthenticated|does 
 grpc_status() { grpc "$@" "127.0.0.1:$broker_port" dflash.v1.Broker/GetStatus; }
 check "grpcurl GetStatus without the token: Unauthenticated" refused grpc_status
 check "grpcurl GetStatus with a wrong token: Unauthenticated" refused grpc_status -H "authorization: Bearer $(cat "$tls/wrong-token")"
-grpc_status_ok() { grpc_status -H "authorization: Bearer $(cat "$tls/token")" | grep BROKER_STATE_COMPLETE >/dev/null; }
-check "grpcurl GetStatus with the token works" grpc_status_ok
+grpc_status_ok() { grpc_status -H "authorization: Bearer $(cat "$operator_token")" | grep BROKER_STATE_COMPLETE >/dev/null; }
+check "grpcurl GetStatus with the operator's token works" grpc_status_ok
 rust_status() { "$dflash" status --json --broker "https://127.0.0.1:$broker_port" --tls-ca "$tls/ca.pem" "$@"; }
 check "dflash status without the token: Unauthenticated" refused rust_status
 check "dflash status with a wrong token: Unauthenticated" refused rust_status --token-file "$tls/wrong-token"
-rust_status_ok() { rust_status --token-file "$tls/token" | grep BROKER_STATE_COMPLETE >/dev/null; }
-check "dflash status with the token works" rust_status_ok
-token_leaked() { ! compose logs 2>&1 | grep -F "$(cat "$tls/token")" >/dev/null; }
-check "the token appears in no container's log" token_leaked
+rust_status_ok() { rust_status --token-file "$operator_token" | grep BROKER_STATE_COMPLETE >/dev/null; }
+check "dflash status with the operator's token works" rust_status_ok
+token_leaked() {
+  local logs token_file
+  logs="$(compose logs 2>&1)"
+  for token_file in "$tls"/*.token; do
+    ! grep -F "$(cat "$token_file")" <<<"$logs" >/dev/null || { say "    $(basename "$token_file") in a log"; return 1; }
+  done
+}
+check "no token appears in any container's log" token_leaked
 compose down -v --remove-orphans -t 5 >/dev/null 2>&1
 
 # --- run 2: a target stopped for good --------------------------------------

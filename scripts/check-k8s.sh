@@ -11,12 +11,18 @@
 #     NetworkPolicies that let only targets, drafters and operator pods reach
 #     the broker's gRPC port and only the monitoring namespace the metrics
 #     ports; TLS on the broker with every client on https and the CA; one
-#     token Secret per role, each pod mounting only its own; the center and
-#     the write-ahead log on claims only the broker mounts read-write; no
-#     Secret or token literal anywhere in deploy/;
-#   - deploy/make-certs.sh, run into a temporary folder (the test fixture):
-#     its certificate verifies and names the broker, and the Secrets it
-#     prints validate and are exactly the ones the manifests mount.
+#     token Secret per role, each pod mounting only its own; the broker
+#     authorizes by role with --credentials from dflash-broker-credentials
+#     and mounts no role token, no token file, and no rendered object
+#     carries a token or a credential; the center and the write-ahead log
+#     on claims only the broker mounts read-write; no Secret or token
+#     literal anywhere in deploy/;
+#   - deploy/make-certs.sh, run into temporary folders (the test fixtures):
+#     its certificate verifies and names the broker; its credentials file
+#     holds sha256 hashes only, one per role (or per target with
+#     --target-ids), each the hash of that role's token, the tokens all
+#     different; the Secrets it prints validate and are exactly the ones
+#     the manifests mount, with the keys they read.
 # kubernetes-validate comes from PyPI into a venv in the cache folder
 # (once). No cluster is needed.
 # Prints `check-k8s: N passed, M failed` last.
@@ -69,13 +75,16 @@ done
 
 # The checks on rendered objects, one Python file with a command per check.
 cat >"$work/checks.py" <<'PY'
-import os, re, subprocess, sys, yaml
+import base64, hashlib, os, re, subprocess, sys, yaml
 
 UID = 10001
 ROLE_OF_NAME = {"dflash-broker": "broker", "dflash-target": "target",
                 "dflash-drafter": "drafter", "dflash-operator": "operator"}
 CLIENT_ROLES = ("target", "drafter", "operator")
 TOKEN_SECRETS = {role: f"dflash-token-{role}" for role in CLIENT_ROLES}
+# The broker's --credentials file: the hashes of the roles' tokens.
+CREDENTIALS_SECRET = "dflash-broker-credentials"
+CREDENTIALS_KEY = "credentials"
 # Who may open the broker's gRPC port; where Prometheus scrapes from.
 GRPC_PEER_ROLES = {"target", "drafter", "operator"}
 MONITORING_NAMESPACE = {"kubernetes.io/metadata.name": "monitoring"}
@@ -398,21 +407,50 @@ def tls(path):
             need("dflash-broker-tls" not in w.secret_names(), f"{w.name}: mounts the broker's private key")
     finish()
 
-# --- one token Secret per role, none in the manifests ---------------------------
+# --- one token Secret per role, none in the manifests; the broker's credentials ---
+# What a token or a credential line would look like in a rendered value: a
+# long run of hex (make-certs.sh's tokens) or a sha256:<hex> digest.
+TOKEN_LIKE = re.compile(r"(?i)(sha256:[0-9a-f]{64}|\b[0-9a-f]{32,}\b)")
+
+def strings_of(value, where):
+    """Every string in a rendered object, with where it is."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from strings_of(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from strings_of(item, f"{where}[{index}]")
+    elif isinstance(value, str):
+        yield where, value
+
 def tokens(path):
     objects, workloads = rendered(path)
     need(not [o for o in objects if o["kind"] == "Secret"],
          "a Secret is rendered from the manifests (Secrets are made by the operator, not committed)")
+    # No rendered object carries a token, for the broker or anyone: no
+    # token-like value anywhere, no ConfigMap entry naming a token.
+    for o in objects:
+        name = f'{o["kind"]}/{o["metadata"]["name"]}'
+        for where, value in strings_of(o, name):
+            need(not TOKEN_LIKE.search(value), f"{where}: a token or credential digest in a rendered value")
+        if o["kind"] == "ConfigMap":
+            for key in (o.get("data") or {}):
+                need("TOKEN" not in key.upper() and "CREDENTIAL" not in key.upper(),
+                     f"{name}: {key} in a ConfigMap every pod reads (a role's token file belongs to its own pods)")
+    brokers = by_role(workloads, "broker")
+    need(len(brokers) == 1, f"{len(brokers)} broker workloads")
     for w in workloads:
         token_secrets = {s for s in w.secret_names() if s.startswith("dflash-token")}
         if w.role == "broker":
-            need(token_secrets == set(TOKEN_SECRETS.values()),
-                 f"{w.name}: mounts token Secrets {sorted(token_secrets)}, expected every role's to verify them")
+            need(not token_secrets, f"{w.name}: mounts role token Secrets {sorted(token_secrets)}; it needs only {CREDENTIALS_SECRET}")
+            need(CREDENTIALS_SECRET in w.secret_names(), f"{w.name}: does not mount {CREDENTIALS_SECRET}")
         elif w.role in TOKEN_SECRETS:
             need(token_secrets == {TOKEN_SECRETS[w.role]},
                  f"{w.name} ({w.role}): mounts token Secrets {sorted(token_secrets)}, expected only {TOKEN_SECRETS[w.role]}")
         else:
             need(not token_secrets, f"{w.name}: an unknown role mounts {sorted(token_secrets)}")
+        if w.role != "broker":
+            need(CREDENTIALS_SECRET not in w.secret_names(), f"{w.name}: mounts the broker's {CREDENTIALS_SECRET}")
         for c in w.spec["containers"]:
             env = w.env(c)
             where = f"{w.name} container {c['name']}"
@@ -420,6 +458,19 @@ def tokens(path):
                  f"{where}: a literal DFLASH_TOKEN")
             need(not any(a.startswith("--token=") for a in c.get("args") or []), f"{where}: a token on the command line")
             token_file = w.flag(c, "token-file") or env.get("DFLASH_TOKEN_FILE")
+            if w.role == "broker":
+                # The broker holds no token: not the shared one (every role),
+                # not a role's. Its probes send none (health is exempt).
+                need(not token_file and "DFLASH_TOKEN" not in env,
+                     f"{where}: the broker has a token ({token_file or 'DFLASH_TOKEN'}); it authorizes with --credentials only")
+                need(not any(a == "--token-file" or a.startswith("--token-file=") for a in c.get("args") or []),
+                     f"{where}: --token-file on the broker's command line")
+                need("none" not in (env.get("DFLASH_TOKEN_EXEMPT") or w.flag(c, "token-exempt") or ""),
+                     f"{where}: --token-exempt none, yet its exec health probes carry no token")
+                credentials = w.flag(c, "credentials") or env.get("DFLASH_CREDENTIALS_FILE")
+                need(credentials and under_secret(w, c, credentials, CREDENTIALS_SECRET),
+                     f"{where}: --credentials {credentials} is not a file of the Secret {CREDENTIALS_SECRET}")
+                continue
             mount = token_file and w.mount_of(c, token_file)
             secrets = w.secrets_of_volume(w.volumes.get(mount["name"], {})) if mount else set()
             need(secrets and secrets <= set(TOKEN_SECRETS.values()),
@@ -502,13 +553,66 @@ def no_literal_secrets(deploy):
     print(f"    {scanned} files under {os.path.relpath(deploy, top) if top else deploy}")
     finish()
 
+# --- deploy/make-certs.sh's credentials: the hashes of the tokens, nothing more ----
+def check_credentials(text, expected, where):
+    """`text` (a --credentials file) holds one `role identity sha256:<hex>`
+    line per (role, identity) of `expected`, each the SHA-256 of that
+    token, and nothing else: no other credential, no token in the clear."""
+    found = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if not need(len(fields) == 3, f"{where} line {number}: {len(fields)} fields, expected role identity sha256:<hex>"):
+            continue
+        role, identity, digest = fields
+        need(re.fullmatch(r"sha256:[0-9a-f]{64}", digest),
+             f"{where} line {number} ({role} {identity}): not a sha256:<64 hex> digest (a token in the clear?)")
+        need((role, identity) not in found, f"{where} line {number}: a second credential for {role} {identity}")
+        found[(role, identity)] = digest
+    need(set(found) == set(expected), f"{where}: credentials for {sorted(found)}, expected {sorted(expected)}")
+    for (role, identity), token in expected.items():
+        digest = "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+        need(found.get((role, identity)) == digest, f"{where}: {role} {identity} is not the sha256 of its token")
+        need(token not in text, f"{where}: the {role} token in the clear")
+    print(f"    {where}: {', '.join(f'{role} {identity}' for role, identity in sorted(found))}, sha256 each")
+
+def made_credentials(folder, *target_ids):
+    """The folder made by make-certs.sh: `credentials` is the hashes of its
+    token files (mode 0600 all), one per role, or one per target id given."""
+    expected = {}
+    targets = [(f"{id}.token", "target", id) for id in target_ids] or [("target.token", "target", "*")]
+    for file, role, identity in targets + [("drafter.token", "drafter", "*"), ("operator.token", "operator", "*")]:
+        path = os.path.join(folder, file)
+        if need(os.path.exists(path), f"{file} not made"):
+            expected[(role, identity)] = open(path).read().strip()
+            mode = os.stat(path).st_mode & 0o777
+            need(mode == 0o600, f"{file}: mode {mode:o}, expected 600")
+    need(len(set(expected.values())) == len(expected), "two tokens are the same")
+    for token in expected.values():
+        need(re.fullmatch(r"[0-9a-f]{64}", token), "a token is not 32 random bytes in hex")
+    path = os.path.join(folder, "credentials")
+    if need(os.path.exists(path), "credentials not made"):
+        mode = os.stat(path).st_mode & 0o777
+        need(mode == 0o600, f"credentials: mode {mode:o}, expected 600")
+        check_credentials(open(path).read(), expected, "credentials")
+    finish()
+
 # --- deploy/make-certs.sh's Secrets are what the manifests mount ------------------
 def made_secrets(secrets_path, *rendered_paths):
     secrets = {o["metadata"]["name"]: o for o in load(secrets_path) if o.get("kind") == "Secret"}
     need(secrets.get("dflash-broker-tls", {}).get("type") == "kubernetes.io/tls", "dflash-broker-tls is not a kubernetes.io/tls Secret")
-    token_values = {secrets[n]["data"].get("token") for n in TOKEN_SECRETS.values() if n in secrets}
-    need(len(token_values) == 1 and None not in token_values,
-         "the role token Secrets do not carry one and the same run token (the broker checks one today)")
+    # Each role its own token, and the broker the hashes of exactly those.
+    role_tokens = {}
+    for role, name in TOKEN_SECRETS.items():
+        value = secrets.get(name, {}).get("data", {}).get("token")
+        if need(value, f"no Secret {name} with a key token"):
+            role_tokens[role] = base64.b64decode(value).decode().strip()
+    need(len(set(role_tokens.values())) == len(role_tokens), "two role token Secrets carry the same token")
+    credentials = secrets.get(CREDENTIALS_SECRET, {}).get("data", {}).get(CREDENTIALS_KEY)
+    if need(credentials, f"no Secret {CREDENTIALS_SECRET} with a key {CREDENTIALS_KEY}"):
+        check_credentials(base64.b64decode(credentials).decode(), {(role, "*"): token for role, token in role_tokens.items()},
+                          f"Secret {CREDENTIALS_SECRET}")
     referenced = set()
     for path in rendered_paths:
         _, workloads = rendered(path)
@@ -524,13 +628,16 @@ def made_secrets(secrets_path, *rendered_paths):
                     for item in secret.get("items") or []:
                         need(item["key"] in secrets[secret["name"]].get("data", {}),
                              f"{w.name}: key {item['key']} not in Secret {secret['name']}")
-                    # The files the containers are told to read exist in the Secret.
+                    # The files the containers are told to read (environment
+                    # and --flag=value arguments) exist in the Secret.
                     for c in w.spec["containers"]:
                         env = w.env(c)
+                        arguments = [a.split("=", 1)[1] for a in (c.get("args") or []) + (c.get("command") or [])
+                                     if a.startswith("--") and "=" in a]
                         for mount in c.get("volumeMounts", []) or []:
                             if mount["name"] != volume["name"] or "secret" not in volume:
                                 continue
-                            for value in env.values():
+                            for value in list(env.values()) + arguments:
                                 if value and value.startswith(mount["mountPath"].rstrip("/") + "/"):
                                     key = value[len(mount["mountPath"].rstrip("/")) + 1:]
                                     need(key in secrets[secret["name"]].get("data", {}),
@@ -560,7 +667,8 @@ for name in "${variants[@]}"; do
   check "$name: NetworkPolicies: default deny; broker gRPC only from targets/drafters/operators; metrics only from the monitoring namespace" \
     py network_policies "$file"
   check "$name: the broker serves TLS from dflash-broker-tls; every client uses https and the dflash-ca CA" py tls "$file"
-  check "$name: one token Secret per role, each pod mounts only its own; no Secret or literal token rendered" py tokens "$file"
+  check "$name: one token Secret per role, each pod mounts only its own; the broker only --credentials from dflash-broker-credentials (no role token, no token file); no Secret, token or digest rendered" \
+    py tokens "$file"
   check "$name: the center and the write-ahead log on claims only the broker mounts read-write" py broker_volumes "$file"
 done
 check "deploy/ holds no Secret data, token literal, private key or committed secretGenerator source" \
@@ -574,9 +682,40 @@ make_certs() {
     openssl verify -CAfile "$certs/ca.pem" "$certs/broker.pem" >/dev/null &&
     openssl x509 -in "$certs/broker.pem" -noout -ext subjectAltName |
     grep -q "DNS:broker, DNS:broker.dflash-check.svc, DNS:broker.dflash-check.svc.cluster.local, DNS:localhost, IP Address:127.0.0.1" &&
-    [[ "$(stat -c %a "$certs/broker.key") $(stat -c %a "$certs/token") $(stat -c %a "$certs/ca.key")" == "600 600 600" ]]
+    [[ "$(stat -c %a "$certs/broker.key") $(stat -c %a "$certs/ca.key")" == "600 600" ]]
 }
-check "deploy/make-certs.sh: a CA, a broker certificate it signs naming broker, broker.<ns>.svc and localhost; keys and token 0600" make_certs
+check "deploy/make-certs.sh: a CA, a broker certificate it signs naming broker, broker.<ns>.svc and localhost; keys 0600" make_certs
+check "deploy/make-certs.sh: three different role tokens (0600) and a credentials file (0600) of sha256 hashes only, one per role (*), each its token's" \
+  py made_credentials "$certs"
+# Per-target credentials (compose): one token and one line per target id.
+per_target="$work/certs-per-target"
+per_target_made() {
+  bash "$repo_root/deploy/make-certs.sh" --target-ids target-0,target-1,target-2 "$per_target" 2>/dev/null &&
+    [[ ! -e "$per_target/target.token" ]] &&
+    py made_credentials "$per_target" target-0 target-1 target-2
+}
+check "make-certs.sh --target-ids: a token and a \`target ID sha256:...\` line per target, no \`target *\`" per_target_made
+# A credentials file that misses a token's line, or holds a token in the
+# clear, is refused (and --secrets makes nothing from it).
+credentials_refused() {
+  local copy="$work/certs-refused" ok=0
+  cp -a "$per_target" "$copy"
+  if bash "$repo_root/deploy/make-certs.sh" --target-ids target-3 "$copy" 2>"$work/refused.err" ||
+    ! grep -q "no line for .*target-3.token" "$work/refused.err"; then
+    echo "    a new target's token without its line was not refused:"; cat "$work/refused.err"; ok=1
+  fi
+  cp -a "$certs" "$copy-clear" && echo "operator ops-1 $(cat "$copy-clear/operator.token")x" >>"$copy-clear/credentials"
+  if bash "$repo_root/deploy/make-certs.sh" --secrets "$copy-clear" >"$work/refused.yaml" 2>"$work/refused.err" ||
+    [[ -s "$work/refused.yaml" ]] || ! grep -q "holds no sha256" "$work/refused.err"; then
+    echo "    a token in the clear was not refused:"; cat "$work/refused.err"; ok=1
+  fi
+  if bash "$repo_root/deploy/make-certs.sh" --secrets "$per_target" >"$work/refused.yaml" 2>"$work/refused.err" ||
+    [[ -s "$work/refused.yaml" ]] || ! grep -q "target.token is missing" "$work/refused.err"; then
+    echo "    --secrets on a per-target folder was not refused:"; cat "$work/refused.err"; ok=1
+  fi
+  return $ok
+}
+check "make-certs.sh refuses credentials missing a token's line or holding a token in the clear; --secrets needs the targets' shared token" credentials_refused
 secrets_made() {
   bash "$repo_root/deploy/make-certs.sh" --secrets "$certs" >"$work/secrets.yaml" &&
     "$venv/bin/kubernetes-validate" --strict --quiet "$work/secrets.yaml" &&
