@@ -36,10 +36,7 @@ impl crate::wal::DurablePayload for WirePayload {
         let item: proto::Item =
             prost::Message::decode(bytes).map_err(|error| format!("item: {error}"))?;
         let item = WireItem::from_proto(item);
-        let bytes = item
-            .sample
-            .as_ref()
-            .map_or(0, |sample| sample.payload_bytes());
+        let bytes = item.held_bytes();
         Ok(WirePayload {
             item: Arc::new(item),
             bytes,

@@ -99,12 +99,33 @@ impl WireTensor {
     }
 }
 
+/// Tensors one item may carry (the sample schema has three): bounds the
+/// per-item bookkeeping and keeps the duplicate-name check cheap.
+pub const MAX_TENSORS_PER_ITEM: usize = 64;
+/// Bytes of trace context (keys and values) one item may carry; a W3C
+/// `traceparent` and `tracestate` take well under 1 KiB.
+pub const MAX_TRACE_CONTEXT_BYTES: usize = 4096;
+/// What the broker keeps for an item beyond its bytes (queue entry, `Arc`,
+/// maps), for each of its tensors (header, slice list), and for each trace
+/// context entry: charged to `--max-queue-bytes` with the bytes, so items of
+/// any shape (empty tensors, many of them, a large trace context) count.
+pub const ITEM_OVERHEAD_BYTES: u64 = 256;
+pub const TENSOR_OVERHEAD_BYTES: u64 = 128;
+pub const SLICE_OVERHEAD_BYTES: u64 = 32;
+pub const TRACE_ENTRY_OVERHEAD_BYTES: u64 = 64;
+
 impl WireSample {
-    /// [`proto::Sample::validate`]'s checks: tensors present, each valid,
-    /// names unique.
+    /// [`proto::Sample::validate`]'s checks: tensors present (at most
+    /// [`MAX_TENSORS_PER_ITEM`]), each valid, names unique.
     pub fn validate(&self) -> Result<(), TensorError> {
         if self.tensors.is_empty() {
             return Err(TensorError::EmptySample);
+        }
+        if self.tensors.len() > MAX_TENSORS_PER_ITEM {
+            return Err(TensorError::TooManyTensors {
+                count: self.tensors.len(),
+                limit: MAX_TENSORS_PER_ITEM,
+            });
         }
         for (index, tensor) in self.tensors.iter().enumerate() {
             tensor.header.validate_length(tensor.data.len() as u64)?;
@@ -118,6 +139,21 @@ impl WireSample {
             }
         }
         Ok(())
+    }
+
+    /// Everything the broker keeps for these tensors: their data, names
+    /// and shapes, and the bookkeeping of each tensor and each slice.
+    pub fn held_bytes(&self) -> u64 {
+        self.tensors
+            .iter()
+            .map(|tensor| {
+                tensor.data.len() as u64
+                    + tensor.header.name.len() as u64
+                    + 8 * tensor.header.shape.len() as u64
+                    + TENSOR_OVERHEAD_BYTES
+                    + SLICE_OVERHEAD_BYTES * tensor.data.chunk_count() as u64
+            })
+            .sum()
     }
 
     /// Payload bytes of all tensors.
@@ -172,6 +208,34 @@ const ITEM_SAMPLE: u32 = 2;
 const ITEM_TRACE_CONTEXT: u32 = 3;
 
 impl WireItem {
+    /// Everything the broker keeps for this item, as `--max-queue-bytes`
+    /// counts it: the sample's [`WireSample::held_bytes`], the trace
+    /// context's keys and values with their bookkeeping, and the item's own.
+    pub fn held_bytes(&self) -> u64 {
+        let trace: u64 = self
+            .trace_context
+            .iter()
+            .map(|(key, value)| (key.len() + value.len()) as u64 + TRACE_ENTRY_OVERHEAD_BYTES)
+            .sum();
+        ITEM_OVERHEAD_BYTES + trace + self.sample.as_ref().map_or(0, WireSample::held_bytes)
+    }
+
+    /// The trace context's size within [`MAX_TRACE_CONTEXT_BYTES`].
+    pub fn check_trace_context(&self) -> Result<(), String> {
+        let bytes: usize = self
+            .trace_context
+            .iter()
+            .map(|(key, value)| key.len() + value.len())
+            .sum();
+        if bytes > MAX_TRACE_CONTEXT_BYTES {
+            return Err(format!(
+                "trace context of {bytes} bytes ({} entries), at most {MAX_TRACE_CONTEXT_BYTES} are accepted",
+                self.trace_context.len()
+            ));
+        }
+        Ok(())
+    }
+
     pub fn from_proto(item: proto::Item) -> Self {
         WireItem {
             seq: item.seq,

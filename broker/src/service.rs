@@ -656,7 +656,15 @@ impl BrokerService {
                 format!("item seq {}: {error}", item.seq),
             )
         })?;
-        let bytes = sample.payload_bytes();
+        item.check_trace_context().map_err(|error| {
+            (
+                RejectReason::Malformed,
+                format!("item seq {}: {error}", item.seq),
+            )
+        })?;
+        // Every byte the broker keeps for the item, not only its tensors'
+        // data: an item of empty tensors with a large trace context counts.
+        let bytes = item.held_bytes();
         if bytes > self.shared.config.max_item_bytes {
             return Err((
                 RejectReason::TooLarge,

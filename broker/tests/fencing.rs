@@ -290,7 +290,7 @@ async fn a_fenced_producer_waiting_for_room_lets_its_item_go() {
     const ITEM_BYTES: usize = 16 << 10;
     let broker = TestBroker::start_with_metrics(BrokerConfig {
         // Room for two items (payload plus ids and mask), not three.
-        max_queue_bytes: 2 * ITEM_BYTES as u64 + 1024,
+        max_queue_bytes: 2 * ITEM_BYTES as u64 + 4096,
         max_item_bytes: ITEM_BYTES as u64 * 2,
         ..BrokerConfig::for_targets(1)
     })
@@ -351,5 +351,96 @@ async fn a_fenced_producer_waiting_for_room_lets_its_item_go() {
         "a closed stream's item is still held: {:?}",
         waiting_for_room(&broker).await
     );
+    broker.stop().await;
+}
+
+/// #22: `--max-queue-bytes` counts every byte the broker keeps for an
+/// item, not only tensor data: items of one empty tensor with a 2 KiB trace
+/// context fill a 64 KiB queue after a few dozen (before, all were taken at
+/// 0 bytes each); a trace context over 4 KiB, or more than 64 tensors, is
+/// refused as malformed with the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn items_of_every_shape_count_against_the_queue_cap() {
+    const CAP: u64 = 64 << 10;
+    let broker = TestBroker::start(BrokerConfig {
+        max_queue_bytes: CAP,
+        max_item_bytes: 32 << 10,
+        ..BrokerConfig::for_targets(1)
+    })
+    .await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    let empty_sample = proto::Sample {
+        tensors: vec![proto::Tensor {
+            name: "hidden_states".to_string(),
+            dtype: proto::Dtype::Bf16 as i32,
+            shape: vec![0, 16],
+            data: Default::default(),
+        }],
+    };
+    let trace: HashMap<String, String> = [("tracestate".to_string(), "x".repeat(2000))]
+        .into_iter()
+        .collect();
+    let mut sent = 0u64;
+    // Sends until the broker stops answering (held back by the cap), bounded.
+    let sending = async {
+        for seq in 0..1_000u64 {
+            producer
+                .send(seq, empty_sample.clone(), trace.clone())
+                .await
+                .unwrap();
+            sent += 1;
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), sending).await;
+    let snapshot = status(&broker).await;
+    // Each item is charged its trace context and bookkeeping (over 2 KiB).
+    assert!(snapshot.queued_bytes <= CAP, "{snapshot:?}");
+    assert!(
+        snapshot.accepted_items <= CAP / 2000 && snapshot.accepted_items >= 8,
+        "{} accepted of {sent} sent: {snapshot:?}",
+        snapshot.accepted_items
+    );
+    assert!(sent < 1_000, "the producer was never held back");
+    drop(producer);
+
+    broker.stop().await;
+
+    // Over the limits: refused, naming the limit, and nothing queued.
+    let broker = TestBroker::for_targets(1).await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    let huge_trace: HashMap<String, String> = [("tracestate".to_string(), "x".repeat(5000))]
+        .into_iter()
+        .collect();
+    producer.send(0, sample(1024, 0), huge_trace).await.unwrap();
+    let many_tensors = proto::Sample {
+        tensors: (0..65)
+            .map(|index| proto::Tensor {
+                name: format!("t{index}"),
+                dtype: proto::Dtype::Bf16 as i32,
+                shape: vec![0],
+                data: Default::default(),
+            })
+            .collect(),
+    };
+    producer
+        .send(1, many_tensors, HashMap::new())
+        .await
+        .unwrap();
+    let report = producer.finish().await.unwrap();
+    assert_eq!(report.accepted, 0, "{report:?}");
+    assert_eq!(report.rejected.len(), 2, "{report:?}");
+    assert!(
+        report.rejected[0].1.contains("at most 4096"),
+        "{:?}",
+        report.rejected
+    );
+    assert!(
+        report.rejected[1].1.contains("65 tensors, at most 64"),
+        "{:?}",
+        report.rejected
+    );
+    assert_eq!(status(&broker).await.queued_items, 0);
     broker.stop().await;
 }

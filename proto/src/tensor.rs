@@ -26,6 +26,8 @@ pub enum TensorError {
     DuplicateName { name: String },
     #[error("sample has no tensors")]
     EmptySample,
+    #[error("sample has {count} tensors, at most {limit} are accepted")]
+    TooManyTensors { count: usize, limit: usize },
     #[error("sample has no tensor named {name:?}")]
     Missing { name: String },
     #[error("tensor {name:?}: dtype {actual}, expected {expected}")]
