@@ -121,6 +121,8 @@ pub fn consumer_stats_from_proto(stats: proto::ConsumerStats) -> ConsumerStats {
         steps: stats.steps,
         samples_trained: stats.samples_trained,
         accuracy: stats.accuracy,
+        skipped_steps: stats.skipped_steps,
+        non_finite_samples: stats.non_finite_samples,
     }
 }
 
@@ -133,6 +135,8 @@ fn consumer_stats_to_proto(stats: &ConsumerStats) -> proto::ConsumerStats {
         steps: stats.steps,
         samples_trained: stats.samples_trained,
         accuracy: stats.accuracy,
+        skipped_steps: stats.skipped_steps,
+        non_finite_samples: stats.non_finite_samples,
     }
 }
 

@@ -523,6 +523,8 @@ mod tests {
                 steps: 4,
                 samples_trained: 8,
                 accuracy: 0.25,
+                skipped_steps: 0,
+                non_finite_samples: 0,
             },
             now,
         );

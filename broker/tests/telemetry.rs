@@ -152,6 +152,7 @@ async fn the_metrics_endpoint_serves_the_broker_metrics() {
         steps: 1,
         samples_trained: 1,
         accuracy: 0.125,
+        ..Default::default()
     });
     let mut producer = client.produce("target-0").await.expect("produce");
     producer

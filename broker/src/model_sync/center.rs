@@ -897,6 +897,8 @@ impl ModelSyncState {
             saved_path: self.saved_path.clone(),
             final_saved: self.final_saved,
             drafters,
+            non_finite_deltas: self.non_finite_deltas,
+            outlier_deltas: self.outlier_deltas,
         }
     }
 }

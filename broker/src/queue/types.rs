@@ -98,6 +98,8 @@ pub struct ConsumerStats {
     pub steps: u64,
     pub samples_trained: u64,
     pub accuracy: f64,
+    pub skipped_steps: u64,
+    pub non_finite_samples: u64,
 }
 
 /// Where the run stands, as status shows it (the wire's `BrokerState`

@@ -188,6 +188,8 @@ pub struct LocalSummary {
     pub mask_token_source: Option<String>,
     pub workdir: PathBuf,
     pub ok: bool,
+    /// Why the run is not a success (empty when `ok`).
+    pub failures: Vec<String>,
 }
 
 struct Managed {
@@ -913,12 +915,14 @@ fn summarize(
         _ => "RUNNING (not finished)",
     };
     let trained = snapshot.acked_items;
-    let ok = !stop.interrupted
-        && !stop.timed_out
-        && snapshot.state() == proto::BrokerState::Complete
-        && processes.iter().all(|process| process.exit_code == Some(0))
-        && snapshot.dead_letters == 0
-        && final_loss.is_none_or(f64::is_finite);
+    let failures = failures(
+        snapshot,
+        &processes,
+        final_loss,
+        &stop,
+        &workdir.join("center"),
+    );
+    let ok = failures.is_empty();
     let pipeline_seconds = timings.pipeline_seconds;
     LocalSummary {
         end_of_stream: end_of_stream.to_string(),
@@ -950,7 +954,84 @@ fn summarize(
         mask_token_source: inputs.mask_token.as_ref().map(|(_, source)| source.clone()),
         workdir: workdir.to_path_buf(),
         ok,
+        failures,
     }
+}
+
+/// Everything that makes the run not a success, each in words: a run that
+/// lost data, whose drafters failed, or whose one model is not finite never
+/// reports OK.
+fn failures(
+    snapshot: &proto::StatusSnapshot,
+    processes: &[ProcessSummary],
+    final_loss: Option<f64>,
+    stop: &StopReason,
+    center: &Path,
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    if stop.interrupted {
+        failures.push("interrupted by a signal".to_string());
+    }
+    if stop.timed_out {
+        failures.push("gave up at --timeout".to_string());
+    }
+    if snapshot.state() != proto::BrokerState::Complete {
+        failures.push(format!(
+            "the run did not end COMPLETE ({:?}{})",
+            snapshot.state(),
+            if snapshot.abort_reason.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", snapshot.abort_reason)
+            }
+        ));
+    }
+    for process in processes {
+        if process.exit_code != Some(0) {
+            failures.push(format!(
+                "{} exited {} (log: {})",
+                process.name,
+                process
+                    .exit_code
+                    .map_or("by a signal".to_string(), |code| code.to_string()),
+                process.log.display()
+            ));
+        }
+    }
+    if snapshot.dead_letters > 0 {
+        failures.push(format!(
+            "{} samples were dead-lettered (never trained on)",
+            snapshot.dead_letters
+        ));
+    }
+    if final_loss.is_some_and(|loss| !loss.is_finite()) {
+        failures.push("the drafters' final loss is not finite".to_string());
+    }
+    match center_is_finite(center) {
+        Ok(None | Some(true)) => {}
+        Ok(Some(false)) => {
+            failures.push(format!("the center at {} is not finite", center.display()))
+        }
+        Err(error) => failures.push(format!(
+            "the center at {} cannot be read: {error}",
+            center.display()
+        )),
+    }
+    failures
+}
+
+/// Whether every weight of the center checkpoint is finite; `None` when no
+/// center was written (independent drafters).
+fn center_is_finite(center: &Path) -> anyhow::Result<Option<bool>> {
+    let weights = center.join("model.safetensors");
+    if !weights.is_file() {
+        return Ok(None);
+    }
+    let tensors = tch::Tensor::read_safetensors(&weights)
+        .with_context(|| format!("reading {}", weights.display()))?;
+    Ok(Some(tensors.iter().all(|(_, tensor)| {
+        tensor.isfinite().all().int64_value(&[]) == 1
+    })))
 }
 
 /// τ of the broker's center checkpoint on the held-out prompts; `None` when
@@ -1110,4 +1191,76 @@ fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
     }
     println!("  logs: {}", summary.workdir.join("logs").display());
     println!("  result: {}", if summary.ok { "OK" } else { "FAILED" });
+    for failure in &summary.failures {
+        println!("    because {failure}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drafter(exit_code: Option<i32>) -> ProcessSummary {
+        ProcessSummary {
+            name: "drafter-0".to_string(),
+            role: "drafter".to_string(),
+            device: "cpu".to_string(),
+            exit_code,
+            busy_fraction: None,
+            tokens_per_second: None,
+            samples: 0,
+            loss: Some(1.0),
+            checkpoint: None,
+            log: PathBuf::from("logs/drafter-0.log"),
+        }
+    }
+
+    fn complete() -> proto::StatusSnapshot {
+        proto::StatusSnapshot {
+            state: proto::BrokerState::Complete as i32,
+            ..Default::default()
+        }
+    }
+
+    const CLEAN: StopReason = StopReason {
+        interrupted: false,
+        timed_out: false,
+    };
+
+    /// #22: a run is OK only when nothing failed, and each failure is said:
+    /// a drafter's non-zero exit, dead letters, a non-finite center.
+    #[test]
+    fn a_run_reports_success_only_when_nothing_failed_and_says_why_otherwise() {
+        let folder = tempfile::tempdir().unwrap();
+        let center = folder.path().join("center");
+        let ok = failures(&complete(), &[drafter(Some(0))], Some(1.0), &CLEAN, &center);
+        assert!(ok.is_empty(), "{ok:?}");
+
+        let mut lossy = complete();
+        lossy.dead_letters = 2;
+        let failed = failures(&lossy, &[drafter(Some(1))], Some(1.0), &CLEAN, &center);
+        assert!(
+            failed
+                .iter()
+                .any(|failure| failure.contains("drafter-0 exited 1")),
+            "{failed:?}"
+        );
+        assert!(
+            failed
+                .iter()
+                .any(|failure| failure.contains("2 samples were dead-lettered")),
+            "{failed:?}"
+        );
+
+        std::fs::create_dir_all(&center).unwrap();
+        let poisoned = tch::Tensor::from_slice(&[1.0f32, f32::NAN]);
+        tch::Tensor::write_safetensors(
+            &[("fc.weight", &poisoned)],
+            center.join("model.safetensors"),
+        )
+        .unwrap();
+        let failed = failures(&complete(), &[drafter(Some(0))], Some(1.0), &CLEAN, &center);
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert!(failed[0].contains("is not finite"), "{}", failed[0]);
+    }
 }

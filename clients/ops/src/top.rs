@@ -237,6 +237,7 @@ pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOpt
     for row in rows(snapshot) {
         let _ = writeln!(out, "{}", row_line(row, options));
     }
+    out.push_str(&guard_lines(snapshot));
     out.push_str(&model_sync_lines(snapshot));
     for dead in snapshot.dead_letter_items.iter().take(5) {
         let _ = writeln!(
@@ -285,6 +286,26 @@ fn row_line(row: Row, options: RenderOptions) -> String {
     line
 }
 
+/// What the finite guards refused, per drafter (nothing when nothing was):
+/// steps skipped and non-finite samples dead-lettered.
+pub fn guard_lines(snapshot: &proto::StatusSnapshot) -> String {
+    let mut out = String::new();
+    for drafter in &snapshot.drafters {
+        let Some(stats) = &drafter.stats else {
+            continue;
+        };
+        if stats.skipped_steps == 0 && stats.non_finite_samples == 0 {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "GUARD  {}: {} optimizer steps skipped (loss or gradient not finite, or a spike), {} non-finite samples dead-lettered",
+            drafter.drafter_id, stats.skipped_steps, stats.non_finite_samples
+        );
+    }
+    out
+}
+
 /// The shared draft model: the center's version and each drafter's last
 /// sync and staleness (nothing when no drafter has synced).
 pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
@@ -302,9 +323,17 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
             sync.saved_path
         )
     };
+    let refused = if sync.non_finite_deltas + sync.outlier_deltas > 0 {
+        format!(
+            " ({} not finite, {} over the norm bound)",
+            sync.non_finite_deltas, sync.outlier_deltas
+        )
+    } else {
+        String::new()
+    };
     let _ = writeln!(
         out,
-        "model  center v{}  {} parameters ({} held)  {} samples  {} deltas applied, {} discarded  {saved}",
+        "model  center v{}  {} parameters ({} held)  {} samples  {} deltas applied, {} discarded{refused}  {saved}",
         sync.center_version,
         human_count(sync.parameters as f64),
         human_bytes(sync.center_bytes as f64),
@@ -338,6 +367,34 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn skipped_steps_non_finite_samples_and_refused_deltas_are_shown() {
+        let mut snapshot = snapshot();
+        let plain = render(&snapshot, "b", RenderOptions { color: false });
+        assert!(!plain.contains("GUARD"), "{plain}");
+        if let Some(stats) = snapshot.drafters[0].stats.as_mut() {
+            stats.skipped_steps = 3;
+            stats.non_finite_samples = 1;
+        }
+        snapshot.model_sync = Some(proto::ModelSyncStatus {
+            has_center: true,
+            updates_discarded: 2,
+            non_finite_deltas: 1,
+            outlier_deltas: 1,
+            ..Default::default()
+        });
+        let text = render(&snapshot, "b", RenderOptions { color: false });
+        assert!(
+            text.contains("GUARD  drafter-0: 3 optimizer steps skipped")
+                && text.contains("1 non-finite samples dead-lettered"),
+            "{text}"
+        );
+        assert!(
+            text.contains("2 discarded (1 not finite, 1 over the norm bound)"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn the_center_and_each_drafters_staleness_are_shown() {

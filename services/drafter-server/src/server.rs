@@ -95,6 +95,9 @@ pub struct DrafterReport {
     /// Optimizer steps skipped because their loss or gradient was not
     /// finite or spiked (weights, moments and step count unchanged).
     pub skipped_steps: u64,
+    /// Samples dead-lettered because their hidden states held a NaN or an
+    /// infinity (also in `dead_lettered`).
+    pub non_finite_samples: u64,
     pub final_checkpoint: Option<PathBuf>,
     /// Loss of the first and the last optimizer step of this process.
     pub first_loss: Option<f64>,
@@ -136,6 +139,8 @@ struct Totals {
     dead_lettered: u64,
     requeued: u64,
     skipped_steps: u64,
+    /// Samples dead-lettered because their hidden states were not finite.
+    non_finite_samples: u64,
     /// Skipped steps since the last step taken, and why the last one was.
     consecutive_skipped_steps: u64,
     last_skip_reason: String,
@@ -555,6 +560,8 @@ impl Session {
             steps: self.steps_done,
             samples_trained: self.totals.samples,
             accuracy: self.totals.last_accuracy.unwrap_or(0.0),
+            skipped_steps: self.totals.skipped_steps,
+            non_finite_samples: self.totals.non_finite_samples,
         };
         if reset_window {
             // Whole intervals only: a window just begun gives wild rates.
@@ -625,8 +632,12 @@ impl Session {
                 generation,
                 delivery_id,
                 reason,
+                non_finite,
             } => {
                 error!(delivery_id, %reason, "sample unusable by this model; dead-lettering it");
+                if non_finite {
+                    self.totals.non_finite_samples += 1;
+                }
                 if generation == self.generation && self.held.remove(&delivery_id) {
                     handle.nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
                     self.totals.dead_lettered += 1;
@@ -1002,6 +1013,7 @@ impl Session {
             dead_lettered: self.totals.dead_lettered,
             requeued: self.totals.requeued,
             skipped_steps: self.totals.skipped_steps,
+            non_finite_samples: self.totals.non_finite_samples,
             final_checkpoint: self.last_checkpoint.clone(),
             first_loss: self.totals.first_loss,
             last_loss: self.totals.last_loss,

@@ -264,7 +264,7 @@ class ExtendLeases(_message.Message):
     def __init__(self, delivery_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ConsumerStats(_message.Message):
-    __slots__ = ("tokens_per_second", "loss", "busy_fraction", "device", "steps", "samples_trained", "accuracy")
+    __slots__ = ("tokens_per_second", "loss", "busy_fraction", "device", "steps", "samples_trained", "accuracy", "skipped_steps", "non_finite_samples")
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,8 @@ class ConsumerStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_TRAINED_FIELD_NUMBER: _ClassVar[int]
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NON_FINITE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     tokens_per_second: float
     loss: float
     busy_fraction: float
@@ -279,7 +281,9 @@ class ConsumerStats(_message.Message):
     steps: int
     samples_trained: int
     accuracy: float
-    def __init__(self, tokens_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., device: _Optional[str] = ..., steps: _Optional[int] = ..., samples_trained: _Optional[int] = ..., accuracy: _Optional[float] = ...) -> None: ...
+    skipped_steps: int
+    non_finite_samples: int
+    def __init__(self, tokens_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., device: _Optional[str] = ..., steps: _Optional[int] = ..., samples_trained: _Optional[int] = ..., accuracy: _Optional[float] = ..., skipped_steps: _Optional[int] = ..., non_finite_samples: _Optional[int] = ...) -> None: ...
 
 class ConsumeResponse(_message.Message):
     __slots__ = ("welcome", "delivery", "end_of_stream")
@@ -511,7 +515,7 @@ class DrafterSyncStatus(_message.Message):
     def __init__(self, drafter_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_sync_ms_ago: _Optional[int] = ..., base_version: _Optional[int] = ..., staleness: _Optional[int] = ..., last_update_staleness: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., finished: _Optional[bool] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class ModelSyncStatus(_message.Message):
-    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters")
+    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas")
     HAS_CENTER_FIELD_NUMBER: _ClassVar[int]
     CENTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -524,6 +528,8 @@ class ModelSyncStatus(_message.Message):
     SAVED_PATH_FIELD_NUMBER: _ClassVar[int]
     FINAL_SAVED_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    NON_FINITE_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    OUTLIER_DELTAS_FIELD_NUMBER: _ClassVar[int]
     has_center: bool
     center_version: int
     method: str
@@ -536,4 +542,6 @@ class ModelSyncStatus(_message.Message):
     saved_path: str
     final_saved: bool
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterSyncStatus]
-    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ...) -> None: ...
+    non_finite_deltas: int
+    outlier_deltas: int
+    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ...) -> None: ...
