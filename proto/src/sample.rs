@@ -163,40 +163,64 @@ pub struct NonFiniteValues {
 /// Scans `data` (elements of `dtype`: bf16, f16 or f32; other dtypes have
 /// no non-finite values) for NaN and infinities by their bit patterns (all
 /// exponent bits set), without libtorch: the drafter checks every sample
-/// with it before training on it, the target before sending one. A
-/// vectorised count over the bytes; the first index is searched only when
-/// the count is not zero. `None` when every value is finite.
+/// with it before training on it, the target before sending one. Counts
+/// eight bytes at a time (four bf16/f16 or two f32 lanes per u64, no
+/// branch); the first index is searched only when the count is not zero.
+/// `None` when every value is finite.
 pub fn non_finite_values(data: &[u8], dtype: Dtype) -> Option<NonFiniteValues> {
-    fn scan<const N: usize>(
-        data: &[u8],
-        is_non_finite: impl Fn([u8; N]) -> bool,
-    ) -> Option<NonFiniteValues> {
-        let element = |bytes: &[u8]| {
-            let mut array = [0u8; N];
-            array.copy_from_slice(bytes);
-            array
-        };
-        let count = data
-            .chunks_exact(N)
-            .filter(|bytes| is_non_finite(element(bytes)))
-            .count() as u64;
-        if count == 0 {
-            return None;
-        }
-        let first_index = data
-            .chunks_exact(N)
-            .position(|bytes| is_non_finite(element(bytes)))
-            .unwrap_or_default() as u64;
-        Some(NonFiniteValues { count, first_index })
+    // Per lane of a little-endian u64: the exponent mask, and the bit that
+    // `(lane & mask) + carry` sets exactly when every exponent bit is set
+    // (`mask + carry` is the lane's top bit; a smaller masked value, whose
+    // low bits below the exponent are zero, stays below it; no lane carries
+    // into the next).
+    let (element_bytes, mask, carry, top): (usize, u64, u64, u64) = match dtype {
+        Dtype::Bf16 => (
+            2,
+            0x7F80_7F80_7F80_7F80,
+            0x0080_0080_0080_0080,
+            0x8000_8000_8000_8000,
+        ),
+        Dtype::F16 => (
+            2,
+            0x7C00_7C00_7C00_7C00,
+            0x0400_0400_0400_0400,
+            0x8000_8000_8000_8000,
+        ),
+        Dtype::F32 => (
+            4,
+            0x7F80_0000_7F80_0000,
+            0x0080_0000_0080_0000,
+            0x8000_0000_8000_0000,
+        ),
+        _ => return None,
+    };
+    let lane_is_non_finite = |lane: u64| ((lane & mask) + carry) & top;
+    let words = data.chunks_exact(8);
+    let tail = words.remainder();
+    let mut count: u64 = words
+        .map(|word| {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(word);
+            u64::from(lane_is_non_finite(u64::from_le_bytes(bytes)).count_ones())
+        })
+        .sum();
+    for element in tail.chunks_exact(element_bytes) {
+        let mut bytes = [0u8; 8];
+        bytes[..element_bytes].copy_from_slice(element);
+        count += u64::from(lane_is_non_finite(u64::from_le_bytes(bytes)).count_ones());
     }
-    match dtype {
-        Dtype::Bf16 => scan::<2>(data, |bytes| u16::from_le_bytes(bytes) & 0x7F80 == 0x7F80),
-        Dtype::F16 => scan::<2>(data, |bytes| u16::from_le_bytes(bytes) & 0x7C00 == 0x7C00),
-        Dtype::F32 => scan::<4>(data, |bytes| {
-            u32::from_le_bytes(bytes) & 0x7F80_0000 == 0x7F80_0000
-        }),
-        _ => None,
+    if count == 0 {
+        return None;
     }
+    let first_index = data
+        .chunks_exact(element_bytes)
+        .position(|element| {
+            let mut bytes = [0u8; 8];
+            bytes[..element_bytes].copy_from_slice(element);
+            lane_is_non_finite(u64::from_le_bytes(bytes)) != 0
+        })
+        .unwrap_or_default() as u64;
+    Some(NonFiniteValues { count, first_index })
 }
 
 fn decode_token_ids(tensor: &Tensor) -> Result<Vec<i64>, SampleError> {
@@ -245,6 +269,34 @@ fn decode_loss_mask(tensor: &Tensor) -> Result<Vec<u8>, SampleError> {
 
 #[cfg(test)]
 mod tests {
+    proptest::proptest! {
+        /// The eight-bytes-at-a-time count agrees with a plain per-element
+        /// check on any bytes, any length (tails included), every dtype.
+        #[test]
+        fn the_word_scan_agrees_with_a_per_element_check(
+            data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+            dtype_index in 0usize..3,
+        ) {
+            use super::non_finite_values;
+            use crate::v1::Dtype;
+            let (dtype, size) = [(Dtype::Bf16, 2), (Dtype::F16, 2), (Dtype::F32, 4)][dtype_index];
+            let flags: Vec<bool> = data
+                .chunks_exact(size)
+                .map(|element| match dtype {
+                    Dtype::Bf16 => u16::from_le_bytes([element[0], element[1]]) & 0x7F80 == 0x7F80,
+                    Dtype::F16 => u16::from_le_bytes([element[0], element[1]]) & 0x7C00 == 0x7C00,
+                    _ => !f32::from_le_bytes([element[0], element[1], element[2], element[3]]).is_finite(),
+                })
+                .collect();
+            let count = flags.iter().filter(|&&flag| flag).count() as u64;
+            let expected = flags.iter().position(|&flag| flag).map(|first| super::NonFiniteValues {
+                count,
+                first_index: first as u64,
+            });
+            proptest::prop_assert_eq!(non_finite_values(&data, dtype), expected);
+        }
+    }
+
     #[test]
     fn non_finite_values_are_found_by_bit_pattern_in_every_float_dtype() {
         use super::{non_finite_values, NonFiniteValues};
