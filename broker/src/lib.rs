@@ -12,6 +12,8 @@
 //! - `config`: flags with environment fallbacks, and their validation.
 //! - `auth`: TLS (optionally mutual) and the bearer token checked on every
 //!   RPC, from files or the environment; the token is never printed.
+//! - `roles`: credentials with a role (target, drafter, operator) and an
+//!   optional identity (`--credentials`), and the check each RPC makes.
 //! - `convert`: queue types ↔ `dflash.v1` messages; queue errors → status codes.
 //! - `service`: the tonic `Broker` implementation, a thin adapter that runs
 //!   queue operations under one lock and routes effects to streams.
@@ -32,7 +34,8 @@
 //!   queue's journal entries to before answering.
 //! - `model_sync`: the `ModelSync` service beside the queue: the run's one
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
-//!   outer step), its arithmetic on raw buffers, and its checkpoints.
+//!   outer step), its arithmetic on raw buffers, and its checkpoints; a
+//!   delta that is not finite or far over the recent norms never reaches it.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).
 //!
 //! Per-item `enqueue` and `deliver` spans join the trace whose context the
