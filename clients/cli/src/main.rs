@@ -74,12 +74,7 @@ fn tempfile_dir() -> anyhow::Result<tempfile::TempDir> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    dflash_ops::init_logging();
     match cli.command {
         Command::Local(args) => {
             // SIGINT or SIGTERM: stop the children, then print the summary.

@@ -18,3 +18,14 @@ pub mod commands;
 pub mod top;
 
 pub use commands::{run, OpsCommand};
+
+/// The command-line tools' logging: warnings and errors on stderr (stdout
+/// is the tools' output), `RUST_LOG` to see more.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}

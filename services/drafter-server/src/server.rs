@@ -619,6 +619,27 @@ impl Session {
         }
     }
 
+    /// Hands deliveries of the current stream back to the queue (a failed
+    /// batch, a skipped step); ids of an older stream are the broker's
+    /// already.
+    fn requeue(
+        &mut self,
+        handle: &ConsumerHandle,
+        generation: u64,
+        delivery_ids: Vec<u64>,
+        reason: String,
+    ) {
+        if generation != self.generation {
+            return;
+        }
+        let current: Vec<u64> = delivery_ids
+            .into_iter()
+            .filter(|id| self.held.remove(id))
+            .collect();
+        self.totals.requeued += current.len() as u64;
+        handle.nack(current, reason, NackDisposition::Requeue);
+    }
+
     /// Acks, nacks and bookkeeping for one event of the training thread.
     /// Returns the trainer's final answer when it has stopped.
     fn on_event(
@@ -673,30 +694,14 @@ impl Session {
                 self.totals.skipped_steps += 1;
                 self.totals.consecutive_skipped_steps += 1;
                 self.metrics.skipped_steps.increment();
-                if generation == self.generation {
-                    let current: Vec<u64> = delivery_ids
-                        .into_iter()
-                        .filter(|id| self.held.remove(id))
-                        .collect();
-                    self.totals.requeued += current.len() as u64;
-                    handle.nack(current, reason.clone(), NackDisposition::Requeue);
-                }
+                self.requeue(handle, generation, delivery_ids, reason.clone());
                 self.totals.last_skip_reason = reason;
             }
             TrainerEvent::BatchFailed {
                 generation,
                 delivery_ids,
                 reason,
-            } => {
-                if generation == self.generation {
-                    let current: Vec<u64> = delivery_ids
-                        .into_iter()
-                        .filter(|id| self.held.remove(id))
-                        .collect();
-                    self.totals.requeued += current.len() as u64;
-                    handle.nack(current, reason, NackDisposition::Requeue);
-                }
-            }
+            } => self.requeue(handle, generation, delivery_ids, reason),
             TrainerEvent::CheckpointSaved { step, path } => {
                 self.last_checkpoint = Some(path);
                 self.steps_done = self.steps_done.max(step);
