@@ -48,6 +48,13 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
     assert!(loss.is_finite(), "loss {loss}");
     for process in summary["processes"].as_array().unwrap() {
         assert_eq!(process["exit_code"].as_i64(), Some(0), "{process}");
+        // Busy over the whole run comes from the process's own report.
+        let name = process["name"].as_str().unwrap();
+        let report: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(workdir.join("logs").join(format!("{name}.report.json"))).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(process["busy_fraction"], report["busy_fraction"], "{process}");
         if process["role"] == "drafter" {
             assert!(
                 process["checkpoint"].is_string(),

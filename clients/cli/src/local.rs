@@ -140,7 +140,11 @@ pub struct ProcessSummary {
     pub role: String,
     pub device: String,
     pub exit_code: Option<i32>,
+    /// Over the whole run, from the process's own final report (the last
+    /// stats window's when it wrote none).
     pub busy_fraction: Option<f64>,
+    /// The broker's last stats window of this process (the drain, often).
+    pub last_window_busy_fraction: Option<f64>,
     pub tokens_per_second: Option<f64>,
     pub samples: u64,
     pub loss: Option<f64>,
@@ -200,6 +204,8 @@ struct Managed {
     log: PathBuf,
     exit_code: Option<i32>,
     output: Option<PathBuf>,
+    /// The process's `--report-file` (targets and drafters).
+    report: Option<PathBuf>,
 }
 
 fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
@@ -242,7 +248,12 @@ fn spawn(
     let log = logs.join(format!("{name}.log"));
     let file =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    // Targets and drafters write their whole-run report for the summary.
+    let report = (role != "broker").then(|| logs.join(format!("{name}.report.json")));
     let mut command = Command::new(program);
+    if let Some(report) = &report {
+        command.arg("--report-file").arg(report);
+    }
     if let Some(threads) = threads {
         command.env("OMP_NUM_THREADS", threads);
     }
@@ -262,6 +273,7 @@ fn spawn(
         log,
         exit_code: None,
         output: None,
+        report,
     })
 }
 
@@ -1074,6 +1086,7 @@ fn process_summary(child: &Managed, snapshot: &proto::StatusSnapshot) -> Process
         device: child.device.clone(),
         exit_code: child.exit_code,
         busy_fraction: None,
+        last_window_busy_fraction: None,
         tokens_per_second: None,
         samples: 0,
         loss: None,
@@ -1109,7 +1122,31 @@ fn process_summary(child: &Managed, snapshot: &proto::StatusSnapshot) -> Process
             .ok()
             .flatten();
     }
+    summary.last_window_busy_fraction = summary.busy_fraction;
+    if let Some(report) = child.report.as_deref().and_then(read_process_report) {
+        apply_process_report(&mut summary, &report);
+    }
     summary
+}
+
+/// A target's or drafter's `--report-file`, if it wrote one.
+fn read_process_report(path: &Path) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()
+}
+
+/// The whole run's figures from the process's own report, over the
+/// broker's last stats window (which is often the drain, when a busy
+/// drafter waits for the last items).
+fn apply_process_report(summary: &mut ProcessSummary, report: &serde_json::Value) {
+    if let Some(busy) = report["busy_fraction"].as_f64() {
+        summary.busy_fraction = Some(busy);
+    }
+    if let Some(rate) = report["tokens_per_second"].as_f64() {
+        summary.tokens_per_second = Some(rate);
+    }
+    if let Some(loss) = report["loss"].as_f64() {
+        summary.loss = Some(loss);
+    }
 }
 
 fn percent(value: Option<f64>) -> String {
@@ -1156,11 +1193,12 @@ fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out: bool) {
     );
     for process in &summary.processes {
         println!(
-            "  {:<10} {:<7} device {:<7} busy {:>4}  tok/s {:>8}  samples {:>5}  loss {:>7}  exit {}{}",
+            "  {:<10} {:<7} device {:<7} busy {:>4} (last window {:>4})  tok/s {:>8}  samples {:>5}  loss {:>7}  exit {}{}",
             process.name,
             process.role,
             process.device,
             percent(process.busy_fraction),
+            percent(process.last_window_busy_fraction),
             process.tokens_per_second.map_or("-".to_string(), |value| format!("{value:.0}")),
             process.samples,
             process.loss.map_or("-".to_string(), |loss| format!("{loss:.3}")),
@@ -1207,6 +1245,7 @@ mod tests {
             device: "cpu".to_string(),
             exit_code,
             busy_fraction: None,
+            last_window_busy_fraction: None,
             tokens_per_second: None,
             samples: 0,
             loss: Some(1.0),
@@ -1226,6 +1265,24 @@ mod tests {
         interrupted: false,
         timed_out: false,
     };
+
+    /// #23: the summary's busy fraction is the run's, from the process's own
+    /// report, not the broker's last window (the drain); the window is kept
+    /// apart.
+    #[test]
+    fn a_drafter_busy_for_the_whole_run_is_reported_so() {
+        let mut summary = drafter(Some(0));
+        summary.busy_fraction = Some(0.05);
+        summary.last_window_busy_fraction = Some(0.05);
+        apply_process_report(
+            &mut summary,
+            &serde_json::json!({"busy_fraction": 0.95, "tokens_per_second": 812.0, "loss": 2.5}),
+        );
+        assert_eq!(summary.busy_fraction, Some(0.95));
+        assert_eq!(summary.last_window_busy_fraction, Some(0.05));
+        assert_eq!(summary.tokens_per_second, Some(812.0));
+        assert_eq!(summary.loss, Some(2.5));
+    }
 
     /// #22: a run is OK only when nothing failed, and each failure is said:
     /// a drafter's non-zero exit, dead letters, a non-finite center.

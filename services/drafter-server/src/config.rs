@@ -270,6 +270,12 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
 
+    /// Write this process's final report here when it ends (JSON: busy
+    /// fraction, tokens/s, samples, steps and loss over the whole run), for
+    /// a supervisor such as `dflash local`.
+    #[arg(long, env = "DFLASH_REPORT_FILE")]
+    pub report_file: Option<PathBuf>,
+
     /// The exchange with the broker's shared draft model.
     #[command(flatten)]
     pub model_sync: crate::model_sync::SyncConfig,
@@ -424,6 +430,7 @@ impl DrafterServerConfig {
             reconnect_timeout: Duration::from_secs(60),
             trainer_stall_timeout: Duration::from_secs(600),
             max_skipped_steps: 5,
+            report_file: None,
             grad_norm_spike_ratio: dflash_model::draft::DEFAULT_GRAD_NORM_SPIKE_RATIO,
             metrics_listen: None,
             model_sync: crate::model_sync::SyncConfig::default(),

@@ -37,10 +37,27 @@ async fn main() -> std::process::ExitCode {
     };
     tracing::info!(%allocator, "allocator set up");
     let shutdown = dflash_shell::shutdown_signal();
+    let report_file = cli.config.report_file.clone();
     let result = run(cli.config, shutdown).await;
     telemetry.flush();
     match result {
         Ok(report) => {
+            if let Some(path) = &report_file {
+                let json = serde_json::json!({
+                    "role": "drafter",
+                    "id": report.drafter_id,
+                    "busy_fraction": report.busy_fraction,
+                    "tokens_per_second": report.tokens_per_second,
+                    "samples": report.samples_trained,
+                    "steps": report.steps,
+                    "loss": report.last_loss,
+                    "skipped_steps": report.skipped_steps,
+                    "non_finite_samples": report.non_finite_samples,
+                });
+                if let Err(error) = std::fs::write(path, json.to_string()) {
+                    error!(%error, path = %path.display(), "the report file could not be written");
+                }
+            }
             info!(
                 end = ?report.end,
                 steps = report.steps,

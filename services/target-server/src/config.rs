@@ -227,6 +227,12 @@ pub struct TargetServerConfig {
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
 
+    /// Write this process's final report here when it ends (JSON: busy
+    /// fraction, tokens/s and samples over the whole run), for a supervisor
+    /// such as `dflash local`.
+    #[arg(long, env = "DFLASH_REPORT_FILE")]
+    pub report_file: Option<PathBuf>,
+
     /// TLS and the broker's bearer token.
     #[command(flatten)]
     pub security: dflash_client::ClientSecurityArgs,
@@ -287,6 +293,7 @@ impl TargetServerConfig {
             security: dflash_client::ClientSecurityArgs::default(),
             watchdog_timeout: Duration::from_secs(240),
             on_non_finite: NonFiniteAction::Skip,
+            report_file: None,
             test_hang_compute_after_batches: None,
         }
     }

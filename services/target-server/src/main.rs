@@ -22,8 +22,22 @@ async fn main() -> std::process::ExitCode {
     };
     tracing::info!(%allocator, "allocator set up");
     let shutdown = dflash_shell::shutdown_signal();
+    let report_file = config.report_file.clone();
     let outcome = run(config, shutdown).await;
     telemetry.flush();
+    if let (Some(path), Ok(report)) = (&report_file, &outcome) {
+        let json = serde_json::json!({
+            "role": "target",
+            "id": report.target_id,
+            "busy_fraction": report.busy_fraction,
+            "tokens_per_second": report.tokens_per_second,
+            "samples": report.samples_sent,
+            "non_finite_skipped": report.non_finite_skipped,
+        });
+        if let Err(error) = std::fs::write(path, json.to_string()) {
+            tracing::error!(%error, path = %path.display(), "the report file could not be written");
+        }
+    }
     match outcome {
         Ok(report) if !report.completed => {
             tracing::warn!(
