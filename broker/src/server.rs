@@ -84,6 +84,10 @@ pub async fn serve_with_metrics(
     let model_sync =
         crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
     shared.set_model_sync(model_sync.clone());
+    model_sync.set_acked_by({
+        let shared = Arc::downgrade(&shared);
+        move |drafter_id: &str| shared.upgrade()?.acked_by(drafter_id)
+    });
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     report_serving(&health_reporter).await;

@@ -492,6 +492,11 @@ impl Shared {
         self.locked.lock().queue.state()
     }
 
+    /// Items the broker has seen `drafter_id` ack.
+    pub(crate) fn acked_by(&self, drafter_id: &str) -> Option<u64> {
+        self.locked.lock().queue.acked_by(drafter_id)
+    }
+
     /// The run state as it changes.
     pub(crate) fn watch_run_state(
         &self,

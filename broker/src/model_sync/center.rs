@@ -394,6 +394,9 @@ pub struct Upload {
     pub tensors: Vec<UploadedTensor>,
     /// [`Upload::norm`], when taken before the commit (outside the lock).
     pub measured_norm: Option<f64>,
+    /// Items the broker has seen this drafter ack, when known: the samples
+    /// it may be credited with in all (a claim beyond is cut to it).
+    pub acked_by_drafter: Option<u64>,
 }
 
 impl Upload {
@@ -432,6 +435,7 @@ impl Upload {
             reply_dtype,
             tensors: Vec::new(),
             measured_norm: None,
+            acked_by_drafter: None,
         })
     }
 
@@ -640,6 +644,27 @@ impl ModelSyncState {
         upload.check_complete(declared_tensors)?;
         let kind = upload.kind;
         let carried_delta = !upload.tensors.is_empty();
+        let mut upload = upload;
+        // The samples a drafter claims never exceed what the broker saw it
+        // ack (in all its exchanges): a claim cannot advance the run's
+        // schedule. Acks that have not landed yet are credited at the next
+        // exchange, when they have.
+        if let Some(acked) = upload.acked_by_drafter {
+            let credited = self
+                .drafters
+                .get(drafter_id)
+                .map_or(0, |record| record.samples);
+            let allowed = acked.saturating_sub(credited);
+            if upload.samples > allowed {
+                tracing::debug!(
+                    drafter_id,
+                    claimed = upload.samples,
+                    allowed,
+                    "samples claimed beyond the drafter's acks; credited up to them"
+                );
+                upload.samples = allowed;
+            }
+        }
         let samples = upload.samples;
         let outcome = match upload.kind {
             ExchangeKind::Join => self.join(upload, model_config_json)?,

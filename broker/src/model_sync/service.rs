@@ -63,7 +63,13 @@ pub struct ModelSyncShared {
     /// Woken when an exchange commits or a session closes: the center
     /// writer re-checks what it waits for.
     sync_changed: Notify,
+    /// What the queue saw each drafter ack (set once the queue exists): the
+    /// bound on the samples a drafter's exchanges are credited with.
+    acked_by: std::sync::OnceLock<AckedBy>,
 }
+
+/// Items acked by a drafter id, as the queue counts them.
+type AckedBy = Box<dyn Fn(&str) -> Option<u64> + Send + Sync>;
 
 impl ModelSyncShared {
     /// The service state, with the center resumed from `--model-output`
@@ -91,7 +97,14 @@ impl ModelSyncShared {
             tasks: TaskTracker::new(),
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
             sync_changed: Notify::new(),
+            acked_by: std::sync::OnceLock::new(),
         }))
+    }
+
+    /// Where the queue's per-drafter ack counts come from (see
+    /// `Upload::acked_by_drafter`); without it claims are credited as sent.
+    pub fn set_acked_by(&self, acked_by: impl Fn(&str) -> Option<u64> + Send + Sync + 'static) {
+        let _ = self.acked_by.set(Box::new(acked_by));
     }
 
     pub fn status(&self) -> proto::ModelSyncStatus {
@@ -477,6 +490,10 @@ async fn commit_exchange(
     // One pass over the delta, before the lock: its norm (NaN when any
     // value is not finite) decides whether it may touch the center.
     open.measure_norm();
+    open.acked_by_drafter = shared
+        .acked_by
+        .get()
+        .and_then(|acked_by| acked_by(drafter_id));
     let (outcome, snapshot) = {
         let mut state = shared.state.lock();
         let outcome = state.commit(

@@ -555,3 +555,36 @@ fn a_join_with_non_finite_weights_never_becomes_the_center() {
     );
     assert!(state.center().is_none());
 }
+
+/// #22: the samples a drafter claims are credited only up to what the
+/// broker saw it ack, over all its exchanges: an inflated claim (2^62
+/// samples) cannot advance the center's count, and so the run's schedule;
+/// acks that land later are credited at the next exchange.
+#[test]
+fn claimed_samples_are_credited_only_up_to_the_drafters_acks() {
+    let (mut state, now) = joined_state(plain());
+    let delta = weights([0.25, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    let mut inflated = upload(proto::SyncKind::Update, 0, &delta, WireDtype::F32, 4);
+    inflated.samples = 1 << 62;
+    inflated.acked_by_drafter = Some(4);
+    let outcome = state.commit("d0", inflated, 2, CONFIG, now).unwrap();
+    assert!(outcome.applied);
+    assert_eq!(outcome.center_samples, 4);
+    // The begin claims 10; 30 acked in all, 4 already credited: all 10 count.
+    let mut honest = upload(proto::SyncKind::Update, 1, &delta, WireDtype::F32, 4);
+    honest.acked_by_drafter = Some(30);
+    let outcome = state.commit("d0", honest, 2, CONFIG, now).unwrap();
+    assert_eq!(outcome.center_samples, 14);
+    // Acks lagging behind the claim: credited up to them (16), no more.
+    let mut early = upload(proto::SyncKind::Update, 2, &delta, WireDtype::F32, 4);
+    early.acked_by_drafter = Some(16);
+    let outcome = state.commit("d0", early, 2, CONFIG, now).unwrap();
+    assert_eq!(outcome.center_samples, 16);
+    let status = state.status(now);
+    let record = status
+        .drafters
+        .iter()
+        .find(|drafter| drafter.drafter_id == "d0")
+        .unwrap();
+    assert_eq!(record.samples, 16);
+}

@@ -268,6 +268,12 @@ impl<P: Payload> Queue<P> {
         self.state
     }
 
+    /// Items the broker has seen `drafter_id` ack (the bound on the samples
+    /// it may claim at model sync); `None` for a drafter it does not know.
+    pub fn acked_by(&self, drafter_id: &str) -> Option<u64> {
+        self.drafters.get(drafter_id).map(|entry| entry.acked_items)
+    }
+
     /// The drafter whose stream `connection` is, for logs and traces.
     pub fn drafter_id_of(&self, connection: ConnectionId) -> Option<&str> {
         self.consumer_connections
