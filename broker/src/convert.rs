@@ -94,7 +94,7 @@ pub fn producer_stats_from_proto(stats: proto::ProducerStats) -> ProducerStats {
     ProducerStats {
         tokens_per_second: stats.tokens_per_second,
         busy_fraction: stats.busy_fraction,
-        device: stats.device,
+        device: dflash_proto::transport::bounded_control_string(&stats.device).into_owned(),
         samples_done: stats.samples_done,
         samples_total: stats.samples_total,
         tokens_done: stats.tokens_done,
@@ -117,7 +117,7 @@ pub fn consumer_stats_from_proto(stats: proto::ConsumerStats) -> ConsumerStats {
         tokens_per_second: stats.tokens_per_second,
         loss: stats.loss,
         busy_fraction: stats.busy_fraction,
-        device: stats.device,
+        device: dflash_proto::transport::bounded_control_string(&stats.device).into_owned(),
         steps: stats.steps,
         samples_trained: stats.samples_trained,
         accuracy: stats.accuracy,

@@ -763,6 +763,23 @@ impl BrokerService {
         });
     }
 
+    /// A Consume message over the control limit broke the stream: the
+    /// drafter gets RESOURCE_EXHAUSTED with the limit (its leases go back
+    /// when the stream closes).
+    fn refuse_oversized_control(&self, connection: ConnectionId, status: &Status) {
+        let reason = format!(
+            "Consume message over the control limit of {} bytes (acks, nacks, credit and stats only): {}",
+            dflash_proto::transport::CONTROL_MESSAGE_BYTES,
+            status.message()
+        );
+        warn!(connection, %reason, "Consume stream ended");
+        self.shared.with_queue(|locked, _now| {
+            if let Some(outbox) = locked.consumer_outboxes.remove(&connection) {
+                let _ = outbox.send(Err(Status::resource_exhausted(reason)));
+            }
+        });
+    }
+
     /// A Produce stream that broke on something other than an oversized
     /// message (a malformed message, a reset): the target gets that status
     /// as the stream's end, so it learns what was wrong. A stream the
@@ -887,11 +904,17 @@ impl BrokerService {
     ) {
         let shared = self.shared.clone();
         loop {
-            let Ok(Some(request)) =
-                next_request(&shared.shutdown, &mut inbound, connection, "consumer").await
-            else {
-                break;
-            };
+            let request =
+                match next_request(&shared.shutdown, &mut inbound, connection, "consumer").await {
+                    Ok(Some(request)) => request,
+                    Ok(None) => break,
+                    Err(status) => {
+                        if is_oversized_message(&status) {
+                            self.refuse_oversized_control(connection, &status);
+                        }
+                        break;
+                    }
+                };
             use proto::consume_request::Kind;
             match request.kind {
                 Some(Kind::Ack(ack)) => {
@@ -906,7 +929,7 @@ impl BrokerService {
                             connection,
                             &nack.delivery_ids,
                             disposition,
-                            &nack.reason,
+                            &dflash_proto::transport::bounded_control_string(&nack.reason),
                             now,
                         )
                     });

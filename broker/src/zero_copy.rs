@@ -128,8 +128,10 @@ pub struct BrokerRoutes {
 
 impl BrokerRoutes {
     pub fn new(service: BrokerService, message_limit: usize) -> Self {
+        // The generated server answers everything but the two streaming
+        // routes above: unary calls and WatchStatus, control messages only.
         let generated = BrokerServer::new(service.clone())
-            .max_decoding_message_size(message_limit)
+            .max_decoding_message_size(dflash_proto::transport::CONTROL_MESSAGE_BYTES)
             .max_encoding_message_size(message_limit);
         BrokerRoutes {
             service,
@@ -200,18 +202,19 @@ impl BrokerRoutes {
 
     fn consume(&self, request: http::Request<Body>) -> RouteFuture {
         let service = self.service.clone();
-        let message_limit = self.message_limit;
         Box::pin(async move {
             let (parts, body) = request.into_parts();
             if let Err(status) = refuse_compression(&parts.headers) {
                 return Ok(status.into_http());
             }
             let principal = Principal::of(&parts.extensions);
+            // A drafter sends only control messages (acks, nacks, credit,
+            // stats): their own small limit, not an item's.
             let requests = Streaming::new_request(
                 tonic_prost::ProstDecoder::<proto::ConsumeRequest>::default(),
                 body,
                 None,
-                Some(message_limit),
+                Some(dflash_proto::transport::CONTROL_MESSAGE_BYTES),
             );
             match service.open_consume(requests, principal).await {
                 Ok(outgoing) => Ok(grpc_response(Body::new(PieceBody::response(

@@ -444,3 +444,72 @@ async fn items_of_every_shape_count_against_the_queue_cap() {
     assert_eq!(status(&broker).await.queued_items, 0);
     broker.stop().await;
 }
+
+/// #22: control traffic has its own small limits: a Consume message over
+/// 1 MiB (an ack of 120,000 ten-byte ids) ends that stream with
+/// RESOURCE_EXHAUSTED and its leases go back; a 100 KiB nack reason is kept
+/// cut to 1 KiB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_messages_have_their_own_small_limits() {
+    let broker = TestBroker::for_targets(1).await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    for seq in 0..2 {
+        producer
+            .send(seq, sample(1024, seq), HashMap::new())
+            .await
+            .unwrap();
+    }
+    assert_eq!(producer.finish().await.unwrap().accepted, 2);
+
+    let mut consumer = client.consume("drafter-0", credit(1)).await.unwrap();
+    let handle = consumer.handle();
+    let Ok(dflash_client::ConsumerEvent::Delivery(delivery)) = consumer.next().await else {
+        panic!("a delivery")
+    };
+    handle.nack(
+        vec![delivery.delivery_id],
+        "x".repeat(100 << 10),
+        proto::NackDisposition::DeadLetter,
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            status(&broker).await.dead_letters == 1
+        })
+        .await
+    );
+    let reason = status(&broker).await.dead_letter_items[0].reason.clone();
+    assert!(reason.len() < 1100, "{} bytes", reason.len());
+    assert!(
+        reason.ends_with("(102400 bytes, cut)"),
+        "{}",
+        &reason[reason.len() - 40..]
+    );
+
+    let Ok(dflash_client::ConsumerEvent::Delivery(_)) = consumer.next().await else {
+        panic!("the second delivery")
+    };
+    handle.ack(vec![u64::MAX; 120_000]);
+    let ended = tokio::time::timeout(Duration::from_secs(20), consumer.next())
+        .await
+        .expect("the stream ends");
+    match ended {
+        Err(error) => assert_eq!(
+            error.status().map(|status| status.code()),
+            Some(Code::ResourceExhausted),
+            "{error}"
+        ),
+        Ok(event) => panic!("expected the stream to end, got {event:?}"),
+    }
+    // Its lease went back to the queue.
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            let snapshot = status(&broker).await;
+            snapshot.leased_items == 0 && snapshot.queued_items == 1
+        })
+        .await,
+        "{:?}",
+        status(&broker).await
+    );
+    broker.stop().await;
+}

@@ -40,6 +40,29 @@ pub fn message_limit_bytes(max_item_bytes: u64) -> usize {
 /// below it.
 pub const MODEL_SYNC_MESSAGE_BYTES: usize = 8 << 20;
 
+/// The largest message a client may send on anything but Produce and model
+/// sync: a Consume stream's hello, acks, nacks, credit and stats, and every
+/// unary call. 1 MiB holds an ack of about 200,000 delivery ids, far beyond
+/// any credit window, and is far below `--max-item-bytes`.
+pub const CONTROL_MESSAGE_BYTES: usize = 1 << 20;
+
+/// The longest nack reason or stats string the broker keeps; longer ones
+/// are cut (at a character boundary) and marked.
+pub const MAX_CONTROL_STRING_BYTES: usize = 1024;
+
+/// `text` cut to [`MAX_CONTROL_STRING_BYTES`] at a character boundary, with
+/// a mark saying how long it was.
+pub fn bounded_control_string(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= MAX_CONTROL_STRING_BYTES {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut end = MAX_CONTROL_STRING_BYTES;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    std::borrow::Cow::Owned(format!("{}... ({} bytes, cut)", &text[..end], text.len()))
+}
+
 /// Largest tensor chunk of a model-sync stream, either way (weights are
 /// split into chunks of this size).
 pub const MODEL_SYNC_CHUNK_BYTES: usize = 1 << 20;
