@@ -96,19 +96,21 @@ async fn a_sample_of_the_wrong_hidden_width_is_dead_lettered_and_training_goes_o
     broker.stop().await;
 }
 
-/// One sample whose hidden states hold a NaN among good ones (#22): it is
-/// dead-lettered naming its (target, seq), never trained on; the run ends
-/// COMPLETE, every loss stays finite and the final weights load finite.
+/// One of two targets sends one sample whose hidden states hold a NaN
+/// among good ones (#22): it is dead-lettered naming its (target, seq),
+/// never trained on; the run ends COMPLETE with every other (target, seq)
+/// trained, every loss stays finite and the final weights load finite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_sample_with_a_nan_is_dead_lettered_by_target_and_seq_and_the_model_stays_finite() {
     const POISONED_SEQ: usize = 5;
-    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let broker = TestBroker::start(BrokerConfig::for_targets(2)).await;
     let output = tempfile::tempdir().unwrap();
     let config = test_drafter_config("drafter-0", &broker.address, output.path().to_path_buf());
     let drafter = tokio::spawn(run(config, CancellationToken::new()));
-    let mut samples = target_samples(&random_token_sequences(12, 24, 3));
+    let mut poisoned = target_samples(&random_token_sequences(8, 24, 3));
+    let clean = target_samples(&random_token_sequences(8, 24, 4));
     // bf16 NaN (0x7FC0) in the middle of one sample's hidden states.
-    let hidden = samples[POISONED_SEQ]
+    let hidden = poisoned[POISONED_SEQ]
         .tensors
         .iter_mut()
         .find(|tensor| tensor.name == "hidden_states")
@@ -117,21 +119,26 @@ async fn a_sample_with_a_nan_is_dead_lettered_by_target_and_seq_and_the_model_st
     let middle = (bytes.len() / 2) & !1;
     bytes[middle..middle + 2].copy_from_slice(&0x7FC0u16.to_le_bytes());
     hidden.data = bytes.into();
-    produce(&broker.address, "target-0", samples, true).await;
+    tokio::join!(
+        produce(&broker.address, "target-0", clean, true),
+        produce(&broker.address, "target-1", poisoned, true),
+    );
     let report = report_within(TEST_TIMEOUT, drafter).await;
     assert_eq!(report.end, RunEnd::Complete);
     assert_eq!(report.dead_lettered, 1);
-    assert_eq!(report.samples_trained, 11);
+    assert_eq!(report.non_finite_samples, 1);
+    assert_eq!(report.samples_trained, 15);
     assert!(report.last_loss.is_some_and(f64::is_finite), "{report:?}");
     let status = broker.status().await;
     assert_eq!(status.dead_letters, 1);
+    assert_eq!(status.acked_items, 15);
     let dead = &status.dead_letter_items[0];
     assert_eq!(
         (dead.target_id.as_str(), dead.seq),
-        ("target-0", POISONED_SEQ as u64)
+        ("target-1", POISONED_SEQ as u64)
     );
     assert!(
-        dead.reason.contains("target target-0 seq 5") && dead.reason.contains("non-finite"),
+        dead.reason.contains("target target-1 seq 5") && dead.reason.contains("non-finite"),
         "{}",
         dead.reason
     );
