@@ -54,7 +54,10 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
             &std::fs::read(workdir.join("logs").join(format!("{name}.report.json"))).unwrap(),
         )
         .unwrap();
-        assert_eq!(process["busy_fraction"], report["busy_fraction"], "{process}");
+        assert_eq!(
+            process["busy_fraction"], report["busy_fraction"],
+            "{process}"
+        );
         if process["role"] == "drafter" {
             assert!(
                 process["checkpoint"].is_string(),
