@@ -9,10 +9,12 @@
 #   2. the runtime image (default `dflash-pipeline:local`): deploy/Dockerfile's
 #      `prebuilt` stage (the `runtime` stage's settings, with the binaries
 #      from the context instead of a compile), the context holding the
-#      broker, target-server, drafter-server and dflash binaries from
-#      $CARGO_TARGET_DIR/<profile> and libtorch's libraries from
-#      .cache/libtorch/lib. The image runs as the non-root user 10001 (see
-#      the Dockerfile's runtime-base stage).
+#      broker, target-server, drafter-server, dflash and dflash-ops binaries
+#      from $CARGO_TARGET_DIR/<profile> and libtorch's libraries from
+#      .cache/libtorch/lib. dflash-ops (status, top, health without
+#      libtorch) is what the health checks, the probes and the operator pod
+#      run. The image runs as the non-root user 10001 (see the Dockerfile's
+#      runtime-base stage).
 #
 # Usage: scripts/build-image.sh [--profile debug|release] [--tag NAME:TAG]
 #                               [--rebuild-base] [--base-only]
@@ -38,18 +40,27 @@ done
 case "$profile" in debug | release) ;; *) echo "build-image: --profile must be debug or release, got $profile" >&2; exit 2 ;; esac
 
 log() { echo "build-image: $*" >&2; }
+# Every binary the image ships, from $CARGO_TARGET_DIR/<profile>.
+binaries=(broker target-server drafter-server dflash dflash-ops)
 
 check_binaries() {
 target_dir="${CARGO_TARGET_DIR:-$repo_root/target}"
 binaries_dir="$target_dir/$profile"
 libtorch_lib="$repo_root/.cache/libtorch/lib"
-for binary in broker target-server drafter-server dflash; do
+for binary in "${binaries[@]}"; do
   [[ -x "$binaries_dir/$binary" ]] || {
     log "$binaries_dir/$binary is missing: build it first (cargo build --workspace --bins$([[ $profile == release ]] && echo ' --release'))"
     exit 1
   }
 done
 [[ -d "$libtorch_lib" ]] || { log "$libtorch_lib is missing: run scripts/setup-libtorch.sh"; exit 1; }
+# The probes run dflash-ops every few seconds: it must not load libtorch
+# (skipped where binutils' readelf is missing).
+if command -v readelf >/dev/null &&
+  readelf -d "$binaries_dir/dflash-ops" | grep -E 'NEEDED.*(libtorch|libc10)' >&2; then
+  log "$binaries_dir/dflash-ops links libtorch (above): it must not"
+  exit 1
+fi
 }
 [[ "$base_only" == true ]] || check_binaries
 
@@ -103,7 +114,7 @@ fi
 staging="$cache_root/image-context"
 rm -rf "$staging"
 mkdir -p "$staging/bin" "$staging/lib"
-for binary in broker target-server drafter-server dflash; do
+for binary in "${binaries[@]}"; do
   # Without debug info (a debug build's is most of its size); as is when
   # strip is missing.
   strip --strip-debug -o "$staging/bin/$binary" "$binaries_dir/$binary" 2>/dev/null ||

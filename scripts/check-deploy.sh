@@ -21,6 +21,11 @@
 #   run 2: a target container stopped for good: the run ends ABORTED naming
 #          it within the grace period plus a minute, and the drafters exit.
 #
+# dflash-ops (#24): the image ships it and it links no libtorch (ldd in the
+# image; it starts with LD_LIBRARY_PATH unset, where the libtorch `dflash`
+# cannot); every compose health check runs `dflash-ops health`, and the
+# broker's (and every other container's) reports healthy.
+#
 # Secure defaults (#25), checked on the live containers of run 1: the image's
 # user is 10001:10001; every container runs as it (the kernel's view of
 # PID 1: uid, gid, no effective capabilities, no_new_privs) with a read-only
@@ -86,6 +91,28 @@ image="$(bash scripts/build-image.sh --profile debug --tag dflash-pipeline:check
 pass "runtime image $image built on the local base ($((SECONDS - image_started)) s)"
 image_user() { [[ "$(docker image inspect -f '{{.Config.User}}' "$image")" == 10001:10001 ]]; }
 check "the image's default user is 10001:10001 (not root)" image_user
+# The health checks and probes run dflash-ops every few seconds: it must
+# not load libtorch. ldd inside the image (its own loader and libraries).
+ops_without_libtorch() {
+  local libraries
+  libraries="$(docker run --rm "$image" ldd /usr/local/bin/dflash-ops 2>&1)" ||
+    { say "    $libraries"; return 1; }
+  ! grep -E "libtorch|libc10|not found" <<<"$libraries" >/dev/null ||
+    { say "    $libraries"; return 1; }
+  say "    dflash-ops needs $(awk '{print $1}' <<<"$libraries" | tr '\n' ' ')"
+}
+check "the image ships /usr/local/bin/dflash-ops and ldd in the image shows no libtorch or c10" ops_without_libtorch
+# With the image's LD_LIBRARY_PATH (libtorch's folder) unset: dflash-ops
+# starts, dflash (which needs libtorch) does not.
+ops_starts_without_library_path() {
+  local version
+  version="$(docker run --rm "$image" env -u LD_LIBRARY_PATH dflash-ops --version 2>&1)" &&
+    [[ "$version" == "dflash-ops "* ]] || { say "    dflash-ops: $version"; return 1; }
+  ! docker run --rm "$image" env -u LD_LIBRARY_PATH dflash --version >/dev/null 2>&1 ||
+    { say "    dflash started without libtorch's folder: the control proves nothing"; return 1; }
+}
+check "dflash-ops --version runs in the image with LD_LIBRARY_PATH unset (dflash, linked to libtorch, does not)" \
+  ops_starts_without_library_path
 
 tools_venv="$cache_root/venv-tools"
 grpcurl="$tools_venv/bin/grpcurl"
@@ -188,8 +215,29 @@ running_with_three() {
     [[ "$(status_value 's["accepted_items"] > 0 and s["acked_items"] > 0')" == True ]]
 }
 check "5 targets produce and 3 drafters ack (over TLS, each with its own token)" wait_for 90 running_with_three
-check "the broker's compose health check reports healthy" wait_for 30 \
-  bash -c "[[ \"\$(docker inspect -f '{{.State.Health.Status}}' $(container_of broker))\" == healthy ]]"
+# Every container's health check is `dflash-ops health` (#24), as compose
+# made them from docker-compose.yml and the TLS override.
+health_checks_use_dflash_ops() {
+  local id test ok=0 count=0
+  for id in $(compose ps -q); do
+    count=$((count + 1))
+    test="$(docker inspect -f '{{json .Config.Healthcheck.Test}}' "$id")"
+    [[ "$test" == '["CMD","dflash-ops","health",'* ]] ||
+      { say "    $(docker inspect -f '{{.Name}}' "$id"): health check $test"; ok=1; }
+  done
+  say "    $count containers checked"
+  ((count >= 9)) && return $ok
+}
+check "every container's compose health check runs dflash-ops health (no libtorch)" health_checks_use_dflash_ops
+broker_healthy() { [[ "$(docker inspect -f '{{.State.Health.Status}}' "$(container_of broker)")" == healthy ]]; }
+check "the broker's compose health check (dflash-ops health over TLS) reports healthy" wait_for 30 broker_healthy
+all_healthy() {
+  local id
+  for id in $(compose ps -q); do
+    [[ "$(docker inspect -f '{{.State.Health.Status}}' "$id")" == healthy ]] || return 1
+  done
+}
+check "every target's and drafter's health check (dflash-ops health, their CA) reports healthy" wait_for 40 all_healthy
 
 # Authorization by role, mid-run: a credential of the wrong role (or of
 # another target) is refused before anything changes; the run goes on and

@@ -5,6 +5,9 @@
 # checked on the rendered objects:
 #   - the run's shape: one value for targets and --expected-targets,
 #     Recreate, GPUs, probes, grace periods, ConfigMap, scrape annotations;
+#   - every exec probe and hook (the broker's health probes) runs
+#     `dflash-ops`, which links no libtorch, and no container runs the
+#     libtorch `dflash` CLI (#24);
 #   - secure defaults (#25): a non-root securityContext with a read-only
 #     root file system, no privilege escalation, no capabilities and the
 #     RuntimeDefault seccomp profile on every pod and container; default-deny
@@ -212,11 +215,12 @@ def shape(path, variant):
     env = {e["name"]: e.get("value") for e in broker_container.get("env", [])}
     need(env.get("DFLASH_EXPECTED_TARGETS") == str(targets["spec"]["replicas"]),
          f"broker DFLASH_EXPECTED_TARGETS {env.get('DFLASH_EXPECTED_TARGETS')} != target replicas {targets['spec']['replicas']}")
-    # TLS on: the kubelet's gRPC probe cannot speak it, `dflash health` over https does.
+    # TLS on: the kubelet's gRPC probe cannot speak it, `dflash-ops health`
+    # over https does (and loads no libtorch).
     for probe in ("readinessProbe", "livenessProbe"):
         command = broker_container.get(probe, {}).get("exec", {}).get("command", [])
-        need(command[:2] == ["dflash", "health"] and any(a.startswith("https://") for a in command),
-             f"broker {probe} is not `dflash health --broker https://...`: {command}")
+        need(command[:2] == ["dflash-ops", "health"] and any(a.startswith("https://") for a in command),
+             f"broker {probe} is not `dflash-ops health --broker https://...`: {command}")
     need(by.get(("Service", "broker")) is not None, "no broker Service")
     for name, workload in (("target", targets), ("drafter", drafters)):
         spec = workload["spec"]["template"]["spec"]
@@ -237,6 +241,33 @@ def shape(path, variant):
     grace = drafters["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30)
     need(grace > 120, f"drafter terminationGracePeriodSeconds {grace} is not longer than its 2m SIGTERM checkpoint")
     need(any(k == "PersistentVolumeClaim" and n == "dflash-checkpoints" for k, n in by), "no checkpoints PVC")
+    finish()
+
+# --- exec probes and hooks run dflash-ops, never the libtorch CLI (#24) ---------
+PROBES = ("readinessProbe", "livenessProbe", "startupProbe")
+HOOKS = ("postStart", "preStop")
+
+def probes_use_dflash_ops(path):
+    _, workloads = rendered(path)
+    exec_commands = 0
+    for w in workloads:
+        for c in w.containers:
+            where = f"{w.name} container {c['name']}"
+            handlers = [(probe, c.get(probe) or {}) for probe in PROBES]
+            handlers += [(hook, (c.get("lifecycle") or {}).get(hook) or {}) for hook in HOOKS]
+            for name, handler in handlers:
+                command = (handler.get("exec") or {}).get("command") or []
+                if not command:
+                    continue
+                exec_commands += 1
+                program = os.path.basename(command[0])
+                need(program == "dflash-ops",
+                     f"{where}: {name} runs {program!r}, not dflash-ops (no libtorch): {command}")
+            program = os.path.basename((c.get("command") or [""])[0])
+            need(program != "dflash", f"{where}: runs the libtorch `dflash` CLI, not dflash-ops: {c.get('command')}")
+    # The broker's readiness and liveness probes at least.
+    need(exec_commands >= 2, f"{exec_commands} exec probes or hooks rendered, expected the broker's two")
+    print(f"    {exec_commands} exec probes/hooks, all dflash-ops")
     finish()
 
 # --- securityContext on every pod and container -------------------------------
@@ -662,6 +693,8 @@ check "cpu-synthetic overlay has the operator pod (components/operator)" operato
 
 for name in "${variants[@]}"; do
   file="$work/${name//\//-}.yaml"
+  check "$name: every exec probe/hook runs dflash-ops (no libtorch), no container runs the dflash CLI" \
+    py probes_use_dflash_ops "$file"
   check "$name: every pod and container non-root (10001), read-only root, no escalation, drop ALL, RuntimeDefault seccomp, /tmp emptyDir" \
     py security_context "$file"
   check "$name: NetworkPolicies: default deny; broker gRPC only from targets/drafters/operators; metrics only from the monitoring namespace" \
