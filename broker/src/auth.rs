@@ -19,7 +19,7 @@ use tonic::service::Interceptor;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tracing::warn;
 
-use crate::roles::{Credentials, CredentialsError, Principal};
+use crate::roles::{principal_of_certificate, Credentials, CredentialsError, Principal};
 
 /// A configured security value that cannot be used, naming the flag and file.
 #[derive(Debug, thiserror::Error)]
@@ -197,10 +197,19 @@ impl Interceptor for TokenCheck {
             .get("authorization")
             .map(|value| value.as_bytes())
             .and_then(|value| value.strip_prefix(b"Bearer "));
-        let principal = presented.and_then(|candidate| match &self.token {
-            Some(token) if token.matches(candidate) => Some(Principal::unrestricted()),
-            _ => self.credentials.principal_of(candidate),
-        });
+        let principal = match presented {
+            Some(candidate) => match &self.token {
+                Some(token) if token.matches(candidate) => Some(Principal::unrestricted()),
+                _ => self.credentials.principal_of(candidate),
+            },
+            // No token: a client certificate (checked against the client CA
+            // by the handshake) may name the role.
+            None => request.peer_certs().and_then(|certificates| {
+                certificates
+                    .first()
+                    .and_then(|leaf| principal_of_certificate(leaf.as_ref()))
+            }),
+        };
         match (presented, principal) {
             (_, Some(principal)) => {
                 request.extensions_mut().insert(principal);

@@ -29,6 +29,12 @@
 //! A refusal is PERMISSION_DENIED and names only the caller's own role and
 //! identity, never the state of the target or drafter it asked about; it
 //! comes before any other check, so it changes nothing.
+//!
+//! With mutual TLS (`--tls-client-ca`) a client certificate may carry the
+//! role instead of a token: a URI subject alternative name `dflash:ROLE`
+//! (any id of the role) or `dflash:ROLE/ID` (that id only), e.g.
+//! `dflash:target/target-0`. It is used when the call carries no token; the
+//! TLS handshake has already checked the certificate against the client CA.
 
 use std::path::{Path, PathBuf};
 
@@ -244,6 +250,40 @@ impl Credentials {
     }
 }
 
+/// The principal a client certificate (DER) names in a `dflash:ROLE[/ID]`
+/// URI subject alternative name; `None` when it names none (or cannot be
+/// parsed).
+pub fn principal_of_certificate(der: &[u8]) -> Option<Principal> {
+    let (_, certificate) = x509_parser::parse_x509_certificate(der).ok()?;
+    let names = certificate.subject_alternative_name().ok()??;
+    names
+        .value
+        .general_names
+        .iter()
+        .find_map(|name| match name {
+            x509_parser::extensions::GeneralName::URI(uri) => principal_of_uri(uri),
+            _ => None,
+        })
+}
+
+/// `dflash:target/target-0` → a target credential for target-0;
+/// `dflash:drafter` → a drafter credential for any drafter id.
+fn principal_of_uri(uri: &str) -> Option<Principal> {
+    let rest = uri.strip_prefix("dflash:")?;
+    let (role, identity) = match rest.split_once('/') {
+        Some((role, identity)) if !identity.is_empty() => (role, Some(identity.to_string())),
+        Some(_) => return None,
+        None => (rest, None),
+    };
+    let role = match role {
+        "target" => Role::Target,
+        "drafter" => Role::Drafter,
+        "operator" => Role::Operator,
+        _ => return None,
+    };
+    Some(Principal { role, identity })
+}
+
 fn digest_of(token: &[u8]) -> [u8; 32] {
     Sha256::digest(token).into()
 }
@@ -309,6 +349,32 @@ operator *         token-of-the-operator
                 .map(|principal| principal.role),
             Some(Role::Drafter)
         );
+    }
+
+    #[test]
+    fn certificate_uris_name_a_role_and_maybe_an_id() {
+        assert_eq!(
+            principal_of_uri("dflash:target/target-0"),
+            Some(Principal {
+                role: Role::Target,
+                identity: Some("target-0".to_string())
+            })
+        );
+        assert_eq!(
+            principal_of_uri("dflash:drafter"),
+            Some(Principal {
+                role: Role::Drafter,
+                identity: None
+            })
+        );
+        for refused in [
+            "dflash:admin",
+            "dflash:target/",
+            "https://target",
+            "dflash:",
+        ] {
+            assert_eq!(principal_of_uri(refused), None, "{refused}");
+        }
     }
 
     #[test]

@@ -50,6 +50,24 @@ impl Certificates {
             )
             .unwrap();
         }
+        // Client certificates that carry a role (a `dflash:ROLE[/ID]` URI).
+        for (name, uri) in [
+            ("target-zero", "dflash:target/target-0"),
+            ("any-drafter", "dflash:drafter"),
+        ] {
+            let key = KeyPair::generate().unwrap();
+            let mut params = CertificateParams::new(vec![name.to_string()]).unwrap();
+            params
+                .subject_alt_names
+                .push(rcgen::SanType::URI(uri.try_into().unwrap()));
+            let certificate = params.signed_by(&key, &ca).unwrap();
+            std::fs::write(folder.path().join(format!("{name}.pem")), certificate.pem()).unwrap();
+            std::fs::write(
+                folder.path().join(format!("{name}.key")),
+                key.serialize_pem(),
+            )
+            .unwrap();
+        }
         // A CA that signed nothing here: a client trusting only it must fail.
         let other_ca = CertifiedIssuer::self_signed(
             {
@@ -496,6 +514,73 @@ async fn each_role_may_call_only_its_own_rpcs_and_a_refusal_changes_nothing() {
         .expect("its own ReportDone");
     let drained = consumer.await.unwrap().expect("the drafter drains");
     assert_eq!(drained.deliveries.len(), 1);
+    assert_eq!(drained.end_of_stream.status(), proto::RunStatus::Complete);
+    broker.stop().await;
+}
+
+/// #22 roles over mutual TLS: a client certificate whose SAN carries
+/// `dflash:target/target-0` acts as target-0 only, one with `dflash:drafter`
+/// as any drafter; no token needed, the same refusals as with tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_certificate_can_carry_the_role() {
+    let certificates = Certificates::new();
+    std::fs::write(
+        certificates.path("credentials"),
+        "operator * token-of-the-operator\n",
+    )
+    .unwrap();
+    let broker = TestBroker::start(broker_config(BrokerSecurity {
+        tls_cert: Some(certificates.path("broker.pem")),
+        tls_key: Some(certificates.path("broker.key")),
+        tls_client_ca: Some(certificates.path("ca.pem")),
+        credentials: Some(certificates.path("credentials")),
+        ..BrokerSecurity::none()
+    }))
+    .await;
+    let address = https(&broker);
+    let as_certificate = |name: &str| ClientSecurityArgs {
+        tls_ca: Some(certificates.path("ca.pem")),
+        tls_cert: Some(certificates.path(&format!("{name}.pem"))),
+        tls_key: Some(certificates.path(&format!("{name}.key"))),
+        tls_domain: None,
+        token_file: None,
+    };
+    let target_zero = connect(&address, as_certificate("target-zero"))
+        .await
+        .unwrap();
+    let drafter = connect(&address, as_certificate("any-drafter"))
+        .await
+        .unwrap();
+    // A certificate without a role, and no token: not authenticated.
+    assert_eq!(
+        status_code(&address, as_certificate("client")).await,
+        Err("Unauthenticated".to_string())
+    );
+    assert_eq!(
+        refusal_code(target_zero.produce("target-1").await),
+        "PermissionDenied"
+    );
+    assert_eq!(
+        refusal_code(
+            target_zero
+                .consume("drafter-0", dflash_testkit::credit(4))
+                .await
+        ),
+        "PermissionDenied"
+    );
+    assert_eq!(
+        refusal_code(drafter.report_done("target-0", 0).await),
+        "PermissionDenied"
+    );
+    let consumer = spawn_drafter(drafter.clone(), "drafter-7", Duration::from_secs(30));
+    let mut producer = target_zero.produce("target-0").await.expect("as target-0");
+    producer
+        .send(0, sample(1024, 7), HashMap::new())
+        .await
+        .unwrap();
+    assert_eq!(producer.finish().await.unwrap().accepted, 1);
+    target_zero.report_done("target-0", 1).await.unwrap();
+    let drained = consumer.await.unwrap().expect("the drafter drains");
     assert_eq!(drained.end_of_stream.status(), proto::RunStatus::Complete);
     broker.stop().await;
 }
