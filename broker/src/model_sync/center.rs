@@ -114,6 +114,8 @@ pub enum SyncError {
     Kind(i32),
     #[error("model config is not valid JSON: {0}")]
     Config(String),
+    #[error("model config {got} is not the run's {expected} (--model-config)")]
+    ConfigMismatch { expected: String, got: String },
 }
 
 /// One tensor of the center, in f32, with its outer optimizer state.
@@ -567,6 +569,8 @@ pub struct ModelSyncState {
     /// The L2 norm of the center's weights when it was made or resumed:
     /// the scale below which no delta is an outlier (see [`refuse_delta`]).
     weights_norm_at_start: Option<f64>,
+    /// `--model-config`: the one `config.json` every JOIN must carry.
+    pinned_config: Option<serde_json::Value>,
     /// Deltas refused as not finite, and as over the norm bound.
     pub non_finite_deltas: u64,
     pub outlier_deltas: u64,
@@ -584,6 +588,7 @@ impl ModelSyncState {
             weights_norm_at_start: center.as_ref().map(Center::weights_norm),
             center,
             recent_delta_norms: std::collections::VecDeque::with_capacity(DELTA_NORM_WINDOW),
+            pinned_config: None,
             non_finite_deltas: 0,
             outlier_deltas: 0,
             drafters: BTreeMap::new(),
@@ -595,6 +600,45 @@ impl ModelSyncState {
 
     pub fn settings(&self) -> OuterSettings {
         self.settings
+    }
+
+    /// Fixes the run's model: every JOIN (the first one, which defines an
+    /// empty center, included) must carry this `config.json` (compared as
+    /// JSON values), so no drafter can make the center another model.
+    pub fn pin_config(&mut self, config_json: &str) -> Result<(), SyncError> {
+        let value = serde_json::from_str::<serde_json::Value>(config_json)
+            .map_err(|error| SyncError::Config(error.to_string()))?;
+        self.pinned_config = Some(value);
+        // A center resumed from --model-output must be that model too.
+        match &self.center {
+            Some(center) => {
+                let resumed = center.config_json.clone();
+                self.check_pinned_config(&resumed)
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn check_pinned_config(&self, model_config_json: &str) -> Result<(), SyncError> {
+        let Some(expected) = &self.pinned_config else {
+            return Ok(());
+        };
+        let got = serde_json::from_str::<serde_json::Value>(model_config_json)
+            .map_err(|error| SyncError::Config(error.to_string()))?;
+        if &got == expected {
+            return Ok(());
+        }
+        let short = |value: &serde_json::Value| {
+            let text = value.to_string();
+            match text.char_indices().nth(300) {
+                Some((end, _)) => format!("{}...", &text[..end]),
+                None => text,
+            }
+        };
+        Err(SyncError::ConfigMismatch {
+            expected: short(expected),
+            got: short(&got),
+        })
     }
 
     pub fn center(&self) -> Option<&Center> {
@@ -716,6 +760,7 @@ impl ModelSyncState {
         upload: Upload,
         model_config_json: &str,
     ) -> Result<CommitOutcome, SyncError> {
+        self.check_pinned_config(model_config_json)?;
         if let Some(center) = &self.center {
             // The drafter's own weights are not needed: it starts from the
             // center. They must still be the same model when sent.

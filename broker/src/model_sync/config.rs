@@ -50,6 +50,13 @@ pub struct ModelSyncConfig {
     /// A delta with a NaN or an infinity is always discarded.
     #[arg(long, env = "DFLASH_MAX_DELTA_NORM_RATIO", default_value_t = super::center::DEFAULT_MAX_DELTA_NORM_RATIO)]
     pub max_delta_norm_ratio: f32,
+
+    /// The draft model's `config.json` this run trains: every drafter's
+    /// JOIN (the first, which defines the center, included) must carry it,
+    /// or is refused naming both. Without it the first JOIN defines the
+    /// model and later ones must match its tensors' shapes.
+    #[arg(long, env = "DFLASH_MODEL_CONFIG")]
+    pub model_config: Option<PathBuf>,
 }
 
 impl Default for ModelSyncConfig {
@@ -64,6 +71,7 @@ impl Default for ModelSyncConfig {
             outer_momentum_delay: outer.momentum_delay,
             sync_max_staleness: outer.max_staleness,
             max_delta_norm_ratio: outer.max_delta_norm_ratio,
+            model_config: None,
         }
     }
 }

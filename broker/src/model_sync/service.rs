@@ -45,6 +45,7 @@ impl From<SyncError> for Status {
             | SyncError::Dtype(_)
             | SyncError::Kind(_)
             | SyncError::Config(_) => Status::invalid_argument(error.to_string()),
+            SyncError::ConfigMismatch { .. } => Status::failed_precondition(error.to_string()),
         }
     }
 }
@@ -84,6 +85,18 @@ impl ModelSyncShared {
             None => None,
         };
         let mut state = ModelSyncState::new(settings, resumed);
+        if let Some(path) = &config.model_config {
+            let text = std::fs::read_to_string(path).map_err(|source| CheckpointError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            state
+                .pin_config(&text)
+                .map_err(|error| CheckpointError::Format {
+                    path: path.clone(),
+                    detail: format!("--model-config: {error}"),
+                })?;
+        }
         if let (Some(center), Some(dir)) = (state.center(), &config.model_output) {
             info!(path = %dir.display(), version = center.version, parameters = center.parameters(), "center resumed from its last checkpoint");
             state.saved_version = Some(center.version);

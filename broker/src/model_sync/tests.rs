@@ -588,3 +588,50 @@ fn claimed_samples_are_credited_only_up_to_the_drafters_acks() {
         .unwrap();
     assert_eq!(record.samples, 16);
 }
+
+/// #22: with `--model-config` the run's model is fixed: the first JOIN (which
+/// defines an empty center) and every later one must carry that config, or
+/// are refused naming both; a resumed center of another model is refused.
+#[test]
+fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_center() {
+    let mut state = ModelSyncState::new(plain(), None);
+    state.pin_config(CONFIG).unwrap();
+    state.open_session("squatter");
+    let initial = weights([1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 8.0]);
+    let other = r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 8}"#;
+    let error = state
+        .commit(
+            "squatter",
+            upload(proto::SyncKind::Join, 0, &initial, WireDtype::F32, 3),
+            2,
+            other,
+            Instant::now(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&error, SyncError::ConfigMismatch { expected, got }
+            if expected.contains("\"hidden_size\":4") && got.contains("\"hidden_size\":8")),
+        "{error}"
+    );
+    assert!(state.center().is_none(), "nothing was defined");
+    // The same config, spelled with other spacing, is the same model.
+    let spaced = r#"{ "hidden_size": 4, "architectures": [ "DFlashDraftModel" ] }"#;
+    state.open_session("d0");
+    let outcome = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Join, 0, &initial, WireDtype::F32, 3),
+            2,
+            spaced,
+            Instant::now(),
+        )
+        .unwrap();
+    assert!(outcome.initialised);
+    // A resumed center of another model cannot be pinned to this one.
+    let center = state.center().unwrap().clone();
+    let mut resumed = ModelSyncState::new(plain(), Some(center));
+    assert!(matches!(
+        resumed.pin_config(other),
+        Err(SyncError::ConfigMismatch { .. })
+    ));
+}
