@@ -60,18 +60,6 @@ pub fn decode_sample(
             vocab_size: expectations.vocab_size,
         });
     }
-    // One sample with a NaN would make every later loss NaN and, through
-    // model sync, the shared model's weights: it is dead-lettered here,
-    // before it reaches the model (a scan of the wire bytes, no tensor).
-    if let Some(non_finite) =
-        schema::non_finite_values(&decoded.hidden_states.data, decoded.hidden_dtype)
-    {
-        return Err(SampleError::NonFinite {
-            count: non_finite.count,
-            token: non_finite.first_index / decoded.width.max(1),
-            column: non_finite.first_index % decoded.width.max(1),
-        });
-    }
     let kind = match decoded.hidden_dtype {
         Dtype::F16 => Kind::Half,
         Dtype::F32 => Kind::Float,
@@ -85,6 +73,30 @@ pub fn decode_sample(
         loss_mask: decoded.loss_mask,
         target_hidden,
     })
+}
+
+/// Refuses a sample whose hidden states hold a NaN or an infinity: one such
+/// sample would make every later loss NaN and, through model sync, the
+/// shared model's weights. A scan of the wire bytes (no tensor), run by the
+/// async side as each delivery arrives, off the training thread, so the
+/// device never waits on it. A sample without hidden states passes here;
+/// [`decode_sample`] names what it lacks.
+pub fn check_finite(sample: &Sample) -> Result<(), SampleError> {
+    let Ok(hidden) = sample.tensor(schema::HIDDEN_STATES) else {
+        return Ok(());
+    };
+    let Ok(dtype) = hidden.checked_dtype() else {
+        return Ok(());
+    };
+    let width = hidden.shape.get(1).copied().unwrap_or(1).max(1);
+    match schema::non_finite_values(&hidden.data, dtype) {
+        None => Ok(()),
+        Some(non_finite) => Err(SampleError::NonFinite {
+            count: non_finite.count,
+            token: non_finite.first_index / width,
+            column: non_finite.first_index % width,
+        }),
+    }
 }
 
 /// Builds a wire sample from parts (tests, the synthetic tools and the
@@ -136,8 +148,8 @@ mod tests {
         // bf16 NaN (0x7FC0) at token 2, column 1; -inf (0xFF80) later.
         hidden[(2 * 4 + 1) * 2..(2 * 4 + 1) * 2 + 2].copy_from_slice(&0x7FC0u16.to_le_bytes());
         hidden[(2 * 4 + 3) * 2..(2 * 4 + 3) * 2 + 2].copy_from_slice(&0xFF80u16.to_le_bytes());
-        let error = decode_sample(&encode_sample(&[1, 2, 3], &[1, 1, 1], &hidden, 4), EXPECT)
-            .expect_err("refused");
+        let sample = encode_sample(&[1, 2, 3], &[1, 1, 1], &hidden, 4);
+        let error = check_finite(&sample).expect_err("refused");
         assert_eq!(
             error,
             SampleError::NonFinite {

@@ -52,6 +52,8 @@ pub enum DrafterError {
     BrokerRefused(String),
     #[error("the training thread stopped unexpectedly")]
     TrainerGone,
+    #[error("the finite check of a delivery failed: {0}")]
+    FiniteCheck(String),
     #[error("graceful stop did not finish within {0:?}")]
     ShutdownTimedOut(Duration),
     #[error("final checkpoint failed: {0}")]
@@ -653,12 +655,8 @@ impl Session {
                 generation,
                 delivery_id,
                 reason,
-                non_finite,
             } => {
                 error!(delivery_id, %reason, "sample unusable by this model; dead-lettering it");
-                if non_finite {
-                    self.totals.non_finite_samples += 1;
-                }
                 if generation == self.generation && self.held.remove(&delivery_id) {
                     handle.nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
                     self.totals.dead_lettered += 1;
@@ -829,6 +827,31 @@ impl Session {
                 "drafter holds more than its credit".into(),
                 NackDisposition::Requeue,
             );
+            return Ok(());
+        }
+        // The finite check runs here, beside the training thread (which may
+        // be stepping on the device meanwhile), not in it.
+        let (delivery, verdict) = tokio::task::spawn_blocking(move || {
+            let verdict = delivery
+                .sample
+                .as_ref()
+                .map_or(Ok(()), crate::samples::check_finite);
+            (delivery, verdict)
+        })
+        .await
+        .map_err(|error| DrafterError::FiniteCheck(error.to_string()))?;
+        if let Err(error) = verdict {
+            let reason = format!(
+                "target {} seq {}: {error}",
+                delivery.target_id, delivery.seq
+            );
+            error!(delivery_id, %reason, "sample not finite; dead-lettering it");
+            stream
+                .handle
+                .nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
+            self.totals.dead_lettered += 1;
+            self.totals.non_finite_samples += 1;
+            self.metrics.rejected_items.increment();
             return Ok(());
         }
         if self.held.is_empty() {

@@ -66,8 +66,6 @@ pub enum TrainerEvent {
         generation: u64,
         delivery_id: u64,
         reason: String,
-        /// The sample's hidden states held a NaN or an infinity.
-        non_finite: bool,
     },
     /// An optimizer step finished; these deliveries may now be acked.
     Stepped {
@@ -242,7 +240,6 @@ impl TrainingLoop {
             Err(error) => self.emit(TrainerEvent::Rejected {
                 generation,
                 delivery_id,
-                non_finite: matches!(error, crate::samples::SampleError::NonFinite { .. }),
                 reason: format!("target {target_id} seq {seq}: {error}"),
             }),
             Ok(prepared) => {
