@@ -181,3 +181,114 @@ async fn broker_memory_stays_within_the_cap_plus_one_window_and_item_per_produce
         peak_bound / MIB
     );
 }
+
+/// #22: the same bound holds for items of another shape: one empty tensor
+/// and 4 KiB of trace context each (the most accepted), which the cap used
+/// to count as 0 bytes (so every one was taken). 2 producers push 20,000 each
+/// at an 8 MiB cap with nobody reading; the broker's RSS while they are held
+/// back stays within cap + producers x (window + item) + baseline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn small_items_with_large_trace_contexts_stay_within_the_same_bound() {
+    const SMALL_CAP: u64 = 8 * MIB;
+    const SMALL_PRODUCERS: u64 = 2;
+    const SMALL_ITEMS: u64 = 20_000;
+    let work = tempfile::tempdir().unwrap();
+    let ready = work.path().join("broker.address");
+    let log = std::fs::File::create(work.path().join("broker.log")).unwrap();
+    let child = std::process::Command::new(workspace_binary("broker"))
+        .args(["--listen", "127.0.0.1:0", "--expected-targets", "2"])
+        .args(["--max-queue-bytes", "8MiB", "--max-item-bytes", "1MiB"])
+        .arg("--ready-file")
+        .arg(&ready)
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let broker = Broker(child);
+    let pid = broker.0.id();
+    assert!(
+        wait_until(Duration::from_secs(60), || async { ready.exists() }).await,
+        "the broker wrote no ready file"
+    );
+    let address = format!("http://{}", std::fs::read_to_string(&ready).unwrap().trim());
+    let client = BrokerClient::connect(address.clone(), ClientOptions::default())
+        .await
+        .unwrap();
+    let empty = dflash_proto::v1::Sample {
+        tensors: vec![dflash_proto::v1::Tensor {
+            name: "hidden_states".to_string(),
+            dtype: dflash_proto::v1::Dtype::Bf16 as i32,
+            shape: vec![0, 16],
+            data: Default::default(),
+        }],
+    };
+    let trace: HashMap<String, String> = [("tracestate".to_string(), "x".repeat(4000))]
+        .into_iter()
+        .collect();
+    let mut producers = Vec::new();
+    for target in 0..SMALL_PRODUCERS {
+        let client = BrokerClient::connect(address.clone(), ClientOptions::default())
+            .await
+            .unwrap();
+        let (empty, trace) = (empty.clone(), trace.clone());
+        producers.push(tokio::spawn(async move {
+            let mut producer = client.produce(&format!("target-{target}")).await.unwrap();
+            for seq in 0..SMALL_ITEMS {
+                if producer
+                    .send(seq, empty.clone(), trace.clone())
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        }));
+    }
+    let full = wait_until(Duration::from_secs(120), || async {
+        client.status().await.unwrap().queued_bytes >= SMALL_CAP - 64 * 1024
+    })
+    .await;
+    assert!(
+        full,
+        "the queue never filled: {:?}",
+        client.status().await.unwrap()
+    );
+    let mut last_accepted = u64::MAX;
+    let settle_deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < settle_deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let accepted = client.status().await.unwrap().accepted_items;
+        if accepted == last_accepted {
+            break;
+        }
+        last_accepted = accepted;
+    }
+    let status = client.status().await.unwrap();
+    let held_back_rss = proc_status_bytes(pid, "VmRSS");
+    let window = u64::from(BROKER_RECEIVE_STREAM_WINDOW_BYTES);
+    let item = 5 * 1024;
+    let bound = SMALL_CAP + SMALL_PRODUCERS * (window + item) + BASELINE_BYTES;
+    eprintln!(
+        "small items: {} accepted of {} sent, {} queued bytes, RSS held back {} MiB (bound {} MiB)",
+        status.accepted_items,
+        SMALL_PRODUCERS * SMALL_ITEMS,
+        status.queued_bytes,
+        held_back_rss / MIB,
+        bound / MIB
+    );
+    assert!(status.queued_bytes <= SMALL_CAP, "{status:?}");
+    assert!(
+        status.accepted_items < SMALL_PRODUCERS * SMALL_ITEMS,
+        "every item was taken: the cap did not count them"
+    );
+    assert!(
+        held_back_rss <= bound,
+        "RSS held back {} MiB over the bound {} MiB",
+        held_back_rss / MIB,
+        bound / MIB
+    );
+    for producer in producers {
+        producer.abort();
+    }
+    drop(broker);
+}
