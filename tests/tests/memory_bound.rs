@@ -66,14 +66,14 @@ impl Drop for Broker {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn broker_memory_stays_within_the_cap_plus_one_window_and_item_per_producer() {
-    let work = tempfile::tempdir().unwrap();
-    let ready = work.path().join("broker.address");
-    let log = std::fs::File::create(work.path().join("broker.log")).unwrap();
+/// The real `broker` binary on `127.0.0.1:0` with `flags`, logging into
+/// `work`; its `http://` address once it wrote its ready file.
+async fn start_broker(work: &std::path::Path, flags: &[&str]) -> (Broker, String) {
+    let ready = work.join("broker.address");
+    let log = std::fs::File::create(work.join("broker.log")).unwrap();
     let child = std::process::Command::new(workspace_binary("broker"))
-        .args(["--listen", "127.0.0.1:0", "--expected-targets", "4"])
-        .args(["--max-queue-bytes", "64MiB", "--max-item-bytes", "17MiB"])
+        .args(["--listen", "127.0.0.1:0"])
+        .args(flags)
         .arg("--ready-file")
         .arg(&ready)
         .stdout(log.try_clone().unwrap())
@@ -81,12 +81,30 @@ async fn broker_memory_stays_within_the_cap_plus_one_window_and_item_per_produce
         .spawn()
         .unwrap();
     let broker = Broker(child);
-    let pid = broker.0.id();
     assert!(
         wait_until(Duration::from_secs(60), || async { ready.exists() }).await,
         "the broker wrote no ready file"
     );
     let address = format!("http://{}", std::fs::read_to_string(&ready).unwrap().trim());
+    (broker, address)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn broker_memory_stays_within_the_cap_plus_one_window_and_item_per_producer() {
+    let work = tempfile::tempdir().unwrap();
+    let (broker, address) = start_broker(
+        work.path(),
+        &[
+            "--expected-targets",
+            "4",
+            "--max-queue-bytes",
+            "64MiB",
+            "--max-item-bytes",
+            "17MiB",
+        ],
+    )
+    .await;
+    let pid = broker.0.id();
     let client = BrokerClient::connect(address.clone(), ClientOptions::default())
         .await
         .unwrap();
@@ -193,24 +211,19 @@ async fn small_items_with_large_trace_contexts_stay_within_the_same_bound() {
     const SMALL_PRODUCERS: u64 = 2;
     const SMALL_ITEMS: u64 = 20_000;
     let work = tempfile::tempdir().unwrap();
-    let ready = work.path().join("broker.address");
-    let log = std::fs::File::create(work.path().join("broker.log")).unwrap();
-    let child = std::process::Command::new(workspace_binary("broker"))
-        .args(["--listen", "127.0.0.1:0", "--expected-targets", "2"])
-        .args(["--max-queue-bytes", "8MiB", "--max-item-bytes", "1MiB"])
-        .arg("--ready-file")
-        .arg(&ready)
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .spawn()
-        .unwrap();
-    let broker = Broker(child);
+    let (broker, address) = start_broker(
+        work.path(),
+        &[
+            "--expected-targets",
+            "2",
+            "--max-queue-bytes",
+            "8MiB",
+            "--max-item-bytes",
+            "1MiB",
+        ],
+    )
+    .await;
     let pid = broker.0.id();
-    assert!(
-        wait_until(Duration::from_secs(60), || async { ready.exists() }).await,
-        "the broker wrote no ready file"
-    );
-    let address = format!("http://{}", std::fs::read_to_string(&ready).unwrap().trim());
     let client = BrokerClient::connect(address.clone(), ClientOptions::default())
         .await
         .unwrap();
