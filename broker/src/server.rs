@@ -86,7 +86,7 @@ pub async fn serve_with_metrics(
     shared.set_model_sync(model_sync.clone());
     model_sync.set_acked_by({
         let shared = Arc::downgrade(&shared);
-        move |drafter_id: &str| shared.upgrade()?.acked_by(drafter_id)
+        move |drafter_id: &str| shared.upgrade()?.acked_or_leased_by(drafter_id)
     });
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();

@@ -396,8 +396,9 @@ pub struct Upload {
     pub tensors: Vec<UploadedTensor>,
     /// [`Upload::norm`], when taken before the commit (outside the lock).
     pub measured_norm: Option<f64>,
-    /// Items the broker has seen this drafter ack, when known: the samples
-    /// it may be credited with in all (a claim beyond is cut to it).
+    /// Items the broker has seen this drafter ack or lease (its in-flight
+    /// acks), when known: the samples it may be credited with in all (a
+    /// claim beyond is cut to it).
     pub acked_by_drafter: Option<u64>,
 }
 
