@@ -3,9 +3,17 @@
 Layout
 - `sync`: `BrokerClient`, `Producer`, `Consumer`, the blocking API (runs the
   asyncio client on a private event-loop thread).
-- `aio`: `AsyncBrokerClient`, `AsyncProducer`, `AsyncConsumer` on grpc.aio,
-  the one implementation of the protocol (hello/welcome, windows, credit,
-  lease extension, reconnects and the run-id/epoch fencing fields).
+- `aio`: `AsyncBrokerClient` on grpc.aio, the one implementation of the
+  protocol: its channels, the opening of a stream, the unary calls (status,
+  watch, ReportDone) and the retry policy (`RETRYABLE_CODES`, backoff); it
+  also exports the names of the next three modules.
+- `producer`: `AsyncProducer`, `ProduceReport` (hello/welcome, the window
+  of unanswered items, resume, the per-outage reconnect budget, the
+  run-id/epoch fencing fields).
+- `consumer`: `AsyncConsumer`, `Delivery`, `UnsentAck` (credit, leases and
+  their extension, acks and nacks, end-of-stream, reconnects with the
+  last run id).
+- `options`: `ClientOptions`, the transport and security settings.
 - `tensors`: sample validation and encoding (the rules of
   proto/src/tensor.rs), zero-copy numpy/torch views of deliveries.
 - `records`: broker messages as dicts (status snapshots, run summaries).
