@@ -15,12 +15,18 @@
 //! from the center.
 //!
 //! - `arith`: the vectorisable loops on raw bf16/f32 buffers.
-//! - `center`: [`ModelSyncState`], the synchronous state machine (uploads,
-//!   commits, staleness, drafter records, status) with no I/O or clock.
+//! - `center`: [`ModelSyncState`], the synchronous state machine (joins,
+//!   commits, staleness, claims against acks, drafter records, status)
+//!   with no I/O or clock. Beneath it: `center::upload` (an exchange as a
+//!   session stages it, chunk by chunk), `center::weights` (the center's
+//!   f32 tensors, their snapshots, the checks against them) and
+//!   `center::outer` (the outer optimizer's settings, the guards against
+//!   non-finite and outlier deltas, and the step).
 //! - `checkpoint`: the center on disk in the reference dflash format
 //!   (safetensors, no libtorch), and reading it back on restart.
 //! - `config`: the flags.
-//! - `service`: the tonic adapter and the background writer.
+//! - `service`: the tonic adapter (shared state, sessions, replies), with
+//!   `service::center_writer`, the background task that writes the center.
 
 pub mod arith;
 pub mod center;

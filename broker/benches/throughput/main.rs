@@ -1,0 +1,142 @@
+//! The broker at wire speed: throughput next to a plain TCP relay, minor
+//! page faults and CPU per GiB moved, end-of-stream latency with many
+//! drafters, and many small items through one broker.
+//!
+//! `cargo bench -p dflash-broker --bench throughput` (`make bench`); add
+//! `-- --quick` for a short run, `-- --rounds N` for N relay/broker pairs
+//! per throughput configuration (medians shown), `-- --only
+//! throughput,wal,eos,small,seed` for some sections. Prints:
+//! 1. For 1 MiB and 16 MiB items with 1×1 and 4×4 producers × consumers: the
+//!    broker's GB/s (first send → last delivery received), a plain TCP
+//!    store-and-forward relay's GB/s moving the same bytes, their ratio, and
+//!    the relaying process's minor page faults and CPU seconds per GiB.
+//! 2. End-of-stream latency (last ReportDone sent → every drafter has
+//!    end-of-stream), p50 and p99, with 4, 64 and 256 drafters, each on its
+//!    own connection: once with every drafter keeping its stream until all
+//!    have their end-of-stream (drafters on their own hosts), once with each
+//!    dropping its stream on arrival, so the teardown of the first ones
+//!    competes for this machine's two cores with the fan-out to the rest.
+//! 3. 64 targets × 64 drafters with 64 KiB items: items/s and CPU µs per
+//!    item of the broker process and of the client process, separately.
+//! 4. The seed's scenario: 5 synthetic targets × 3 synthetic drafters, with
+//!    rates chosen so the drafters are the bottleneck, through the shared
+//!    queue and under a static round-robin assignment (target i → drafter
+//!    i mod 3, emulated with one broker per drafter): throughput and each
+//!    drafter's busy fraction over the time it had data coming.
+//! 5. The write-ahead log's cost: GB/s without `--state-dir` and with it
+//!    under each `--fsync` policy (`-- --wal-only` runs just this table).
+//!
+//! Fairness: the broker and the relay each run as their own process (the
+//! broker binary, and this bench re-executed with `--serve-relay`), and the
+//! same client process drives both. The relay is what any relaying broker
+//! must at least do: read a length-prefixed item from a producer's socket
+//! into a buffer, hold it in a shared FIFO, and write it to whichever
+//! consumer socket is free. Its clients do what the broker's clients must:
+//! the producer writes each item from memory, the consumer reads each one
+//! into a fresh buffer and answers with an 8-byte acknowledgement that the
+//! relay reads. What the relay does not do (the broker's price for its
+//! guarantees): gRPC framing, HTTP/2 flow control, leases and the ledger.
+//!
+//! On a 2-core machine the clients and the relaying process share the
+//! cores; the ratio is what matters, not the absolute GB/s. The client
+//! process's glibc malloc keeps large blocks (`configure_allocator`, as the
+//! target-server and drafter-server do), for both sides' clients.
+//!
+//! # Layout
+//! - `main.rs`: the flags and which sections run.
+//! - `processes`: the broker binary on a free port, and the counters read
+//!   from `/proc` and the broker's `/metrics`.
+//! - `transfer`: the load generators: synthetic targets and drafters, one
+//!   measured [`transfer::Transfer`] through a broker.
+//! - `relay`: the plain TCP relay (`--serve-relay`) and its transfer.
+//! - `transfer_tables`: sections 1, 3 and 5 (throughput against the relay,
+//!   many small items, the write-ahead log's cost), summed and printed.
+//! - `end_of_stream`: section 2; `seed_scenario`: section 4.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod end_of_stream;
+mod processes;
+mod relay;
+mod seed_scenario;
+mod transfer;
+mod transfer_tables;
+
+use end_of_stream::print_end_of_stream;
+use relay::serve_relay;
+use seed_scenario::print_seed_scenario;
+use transfer_tables::{print_many_small, print_throughput, print_write_ahead_log};
+
+fn main() {
+    let arguments: Vec<String> = std::env::args().collect();
+    if !arguments.iter().any(|argument| argument == "--serve-relay") {
+        // This process is the clients of both the broker and the relay:
+        // glibc malloc set up as the target-server and drafter-server set
+        // it up (large blocks kept for reuse), so neither side's clients
+        // pay a fresh mapping per received item. The relay stays a plain
+        // program on glibc's defaults.
+        let allocator = dflash_device::configure_allocator(dflash_device::AllocatorMode::Retained);
+        eprintln!("bench clients: {allocator}");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    if let Some(position) = arguments
+        .iter()
+        .position(|argument| argument == "--serve-relay")
+    {
+        let number = |offset: usize| -> usize {
+            arguments
+                .get(position + offset)
+                .and_then(|value| value.parse().ok())
+                .expect("--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS")
+        };
+        runtime.block_on(serve_relay(
+            number(1) as u16,
+            number(2) as u16,
+            number(3),
+            number(4),
+        ));
+        return;
+    }
+    let quick = arguments.iter().any(|argument| argument == "--quick");
+    // `--rounds N`: relay/broker pairs per throughput configuration (the
+    // table shows medians); `--only a,b`: just these sections (throughput,
+    // wal, eos, small, seed).
+    let value_of = |flag: &str| {
+        arguments
+            .iter()
+            .position(|argument| argument == flag)
+            .and_then(|position| arguments.get(position + 1))
+            .cloned()
+    };
+    let rounds = value_of("--rounds")
+        .map(|value| value.parse().expect("--rounds N"))
+        .unwrap_or(1);
+    let only = value_of("--only").or_else(|| {
+        arguments
+            .iter()
+            .any(|argument| argument == "--wal-only")
+            .then(|| "wal".to_string())
+    });
+    let runs = |section: &str| {
+        only.as_ref()
+            .is_none_or(|only| only.split(',').any(|name| name == section))
+    };
+    if runs("throughput") {
+        print_throughput(quick, rounds, &runtime);
+    }
+    if runs("wal") {
+        print_write_ahead_log(quick, &runtime);
+    }
+    if runs("eos") {
+        print_end_of_stream(quick, &runtime);
+    }
+    if runs("small") {
+        print_many_small(quick, &runtime);
+    }
+    if runs("seed") {
+        print_seed_scenario(quick, &runtime);
+    }
+}

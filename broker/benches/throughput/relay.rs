@@ -1,0 +1,181 @@
+//! The baseline: a plain TCP store-and-forward relay (this bench binary
+//! re-executed with `--serve-relay`) and the same transfer as the broker's
+//! through it, with clients that do what the broker's clients must.
+//!
+//! Apart from the broker's transfer because it is the other side of the
+//! comparison: no gRPC, no client library, and half of it runs in its own
+//! process.
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dflash_proto::frames::Copies;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Mutex};
+
+use crate::processes::{free_port, ProcessCounters, Received, Server};
+use crate::transfer::Transfer;
+
+/// The relay process: `--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS`.
+/// Accepts `producers` connections on IN_PORT and `consumers` on OUT_PORT,
+/// relays length-prefixed items through one FIFO of 8, reads each 8-byte
+/// acknowledgement back, and exits when every producer has closed and every
+/// item went out.
+pub(crate) async fn serve_relay(
+    inbound_port: u16,
+    outbound_port: u16,
+    producers: usize,
+    consumers: usize,
+) {
+    let inbound = TcpListener::bind(("127.0.0.1", inbound_port))
+        .await
+        .expect("bind");
+    let outbound = TcpListener::bind(("127.0.0.1", outbound_port))
+        .await
+        .expect("bind");
+    let (frames_in, frames_out) = mpsc::channel::<Vec<u8>>(8);
+    let frames_out = Arc::new(Mutex::new(frames_out));
+    let relay_in = tokio::spawn(async move {
+        let mut readers = Vec::new();
+        for _ in 0..producers {
+            let (mut socket, _) = inbound.accept().await.expect("accept");
+            let frames_in = frames_in.clone();
+            readers.push(tokio::spawn(async move {
+                while let Ok(length) = socket.read_u64().await {
+                    let mut frame = vec![0u8; length as usize];
+                    socket.read_exact(&mut frame).await.expect("read frame");
+                    if frames_in.send(frame).await.is_err() {
+                        break;
+                    }
+                }
+            }));
+        }
+        drop(frames_in);
+        for reader in readers {
+            let _ = reader.await;
+        }
+    });
+    let mut writers = Vec::new();
+    for _ in 0..consumers {
+        let (socket, _) = outbound.accept().await.expect("accept");
+        let frames_out = frames_out.clone();
+        writers.push(tokio::spawn(async move {
+            let (mut reading, mut writing) = socket.into_split();
+            let acks = tokio::spawn(async move { while reading.read_u64().await.is_ok() {} });
+            loop {
+                let frame = frames_out.lock().await.recv().await;
+                let Some(frame) = frame else { break };
+                writing.write_u64(frame.len() as u64).await.expect("write");
+                writing.write_all(&frame).await.expect("write");
+            }
+            let _ = writing.shutdown().await;
+            let _ = acks.await;
+        }));
+    }
+    for writer in writers {
+        let _ = writer.await;
+    }
+    let _ = relay_in.await;
+}
+
+/// The same transfer through the relay process.
+pub(crate) async fn relay_transfer(
+    item_bytes: usize,
+    items: u64,
+    producers: u64,
+    consumers: u64,
+) -> Transfer {
+    let (inbound_port, outbound_port) = (free_port(), free_port());
+    let child = Command::new(std::env::current_exe().expect("this bench's path"))
+        .args([
+            "--serve-relay",
+            &inbound_port.to_string(),
+            &outbound_port.to_string(),
+            &producers.to_string(),
+            &consumers.to_string(),
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("start the relay");
+    let relay = Server {
+        pid: child.id().to_string(),
+        child,
+    };
+    let inbound_address = SocketAddr::from(([127, 0, 0, 1], inbound_port));
+    let outbound_address = SocketAddr::from(([127, 0, 0, 1], outbound_port));
+    // Polling with a connection would take a producer's or consumer's slot:
+    // wait until the process has bound both ports instead.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpListener::bind(outbound_address).is_ok()
+        || std::net::TcpListener::bind(inbound_address).is_ok()
+    {
+        assert!(Instant::now() < deadline, "the relay never listened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let per_producer = items / producers;
+
+    let mut readers = Vec::new();
+    for _ in 0..consumers {
+        let socket = TcpStream::connect(outbound_address).await.expect("connect");
+        socket.set_nodelay(true).expect("nodelay");
+        readers.push(tokio::spawn(async move {
+            let (mut reading, mut writing) = socket.into_split();
+            let mut received = 0u64;
+            let mut acked = 0u64;
+            while let Ok(length) = reading.read_u64().await {
+                // A fresh buffer per item, as a gRPC client decodes one.
+                let mut frame = vec![0u8; length as usize];
+                reading.read_exact(&mut frame).await.expect("read");
+                received += frame.len() as u64;
+                acked += 1;
+                writing.write_u64(acked).await.expect("ack");
+            }
+            received
+        }));
+    }
+    let payload = Arc::new(vec![7u8; item_bytes]);
+    let server_before = relay.counters();
+    let clients_before = ProcessCounters::read("self");
+    let started = Instant::now();
+    let mut writers = Vec::new();
+    for _ in 0..producers {
+        let payload = payload.clone();
+        writers.push(tokio::spawn(async move {
+            let mut socket = TcpStream::connect(inbound_address).await.expect("connect");
+            socket.set_nodelay(true).expect("nodelay");
+            for _ in 0..per_producer {
+                socket.write_u64(payload.len() as u64).await.expect("write");
+                socket.write_all(&payload).await.expect("write");
+            }
+            let _ = socket.shutdown().await;
+        }));
+    }
+    for writer in writers {
+        writer.await.expect("writer");
+    }
+    let mut bytes = 0;
+    for reader in readers {
+        bytes += reader.await.expect("reader");
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let server = relay.counters().since(server_before);
+    let clients = ProcessCounters::read("self").since(clients_before);
+    assert_eq!(
+        bytes,
+        per_producer * producers * item_bytes as u64,
+        "relay lost bytes"
+    );
+    Transfer {
+        bytes_per_second: bytes as f64 / seconds,
+        server,
+        clients,
+        seconds,
+        copies: Copies::default(),
+        received: Received::default(),
+        second_half: None,
+        peak_rss_mib: 0.0,
+    }
+}

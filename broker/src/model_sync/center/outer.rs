@@ -1,0 +1,167 @@
+//! The outer optimizer: its settings, the guards a delta must pass before
+//! it may touch the center (not finite, or far over the recent deltas'
+//! norms), and the step that applies one (`center += η·delta`, then the
+//! delayed Nesterov momentum step every N deltas).
+//!
+//! Apart from [`super::ModelSyncState`] because this is the method, not the
+//! bookkeeping: what a delta does to the weights, with the raw-buffer loops
+//! themselves in [`crate::model_sync::arith`].
+
+use std::sync::Arc;
+
+use super::{Center, SyncError, Upload};
+use crate::model_sync::arith;
+
+/// The outer optimizer: asynchronous local SGD with a delayed Nesterov step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterSettings {
+    /// Outer learning rate η: each delta moves the center by η·delta.
+    pub learning_rate: f32,
+    /// Nesterov momentum μ of the outer step (0: plain asynchronous local SGD).
+    pub momentum: f32,
+    /// Deltas averaged per momentum step (N in Liu et al. 2024); 0 means the
+    /// number of drafters with an open session at the time.
+    pub momentum_delay: u32,
+    /// A delta whose base is more than this many center updates old is
+    /// discarded and the drafter restarts from the center (0: no bound).
+    pub max_staleness: u64,
+    /// A delta whose L2 norm is over this many times the largest norm of
+    /// the last [`DELTA_NORM_WINDOW`] applied deltas is discarded, once
+    /// [`DELTA_NORM_WARMUP`] were applied (0: no bound). A delta with a NaN
+    /// or an infinity is always discarded.
+    ///
+    /// The largest, not the median: while the learning rate warms up each
+    /// delta may be a few times the previous one, and over a window that
+    /// adds up to far more than any fixed multiple of the median (a rule
+    /// that discarded every delta of a legitimately faster drafter, which
+    /// then never caught up). Growth past the window's largest by this
+    /// factor in one exchange is not training, it is a fault.
+    pub max_delta_norm_ratio: f32,
+}
+
+/// Default of [`OuterSettings::max_delta_norm_ratio`]: consecutive deltas
+/// of the same number of local steps differ by small factors; one ten times
+/// the largest recent one is broken.
+pub const DEFAULT_MAX_DELTA_NORM_RATIO: f32 = 10.0;
+/// Applied deltas whose norms the bound is over (their largest).
+pub const DELTA_NORM_WINDOW: usize = 32;
+/// Applied deltas before the norm bound applies.
+pub const DELTA_NORM_WARMUP: usize = 4;
+/// A delta whose norm is at most this fraction of the weights' norm (when
+/// the center was made or resumed) is never an outlier.
+pub const DELTA_NORM_FLOOR: f64 = 0.05;
+
+impl Default for OuterSettings {
+    fn default() -> Self {
+        OuterSettings {
+            learning_rate: 1.0,
+            momentum: 0.7,
+            momentum_delay: 0,
+            max_staleness: 0,
+            max_delta_norm_ratio: DEFAULT_MAX_DELTA_NORM_RATIO,
+        }
+    }
+}
+
+impl OuterSettings {
+    /// The method with its parameters, as shown in status and logs.
+    pub fn describe(&self) -> String {
+        let delay = match self.momentum_delay {
+            0 => "N = open sessions".to_string(),
+            delay => format!("N = {delay}"),
+        };
+        let staleness = match self.max_staleness {
+            0 => "unbounded".to_string(),
+            bound => bound.to_string(),
+        };
+        format!(
+            "async local SGD (DiLoCo outer step, Liu et al. 2024 delayed Nesterov): outer lr {}, momentum {}, {delay}, max staleness {staleness}",
+            self.learning_rate, self.momentum
+        )
+    }
+}
+
+/// Why a delta of this `norm` must not reach the center, if it must not:
+/// a NaN or an infinity in it, or a norm over `max_delta_norm_ratio` times
+/// the largest of the recent applied deltas' norms and over `floor` (a
+/// small fraction of the weights' own norm, under which a delta is never
+/// an outlier: the first deltas of a run, at a warming-up learning rate,
+/// can be a hundred times smaller than the next ones).
+pub(super) fn refuse_delta(
+    settings: &OuterSettings,
+    recent_norms: &std::collections::VecDeque<f64>,
+    norm: f64,
+    floor: f64,
+) -> Option<String> {
+    if !norm.is_finite() {
+        return Some("the delta holds a NaN or an infinity".to_string());
+    }
+    let ratio = f64::from(settings.max_delta_norm_ratio);
+    if ratio <= 0.0 || recent_norms.len() < DELTA_NORM_WARMUP || norm <= floor {
+        return None;
+    }
+    let largest = recent_norms.iter().copied().fold(0.0, f64::max);
+    (norm > ratio * largest).then(|| {
+        format!(
+            "delta norm {norm:.4e} is over {ratio} x the largest {largest:.4e} of the last {} applied deltas (--max-delta-norm-ratio)",
+            recent_norms.len()
+        )
+    })
+}
+
+/// Adds `learning_rate` times the uploaded delta to the center's values,
+/// chunk by chunk, and (with momentum) to each tensor's running delta sum.
+pub(super) fn add_delta(
+    center: &mut Center,
+    upload: &Upload,
+    learning_rate: f32,
+    momentum: bool,
+) -> Result<(), SyncError> {
+    for uploaded in &upload.tensors {
+        let index = center.by_name[&uploaded.name];
+        let tensor = &mut center.tensors[index];
+        // Copies a buffer only while a snapshot (a save in progress) holds it.
+        let values = Arc::make_mut(&mut tensor.values);
+        let mut delta_sum = momentum.then(|| Arc::make_mut(&mut tensor.delta_sum));
+        uploaded.for_each_chunk(|range, chunk| {
+            let sum = delta_sum.as_deref_mut().map(|sum| &mut sum[range.clone()]);
+            arith::add_scaled(
+                &mut values[range],
+                sum,
+                chunk,
+                uploaded.dtype,
+                learning_rate,
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Counts one more applied delta towards the delayed Nesterov step, and
+/// takes the step once the delay (the setting, or else the number of open
+/// sessions) is reached.
+pub(super) fn count_delta_for_momentum(
+    center: &mut Center,
+    settings: &OuterSettings,
+    open_sessions: u32,
+) {
+    center.pending_deltas += 1;
+    let delay = match settings.momentum_delay {
+        0 => open_sessions.max(1),
+        delay => delay,
+    };
+    if center.pending_deltas >= delay {
+        let count = center.pending_deltas;
+        for tensor in &mut center.tensors {
+            arith::delayed_nesterov_step(
+                Arc::<Vec<f32>>::make_mut(&mut tensor.values).as_mut_slice(),
+                Arc::<Vec<f32>>::make_mut(&mut tensor.velocity).as_mut_slice(),
+                Arc::<Vec<f32>>::make_mut(&mut tensor.delta_sum).as_mut_slice(),
+                count,
+                settings.learning_rate,
+                settings.momentum,
+            );
+        }
+        center.pending_deltas = 0;
+    }
+}
