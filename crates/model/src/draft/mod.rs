@@ -6,8 +6,13 @@
 //!   Hugging Face `config.json` form.
 //! - [`model`]: the network (`fc`, `hidden_norm`, `layers.{i}`, `norm`) over
 //!   a `VarStore` named like the reference `state_dict`, with the target's
-//!   frozen embedding and LM head; `DraftContextCache`, the per-layer
-//!   context keys and values speculative decoding reuses block after block.
+//!   frozen embedding and LM head. Its children: `model::parameters` (the
+//!   checkpoint names and shapes, seeded initialisation, the frozen heads),
+//!   `model::forward` (the training forward, plain and checkpointed),
+//!   `model::attention` (the three interchangeable attention kernels),
+//!   `model::attention_masks` (what each query sees, per kernel) and
+//!   `model::context_cache` (`DraftContextCache`, the per-layer context keys
+//!   and values speculative decoding reuses block after block).
 //! - [`objective`]: anchor sampling, block packing, the decayed masked
 //!   cross-entropy and per-position accuracy; `compute_objective_backward`
 //!   runs forward and backward with chunked logits and optional layer

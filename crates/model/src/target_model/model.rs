@@ -5,39 +5,29 @@
 //! operation (pre-norm residual blocks, grouped-query attention with a causal
 //! and padding mask, RoPE on positions `0..T`), so that the captured states
 //! equal `output_hidden_states` of the reference within float tolerance.
+//!
+//! # Layout
+//! This file holds [`TargetModel`] and its forwards: the full forward with
+//! hidden-state capture and the cached, incremental one of decoding.
+//! - `loading`: the Hugging Face tensor names and shapes a target must
+//!   have, and [`TargetModel::load`], which builds the model from them.
+//! - `decoder_layer`: one pre-norm decoder layer (projections, per-head
+//!   norms, RoPE, grouped-query attention, SwiGLU MLP), shared by both
+//!   forwards.
 
 use super::cache::KeyValueCache;
-use super::config::{Architecture, TargetConfig};
-use super::weights::{load_tensors, TensorRequest};
+use super::config::TargetConfig;
 use super::ModelError;
-use crate::layers::{apply_rotary, rms_norm, rotary_cos_sin, swiglu_mlp};
-use std::collections::HashMap;
-use std::path::Path;
+use crate::layers::{rms_norm, rotary_cos_sin, swiglu_mlp};
 use tch::{Device, Kind, Tensor};
+
+mod decoder_layer;
+mod loading;
+
+use decoder_layer::DecoderLayer;
 
 /// File name of the model configuration inside a model directory.
 pub const CONFIG_FILE_NAME: &str = "config.json";
-
-/// The weights of one decoder layer.
-struct DecoderLayer {
-    input_layernorm: Tensor,
-    q_proj: Tensor,
-    k_proj: Tensor,
-    v_proj: Tensor,
-    o_proj: Tensor,
-    /// Projection biases, present when `attention_bias` is set.
-    q_bias: Option<Tensor>,
-    k_bias: Option<Tensor>,
-    v_bias: Option<Tensor>,
-    o_bias: Option<Tensor>,
-    /// Per-head RMSNorm weights of Qwen3; `None` for Llama.
-    q_norm: Option<Tensor>,
-    k_norm: Option<Tensor>,
-    post_attention_layernorm: Tensor,
-    gate_proj: Tensor,
-    up_proj: Tensor,
-    down_proj: Tensor,
-}
 
 /// What [`TargetModel::forward_cached`] returns.
 #[derive(Debug)]
@@ -75,160 +65,7 @@ impl std::fmt::Debug for TargetModel {
     }
 }
 
-fn tensor_requests(config: &TargetConfig) -> Vec<TensorRequest> {
-    let hidden = config.hidden_size;
-    let query_width = config.num_attention_heads * config.head_dim;
-    let key_value_width = config.num_key_value_heads * config.head_dim;
-    let mut requests = Vec::new();
-    let mut request = |name: String, shape: Vec<i64>| requests.push(TensorRequest { name, shape });
-    request(
-        "model.embed_tokens.weight".into(),
-        vec![config.vocab_size, hidden],
-    );
-    for layer in 0..config.num_hidden_layers {
-        let prefix = format!("model.layers.{layer}");
-        request(format!("{prefix}.input_layernorm.weight"), vec![hidden]);
-        request(
-            format!("{prefix}.self_attn.q_proj.weight"),
-            vec![query_width, hidden],
-        );
-        request(
-            format!("{prefix}.self_attn.k_proj.weight"),
-            vec![key_value_width, hidden],
-        );
-        request(
-            format!("{prefix}.self_attn.v_proj.weight"),
-            vec![key_value_width, hidden],
-        );
-        request(
-            format!("{prefix}.self_attn.o_proj.weight"),
-            vec![hidden, query_width],
-        );
-        if config.attention_bias {
-            request(format!("{prefix}.self_attn.q_proj.bias"), vec![query_width]);
-            request(
-                format!("{prefix}.self_attn.k_proj.bias"),
-                vec![key_value_width],
-            );
-            request(
-                format!("{prefix}.self_attn.v_proj.bias"),
-                vec![key_value_width],
-            );
-            request(format!("{prefix}.self_attn.o_proj.bias"), vec![hidden]);
-        }
-        if config.architecture == Architecture::Qwen3 {
-            request(
-                format!("{prefix}.self_attn.q_norm.weight"),
-                vec![config.head_dim],
-            );
-            request(
-                format!("{prefix}.self_attn.k_norm.weight"),
-                vec![config.head_dim],
-            );
-        }
-        request(
-            format!("{prefix}.post_attention_layernorm.weight"),
-            vec![hidden],
-        );
-        request(
-            format!("{prefix}.mlp.gate_proj.weight"),
-            vec![config.intermediate_size, hidden],
-        );
-        request(
-            format!("{prefix}.mlp.up_proj.weight"),
-            vec![config.intermediate_size, hidden],
-        );
-        request(
-            format!("{prefix}.mlp.down_proj.weight"),
-            vec![hidden, config.intermediate_size],
-        );
-    }
-    request("model.norm.weight".into(), vec![hidden]);
-    if !config.tie_word_embeddings {
-        request("lm_head.weight".into(), vec![config.vocab_size, hidden]);
-    }
-    requests
-}
-
-/// Removes a tensor that `load_tensors` guaranteed to be present.
-fn take(
-    tensors: &mut HashMap<String, Tensor>,
-    name: &str,
-    dir: &Path,
-) -> Result<Tensor, ModelError> {
-    tensors
-        .remove(name)
-        .ok_or_else(|| ModelError::MissingTensor {
-            path: dir.to_path_buf(),
-            tensor: name.to_string(),
-        })
-}
-
 impl TargetModel {
-    /// Loads `config.json` and the safetensors weights (single file or
-    /// sharded with an index) from `dir`, converted to `kind` on `device`.
-    pub fn load(dir: &Path, device: Device, kind: Kind) -> Result<TargetModel, ModelError> {
-        let config = TargetConfig::from_file(&dir.join(CONFIG_FILE_NAME))?;
-        let requests = tensor_requests(&config);
-        let mut tensors = tch::no_grad(|| load_tensors(dir, &requests, device, kind))?;
-        let embed_tokens = take(&mut tensors, "model.embed_tokens.weight", dir)?;
-        let mut layers = Vec::with_capacity(config.num_hidden_layers);
-        for layer in 0..config.num_hidden_layers {
-            let prefix = format!("model.layers.{layer}");
-            let mut named = |suffix: &str| take(&mut tensors, &format!("{prefix}.{suffix}"), dir);
-            let (q_bias, k_bias, v_bias, o_bias) = if config.attention_bias {
-                (
-                    Some(named("self_attn.q_proj.bias")?),
-                    Some(named("self_attn.k_proj.bias")?),
-                    Some(named("self_attn.v_proj.bias")?),
-                    Some(named("self_attn.o_proj.bias")?),
-                )
-            } else {
-                (None, None, None, None)
-            };
-            let (q_norm, k_norm) = if config.architecture == Architecture::Qwen3 {
-                (
-                    Some(named("self_attn.q_norm.weight")?),
-                    Some(named("self_attn.k_norm.weight")?),
-                )
-            } else {
-                (None, None)
-            };
-            layers.push(DecoderLayer {
-                input_layernorm: named("input_layernorm.weight")?,
-                q_proj: named("self_attn.q_proj.weight")?,
-                k_proj: named("self_attn.k_proj.weight")?,
-                v_proj: named("self_attn.v_proj.weight")?,
-                o_proj: named("self_attn.o_proj.weight")?,
-                q_bias,
-                k_bias,
-                v_bias,
-                o_bias,
-                q_norm,
-                k_norm,
-                post_attention_layernorm: named("post_attention_layernorm.weight")?,
-                gate_proj: named("mlp.gate_proj.weight")?,
-                up_proj: named("mlp.up_proj.weight")?,
-                down_proj: named("mlp.down_proj.weight")?,
-            });
-        }
-        let final_norm = take(&mut tensors, "model.norm.weight", dir)?;
-        let lm_head = if config.tie_word_embeddings {
-            embed_tokens.shallow_clone()
-        } else {
-            take(&mut tensors, "lm_head.weight", dir)?
-        };
-        Ok(TargetModel {
-            config,
-            device,
-            kind,
-            embed_tokens,
-            layers,
-            final_norm,
-            lm_head,
-        })
-    }
-
     pub fn config(&self) -> &TargetConfig {
         &self.config
     }
@@ -570,128 +407,4 @@ impl TargetModel {
         }
         Ok(hidden)
     }
-
-    fn decoder_layer(
-        &self,
-        layer: &DecoderLayer,
-        hidden: &Tensor,
-        attention_allowed: Option<&Tensor>,
-        cos: &Tensor,
-        sin: &Tensor,
-    ) -> Tensor {
-        let eps = self.config.rms_norm_eps;
-        let normed = rms_norm(hidden, &layer.input_layernorm, eps);
-        let attention = self.self_attention(layer, &normed, attention_allowed, cos, sin);
-        let hidden = hidden + attention;
-        let normed = rms_norm(&hidden, &layer.post_attention_layernorm, eps);
-        let mlp = swiglu_mlp(&normed, &layer.gate_proj, &layer.up_proj, &layer.down_proj);
-        hidden + mlp
-    }
-
-    /// Projects `hidden` to query, key and value heads `[B, heads, T, D]`,
-    /// with the Qwen3 per-head norms and RoPE applied to queries and keys.
-    fn query_key_value(
-        &self,
-        layer: &DecoderLayer,
-        hidden: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-    ) -> (Tensor, Tensor, Tensor) {
-        let size = hidden.size();
-        let (batch, length) = (size[0], size[1]);
-        let config = &self.config;
-        let head_dim = config.head_dim;
-        let project_heads =
-            |weight: &Tensor, bias: Option<&Tensor>, heads: i64, norm: Option<&Tensor>| {
-                let projected = hidden
-                    .linear(weight, bias)
-                    .view([batch, length, heads, head_dim]);
-                let projected = match norm {
-                    Some(norm_weight) => rms_norm(&projected, norm_weight, config.rms_norm_eps),
-                    None => projected,
-                };
-                projected.transpose(1, 2)
-            };
-        let query = project_heads(
-            &layer.q_proj,
-            layer.q_bias.as_ref(),
-            config.num_attention_heads,
-            layer.q_norm.as_ref(),
-        );
-        let key = project_heads(
-            &layer.k_proj,
-            layer.k_bias.as_ref(),
-            config.num_key_value_heads,
-            layer.k_norm.as_ref(),
-        );
-        let value = project_heads(
-            &layer.v_proj,
-            layer.v_bias.as_ref(),
-            config.num_key_value_heads,
-            None,
-        );
-        (
-            apply_rotary(&query, cos, sin),
-            apply_rotary(&key, cos, sin),
-            value,
-        )
-    }
-
-    /// Scaled dot-product attention of `query` over `key`/`value` (grouped
-    /// heads repeated), then the output projection: `[B, T, H]`. Without a
-    /// mask the fused causal kernel runs.
-    fn attend(
-        &self,
-        layer: &DecoderLayer,
-        query: &Tensor,
-        key: &Tensor,
-        value: &Tensor,
-        attention_allowed: Option<&Tensor>,
-    ) -> Tensor {
-        let size = query.size();
-        let (batch, heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
-        let repeats = heads / self.config.num_key_value_heads;
-        let key = repeat_key_value_heads(key, repeats);
-        let value = repeat_key_value_heads(value, repeats);
-        let attended = Tensor::scaled_dot_product_attention(
-            query,
-            &key,
-            &value,
-            attention_allowed,
-            0.0,
-            attention_allowed.is_none(),
-            Some(1.0 / (head_dim as f64).sqrt()),
-            false,
-        );
-        attended
-            .transpose(1, 2)
-            .reshape([batch, length, heads * head_dim])
-            .linear(&layer.o_proj, layer.o_bias.as_ref())
-    }
-
-    fn self_attention(
-        &self,
-        layer: &DecoderLayer,
-        hidden: &Tensor,
-        attention_allowed: Option<&Tensor>,
-        cos: &Tensor,
-        sin: &Tensor,
-    ) -> Tensor {
-        let (query, key, value) = self.query_key_value(layer, hidden, cos, sin);
-        self.attend(layer, &query, &key, &value, attention_allowed)
-    }
-}
-
-/// HF `repeat_kv`: each key/value head serves `repeats` consecutive query
-/// heads.
-fn repeat_key_value_heads(states: &Tensor, repeats: i64) -> Tensor {
-    if repeats == 1 {
-        return states.shallow_clone();
-    }
-    let size = states.size();
-    let (batch, key_value_heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
-    states
-        .unsqueeze(2)
-        .expand([batch, key_value_heads, repeats, length, head_dim], false)
-        .reshape([batch, key_value_heads * repeats, length, head_dim])
 }

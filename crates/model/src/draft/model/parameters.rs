@@ -1,0 +1,209 @@
+//! The draft model's parameters as the checkpoint names them: every
+//! `VarStore` name of the reference `DFlashDraftModel.state_dict()` with its
+//! shape, the seeded initialisation, the per-layer handles the forward reads
+//! through, and the target's frozen embedding and LM head (loaded from the
+//! target directory, never saved). Apart from the forward because the
+//! checkpoint code (`draft::checkpoint`) depends on these names and shapes,
+//! not on how the network computes.
+
+use std::path::Path;
+
+use rand::Rng;
+use tch::nn::VarStore;
+use tch::{Device, Kind, Tensor};
+
+use super::{DraftConfig, DraftError};
+use crate::target_model::weights::{load_tensors, TensorRequest};
+use crate::target_model::TargetConfig;
+
+/// Handles on one decoder layer's parameters (shallow clones of the
+/// `VarStore` variables, so optimizer updates are seen here).
+pub(super) struct DraftLayerParameters {
+    pub(super) input_layernorm: Tensor,
+    pub(super) q_proj: Tensor,
+    pub(super) k_proj: Tensor,
+    pub(super) v_proj: Tensor,
+    pub(super) o_proj: Tensor,
+    pub(super) q_norm: Tensor,
+    pub(super) k_norm: Tensor,
+    pub(super) post_attention_layernorm: Tensor,
+    pub(super) gate_proj: Tensor,
+    pub(super) up_proj: Tensor,
+    pub(super) down_proj: Tensor,
+}
+
+/// The frozen pieces of the target the drafter reads tokens through.
+pub struct FrozenTargetHeads {
+    /// `[vocab, hidden]`: embeds the block's tokens (anchor and masks).
+    pub embed_tokens: Tensor,
+    /// `[vocab, hidden]`: turns draft hidden states into logits.
+    pub lm_head: Tensor,
+}
+
+impl FrozenTargetHeads {
+    /// Reads only the embedding and LM head of a Hugging Face target
+    /// directory (the LM head is the embedding when they are tied), so a
+    /// drafter does not hold the whole target in memory.
+    pub fn load(
+        target_dir: &Path,
+        device: Device,
+        kind: Kind,
+    ) -> Result<(TargetConfig, Self), DraftError> {
+        let config =
+            TargetConfig::from_file(&target_dir.join(crate::target_model::CONFIG_FILE_NAME))?;
+        let shape = vec![config.vocab_size, config.hidden_size];
+        let mut requests = vec![TensorRequest {
+            name: EMBED_TOKENS_NAME.to_string(),
+            shape: shape.clone(),
+        }];
+        if !config.tie_word_embeddings {
+            requests.push(TensorRequest {
+                name: LM_HEAD_NAME.to_string(),
+                shape,
+            });
+        }
+        let mut tensors = tch::no_grad(|| load_tensors(target_dir, &requests, device, kind))?;
+        let missing =
+            |name: &str| DraftError::MissingParameter(format!("{}: {name}", target_dir.display()));
+        let embed_tokens = tensors
+            .remove(EMBED_TOKENS_NAME)
+            .ok_or_else(|| missing(EMBED_TOKENS_NAME))?;
+        let lm_head = if config.tie_word_embeddings {
+            embed_tokens.shallow_clone()
+        } else {
+            tensors
+                .remove(LM_HEAD_NAME)
+                .ok_or_else(|| missing(LM_HEAD_NAME))?
+        };
+        Ok((
+            config,
+            FrozenTargetHeads {
+                embed_tokens,
+                lm_head,
+            },
+        ))
+    }
+}
+
+/// Tensor names of the target's embedding and LM head in HF checkpoints.
+const EMBED_TOKENS_NAME: &str = "model.embed_tokens.weight";
+const LM_HEAD_NAME: &str = "lm_head.weight";
+
+/// Every parameter name of the reference `DFlashDraftModel.state_dict()`
+/// with its shape, in a stable order.
+pub fn parameter_shapes(config: &DraftConfig) -> Vec<(String, Vec<i64>)> {
+    let hidden = config.hidden_size;
+    let query_width = config.num_attention_heads * config.head_dim;
+    let key_value_width = config.num_key_value_heads * config.head_dim;
+    let mut shapes = vec![
+        (
+            "fc.weight".to_string(),
+            vec![hidden, config.target_hidden_width()],
+        ),
+        ("hidden_norm.weight".to_string(), vec![hidden]),
+        ("norm.weight".to_string(), vec![hidden]),
+    ];
+    for index in 0..config.num_draft_layers {
+        let prefix = format!("layers.{index}");
+        shapes.extend([
+            (format!("{prefix}.input_layernorm.weight"), vec![hidden]),
+            (
+                format!("{prefix}.self_attn.q_proj.weight"),
+                vec![query_width, hidden],
+            ),
+            (
+                format!("{prefix}.self_attn.k_proj.weight"),
+                vec![key_value_width, hidden],
+            ),
+            (
+                format!("{prefix}.self_attn.v_proj.weight"),
+                vec![key_value_width, hidden],
+            ),
+            (
+                format!("{prefix}.self_attn.o_proj.weight"),
+                vec![hidden, query_width],
+            ),
+            (
+                format!("{prefix}.self_attn.q_norm.weight"),
+                vec![config.head_dim],
+            ),
+            (
+                format!("{prefix}.self_attn.k_norm.weight"),
+                vec![config.head_dim],
+            ),
+            (
+                format!("{prefix}.post_attention_layernorm.weight"),
+                vec![hidden],
+            ),
+            (
+                format!("{prefix}.mlp.gate_proj.weight"),
+                vec![config.intermediate_size, hidden],
+            ),
+            (
+                format!("{prefix}.mlp.up_proj.weight"),
+                vec![config.intermediate_size, hidden],
+            ),
+            (
+                format!("{prefix}.mlp.down_proj.weight"),
+                vec![hidden, config.intermediate_size],
+            ),
+        ]);
+    }
+    shapes
+}
+
+/// Adds a trainable variable under a dotted name (`layers.0.mlp.up_proj.weight`):
+/// tch wants the dots as path components, not inside a variable name.
+pub(crate) fn add_named_variable(
+    var_store: &VarStore,
+    dotted_name: &str,
+    value: &Tensor,
+) -> Result<(), DraftError> {
+    let mut components: Vec<&str> = dotted_name.split('.').collect();
+    let variable_name = components.pop().unwrap_or_default();
+    let path = components
+        .iter()
+        .fold(var_store.root(), |path, component| path / *component);
+    let _ = path.f_var_copy(variable_name, value)?;
+    Ok(())
+}
+
+/// Normal samples from a seeded generator (Box–Muller), so initialisation
+/// does not depend on libtorch's global RNG, which concurrent tests share.
+pub(super) fn seeded_normal(
+    shape: &[i64],
+    standard_deviation: f64,
+    generator: &mut rand::rngs::StdRng,
+) -> Tensor {
+    let count: i64 = shape.iter().product();
+    let mut values = Vec::with_capacity(count as usize);
+    while values.len() < count as usize {
+        let uniform_a: f64 = generator.random::<f64>().max(f64::MIN_POSITIVE);
+        let uniform_b: f64 = generator.random::<f64>();
+        let radius = (-2.0 * uniform_a.ln()).sqrt() * standard_deviation;
+        let angle = std::f64::consts::TAU * uniform_b;
+        values.push((radius * angle.cos()) as f32);
+        values.push((radius * angle.sin()) as f32);
+    }
+    values.truncate(count as usize);
+    Tensor::from_slice(&values).view(shape)
+}
+
+pub(super) fn check_frozen_shapes(
+    config: &DraftConfig,
+    frozen: &FrozenTargetHeads,
+) -> Result<(), DraftError> {
+    let expected = vec![config.vocab_size, config.hidden_size];
+    for (name, tensor) in [
+        ("embed_tokens", &frozen.embed_tokens),
+        ("lm_head", &frozen.lm_head),
+    ] {
+        if tensor.size() != expected {
+            return Err(DraftError::ShapeMismatch(format!(
+                "target {name} has shape {:?}, the draft config expects {expected:?}",
+                tensor.size()
+            )));
+        }
+    }
+    Ok(())
+}
