@@ -23,13 +23,15 @@ pub struct WirePayload {
 }
 
 impl crate::wal::DurablePayload for WirePayload {
-    /// prost's encoding of the `Item` (the log's format is unchanged).
-    fn encode_payload(&self) -> Vec<u8> {
-        // Into a growable buffer this cannot fail; prost's own encoding of
-        // the joined item is the (slower) same bytes.
-        self.item
-            .encode_to_vec()
-            .unwrap_or_else(|_| prost::Message::encode_to_vec(&self.item.to_proto()))
+    /// prost's encoding of the `Item` (the log's format is unchanged), as
+    /// the pieces the delivery route sends: tensor data are the received
+    /// frames' slices, shared rather than copied.
+    fn encode_payload(&self) -> Vec<bytes::Bytes> {
+        self.item.encode_pieces().unwrap_or_else(|_| {
+            // Only an item over 4 GiB fails to encode as pieces; prost's
+            // own encoding of the joined item is the (slower) same bytes.
+            vec![prost::Message::encode_to_vec(&self.item.to_proto()).into()]
+        })
     }
 
     fn decode_payload(bytes: &[u8]) -> Result<Self, String> {

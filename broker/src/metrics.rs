@@ -250,8 +250,7 @@ fn write_target_states(out: &mut Exposition, targets: &[TargetSnapshot]) {
 /// Writes what the broker counted for each target (accepted, rejected, last
 /// seen), labelled with the target's id.
 fn write_target_series(out: &mut Exposition, targets: &[TargetSnapshot]) {
-    type TargetValue = fn(&TargetSnapshot) -> f64;
-    let per_target: [(&str, &str, MetricKind, TargetValue); 3] = [
+    let per_target: [Series<TargetSnapshot>; 3] = [
         (
             "target_accepted_items_total",
             "Items accepted from this target.",
@@ -271,19 +270,15 @@ fn write_target_series(out: &mut Exposition, targets: &[TargetSnapshot]) {
             |target| target.last_seen_ago.as_secs_f64(),
         ),
     ];
-    for (suffix, help, kind, value) in per_target {
-        let mut family = out.family(&name(suffix), help, kind);
-        for target in targets {
-            family.sample(&[("target_id", &target.target_id)], value(target));
-        }
-    }
+    write_per_peer(out, targets, &per_target, |target| {
+        Some((target, vec![("target_id", target.target_id.as_str())]))
+    });
 }
 
 /// Writes what each target reported about itself, labelled with its id and
 /// device; a target that reported nothing yet has no series.
 fn write_target_reported(out: &mut Exposition, targets: &[TargetSnapshot]) {
-    type StatsValue = fn(&crate::queue::ProducerStats) -> f64;
-    let reported: [(&str, &str, MetricKind, StatsValue); 4] = [
+    let reported: [Series<crate::queue::ProducerStats>; 4] = [
         (
             "target_tokens_per_second",
             "Tokens per second the target reports producing.",
@@ -309,17 +304,14 @@ fn write_target_reported(out: &mut Exposition, targets: &[TargetSnapshot]) {
             |stats| stats.samples_total as f64,
         ),
     ];
-    for (suffix, help, kind, value) in reported {
-        let mut family = out.family(&name(suffix), help, kind);
-        for target in targets {
-            if let Some(stats) = &target.stats {
-                family.sample(
-                    &[("target_id", &target.target_id), ("device", &stats.device)],
-                    value(stats),
-                );
-            }
-        }
-    }
+    write_per_peer(out, targets, &reported, |target| {
+        let stats = target.stats.as_ref()?;
+        let labels = vec![
+            ("target_id", target.target_id.as_str()),
+            ("device", stats.device.as_str()),
+        ];
+        Some((stats, labels))
+    });
 }
 
 /// Writes the per-drafter series: what the broker knows of each drafter,
@@ -332,8 +324,7 @@ fn write_drafters(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
 /// Writes what the broker itself knows of each drafter (its stream, leases,
 /// deliveries and acks), labelled with the drafter's id.
 fn write_drafter_series(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
-    type DrafterValue = fn(&DrafterSnapshot) -> f64;
-    let per_drafter: [(&str, &str, MetricKind, DrafterValue); 8] = [
+    let per_drafter: [Series<DrafterSnapshot>; 8] = [
         (
             "drafter_connected",
             "1 while the drafter's stream is open.",
@@ -383,20 +374,16 @@ fn write_drafter_series(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
             |drafter| drafter.last_seen_ago.as_secs_f64(),
         ),
     ];
-    for (suffix, help, kind, value) in per_drafter {
-        let mut family = out.family(&name(suffix), help, kind);
-        for drafter in drafters {
-            family.sample(&[("drafter_id", &drafter.drafter_id)], value(drafter));
-        }
-    }
+    write_per_peer(out, drafters, &per_drafter, |drafter| {
+        Some((drafter, vec![("drafter_id", drafter.drafter_id.as_str())]))
+    });
 }
 
 /// Writes what each drafter reported about itself (rate, loss, steps),
 /// labelled with its id and device; a drafter that reported nothing yet has
 /// no series.
 fn write_drafter_reported(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
-    type StatsValue = fn(&crate::queue::ConsumerStats) -> f64;
-    let reported: [(&str, &str, MetricKind, StatsValue); 6] = [
+    let reported: [Series<crate::queue::ConsumerStats>; 6] = [
         (
             "drafter_tokens_per_second",
             "Tokens per second the drafter reports training on.",
@@ -434,17 +421,34 @@ fn write_drafter_reported(out: &mut Exposition, drafters: &[DrafterSnapshot]) {
             |stats| stats.samples_trained as f64,
         ),
     ];
-    for (suffix, help, kind, value) in reported {
-        let mut family = out.family(&name(suffix), help, kind);
-        for drafter in drafters {
-            if let Some(stats) = &drafter.stats {
-                family.sample(
-                    &[
-                        ("drafter_id", &drafter.drafter_id),
-                        ("device", &stats.device),
-                    ],
-                    value(stats),
-                );
+    write_per_peer(out, drafters, &reported, |drafter| {
+        let stats = drafter.stats.as_ref()?;
+        let labels = vec![
+            ("drafter_id", drafter.drafter_id.as_str()),
+            ("device", stats.device.as_str()),
+        ];
+        Some((stats, labels))
+    });
+}
+
+/// One per-peer metric: its name suffix, help, kind and how to read its
+/// value from what `write_per_peer`'s view gives.
+type Series<V> = (&'static str, &'static str, MetricKind, fn(&V) -> f64);
+
+/// Writes one family per row of `table`, with a sample for each peer that
+/// `view` gives a value and labels for (a peer that reported nothing yet
+/// has no series).
+fn write_per_peer<'peer, P, V: 'peer>(
+    out: &mut Exposition,
+    peers: &'peer [P],
+    table: &[Series<V>],
+    view: impl Fn(&'peer P) -> Option<(&'peer V, Vec<(&'static str, &'peer str)>)>,
+) {
+    for (suffix, help, kind, value) in table {
+        let mut family = out.family(&name(suffix), help, *kind);
+        for peer in peers {
+            if let Some((subject, labels)) = view(peer) {
+                family.sample(&labels, value(subject));
             }
         }
     }

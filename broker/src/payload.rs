@@ -12,11 +12,15 @@
 //! boundary. [`WireItem::encode`] writes prost's encoding back, the data
 //! passed through.
 
+use dflash_proto::fields::{
+    ITEM_SAMPLE, ITEM_SEQ, ITEM_TRACE_CONTEXT, PRODUCE_REQUEST_HELLO, PRODUCE_REQUEST_ITEM,
+    PRODUCE_REQUEST_STATS, SAMPLE_TENSORS, TENSOR_DATA, TENSOR_DTYPE, TENSOR_NAME, TENSOR_SHAPE,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::{Buf, BytesMut};
-use dflash_proto::frames::{self, Pieces, Rope, LARGE_PAYLOAD_BYTES, SAMPLE_TENSORS};
+use dflash_proto::frames::{self, Pieces, Rope, LARGE_PAYLOAD_BYTES};
 use dflash_proto::tensor::TensorError;
 use dflash_proto::v1 as proto;
 use prost::encoding::{self, DecodeContext, WireType};
@@ -203,10 +207,6 @@ impl WireSample {
     }
 }
 
-const ITEM_SEQ: u32 = 1;
-const ITEM_SAMPLE: u32 = 2;
-const ITEM_TRACE_CONTEXT: u32 = 3;
-
 impl WireItem {
     /// Everything the broker keeps for this item, as `--max-queue-bytes`
     /// counts it: the sample's [`WireSample::held_bytes`], the trace
@@ -286,14 +286,21 @@ impl WireItem {
         Ok(())
     }
 
-    /// prost's encoding in one buffer (the write-ahead log's record).
-    pub fn encode_to_vec(&self) -> Result<Vec<u8>, Status> {
-        let length = self.encoded_len();
+    /// prost's encoding as pieces (the write-ahead log's record): small
+    /// fields in buffers, each large tensor slice shared, not copied.
+    pub fn encode_pieces(&self) -> Result<Vec<bytes::Bytes>, Status> {
         let mut pieces = Pieces::default();
-        pieces.buffer().reserve(length.min(LARGE_PAYLOAD_BYTES));
+        pieces
+            .buffer()
+            .reserve(self.encoded_len().min(LARGE_PAYLOAD_BYTES));
         self.encode(&mut pieces)?;
-        let mut out = Vec::with_capacity(length);
-        for piece in pieces.finish() {
+        Ok(pieces.finish())
+    }
+
+    /// prost's encoding in one buffer.
+    pub fn encode_to_vec(&self) -> Result<Vec<u8>, Status> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        for piece in self.encode_pieces()? {
             out.extend_from_slice(&piece);
         }
         Ok(out)
@@ -467,7 +474,7 @@ pub fn decode_produce_request(mut buf: Rope) -> Result<ProduceIn, DecodeFailure>
     while buf.has_remaining() {
         let (tag, wire_type) = encoding::decode_key(&mut buf)?;
         kind = match (tag, std::mem::replace(&mut kind, ProduceIn::Empty)) {
-            (1, earlier) => {
+            (PRODUCE_REQUEST_HELLO, earlier) => {
                 let mut hello = match earlier {
                     ProduceIn::Hello(hello) => hello,
                     _ => proto::ProducerHello::default(),
@@ -475,7 +482,7 @@ pub fn decode_produce_request(mut buf: Rope) -> Result<ProduceIn, DecodeFailure>
                 encoding::message::merge(wire_type, &mut hello, &mut buf, context.clone())?;
                 ProduceIn::Hello(hello)
             }
-            (2, earlier) => {
+            (PRODUCE_REQUEST_ITEM, earlier) => {
                 let mut item = match earlier {
                     ProduceIn::Item(item) => item,
                     _ => WireItem::default(),
@@ -486,7 +493,7 @@ pub fn decode_produce_request(mut buf: Rope) -> Result<ProduceIn, DecodeFailure>
                 )?;
                 ProduceIn::Item(item)
             }
-            (3, earlier) => {
+            (PRODUCE_REQUEST_STATS, earlier) => {
                 let mut stats = match earlier {
                     ProduceIn::Stats(stats) => stats,
                     _ => proto::ProducerStats::default(),
@@ -553,15 +560,19 @@ fn merge_tensor(mut buf: Rope, tensor: &mut WireTensor) -> Result<(), DecodeFail
     while buf.has_remaining() {
         let (tag, wire_type) = encoding::decode_key(&mut buf)?;
         match tag {
-            1 => encoding::string::merge(wire_type, &mut header.name, &mut buf, context.clone())?,
-            2 => encoding::int32::merge(wire_type, &mut header.dtype, &mut buf, context.clone())?,
-            3 => encoding::uint64::merge_repeated(
+            TENSOR_NAME => {
+                encoding::string::merge(wire_type, &mut header.name, &mut buf, context.clone())?
+            }
+            TENSOR_DTYPE => {
+                encoding::int32::merge(wire_type, &mut header.dtype, &mut buf, context.clone())?
+            }
+            TENSOR_SHAPE => encoding::uint64::merge_repeated(
                 wire_type,
                 &mut header.shape,
                 &mut buf,
                 context.clone(),
             )?,
-            frames::TENSOR_DATA => {
+            TENSOR_DATA => {
                 let data = delimited("Tensor.data", wire_type, &mut buf)?;
                 tensor.data = if data.len() < LARGE_PAYLOAD_BYTES && data.chunk_count() > 0 {
                     // A small payload is copied: its slice must not keep a

@@ -132,6 +132,9 @@ pub async fn serve_with_metrics(
     server_stop.cancel();
     let deadline = config.shutdown_timeout;
     drain_server(server, deadline).await;
+    // Every answer still waiting for the write-ahead log is sent, and the
+    // log synced, before the process can exit.
+    shared.close_log();
     background.ticker.abort();
     stop_center_writer(background.center_writer, deadline).await;
     save_center_on_shutdown(&shared, &model_sync, deadline).await;

@@ -17,23 +17,29 @@
 //! is written as a segment that starts with a `Reset`, and older segments
 //! are deleted. The broker compacts in the background
 //! ([`Wal::compact_in_background`]): appends move to a fresh segment at once
-//! and a thread writes the checkpoint, so the queue's lock is not held while
-//! up to the cap is written. On disk: one checkpoint (≤ the cap plus the
+//! and a thread writes the snapshot, so the queue's lock is not held while
+//! up to the cap is written. On disk: one snapshot (≤ the cap plus the
 //! target books) and at most `compact_above` of appends after it; while a
-//! compaction writes, also the new checkpoint: at most about 4x the cap.
+//! compaction writes, also the new snapshot: at most about 4x the cap.
 //!
 //! One broker per state dir: [`Wal::open`] takes an advisory lock on
 //! `lock` (`flock`, released by the kernel when the process exits, even on
 //! `kill -9`) and a second broker on the same directory refuses to start.
 //!
-//! fsync: `always` syncs after every operation that logged something, before
-//! its answers leave; `batch` (default) syncs at most every
-//! [`BATCH_SYNC_INTERVAL`] (a process crash loses nothing, since written data
-//! is in the page cache; a power loss loses at most that window); `never`
-//! leaves it to the OS (compaction still syncs).
+//! Appends and syncs run on the log's own thread ([`writer::LogWriter`]),
+//! off the queue's lock, with group commit; `--fsync` is applied there:
+//! `always` syncs each group before its answers leave; `batch` (default)
+//! syncs at most [`BATCH_SYNC_INTERVAL`] after a write (a process crash
+//! loses nothing, since written data is in the page cache; a power loss
+//! loses at most that window); `never` leaves it to the OS (compaction
+//! still syncs).
+//!
+//! An accepted item's record is written from the slices of the frames it
+//! arrived in (`DurablePayload::encode_payload` returns shared pieces), so
+//! the log copies no payload bytes on the way to the kernel.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{Seek, SeekFrom, Write};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -43,6 +49,7 @@ use clap::ValueEnum;
 use crate::queue::{JournalEntry, Payload, Recovered};
 
 mod record;
+pub mod writer;
 use record::write_frame;
 
 /// The longest `batch` leaves written records unsynced.
@@ -66,9 +73,16 @@ pub enum FsyncPolicy {
     Always,
 }
 
+/// Bytes of the segment's write buffer: records smaller than this are
+/// coalesced into one write; larger pieces (tensor data) go straight to the
+/// file.
+const WRITE_BUFFER_BYTES: usize = 256 << 10;
+
 /// A payload the log can store.
 pub trait DurablePayload: Payload + Sized {
-    fn encode_payload(&self) -> Vec<u8>;
+    /// The payload's encoding as pieces written one after another; large
+    /// pieces are shared with the payload, not copied.
+    fn encode_payload(&self) -> Vec<bytes::Bytes>;
     fn decode_payload(bytes: &[u8]) -> Result<Self, String>;
 }
 
@@ -100,17 +114,15 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> WalError + '_ {
 /// The open log: appends go to the newest segment.
 pub struct Wal<P> {
     dir: PathBuf,
-    fsync: FsyncPolicy,
     segment_index: u64,
     segment_path: PathBuf,
-    segment: File,
+    segment: BufWriter<File>,
     /// Bytes in the newest segment.
     segment_bytes: u64,
     compact_above: u64,
-    last_sync: Instant,
     /// Written since the last sync.
     dirty: bool,
-    /// A compaction writing its checkpoint on its own thread, off the
+    /// A compaction writing its snapshot on its own thread, off the
     /// queue's lock ([`Wal::compact_in_background`]).
     compaction: Option<std::thread::JoinHandle<Result<u64, WalError>>>,
     /// The state dir's lock, held for as long as this log is open.
@@ -134,13 +146,12 @@ impl<P: DurablePayload> Wal<P> {
     /// replays its log.
     pub fn open(
         dir: &Path,
-        fsync: FsyncPolicy,
         max_queue_bytes: u64,
         new_run_id: impl FnOnce() -> String,
     ) -> Result<Opened<P>, WalError> {
         fs::create_dir_all(dir).map_err(io_error(dir))?;
         let lock = lock_state_dir(dir)?;
-        remove_unfinished_checkpoints(dir)?;
+        remove_unfinished_snapshots(dir)?;
         let run_id = read_or_create_run_id(dir, new_run_id)?;
         let mut segments = list_segments(dir)?;
         segments.sort();
@@ -165,13 +176,11 @@ impl<P: DurablePayload> Wal<P> {
         Ok(Opened {
             wal: Wal {
                 dir: dir.to_path_buf(),
-                fsync,
                 segment_index,
                 segment_path,
-                segment,
+                segment: BufWriter::with_capacity(WRITE_BUFFER_BYTES, segment),
                 segment_bytes,
                 compact_above: max_queue_bytes.saturating_mul(2).max(MIN_COMPACT_ABOVE),
-                last_sync: Instant::now(),
                 dirty: false,
                 compaction: None,
                 _lock: lock,
@@ -184,52 +193,37 @@ impl<P: DurablePayload> Wal<P> {
         })
     }
 
-    /// Appends entries (one write per frame) and syncs per the policy.
+    /// Appends entries to the segment's write buffer (large pieces go
+    /// straight to the file). Nothing is synced: [`Wal::flush`] hands the
+    /// buffer to the kernel, [`Wal::sync`] to stable storage; the writer
+    /// thread calls them as `--fsync` says.
     pub fn append(&mut self, entries: &[JournalEntry<P>]) -> Result<(), WalError> {
-        if entries.is_empty() {
-            return Ok(());
-        }
         for entry in entries {
             let written =
                 write_frame(&mut self.segment, entry).map_err(io_error(&self.segment_path))?;
             self.segment_bytes += written;
-        }
-        self.dirty = true;
-        match self.fsync {
-            FsyncPolicy::Always => self.sync()?,
-            FsyncPolicy::Batch => self.sync_if_due(Instant::now())?,
-            FsyncPolicy::Never => {}
+            self.dirty = true;
         }
         Ok(())
     }
 
-    /// Syncs when `batch` is due (the broker's ticker calls this too).
-    pub fn sync_if_due(&mut self, now: Instant) -> Result<(), WalError> {
-        if self.fsync == FsyncPolicy::Batch
-            && self.dirty
-            && now.saturating_duration_since(self.last_sync) >= BATCH_SYNC_INTERVAL
-        {
-            self.sync()?;
-        }
-        Ok(())
+    /// Hands buffered records to the kernel (a process crash then loses
+    /// nothing).
+    pub fn flush(&mut self) -> Result<(), WalError> {
+        self.segment.flush().map_err(io_error(&self.segment_path))
     }
 
+    /// Flushes and syncs the segment's data to stable storage.
     pub fn sync(&mut self) -> Result<(), WalError> {
+        self.flush()?;
         if self.dirty {
             self.segment
+                .get_ref()
                 .sync_data()
                 .map_err(io_error(&self.segment_path))?;
             self.dirty = false;
         }
-        self.last_sync = Instant::now();
         Ok(())
-    }
-
-    /// When [`Wal::sync_if_due`] next has work: with `batch` and records
-    /// written since the last sync, one interval after that sync; else never.
-    pub fn sync_due(&self) -> Option<Instant> {
-        (self.fsync == FsyncPolicy::Batch && self.dirty)
-            .then(|| self.last_sync + BATCH_SYNC_INTERVAL)
     }
 
     /// Bytes in the newest segment.
@@ -241,26 +235,26 @@ impl<P: DurablePayload> Wal<P> {
         self.segment_bytes > self.compact_above
     }
 
-    /// Replaces the log with `checkpoint` (the queue's whole state, starting
+    /// Replaces the log with `snapshot` (the queue's whole state, starting
     /// with `Reset`) and waits for it: written to a temporary file, synced,
     /// renamed to the next segment, then older segments are deleted. A crash
     /// at any point leaves a log that replays to the same state.
-    pub fn compact(&mut self, checkpoint: &[JournalEntry<P>]) -> Result<(), WalError> {
+    pub fn compact(&mut self, snapshot: &[JournalEntry<P>]) -> Result<(), WalError> {
         self.wait_for_compaction()?;
+        self.flush()?;
         let next_index = self.segment_index + 1;
-        let bytes = write_checkpoint_segment(&self.dir, next_index, checkpoint)?;
+        let bytes = write_snapshot_segment(&self.dir, next_index, snapshot)?;
         let next_path = segment_path(&self.dir, next_index);
         let segment = OpenOptions::new()
             .append(true)
             .open(&next_path)
             .map_err(io_error(&next_path))?;
         let before = self.segment_bytes;
-        self.segment = segment;
+        self.segment = BufWriter::with_capacity(WRITE_BUFFER_BYTES, segment);
         self.segment_index = next_index;
         self.segment_path = next_path;
         self.segment_bytes = bytes;
         self.dirty = false;
-        self.last_sync = Instant::now();
         delete_segments_below(&self.dir, next_index)?;
         tracing::info!(before, after = bytes, "write-ahead log compacted");
         Ok(())
@@ -273,20 +267,17 @@ impl<P: DurablePayload> Wal<P> {
     }
 
     /// Compaction without holding the caller (the broker's queue lock)
-    /// while the checkpoint is written: the appends move at once to a fresh
-    /// segment two indexes on (N+2), and a thread writes `checkpoint` as
+    /// while the snapshot is written: the appends move at once to a fresh
+    /// segment two indexes on (N+2), and a thread writes `snapshot` as
     /// segment N+1 (temporary file, sync, rename) and then deletes N and
     /// older. Replay reads segments in index order, so at every moment the
     /// directory replays to the same state: N then N+2 before the rename,
-    /// N, the checkpoint (which starts with `Reset`) and N+2 after it, the
-    /// checkpoint and N+2 at the end. What the caller pays: building the
+    /// N, the snapshot (which starts with `Reset`) and N+2 after it, the
+    /// snapshot and N+2 at the end. What the caller pays: building the
     /// entry list (reference-counted payloads, no copy), a sync of N and
     /// opening the new segment. Does nothing while an earlier compaction
     /// is still writing.
-    pub fn compact_in_background(
-        &mut self,
-        checkpoint: Vec<JournalEntry<P>>,
-    ) -> Result<(), WalError>
+    pub fn compact_in_background(&mut self, snapshot: Vec<JournalEntry<P>>) -> Result<(), WalError>
     where
         P: Send + 'static,
     {
@@ -295,7 +286,7 @@ impl<P: DurablePayload> Wal<P> {
         }
         // N complete on disk before the appends move on.
         self.sync()?;
-        let checkpoint_index = self.segment_index + 1;
+        let snapshot_index = self.segment_index + 1;
         let append_index = self.segment_index + 2;
         let append_path = segment_path(&self.dir, append_index);
         let segment = OpenOptions::new()
@@ -305,7 +296,7 @@ impl<P: DurablePayload> Wal<P> {
             .map_err(io_error(&append_path))?;
         sync_dir(&self.dir)?;
         let before = self.segment_bytes;
-        self.segment = segment;
+        self.segment = BufWriter::with_capacity(WRITE_BUFFER_BYTES, segment);
         self.segment_index = append_index;
         self.segment_path = append_path;
         self.segment_bytes = 0;
@@ -314,8 +305,8 @@ impl<P: DurablePayload> Wal<P> {
             .name("wal-compaction".to_string())
             .spawn(move || {
                 let started = Instant::now();
-                let bytes = write_checkpoint_segment(&dir, checkpoint_index, &checkpoint)?;
-                delete_segments_below(&dir, checkpoint_index)?;
+                let bytes = write_snapshot_segment(&dir, snapshot_index, &snapshot)?;
+                delete_segments_below(&dir, snapshot_index)?;
                 tracing::info!(
                     before,
                     after = bytes,
@@ -370,19 +361,19 @@ impl<P> Drop for Wal<P> {
     }
 }
 
-/// Writes `checkpoint` as segment `index`: a temporary file, synced, then
+/// Writes `snapshot` as segment `index`: a temporary file, synced, then
 /// renamed into place and the directory synced. The bytes written.
-fn write_checkpoint_segment<P: DurablePayload>(
+fn write_snapshot_segment<P: DurablePayload>(
     dir: &Path,
     index: u64,
-    checkpoint: &[JournalEntry<P>],
+    snapshot: &[JournalEntry<P>],
 ) -> Result<u64, WalError> {
     let path = segment_path(dir, index);
     let temporary = dir.join(format!("segment-{index:016}.tmp"));
     let file = File::create(&temporary).map_err(io_error(&temporary))?;
     let mut writer = std::io::BufWriter::with_capacity(1 << 20, file);
     let mut bytes = 0;
-    for entry in checkpoint {
+    for entry in snapshot {
         bytes += write_frame(&mut writer, entry).map_err(io_error(&temporary))?;
     }
     let file = writer
@@ -396,9 +387,9 @@ fn write_checkpoint_segment<P: DurablePayload>(
     Ok(bytes)
 }
 
-/// Deletes checkpoints a crash left half written (`segment-*.tmp`): replay
+/// Deletes snapshots a crash left half written (`segment-*.tmp`): replay
 /// never reads them, and the log before them is complete.
-fn remove_unfinished_checkpoints(dir: &Path) -> Result<(), WalError> {
+fn remove_unfinished_snapshots(dir: &Path) -> Result<(), WalError> {
     for entry in fs::read_dir(dir).map_err(io_error(dir))? {
         let path = entry.map_err(io_error(dir))?.path();
         let unfinished = path

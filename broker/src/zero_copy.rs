@@ -23,6 +23,10 @@
 //! to the generated server unchanged.
 
 use crate::roles::Principal;
+use dflash_proto::fields::{
+    CONSUME_RESPONSE_DELIVERY, DELIVERY_COUNT, DELIVERY_ID, DELIVERY_SAMPLE, DELIVERY_SEQ,
+    DELIVERY_TARGET_ID, DELIVERY_TRACE_CONTEXT,
+};
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -57,15 +61,6 @@ pub fn grpc_frame(message: ConsumeOut) -> Result<Vec<Bytes>, Status> {
         ConsumeOut::Message(message) => Ok(vec![Pieces::whole(&message)?]),
     }
 }
-
-// Field numbers of `ConsumeResponse.delivery` and `Delivery`.
-const CONSUME_RESPONSE_DELIVERY: u32 = 2;
-const DELIVERY_ID: u32 = 1;
-const DELIVERY_TARGET_ID: u32 = 2;
-const DELIVERY_SEQ: u32 = 3;
-const DELIVERY_SAMPLE: u32 = 4;
-const DELIVERY_COUNT: u32 = 5;
-const DELIVERY_TRACE_CONTEXT: u32 = 6;
 
 /// prost's encoding of `ConsumeResponse { delivery }`, written field by
 /// field in field-number order, leaving out proto3 defaults as prost does.

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use dflash_broker::queue::{JournalEntry, Payload, Queue, QueueConfig, Recovered};
-use dflash_broker::wal::{DurablePayload, FsyncPolicy, Wal, WalError};
+use dflash_broker::wal::{DurablePayload, Wal, WalError};
 
 #[derive(Debug, Clone, PartialEq)]
 struct Blob(Vec<u8>);
@@ -18,8 +18,13 @@ impl Payload for Blob {
 }
 
 impl DurablePayload for Blob {
-    fn encode_payload(&self) -> Vec<u8> {
-        self.0.clone()
+    fn encode_payload(&self) -> Vec<bytes::Bytes> {
+        // Two pieces, so the record framing is checked across pieces.
+        let middle = self.0.len() / 2;
+        vec![
+            bytes::Bytes::copy_from_slice(&self.0[..middle]),
+            bytes::Bytes::copy_from_slice(&self.0[middle..]),
+        ]
     }
 
     fn decode_payload(bytes: &[u8]) -> Result<Self, String> {
@@ -43,7 +48,7 @@ fn acked(target: &str, seq: u64) -> JournalEntry<Blob> {
 }
 
 fn open(dir: &std::path::Path) -> dflash_broker::wal::Opened<Blob> {
-    Wal::<Blob>::open(dir, FsyncPolicy::Always, 1 << 20, || "run-test".to_string()).unwrap()
+    Wal::<Blob>::open(dir, 1 << 20, || "run-test".to_string()).unwrap()
 }
 
 /// A queue of one target holding at most `max_queue_bytes`, with the
@@ -97,7 +102,7 @@ fn replay_returns_unacked_items_and_the_same_run_id() {
         ])
         .unwrap();
     drop(opened);
-    let reopened = Wal::<Blob>::open(dir.path(), FsyncPolicy::Batch, 1 << 20, || {
+    let reopened = Wal::<Blob>::open(dir.path(), 1 << 20, || {
         panic!("the run id must be read back, not made anew")
     })
     .unwrap();
@@ -160,12 +165,12 @@ fn corruption_before_the_tail_is_refused_with_its_place() {
     let mut opened = open(dir.path());
     opened.wal.append(&[accepted("target-0", 0, 64)]).unwrap();
     // Compaction starts a second segment, so the first is no longer the tail.
-    let checkpoint = vec![
+    let snapshot = vec![
         JournalEntry::Reset,
         accepted("target-0", 0, 64),
-        JournalEntry::CheckpointEnd,
+        JournalEntry::SnapshotEnd,
     ];
-    opened.wal.compact(&checkpoint).unwrap();
+    opened.wal.compact(&snapshot).unwrap();
     opened.wal.append(&[accepted("target-0", 1, 64)]).unwrap();
     drop(opened);
     let files = segments(dir.path());
@@ -176,7 +181,7 @@ fn corruption_before_the_tail_is_refused_with_its_place() {
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
     std::fs::write(&older, &bytes).unwrap();
-    match Wal::<Blob>::open(dir.path(), FsyncPolicy::Always, 1 << 20, || "x".to_string()) {
+    match Wal::<Blob>::open(dir.path(), 1 << 20, || "x".to_string()) {
         Err(WalError::Corrupt { path, detail, .. }) => {
             assert_eq!(path, older);
             assert!(detail.contains("CRC"), "{detail}");
@@ -192,10 +197,8 @@ fn compaction_keeps_the_log_bounded_and_the_state_equal() {
     let max_queue_bytes = 1 << 20;
     let config = one_target_config(max_queue_bytes);
     let now = std::time::Instant::now();
-    let mut opened = Wal::<Blob>::open(dir.path(), FsyncPolicy::Never, max_queue_bytes, || {
-        "run-compact".to_string()
-    })
-    .unwrap();
+    let mut opened =
+        Wal::<Blob>::open(dir.path(), max_queue_bytes, || "run-compact".to_string()).unwrap();
     let mut queue = Queue::recover(config.clone(), Recovered::default(), now);
     let producer = queue.open_producer("target-0", now).unwrap();
     let drafter = queue
@@ -226,7 +229,7 @@ fn compaction_keeps_the_log_bounded_and_the_state_equal() {
         queue.ack(drafter, &deliveries, now);
         opened.wal.append(&queue.take_journal()).unwrap();
         if opened.wal.needs_compaction() {
-            opened.wal.compact(&queue.checkpoint_entries()).unwrap();
+            opened.wal.compact(&queue.snapshot_entries()).unwrap();
             compactions += 1;
         }
         largest = largest.max(opened.wal.log_bytes());
@@ -256,7 +259,7 @@ fn compaction_keeps_the_log_bounded_and_the_state_equal() {
 fn a_second_open_of_a_locked_state_dir_is_refused_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let first = open(dir.path());
-    let refused = Wal::<Blob>::open(dir.path(), FsyncPolicy::Always, 1 << 20, || {
+    let refused = Wal::<Blob>::open(dir.path(), 1 << 20, || {
         panic!("a refused open must not make a run id")
     });
     let error = match refused {
@@ -312,10 +315,7 @@ fn log_at_the_cap(
     let max_queue_bytes = items * item_bytes as u64;
     let config = one_target_config(max_queue_bytes);
     let now = std::time::Instant::now();
-    let mut opened = Wal::<Blob>::open(dir, FsyncPolicy::Batch, max_queue_bytes, || {
-        "run-cap".to_string()
-    })
-    .unwrap();
+    let mut opened = Wal::<Blob>::open(dir, max_queue_bytes, || "run-cap".to_string()).unwrap();
     let mut queue = Queue::recover(config, Recovered::default(), now);
     let producer = queue.open_producer("target-0", now).unwrap();
     for seq in 0..items {
@@ -335,10 +335,10 @@ fn log_at_the_cap(
 
 /// Compaction at the cap (64 MiB: four 16 MiB items) done both ways. The
 /// broker calls it under its queue lock: the synchronous form holds the
-/// caller for the whole checkpoint write and sync, the background form only
+/// caller for the whole snapshot write and sync, the background form only
 /// for a sync and a new segment (both durations are printed; run with
 /// `--nocapture`). Either way the log replays to the same state, including
-/// what was appended while the checkpoint was being written.
+/// what was appended while the snapshot was being written.
 #[test]
 fn background_compaction_keeps_every_entry_and_frees_the_caller() {
     const ITEMS: u64 = 4;
@@ -347,15 +347,15 @@ fn background_compaction_keeps_every_entry_and_frees_the_caller() {
     for background in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let (mut opened, queue) = log_at_the_cap(dir.path(), ITEMS, ITEM_BYTES);
-        let checkpoint = queue.checkpoint_entries();
+        let snapshot = queue.snapshot_entries();
         let started = std::time::Instant::now();
         if background {
-            opened.wal.compact_in_background(checkpoint).unwrap();
+            opened.wal.compact_in_background(snapshot).unwrap();
         } else {
-            opened.wal.compact(&checkpoint).unwrap();
+            opened.wal.compact(&snapshot).unwrap();
         }
         held_for.push(started.elapsed());
-        // Appended while (maybe) the checkpoint is still being written.
+        // Appended while (maybe) the snapshot is still being written.
         opened
             .wal
             .append(&[acked("target-0", 1), accepted("target-0", ITEMS, 64)])
@@ -369,11 +369,9 @@ fn background_compaction_keeps_every_entry_and_frees_the_caller() {
             "older segments deleted: {:?}",
             segments(dir.path())
         );
-        let recovered = Wal::<Blob>::open(dir.path(), FsyncPolicy::Batch, 1 << 20, || {
-            panic!("the run id is kept")
-        })
-        .unwrap()
-        .recovered;
+        let recovered = Wal::<Blob>::open(dir.path(), 1 << 20, || panic!("the run id is kept"))
+            .unwrap()
+            .recovered;
         let items: Vec<(u64, usize)> = recovered
             .items()
             .map(|(_, seq, blob)| (*seq, blob.0.len()))
@@ -392,45 +390,9 @@ fn background_compaction_keeps_every_entry_and_frees_the_caller() {
         assert_eq!(recovered.targets["target-0"].accepted_items, ITEMS + 1);
     }
     eprintln!(
-        "compaction of a {} MiB checkpoint: caller held {:.1} ms synchronously, {:.1} ms in the background form",
+        "compaction of a {} MiB snapshot: caller held {:.1} ms synchronously, {:.1} ms in the background form",
         (ITEMS * ITEM_BYTES as u64) >> 20,
         held_for[0].as_secs_f64() * 1e3,
         held_for[1].as_secs_f64() * 1e3
     );
-}
-
-/// The broker's ticker sleeps until `sync_due` (it has no periodic wake),
-/// so under `batch` a log with unsynced records must name when its sync is
-/// due, and a synced log, or one under `always` or `never`, must not.
-#[test]
-fn only_a_batch_log_with_unsynced_records_has_a_sync_due() {
-    use dflash_broker::wal::BATCH_SYNC_INTERVAL;
-    use std::time::Instant;
-    for policy in [FsyncPolicy::Batch, FsyncPolicy::Always, FsyncPolicy::Never] {
-        let dir = tempfile::tempdir().unwrap();
-        let mut wal = Wal::<Blob>::open(dir.path(), policy, 1 << 20, || "run-test".to_string())
-            .unwrap()
-            .wal;
-        assert_eq!(wal.sync_due(), None, "{policy:?}: nothing written yet");
-        wal.sync().unwrap();
-        let synced_at = Instant::now();
-        wal.append(&[accepted("target-0", 0, 10)]).unwrap();
-        let appended_at = Instant::now();
-        match (policy, wal.sync_due()) {
-            // Due one interval after the last sync: no later than one
-            // interval after `synced_at`, which the sync preceded.
-            (FsyncPolicy::Batch, Some(due)) => {
-                assert!(due <= synced_at + BATCH_SYNC_INTERVAL, "{due:?}")
-            }
-            // The append itself synced, which it does only once the
-            // interval since the last sync had passed.
-            (FsyncPolicy::Batch, None) => assert!(
-                appended_at.duration_since(synced_at) >= BATCH_SYNC_INTERVAL,
-                "batch: unsynced records without a due time"
-            ),
-            (_, due) => assert_eq!(due, None, "{policy:?} has no batched sync"),
-        }
-        wal.sync().unwrap();
-        assert_eq!(wal.sync_due(), None, "{policy:?}: synced");
-    }
 }

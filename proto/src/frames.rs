@@ -18,6 +18,7 @@
 //! into small buffers and passes each large payload through as its own
 //! chunk, so h2 writes the payload from where it already is.
 
+use crate::fields::TENSOR_DATA;
 use std::collections::VecDeque;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -485,11 +486,6 @@ pub fn tensor_len(header: &proto::Tensor, data_bytes: usize) -> usize {
             delimited_len(TENSOR_DATA, data_bytes)
         }
 }
-
-/// `Tensor.data`'s field number.
-pub const TENSOR_DATA: u32 = 4;
-/// `Sample.tensors`' field number.
-pub const SAMPLE_TENSORS: u32 = 1;
 
 /// Writes one tensor as field `tag` of the enclosing message: its header
 /// fields (`header.data` must be empty) through prost, then its data from

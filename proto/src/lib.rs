@@ -14,6 +14,8 @@
 //!   of a payload on either side.
 //! - `credentials`: the bearer token and PEM files, read the same way by
 //!   the broker and every client.
+//! - `fields`: the field numbers the zero-copy encoders and decoders use,
+//!   checked against the proto files.
 //! - `json`: enum names for the JSON form of status snapshots.
 //! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
 //! - `sample`: the DFlash sample schema (tensor names, dtypes, shapes): one
@@ -31,6 +33,7 @@ pub mod v1 {
 
 pub mod codec;
 pub mod credentials;
+pub mod fields;
 pub mod frames;
 pub mod json;
 pub mod sample;

@@ -13,7 +13,7 @@
 //! broker restarts in between.
 //!
 //! [`Recovered`] folds entries back (no I/O, so the property tests replay
-//! logs at random points), and [`Queue::checkpoint_entries`] writes the whole
+//! logs at random points), and [`Queue::snapshot_entries`] writes the whole
 //! state as a short stream, which compaction puts in place of a long log.
 
 use super::*;
@@ -21,10 +21,10 @@ use super::*;
 /// One change the write-ahead log keeps.
 #[derive(Debug, Clone, PartialEq)]
 pub enum JournalEntry<P> {
-    /// Forget everything folded so far: a checkpoint follows, up to
-    /// `CheckpointEnd`.
+    /// Forget everything folded so far: a snapshot follows, up to
+    /// `SnapshotEnd`.
     Reset,
-    CheckpointEnd,
+    SnapshotEnd,
     Accepted {
         target_id: Arc<str>,
         seq: u64,
@@ -35,7 +35,7 @@ pub enum JournalEntry<P> {
         seq: u64,
     },
     /// The item was delivered; `deliveries` is its count now (absolute, so
-    /// a checkpoint restates it with one entry).
+    /// a snapshot restates it with one entry).
     Delivered {
         target_id: Arc<str>,
         seq: u64,
@@ -61,20 +61,20 @@ pub enum JournalEntry<P> {
     Aborted {
         reason: String,
     },
-    /// A target's books at a checkpoint (its items follow as `Accepted`
+    /// A target's books at a snapshot (its items follow as `Accepted`
     /// entries, which do not count again).
-    TargetCheckpoint(TargetBooks),
-    /// The run's counters at a checkpoint.
-    CountersCheckpoint {
+    SnapshotTarget(TargetBooks),
+    /// The run's counters at a snapshot.
+    SnapshotCounters {
         acked_items: u64,
         acked_bytes: u64,
         dead_letter_count: u64,
     },
-    /// A listed dead letter at a checkpoint (status shows them).
-    DeadLetterCheckpoint(DeadLetter),
+    /// A listed dead letter at a snapshot (status shows them).
+    SnapshotDeadLetter(DeadLetter),
 }
 
-/// A target's books, as a checkpoint restates them.
+/// A target's books, as a snapshot restates them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TargetBooks {
     pub target_id: Arc<str>,
@@ -139,9 +139,9 @@ pub struct Recovered<P> {
     pub dead_letters: Vec<DeadLetter>,
     pub dead_letter_count: u64,
     pub aborted: Option<String>,
-    /// Inside a checkpoint, `Accepted` entries restore items without
-    /// counting them again (their target checkpoint counted them).
-    in_checkpoint: bool,
+    /// Inside a snapshot, `Accepted` entries restore items without
+    /// counting them again (their target snapshot counted them).
+    in_snapshot: bool,
 }
 
 impl<P> Default for Recovered<P> {
@@ -157,7 +157,7 @@ impl<P> Default for Recovered<P> {
             dead_letters: Vec::new(),
             dead_letter_count: 0,
             aborted: None,
-            in_checkpoint: false,
+            in_snapshot: false,
         }
     }
 }
@@ -177,10 +177,10 @@ impl<P: Payload> Recovered<P> {
             .unwrap_or(0)
     }
 
-    /// An accepted item is held again; outside a checkpoint it also counts
+    /// An accepted item is held again; outside a snapshot it also counts
     /// for its target (once: a seq seen before is a duplicate).
     fn apply_accepted(&mut self, target_id: Arc<str>, seq: u64, payload: P) {
-        if !self.in_checkpoint {
+        if !self.in_snapshot {
             let target = self.targets.entry(target_id.clone()).or_default();
             if target.accepted_seqs.contains(seq) {
                 return;
@@ -210,11 +210,11 @@ impl<P: Payload> Recovered<P> {
         match entry {
             JournalEntry::Reset => {
                 *self = Recovered {
-                    in_checkpoint: true,
+                    in_snapshot: true,
                     ..Recovered::default()
                 }
             }
-            JournalEntry::CheckpointEnd => self.in_checkpoint = false,
+            JournalEntry::SnapshotEnd => self.in_snapshot = false,
             JournalEntry::Accepted {
                 target_id,
                 seq,
@@ -267,11 +267,11 @@ impl<P: Payload> Recovered<P> {
             JournalEntry::Aborted { reason } => {
                 self.aborted = Some(reason);
             }
-            JournalEntry::TargetCheckpoint(books) => {
+            JournalEntry::SnapshotTarget(books) => {
                 self.targets
                     .insert(books.target_id.clone(), RecoveredTarget::from(books));
             }
-            JournalEntry::CountersCheckpoint {
+            JournalEntry::SnapshotCounters {
                 acked_items,
                 acked_bytes,
                 dead_letter_count,
@@ -280,7 +280,7 @@ impl<P: Payload> Recovered<P> {
                 self.acked_bytes = acked_bytes;
                 self.dead_letter_count = dead_letter_count;
             }
-            JournalEntry::DeadLetterCheckpoint(dead_letter) => self.dead_letters.push(dead_letter),
+            JournalEntry::SnapshotDeadLetter(dead_letter) => self.dead_letters.push(dead_letter),
         }
     }
 }
@@ -370,10 +370,10 @@ impl<P: Payload> Queue<P> {
 
     /// The whole durable state as a short stream (starting with `Reset`):
     /// what compaction writes in place of the log so far.
-    pub fn checkpoint_entries(&self) -> Vec<JournalEntry<P>> {
+    pub fn snapshot_entries(&self) -> Vec<JournalEntry<P>> {
         let mut entries = vec![JournalEntry::Reset];
         for entry in self.targets.values() {
-            entries.push(JournalEntry::TargetCheckpoint(TargetBooks {
+            entries.push(JournalEntry::SnapshotTarget(TargetBooks {
                 target_id: entry.target_id.clone(),
                 epoch: entry.epoch,
                 accepted_items: entry.accepted_items,
@@ -391,7 +391,7 @@ impl<P: Payload> Queue<P> {
                 },
             }));
         }
-        entries.push(JournalEntry::CountersCheckpoint {
+        entries.push(JournalEntry::SnapshotCounters {
             acked_items: self.acked_items,
             acked_bytes: self.acked_bytes,
             dead_letter_count: self.dead_letter_count,
@@ -400,7 +400,7 @@ impl<P: Payload> Queue<P> {
             self.dead_letters
                 .iter()
                 .cloned()
-                .map(JournalEntry::DeadLetterCheckpoint),
+                .map(JournalEntry::SnapshotDeadLetter),
         );
         let mut held: Vec<ItemId> = self.items.keys().copied().collect();
         held.sort_unstable();
@@ -420,7 +420,7 @@ impl<P: Payload> Queue<P> {
                 }
             }
         }
-        entries.push(JournalEntry::CheckpointEnd);
+        entries.push(JournalEntry::SnapshotEnd);
         if self.state == BrokerState::Aborted {
             entries.push(JournalEntry::Aborted {
                 reason: self.abort_reason.clone(),

@@ -56,7 +56,7 @@ enum Op {
     /// The broker restarts: the queue is dropped and rebuilt from the log;
     /// every stream is gone.
     Restart,
-    /// The log is replaced by the queue's checkpoint.
+    /// The log is replaced by the queue's snapshot.
     Compact,
 }
 
@@ -460,7 +460,7 @@ impl World {
             }
             Op::Compact => {
                 if self.log.is_some() {
-                    self.log = Some(self.queue.checkpoint_entries());
+                    self.log = Some(self.queue.snapshot_entries());
                 }
             }
         }

@@ -845,10 +845,10 @@ fn delivery_counts_survive_a_restart_and_still_dead_letter() {
     let drafter = queue.open_consumer("d", credit(1), now).unwrap();
     assert_eq!(delivery_counts(&queue.take_effects()), vec![(0, 3)]);
     journal.extend(queue.take_journal());
-    // The count also survives a compaction (checkpoint) of the log: a
+    // The count also survives a compaction (snapshot) of the log: a
     // restart from it delivers the item a fourth time (a lease lost in a
     // crash is not a return; the next return dead-letters it).
-    let mut compacted = recovered_from(queue.checkpoint_entries(), now);
+    let mut compacted = recovered_from(queue.snapshot_entries(), now);
     compacted.open_consumer("e", credit(1), now).unwrap();
     assert_eq!(delivery_counts(&compacted.take_effects()), vec![(0, 4)]);
     queue.close_consumer(drafter, now);

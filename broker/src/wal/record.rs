@@ -16,7 +16,7 @@ pub(super) const HEADER_BYTES: u64 = 8;
 const MAX_FRAME_BYTES: u64 = 1 << 34;
 
 const KIND_RESET: u8 = 1;
-const KIND_CHECKPOINT_END: u8 = 2;
+const KIND_SNAPSHOT_END: u8 = 2;
 const KIND_ACCEPTED: u8 = 3;
 const KIND_ACKED: u8 = 4;
 const KIND_DEAD_LETTERED: u8 = 5;
@@ -24,9 +24,9 @@ const KIND_EPOCH: u8 = 6;
 const KIND_DONE: u8 = 7;
 const KIND_TARGET_FAILED: u8 = 8;
 const KIND_ABORTED: u8 = 9;
-const KIND_TARGET_CHECKPOINT: u8 = 10;
-const KIND_COUNTERS_CHECKPOINT: u8 = 11;
-const KIND_DEAD_LETTER_CHECKPOINT: u8 = 12;
+const KIND_SNAPSHOT_TARGET: u8 = 10;
+const KIND_SNAPSHOT_COUNTERS: u8 = 11;
+const KIND_SNAPSHOT_DEAD_LETTER: u8 = 12;
 const KIND_DELIVERED: u8 = 13;
 
 /// Writes one frame; the bytes written.
@@ -35,10 +35,11 @@ pub(super) fn write_frame<P: DurablePayload>(
     entry: &JournalEntry<P>,
 ) -> std::io::Result<u64> {
     let mut body = Encoder(Vec::with_capacity(64));
-    // The payload of an accepted item is written after the small fields
-    // without another copy into `body`.
+    // The payload of an accepted item is written after the small fields,
+    // piece by piece, without another copy into `body`.
     let payload = encode_entry(entry, &mut body).unwrap_or_default();
-    let body_length = body.0.len() + payload.len();
+    let payload_length: usize = payload.iter().map(|piece| piece.len()).sum();
+    let body_length = body.0.len() + payload_length;
     let body_length_u32 = u32::try_from(body_length).map_err(|_| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
@@ -47,13 +48,17 @@ pub(super) fn write_frame<P: DurablePayload>(
     })?;
     let mut crc = crc32fast::Hasher::new();
     crc.update(&body.0);
-    crc.update(&payload);
+    for piece in &payload {
+        crc.update(piece);
+    }
     let mut header = [0u8; HEADER_BYTES as usize];
     header[..4].copy_from_slice(&body_length_u32.to_le_bytes());
     header[4..].copy_from_slice(&crc.finalize().to_le_bytes());
     out.write_all(&header)?;
     out.write_all(&body.0)?;
-    out.write_all(&payload)?;
+    for piece in &payload {
+        out.write_all(piece)?;
+    }
     Ok(HEADER_BYTES + body_length as u64)
 }
 
@@ -116,11 +121,15 @@ impl Encoder {
 }
 
 /// Encodes `entry` into `body`; an accepted item's payload is returned
-/// instead, to be written after `body` (its length is in `body`).
-fn encode_entry<P: DurablePayload>(entry: &JournalEntry<P>, body: &mut Encoder) -> Option<Vec<u8>> {
+/// instead (as its pieces), to be written after `body` (its length is in
+/// `body`).
+fn encode_entry<P: DurablePayload>(
+    entry: &JournalEntry<P>,
+    body: &mut Encoder,
+) -> Option<Vec<bytes::Bytes>> {
     match entry {
         JournalEntry::Reset => body.u8(KIND_RESET),
-        JournalEntry::CheckpointEnd => body.u8(KIND_CHECKPOINT_END),
+        JournalEntry::SnapshotEnd => body.u8(KIND_SNAPSHOT_END),
         JournalEntry::Accepted {
             target_id,
             seq,
@@ -128,7 +137,8 @@ fn encode_entry<P: DurablePayload>(entry: &JournalEntry<P>, body: &mut Encoder) 
         } => {
             body.item(KIND_ACCEPTED, target_id, *seq);
             let encoded = payload.encode_payload();
-            body.u64(encoded.len() as u64);
+            let length: usize = encoded.iter().map(|piece| piece.len()).sum();
+            body.u64(length as u64);
             return Some(encoded);
         }
         JournalEntry::Acked { target_id, seq } => body.item(KIND_ACKED, target_id, *seq),
@@ -162,20 +172,20 @@ fn encode_entry<P: DurablePayload>(entry: &JournalEntry<P>, body: &mut Encoder) 
             body.u8(KIND_ABORTED);
             body.str(reason);
         }
-        JournalEntry::TargetCheckpoint(books) => encode_target_books(books, body),
-        JournalEntry::CountersCheckpoint {
+        JournalEntry::SnapshotTarget(books) => encode_target_books(books, body),
+        JournalEntry::SnapshotCounters {
             acked_items,
             acked_bytes,
             dead_letter_count,
         } => {
-            body.u8(KIND_COUNTERS_CHECKPOINT);
+            body.u8(KIND_SNAPSHOT_COUNTERS);
             for value in [acked_items, acked_bytes, dead_letter_count] {
                 body.u64(*value);
             }
         }
-        JournalEntry::DeadLetterCheckpoint(dead_letter) => {
+        JournalEntry::SnapshotDeadLetter(dead_letter) => {
             body.item(
-                KIND_DEAD_LETTER_CHECKPOINT,
+                KIND_SNAPSHOT_DEAD_LETTER,
                 &dead_letter.target_id,
                 dead_letter.seq,
             );
@@ -188,7 +198,7 @@ fn encode_entry<P: DurablePayload>(entry: &JournalEntry<P>, body: &mut Encoder) 
 }
 
 fn encode_target_books(books: &TargetBooks, body: &mut Encoder) {
-    body.u8(KIND_TARGET_CHECKPOINT);
+    body.u8(KIND_SNAPSHOT_TARGET);
     body.str(&books.target_id);
     for value in [books.epoch, books.accepted_items, books.accepted_bytes] {
         body.u64(value);
@@ -254,7 +264,7 @@ fn decode_entry<P: DurablePayload>(body: &[u8]) -> Result<JournalEntry<P>, Strin
     let mut decoder = Decoder { bytes: body };
     let entry = match decoder.u8()? {
         KIND_RESET => JournalEntry::Reset,
-        KIND_CHECKPOINT_END => JournalEntry::CheckpointEnd,
+        KIND_SNAPSHOT_END => JournalEntry::SnapshotEnd,
         KIND_ACCEPTED => {
             let target_id = decoder.target()?;
             let seq = decoder.u64()?;
@@ -294,15 +304,13 @@ fn decode_entry<P: DurablePayload>(body: &[u8]) -> Result<JournalEntry<P>, Strin
         KIND_ABORTED => JournalEntry::Aborted {
             reason: decoder.string()?,
         },
-        KIND_TARGET_CHECKPOINT => {
-            JournalEntry::TargetCheckpoint(decode_target_books(&mut decoder)?)
-        }
-        KIND_COUNTERS_CHECKPOINT => JournalEntry::CountersCheckpoint {
+        KIND_SNAPSHOT_TARGET => JournalEntry::SnapshotTarget(decode_target_books(&mut decoder)?),
+        KIND_SNAPSHOT_COUNTERS => JournalEntry::SnapshotCounters {
             acked_items: decoder.u64()?,
             acked_bytes: decoder.u64()?,
             dead_letter_count: decoder.u64()?,
         },
-        KIND_DEAD_LETTER_CHECKPOINT => JournalEntry::DeadLetterCheckpoint(DeadLetter {
+        KIND_SNAPSHOT_DEAD_LETTER => JournalEntry::SnapshotDeadLetter(DeadLetter {
             target_id: decoder.target()?,
             seq: decoder.u64()?,
             deliveries: decoder.u32()?,

@@ -10,7 +10,8 @@
 //! the generated client; the bytes on the wire are prost's.
 
 use bytes::Bytes;
-use dflash_proto::frames::{self, Copies, Direction, MessageReader, Pieces, SAMPLE_TENSORS};
+use dflash_proto::fields::{ITEM_SAMPLE, PRODUCE_REQUEST_ITEM, SAMPLE_TENSORS};
+use dflash_proto::frames::{self, Copies, Direction, MessageReader, Pieces};
 use dflash_proto::v1 as proto;
 use futures::StreamExt;
 use prost::encoding::{self, WireType};
@@ -148,10 +149,6 @@ pub(crate) async fn call(
 pub(crate) fn whole(message: &impl Message) -> Result<Vec<Bytes>, Status> {
     Ok(vec![Pieces::whole(message)?])
 }
-
-// Field numbers of `ProduceRequest.item` and `Item`.
-const PRODUCE_REQUEST_ITEM: u32 = 2;
-const ITEM_SAMPLE: u32 = 2;
 
 /// A Produce message as pieces: an item's tensors' data each its own chunk
 /// (no copy), everything else prost's encoding in small buffers.

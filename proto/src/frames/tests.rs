@@ -1,3 +1,4 @@
+use crate::fields::SAMPLE_TENSORS;
 use std::collections::VecDeque;
 
 use futures::StreamExt;
