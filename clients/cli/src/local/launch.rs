@@ -1,0 +1,290 @@
+//! What to launch and with which flags: the sibling binaries, the run's
+//! and the tiny default's flags for each target and drafter, their libtorch
+//! threads, and starting the broker (on port 0, reading back the port it
+//! bound), then the targets and the drafters. The processes themselves,
+//! once started, are `supervise`'s.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use dflash_client::{BrokerClient, ClientOptions};
+
+use super::inputs::Inputs;
+use super::supervise::{spawn, terminate, Managed};
+use super::LocalArgs;
+
+/// Drafter settings for the embedded tiny default: a small drafter that
+/// learns the tiny target's continuations in a CPU-minutes run.
+const TINY_DRAFTER_FLAGS: &[&str] = &[
+    "--draft-layers",
+    "2",
+    "--block-size",
+    "8",
+    "--num-anchors",
+    "32",
+    "--learning-rate",
+    "3e-3",
+    "--max-step-samples",
+    "16",
+];
+/// Model sync of the tiny default unless --drafter-args sets its own: a demo
+/// run is a few dozen steps per drafter, and syncing every 10 left the
+/// center far below one drafter's τ; every 2 is what the README's quality
+/// figures measure (the center stays below one drafter trained alone).
+const TINY_SYNC_FLAGS: [&str; 2] = ["--sync-every", "2"];
+const TINY_TARGET_FLAGS: &[&str] = &["--num-draft-layers", "2"];
+
+fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
+    let exe = std::env::current_exe().context("locating the dflash binary")?;
+    let directory = exe.parent().context("the dflash binary has no folder")?;
+    let path = directory.join(name);
+    if !path.exists() {
+        bail!(
+            "{name} not found at {} (build the workspace: `cargo build --workspace`)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// libtorch's intra-op threads for each target and drafter process: the
+/// host's cores shared out among them (at least 1), unless the user set
+/// `OMP_NUM_THREADS`, which the children then inherit. Without this every
+/// child starts one thread per core, and 2 targets + 2 drafters on a 2-core
+/// laptop run 8 busy threads on 2 cores: the τ evaluation alone took 64.8 s
+/// that way against 9.2 s with one thread.
+fn threads_per_child(children: u32) -> Option<String> {
+    if std::env::var_os("OMP_NUM_THREADS").is_some() {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let children = usize::try_from(children.max(1)).unwrap_or(usize::MAX);
+    Some((cores / children).max(1).to_string())
+}
+
+/// Waits for the broker, started with `--listen 127.0.0.1:0 --ready-file
+/// FILE`, to write the address it bound; fails at once if it exits first.
+async fn wait_for_ready_file(
+    ready_file: &Path,
+    broker: &mut Managed,
+    deadline: Duration,
+) -> anyhow::Result<String> {
+    let started = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(ready_file) {
+            let address = text.trim();
+            if !address.is_empty() {
+                return Ok(address.to_string());
+            }
+        }
+        if let Ok(Some(status)) = broker.child.try_wait() {
+            bail!(
+                "the broker exited ({status}) before listening; see {}",
+                broker.log.display()
+            );
+        }
+        if started.elapsed() > deadline {
+            bail!(
+                "the broker did not write {} within {deadline:?}; see {}",
+                ready_file.display(),
+                broker.log.display()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn split_flags(text: &str) -> Vec<String> {
+    text.split_whitespace().map(str::to_string).collect()
+}
+
+async fn wait_for_broker(address: &str, deadline: Duration) -> anyhow::Result<BrokerClient> {
+    let started = Instant::now();
+    loop {
+        if let Ok(client) =
+            BrokerClient::connect(address.to_string(), ClientOptions::default()).await
+        {
+            if client.status().await.is_ok() {
+                return Ok(client);
+            }
+        }
+        if started.elapsed() > deadline {
+            bail!("the broker at {address} did not answer within {deadline:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Starts the broker on port 0; it reports the port it got, so there is no
+/// race with other processes for a "free" port. The broker, its address
+/// and a client that got an answer from it.
+pub(super) async fn start_broker(
+    args: &LocalArgs,
+    workdir: &Path,
+    logs: &Path,
+) -> anyhow::Result<(Managed, String, BrokerClient)> {
+    let ready_file = workdir.join("broker.address");
+    let _ = std::fs::remove_file(&ready_file);
+    let mut broker = spawn(
+        "broker",
+        "broker",
+        "-",
+        &sibling_binary("broker")?,
+        &[
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--ready-file".into(),
+            ready_file.display().to_string(),
+            "--expected-targets".into(),
+            args.targets.to_string(),
+            "--target-grace".into(),
+            "30s".into(),
+            // The drafters train one shared model; its final center lands here.
+            "--model-output".into(),
+            workdir.join("center").display().to_string(),
+        ],
+        logs,
+        None,
+    )?;
+    let address = match wait_for_ready_file(&ready_file, &mut broker, Duration::from_secs(30)).await
+    {
+        Ok(bound) => format!("http://{bound}"),
+        Err(error) => {
+            terminate(&broker);
+            return Err(error);
+        }
+    };
+    match wait_for_broker(&address, Duration::from_secs(30)).await {
+        Ok(client) => Ok((broker, address, client)),
+        Err(error) => {
+            terminate(&broker);
+            Err(error.context(format!("see {}", broker.log.display())))
+        }
+    }
+}
+
+pub(super) fn start_targets(
+    args: &LocalArgs,
+    inputs: &Inputs,
+    address: &str,
+    logs: &Path,
+) -> anyhow::Result<Vec<Managed>> {
+    let child_threads = threads_per_child(args.targets + args.drafters);
+    let target_binary = sibling_binary("target-server")?;
+    let mut targets = Vec::new();
+    for index in 0..args.targets {
+        let device = args.target_devices[index as usize % args.target_devices.len()].to_string();
+        let name = format!("target-{index}");
+        let mut flags = vec![
+            "--broker".to_string(),
+            address.to_string(),
+            "--target-id".into(),
+            name.clone(),
+            "--device".into(),
+            device.clone(),
+            "--shard-index".into(),
+            index.to_string(),
+            "--num-shards".into(),
+            args.targets.to_string(),
+        ];
+        match (&inputs.model_dir, args.synthetic) {
+            (Some(model), false) => flags.extend(["--model".into(), model.display().to_string()]),
+            _ => flags.extend([
+                "--model".into(),
+                "synthetic:hidden=256,layers=2,tokens_per_s=20000,samples=200,seq_len=128".into(),
+            ]),
+        }
+        if let Some(data) = &inputs.data {
+            flags.extend(["--data".into(), data.display().to_string()]);
+        }
+        if inputs.embedded_model {
+            flags.extend(TINY_TARGET_FLAGS.iter().map(|flag| flag.to_string()));
+        }
+        flags.extend(split_flags(&args.target_args));
+        targets.push(spawn(
+            &name,
+            "target",
+            &device,
+            &target_binary,
+            &flags,
+            logs,
+            child_threads.as_deref(),
+        )?);
+    }
+    Ok(targets)
+}
+
+pub(super) fn start_drafters(
+    args: &LocalArgs,
+    inputs: &Inputs,
+    address: &str,
+    workdir: &Path,
+    logs: &Path,
+) -> anyhow::Result<Vec<Managed>> {
+    let child_threads = threads_per_child(args.targets + args.drafters);
+    let drafter_binary = sibling_binary("drafter-server")?;
+    let mut drafters = Vec::new();
+    for index in 0..args.drafters {
+        let device = args.drafter_devices[index as usize % args.drafter_devices.len()].to_string();
+        let name = format!("drafter-{index}");
+        let output = workdir.join("checkpoints").join(&name);
+        let flags = drafter_flags(args, inputs, address, &name, &device, &output);
+        let mut managed = spawn(
+            &name,
+            "drafter",
+            &device,
+            &drafter_binary,
+            &flags,
+            logs,
+            child_threads.as_deref(),
+        )?;
+        managed.output = Some(output);
+        drafters.push(managed);
+    }
+    Ok(drafters)
+}
+
+/// One drafter's flags: the run's, the tiny default's (unless
+/// `--drafter-args` sets its own mask token or sync period), then
+/// `--drafter-args`.
+fn drafter_flags(
+    args: &LocalArgs,
+    inputs: &Inputs,
+    address: &str,
+    name: &str,
+    device: &str,
+    output: &Path,
+) -> Vec<String> {
+    let mut flags = vec![
+        "--broker".to_string(),
+        address.to_string(),
+        "--drafter-id".into(),
+        name.to_string(),
+        "--device".into(),
+        device.to_string(),
+        "--output".into(),
+        output.display().to_string(),
+    ];
+    match (&inputs.model_dir, args.synthetic) {
+        (Some(model), false) => {
+            flags.extend(["--target-model".into(), model.display().to_string()])
+        }
+        _ => flags.extend(["--model".into(), "synthetic:ms_per_1k_tokens=5".into()]),
+    }
+    if inputs.embedded_model {
+        flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
+    }
+    let extra_flags = split_flags(&args.drafter_args);
+    let sets = |name: &str| extra_flags.iter().any(|flag| flag.starts_with(name));
+    if let Some((id, _)) = &inputs.mask_token {
+        if !sets("--mask-token-id") {
+            flags.extend(["--mask-token-id".to_string(), id.to_string()]);
+        }
+    }
+    if inputs.embedded_model && !sets("--sync-every") {
+        flags.extend(TINY_SYNC_FLAGS.iter().map(|flag| flag.to_string()));
+    }
+    flags.extend(extra_flags);
+    flags
+}

@@ -1,0 +1,196 @@
+//! The children as processes: spawning one with its log and report file,
+//! watching them (and showing the live view) until they all exit, a
+//! Ctrl-C or `--timeout`, and stopping them with SIGTERM, a bounded wait,
+//! then SIGKILL. Apart from `launch` (what to start) so that the shutdown
+//! path, which must stop every child whatever happened, reads on its own.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use dflash_client::BrokerClient;
+use dflash_ops::top::{self, RenderOptions};
+use dflash_proto::v1 as proto;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+use super::View;
+
+/// One child process of the run: what the summary needs of it (name, role,
+/// device, exit code) and where it writes (log, checkpoints, report).
+pub(super) struct Managed {
+    pub(super) name: String,
+    pub(super) role: &'static str,
+    pub(super) device: String,
+    pub(super) child: Child,
+    pub(super) log: PathBuf,
+    pub(super) exit_code: Option<i32>,
+    pub(super) output: Option<PathBuf>,
+    /// The process's `--report-file` (targets and drafters).
+    pub(super) report: Option<PathBuf>,
+}
+
+pub(super) fn spawn(
+    name: &str,
+    role: &'static str,
+    device: &str,
+    program: &Path,
+    args: &[String],
+    logs: &Path,
+    threads: Option<&str>,
+) -> anyhow::Result<Managed> {
+    let log = logs.join(format!("{name}.log"));
+    let file =
+        std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+    // Targets and drafters write their whole-run report for the summary.
+    let report = (role != "broker").then(|| logs.join(format!("{name}.report.json")));
+    let mut command = Command::new(program);
+    if let Some(report) = &report {
+        command.arg("--report-file").arg(report);
+    }
+    if let Some(threads) = threads {
+        command.env("OMP_NUM_THREADS", threads);
+    }
+    let child = command
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(file.try_clone()?)
+        .stderr(file)
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", program.display()))?;
+    Ok(Managed {
+        name: name.to_string(),
+        role,
+        device: device.to_string(),
+        child,
+        log,
+        exit_code: None,
+        output: None,
+        report,
+    })
+}
+
+pub(super) fn terminate(process: &Managed) {
+    if let Some(id) = process.child.id() {
+        if let Ok(raw) = i32::try_from(id) {
+            let _ = kill(Pid::from_raw(raw), Signal::SIGTERM);
+        }
+    }
+}
+
+/// How the children ended: on their own, or stopped.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StopReason {
+    /// Ctrl-C (or SIGTERM) stopped them.
+    pub(super) interrupted: bool,
+    /// `--timeout` stopped them.
+    pub(super) timed_out: bool,
+}
+
+/// The live view while the children run.
+pub(super) struct Watch<'a> {
+    pub(super) client: &'a BrokerClient,
+    pub(super) address: &'a str,
+    pub(super) view: View,
+    pub(super) started: Instant,
+}
+
+impl Watch<'_> {
+    /// Watches until every child has exited, Ctrl-C, or `deadline`; stops
+    /// the children still running in the last two cases.
+    pub(super) async fn until_exit(
+        &self,
+        children: &mut [Managed],
+        deadline: Instant,
+        interrupt: &CancellationToken,
+    ) -> StopReason {
+        let mut last_line = Instant::now();
+        loop {
+            for child in children
+                .iter_mut()
+                .filter(|child| child.exit_code.is_none())
+            {
+                if let Ok(Some(status)) = child.child.try_wait() {
+                    child.exit_code = Some(status.code().unwrap_or(-1));
+                }
+            }
+            if children.iter().all(|child| child.exit_code.is_some()) {
+                return StopReason::default();
+            }
+            if interrupt.is_cancelled() || Instant::now() > deadline {
+                let interrupted = interrupt.is_cancelled();
+                stop_children(children).await;
+                return StopReason {
+                    interrupted,
+                    timed_out: !interrupted,
+                };
+            }
+            if let Ok(snapshot) = self.client.status().await {
+                self.show(&snapshot, &mut last_line);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    fn show(&self, snapshot: &proto::StatusSnapshot, last_line: &mut Instant) {
+        match self.view {
+            View::Top => {
+                print!(
+                    "\x1b[H\x1b[2J{}",
+                    top::render(snapshot, self.address, RenderOptions { color: true })
+                );
+            }
+            View::Lines if last_line.elapsed() >= Duration::from_secs(5) => {
+                *last_line = Instant::now();
+                println!(
+                    "[{:>5.0}s] {:?} targets done {}/{} accepted {} trained {} queued {} leased {}",
+                    self.started.elapsed().as_secs_f64(),
+                    snapshot.state(),
+                    snapshot.done_targets,
+                    snapshot.expected_targets,
+                    snapshot.accepted_items,
+                    snapshot.acked_items,
+                    snapshot.queued_items,
+                    snapshot.leased_items
+                );
+            }
+            _ => {}
+        }
+    }
+}
+
+/// SIGTERM to every child still running, one bounded wait for all of them,
+/// then SIGKILL.
+async fn stop_children(children: &mut [Managed]) {
+    for child in children.iter().filter(|child| child.exit_code.is_none()) {
+        terminate(child);
+    }
+    let stop_deadline = Instant::now() + Duration::from_secs(30);
+    for child in children
+        .iter_mut()
+        .filter(|child| child.exit_code.is_none())
+    {
+        let left = stop_deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, child.child.wait()).await {
+            Ok(Ok(status)) => child.exit_code = Some(status.code().unwrap_or(-1)),
+            _ => {
+                let _ = child.child.kill().await;
+                child.exit_code = Some(-9);
+            }
+        }
+    }
+}
+
+pub(super) async fn stop_broker(broker: &mut Managed) {
+    terminate(broker);
+    if let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(15), broker.child.wait()).await
+    {
+        broker.exit_code = status.code();
+    } else {
+        let _ = broker.child.kill().await;
+    }
+}
