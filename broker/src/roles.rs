@@ -1,6 +1,7 @@
 //! Who may call what: credentials that carry a role (target, drafter,
-//! operator) and optionally the one identity they stand for, and the
-//! checks each RPC makes with them.
+//! operator) and optionally the one identity they stand for, the checks
+//! each RPC makes with them, and the checks on a hello's id itself
+//! ([`validate_id`], shared by the broker's and model sync's services).
 //!
 //! A credentials file (`--credentials FILE`) has one credential a line:
 //!
@@ -304,6 +305,28 @@ fn constant_time_equal(left: &[u8; 32], right: &[u8; 32]) -> bool {
         .zip(right)
         .fold(0u8, |difference, (a, b)| difference | (a ^ b))
         == 0
+}
+
+/// Longest accepted target or drafter id.
+pub(crate) const MAX_ID_LENGTH: usize = 256;
+
+/// The checks every hello's target or drafter id goes through, in every
+/// service, before anything is looked up: at most [`MAX_ID_LENGTH`] bytes,
+/// no control characters (an id ends up in logs, metrics labels and
+/// file names). Emptiness is the caller's rule (the queue names it).
+pub(crate) fn validate_id(kind: &str, id: &str) -> Result<(), tonic::Status> {
+    if id.len() > MAX_ID_LENGTH {
+        return Err(tonic::Status::invalid_argument(format!(
+            "{kind} is {} bytes long, the limit is {MAX_ID_LENGTH}",
+            id.len()
+        )));
+    }
+    if id.chars().any(char::is_control) {
+        return Err(tonic::Status::invalid_argument(format!(
+            "{kind} {id:?} contains control characters"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

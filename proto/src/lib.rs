@@ -20,6 +20,8 @@
 //! - `tensor`: element sizes and checked constructors for `Tensor`/`Sample`.
 //! - `sample`: the DFlash sample schema (tensor names, dtypes, shapes): one
 //!   encoder and one validating decoder for every role.
+//! - `testing` (feature `testing`, for dev-dependencies): the item builder
+//!   the hand-written encoders and decoders are tested with.
 //! - `transport`: HTTP/2 windows, frame size and message limits, shared by
 //!   the broker and every client.
 //! - `FILE_DESCRIPTOR_SET`: the encoded descriptors, for server reflection.
@@ -38,6 +40,8 @@ pub mod frames;
 pub mod json;
 pub mod sample;
 pub mod tensor;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod transport;
 
 /// Encoded `FileDescriptorSet` of every dflash proto, for tonic-reflection.

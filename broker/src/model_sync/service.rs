@@ -31,7 +31,6 @@ use super::config::ModelSyncConfig;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
-const MAX_ID_LENGTH: usize = 256;
 
 impl From<SyncError> for Status {
     fn from(error: SyncError) -> Self {
@@ -190,15 +189,10 @@ impl ModelSync for ModelSyncService {
                 ))
             }
         };
-        if hello.drafter_id.is_empty()
-            || hello.drafter_id.len() > MAX_ID_LENGTH
-            || hello.drafter_id.chars().any(char::is_control)
-        {
-            return Err(Status::invalid_argument(format!(
-                "drafter_id {:?} must be 1 to {MAX_ID_LENGTH} bytes without control characters",
-                hello.drafter_id
-            )));
+        if hello.drafter_id.is_empty() {
+            return Err(Status::invalid_argument("drafter_id is empty"));
         }
+        crate::roles::validate_id("drafter_id", &hello.drafter_id)?;
         principal.authorize(
             crate::roles::Role::Drafter,
             &hello.drafter_id,

@@ -4,38 +4,7 @@ use prost::Message;
 
 use super::*;
 
-fn data(bytes: usize, seed: u8) -> Bytes {
-    Bytes::from(
-        (0..bytes)
-            .map(|index| (index as u8).wrapping_mul(13).wrapping_add(seed))
-            .collect::<Vec<_>>(),
-    )
-}
-
-fn item_request(seq: u64, sizes: &[usize]) -> proto::ProduceRequest {
-    proto::ProduceRequest {
-        kind: Some(proto::produce_request::Kind::Item(proto::Item {
-            seq,
-            sample: Some(proto::Sample {
-                tensors: sizes
-                    .iter()
-                    .enumerate()
-                    .map(|(index, &size)| {
-                        proto::Tensor::from_parts(
-                            format!("t{index}"),
-                            proto::Dtype::U8,
-                            vec![size as u64],
-                            data(size, index as u8),
-                        )
-                    })
-                    .collect(),
-            }),
-            trace_context: [("traceparent".to_string(), "00-ab-cd-01".to_string())]
-                .into_iter()
-                .collect(),
-        })),
-    }
-}
+use dflash_proto::testing::{item_request, patterned_bytes as data};
 
 /// `bytes` as a rope of chunks cut at `cuts` (sorted positions).
 fn chunked(bytes: &Bytes, cuts: &[usize]) -> Rope {

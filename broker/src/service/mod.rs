@@ -25,7 +25,7 @@
 //! - `consume`: a Consume stream: hello and welcome, the reader task
 //!   (acks, nacks, credit, lease extension, stats).
 
-use crate::roles::{Principal, Role};
+use crate::roles::{validate_id, Principal, Role};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -53,8 +53,6 @@ pub(crate) use shared::Shared;
 
 /// How long a new stream may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
-/// Longest accepted target or drafter id.
-const MAX_ID_LENGTH: usize = 256;
 
 type Outbox<T> = mpsc::UnboundedSender<Result<T, Status>>;
 
@@ -148,21 +146,6 @@ impl BrokerService {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
         BrokerService { shared }
     }
-}
-
-fn validate_id(kind: &str, id: &str) -> Result<(), Status> {
-    if id.len() > MAX_ID_LENGTH {
-        return Err(Status::invalid_argument(format!(
-            "{kind} is {} bytes long, the limit is {MAX_ID_LENGTH}",
-            id.len()
-        )));
-    }
-    if id.chars().any(char::is_control) {
-        return Err(Status::invalid_argument(format!(
-            "{kind} {id:?} contains control characters"
-        )));
-    }
-    Ok(())
 }
 
 /// Waits for the stream's first message, which must be its hello.

@@ -202,31 +202,7 @@ pub(crate) fn produce_request(request: proto::ProduceRequest) -> Result<Vec<Byte
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn item_request(sizes: &[usize], seq: u64) -> proto::ProduceRequest {
-        proto::ProduceRequest {
-            kind: Some(proto::produce_request::Kind::Item(proto::Item {
-                seq,
-                sample: Some(proto::Sample {
-                    tensors: sizes
-                        .iter()
-                        .enumerate()
-                        .map(|(index, &size)| {
-                            proto::Tensor::from_parts(
-                                format!("t{index}"),
-                                proto::Dtype::U8,
-                                vec![size as u64],
-                                Bytes::from(vec![index as u8; size]),
-                            )
-                        })
-                        .collect(),
-                }),
-                trace_context: [("traceparent".to_string(), "00-ab".to_string())]
-                    .into_iter()
-                    .collect(),
-            })),
-        }
-    }
+    use dflash_proto::testing::item_request;
 
     fn frame_of(request: &proto::ProduceRequest) -> Vec<u8> {
         let mut bytes = vec![0u8];
@@ -240,9 +216,9 @@ mod tests {
     #[test]
     fn produce_requests_are_prosts_bytes_with_payloads_passed_through() {
         let mut requests = vec![
-            item_request(&[12, 1 << 20], 5),
-            item_request(&[0, 3], 0),
-            item_request(&[], 1),
+            item_request(5, &[12, 1 << 20]),
+            item_request(0, &[0, 3]),
+            item_request(1, &[]),
             proto::ProduceRequest {
                 kind: Some(proto::produce_request::Kind::Item(proto::Item::default())),
             },
