@@ -37,9 +37,15 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
+## The tests run the server binaries with their test hooks (a compute or
+## training thread that hangs on purpose: cargo feature `test-hooks`, off in
+## `build` and `release`). The same features on both lines: a `cargo test`
+## without them would rebuild the binaries the system tests run, hookless.
+TEST_FEATURES := --features dflash-target-server/test-hooks,dflash-drafter-server/test-hooks
+
 test-rust: setup
-	$(CARGO) build --workspace --bins
-	DFLASH_LOCAL_RUN_DIR=$(CURDIR)/runs/test-local $(CARGO) test --workspace --no-fail-fast
+	$(CARGO) build --workspace --bins $(TEST_FEATURES)
+	DFLASH_LOCAL_RUN_DIR=$(CURDIR)/runs/test-local $(CARGO) test --workspace --no-fail-fast $(TEST_FEATURES)
 
 ## The drafter checkpoints of the system test's `dflash local` run load in the
 ## reference `dflash` package (installed once into a venv in the cache).

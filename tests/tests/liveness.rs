@@ -1,6 +1,7 @@
 //! Liveness with real processes (issue #9):
 //!
-//! - a `drafter-server` whose training thread hangs (its test hook) stops
+//! - a `drafter-server` whose training thread hangs (its test hook, in a
+//!   build with the cargo feature `test-hooks`, as `make test` makes) stops
 //!   extending its leases after `--trainer-stall-timeout`; the broker takes
 //!   them back after `--lease-timeout` and another consumer gets and acks
 //!   them, each (target, seq) acked exactly once;
@@ -19,7 +20,8 @@ use dflash_broker::BrokerConfig;
 use dflash_client::ConsumerEvent;
 use dflash_proto::v1 as proto;
 use dflash_testkit::{
-    credit, drafter_status, sample, spawn_drafter, wait_until, workspace_binary, TestBroker,
+    credit, drafter_status, require_test_hooks, sample, spawn_drafter, wait_until,
+    workspace_binary, TestBroker,
 };
 
 const ITEMS: u64 = 16;
@@ -46,6 +48,8 @@ fn signal(pid: u32, name: &str) {
 async fn a_stuck_trainer_loses_its_leases_to_another_drafter() {
     let lease_timeout = Duration::from_secs(3);
     let trainer_stall = Duration::from_secs(1);
+    let drafter_binary = workspace_binary("drafter-server");
+    require_test_hooks(&drafter_binary);
     let broker = TestBroker::start(BrokerConfig {
         lease_timeout,
         ..BrokerConfig::for_targets(1)
@@ -69,7 +73,7 @@ async fn a_stuck_trainer_loses_its_leases_to_another_drafter() {
     let log_path = work.path().join("drafter.log");
     let log = std::fs::File::create(&log_path).unwrap();
     let drafter = Child(
-        std::process::Command::new(workspace_binary("drafter-server"))
+        std::process::Command::new(&drafter_binary)
             .args(["--broker", &broker.address, "--drafter-id", "stuck"])
             .args(["--model", "synthetic:ms_per_1k_tokens=0", "--device", "cpu"])
             .arg("--output")

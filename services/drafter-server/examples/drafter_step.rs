@@ -24,7 +24,8 @@ use dflash_model::draft::{
     AttentionImplementation, DraftConfig, DraftModel, DraftOptions, DraftTrainer,
     FrozenTargetHeads, TargetDimensions, TrainerSettings, TrainingSequence,
 };
-use dflash_model::tiny::{mask_token_id, write_tiny_model, TinyModelSpec};
+use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
+use dflash_model::tokens::mask_token_id;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tch::{Device, Kind, Tensor};

@@ -163,7 +163,7 @@ impl DFlashEngine {
                 let mask_token_id = match config.mask_token_id {
                     Some(id) => id,
                     None => {
-                        let (id, source) = dflash_model::tiny::default_mask_token_id(target_dir)
+                        let (id, source) = dflash_model::tokens::default_mask_token_id(target_dir)
                             .map_err(|error| EngineError::MaskToken(error.to_string()))?;
                         info!(mask_token_id = id, %source, "mask token");
                         id

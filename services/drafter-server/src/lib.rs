@@ -1,18 +1,30 @@
 //! # dflash-drafter-server
 //!
 //! Trains a DFlash draft model from the broker's shared hidden-state queue on
-//! one device, checkpoints it, and evaluates drafters by speculative decoding.
+//! one device and checkpoints it. Evaluation (τ by speculative decoding) and
+//! the checkpoint folder's step directories live in `dflash-model`
+//! (`eval`, `draft::step_dirs`), so offline tools need no server crate.
 //!
 //! # Layout
+//! The run's steps, in modules named as in `dflash-target-server`:
 //! - [`config`]: every flag (clap, with environment fallbacks) and its checks.
-//! - [`server`]: [`run`], the async side: connect, start the trainer,
-//!   pump (Consume stream, credit window, ack-after-step, nacks, lease
-//!   extension, stats, schedule estimate, reconnects, graceful stop), join
-//!   the trainer; and the metrics endpoint.
+//! - [`metrics`]: the Prometheus instruments served at `--metrics-listen`.
+//! - [`mod@run`]: [`run()`]: register the metrics, prepare `--output`, start
+//!   the trainer, consume until the end, join the trainer, report; the
+//!   error and report types and the metrics endpoint.
+//! - [`threads`]: the training thread started as a
+//!   `dflash_device::DeviceWorker` (engine built behind its handshake), its
+//!   channel sizes, commands that are never dropped.
+//! - [`pump`]: the async loop: deliveries to the trainer (credit window,
+//!   finite check), lease extension, stats, the schedule estimate, the
+//!   linger flush, reconnects, the graceful stop.
+//! - [`stream`]: the Consume stream opened with backoff (reconnects), its
+//!   lease clock, the wait for our leases at the end.
+//! - [`trainer_events`]: what each trainer event does to the books: acks
+//!   after the step, nacks, totals, metrics, stats, the report.
 //! - [`trainer_thread`]: the dedicated training thread (owns all libtorch
-//!   state), batching by token budget, steps and checkpoints; it runs as a
-//!   `dflash_device::DeviceWorker` and talks to the async side over its
-//!   bounded channels only.
+//!   state), batching by token budget, steps and checkpoints; it talks to
+//!   the async side over its bounded channels only.
 //! - [`engine`]: the DFlash trainer and the synthetic stand-in behind one trait.
 //! - [`samples`]: wire sample → training sequence, with the checks that
 //!   decide dead-lettering.
@@ -21,25 +33,35 @@
 //!   independent drafter's length estimate from the broker's run summary.
 //! - [`model_sync`]: the exchange with the broker's shared draft model
 //!   (asynchronous local SGD: join from the center, a delta every
-//!   `--sync-every` steps, a final delta), run from the training thread.
-//! - [`checkpoints`]: the checkpoint folder (step directories, `latest`, pruning).
-//! - [`eval`]: [`eval::evaluate`], speculative decoding to measure τ.
-//! - [`metrics`]: the Prometheus instruments served at `--metrics-listen`.
+//!   `--sync-every` steps, a final delta), run from the training thread;
+//!   its wire session and tensor conversion are submodules.
+//! - [`test_hooks`]: test-only behaviour, compiled in only with the cargo
+//!   feature `test-hooks` (below).
 //!
-//! Model code lives in `dflash-model` (`draft`, `target`); this crate adds
+//! Model code lives in `dflash-model` (`draft`, `target_model`, `eval`); this crate adds
 //! the queue discipline and must not depend on the broker crate (tests do).
+//!
+//! # Cargo feature `test-hooks`
+//! Off by default. It makes the training thread read
+//! `DFLASH_TEST_HANG_TRAINER_AFTER_STEPS=N` (it hangs after N steps, for the
+//! liveness tests) and marks `--version` with `+test-hooks`. A release
+//! binary has neither; `make test` builds the binaries with the feature, and
+//! the tests that need a hook fail with "built without feature test-hooks"
+//! otherwise.
 
-pub mod checkpoints;
 pub mod config;
 pub mod engine;
-pub mod eval;
 pub mod metrics;
 pub mod model_sync;
+pub mod pump;
+pub mod run;
 pub mod samples;
 pub mod schedule;
-pub mod server;
+pub mod stream;
+pub mod test_hooks;
+pub mod threads;
+pub mod trainer_events;
 pub mod trainer_thread;
 
 pub use config::{AttentionChoice, DrafterServerConfig, ModelMode};
-pub use eval::{evaluate, EvalOptions, EvalReport};
-pub use server::{run, run_with_metrics_listener, DrafterError, DrafterReport, RunEnd};
+pub use run::{run, run_with_metrics_listener, DrafterError, DrafterReport, RunEnd};

@@ -12,7 +12,7 @@ use tracing::{error, info};
 /// errors, 2 on a wrong command line, 3 after checkpointing when the run is
 /// ABORTED.
 #[derive(Debug, Parser)]
-#[command(name = "drafter-server", version)]
+#[command(name = "drafter-server", version = dflash_drafter_server::test_hooks::VERSION)]
 struct Cli {
     #[command(flatten)]
     config: DrafterServerConfig,

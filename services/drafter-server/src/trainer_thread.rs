@@ -17,10 +17,11 @@
 //! traces of all the others, so a sample can be followed from the target
 //! that made it to the step that trained on it.
 //!
-//! Test hook: with `DFLASH_TEST_HANG_TRAINER_AFTER_STEPS=N` in the
-//! environment the thread stops working for good once N steps are done and
-//! a command arrives (as a trainer stuck in a device call would), so tests
-//! can check that its leases go to other drafters.
+//! Test hook (cargo feature `test-hooks` only, see [`crate::test_hooks`]):
+//! with `DFLASH_TEST_HANG_TRAINER_AFTER_STEPS=N` in the environment the
+//! thread stops working for good once N steps are done and a command
+//! arrives (as a trainer stuck in a device call would), so tests can check
+//! that its leases go to other drafters.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -31,13 +32,10 @@ use dflash_proto::v1::Delivery;
 use tokio::sync::mpsc;
 use tracing::{info, warn, Span};
 
-use crate::checkpoints::{prune_step_checkpoints, record_latest, step_dir_name};
 use crate::engine::{EngineError, PreparedSample, TrainingEngine};
 use crate::model_sync::ModelSyncLink;
+use dflash_model::draft::step_dirs::{prune_step_checkpoints, record_latest, step_dir_name};
 use dflash_model::draft::DraftError;
-
-/// The test hook's environment variable (see the module docs).
-const HANG_AFTER_STEPS_VARIABLE: &str = "DFLASH_TEST_HANG_TRAINER_AFTER_STEPS";
 
 /// What the async side asks of the training thread.
 pub enum TrainerCommand {
@@ -176,9 +174,7 @@ pub fn run_training_loop(
     if let (Some(sync), Some(model)) = (&mut state.sync, state.engine.draft_model()) {
         sync.join(model);
     }
-    let hang_after_steps = std::env::var(HANG_AFTER_STEPS_VARIABLE)
-        .ok()
-        .and_then(|value| value.parse::<u64>().ok());
+    let hang_after_steps = crate::test_hooks::hang_trainer_after_steps();
     while let Some(command) = commands.blocking_recv() {
         if hang_after_steps.is_some_and(|steps| state.engine.steps_done() >= steps) {
             warn!(

@@ -9,13 +9,13 @@
 mod common;
 
 use common::{random_token_sequences, tiny_target_dir};
-use dflash_drafter_server::eval::{
-    evaluate_with_options, greedy_generate, speculative_generate, speculative_generate_uncached,
-    EvalOptions,
-};
 use dflash_model::draft::{
     load_draft_model, save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions, DraftTrainer,
     FrozenTargetHeads, TargetDimensions, TrainerSettings, TrainingSequence,
+};
+use dflash_model::eval::{
+    evaluate_with_options, greedy_generate, speculative_generate, speculative_generate_uncached,
+    EvalOptions,
 };
 use dflash_model::target_model::TargetModel;
 use tch::{Device, Kind, Tensor};
@@ -99,7 +99,7 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
     let options = DraftOptions {
         num_draft_layers: Some(2),
         block_size: Some(BLOCK_SIZE),
-        mask_token_id: dflash_model::tiny::mask_token_id(target_dir).unwrap(),
+        mask_token_id: dflash_model::tokens::mask_token_id(target_dir).unwrap(),
         target_layer_ids: None,
     };
     let config =
@@ -231,7 +231,7 @@ fn cached_speculative_decoding_reproduces_the_reference_and_projects_each_positi
     let options = DraftOptions {
         num_draft_layers: Some(2),
         block_size: Some(BLOCK_SIZE),
-        mask_token_id: dflash_model::tiny::mask_token_id(target_dir).unwrap(),
+        mask_token_id: dflash_model::tokens::mask_token_id(target_dir).unwrap(),
         target_layer_ids: None,
     };
     let config =

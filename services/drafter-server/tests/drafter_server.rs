@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use common::*;
 use dflash_broker::BrokerConfig;
-use dflash_drafter_server::checkpoints::latest_checkpoint;
 use dflash_drafter_server::samples::encode_sample;
 use dflash_drafter_server::{run, ModelMode, RunEnd};
+use dflash_model::draft::step_dirs::latest_checkpoint;
 use tokio_util::sync::CancellationToken;
 
 const TEST_TIMEOUT: Duration = Duration::from_secs(90);

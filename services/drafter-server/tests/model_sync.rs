@@ -25,7 +25,7 @@ fn tiny_draft_model(seed: u64) -> DraftModel {
     let options = DraftOptions {
         num_draft_layers: Some(2),
         block_size: Some(4),
-        mask_token_id: dflash_model::tiny::mask_token_id(tiny_target_dir()).unwrap(),
+        mask_token_id: dflash_model::tokens::mask_token_id(tiny_target_dir()).unwrap(),
         target_layer_ids: Some(TEST_TARGET_LAYER_IDS.iter().map(|&id| id as i64).collect()),
     };
     let config =

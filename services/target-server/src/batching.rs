@@ -15,7 +15,7 @@
 //! broker already has. Changing `--sort-window` or `--max-length` between
 //! restarts of one run breaks that and is refused by nothing: don't.
 
-use crate::data::TokenizedSequence;
+use dflash_model::chat::TokenizedSequence;
 
 /// A tokenized sequence with its place in the data and in the stream (its
 /// seq becomes the item's).

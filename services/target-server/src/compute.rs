@@ -238,7 +238,9 @@ pub struct PipelineCounters {
 /// Runs forwards until the input channel closes, the output channel closes
 /// or `stop` is cancelled.
 /// `hang_after_batches` is a test hook: after that many batches the thread
-/// stops computing (until `stop`), as a stuck device call would.
+/// stops computing (until `stop`), as a stuck device call would; always
+/// `None` in a build without the cargo feature `test-hooks`
+/// ([`crate::test_hooks`]).
 pub fn run_compute_thread(
     mut backend: Backend,
     mut batches: tokio::sync::mpsc::Receiver<PlannedBatch>,
@@ -470,7 +472,7 @@ fn split_batch(tensor: &Tensor, batch: &PlannedBatch) -> Result<Vec<Bytes>, Comp
 mod tests {
     use super::*;
     use crate::batching::NumberedSequence;
-    use crate::data::TokenizedSequence;
+    use dflash_model::chat::TokenizedSequence;
 
     fn batch_of(lengths: &[usize]) -> PlannedBatch {
         PlannedBatch {

@@ -129,7 +129,7 @@ pub enum NonFiniteAction {
 /// target-server: runs a frozen target LLM on one device over its shard of a
 /// JSONL data set and streams the DFlash hidden states to the broker.
 #[derive(Debug, Clone, Parser)]
-#[command(name = "target-server", version, about, long_about = None)]
+#[command(name = "target-server", version = crate::test_hooks::VERSION, about, long_about = None)]
 pub struct TargetServerConfig {
     /// Broker address.
     #[arg(long, env = "DFLASH_BROKER", default_value = DEFAULT_BROKER)]
@@ -254,10 +254,9 @@ pub struct TargetServerConfig {
     #[arg(long, env = "DFLASH_ON_NON_FINITE", value_enum, default_value_t = NonFiniteAction::Skip)]
     pub on_non_finite: NonFiniteAction,
 
-    /// Test hook: the compute thread hangs (until shutdown) after this many
-    /// batches, to exercise the watchdog and the broker's stall detection.
-    #[arg(long, hide = true)]
-    pub test_hang_compute_after_batches: Option<u64>,
+    /// Test-only flags: none without the cargo feature `test-hooks`.
+    #[command(flatten)]
+    pub test_hooks: crate::test_hooks::TestHooks,
 }
 
 impl TargetServerConfig {
@@ -294,7 +293,7 @@ impl TargetServerConfig {
             watchdog_timeout: Duration::from_secs(240),
             on_non_finite: NonFiniteAction::Skip,
             report_file: None,
-            test_hang_compute_after_batches: None,
+            test_hooks: crate::test_hooks::TestHooks::default(),
         }
     }
 

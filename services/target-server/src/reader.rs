@@ -5,8 +5,9 @@
 //! tokenization never holds up the device.
 
 use crate::batching::{sort_window, split_into_batches, NumberedSequence, PlannedBatch};
-use crate::data::{parse_line, ChatEncoder, Conversation, LineError, TokenizedSequence};
+use crate::config::SyntheticSpec;
 use crate::shard::ShardSpec;
+use dflash_model::chat::{parse_line, ChatEncoder, Conversation, LineError, TokenizedSequence};
 use std::io::BufRead;
 use std::path::{Path, PathBuf};
 
@@ -301,6 +302,39 @@ impl<I: Iterator<Item = Result<Record, ReaderError>>> Iterator for BatchReader<I
             }
         }
     }
+}
+
+/// Generated records for synthetic mode without `--data`.
+pub fn generated_records(
+    spec: &SyntheticSpec,
+    shard: ShardSpec,
+) -> impl Iterator<Item = Result<Record, ReaderError>> {
+    let spec = spec.clone();
+    (0..spec.samples)
+        .filter(move |&index| shard.contains(index))
+        .map(move |index| {
+            let mut state =
+                spec.seed ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+            let input_ids = (0..spec.seq_len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    (state % spec.vocab as u64) as i64
+                })
+                .collect();
+            // A prompt quarter without loss, like a chat sample.
+            let loss_mask = (0..spec.seq_len)
+                .map(|position| u8::from(position >= spec.seq_len / 4))
+                .collect();
+            Ok(Record {
+                line_number: 0,
+                content: RecordContent::Generated(Conversation::PreTokenized {
+                    input_ids,
+                    loss_mask,
+                }),
+            })
+        })
 }
 
 #[cfg(test)]

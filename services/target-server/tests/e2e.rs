@@ -7,9 +7,9 @@ mod common;
 
 use anyhow::{ensure, Context, Result};
 use common::*;
+use dflash_model::chat::{parse_line, ChatEncoder};
 use dflash_model::target_model::TargetModel;
 use dflash_proto::v1 as proto;
-use dflash_target_server::data::{parse_line, ChatEncoder};
 use dflash_target_server::{run, ModelSource, TargetServerConfig};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use dflash_broker::BrokerConfig;
 use dflash_proto::v1::Item;
-use dflash_target_server::sender::ResilientProducer;
+use dflash_target_server::stream::ResilientProducer;
 use dflash_target_server::{run, DeviceChoice, ModelSource, TargetServerConfig};
 use dflash_testkit::{sample, wait_until, BrokerProcess, TestBroker};
 use tokio_util::sync::CancellationToken;

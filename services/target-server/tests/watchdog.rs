@@ -1,5 +1,6 @@
 //! A target-server whose compute thread hangs inside a live process (the
-//! hidden test hook): the broker fails it after `--target-stall-timeout`
+//! hidden test hook of the cargo feature `test-hooks`, on in `make test`;
+//! without it these tests fail saying so): the broker fails it after `--target-stall-timeout`
 //! (the run ends ABORTED for the drafters under `abort`, COMPLETE with the
 //! target among the failed ones under `continue`), and the target-server's
 //! own watchdog exits non-zero with the reason.
@@ -10,7 +11,7 @@ use anyhow::{ensure, Context, Result};
 use dflash_broker::config::FailurePolicy;
 use dflash_broker::BrokerConfig;
 use dflash_proto::v1 as proto;
-use dflash_testkit::{spawn_drafter, Drained, TestBroker};
+use dflash_testkit::{require_test_hooks, spawn_drafter, Drained, TestBroker};
 
 /// Seconds without an accepted item before the broker fails the target.
 const STALL: Duration = Duration::from_secs(2);
@@ -27,6 +28,8 @@ struct StuckTarget {
 }
 
 async fn start_stuck_target(policy: FailurePolicy) -> Result<StuckTarget> {
+    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_target-server"));
+    require_test_hooks(binary);
     let broker = TestBroker::start(BrokerConfig {
         target_stall_timeout: STALL,
         on_target_failure: policy,
@@ -35,7 +38,7 @@ async fn start_stuck_target(policy: FailurePolicy) -> Result<StuckTarget> {
     .await;
     let drafter = spawn_drafter(broker.client().await, "drafter-0", Duration::from_secs(60));
     let started = Instant::now();
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_target-server"))
+    let child = tokio::process::Command::new(binary)
         .args([
             "--broker",
             &broker.address,

@@ -12,7 +12,9 @@
 //! - [`spawn_drafter`]: a consumer that acks everything until end-of-stream.
 //! - [`span_attribute`]: an attribute of an exported span.
 //! - [`http_get`], [`parse_metrics`]: a Prometheus scrape over plain HTTP/1.1.
-//! - [`workspace_binary`]: a binary of this workspace beside the running test.
+//! - [`workspace_binary`]: a binary of this workspace beside the running test;
+//!   [`require_test_hooks`]: fails the test unless a server binary has the
+//!   test hooks (cargo feature `test-hooks`, on in `make test`).
 //! - [`BrokerProcess`]: the real `broker` binary as a child process on a
 //!   fixed loopback port, killable with SIGKILL and restartable on the same
 //!   port and flags.
@@ -26,7 +28,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -294,6 +296,26 @@ pub fn workspace_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Fails the test, saying what to do, unless `binary` (a `target-server` or
+/// `drafter-server`) was built with the cargo feature `test-hooks`, which its
+/// `--version` shows with `+test-hooks`: the hidden hooks a test relies on (a
+/// thread that hangs on purpose) exist only in such a build, never in a
+/// release one. `make test` builds the binaries with it.
+pub fn require_test_hooks(binary: &Path) {
+    let output = std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .expect("run the binary's --version");
+    let version = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        version.contains("+test-hooks"),
+        "{} ({}) was built without feature test-hooks: run make test, which builds the \
+         binaries with --features dflash-target-server/test-hooks,dflash-drafter-server/test-hooks",
+        binary.display(),
+        version.trim()
+    );
 }
 
 /// The `broker` binary as a child process (for crash tests: SIGKILL, then a

@@ -23,20 +23,31 @@
 //! measures how many drafters share the center, and each of N drafters
 //! runs AdamW with β1^N so the shared model's momentum is one drafter's
 //! (asynchrony adds momentum of its own: Mitliagkas et al. 2016).
+//!
+//! # Layout
+//! - this module: the flags, the errors and [`ModelSyncLink`], the
+//!   training thread's side (when to join, exchange and finish; what a
+//!   failure resets).
+//! - `session`: the `Session` stream on the wire (hello and welcome, an
+//!   upload in chunks, the result, the center in chunks), async, run on the
+//!   server's runtime.
+//! - `tensors`: the model's parameters to and from wire bytes (libtorch),
+//!   deltas against the base, loading the center.
+
+mod session;
+mod tensors;
 
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use dflash_model::draft::DraftModel;
 use dflash_proto::v1 as proto;
-use dflash_proto::v1::model_sync_client::ModelSyncClient;
-use tch::{Device, Kind, Tensor};
-use tokio::sync::mpsc;
+use tch::{Kind, Tensor};
 use tracing::{info, warn};
 
 use crate::schedule::RunClock;
-
-use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
+use session::{exchange, open, Session};
+use tensors::{delta_to_wire, load_center, sorted_parameters, tensor_to_wire, WireTensor};
 
 /// Element type of weights on the sync wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -109,16 +120,6 @@ pub enum SyncClientError {
     Tensor { name: String, detail: String },
     #[error(transparent)]
     Torch(#[from] tch::TchError),
-}
-
-/// One tensor in transit: name, shape, raw little-endian bytes.
-type WireTensor = (String, Vec<u64>, Vec<u8>);
-
-/// An open `Session` stream.
-struct Session {
-    requests: mpsc::Sender<proto::SyncRequest>,
-    responses: tonic::Streaming<proto::SyncResponse>,
-    welcome: proto::SyncWelcome,
 }
 
 /// What the last exchanges cost and did, for the report and the log.
@@ -392,265 +393,4 @@ impl ModelSyncLink {
                 .map_err(|_| SyncClientError::Timeout(timeout))?
         })
     }
-}
-
-async fn open(
-    broker: String,
-    hello: proto::SyncHello,
-    security: dflash_client::ClientSecurityArgs,
-) -> Result<Session, SyncClientError> {
-    let connect_error = |detail: String| SyncClientError::Connect {
-        address: broker.clone(),
-        detail,
-    };
-    let security = security
-        .load()
-        .map_err(|error| connect_error(error.to_string()))?;
-    // The same transport settings as every other stream of the client
-    // (windows, frame size, keepalive: `dflash_proto::transport`).
-    let options = dflash_client::ClientOptions {
-        security,
-        ..dflash_client::ClientOptions::default()
-    };
-    let channel = dflash_client::connect_channel(&broker, &options)
-        .await
-        .map_err(|error| connect_error(error.to_string()))?;
-    let mut client = ModelSyncClient::new(channel)
-        .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
-        .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES);
-    let (requests, receiver) = mpsc::channel(4);
-    requests
-        .send(request(proto::sync_request::Kind::Hello(hello)))
-        .await
-        .map_err(|_| SyncClientError::Closed)?;
-    let mut responses = client
-        .session(tokio_stream::wrappers::ReceiverStream::new(receiver))
-        .await?
-        .into_inner();
-    match responses.message().await?.and_then(|message| message.kind) {
-        Some(proto::sync_response::Kind::Welcome(welcome)) => Ok(Session {
-            requests,
-            responses,
-            welcome,
-        }),
-        other => Err(SyncClientError::Protocol(format!(
-            "expected a welcome, got {other:?}"
-        ))),
-    }
-}
-
-fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
-    proto::SyncRequest { kind: Some(kind) }
-}
-
-/// One exchange on an open session: the upload (BEGIN, chunks, COMMIT),
-/// the broker's result, then the center when it follows.
-async fn exchange(
-    session: &mut Session,
-    begin: proto::SyncBegin,
-    tensors: Vec<WireTensor>,
-) -> Result<(proto::SyncResult, Option<Vec<WireTensor>>), SyncClientError> {
-    upload(session, begin, tensors).await?;
-    let result = match next(session).await? {
-        proto::sync_response::Kind::Result(result) => result,
-        other => {
-            return Err(SyncClientError::Protocol(format!(
-                "expected a result, got {other:?}"
-            )))
-        }
-    };
-    if !result.weights_follow {
-        return Ok((result, None));
-    }
-    let center = receive_center(session).await?;
-    Ok((result, Some(center)))
-}
-
-/// Sends BEGIN, every tensor in chunks of at most `CHUNK_BYTES`, then
-/// COMMIT with the tensor count.
-async fn upload(
-    session: &Session,
-    begin: proto::SyncBegin,
-    tensors: Vec<WireTensor>,
-) -> Result<(), SyncClientError> {
-    let dtype = begin.reply_dtype;
-    let send = |kind| {
-        let requests = session.requests.clone();
-        async move {
-            requests
-                .send(request(kind))
-                .await
-                .map_err(|_| SyncClientError::Closed)
-        }
-    };
-    send(proto::sync_request::Kind::Begin(begin)).await?;
-    let count = tensors.len() as u32;
-    for (name, shape, bytes) in tensors {
-        let bytes = bytes::Bytes::from(bytes);
-        let mut offset = 0usize;
-        loop {
-            let end = (offset + CHUNK_BYTES).min(bytes.len());
-            send(proto::sync_request::Kind::Chunk(proto::TensorChunk {
-                name: name.clone(),
-                dtype,
-                shape: shape.clone(),
-                offset: offset as u64,
-                data: bytes.slice(offset..end),
-            }))
-            .await?;
-            offset = end;
-            if offset >= bytes.len() {
-                break;
-            }
-        }
-    }
-    send(proto::sync_request::Kind::Commit(proto::SyncCommit {
-        tensors: count,
-    }))
-    .await
-}
-
-/// The center's tensors, chunk by chunk in order, until DONE (whose count
-/// must match).
-async fn receive_center(session: &mut Session) -> Result<Vec<WireTensor>, SyncClientError> {
-    let mut center: Vec<WireTensor> = Vec::new();
-    loop {
-        match next(session).await? {
-            proto::sync_response::Kind::Chunk(chunk) => {
-                let continues = center.last().is_some_and(|(name, _, bytes)| {
-                    *name == chunk.name && bytes.len() as u64 == chunk.offset
-                });
-                if continues {
-                    if let Some((_, _, bytes)) = center.last_mut() {
-                        bytes.extend_from_slice(&chunk.data);
-                    }
-                } else if chunk.offset == 0 {
-                    center.push((chunk.name, chunk.shape, chunk.data.to_vec()));
-                } else {
-                    return Err(SyncClientError::Protocol(format!(
-                        "chunk of {:?} at offset {} out of order",
-                        chunk.name, chunk.offset
-                    )));
-                }
-            }
-            proto::sync_response::Kind::Done(done) => {
-                if done.tensors as usize != center.len() {
-                    return Err(SyncClientError::Protocol(format!(
-                        "{} tensors received, the broker sent {}",
-                        center.len(),
-                        done.tensors
-                    )));
-                }
-                return Ok(center);
-            }
-            other => {
-                return Err(SyncClientError::Protocol(format!(
-                    "expected center chunks, got {other:?}"
-                )))
-            }
-        }
-    }
-}
-
-async fn next(session: &mut Session) -> Result<proto::sync_response::Kind, SyncClientError> {
-    session
-        .responses
-        .message()
-        .await?
-        .and_then(|message| message.kind)
-        .ok_or(SyncClientError::Closed)
-}
-
-/// The model's trainable parameters, sorted by name (the checkpoint order).
-fn sorted_parameters(model: &DraftModel) -> Vec<(String, Tensor)> {
-    let mut parameters: Vec<(String, Tensor)> = model.var_store().variables().into_iter().collect();
-    parameters.sort_by(|left, right| left.0.cmp(&right.0));
-    parameters
-}
-
-fn tensor_to_wire(
-    name: &str,
-    tensor: &Tensor,
-    dtype: SyncDtype,
-) -> Result<WireTensor, SyncClientError> {
-    let host = tensor
-        .detach()
-        .f_to_device(Device::Cpu)?
-        .f_to_kind(dtype.kind())?
-        .contiguous();
-    let elements = host.numel();
-    let mut bytes = vec![0u8; elements * dtype.kind().elt_size_in_bytes()];
-    host.f_copy_data_u8(&mut bytes, elements)?;
-    let shape = host.size().iter().map(|&dim| dim as u64).collect();
-    Ok((name.to_string(), shape, bytes))
-}
-
-/// `weights − base` for every parameter, as `dtype` bytes.
-fn delta_to_wire(
-    parameters: &[(String, Tensor)],
-    base: &[(String, Tensor)],
-    dtype: SyncDtype,
-) -> Result<Vec<WireTensor>, SyncClientError> {
-    parameters
-        .iter()
-        .zip(base)
-        .map(|((name, weights), (base_name, base))| {
-            if name != base_name {
-                return Err(SyncClientError::Tensor {
-                    name: name.clone(),
-                    detail: format!("base holds {base_name:?} at its place"),
-                });
-            }
-            let delta = tch::no_grad(|| weights.detach().f_sub(base))?;
-            tensor_to_wire(name, &delta, dtype)
-        })
-        .collect()
-}
-
-/// Copies the center into the model's parameters and returns the new base
-/// (a copy of the same values).
-fn load_center(
-    parameters: &[(String, Tensor)],
-    center: Vec<WireTensor>,
-) -> Result<Vec<(String, Tensor)>, SyncClientError> {
-    if center.len() != parameters.len() {
-        return Err(SyncClientError::Protocol(format!(
-            "the center has {} tensors, the model {}",
-            center.len(),
-            parameters.len()
-        )));
-    }
-    let mut base = Vec::with_capacity(parameters.len());
-    for ((name, parameter), (center_name, shape, bytes)) in parameters.iter().zip(center) {
-        if *name != center_name {
-            return Err(SyncClientError::Tensor {
-                name: name.clone(),
-                detail: format!("the center sent {center_name:?} at its place"),
-            });
-        }
-        let shape: Vec<i64> = shape.iter().map(|&dim| dim as i64).collect();
-        if shape != parameter.size() {
-            return Err(SyncClientError::Tensor {
-                name: name.clone(),
-                detail: format!("center shape {shape:?}, model shape {:?}", parameter.size()),
-            });
-        }
-        let elements: i64 = shape.iter().product();
-        let kind = if bytes.len() as i64 == elements * 4 {
-            Kind::Float
-        } else if bytes.len() as i64 == elements * 2 {
-            Kind::BFloat16
-        } else {
-            return Err(SyncClientError::Tensor {
-                name: name.clone(),
-                detail: format!("{} bytes for {elements} elements", bytes.len()),
-            });
-        };
-        let values = Tensor::f_from_data_size(&bytes, &shape, kind)?
-            .f_to_kind(Kind::Float)?
-            .f_to_device(parameter.device())?;
-        tch::no_grad(|| parameter.shallow_clone().f_copy_(&values))?;
-        base.push((name.clone(), values));
-    }
-    Ok(base)
 }
