@@ -173,7 +173,7 @@ fn has_loss_mask(line: &str) -> bool {
 /// conversations (`messages` / `conversations`) rendered with the model's
 /// chat template up to the assistant's turn.
 pub fn read_prompts(path: &Path, model_dir: &Path) -> anyhow::Result<Vec<Vec<i64>>> {
-    use dflash_target_server::data::{parse_line, ChatEncoder, Conversation};
+    use dflash_model::chat::{parse_line, ChatEncoder, Conversation};
     let mut encoder: Option<ChatEncoder> = None;
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;

@@ -17,9 +17,10 @@
 //!   the operator's `status`, `top`, `health` from `dflash-ops`).
 //!
 //! Talks to the broker only through `dflash-client`; the status table comes
-//! from `dflash-ops`, model code from `dflash-model` and
-//! `dflash-drafter-server` (evaluation), so `dflash` links libtorch. The
-//! operator's binary without libtorch is `dflash-ops` (`clients/ops`).
+//! from `dflash-ops`, model code (chat data, token ids, evaluation) from
+//! `dflash-model`, so `dflash` links libtorch; it depends on no server
+//! crate (it starts the servers' binaries). The operator's binary without
+//! libtorch is `dflash-ops` (`clients/ops`).
 
 pub mod demo;
 pub mod local;

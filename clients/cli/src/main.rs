@@ -114,14 +114,14 @@ async fn eval(args: EvalArgs) -> anyhow::Result<()> {
         compare_untrained,
     } = args;
     let device = dflash_model::device::resolve_device(device)?;
-    let checkpoint = match dflash_drafter_server::checkpoints::latest_checkpoint(&drafter)? {
+    let checkpoint = match dflash_model::draft::step_dirs::latest_checkpoint(&drafter)? {
         Some(latest) if !drafter.join("config.json").exists() => latest,
         _ => drafter.clone(),
     };
     let prompts = demo::read_prompts(&data, &target_model)?;
     let (report, untrained) = tokio::task::spawn_blocking(move || {
         let evaluate = |checkpoint: &std::path::Path| {
-            dflash_drafter_server::eval::evaluate(
+            dflash_model::eval::evaluate(
                 &target_model,
                 checkpoint,
                 &prompts,
@@ -132,7 +132,7 @@ async fn eval(args: EvalArgs) -> anyhow::Result<()> {
         let trained = evaluate(&checkpoint)?;
         let untrained = if compare_untrained {
             let baseline_dir = tempfile_dir()?;
-            let baseline = dflash_drafter_server::eval::write_untrained_baseline(
+            let baseline = dflash_model::eval::write_untrained_baseline(
                 &target_model,
                 &checkpoint,
                 baseline_dir.path(),

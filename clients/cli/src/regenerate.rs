@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use clap::Args;
+use dflash_model::chat::{parse_line, ChatEncoder, Conversation};
 use dflash_model::generate::{generate, GenerationOptions, GenerationRequest};
 use dflash_model::sampling::SamplingOptions;
 use dflash_model::target_model::TargetModel;
-use dflash_target_server::data::{parse_line, ChatEncoder, Conversation};
 use serde_json::Value;
 
 #[derive(Debug, Clone, Args)]
@@ -120,7 +120,7 @@ enum Turns {
 /// generation_config.json / config.json plus the chat end-of-turn tokens the
 /// tokenizer knows (`<|im_end|>`, `<|eot_id|>`, `<|end|>`).
 fn stop_token_ids(model_dir: &Path, tokenizer: &tokenizers::Tokenizer) -> Vec<i64> {
-    let mut ids = dflash_drafter_server::eval::eos_token_ids(model_dir);
+    let mut ids = dflash_model::tokens::eos_token_ids(model_dir);
     for token in ["<|im_end|>", "<|eot_id|>", "<|end|>"] {
         if let Some(id) = tokenizer.token_to_id(token) {
             ids.push(i64::from(id));

@@ -89,13 +89,11 @@ fn regenerates_assistant_turns_sharded_and_resumable() {
     assert_eq!(output[0]["messages"][0], original[0]["messages"][0]);
     assert_eq!(output[0]["messages"][1], original[0]["messages"][1]);
     let encoder =
-        dflash_target_server::data::ChatEncoder::from_directory(&model, usize::MAX, None).unwrap();
-    let dflash_target_server::data::Conversation::Messages(messages) =
-        dflash_target_server::data::parse_line(
-            &json!({"messages": original[0]["messages"].as_array().unwrap()[..2]}).to_string(),
-        )
-        .unwrap()
-    else {
+        dflash_model::chat::ChatEncoder::from_directory(&model, usize::MAX, None).unwrap();
+    let dflash_model::chat::Conversation::Messages(messages) = dflash_model::chat::parse_line(
+        &json!({"messages": original[0]["messages"].as_array().unwrap()[..2]}).to_string(),
+    )
+    .unwrap() else {
         panic!("not a chat line");
     };
     let prompt = encoder.encode_prompt(&messages).unwrap();

@@ -23,18 +23,30 @@
 //! - `tiny`: writes a small seeded Qwen3/Llama model directory (config,
 //!   weights, byte-level BPE tokenizer, ChatML template) for tests and
 //!   `dflash init-tiny`, so nothing is ever downloaded.
-//! - `draft` (owned by the drafter work): the DFlash draft model, its
-//!   training loss and its checkpoint format.
+//! - `draft`: the DFlash draft model, its training loss, its checkpoint
+//!   format and the step directories of a drafter's output folder
+//!   (`draft::step_dirs`).
+//! - `chat`: one JSONL line → token ids and the assistant-only loss mask
+//!   (pre-tokenized, OpenAI messages, ShareGPT), rendered with the model's
+//!   own chat template (minijinja) and tokenizer (`tokenizers`).
+//! - `eval`: speculative decoding with a drafter and the target (lossless
+//!   against greedy), τ, the untrained baseline.
+//! - `tokens`: the drafter's mask token id (the tokenizer's `mask_token`,
+//!   else the DFlash reserved id past the vocabulary) and the target's EOS
+//!   ids, read from a model directory.
 //!
 //! Must not depend on tonic, tokio or the broker: model code is pure compute
 //! and runs on dedicated threads of the servers.
 
+pub mod chat;
 pub mod device;
 pub mod draft;
+pub mod eval;
 pub mod generate;
 pub mod layers;
 pub mod sampling;
 pub mod target_model;
 pub mod tiny;
+pub mod tokens;
 
 pub use target_model::ModelError;

@@ -26,7 +26,8 @@ use dflash_model::draft::{
     BlockInputs, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads, TargetDimensions,
 };
 use dflash_model::target_model::TargetModel;
-use dflash_model::tiny::{mask_token_id, write_tiny_model, TinyModelSpec};
+use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
+use dflash_model::tokens::mask_token_id;
 use tch::{Device, Kind, Tensor};
 
 const BLOCK_SIZE: i64 = 8;

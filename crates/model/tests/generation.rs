@@ -19,7 +19,8 @@ use dflash_model::generate::{
 };
 use dflash_model::sampling::SamplingOptions;
 use dflash_model::target_model::{build_target_layer_ids, TargetModel};
-use dflash_model::tiny::{default_mask_token_id, write_tiny_model, MaskTokenSource, TinyModelSpec};
+use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
+use dflash_model::tokens::{default_mask_token_id, MaskTokenSource};
 use tch::{Device, Kind, Tensor};
 
 const NEW_TOKENS: usize = 12;

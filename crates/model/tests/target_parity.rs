@@ -9,7 +9,8 @@
 
 use anyhow::{ensure, Context, Result};
 use dflash_model::target_model::{build_target_layer_ids, TargetModel};
-use dflash_model::tiny::{mask_token_id, write_tiny_model, TinyModelSpec};
+use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
+use dflash_model::tokens::mask_token_id;
 use dflash_model::ModelError;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -24,6 +24,8 @@
 //! - [`checkpoint`]: atomic save / load of `model.safetensors`,
 //!   `config.json` (loadable by `dflash`'s `DFlashDraftModel.from_pretrained`)
 //!   and the optimizer/trainer state for resuming.
+//! - [`step_dirs`]: a drafter's output folder: `step_N` directories, the
+//!   `latest` pointer, pruning.
 //!
 //! Nothing here knows about the broker or threads: the drafter-server drives
 //! it from its own training thread.
@@ -33,6 +35,7 @@ pub mod config;
 pub mod model;
 pub mod objective;
 pub mod optim;
+pub mod step_dirs;
 pub mod trainer;
 
 pub use checkpoint::{
