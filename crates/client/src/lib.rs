@@ -12,6 +12,8 @@
 //!   nacks, credit and stats from any thread.
 //! - `security`: TLS, mutual TLS and the bearer token of every connection
 //!   ([`ClientSecurityArgs`], the flags every client role shares).
+//! - `backoff`: [`Backoff`], the doubling wait between reconnect attempts
+//!   that every client role uses.
 //! - `wire`: the Produce and Consume streams' bodies without tonic's
 //!   copies: an item's tensors go out as their own chunks (no copy), a
 //!   delivery's tensors are views on the received HTTP/2 frames (joined
@@ -24,6 +26,7 @@
 //!
 //! Depends only on `dflash-proto` and tonic; no model code.
 
+mod backoff;
 mod consumer;
 mod producer;
 pub mod security;
@@ -38,6 +41,7 @@ use dflash_proto::v1 as proto;
 use dflash_proto::v1::broker_client::BrokerClient as GeneratedClient;
 use tonic::transport::Endpoint;
 
+pub use backoff::Backoff;
 pub use consumer::{Consumer, ConsumerEvent, ConsumerHandle};
 pub use producer::{ProduceReport, Producer};
 pub use security::{AuthChannel, ClientSecurity, ClientSecurityArgs};

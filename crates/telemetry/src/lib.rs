@@ -16,7 +16,8 @@
 //!   `Delivery.trace_context`; [`add_link_from`] for work over many samples.
 //! - `exposition`: [`Exposition`], a writer of the Prometheus text format
 //!   (0.0.4) for metrics computed at scrape time from a snapshot.
-//! - `registry`: [`Registry`] with [`Counter`]s and [`Gauge`]s that code
+//! - `registry`: [`Registry`] with [`Counter`]s, [`Gauge`]s and the
+//!   servers' [`DeviceMemoryGauges`] that code
 //!   updates as it goes, rendered through `exposition`.
 //! - `http`: [`serve_metrics`], a minimal HTTP/1.1 server for `GET /metrics`,
 //!   [`bind_metrics_listener`] (a `--metrics-listen` flag's listener) and
@@ -43,7 +44,7 @@ pub use init::{
 pub use propagation::{
     add_link_from, inject_context_of, inject_current_context, set_parent_from, trace_id_of,
 };
-pub use registry::{Counter, Gauge, Registry, RegistryError};
+pub use registry::{Counter, DeviceMemoryGauges, Gauge, Registry, RegistryError};
 
 /// The `tracing` target of spans that exist for traces rather than logs
 /// (`enqueue`, `deliver`, a batch, a step). They are declared at DEBUG level

@@ -78,6 +78,49 @@ struct RegisteredFamily {
     series: Vec<Series>,
 }
 
+/// The GPU memory gauges a device-owning service reports after each unit
+/// of work (a drafter's step, a target's batch): what is in use and its
+/// peak over the process (NVML; zero on the CPU). Registered alike by both
+/// servers: `{prefix}device_memory_used_bytes` and
+/// `{prefix}device_memory_peak_bytes`.
+#[derive(Clone, Debug)]
+pub struct DeviceMemoryGauges {
+    pub used_bytes: Gauge,
+    pub peak_bytes: Gauge,
+}
+
+impl DeviceMemoryGauges {
+    /// `after_each` names the unit of work in the help text ("step",
+    /// "batch").
+    pub fn register(
+        registry: &Registry,
+        prefix: &str,
+        after_each: &str,
+        labels: &[(&str, &str)],
+    ) -> Result<DeviceMemoryGauges, RegistryError> {
+        Ok(DeviceMemoryGauges {
+            used_bytes: registry.gauge_with_labels(
+                &format!("{prefix}device_memory_used_bytes"),
+                &format!("GPU memory in use after the last {after_each} (NVML; 0 on the CPU)."),
+                labels,
+            )?,
+            peak_bytes: registry.gauge_with_labels(
+                &format!("{prefix}device_memory_peak_bytes"),
+                &format!(
+                    "Largest GPU memory in use after any {after_each} of this process (NVML; 0 on the CPU)."
+                ),
+                labels,
+            )?,
+        })
+    }
+
+    /// Sets both from one reading.
+    pub fn set(&self, used_bytes: u64, peak_bytes: u64) {
+        self.used_bytes.set(used_bytes as f64);
+        self.peak_bytes.set(peak_bytes as f64);
+    }
+}
+
 /// The metrics of one process, in registration order.
 #[derive(Default)]
 pub struct Registry {

@@ -7,7 +7,7 @@
 //! carries `drafter_id` and `device` labels, so one dashboard can sum or
 //! split the drafters of a run.
 
-use dflash_telemetry::{Counter, Gauge, Registry, RegistryError};
+use dflash_telemetry::{Counter, DeviceMemoryGauges, Gauge, Registry, RegistryError};
 
 /// Every metric name starts with this.
 pub const PREFIX: &str = "dflash_drafter_";
@@ -36,8 +36,7 @@ pub struct DrafterMetrics {
     /// The GPU's used memory after the last step, and its peak (NVML: what
     /// libtorch's caching allocator reserved plus the CUDA context); zero on
     /// the CPU.
-    pub device_memory_used_bytes: Gauge,
-    pub device_memory_peak_bytes: Gauge,
+    pub device_memory: DeviceMemoryGauges,
 }
 
 impl DrafterMetrics {
@@ -86,14 +85,7 @@ impl DrafterMetrics {
                 "busy_fraction",
                 "Fraction of the last stats interval that the device was computing.",
             )?,
-            device_memory_used_bytes: gauge(
-                "device_memory_used_bytes",
-                "GPU memory in use after the last step (NVML; 0 on the CPU).",
-            )?,
-            device_memory_peak_bytes: gauge(
-                "device_memory_peak_bytes",
-                "Largest GPU memory in use after any step of this process (NVML; 0 on the CPU).",
-            )?,
+            device_memory: DeviceMemoryGauges::register(registry, PREFIX, "step", &labels)?,
         })
     }
 }

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use dflash_client::{BrokerClient, Consumer, ConsumerHandle};
+use dflash_client::{Backoff, BrokerClient, Consumer, ConsumerHandle};
 use dflash_proto::v1::Credit;
 use tokio::time::{interval, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
@@ -55,7 +55,7 @@ impl ConsumeStream {
         shutdown: &CancellationToken,
     ) -> Result<Option<Self>, DrafterError> {
         let deadline = Instant::now() + config.reconnect_timeout;
-        let mut backoff = Duration::from_millis(100);
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             let remembered = run_id.clone();
             let attempt = async {
@@ -79,13 +79,13 @@ impl ConsumeStream {
                     error!(%error, "the broker refused the Consume stream; not retrying");
                     return Err(DrafterError::BrokerRefused(error.to_string()));
                 }
-                Err(error) if Instant::now() + backoff < deadline => {
-                    warn!(%error, retry_in_ms = backoff.as_millis() as u64, "cannot open the Consume stream; retrying");
+                Err(error) if Instant::now() + backoff.peek() < deadline => {
+                    let delay = backoff.next_delay();
+                    warn!(%error, retry_in_ms = delay.as_millis() as u64, "cannot open the Consume stream; retrying");
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(None),
-                        _ = tokio::time::sleep(backoff) => {}
+                        _ = tokio::time::sleep(delay) => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
                 Err(error) => {
                     return Err(DrafterError::BrokerUnavailable {

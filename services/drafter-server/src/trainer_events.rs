@@ -102,11 +102,8 @@ impl Pump {
             .and_then(|monitor| monitor.sample())
         {
             self.metrics
-                .device_memory_used_bytes
-                .set(reading.used_bytes as f64);
-            self.metrics
-                .device_memory_peak_bytes
-                .set(reading.peak_bytes as f64);
+                .device_memory
+                .set(reading.used_bytes, reading.peak_bytes);
         }
         if report.step.is_power_of_two() || report.step.is_multiple_of(100) {
             info!(

@@ -368,11 +368,8 @@ pub fn run_host_copy_thread(
         metrics.batches.increment();
         if let Some(reading) = gpu_memory.as_ref().and_then(|monitor| monitor.sample()) {
             metrics
-                .device_memory_used_bytes
-                .set(reading.used_bytes as f64);
-            metrics
-                .device_memory_peak_bytes
-                .set(reading.peak_bytes as f64);
+                .device_memory
+                .set(reading.used_bytes, reading.peak_bytes);
         }
         let mut samples = Vec::with_capacity(batch.samples.len());
         for (sequenced, hidden_payload) in batch.samples.into_iter().zip(payloads) {

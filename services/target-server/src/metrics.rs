@@ -8,7 +8,7 @@
 //! Every series carries `target_id` and `device` labels, so one dashboard
 //! can sum or split the targets of a run.
 
-use dflash_telemetry::{Counter, Gauge, Registry, RegistryError};
+use dflash_telemetry::{Counter, DeviceMemoryGauges, Gauge, Registry, RegistryError};
 
 /// Every metric name starts with this.
 pub const PREFIX: &str = "dflash_target_";
@@ -36,8 +36,7 @@ pub struct TargetMetrics {
     /// The GPU's used memory after the last batch, and its peak (NVML: what
     /// libtorch's caching allocator reserved plus the CUDA context); zero on
     /// the CPU.
-    pub device_memory_used_bytes: Gauge,
-    pub device_memory_peak_bytes: Gauge,
+    pub device_memory: DeviceMemoryGauges,
 }
 
 impl TargetMetrics {
@@ -88,14 +87,7 @@ impl TargetMetrics {
                 "batch_seconds",
                 "Device seconds of the last batch (forward and copy to host).",
             )?,
-            device_memory_used_bytes: gauge(
-                "device_memory_used_bytes",
-                "GPU memory in use after the last batch (NVML; 0 on the CPU).",
-            )?,
-            device_memory_peak_bytes: gauge(
-                "device_memory_peak_bytes",
-                "Largest GPU memory in use after any batch of this process (NVML; 0 on the CPU).",
-            )?,
+            device_memory: DeviceMemoryGauges::register(registry, PREFIX, "batch", &labels)?,
         })
     }
 }

@@ -8,10 +8,15 @@
 //! remembered window was answered, because `send` only returns once a
 //! window slot is free.
 
-use dflash_client::{BrokerClient, ClientError, ProduceReport, Producer};
+use dflash_client::{Backoff, BrokerClient, ClientError, ProduceReport, Producer};
 use dflash_proto::v1::{Item, ProducerStats};
 use std::collections::VecDeque;
 use std::time::Duration;
+
+/// The first wait before reopening a broken Produce stream.
+const FIRST_RECONNECT_DELAY: Duration = Duration::from_millis(400);
+/// The longest wait between reopening attempts.
+const MAX_RECONNECT_DELAY: Duration = Duration::from_millis(6400);
 
 /// A Produce stream with reconnect-and-resume.
 pub struct ResilientProducer {
@@ -28,6 +33,9 @@ pub struct ResilientProducer {
     /// shows that the stream before it had items accepted, so routine
     /// broker restarts over a long run never add up to the budget.
     outage_attempts: u32,
+    /// The wait before each reopening attempt (0.4 s doubling to 6.4 s),
+    /// reset with `outage_attempts`.
+    backoff: Backoff,
     /// What the broker had accepted from this target when the current
     /// stream opened (its welcome).
     accepted_at_open: u64,
@@ -52,6 +60,7 @@ impl ResilientProducer {
             window: window.max(1),
             max_reconnects,
             outage_attempts: 0,
+            backoff: Backoff::new(FIRST_RECONNECT_DELAY, MAX_RECONNECT_DELAY),
             accepted_at_open,
             reconnects: 0,
         })
@@ -113,8 +122,7 @@ impl ResilientProducer {
         while self.outage_attempts < self.max_reconnects {
             self.outage_attempts += 1;
             self.reconnects += 1;
-            let backoff =
-                Duration::from_millis(200u64.saturating_mul(1 << self.outage_attempts.min(5)));
+            let backoff = self.backoff.next_delay();
             tracing::warn!(target_id = %self.target_id, attempt = self.outage_attempts, error = %last_error, ?backoff, "produce stream broke; reopening");
             tokio::time::sleep(backoff).await;
             match self.client.produce(&self.target_id).await {
@@ -122,6 +130,7 @@ impl ResilientProducer {
                     tracing::info!(target_id = %self.target_id, resume_after_seq = ?producer.resume_after_seq(), "produce stream reopened");
                     if producer.accepted_before() > self.accepted_at_open {
                         self.outage_attempts = 0;
+                        self.backoff.reset();
                     }
                     self.accepted_at_open = producer.accepted_before();
                     self.producer = producer;
