@@ -42,6 +42,8 @@ pub struct Producer {
     requests: Option<mpsc::Sender<proto::ProduceRequest>>,
     /// One permit per item that may be unanswered.
     window: Arc<Semaphore>,
+    /// The most items unanswered at once.
+    window_items: usize,
     answers: Arc<Mutex<Answers>>,
     reader: Option<JoinHandle<()>>,
 }
@@ -121,6 +123,7 @@ impl Producer {
             accepted_before: welcome.accepted_items,
             requests: Some(requests),
             window,
+            window_items: window_items.max(1),
             answers,
             reader: Some(reader),
         })
@@ -144,6 +147,12 @@ impl Producer {
     /// everything before it.
     pub fn resume_after_seq(&self) -> Option<u64> {
         self.resume_after_seq
+    }
+
+    /// The most items this stream keeps unanswered at once (`send_item`
+    /// waits beyond it).
+    pub fn window_items(&self) -> usize {
+        self.window_items
     }
 
     /// Items the broker had accepted from this target before this stream.
@@ -336,6 +345,7 @@ mod tests {
             accepted_before: 0,
             requests: Some(requests),
             window: Arc::new(Semaphore::new(0)),
+            window_items: 1,
             answers: Arc::new(Mutex::new(Answers::default())),
             reader: None,
         }

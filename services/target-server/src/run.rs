@@ -250,18 +250,13 @@ async fn stream_shard(
     metrics: &TargetMetrics,
     gpu_memory: Option<Arc<dflash_device::GpuMemoryMonitor>>,
 ) -> Result<(TargetReport, BrokerClient), TargetServerError> {
-    let (client, shard, window) = connect(config).await?;
+    let (client, shard) = connect(config).await?;
     let info = tokio::select! {
         loaded = threads.compute.ready() => loaded??,
         () = shutdown.cancelled() => return Err(TargetServerError::Config("shut down while loading the model".into())),
     };
-    let producer = ResilientProducer::open(
-        client.clone(),
-        &config.target_id,
-        window,
-        config.max_reconnects,
-    )
-    .await?;
+    let producer =
+        ResilientProducer::open(client.clone(), &config.target_id, config.max_reconnects).await?;
     let resume_after_seq = producer.resume_after_seq();
     let samples_total = shard.records_in_shard(record_count);
     tracing::info!(
@@ -318,15 +313,14 @@ async fn stream_shard(
 }
 
 /// The broker connection and this target's shard (the broker's status says
-/// how many targets the run expects); the producer's credit window.
+/// how many targets the run expects).
 async fn connect(
     config: &TargetServerConfig,
-) -> Result<(BrokerClient, ShardSpec, usize), TargetServerError> {
+) -> Result<(BrokerClient, ShardSpec), TargetServerError> {
     let options = config
         .security
         .client_options()
         .map_err(dflash_client::ClientError::from)?;
-    let window = options.producer_window_items;
     let client = BrokerClient::connect(config.broker.clone(), options).await?;
     let status = client.status().await?;
     let shard = resolve_shard(
@@ -335,7 +329,7 @@ async fn connect(
         &config.target_id,
         Some(status.expected_targets),
     )?;
-    Ok((client, shard, window))
+    Ok((client, shard))
 }
 
 /// Reports the shard done with the number of samples the reader numbered

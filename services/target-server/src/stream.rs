@@ -3,10 +3,12 @@
 //! The client library's `Producer` keeps at most a window of items
 //! unanswered; when its stream breaks, those items may or may not have
 //! reached the broker. This wrapper remembers the last window's worth of
-//! items, reopens the stream (the broker's welcome says which seq it has
-//! up to), and re-sends only what came after that. Everything before the
-//! remembered window was answered, because `send` only returns once a
-//! window slot is free.
+//! items plus the one being sent, reopens the stream (the broker's welcome
+//! says which seq it has up to), and re-sends only what came after that.
+//! Everything before the remembered items was answered: a send takes a
+//! window slot before it goes out, so when item n is sent at most `window`
+//! items (n among them) are unanswered, and when the send of n fails, the
+//! `window` items before it may still be.
 
 use dflash_client::{Backoff, BrokerClient, ClientError, ProduceReport, Producer};
 use dflash_proto::v1::{Item, ProducerStats};
@@ -23,9 +25,11 @@ pub struct ResilientProducer {
     client: BrokerClient,
     target_id: String,
     producer: Producer,
-    /// The last `window` items sent, for re-sending after a reconnect
-    /// (clones share the payload bytes).
+    /// The last `window + 1` items sent (the unanswered window and the
+    /// one being sent), for re-sending after a reconnect (clones share the
+    /// payload bytes).
     recent: VecDeque<Item>,
+    /// The stream's window ([`Producer::window_items`]).
     window: usize,
     /// Reopening attempts allowed in one outage.
     max_reconnects: u32,
@@ -44,20 +48,22 @@ pub struct ResilientProducer {
 }
 
 impl ResilientProducer {
+    /// Opens the stream; its window is the client's
+    /// (`ClientOptions::producer_window_items`).
     pub async fn open(
         client: BrokerClient,
         target_id: &str,
-        window: usize,
         max_reconnects: u32,
     ) -> Result<Self, ClientError> {
         let producer = client.produce(target_id).await?;
         let accepted_at_open = producer.accepted_before();
+        let window = producer.window_items();
         Ok(ResilientProducer {
             client,
             target_id: target_id.to_string(),
             producer,
             recent: VecDeque::with_capacity(window + 1),
-            window: window.max(1),
+            window,
             max_reconnects,
             outage_attempts: 0,
             backoff: Backoff::new(FIRST_RECONNECT_DELAY, MAX_RECONNECT_DELAY),
@@ -81,7 +87,7 @@ impl ResilientProducer {
     /// that made it).
     pub async fn send_item(&mut self, item: Item) -> Result<(), ClientError> {
         self.recent.push_back(item.clone());
-        while self.recent.len() > self.window {
+        while self.recent.len() > self.window + 1 {
             self.recent.pop_front();
         }
         let mut pending = vec![item];
@@ -133,6 +139,7 @@ impl ResilientProducer {
                         self.backoff.reset();
                     }
                     self.accepted_at_open = producer.accepted_before();
+                    self.window = producer.window_items();
                     self.producer = producer;
                     return Ok(());
                 }

@@ -48,7 +48,7 @@ async fn routine_broker_restarts_never_add_up_to_the_reconnect_budget() {
         work.path().join("broker.log"),
     )
     .await;
-    let mut producer = ResilientProducer::open(broker.client().await, "target-0", 4, BUDGET)
+    let mut producer = ResilientProducer::open(broker.client().await, "target-0", BUDGET)
         .await
         .unwrap();
     let mut seq = 0;
