@@ -36,6 +36,7 @@ test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli check-py
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets $(TEST_FEATURES) -- -D warnings
 
 ## The tests run the server binaries with their test hooks (a compute or
 ## training thread that hangs on purpose: cargo feature `test-hooks`, off in
