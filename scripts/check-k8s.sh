@@ -217,10 +217,17 @@ def shape(path, variant):
          f"broker DFLASH_EXPECTED_TARGETS {env.get('DFLASH_EXPECTED_TARGETS')} != target replicas {targets['spec']['replicas']}")
     # TLS on: the kubelet's gRPC probe cannot speak it, `dflash-ops health`
     # over https does (and loads no libtorch).
-    for probe in ("readinessProbe", "livenessProbe"):
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         command = broker_container.get(probe, {}).get("exec", {}).get("command", [])
         need(command[:2] == ["dflash-ops", "health"] and any(a.startswith("https://") for a in command),
              f"broker {probe} is not `dflash-ops health --broker https://...`: {command}")
+    # The startupProbe covers replaying the largest log (about 4x the
+    # 2 GiB default --max-queue-bytes) at 0.05 GB/s, a tenth of the slowest
+    # replay measured (BENCHMARKS.md, "Write-ahead log replay").
+    startup = broker_container.get("startupProbe", {})
+    allowed = startup.get("periodSeconds", 10) * startup.get("failureThreshold", 3)
+    need(allowed >= 4 * 2 * 2**30 / 0.05e9,
+         f"broker startupProbe allows {allowed} s, less than replaying 8 GiB at 0.05 GB/s")
     need(by.get(("Service", "broker")) is not None, "no broker Service")
     for name, workload in (("target", targets), ("drafter", drafters)):
         spec = workload["spec"]["template"]["spec"]
@@ -683,7 +690,7 @@ if __name__ == "__main__":
 PY
 py() { "$venv/bin/python" "$work/checks.py" "$@"; }
 
-check "base: Recreate broker, https probes, GPUs, grace, ConfigMap, scrape annotations" \
+check "base: Recreate broker, https probes (a startupProbe sized for the replay), GPUs, grace, ConfigMap, scrape annotations" \
   py shape "$work/base.yaml" gpu
 check "cpu-synthetic overlay: the same without GPUs" py shape "$work/overlays-cpu-synthetic.yaml" cpu
 hpa_present() { grep -q "kind: HorizontalPodAutoscaler" "$work/overlays-gpu-autoscaled.yaml"; }

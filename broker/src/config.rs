@@ -146,6 +146,12 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_FSYNC", value_enum, default_value = "batch")]
     pub fsync: crate::wal::FsyncPolicy,
 
+    /// Keep a --state-dir written for other target ids (another count or
+    /// order): its resume points and items go on under this configuration.
+    /// Without it such a state dir refuses to start, naming both.
+    #[arg(long, env = "DFLASH_ADOPT_STATE_DIR")]
+    pub adopt_state_dir: bool,
+
     /// Address for the Prometheus text endpoint (`GET /metrics`), e.g.
     /// 0.0.0.0:9090. No endpoint when not given.
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
@@ -183,6 +189,7 @@ impl BrokerConfig {
             metrics_listen: None,
             state_dir: None,
             fsync: crate::wal::FsyncPolicy::Batch,
+            adopt_state_dir: false,
             model_sync: crate::model_sync::ModelSyncConfig::default(),
             security: crate::auth::BrokerSecurity::none(),
         }
@@ -236,6 +243,16 @@ impl BrokerConfig {
             QueueConfig::default_target_ids(self.expected_targets)
         } else {
             self.target_ids.clone()
+        }
+    }
+
+    /// How the write-ahead log is opened: the run's target ids are what a
+    /// state dir must have been written for.
+    pub(crate) fn log_config(&self) -> crate::wal::LogConfig {
+        crate::wal::LogConfig {
+            max_queue_bytes: self.max_queue_bytes,
+            shape: crate::wal::RunShape::new(self.target_ids()),
+            adopt: self.adopt_state_dir,
         }
     }
 

@@ -12,24 +12,61 @@ use dflash_telemetry::{Exposition, MetricKind};
 
 use crate::payload::ReceivedCounts;
 use crate::queue::{BrokerState, DrafterSnapshot, Snapshot, TargetSnapshot, TargetState};
+use crate::wal::writer::WriterCounts;
 
 /// Every metric name starts with this.
 pub const PREFIX: &str = "dflash_broker_";
 
 /// The text exposition (format 0.0.4) of `snapshot`.
 pub fn render(snapshot: &Snapshot) -> String {
-    render_with(snapshot, ReceivedCounts::default())
+    render_with(snapshot, ReceivedCounts::default(), None)
 }
 
 /// [`render`] with how large payloads arrived (counted outside the queue).
-pub fn render_with(snapshot: &Snapshot, received: ReceivedCounts) -> String {
+pub fn render_with(
+    snapshot: &Snapshot,
+    received: ReceivedCounts,
+    log: Option<WriterCounts>,
+) -> String {
     let mut out = Exposition::new();
     write_run(&mut out, snapshot);
     write_queue(&mut out, snapshot);
     write_targets(&mut out, &snapshot.targets);
     write_drafters(&mut out, &snapshot.drafters);
     write_received(&mut out, received);
+    if let Some(log) = log {
+        write_log(&mut out, log);
+    }
     out.finish()
+}
+
+/// The write-ahead log's writer (only with `--state-dir`).
+fn write_log(out: &mut Exposition, log: WriterCounts) {
+    out.gauge(
+        &name("log_stalled"),
+        "1 while a write-ahead log write waits for space (no space, quota, EIO): answers are held back and health is NOT_SERVING until it goes through.",
+        f64::from(u8::from(log.stalled)),
+    );
+    out.gauge(
+        &name("log_failed"),
+        "1 once the write-ahead log failed for good (a sync or another write error): the run is aborted.",
+        f64::from(u8::from(log.failed)),
+    );
+    out.counter(
+        &name("log_groups_total"),
+        "Groups of submissions the write-ahead log's writer wrote together.",
+        log.groups as f64,
+    );
+    out.counter(
+        &name("log_syncs_total"),
+        "fdatasync calls on the write-ahead log.",
+        log.syncs as f64,
+    );
+    out.gauge(
+        &name("log_segment_bytes"),
+        "Bytes in the write-ahead log's newest segment.",
+        log.log_bytes as f64,
+    );
 }
 
 fn write_received(out: &mut Exposition, received: ReceivedCounts) {

@@ -91,6 +91,10 @@ pub async fn serve_with_metrics(
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     report_serving(&health_reporter).await;
+    let health_follower = tokio::spawn(follow_log_stalls(
+        shared.log_stalled(),
+        health_reporter.clone(),
+    ));
     let reflection = reflection_services()?;
     let background = Background::spawn(&shared, &model_sync, metrics_listener);
     log_listening(&listener, &config, &security);
@@ -126,6 +130,7 @@ pub async fn serve_with_metrics(
     }
 
     info!(state = ?shared.broker_state(), "shutting down");
+    health_follower.abort();
     report_not_serving(&health_reporter).await;
     internal.cancel();
     shared.end_all_streams();
@@ -166,6 +171,35 @@ async fn report_serving(health_reporter: &HealthReporter) {
     health_reporter
         .set_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
         .await;
+}
+
+/// The Broker service is NOT_SERVING while the write-ahead log cannot
+/// write (no space, EIO: answers are held back until it can), SERVING
+/// again when it can: readiness follows the disk, liveness (the server as
+/// a whole, `""`) does not, since restarting would not make room.
+async fn follow_log_stalls(
+    mut stalled: tokio::sync::watch::Receiver<Option<String>>,
+    health_reporter: HealthReporter,
+) {
+    loop {
+        let reason = stalled.borrow_and_update().clone();
+        match reason {
+            Some(reason) => {
+                warn!(%reason, "Broker service NOT_SERVING: the write-ahead log cannot write");
+                health_reporter
+                    .set_not_serving::<BrokerServer<BrokerService>>()
+                    .await;
+            }
+            None => {
+                health_reporter
+                    .set_serving::<BrokerServer<BrokerService>>()
+                    .await;
+            }
+        }
+        if stalled.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Reports both broker services, and the server as a whole (`""`),

@@ -3,13 +3,21 @@
 //! every accepted and unacked item, every target's resume point, the done
 //! set and the run id.
 //!
-//! On disk: `run-id` (written once, atomically) and `segment-NNNNNNNNNNNNNNNN.wal`
-//! files of frames `[u32 body length][u32 CRC-32 of body][body]`, little
-//! endian; a body is a kind byte and its fields (the one framing, in
-//! `wal/record.rs`). Records are appended before
-//! anyone is answered. A torn or corrupt frame at the end of the newest
-//! segment (a crash mid-write) is cut off with a warning; corruption anywhere
-//! else refuses to start, naming the file and offset.
+//! On disk: `run-id` and `run-config` (the target ids the log was written
+//! under; `wal/state_dir.rs`), and `segment-NNNNNNNNNNNNNNNN.wal` files: a
+//! 32-byte header (magic, format version, the run configuration's
+//! fingerprint; `wal/segment.rs`) then frames `[u32 body length][u32 CRC-32
+//! of body][body]`, little endian; a body is a kind byte and its fields
+//! (`wal/record.rs`). Records are written before anyone is answered.
+//!
+//! Replay refuses what it cannot trust, naming the file and byte offset:
+//! only a write cut short at the end of the newest segment (a frame past
+//! the end, a bad last frame, a zero-filled tail) is cut off with a
+//! warning; a bad frame with good bytes after it, a frame that decodes to
+//! nothing, damage in an older segment, a foreign or newer-format segment,
+//! and a state dir written for another set of targets (unless
+//! `--adopt-state-dir`) all refuse to start. A run whose log failed for
+//! good leaves an `aborted` file, so a restart does not resume it.
 //!
 //! Bounded by the queue's byte cap: when the segment grows past
 //! `compact_above` (twice `--max-queue-bytes`, at least 64 MiB), the queue's
@@ -32,14 +40,16 @@
 //! syncs at most [`BATCH_SYNC_INTERVAL`] after a write (a process crash
 //! loses nothing, since written data is in the page cache; a power loss
 //! loses at most that window); `never` leaves it to the OS (compaction
-//! still syncs).
+//! still syncs). A write that fails for want of space (or with EIO) is
+//! rolled back ([`Wal::rollback`]) and retried until it succeeds, holding
+//! every answer back meanwhile; a failed sync is fatal.
 //!
 //! An accepted item's record is written from the slices of the frames it
 //! arrived in (`DurablePayload::encode_payload` returns shared pieces), so
 //! the log copies no payload bytes on the way to the kernel.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{BufWriter, Write};
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -49,18 +59,17 @@ use clap::ValueEnum;
 use crate::queue::{JournalEntry, Payload, Recovered};
 
 mod record;
+mod segment;
+mod state_dir;
 pub mod writer;
 use record::write_frame;
+use segment::{FingerprintCheck, HEADER_BYTES};
+pub use state_dir::RunShape;
 
 /// The longest `batch` leaves written records unsynced.
 pub const BATCH_SYNC_INTERVAL: Duration = Duration::from_millis(100);
 /// Smallest compaction threshold, so small caps do not compact constantly.
 const MIN_COMPACT_ABOVE: u64 = 64 << 20;
-const RUN_ID_FILE: &str = "run-id";
-/// Held locked (an advisory `flock`) by the broker that owns the state dir.
-/// The kernel drops the lock when that process exits, however it exits
-/// (`kill -9` included), so a stale lock file never blocks a restart.
-const LOCK_FILE: &str = "lock";
 
 /// When the log is flushed to stable storage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -102,6 +111,69 @@ pub enum WalError {
         offset: u64,
         detail: String,
     },
+    #[error("state dir {path}: segment format version {found}, this broker reads version {supported}; use the broker that wrote it")]
+    Version {
+        path: PathBuf,
+        found: u32,
+        supported: u32,
+    },
+    #[error("state dir {path}: the segment belongs to a run of another configuration (fingerprint {found:016x}, this state dir's is {expected:016x}): a segment copied in from another state dir?")]
+    ForeignSegment {
+        path: PathBuf,
+        found: u64,
+        expected: u64,
+    },
+    #[error("state dir {path} was written for {stored}, and this broker is configured for {configured}: the resume points would be another run's. Start the broker with the run's own --target-ids/--expected-targets, give this run a new --state-dir, or pass --adopt-state-dir to keep the log under the new configuration")]
+    ConfigMismatch {
+        path: PathBuf,
+        stored: String,
+        configured: String,
+    },
+}
+
+impl WalError {
+    /// Whether a failed write may succeed later (no space, a quota, an I/O
+    /// error the device may recover from): the writer rolls back and
+    /// retries instead of failing the log.
+    pub fn is_retryable_write(&self) -> bool {
+        match self {
+            WalError::Io { source, .. } => {
+                matches!(
+                    source.kind(),
+                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+                ) || source.raw_os_error() == Some(5)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// How to open a state dir.
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    /// Compaction starts above twice this (at least 64 MiB).
+    pub max_queue_bytes: u64,
+    /// The run's configuration the log must have been written under.
+    pub shape: RunShape,
+    /// Keep a log written under another configuration (`--adopt-state-dir`).
+    pub adopt: bool,
+}
+
+impl LogConfig {
+    pub fn new(max_queue_bytes: u64, shape: RunShape) -> Self {
+        LogConfig {
+            max_queue_bytes,
+            shape,
+            adopt: false,
+        }
+    }
+}
+
+/// A place in the log to roll back to ([`Wal::mark`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogMark {
+    segment_index: u64,
+    bytes: u64,
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> WalError + '_ {
@@ -120,6 +192,8 @@ pub struct Wal<P> {
     /// Bytes in the newest segment.
     segment_bytes: u64,
     compact_above: u64,
+    /// The run configuration's fingerprint, in every new segment's header.
+    fingerprint: u64,
     /// Written since the last sync.
     dirty: bool,
     /// A compaction writing its snapshot on its own thread, off the
@@ -142,37 +216,61 @@ pub struct Opened<P> {
 
 impl<P: DurablePayload> Wal<P> {
     /// Opens (creating when empty) the state dir, takes its lock (refused
-    /// with [`WalError::Locked`] while another process holds it) and
-    /// replays its log.
+    /// with [`WalError::Locked`] while another process holds it), checks
+    /// that it was written under `config.shape`, and replays its log.
     pub fn open(
         dir: &Path,
-        max_queue_bytes: u64,
+        config: &LogConfig,
         new_run_id: impl FnOnce() -> String,
     ) -> Result<Opened<P>, WalError> {
         fs::create_dir_all(dir).map_err(io_error(dir))?;
-        let lock = lock_state_dir(dir)?;
-        remove_unfinished_snapshots(dir)?;
-        let run_id = read_or_create_run_id(dir, new_run_id)?;
-        let mut segments = list_segments(dir)?;
-        segments.sort();
+        let lock = state_dir::lock(dir)?;
+        state_dir::remove_unfinished(dir)?;
+        let segments = segment::list_segments(dir)?;
+        let adopting =
+            state_dir::check_run_config(dir, &config.shape, config.adopt, segments.is_empty())?;
+        let run_id = state_dir::read_or_create_run_id(dir, new_run_id)?;
+        let fingerprint = config.shape.fingerprint();
+        let check = if adopting {
+            FingerprintCheck::Any
+        } else {
+            FingerprintCheck::Require(fingerprint)
+        };
         let mut recovered = Recovered::default();
         let mut records = 0;
         let mut truncated_tail = false;
+        let mut needs_header = segments.is_empty();
         let last = segments.len().saturating_sub(1);
         for (position, (_, path)) in segments.iter().enumerate() {
-            let (count, torn) = replay_segment(path, position == last, &mut recovered)?;
-            records += count;
-            truncated_tail |= torn;
+            let replayed = segment::replay_segment(path, position == last, check, &mut recovered)?;
+            records += replayed.records;
+            truncated_tail |= replayed.truncated_tail;
+            needs_header |= replayed.needs_header;
+        }
+        if adopting {
+            for (_, path) in &segments {
+                segment::rewrite_fingerprint(path, fingerprint)?;
+            }
+            state_dir::write_run_config(dir, &config.shape)?;
+        }
+        if let Some(reason) = state_dir::read_aborted(dir)? {
+            recovered.aborted.get_or_insert(reason);
         }
         let segment_index = segments.last().map_or(1, |(index, _)| *index);
-        let segment_path = segment_path(dir, segment_index);
-        let segment = OpenOptions::new()
+        let segment_path = segment::segment_path(dir, segment_index);
+        let mut segment = OpenOptions::new()
             .create(true)
             .append(true)
             .open(&segment_path)
             .map_err(io_error(&segment_path))?;
+        if needs_header {
+            segment
+                .write_all(&segment::encode_header(fingerprint))
+                .and_then(|()| segment.sync_data())
+                .map_err(io_error(&segment_path))?;
+        }
         let segment_bytes = segment.metadata().map_err(io_error(&segment_path))?.len();
-        sync_dir(dir)?;
+        state_dir::sync_dir(dir)?;
         Ok(Opened {
             wal: Wal {
                 dir: dir.to_path_buf(),
@@ -180,7 +278,11 @@ impl<P: DurablePayload> Wal<P> {
                 segment_path,
                 segment: BufWriter::with_capacity(WRITE_BUFFER_BYTES, segment),
                 segment_bytes,
-                compact_above: max_queue_bytes.saturating_mul(2).max(MIN_COMPACT_ABOVE),
+                compact_above: config
+                    .max_queue_bytes
+                    .saturating_mul(2)
+                    .max(MIN_COMPACT_ABOVE),
+                fingerprint,
                 dirty: false,
                 compaction: None,
                 _lock: lock,
@@ -231,6 +333,56 @@ impl<P: DurablePayload> Wal<P> {
         self.segment_bytes
     }
 
+    /// Where the log ends now, once flushed: what [`Wal::rollback`] returns
+    /// to.
+    pub fn mark(&self) -> LogMark {
+        LogMark {
+            segment_index: self.segment_index,
+            bytes: self.segment_bytes,
+        }
+    }
+
+    /// Undoes a write that failed part way: what is still buffered is
+    /// dropped and the segment cut back to `mark`, so a retry writes the
+    /// same records again without leaving half a frame before them. Only
+    /// within the segment the mark was taken in.
+    pub fn rollback(&mut self, mark: LogMark) -> Result<(), WalError> {
+        if mark.segment_index != self.segment_index {
+            return Err(WalError::Io {
+                path: self.segment_path.clone(),
+                source: std::io::Error::other(
+                    "cannot roll back across a segment switch (a compaction in the failed group)",
+                ),
+            });
+        }
+        let file = self
+            .segment
+            .get_ref()
+            .try_clone()
+            .map_err(io_error(&self.segment_path))?;
+        // `into_parts` drops the buffered bytes without writing them (a
+        // dropped BufWriter would try to).
+        let failed = std::mem::replace(
+            &mut self.segment,
+            BufWriter::with_capacity(WRITE_BUFFER_BYTES, file),
+        );
+        drop(failed.into_parts());
+        // The file is in append mode: the next write lands at the new end.
+        self.segment
+            .get_ref()
+            .set_len(mark.bytes)
+            .map_err(io_error(&self.segment_path))?;
+        self.segment_bytes = mark.bytes;
+        Ok(())
+    }
+
+    /// Records that the run was aborted because this log failed for good
+    /// (a restart then does not resume it). Best effort: the disk may be
+    /// the reason.
+    pub fn record_abort(&self, reason: &str) -> Result<(), WalError> {
+        state_dir::write_aborted(&self.dir, reason)
+    }
+
     pub fn needs_compaction(&self) -> bool {
         self.segment_bytes > self.compact_above
     }
@@ -243,8 +395,8 @@ impl<P: DurablePayload> Wal<P> {
         self.wait_for_compaction()?;
         self.flush()?;
         let next_index = self.segment_index + 1;
-        let bytes = write_snapshot_segment(&self.dir, next_index, snapshot)?;
-        let next_path = segment_path(&self.dir, next_index);
+        let bytes = write_snapshot_segment(&self.dir, next_index, self.fingerprint, snapshot)?;
+        let next_path = segment::segment_path(&self.dir, next_index);
         let segment = OpenOptions::new()
             .append(true)
             .open(&next_path)
@@ -288,24 +440,21 @@ impl<P: DurablePayload> Wal<P> {
         self.sync()?;
         let snapshot_index = self.segment_index + 1;
         let append_index = self.segment_index + 2;
-        let append_path = segment_path(&self.dir, append_index);
-        let segment = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&append_path)
-            .map_err(io_error(&append_path))?;
-        sync_dir(&self.dir)?;
+        let append_path = segment::segment_path(&self.dir, append_index);
+        let segment = segment::create_segment(&append_path, self.fingerprint)?;
+        state_dir::sync_dir(&self.dir)?;
         let before = self.segment_bytes;
         self.segment = BufWriter::with_capacity(WRITE_BUFFER_BYTES, segment);
         self.segment_index = append_index;
         self.segment_path = append_path;
-        self.segment_bytes = 0;
+        self.segment_bytes = HEADER_BYTES;
         let dir = self.dir.clone();
+        let fingerprint = self.fingerprint;
         let spawned = std::thread::Builder::new()
             .name("wal-compaction".to_string())
             .spawn(move || {
                 let started = Instant::now();
-                let bytes = write_snapshot_segment(&dir, snapshot_index, &snapshot)?;
+                let bytes = write_snapshot_segment(&dir, snapshot_index, fingerprint, &snapshot)?;
                 delete_segments_below(&dir, snapshot_index)?;
                 tracing::info!(
                     before,
@@ -366,13 +515,17 @@ impl<P> Drop for Wal<P> {
 fn write_snapshot_segment<P: DurablePayload>(
     dir: &Path,
     index: u64,
+    fingerprint: u64,
     snapshot: &[JournalEntry<P>],
 ) -> Result<u64, WalError> {
-    let path = segment_path(dir, index);
+    let path = segment::segment_path(dir, index);
     let temporary = dir.join(format!("segment-{index:016}.tmp"));
     let file = File::create(&temporary).map_err(io_error(&temporary))?;
     let mut writer = std::io::BufWriter::with_capacity(1 << 20, file);
-    let mut bytes = 0;
+    writer
+        .write_all(&segment::encode_header(fingerprint))
+        .map_err(io_error(&temporary))?;
+    let mut bytes = HEADER_BYTES;
     for entry in snapshot {
         bytes += write_frame(&mut writer, entry).map_err(io_error(&temporary))?;
     }
@@ -383,146 +536,16 @@ fn write_snapshot_segment<P: DurablePayload>(
     file.sync_all().map_err(io_error(&temporary))?;
     drop(file);
     fs::rename(&temporary, &path).map_err(io_error(&path))?;
-    sync_dir(dir)?;
+    state_dir::sync_dir(dir)?;
     Ok(bytes)
-}
-
-/// Deletes snapshots a crash left half written (`segment-*.tmp`): replay
-/// never reads them, and the log before them is complete.
-fn remove_unfinished_snapshots(dir: &Path) -> Result<(), WalError> {
-    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
-        let path = entry.map_err(io_error(dir))?.path();
-        let unfinished = path
-            .file_name()
-            .and_then(|name| name.to_str())
-            .is_some_and(|name| name.starts_with("segment-") && name.ends_with(".tmp"));
-        if unfinished {
-            fs::remove_file(&path).map_err(io_error(&path))?;
-        }
-    }
-    Ok(())
 }
 
 /// Deletes every segment with an index below `index`.
 fn delete_segments_below(dir: &Path, index: u64) -> Result<(), WalError> {
-    for (found, path) in list_segments(dir)? {
+    for (found, path) in segment::list_segments(dir)? {
         if found < index {
             fs::remove_file(&path).map_err(io_error(&path))?;
         }
     }
-    sync_dir(dir)
-}
-
-/// Takes the state dir's lock without waiting.
-fn lock_state_dir(dir: &Path) -> Result<File, WalError> {
-    let path = dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io_error(&path))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(fs::TryLockError::WouldBlock) => Err(WalError::Locked {
-            path: dir.to_path_buf(),
-            lock: path,
-        }),
-        Err(fs::TryLockError::Error(source)) => Err(WalError::Io { path, source }),
-    }
-}
-
-fn segment_path(dir: &Path, index: u64) -> PathBuf {
-    dir.join(format!("segment-{index:016}.wal"))
-}
-
-fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, WalError> {
-    let mut segments = Vec::new();
-    for entry in fs::read_dir(dir).map_err(io_error(dir))? {
-        let entry = entry.map_err(io_error(dir))?;
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if let Some(index) = name
-            .strip_prefix("segment-")
-            .and_then(|rest| rest.strip_suffix(".wal"))
-            .and_then(|digits| digits.parse::<u64>().ok())
-        {
-            segments.push((index, entry.path()));
-        }
-    }
-    Ok(segments)
-}
-
-fn sync_dir(dir: &Path) -> Result<(), WalError> {
-    File::open(dir)
-        .and_then(|handle| handle.sync_all())
-        .map_err(io_error(dir))
-}
-
-fn read_or_create_run_id(
-    dir: &Path,
-    new_run_id: impl FnOnce() -> String,
-) -> Result<String, WalError> {
-    let path = dir.join(RUN_ID_FILE);
-    match fs::read_to_string(&path) {
-        Ok(run_id) if !run_id.trim().is_empty() => return Ok(run_id.trim().to_string()),
-        Ok(_) => {}
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
-        Err(source) => return Err(WalError::Io { path, source }),
-    }
-    let run_id = new_run_id();
-    let temporary = dir.join(format!("{RUN_ID_FILE}.tmp"));
-    let mut file = File::create(&temporary).map_err(io_error(&temporary))?;
-    file.write_all(run_id.as_bytes())
-        .and_then(|()| file.sync_all())
-        .map_err(io_error(&temporary))?;
-    fs::rename(&temporary, &path).map_err(io_error(&path))?;
-    sync_dir(dir)?;
-    Ok(run_id)
-}
-
-/// Replays one segment; a torn tail of the newest one is cut off.
-fn replay_segment<P: DurablePayload>(
-    path: &Path,
-    is_newest: bool,
-    recovered: &mut Recovered<P>,
-) -> Result<(u64, bool), WalError> {
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(io_error(path))?;
-    let length = file.metadata().map_err(io_error(path))?.len();
-    let mut reader = std::io::BufReader::with_capacity(1 << 20, &mut file);
-    let mut offset = 0u64;
-    let mut records = 0u64;
-    let failure = loop {
-        if offset == length {
-            break None;
-        }
-        match record::read_frame::<P>(&mut reader, offset, length) {
-            Ok((entry, frame_bytes)) => {
-                recovered.apply(entry);
-                offset += frame_bytes;
-                records += 1;
-            }
-            Err(detail) => break Some(detail),
-        }
-    };
-    drop(reader);
-    let Some(detail) = failure else {
-        return Ok((records, false));
-    };
-    if !is_newest {
-        return Err(WalError::Corrupt {
-            path: path.to_path_buf(),
-            offset,
-            detail,
-        });
-    }
-    tracing::warn!(path = %path.display(), offset, %detail, "cutting off a torn tail of the write-ahead log");
-    file.set_len(offset).map_err(io_error(path))?;
-    file.seek(SeekFrom::End(0)).map_err(io_error(path))?;
-    file.sync_all().map_err(io_error(path))?;
-    Ok((records, true))
+    state_dir::sync_dir(dir)
 }

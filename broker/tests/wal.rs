@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use dflash_broker::queue::{JournalEntry, Payload, Queue, QueueConfig, Recovered};
-use dflash_broker::wal::{DurablePayload, Wal, WalError};
+use dflash_broker::wal::{DurablePayload, LogConfig, RunShape, Wal, WalError};
 
 #[derive(Debug, Clone, PartialEq)]
 struct Blob(Vec<u8>);
@@ -47,8 +47,13 @@ fn acked(target: &str, seq: u64) -> JournalEntry<Blob> {
     }
 }
 
+/// The log of a run of one target, `target-0`.
+fn log_config(max_queue_bytes: u64) -> LogConfig {
+    LogConfig::new(max_queue_bytes, RunShape::new(vec!["target-0".to_string()]))
+}
+
 fn open(dir: &std::path::Path) -> dflash_broker::wal::Opened<Blob> {
-    Wal::<Blob>::open(dir, 1 << 20, || "run-test".to_string()).unwrap()
+    Wal::<Blob>::open(dir, &log_config(1 << 20), || "run-test".to_string()).unwrap()
 }
 
 /// A queue of one target holding at most `max_queue_bytes`, with the
@@ -102,7 +107,7 @@ fn replay_returns_unacked_items_and_the_same_run_id() {
         ])
         .unwrap();
     drop(opened);
-    let reopened = Wal::<Blob>::open(dir.path(), 1 << 20, || {
+    let reopened = Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
         panic!("the run id must be read back, not made anew")
     })
     .unwrap();
@@ -181,7 +186,7 @@ fn corruption_before_the_tail_is_refused_with_its_place() {
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
     std::fs::write(&older, &bytes).unwrap();
-    match Wal::<Blob>::open(dir.path(), 1 << 20, || "x".to_string()) {
+    match Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || "x".to_string()) {
         Err(WalError::Corrupt { path, detail, .. }) => {
             assert_eq!(path, older);
             assert!(detail.contains("CRC"), "{detail}");
@@ -197,8 +202,10 @@ fn compaction_keeps_the_log_bounded_and_the_state_equal() {
     let max_queue_bytes = 1 << 20;
     let config = one_target_config(max_queue_bytes);
     let now = std::time::Instant::now();
-    let mut opened =
-        Wal::<Blob>::open(dir.path(), max_queue_bytes, || "run-compact".to_string()).unwrap();
+    let mut opened = Wal::<Blob>::open(dir.path(), &log_config(max_queue_bytes), || {
+        "run-compact".to_string()
+    })
+    .unwrap();
     let mut queue = Queue::recover(config.clone(), Recovered::default(), now);
     let producer = queue.open_producer("target-0", now).unwrap();
     let drafter = queue
@@ -259,7 +266,7 @@ fn compaction_keeps_the_log_bounded_and_the_state_equal() {
 fn a_second_open_of_a_locked_state_dir_is_refused_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let first = open(dir.path());
-    let refused = Wal::<Blob>::open(dir.path(), 1 << 20, || {
+    let refused = Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
         panic!("a refused open must not make a run id")
     });
     let error = match refused {
@@ -315,7 +322,8 @@ fn log_at_the_cap(
     let max_queue_bytes = items * item_bytes as u64;
     let config = one_target_config(max_queue_bytes);
     let now = std::time::Instant::now();
-    let mut opened = Wal::<Blob>::open(dir, max_queue_bytes, || "run-cap".to_string()).unwrap();
+    let mut opened =
+        Wal::<Blob>::open(dir, &log_config(max_queue_bytes), || "run-cap".to_string()).unwrap();
     let mut queue = Queue::recover(config, Recovered::default(), now);
     let producer = queue.open_producer("target-0", now).unwrap();
     for seq in 0..items {
@@ -369,9 +377,11 @@ fn background_compaction_keeps_every_entry_and_frees_the_caller() {
             "older segments deleted: {:?}",
             segments(dir.path())
         );
-        let recovered = Wal::<Blob>::open(dir.path(), 1 << 20, || panic!("the run id is kept"))
-            .unwrap()
-            .recovered;
+        let recovered = Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
+            panic!("the run id is kept")
+        })
+        .unwrap()
+        .recovered;
         let items: Vec<(u64, usize)> = recovered
             .items()
             .map(|(_, seq, blob)| (*seq, blob.0.len()))
@@ -394,5 +404,243 @@ fn background_compaction_keeps_every_entry_and_frees_the_caller() {
         (ITEMS * ITEM_BYTES as u64) >> 20,
         held_for[0].as_secs_f64() * 1e3,
         held_for[1].as_secs_f64() * 1e3
+    );
+}
+
+/// Bytes of a segment's header (magic, version, fingerprint).
+const SEGMENT_HEADER_BYTES: u64 = 32;
+
+/// The newest segment's bytes after appending `entries` to a fresh log.
+fn segment_with(dir: &std::path::Path, entries: &[JournalEntry<Blob>]) -> std::path::PathBuf {
+    let mut opened = open(dir);
+    opened.wal.append(entries).unwrap();
+    opened.wal.flush().unwrap();
+    drop(opened);
+    segments(dir).pop().unwrap()
+}
+
+fn corrupt_at(
+    result: Result<dflash_broker::wal::Opened<Blob>, WalError>,
+) -> (std::path::PathBuf, u64, String) {
+    match result {
+        Err(WalError::Corrupt {
+            path,
+            offset,
+            detail,
+        }) => (path, offset, detail),
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(opened) => panic!("a damaged log was accepted ({} records)", opened.records),
+    }
+}
+
+/// #25: a flipped bit in the newest segment's first frame, with good
+/// frames after it, is not a torn write: the broker refuses to start,
+/// naming the file and the frame's offset, instead of cutting off every
+/// record after it (acks and accepted items rolled back).
+#[test]
+fn a_bad_frame_with_good_frames_after_it_is_refused_not_cut() {
+    let dir = tempfile::tempdir().unwrap();
+    let segment = segment_with(
+        dir.path(),
+        &[
+            accepted("target-0", 0, 64),
+            accepted("target-0", 1, 64),
+            acked("target-0", 0),
+        ],
+    );
+    let before = std::fs::read(&segment).unwrap();
+    let mut bytes = before.clone();
+    // Inside the first frame's body (after its 8-byte frame header).
+    bytes[SEGMENT_HEADER_BYTES as usize + 20] ^= 0x01;
+    std::fs::write(&segment, &bytes).unwrap();
+    let (path, offset, detail) =
+        corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
+            "x".to_string()
+        }));
+    assert_eq!(path, segment);
+    assert_eq!(offset, SEGMENT_HEADER_BYTES);
+    assert!(detail.contains("CRC"), "{detail}");
+    // Refusing changed nothing on disk.
+    assert_eq!(std::fs::read(&segment).unwrap(), bytes);
+}
+
+/// A crash can leave the last frame half written, its CRC failing, or a
+/// tail of zero bytes the file system allocated: each is cut off, the
+/// records before it kept.
+#[test]
+fn only_a_write_cut_short_at_the_end_is_cut_off() {
+    for damage in ["bad last frame", "zero tail"] {
+        let dir = tempfile::tempdir().unwrap();
+        let segment = segment_with(
+            dir.path(),
+            &[accepted("target-0", 0, 64), accepted("target-0", 1, 64)],
+        );
+        let mut bytes = std::fs::read(&segment).unwrap();
+        let good = bytes.len();
+        match damage {
+            "bad last frame" => {
+                let last = bytes.len() - 1;
+                bytes[last] ^= 0xff;
+            }
+            _ => bytes.extend(std::iter::repeat_n(0u8, 4096)),
+        }
+        std::fs::write(&segment, &bytes).unwrap();
+        let reopened = open(dir.path());
+        assert!(reopened.truncated_tail, "{damage}");
+        let kept = if damage == "zero tail" { 2 } else { 1 };
+        assert_eq!(reopened.recovered.items().count(), kept, "{damage}");
+        drop(reopened);
+        let length = std::fs::metadata(&segment).unwrap().len() as usize;
+        assert!(length <= good, "{damage}: {length} > {good}");
+    }
+}
+
+/// A frame whose CRC holds but whose body is no record (another format, a
+/// bug) is never taken for a torn write, even at the end.
+#[test]
+fn a_frame_that_decodes_to_nothing_is_refused_even_at_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let segment = segment_with(dir.path(), &[accepted("target-0", 0, 64)]);
+    let mut bytes = std::fs::read(&segment).unwrap();
+    let body = [0xEEu8, 1, 2, 3];
+    bytes.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    bytes.extend_from_slice(&body);
+    std::fs::write(&segment, &bytes).unwrap();
+    let (_, offset, detail) =
+        corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
+            "x".to_string()
+        }));
+    assert_eq!(offset as usize, bytes.len() - 12);
+    assert!(!detail.contains("CRC"), "{detail}");
+}
+
+/// A file that is not a segment, or a segment of a newer format, refuses
+/// to start naming it.
+#[test]
+fn a_segment_without_the_magic_or_of_another_version_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let segment = segment_with(dir.path(), &[accepted("target-0", 0, 64)]);
+    let good = std::fs::read(&segment).unwrap();
+    let mut no_magic = good.clone();
+    no_magic[0] = b'X';
+    std::fs::write(&segment, &no_magic).unwrap();
+    let (path, offset, detail) =
+        corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
+            "x".to_string()
+        }));
+    assert_eq!((path, offset), (segment.clone(), 0));
+    assert!(detail.contains("magic"), "{detail}");
+    let mut newer = good.clone();
+    newer[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let crc = crc32fast::hash(&newer[..24]);
+    newer[24..28].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&segment, &newer).unwrap();
+    match Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || "x".to_string()) {
+        Err(WalError::Version {
+            found: 2,
+            supported: 1,
+            ..
+        }) => {}
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => panic!("a segment of format 2 was read"),
+    }
+}
+
+/// #25: a state dir written for other targets refuses to start, naming
+/// both configurations; `--adopt-state-dir` keeps it under the new one,
+/// and after that it opens under the new one without the flag.
+#[test]
+fn a_state_dir_of_other_targets_is_refused_unless_adopted() {
+    let dir = tempfile::tempdir().unwrap();
+    segment_with(dir.path(), &[accepted("target-0", 0, 64)]);
+    let two = LogConfig::new(
+        1 << 20,
+        RunShape::new(vec!["target-0".to_string(), "target-1".to_string()]),
+    );
+    let error = match Wal::<Blob>::open(dir.path(), &two, || "x".to_string()) {
+        Err(error) => error,
+        Ok(_) => panic!("a state dir of one target opened for two"),
+    };
+    assert!(matches!(error, WalError::ConfigMismatch { .. }), "{error}");
+    let message = error.to_string();
+    assert!(message.contains("1 shards: target-0"), "{message}");
+    assert!(message.contains("2 shards: target-0,target-1"), "{message}");
+    assert!(message.contains("--adopt-state-dir"), "{message}");
+    let mut adopt = two.clone();
+    adopt.adopt = true;
+    let adopted = Wal::<Blob>::open(dir.path(), &adopt, || panic!("the run id is kept")).unwrap();
+    assert_eq!(adopted.recovered.items().count(), 1);
+    drop(adopted);
+    let again = Wal::<Blob>::open(dir.path(), &two, || panic!("the run id is kept")).unwrap();
+    assert_eq!(again.recovered.items().count(), 1);
+    drop(again);
+    // And the old configuration is now the mismatch.
+    assert!(matches!(
+        Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || "x".to_string()),
+        Err(WalError::ConfigMismatch { .. })
+    ));
+}
+
+/// A segment copied in from another state dir (its fingerprint another
+/// configuration's) is refused.
+#[test]
+fn a_segment_of_another_run_configuration_is_refused() {
+    let ours = tempfile::tempdir().unwrap();
+    let theirs = tempfile::tempdir().unwrap();
+    segment_with(ours.path(), &[accepted("target-0", 0, 64)]);
+    let other = LogConfig::new(1 << 20, RunShape::new(vec!["other".to_string()]));
+    let mut opened = Wal::<Blob>::open(theirs.path(), &other, || "y".to_string()).unwrap();
+    opened.wal.append(&[accepted("other", 0, 64)]).unwrap();
+    opened.wal.flush().unwrap();
+    drop(opened);
+    let foreign = segments(theirs.path()).pop().unwrap();
+    std::fs::copy(&foreign, ours.path().join("segment-0000000000000009.wal")).unwrap();
+    assert!(matches!(
+        Wal::<Blob>::open(ours.path(), &log_config(1 << 20), || "x".to_string()),
+        Err(WalError::ForeignSegment { .. })
+    ));
+}
+
+/// A write rolled back (it failed part way for want of space) leaves no
+/// trace: what is appended after the rollback follows the records before
+/// the mark.
+#[test]
+fn a_rolled_back_write_leaves_no_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opened = open(dir.path());
+    opened.wal.append(&[accepted("target-0", 0, 64)]).unwrap();
+    opened.wal.flush().unwrap();
+    let mark = opened.wal.mark();
+    // Partly flushed, partly buffered: a large record goes to the file at
+    // once, a small one stays in the buffer.
+    opened
+        .wal
+        .append(&[accepted("target-0", 1, 1 << 20), acked("target-0", 0)])
+        .unwrap();
+    opened.wal.rollback(mark).unwrap();
+    opened.wal.append(&[accepted("target-0", 2, 64)]).unwrap();
+    drop(opened);
+    let reopened = open(dir.path());
+    assert!(!reopened.truncated_tail);
+    let seqs: Vec<u64> = reopened.recovered.items().map(|(_, seq, _)| *seq).collect();
+    assert_eq!(seqs, vec![0, 2]);
+    assert_eq!(reopened.recovered.acked_items, 0);
+}
+
+/// A run whose log failed for good stays aborted across a restart.
+#[test]
+fn a_recorded_abort_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let opened = open(dir.path());
+    opened
+        .wal
+        .record_abort("the write-ahead log failed: EIO on fdatasync")
+        .unwrap();
+    drop(opened);
+    let reopened = open(dir.path());
+    assert_eq!(
+        reopened.recovered.aborted.as_deref(),
+        Some("the write-ahead log failed: EIO on fdatasync")
     );
 }

@@ -5,7 +5,7 @@
 //! `cargo bench -p dflash-broker --bench throughput` (`make bench`); add
 //! `-- --quick` for a short run, `-- --rounds N` for N relay/broker pairs
 //! per throughput configuration (medians shown), `-- --only
-//! throughput,wal,eos,small,seed` for some sections. Prints:
+//! throughput,wal,eos,small,seed,replay` for some sections. Prints:
 //! 1. For 1 MiB and 16 MiB items with 1×1 and 4×4 producers × consumers: the
 //!    broker's GB/s (first send → last delivery received), a plain TCP
 //!    store-and-forward relay's GB/s moving the same bytes, their ratio, and
@@ -25,6 +25,8 @@
 //!    drafter's busy fraction over the time it had data coming.
 //! 5. The write-ahead log's cost: GB/s without `--state-dir` and with it
 //!    under each `--fsync` policy (`-- --wal-only` runs just this table).
+//! 6. The write-ahead log's replay at start, page cache warm and cold
+//!    (`-- --only replay`): what the broker's startupProbe allows for.
 //!
 //! Fairness: the broker and the relay each run as their own process (the
 //! broker binary, and this bench re-executed with `--serve-relay`), and the
@@ -51,13 +53,15 @@
 //! - `relay`: the plain TCP relay (`--serve-relay`) and its transfer.
 //! - `transfer_tables`: sections 1, 3 and 5 (throughput against the relay,
 //!   many small items, the write-ahead log's cost), summed and printed.
-//! - `end_of_stream`: section 2; `seed_scenario`: section 4.
+//! - `end_of_stream`: section 2; `seed_scenario`: section 4; `replay`:
+//!   section 6.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 mod end_of_stream;
 mod processes;
 mod relay;
+mod replay;
 mod seed_scenario;
 mod transfer;
 mod transfer_tables;
@@ -103,7 +107,7 @@ fn main() {
     let quick = arguments.iter().any(|argument| argument == "--quick");
     // `--rounds N`: relay/broker pairs per throughput configuration (the
     // table shows medians); `--only a,b`: just these sections (throughput,
-    // wal, eos, small, seed).
+    // wal, eos, small, seed, replay).
     let value_of = |flag: &str| {
         arguments
             .iter()
@@ -138,5 +142,8 @@ fn main() {
     }
     if runs("seed") {
         print_seed_scenario(quick, &runtime);
+    }
+    if runs("replay") {
+        replay::print_replay(quick);
     }
 }

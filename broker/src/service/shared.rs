@@ -292,6 +292,9 @@ pub(crate) struct Shared {
     /// The run state, published on every change (the center writer waits
     /// on it instead of polling).
     pub(super) run_state: tokio::sync::watch::Sender<crate::queue::BrokerState>,
+    /// Why the write-ahead log cannot write right now (no space, EIO), or
+    /// `None`: the health service follows it (NOT_SERVING while stalled).
+    log_stalled: tokio::sync::watch::Sender<Option<String>>,
     pub(super) config: BrokerConfig,
     /// Cancelled on shutdown: readers stop, streams end with UNAVAILABLE.
     pub(super) shutdown: CancellationToken,
@@ -316,7 +319,7 @@ impl Shared {
         let (queue, wal, run_id) = match &config.state_dir {
             None => (Queue::new(config.queue_config(), now), None, new_run_id()),
             Some(state_dir) => {
-                let opened = Wal::open(state_dir, config.max_queue_bytes, new_run_id)?;
+                let opened = Wal::open(state_dir, &config.log_config(), new_run_id)?;
                 let queue = Queue::recover(config.queue_config(), opened.recovered, now);
                 let snapshot = queue.snapshot(now);
                 info!(
@@ -334,6 +337,7 @@ impl Shared {
             }
         };
         let run_state = tokio::sync::watch::Sender::new(queue.state());
+        let log_stalled = tokio::sync::watch::Sender::new(None);
         let fsync = config.fsync;
         let state_dir = config.state_dir.clone().unwrap_or_default();
         let mut spawn_failure = None;
@@ -345,12 +349,17 @@ impl Shared {
                         shared.with_queue(|locked, _now| locked.log_failed(&error));
                     }
                 };
-                LogWriter::spawn(wal, fsync, on_failure)
+                let stalled = log_stalled.clone();
+                let on_stall = Box::new(move |error: Option<&WalError>| {
+                    stalled.send_replace(error.map(ToString::to_string));
+                });
+                LogWriter::spawn(wal, fsync, on_failure, on_stall)
                     .map_err(|source| spawn_failure = Some(source))
                     .ok()
             });
             Shared {
                 run_state,
+                log_stalled,
                 locked: Mutex::new(Locked {
                     queue,
                     consumer_outboxes: HashMap::new(),
@@ -439,8 +448,12 @@ impl Shared {
     /// The Prometheus text exposition of the current state. The snapshot is
     /// taken under the lock; the text is formatted after it is released.
     pub(crate) fn metrics_text(&self) -> String {
-        let snapshot = self.locked.lock().queue.snapshot(Instant::now());
-        crate::metrics::render_with(&snapshot, self.received.counts())
+        let (snapshot, log) = {
+            let locked = self.locked.lock();
+            let log = locked.log.as_ref().map(|log| log.counts());
+            (locked.queue.snapshot(Instant::now()), log)
+        };
+        crate::metrics::render_with(&snapshot, self.received.counts(), log)
     }
 
     /// Lease expiry and target liveness: sleeps until the queue's next
@@ -497,6 +510,11 @@ impl Shared {
         // Joined outside the lock: the thread may need it to report a
         // failure.
         drop(log);
+    }
+
+    /// Follows why the write-ahead log cannot write (`None`: it can).
+    pub(crate) fn log_stalled(&self) -> tokio::sync::watch::Receiver<Option<String>> {
+        self.log_stalled.subscribe()
     }
 
     pub(crate) fn broker_state(&self) -> crate::queue::BrokerState {

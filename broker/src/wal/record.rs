@@ -62,35 +62,67 @@ pub(super) fn write_frame<P: DurablePayload>(
     Ok(HEADER_BYTES + body_length as u64)
 }
 
+/// Why a frame could not be read.
+#[derive(Debug)]
+pub(super) enum FrameError {
+    /// The frame runs past the end of the segment: a write cut short.
+    PastEnd(String),
+    /// The body's CRC does not match; the frame would end at `frame_end`.
+    Crc { frame_end: u64 },
+    /// The CRC matches but the body does not decode: not a torn write (a
+    /// record of another format, or a bug), never cut off.
+    Undecodable(String),
+}
+
+impl std::fmt::Display for FrameError {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FrameError::PastEnd(detail) | FrameError::Undecodable(detail) => {
+                formatter.write_str(detail)
+            }
+            FrameError::Crc { .. } => formatter.write_str("CRC mismatch"),
+        }
+    }
+}
+
 /// Reads the frame at `offset` of a segment of `length` bytes and decodes
-/// its entry: the entry and the frame's size, or what is wrong with it (a
-/// torn tail, a CRC mismatch, an unknown kind).
+/// its entry: the entry and the frame's size, or what is wrong with it.
+/// The body's length is checked against the bytes left before anything is
+/// allocated.
 pub(super) fn read_frame<P: DurablePayload>(
     reader: &mut impl Read,
     offset: u64,
     length: u64,
-) -> Result<(JournalEntry<P>, u64), String> {
+) -> Result<(JournalEntry<P>, u64), FrameError> {
     let mut header = [0u8; HEADER_BYTES as usize];
+    if offset + HEADER_BYTES > length {
+        return Err(FrameError::PastEnd(format!(
+            "frame header at byte {offset} runs past the end ({length})"
+        )));
+    }
     reader
         .read_exact(&mut header)
-        .map_err(|error| format!("frame header: {error}"))?;
+        .map_err(|error| FrameError::PastEnd(format!("frame header: {error}")))?;
     let body_length = u64::from(u32::from_le_bytes([
         header[0], header[1], header[2], header[3],
     ]));
     let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
     if body_length > MAX_FRAME_BYTES || offset + HEADER_BYTES + body_length > length {
-        return Err(format!(
+        return Err(FrameError::PastEnd(format!(
             "frame of {body_length} bytes runs past the end ({length})"
-        ));
+        )));
     }
     let mut body = vec![0u8; body_length as usize];
     reader
         .read_exact(&mut body)
-        .map_err(|error| format!("frame body: {error}"))?;
+        .map_err(|error| FrameError::PastEnd(format!("frame body: {error}")))?;
     if crc32fast::hash(&body) != crc {
-        return Err("CRC mismatch".to_string());
+        return Err(FrameError::Crc {
+            frame_end: offset + HEADER_BYTES + body_length,
+        });
     }
-    Ok((decode_entry(&body)?, HEADER_BYTES + body_length))
+    let entry = decode_entry(&body).map_err(FrameError::Undecodable)?;
+    Ok((entry, HEADER_BYTES + body_length))
 }
 
 struct Encoder(Vec<u8>);

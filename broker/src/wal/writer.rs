@@ -18,10 +18,18 @@
 //! earlier submissions are still in flight goes behind them
 //! ([`LogWriter::is_idle`] tells the lock side when it may send directly).
 //!
-//! A failed write or sync fails the log for good: the thread runs
-//! `on_failure` once (the broker aborts the run), and no release submitted
-//! before or after the failure ever runs, so nobody is told "accepted"
-//! about a record that is not on disk. When the log outgrows its bound the
+//! A write that fails for want of space, a quota or with EIO
+//! ([`WalError::is_retryable_write`]) is rolled back to where it began and
+//! retried (after 50 ms, backing off to 1 s) until it succeeds: meanwhile
+//! nothing is released, so producers fill their windows and are held back,
+//! and `on_stall` tells the broker (health NOT_SERVING) when the stall
+//! begins and ends. Any other failed write, and every failed sync, fails
+//! the log for good: the thread records the abort in the state dir (best
+//! effort: a restart then does not resume the run), runs `on_failure` once
+//! (the broker aborts the run), and no release submitted before or after
+//! the failure ever runs, so nobody is told "accepted" about a record that
+//! is not on disk. Closing while stalled gives up the unwritten group
+//! (never confirmed to anyone) without recording an abort. When the log outgrows its bound the
 //! thread asks for a compaction ([`LogWriter::take_compaction_request`]);
 //! the lock side answers with the queue's image, which is written in order
 //! after everything submitted before it.
@@ -32,7 +40,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{DurablePayload, FsyncPolicy, Wal, WalError, BATCH_SYNC_INTERVAL};
+use super::{DurablePayload, FsyncPolicy, LogMark, Wal, WalError, BATCH_SYNC_INTERVAL};
 use crate::queue::JournalEntry;
 
 /// What runs once a submission is as durable as `--fsync` promises.
@@ -42,8 +50,17 @@ pub type Release = Box<dyn FnOnce() + Send + 'static>;
 /// rules are tested without a disk ([`Wal`] is the real one).
 pub trait LogFile: Send + 'static {
     type Payload: Send + 'static;
+    /// Where the log ends, for [`LogFile::rollback`].
+    type Mark: Copy + Send + 'static;
     /// Writes the entries' frames (possibly buffered in the process).
     fn write(&mut self, entries: &[JournalEntry<Self::Payload>]) -> Result<(), WalError>;
+    /// Where the log ends now (after a flush).
+    fn mark(&self) -> Self::Mark;
+    /// Undoes a failed write back to `mark`, buffered bytes included.
+    fn rollback(&mut self, mark: Self::Mark) -> Result<(), WalError>;
+    /// Records, best effort, that the run was aborted because the log
+    /// failed for good.
+    fn record_abort(&mut self, reason: &str);
     /// Hands buffered frames to the kernel: a process crash (SIGKILL)
     /// then loses nothing.
     fn flush(&mut self) -> Result<(), WalError>;
@@ -60,8 +77,20 @@ pub trait LogFile: Send + 'static {
 
 impl<P: DurablePayload + Send + 'static> LogFile for Wal<P> {
     type Payload = P;
+    type Mark = LogMark;
     fn write(&mut self, entries: &[JournalEntry<P>]) -> Result<(), WalError> {
         self.append(entries)
+    }
+    fn mark(&self) -> LogMark {
+        Wal::mark(self)
+    }
+    fn rollback(&mut self, mark: LogMark) -> Result<(), WalError> {
+        Wal::rollback(self, mark)
+    }
+    fn record_abort(&mut self, reason: &str) {
+        if let Err(error) = Wal::record_abort(self, reason) {
+            tracing::error!(%error, "could not record the abort in the state dir: a restart may resume this run");
+        }
     }
     fn flush(&mut self) -> Result<(), WalError> {
         Wal::flush(self)
@@ -100,6 +129,10 @@ struct Progress {
     /// side, which then submits the queue's image.
     compaction_requested: AtomicBool,
     failed: AtomicBool,
+    /// A write waits for space (retried until it succeeds).
+    stalled: AtomicBool,
+    /// Set when the handle is dropped: a stalled write gives up.
+    closing: AtomicBool,
     /// Groups written (each ends with at most one sync).
     groups: AtomicU64,
     /// Syncs done.
@@ -114,6 +147,9 @@ pub struct WriterCounts {
     pub groups: u64,
     pub syncs: u64,
     pub log_bytes: u64,
+    /// A write is waiting for space (answers held back).
+    pub stalled: bool,
+    pub failed: bool,
 }
 
 /// The handle the broker keeps under its lock. Dropping it lets the thread
@@ -132,11 +168,12 @@ impl<P: Send + 'static> LogWriter<P> {
         log: L,
         fsync: FsyncPolicy,
         on_failure: impl FnOnce(WalError) + Send + 'static,
+        on_stall: StallReport,
     ) -> std::io::Result<Self>
     where
         L: LogFile<Payload = P>,
     {
-        Self::spawn_with_interval(log, fsync, BATCH_SYNC_INTERVAL, on_failure)
+        Self::spawn_with_interval(log, fsync, BATCH_SYNC_INTERVAL, on_failure, on_stall)
     }
 
     /// [`LogWriter::spawn`] with `batch`'s interval given (tests pin it).
@@ -145,6 +182,7 @@ impl<P: Send + 'static> LogWriter<P> {
         fsync: FsyncPolicy,
         batch_interval: Duration,
         on_failure: impl FnOnce(WalError) + Send + 'static,
+        on_stall: StallReport,
     ) -> std::io::Result<Self>
     where
         L: LogFile<Payload = P>,
@@ -164,6 +202,7 @@ impl<P: Send + 'static> LogWriter<P> {
                     dirty: false,
                     last_sync: Instant::now(),
                     on_failure: Some(Box::new(on_failure)),
+                    on_stall,
                 }
                 .run(receiver)
             })?;
@@ -223,14 +262,21 @@ impl<P: Send + 'static> LogWriter<P> {
             groups: self.progress.groups.load(Ordering::Relaxed),
             syncs: self.progress.syncs.load(Ordering::Relaxed),
             log_bytes: self.progress.log_bytes.load(Ordering::Relaxed),
+            stalled: self.progress.stalled.load(Ordering::Relaxed),
+            failed: self.progress.failed.load(Ordering::Relaxed),
         }
     }
 }
+
+/// Told when a write starts waiting for space (the error) and when it
+/// goes through again (`None`).
+pub type StallReport = Box<dyn Fn(Option<&WalError>) + Send + 'static>;
 
 impl<P> Drop for LogWriter<P> {
     /// Bounded by writing what was submitted (the queue's byte cap bounds
     /// the payloads among it).
     fn drop(&mut self) {
+        self.progress.closing.store(true, Ordering::Release);
         drop(self.commands.take());
         if let Some(thread) = self.thread.take() {
             // Dropped on the thread itself (its failure callback held the
@@ -257,7 +303,12 @@ struct WriterThread<L: LogFile> {
     dirty: bool,
     last_sync: Instant,
     on_failure: Option<Box<dyn FnOnce(WalError) + Send>>,
+    on_stall: StallReport,
 }
+
+/// The first wait before a stalled write is retried, and the longest.
+const STALL_RETRY_FIRST: Duration = Duration::from_millis(50);
+const STALL_RETRY_MAX: Duration = Duration::from_secs(1);
 
 impl<L: LogFile> WriterThread<L> {
     fn run(mut self, receiver: mpsc::Receiver<Command<L::Payload>>) {
@@ -306,35 +357,50 @@ impl<L: LogFile> WriterThread<L> {
     fn write_group(&mut self, group: Vec<Command<L::Payload>>) {
         let count = group.len() as u64;
         let mut releases = Vec::with_capacity(group.len());
+        // The appends since the last compaction in the group, written (and
+        // retried) together.
+        let mut appends = Vec::new();
         let mut result = Ok(());
         for command in group {
-            if result.is_err() || self.has_failed() {
+            if self.has_failed() {
                 break;
             }
-            result = match command {
+            match command {
                 Command::Append { entries, release } => {
                     releases.extend(release);
-                    if entries.is_empty() {
-                        Ok(())
-                    } else {
-                        self.dirty = true;
-                        self.log.write(&entries)
+                    if !entries.is_empty() {
+                        appends.push(entries);
                     }
                 }
-                Command::Compact(image) => self.log.compact(image),
-            };
+                Command::Compact(image) => {
+                    result = self.write_appends(&appends);
+                    appends.clear();
+                    if result.is_err() {
+                        break;
+                    }
+                    result = match self.log.compact(image) {
+                        // No room for the snapshot: the log stays whole,
+                        // only uncompacted; asked again at the next check.
+                        Err(error) if error.is_retryable_write() => {
+                            tracing::warn!(%error, "compaction of the write-ahead log postponed");
+                            Ok(())
+                        }
+                        other => other.map_err(Stop::Fatal),
+                    };
+                    if result.is_err() {
+                        break;
+                    }
+                }
+            }
         }
-        if result.is_ok() && !self.has_failed() && self.dirty {
-            // Every policy releases only what the kernel holds: a SIGKILL
-            // after a release loses nothing (`never` and `batch` promise
-            // that much), whatever the sync below does.
-            result = self.log.flush();
+        if result.is_ok() && !self.has_failed() {
+            result = self.write_appends(&appends);
         }
         if result.is_ok() && !self.has_failed() {
             result = match self.fsync {
-                FsyncPolicy::Always => self.sync(),
+                FsyncPolicy::Always => self.sync().map_err(Stop::Fatal),
                 FsyncPolicy::Batch if self.last_sync.elapsed() >= self.batch_interval => {
-                    self.sync()
+                    self.sync().map_err(Stop::Fatal)
                 }
                 FsyncPolicy::Batch | FsyncPolicy::Never => Ok(()),
             };
@@ -355,9 +421,67 @@ impl<L: LogFile> WriterThread<L> {
                 }
             }
             Ok(()) => {}
-            Err(error) => self.fail(error),
+            Err(Stop::Fatal(error)) => self.fail(error),
+            Err(Stop::Closing(error)) => {
+                tracing::error!(%error, "closing while the write-ahead log waits for space: the records not written were never confirmed to anyone");
+                self.progress.failed.store(true, Ordering::Release);
+            }
         }
         self.progress.finished.fetch_add(count, Ordering::AcqRel);
+    }
+
+    /// Writes `appends` and hands them to the kernel (every policy
+    /// releases only what the kernel holds: a SIGKILL after a release
+    /// loses nothing). A write that fails for want of space is rolled back
+    /// and retried until it succeeds or the writer closes.
+    fn write_appends(&mut self, appends: &[Vec<JournalEntry<L::Payload>>]) -> Result<(), Stop> {
+        if appends.is_empty() {
+            return Ok(());
+        }
+        let mut wait = STALL_RETRY_FIRST;
+        loop {
+            let mark = self.log.mark();
+            self.dirty = true;
+            let written = appends
+                .iter()
+                .try_for_each(|entries| self.log.write(entries))
+                .and_then(|()| self.log.flush());
+            let error = match written {
+                Ok(()) => {
+                    if self.progress.stalled.swap(false, Ordering::AcqRel) {
+                        tracing::info!("the write-ahead log writes again; answers resume");
+                        (self.on_stall)(None);
+                    }
+                    return Ok(());
+                }
+                Err(error) if error.is_retryable_write() => error,
+                Err(error) => return Err(Stop::Fatal(error)),
+            };
+            self.log.rollback(mark)?;
+            if !self.progress.stalled.swap(true, Ordering::AcqRel) {
+                tracing::error!(%error, "the write-ahead log cannot write: producers are held back and health is NOT_SERVING until it can; retrying");
+                (self.on_stall)(Some(&error));
+            }
+            if !self.wait_unless_closing(wait) {
+                return Err(Stop::Closing(error));
+            }
+            wait = (wait * 2).min(STALL_RETRY_MAX);
+        }
+    }
+
+    /// Sleeps `wait` in short steps; false as soon as the writer closes.
+    fn wait_unless_closing(&self, wait: Duration) -> bool {
+        let until = Instant::now() + wait;
+        loop {
+            if self.progress.closing.load(Ordering::Acquire) {
+                return false;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return true;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(20)));
+        }
     }
 
     fn sync(&mut self) -> Result<(), WalError> {
@@ -376,11 +500,28 @@ impl<L: LogFile> WriterThread<L> {
         }
     }
 
+    /// The log failed for good: recorded in the state dir, then reported.
     fn fail(&mut self, error: WalError) {
         self.progress.failed.store(true, Ordering::Release);
+        self.log
+            .record_abort(&format!("the write-ahead log failed: {error}"));
         if let Some(on_failure) = self.on_failure.take() {
             on_failure(error);
         }
+    }
+}
+
+/// Why a group was not written.
+enum Stop {
+    /// Failed for good (a sync, or a write that retrying cannot help).
+    Fatal(WalError),
+    /// Closing while a write waited for space.
+    Closing(WalError),
+}
+
+impl From<WalError> for Stop {
+    fn from(error: WalError) -> Self {
+        Stop::Fatal(error)
     }
 }
 
@@ -400,6 +541,9 @@ mod tests {
         events: Arc<Mutex<Vec<String>>>,
         gate: Arc<(Mutex<bool>, std::sync::Condvar)>,
         fail_writes: Arc<AtomicBool>,
+        /// Writes still to fail for want of space (ENOSPC), then succeed.
+        writes_without_space: Arc<AtomicU64>,
+        fail_syncs: Arc<AtomicBool>,
         /// Writes started (counted before the gate).
         writes_started: Arc<AtomicU64>,
     }
@@ -435,7 +579,17 @@ mod tests {
             if self.fail_writes.load(Ordering::Acquire) {
                 return Err(WalError::Io {
                     path: "fake".into(),
-                    source: std::io::Error::other("disk full"),
+                    source: std::io::Error::other("bad file descriptor"),
+                });
+            }
+            let without_space = self.writes_without_space.load(Ordering::Acquire);
+            if without_space > 0 {
+                self.writes_without_space
+                    .store(without_space - 1, Ordering::Release);
+                self.record("write failed: no space".to_string());
+                return Err(WalError::Io {
+                    path: "fake".into(),
+                    source: std::io::Error::from(std::io::ErrorKind::StorageFull),
                 });
             }
             self.record(format!("write {}", entries.len()));
@@ -446,8 +600,23 @@ mod tests {
             Ok(())
         }
         fn sync(&mut self) -> Result<(), WalError> {
+            if self.fail_syncs.load(Ordering::Acquire) {
+                return Err(WalError::Io {
+                    path: "fake".into(),
+                    source: std::io::Error::from_raw_os_error(5),
+                });
+            }
             self.record("sync".to_string());
             Ok(())
+        }
+        type Mark = ();
+        fn mark(&self) {}
+        fn rollback(&mut self, (): ()) -> Result<(), WalError> {
+            self.record("rollback".to_string());
+            Ok(())
+        }
+        fn record_abort(&mut self, _reason: &str) {
+            self.record("abort recorded".to_string());
         }
         fn wants_compaction(&mut self) -> bool {
             false
@@ -459,6 +628,26 @@ mod tests {
         fn log_bytes(&self) -> u64 {
             0
         }
+    }
+
+    fn no_stall() -> StallReport {
+        Box::new(|_| {})
+    }
+
+    /// A stall report that records "stalled" and "resumed" in the log's
+    /// events.
+    fn stall_events(log: &FakeLog) -> StallReport {
+        let log = log.clone();
+        Box::new(move |error| {
+            log.record(
+                if error.is_some() {
+                    "stalled"
+                } else {
+                    "resumed"
+                }
+                .to_string(),
+            )
+        })
     }
 
     fn acked(seq: u64) -> JournalEntry<()> {
@@ -486,7 +675,8 @@ mod tests {
     #[test]
     fn with_fsync_always_a_release_runs_only_after_its_records_are_synced() {
         let log = FakeLog::closed_gate();
-        let writer = LogWriter::spawn(log.clone(), FsyncPolicy::Always, |_| {}).unwrap();
+        let writer =
+            LogWriter::spawn(log.clone(), FsyncPolicy::Always, |_| {}, no_stall()).unwrap();
         writer.submit(vec![acked(0)], release(&log, "a"));
         // The write is blocked: nothing is released, and the writer is busy.
         assert!(!writer.is_idle());
@@ -499,7 +689,8 @@ mod tests {
     #[test]
     fn submissions_waiting_behind_a_slow_write_share_one_sync_and_release_in_order() {
         let log = FakeLog::closed_gate();
-        let writer = LogWriter::spawn(log.clone(), FsyncPolicy::Always, |_| {}).unwrap();
+        let writer =
+            LogWriter::spawn(log.clone(), FsyncPolicy::Always, |_| {}, no_stall()).unwrap();
         writer.submit(vec![acked(0)], release(&log, "first"));
         // Wait until the thread holds the first submission (blocked in its
         // write), so the rest queue up behind it as one group.
@@ -551,9 +742,14 @@ mod tests {
         log.fail_writes.store(true, Ordering::Release);
         let failures = Arc::new(AtomicU64::new(0));
         let counted = failures.clone();
-        let writer = LogWriter::spawn(log.clone(), FsyncPolicy::Always, move |_| {
-            counted.fetch_add(1, Ordering::AcqRel);
-        })
+        let writer = LogWriter::spawn(
+            log.clone(),
+            FsyncPolicy::Always,
+            move |_| {
+                counted.fetch_add(1, Ordering::AcqRel);
+            },
+            no_stall(),
+        )
         .unwrap();
         writer.submit(vec![acked(0)], release(&log, "a"));
         wait_until(|| writer.has_failed() && writer.is_idle());
@@ -576,8 +772,14 @@ mod tests {
     fn with_fsync_batch_a_release_runs_once_written_without_waiting_for_the_sync() {
         let log = FakeLog::default();
         let hour = Duration::from_secs(3600);
-        let writer =
-            LogWriter::spawn_with_interval(log.clone(), FsyncPolicy::Batch, hour, |_| {}).unwrap();
+        let writer = LogWriter::spawn_with_interval(
+            log.clone(),
+            FsyncPolicy::Batch,
+            hour,
+            |_| {},
+            no_stall(),
+        )
+        .unwrap();
         writer.submit(vec![acked(0)], release(&log, "a"));
         wait_until(|| writer.is_idle());
         // Released once in the kernel's hands (flushed), before any sync.
@@ -591,9 +793,14 @@ mod tests {
     fn with_fsync_batch_the_sync_follows_within_the_interval_without_new_work() {
         let log = FakeLog::default();
         let interval = Duration::from_millis(20);
-        let writer =
-            LogWriter::spawn_with_interval(log.clone(), FsyncPolicy::Batch, interval, |_| {})
-                .unwrap();
+        let writer = LogWriter::spawn_with_interval(
+            log.clone(),
+            FsyncPolicy::Batch,
+            interval,
+            |_| {},
+            no_stall(),
+        )
+        .unwrap();
         writer.submit(vec![acked(0)], release(&log, "a"));
         wait_until(|| writer.counts().syncs == 1);
         let events = log.events();
@@ -604,7 +811,7 @@ mod tests {
     #[test]
     fn a_compaction_is_written_in_order_between_the_appends() {
         let log = FakeLog::default();
-        let writer = LogWriter::spawn(log.clone(), FsyncPolicy::Never, |_| {}).unwrap();
+        let writer = LogWriter::spawn(log.clone(), FsyncPolicy::Never, |_| {}, no_stall()).unwrap();
         writer.submit(vec![acked(0)], None);
         writer.compact(vec![JournalEntry::Reset, acked(0)]);
         writer.submit(vec![acked(1)], release(&log, "after"));
@@ -620,7 +827,8 @@ mod tests {
     #[test]
     fn dropping_the_writer_writes_and_releases_what_was_submitted() {
         let log = FakeLog::closed_gate();
-        let writer = LogWriter::spawn(log.clone(), FsyncPolicy::Always, |_| {}).unwrap();
+        let writer =
+            LogWriter::spawn(log.clone(), FsyncPolicy::Always, |_| {}, no_stall()).unwrap();
         writer.submit(vec![acked(0)], release(&log, "a"));
         writer.submit(vec![acked(1)], release(&log, "b"));
         let opener = log.clone();
@@ -636,5 +844,94 @@ mod tests {
             .filter(|event| event.starts_with("release"))
             .collect();
         assert_eq!(releases, ["release a", "release b"]);
+    }
+
+    #[test]
+    fn a_write_without_space_is_rolled_back_and_retried_and_released_once_it_goes_through() {
+        let log = FakeLog::default();
+        log.writes_without_space.store(3, Ordering::Release);
+        let failures = Arc::new(AtomicU64::new(0));
+        let counted = failures.clone();
+        let writer = LogWriter::spawn(
+            log.clone(),
+            FsyncPolicy::Always,
+            move |_| {
+                counted.fetch_add(1, Ordering::AcqRel);
+            },
+            stall_events(&log),
+        )
+        .unwrap();
+        writer.submit(vec![acked(0)], release(&log, "a"));
+        wait_until(|| writer.is_idle());
+        assert_eq!(
+            log.events(),
+            [
+                "write failed: no space",
+                "rollback",
+                "stalled",
+                "write failed: no space",
+                "rollback",
+                "write failed: no space",
+                "rollback",
+                "write 1",
+                "flush",
+                "resumed",
+                "sync",
+                "release a"
+            ]
+        );
+        assert_eq!(failures.load(Ordering::Acquire), 0);
+        assert!(!writer.has_failed());
+        assert!(!writer.counts().stalled);
+    }
+
+    #[test]
+    fn while_a_write_waits_for_space_nothing_is_released_and_closing_gives_up_without_an_abort() {
+        let log = FakeLog::default();
+        log.writes_without_space.store(u64::MAX, Ordering::Release);
+        let writer =
+            LogWriter::spawn(log.clone(), FsyncPolicy::Batch, |_| {}, stall_events(&log)).unwrap();
+        writer.submit(vec![acked(0)], release(&log, "a"));
+        writer.submit(Vec::new(), release(&log, "b"));
+        wait_until(|| writer.counts().stalled);
+        assert!(!writer.is_idle());
+        let started = Instant::now();
+        drop(writer);
+        // Closing waits at most one retry step (20 ms), not for space.
+        assert!(started.elapsed() < TEST_WAIT);
+        let events = log.events();
+        assert!(
+            events.iter().all(|event| !event.starts_with("release")
+                && event != "abort recorded"
+                && event != "resumed"),
+            "{events:?}"
+        );
+        assert!(events.contains(&"stalled".to_string()), "{events:?}");
+    }
+
+    #[test]
+    fn a_failed_sync_is_fatal_recorded_in_the_state_dir_and_releases_nothing() {
+        let log = FakeLog::default();
+        log.fail_syncs.store(true, Ordering::Release);
+        let failures = Arc::new(AtomicU64::new(0));
+        let counted = failures.clone();
+        let writer = LogWriter::spawn(
+            log.clone(),
+            FsyncPolicy::Always,
+            move |_| {
+                counted.fetch_add(1, Ordering::AcqRel);
+            },
+            no_stall(),
+        )
+        .unwrap();
+        writer.submit(vec![acked(0)], release(&log, "a"));
+        wait_until(|| writer.has_failed() && writer.is_idle());
+        log.fail_syncs.store(false, Ordering::Release);
+        writer.submit(vec![acked(1)], release(&log, "b"));
+        wait_until(|| writer.is_idle());
+        drop(writer);
+        assert_eq!(failures.load(Ordering::Acquire), 1);
+        let events = log.events();
+        assert_eq!(events, ["write 1", "flush", "abort recorded"]);
     }
 }
