@@ -7,7 +7,7 @@ PYTHON ?= python3
 CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
-.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-ops-cli check-python bench build release fmt clean-cache
+.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-ops-cli check-python bench build release fmt clean-cache fuzz
 .PHONY: image check-deploy check-k8s check-cuda-build
 
 all: build
@@ -72,6 +72,14 @@ bench: setup
 
 fmt:
 	$(CARGO) fmt --all
+
+## cargo-fuzz over every decoder of untrusted bytes (tests/fuzz), FUZZ_SECONDS
+## per target (default 60); not part of `test`, which replays the committed
+## corpus (tests/fuzz/corpus) on stable instead. Installs cargo-fuzz when
+## missing; needs the nightly toolchain. FUZZ_TARGETS picks targets.
+FUZZ_SECONDS ?= 60
+fuzz:
+	FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/fuzz.sh
 
 ## Deployment (deploy/): the runtime image made here from the built binaries
 ## on a locally debootstrapped base (no registry needed; the base is made once).

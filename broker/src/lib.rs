@@ -36,6 +36,10 @@
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
 //!   outer step), its arithmetic on raw buffers, and its checkpoints; a
 //!   delta that is not finite or far over the recent norms never reaches it.
+//! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
+//!   untrusted bytes (Produce bodies, ModelSync sessions against the
+//!   center, the center checkpoint reader) and their seeds; run by
+//!   `tests/fuzz` and, over the committed corpus, by `tests/fuzz_corpus.rs`.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).
 //!
 //! Per-item `enqueue` and `deliver` spans join the trace whose context the
@@ -46,6 +50,8 @@
 pub mod auth;
 pub mod config;
 pub mod convert;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod metrics;
 pub mod model_sync;
 pub mod payload;

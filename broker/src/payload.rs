@@ -522,13 +522,18 @@ fn merge_item(mut buf: Rope, item: &mut WireItem) -> Result<(), DecodeFailure> {
                 delimited("Item.sample", wire_type, &mut buf)?,
                 item.sample.get_or_insert_with(WireSample::default),
             )?,
-            ITEM_TRACE_CONTEXT => encoding::hash_map::merge(
-                encoding::string::merge,
-                encoding::string::merge,
-                &mut item.trace_context,
-                &mut buf,
-                context.clone(),
-            )?,
+            ITEM_TRACE_CONTEXT => {
+                // prost's generated code checks a map field's wire type
+                // before merging an entry; `hash_map::merge` does not.
+                encoding::check_wire_type(WireType::LengthDelimited, wire_type)?;
+                encoding::hash_map::merge(
+                    encoding::string::merge,
+                    encoding::string::merge,
+                    &mut item.trace_context,
+                    &mut buf,
+                    context.clone(),
+                )?
+            }
             _ => encoding::skip_field(wire_type, tag, &mut buf, context.clone())?,
         }
     }

@@ -14,6 +14,11 @@
 //!   of a payload on either side.
 //! - `credentials`: the bearer token and PEM files, read the same way by
 //!   the broker and every client.
+//! - `fuzzing` (hidden): the fuzz bodies of this crate's decoders of
+//!   untrusted bytes (the gRPC prefix reader and prost over its frames, the
+//!   sample schema), the received-body input layout the other crates' fuzz
+//!   bodies share, and the seeds; run by `tests/fuzz` and, over the
+//!   committed corpus, by `tests/fuzz_corpus.rs`.
 //! - `fields`: the field numbers the zero-copy encoders and decoders use,
 //!   checked against the proto files.
 //! - `json`: enum names for the JSON form of status snapshots.
@@ -37,6 +42,8 @@ pub mod codec;
 pub mod credentials;
 pub mod fields;
 pub mod frames;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod json;
 pub mod sample;
 pub mod tensor;

@@ -25,7 +25,7 @@ pub const STATE_FILE_NAME: &str = "center_state.json";
 pub const OPTIMIZER_FILE_NAME: &str = "outer_optimizer.safetensors";
 
 /// A tensor read back: name, shape, values.
-type NamedValues = (String, Vec<u64>, Vec<f32>);
+pub type NamedValues = (String, Vec<u64>, Vec<f32>);
 
 const VELOCITY_PREFIX: &str = "velocity.";
 const DELTA_SUM_PREFIX: &str = "delta_sum.";
@@ -98,39 +98,86 @@ fn write_center_files(
     method: &str,
 ) -> Result<(), CheckpointError> {
     let config_path = staging.join(CONFIG_FILE_NAME);
-    let config: serde_json::Value =
-        serde_json::from_str(&center.config_json).map_err(|error| CheckpointError::Format {
-            path: config_path.clone(),
-            detail: format!("model config: {error}"),
-        })?;
-    write_text(&config_path, &pretty(&config))?;
-
-    let weights: Vec<(String, &CenterTensor, &[f32])> = center
-        .tensors
-        .iter()
-        .map(|tensor| (tensor.name.clone(), tensor, tensor.values.as_slice()))
-        .collect();
-    write_f32_safetensors(&staging.join(MODEL_FILE_NAME), &weights)?;
-    let has_momentum = center
-        .tensors
-        .iter()
-        .any(|tensor| !tensor.velocity.is_empty());
-    if has_momentum {
-        let mut state: Vec<(String, &CenterTensor, &[f32])> = Vec::new();
-        for tensor in &center.tensors {
-            state.push((
-                format!("{VELOCITY_PREFIX}{}", tensor.name),
-                tensor,
-                tensor.velocity.as_slice(),
-            ));
-            state.push((
-                format!("{DELTA_SUM_PREFIX}{}", tensor.name),
-                tensor,
-                tensor.delta_sum.as_slice(),
-            ));
-        }
-        write_f32_safetensors(&staging.join(OPTIMIZER_FILE_NAME), &state)?;
+    write_text(&config_path, &config_text(&config_path, center)?)?;
+    let model_path = staging.join(MODEL_FILE_NAME);
+    let weights = weight_buffers(center);
+    safetensors::serialize_to_file(
+        f32_views(&model_path, &weights)?,
+        Some(safetensors_metadata()),
+        &model_path,
+    )
+    .map_err(|error| format_error(&model_path, error.to_string()))?;
+    if let Some(state) = optimizer_buffers(center) {
+        let optimizer_path = staging.join(OPTIMIZER_FILE_NAME);
+        safetensors::serialize_to_file(
+            f32_views(&optimizer_path, &state)?,
+            Some(safetensors_metadata()),
+            &optimizer_path,
+        )
+        .map_err(|error| format_error(&optimizer_path, error.to_string()))?;
     }
+    let state_path = staging.join(STATE_FILE_NAME);
+    write_text(&state_path, &state_text(&state_path, center, method)?)
+}
+
+/// The files [`write_center`] writes, in memory, as (file name, bytes):
+/// the same encoders, without the disk (the fuzz seeds and round trips;
+/// small centers only, the whole checkpoint is held twice).
+pub fn encode_center_files(
+    center: &Center,
+    method: &str,
+) -> Result<Vec<(&'static str, Vec<u8>)>, CheckpointError> {
+    let config_path = Path::new(CONFIG_FILE_NAME);
+    let model_path = Path::new(MODEL_FILE_NAME);
+    let mut files = vec![
+        (
+            CONFIG_FILE_NAME,
+            config_text(config_path, center)?.into_bytes(),
+        ),
+        (
+            MODEL_FILE_NAME,
+            safetensors::serialize(
+                f32_views(model_path, &weight_buffers(center))?,
+                Some(safetensors_metadata()),
+            )
+            .map_err(|error| format_error(model_path, error.to_string()))?,
+        ),
+    ];
+    if let Some(state) = optimizer_buffers(center) {
+        let optimizer_path = Path::new(OPTIMIZER_FILE_NAME);
+        files.push((
+            OPTIMIZER_FILE_NAME,
+            safetensors::serialize(
+                f32_views(optimizer_path, &state)?,
+                Some(safetensors_metadata()),
+            )
+            .map_err(|error| format_error(optimizer_path, error.to_string()))?,
+        ));
+    }
+    let state_path = Path::new(STATE_FILE_NAME);
+    files.push((
+        STATE_FILE_NAME,
+        state_text(state_path, center, method)?.into_bytes(),
+    ));
+    Ok(files)
+}
+
+fn format_error(path: &Path, detail: String) -> CheckpointError {
+    CheckpointError::Format {
+        path: path.to_path_buf(),
+        detail,
+    }
+}
+
+/// `config.json`: the model config, pretty-printed.
+fn config_text(config_path: &Path, center: &Center) -> Result<String, CheckpointError> {
+    let config: serde_json::Value = serde_json::from_str(&center.config_json)
+        .map_err(|error| format_error(config_path, format!("model config: {error}")))?;
+    Ok(pretty(&config))
+}
+
+/// `center_state.json`: the counters a resumed center continues from.
+fn state_text(state_path: &Path, center: &Center, method: &str) -> Result<String, CheckpointError> {
     let state = CenterState {
         version: center.version,
         samples: center.samples,
@@ -139,11 +186,84 @@ fn write_center_files(
         pending_deltas: center.pending_deltas,
         method: method.to_string(),
     };
-    let state_json = serde_json::to_value(&state).map_err(|error| CheckpointError::Format {
-        path: staging.join(STATE_FILE_NAME),
-        detail: error.to_string(),
-    })?;
-    write_text(&staging.join(STATE_FILE_NAME), &pretty(&state_json))
+    let state_json = serde_json::to_value(&state)
+        .map_err(|error| format_error(state_path, error.to_string()))?;
+    Ok(pretty(&state_json))
+}
+
+/// A tensor to write: its name in the file, its shape, its f32 bytes.
+type TensorBuffer = (String, Vec<usize>, Vec<u8>);
+
+/// The weights, encoded for `model.safetensors`.
+fn weight_buffers(center: &Center) -> Vec<TensorBuffer> {
+    center
+        .tensors
+        .iter()
+        .map(|tensor| tensor_buffer(tensor.name.clone(), tensor, &tensor.values))
+        .collect()
+}
+
+/// The outer optimizer's state (velocity and delta sum of every tensor),
+/// encoded for `outer_optimizer.safetensors`; `None` without momentum.
+fn optimizer_buffers(center: &Center) -> Option<Vec<TensorBuffer>> {
+    let has_momentum = center
+        .tensors
+        .iter()
+        .any(|tensor| !tensor.velocity.is_empty());
+    if !has_momentum {
+        return None;
+    }
+    let mut state = Vec::new();
+    for tensor in &center.tensors {
+        state.push(tensor_buffer(
+            format!("{VELOCITY_PREFIX}{}", tensor.name),
+            tensor,
+            &tensor.velocity,
+        ));
+        state.push(tensor_buffer(
+            format!("{DELTA_SUM_PREFIX}{}", tensor.name),
+            tensor,
+            &tensor.delta_sum,
+        ));
+    }
+    Some(state)
+}
+
+fn tensor_buffer(name: String, tensor: &CenterTensor, values: &[f32]) -> TensorBuffer {
+    (
+        name,
+        tensor.shape.iter().map(|&dim| dim as usize).collect(),
+        arith::encode(values, WireDtype::F32),
+    )
+}
+
+fn safetensors_metadata() -> HashMap<String, String> {
+    HashMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// The safetensors views of `buffers` (f32), each checked against its shape.
+fn f32_views<'a>(
+    path: &Path,
+    buffers: &'a [TensorBuffer],
+) -> Result<Vec<(String, TensorView<'a>)>, CheckpointError> {
+    buffers
+        .iter()
+        .map(|(name, shape, bytes)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|view| (name.clone(), view))
+                .map_err(|error| format_error(path, format!("tensor {name:?}: {error}")))
+        })
+        .collect()
+}
+
+/// A center checkpoint's files as read from its directory; the optional
+/// ones `None` when absent.
+#[derive(Debug, Clone, Copy)]
+pub struct CenterFiles<'a> {
+    pub config_json: &'a str,
+    pub model: &'a [u8],
+    pub state_json: Option<&'a str>,
+    pub optimizer: Option<&'a [u8]>,
 }
 
 /// Reads a center written by [`write_center`]; `None` when `dir` holds no
@@ -156,55 +276,87 @@ pub fn read_center(dir: &Path, momentum: bool) -> Result<Option<Center>, Checkpo
     }
     let config_path = dir.join(CONFIG_FILE_NAME);
     let config_json = std::fs::read_to_string(&config_path).map_err(io_error(&config_path))?;
-    let state = read_state(dir)?;
-    let mut tensors: Vec<CenterTensor> = read_f32_safetensors(&model_path)?
-        .into_iter()
-        .map(|(name, shape, values)| CenterTensor {
-            name,
-            shape,
-            values: std::sync::Arc::new(values),
-            velocity: std::sync::Arc::default(),
-            delta_sum: std::sync::Arc::default(),
-        })
-        .collect();
+    let state_path = dir.join(STATE_FILE_NAME);
+    let state_json = match std::fs::read_to_string(&state_path) {
+        Ok(text) => Some(text),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => None,
+        Err(source) => {
+            return Err(CheckpointError::Io {
+                path: state_path,
+                source,
+            })
+        }
+    };
+    let model = std::fs::read(&model_path).map_err(io_error(&model_path))?;
+    let optimizer_path = dir.join(OPTIMIZER_FILE_NAME);
+    let optimizer = if momentum && optimizer_path.is_file() {
+        Some(std::fs::read(&optimizer_path).map_err(io_error(&optimizer_path))?)
+    } else {
+        None
+    };
+    let files = CenterFiles {
+        config_json: &config_json,
+        model: &model,
+        state_json: state_json.as_deref(),
+        optimizer: optimizer.as_deref(),
+    };
+    decode_center(dir, files, momentum).map(Some)
+}
+
+/// The center in `files` (read from `dir`, which errors name): the
+/// counters, the weights, and with `momentum` the outer optimizer's state.
+/// Every length in the files is checked before anything is allocated from
+/// it (the fuzz target `center_checkpoint` feeds it any bytes).
+pub fn decode_center(
+    dir: &Path,
+    files: CenterFiles<'_>,
+    momentum: bool,
+) -> Result<Center, CheckpointError> {
+    let state = decode_state(&dir.join(STATE_FILE_NAME), files.state_json)?;
+    let mut tensors: Vec<CenterTensor> =
+        decode_f32_safetensors(&dir.join(MODEL_FILE_NAME), files.model)?
+            .into_iter()
+            .map(|(name, shape, values)| CenterTensor {
+                name,
+                shape,
+                values: std::sync::Arc::new(values),
+                velocity: std::sync::Arc::default(),
+                delta_sum: std::sync::Arc::default(),
+            })
+            .collect();
     let pending_deltas = if momentum {
-        read_optimizer_state(dir, &mut tensors, state.pending_deltas)?
+        decode_optimizer_state(
+            &dir.join(OPTIMIZER_FILE_NAME),
+            files.optimizer,
+            &mut tensors,
+            state.pending_deltas,
+        )?
     } else {
         0
     };
-    let mut center = Center::new(config_json, tensors, state.version).map_err(|error| {
-        CheckpointError::Format {
-            path: dir.to_path_buf(),
-            detail: error.to_string(),
-        }
-    })?;
+    let mut center = Center::new(files.config_json.to_string(), tensors, state.version)
+        .map_err(|error| format_error(dir, error.to_string()))?;
     center.samples = state.samples;
     center.updates_applied = state.updates_applied;
     center.updates_discarded = state.updates_discarded;
     center.pending_deltas = pending_deltas;
-    Ok(Some(center))
+    Ok(center)
 }
 
-/// Reads the center's counters; all zero when the checkpoint has none (a
+/// The center's counters; all zero when the checkpoint has none (a
 /// drafter's checkpoint used as the starting center).
-fn read_state(dir: &Path) -> Result<CenterState, CheckpointError> {
-    let state_path = dir.join(STATE_FILE_NAME);
-    match std::fs::read_to_string(&state_path) {
-        Ok(text) => serde_json::from_str(&text).map_err(|error| CheckpointError::Format {
-            path: state_path.clone(),
-            detail: error.to_string(),
-        }),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(CenterState {
+fn decode_state(state_path: &Path, text: Option<&str>) -> Result<CenterState, CheckpointError> {
+    match text {
+        Some(text) => {
+            serde_json::from_str(text).map_err(|error| format_error(state_path, error.to_string()))
+        }
+        None => Ok(CenterState {
             version: 0,
             samples: 0,
             updates_applied: 0,
             updates_discarded: 0,
             pending_deltas: 0,
             method: String::new(),
-        }),
-        Err(source) => Err(CheckpointError::Io {
-            path: state_path,
-            source,
         }),
     }
 }
@@ -213,35 +365,35 @@ fn read_state(dir: &Path) -> Result<CenterState, CheckpointError> {
 /// file (zeros for a tensor it does not hold, or for all when there is no
 /// file). Returns the pending deltas to resume with: `pending_deltas` as
 /// saved, or 0 without the file.
-fn read_optimizer_state(
-    dir: &Path,
+fn decode_optimizer_state(
+    optimizer_path: &Path,
+    optimizer: Option<&[u8]>,
     tensors: &mut [CenterTensor],
     pending_deltas: u32,
 ) -> Result<u32, CheckpointError> {
-    let optimizer_path = dir.join(OPTIMIZER_FILE_NAME);
-    let (mut stored, pending_deltas): (HashMap<String, Vec<f32>>, u32) = if optimizer_path.is_file()
-    {
-        let stored = read_f32_safetensors(&optimizer_path)?
-            .into_iter()
-            .map(|(name, _, values)| (name, values))
-            .collect();
-        (stored, pending_deltas)
-    } else {
-        (HashMap::new(), 0)
+    let (mut stored, pending_deltas): (HashMap<String, Vec<f32>>, u32) = match optimizer {
+        Some(bytes) => {
+            let stored = decode_f32_safetensors(optimizer_path, bytes)?
+                .into_iter()
+                .map(|(name, _, values)| (name, values))
+                .collect();
+            (stored, pending_deltas)
+        }
+        None => (HashMap::new(), 0),
     };
     for tensor in tensors {
         let elements = tensor.values.len();
         let mut take = |prefix: &str| -> Result<Vec<f32>, CheckpointError> {
             match stored.remove(&format!("{prefix}{}", tensor.name)) {
                 Some(values) if values.len() == elements => Ok(values),
-                Some(values) => Err(CheckpointError::Format {
-                    path: optimizer_path.clone(),
-                    detail: format!(
+                Some(values) => Err(format_error(
+                    optimizer_path,
+                    format!(
                         "{prefix}{} has {} elements, the weight has {elements}",
                         tensor.name,
                         values.len()
                     ),
-                }),
+                )),
                 None => Ok(vec![0.0; elements]),
             }
         };
@@ -251,63 +403,32 @@ fn read_optimizer_state(
     Ok(pending_deltas)
 }
 
-fn write_f32_safetensors(
+/// Every tensor of a safetensors file's bytes as f32 (bf16 and f32 files
+/// are read). safetensors checks the header against the data (offsets,
+/// and shapes against byte lengths, without overflow) before any values
+/// are allocated.
+pub fn decode_f32_safetensors(
     path: &Path,
-    tensors: &[(String, &CenterTensor, &[f32])],
-) -> Result<(), CheckpointError> {
-    let buffers: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(name, tensor, values)| {
-            (
-                name.clone(),
-                tensor.shape.iter().map(|&dim| dim as usize).collect(),
-                arith::encode(values, WireDtype::F32),
-            )
-        })
-        .collect();
-    let views = buffers
-        .iter()
-        .map(|(name, shape, bytes)| {
-            TensorView::new(Dtype::F32, shape.clone(), bytes)
-                .map(|view| (name.clone(), view))
-                .map_err(|error| CheckpointError::Format {
-                    path: path.to_path_buf(),
-                    detail: format!("tensor {name:?}: {error}"),
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(metadata), path).map_err(|error| {
-        CheckpointError::Format {
-            path: path.to_path_buf(),
-            detail: error.to_string(),
-        }
-    })
-}
-
-/// Every tensor of a safetensors file as f32 (bf16 and f32 files are read).
-fn read_f32_safetensors(path: &Path) -> Result<Vec<NamedValues>, CheckpointError> {
-    let bytes = std::fs::read(path).map_err(io_error(path))?;
-    let format_error = |detail: String| CheckpointError::Format {
-        path: path.to_path_buf(),
-        detail,
-    };
-    let file = SafeTensors::deserialize(&bytes).map_err(|error| format_error(error.to_string()))?;
+    bytes: &[u8],
+) -> Result<Vec<NamedValues>, CheckpointError> {
+    let file =
+        SafeTensors::deserialize(bytes).map_err(|error| format_error(path, error.to_string()))?;
     let mut tensors = Vec::new();
     for (name, view) in file.tensors() {
         let dtype = match view.dtype() {
             Dtype::F32 => WireDtype::F32,
             Dtype::BF16 => WireDtype::Bf16,
             other => {
-                return Err(format_error(format!(
-                    "tensor {name:?} has dtype {other:?}, expected F32 or BF16"
-                )))
+                return Err(format_error(
+                    path,
+                    format!("tensor {name:?} has dtype {other:?}, expected F32 or BF16"),
+                ))
             }
         };
         let shape: Vec<u64> = view.shape().iter().map(|&dim| dim as u64).collect();
-        let mut values = vec![0.0f32; shape.iter().product::<u64>() as usize];
+        let mut values = vec![0.0f32; view.data().len() / dtype.element_bytes()];
         arith::decode_into(&mut values, view.data(), dtype)
-            .map_err(|error| format_error(format!("tensor {name:?}: {error}")))?;
+            .map_err(|error| format_error(path, format!("tensor {name:?}: {error}")))?;
         tensors.push((name, shape, values));
     }
     Ok(tensors)

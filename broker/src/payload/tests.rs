@@ -177,6 +177,27 @@ fn other_messages_and_merge_rules_follow_prost() {
     assert_eq!(item.sample.unwrap().tensors.len(), 2);
 }
 
+/// A trace context entry under another wire type than length-delimited
+/// is refused, as prost refuses it (fuzz target `broker_produce` found the
+/// decoder merging it: tests/fuzz/corpus/broker_produce/crash-*).
+#[test]
+fn a_trace_context_entry_of_another_wire_type_is_refused_as_prost_refuses_it() {
+    let mut entry = Vec::new();
+    encoding::string::encode(1, &"traceparent".to_string(), &mut entry);
+    encoding::string::encode(2, &"00-ab-cd-01".to_string(), &mut entry);
+    for wire_type in [WireType::Varint, WireType::EndGroup, WireType::ThirtyTwoBit] {
+        let mut item = Vec::new();
+        encoding::encode_key(ITEM_TRACE_CONTEXT, wire_type, &mut item);
+        encoding::encode_varint(entry.len() as u64, &mut item);
+        item.extend_from_slice(&entry);
+        let mut request = Vec::new();
+        encoding::bytes::encode(PRODUCE_REQUEST_ITEM, &item, &mut request);
+        let bytes = Bytes::from(request);
+        agrees_with_prost(&bytes, &[]).unwrap();
+        assert!(decode_produce_request(chunked(&bytes, &[])).is_err());
+    }
+}
+
 /// Bad protobuf gets an error naming the field and the value.
 #[test]
 fn malformed_items_name_the_field() {

@@ -18,6 +18,9 @@
 //!   copies: an item's tensors go out as their own chunks (no copy), a
 //!   delivery's tensors are views on the received HTTP/2 frames (joined
 //!   once only when one spans frames; [`Consumer::copies`] counts).
+//! - `fuzzing` (hidden): the fuzz body of the client's decoder of what the
+//!   broker sends (deliveries and Produce answers) and its seeds; run by
+//!   `tests/fuzz` and, over the committed corpus, by `tests/fuzz_corpus.rs`.
 //!
 //! A client remembers the broker's run id from its first welcome and each
 //! target's latest epoch, and sends them in later hellos and ReportDone: a
@@ -28,6 +31,8 @@
 
 mod backoff;
 mod consumer;
+#[doc(hidden)]
+pub mod fuzzing;
 mod producer;
 pub mod security;
 mod wire;

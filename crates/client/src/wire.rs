@@ -11,7 +11,7 @@
 
 use bytes::Bytes;
 use dflash_proto::fields::{ITEM_SAMPLE, PRODUCE_REQUEST_ITEM, SAMPLE_TENSORS};
-use dflash_proto::frames::{self, Copies, Direction, MessageReader, Pieces};
+use dflash_proto::frames::{self, Copies, Direction, MessageReader, Pieces, Rope};
 use dflash_proto::v1 as proto;
 use futures::StreamExt;
 use prost::encoding::{self, WireType};
@@ -66,11 +66,9 @@ impl ResponseMessages {
                 .get_mut()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             match reader.next().await {
-                Some(Ok(mut message)) => {
-                    let decoded = T::decode(&mut message).map_err(|error| {
-                        Status::internal(format!("the broker sent an undecodable message: {error}"))
-                    });
-                    self.copies.add(message.copies());
+                Some(Ok(message)) => {
+                    let (decoded, copies) = decode_message(message);
+                    self.copies.add(copies);
                     return decoded.map(Some);
                 }
                 Some(Err(status)) => self.ended = Some(status),
@@ -88,6 +86,17 @@ impl ResponseMessages {
     pub(crate) fn copies(&self) -> Copies {
         self.copies
     }
+}
+
+/// One received message decoded by prost from its frames' slices, and how
+/// its `bytes` fields came out (views on a frame, or joined once).
+pub(crate) fn decode_message<T: Message + Default>(
+    mut message: Rope,
+) -> (Result<T, Status>, Copies) {
+    let decoded = T::decode(&mut message).map_err(|error| {
+        Status::internal(format!("the broker sent an undecodable message: {error}"))
+    });
+    (decoded, message.copies())
 }
 
 /// The status a non-gRPC HTTP answer stands for (as tonic maps them).
