@@ -146,6 +146,24 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_FSYNC", value_enum, default_value = "batch")]
     pub fsync: crate::wal::FsyncPolicy,
 
+    /// Most HTTP/2 streams one connection may have open at once (advertised
+    /// as SETTINGS_MAX_CONCURRENT_STREAMS; a client queues the rest). A
+    /// target needs one, a drafter two (Consume, ModelSync) and its unary
+    /// calls; `dflash top` one.
+    #[arg(long, env = "DFLASH_MAX_CONCURRENT_STREAMS", default_value_t = 64)]
+    pub max_concurrent_streams: u32,
+
+    /// Most client connections open at once; one more is closed as soon as
+    /// it is accepted (and logged), so a flood of connections cannot take
+    /// the broker's memory or file descriptors from the run's peers.
+    #[arg(long, env = "DFLASH_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+
+    /// Longest a new connection may take to finish its TLS handshake before
+    /// it is closed (with TLS on).
+    #[arg(long, env = "DFLASH_TLS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub tls_handshake_timeout: Duration,
+
     /// Keep a --state-dir written for other target ids (another count or
     /// order): its resume points and items go on under this configuration.
     /// Without it such a state dir refuses to start, naming both.
@@ -190,6 +208,9 @@ impl BrokerConfig {
             state_dir: None,
             fsync: crate::wal::FsyncPolicy::Batch,
             adopt_state_dir: false,
+            max_concurrent_streams: 64,
+            max_connections: 1024,
+            tls_handshake_timeout: Duration::from_secs(10),
             model_sync: crate::model_sync::ModelSyncConfig::default(),
             security: crate::auth::BrokerSecurity::none(),
         }
@@ -221,6 +242,16 @@ impl BrokerConfig {
                 queue: self.max_queue_bytes,
             });
         }
+        if self.max_concurrent_streams == 0 {
+            return Err(ConfigError::Parse(
+                "--max-concurrent-streams must be at least 1, got 0".to_string(),
+            ));
+        }
+        if self.max_connections == 0 {
+            return Err(ConfigError::Parse(
+                "--max-connections must be at least 1, got 0".to_string(),
+            ));
+        }
         if self.max_deliveries == 0 {
             return Err(ConfigError::NoDeliveries);
         }
@@ -229,6 +260,7 @@ impl BrokerConfig {
             ("--target-grace", self.target_grace),
             ("--keepalive-interval", self.keepalive_interval),
             ("--keepalive-timeout", self.keepalive_timeout),
+            ("--tls-handshake-timeout", self.tls_handshake_timeout),
         ] {
             if value.is_zero() {
                 return Err(ConfigError::NonPositiveDuration { flag, value });

@@ -18,7 +18,10 @@
 //! - `service`: the tonic `Broker` implementation, a thin adapter that runs
 //!   queue operations under one lock and routes effects to streams.
 //! - `server`: [`serve`], which adds health and reflection, the optional
-//!   metrics endpoint, and bounds shutdown.
+//!   metrics endpoint, and bounds shutdown; the HTTP/2 limits of one
+//!   client (streams per connection, reset guards, header size).
+//! - `connections`: the accepted connections: `TCP_NODELAY`, and at most
+//!   `--max-connections` open (one more is closed on accept).
 //! - `payload`: the broker's form of an item, each tensor's data kept as
 //!   the slices of the HTTP/2 frames it arrived in, decoded from a Produce
 //!   message as prost would (tested against prost) and encoded back.
@@ -49,6 +52,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod connections;
 pub mod convert;
 #[doc(hidden)]
 pub mod fuzzing;

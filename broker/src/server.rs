@@ -8,7 +8,6 @@ use std::time::Duration;
 use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::Router;
@@ -109,7 +108,7 @@ pub async fn serve_with_metrics(
         service,
     )?;
     let mut server = tokio::spawn(router.serve_with_incoming_shutdown(
-        nodelay_incoming(listener),
+        crate::connections::capped_incoming(listener, config.max_connections),
         server_stop.clone().cancelled_owned(),
     ));
 
@@ -317,7 +316,7 @@ where
     let message_limit = dflash_proto::transport::message_limit_bytes(config.max_item_bytes);
     let mut builder = Server::builder();
     if let Some(tls) = security.tls.clone() {
-        builder = builder.tls_config(tls)?;
+        builder = builder.tls_config(tls.timeout(config.tls_handshake_timeout))?;
     }
     // Every service sits behind the token check (a no-op without a token,
     // or for a service the operator exempts).
@@ -328,6 +327,13 @@ where
         .initial_stream_window_size(Some(BROKER_RECEIVE_STREAM_WINDOW_BYTES))
         .initial_connection_window_size(Some(CONNECTION_WINDOW_BYTES))
         .max_frame_size(Some(MAX_FRAME_BYTES))
+        // Limits one client's share (#25): streams per connection, the
+        // resets a peer may cause or send before a GOAWAY (tonic passes
+        // `None` on to hyper as "no limit"), and the size of its headers.
+        .max_concurrent_streams(Some(config.max_concurrent_streams))
+        .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS))
+        .http2_max_header_list_size(Some(MAX_HEADER_LIST_BYTES))
         .http2_keepalive_interval(Some(config.keepalive_interval))
         .http2_keepalive_timeout(Some(config.keepalive_timeout))
         .tcp_nodelay(true)
@@ -353,20 +359,16 @@ where
         )))
 }
 
-/// The accepted connections of `listener`, each with `TCP_NODELAY` set:
-/// tonic applies `tcp_nodelay` only to sockets it binds itself, and without
-/// it Nagle's algorithm holds small messages (end-of-stream, acks) for a
-/// delayed-ACK period.
-fn nodelay_incoming(
-    listener: TcpListener,
-) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
-    futures::StreamExt::map(TcpListenerStream::new(listener), |accepted| {
-        if let Ok(socket) = &accepted {
-            let _ = socket.set_nodelay(true);
-        }
-        accepted
-    })
-}
+/// Streams a connection may make the server reset (malformed requests)
+/// before it is sent a GOAWAY: hyper's own default, which tonic's `None`
+/// would turn off.
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+/// Streams a client may open and reset before the server accepted them
+/// (the "rapid reset" attack) before a GOAWAY: h2's default.
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+/// The largest header list a request may carry: the token and the gRPC
+/// headers are a few hundred bytes (h2's default is 16 MiB).
+const MAX_HEADER_LIST_BYTES: u32 = 64 << 10;
 
 /// Waits up to `deadline` for the stopped gRPC server to finish; past it,
 /// cuts the connections still open.

@@ -46,6 +46,13 @@ pub const MODEL_SYNC_MESSAGE_BYTES: usize = 8 << 20;
 /// any credit window, and is far below `--max-item-bytes`.
 pub const CONTROL_MESSAGE_BYTES: usize = 1 << 20;
 
+/// The most delivery ids one Ack, Nack or ExtendLeases may name: far
+/// beyond any credit window (a drafter acks what it holds), and a bound on
+/// the work one message does under the broker's queue lock. A message
+/// naming more ends its Consume stream (INVALID_ARGUMENT, naming both
+/// counts); its leases go back to the queue.
+pub const MAX_IDS_PER_MESSAGE: usize = 65_536;
+
 /// The longest nack reason or stats string the broker keeps; longer ones
 /// are cut (at a character boundary) and marked.
 pub const MAX_CONTROL_STRING_BYTES: usize = 1024;

@@ -88,13 +88,16 @@ impl BrokerService {
             dflash_proto::transport::CONTROL_MESSAGE_BYTES,
             status.message()
         );
-        warn!(connection, %reason, "Consume stream ended");
+        self.refuse_consumer(connection, Status::resource_exhausted(reason));
+    }
+
+    /// Ends a Consume stream with `status` (the caller stops reading it;
+    /// closing the consumer then returns its leases).
+    fn refuse_consumer(&self, connection: ConnectionId, status: Status) {
+        warn!(connection, reason = %status.message(), "Consume stream ended");
         self.shared.with_queue(|locked, _now| {
             if let Some(outbox) = locked.consumer_outboxes.remove(&connection) {
-                locked.post(Outgoing::Consumer(
-                    outbox,
-                    Err(Status::resource_exhausted(reason)),
-                ));
+                locked.post(Outgoing::Consumer(outbox, Err(status)));
             }
         });
     }
@@ -118,6 +121,25 @@ impl BrokerService {
                     }
                 };
             use proto::consume_request::Kind;
+            if let Some((what, ids)) = match &request.kind {
+                Some(Kind::Ack(ack)) => Some(("Ack", ack.delivery_ids.len())),
+                Some(Kind::Nack(nack)) => Some(("Nack", nack.delivery_ids.len())),
+                Some(Kind::ExtendLeases(extend)) => {
+                    Some(("ExtendLeases", extend.delivery_ids.len()))
+                }
+                _ => None,
+            } {
+                if ids > dflash_proto::transport::MAX_IDS_PER_MESSAGE {
+                    self.refuse_consumer(
+                        connection,
+                        Status::invalid_argument(format!(
+                            "{what} names {ids} delivery ids, more than the {} one message may: send them in several",
+                            dflash_proto::transport::MAX_IDS_PER_MESSAGE
+                        )),
+                    );
+                    break;
+                }
+            }
             match request.kind {
                 Some(Kind::Ack(ack)) => {
                     shared.with_queue(|locked, now| {
