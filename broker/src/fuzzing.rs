@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dflash_proto::frames::{Direction, Rope};
-use dflash_proto::fuzzing::{read_messages, rope_bytes, schema_sample, ReceivedBody, Seed};
+use dflash_proto::fuzzing::{
+    read_messages, rope_bytes, same_message, schema_sample, ReceivedBody, Seed,
+};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
@@ -55,7 +57,7 @@ pub fn produce(data: &[u8]) {
         match (ours, prosts) {
             (Ok(ours), Ok(prosts)) => {
                 assert!(
-                    ours.to_proto() == prosts,
+                    same_message(&ours.to_proto(), &prosts),
                     "ours and prost's decoding differ"
                 );
                 if let ProduceIn::Item(item) = ours {

@@ -399,6 +399,34 @@ fn chunks_out_of_order_or_too_long_are_refused() {
     );
 }
 
+/// A shape whose element count fits a u64 but whose bytes do not is
+/// refused at its first chunk, naming the tensor (fuzz target `model_sync`
+/// found the byte count overflowing: tests/fuzz/corpus/model_sync/crash-*).
+#[test]
+fn a_shape_whose_bytes_overflow_is_refused_at_its_first_chunk() {
+    for (dtype, shape) in [
+        (proto::Dtype::F32, vec![1u64 << 62]),
+        (proto::Dtype::Bf16, vec![1u64 << 32, 1 << 31]),
+        (proto::Dtype::F32, vec![u64::MAX, 2]),
+    ] {
+        let mut upload = Upload::new(&begin(proto::SyncKind::Join, 0)).unwrap();
+        let error = upload
+            .add_chunk(proto::TensorChunk {
+                name: "huge".into(),
+                dtype: dtype as i32,
+                shape: shape.clone(),
+                offset: 0,
+                data: Bytes::from(vec![0u8; 8]),
+            })
+            .unwrap_err();
+        assert!(
+            matches!(&error, SyncError::BadTensor { name, detail }
+                if name == "huge" && detail.contains("overflow")),
+            "{shape:?}: {error}"
+        );
+    }
+}
+
 #[test]
 fn the_final_center_waits_only_for_open_sessions_without_a_final_sync() {
     let (mut state, now) = joined_state(plain());

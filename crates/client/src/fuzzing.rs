@@ -9,7 +9,7 @@
 
 use dflash_proto::frames::{Direction, Rope};
 use dflash_proto::fuzzing::{
-    framed_body, read_messages, rope_bytes, schema_sample, ReceivedBody, Seed,
+    framed_body, read_messages, rope_bytes, same_message, schema_sample, ReceivedBody, Seed,
 };
 use dflash_proto::sample as schema;
 use dflash_proto::v1 as proto;
@@ -70,7 +70,7 @@ fn decodes_alike<T: Message + Default + PartialEq>(message: Rope) -> Option<T> {
     match (decoded, contiguous) {
         (Ok(decoded), Ok(contiguous)) => {
             assert!(
-                decoded == contiguous,
+                same_message(&decoded, &contiguous),
                 "the frames decoded otherwise than the bytes"
             );
             Some(decoded)

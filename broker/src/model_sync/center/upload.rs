@@ -252,12 +252,28 @@ impl Upload {
                 });
             }
         }
-        let elements = chunk
+        // The byte count must fit a u64, not only the element count:
+        // `expected_bytes` multiplies by the element size unchecked (a
+        // shape of 2^62 f32 elements overflowed it: fuzz target
+        // `model_sync`, tests/fuzz/corpus/model_sync/crash-*).
+        let bytes = chunk
             .shape
             .iter()
-            .try_fold(1u64, |product, &dim| product.checked_mul(dim));
-        if elements.is_none() || chunk.shape.is_empty() {
-            return Err(bad_chunk(chunk, format!("invalid shape {:?}", chunk.shape)));
+            .try_fold(dtype.element_bytes() as u64, |product, &dim| {
+                product.checked_mul(dim)
+            });
+        if chunk.shape.is_empty() {
+            return Err(bad_chunk(chunk, "invalid shape []".to_string()));
+        }
+        if bytes.is_none() {
+            return Err(bad_chunk(
+                chunk,
+                format!(
+                    "invalid shape {:?}: its bytes as {} overflow a u64",
+                    chunk.shape,
+                    dtype.name()
+                ),
+            ));
         }
         self.tensors.push(UploadedTensor {
             name: chunk.name.clone(),
