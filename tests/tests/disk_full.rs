@@ -16,9 +16,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use dflash_client::{ClientOptions, ConsumerEvent};
+use dflash_client::ClientOptions;
 use dflash_proto::v1 as proto;
-use dflash_testkit::{credit, sample, wait_until, BrokerProcess};
+use dflash_testkit::{sample, spawn_drafter, wait_until, BrokerProcess};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
@@ -140,25 +140,18 @@ async fn a_full_disk_holds_the_target_back_and_the_run_resumes_when_space_return
     assert!(report.rejected.is_empty(), "{report:?}");
     client.report_done("target-0", ITEMS).await.unwrap();
 
-    let mut consumer = client.consume("drafter-0", credit(8)).await.unwrap();
-    let handle = consumer.handle();
-    let mut acked: BTreeMap<(String, u64), u32> = BTreeMap::new();
-    let end = loop {
-        match tokio::time::timeout(Duration::from_secs(60), consumer.next())
-            .await
-            .expect("a delivery or end-of-stream in time")
-            .unwrap()
-        {
-            ConsumerEvent::Delivery(delivery) => {
-                *acked
-                    .entry((delivery.target_id.clone(), delivery.seq))
-                    .or_default() += 1;
-                handle.ack(vec![delivery.delivery_id]);
-            }
-            ConsumerEvent::EndOfStream(end) => break end,
-        }
-    };
+    let drained = spawn_drafter(client.clone(), "drafter-0", Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    let end = drained.end_of_stream;
     assert_eq!(end.status(), proto::RunStatus::Complete, "{end:?}");
+    let mut acked: BTreeMap<(String, u64), u32> = BTreeMap::new();
+    for delivery in &drained.deliveries {
+        *acked
+            .entry((delivery.target_id.clone(), delivery.seq))
+            .or_default() += 1;
+    }
     let expected: BTreeMap<(String, u64), u32> = (0..ITEMS)
         .map(|seq| (("target-0".to_string(), seq), 1))
         .collect();

@@ -630,6 +630,26 @@ mod tests {
         }
     }
 
+    /// A writer over `log` with `--fsync always`, and the count of its
+    /// failure reports.
+    fn spawn_counting_failures(
+        log: &FakeLog,
+        on_stall: StallReport,
+    ) -> (LogWriter<()>, Arc<AtomicU64>) {
+        let failures = Arc::new(AtomicU64::new(0));
+        let counted = failures.clone();
+        let writer = LogWriter::spawn(
+            log.clone(),
+            FsyncPolicy::Always,
+            move |_| {
+                counted.fetch_add(1, Ordering::AcqRel);
+            },
+            on_stall,
+        )
+        .unwrap();
+        (writer, failures)
+    }
+
     fn no_stall() -> StallReport {
         Box::new(|_| {})
     }
@@ -740,17 +760,7 @@ mod tests {
     fn a_failed_write_releases_nothing_then_or_later_and_reports_once() {
         let log = FakeLog::default();
         log.fail_writes.store(true, Ordering::Release);
-        let failures = Arc::new(AtomicU64::new(0));
-        let counted = failures.clone();
-        let writer = LogWriter::spawn(
-            log.clone(),
-            FsyncPolicy::Always,
-            move |_| {
-                counted.fetch_add(1, Ordering::AcqRel);
-            },
-            no_stall(),
-        )
-        .unwrap();
+        let (writer, failures) = spawn_counting_failures(&log, no_stall());
         writer.submit(vec![acked(0)], release(&log, "a"));
         wait_until(|| writer.has_failed() && writer.is_idle());
         log.fail_writes.store(false, Ordering::Release);
@@ -850,17 +860,7 @@ mod tests {
     fn a_write_without_space_is_rolled_back_and_retried_and_released_once_it_goes_through() {
         let log = FakeLog::default();
         log.writes_without_space.store(3, Ordering::Release);
-        let failures = Arc::new(AtomicU64::new(0));
-        let counted = failures.clone();
-        let writer = LogWriter::spawn(
-            log.clone(),
-            FsyncPolicy::Always,
-            move |_| {
-                counted.fetch_add(1, Ordering::AcqRel);
-            },
-            stall_events(&log),
-        )
-        .unwrap();
+        let (writer, failures) = spawn_counting_failures(&log, stall_events(&log));
         writer.submit(vec![acked(0)], release(&log, "a"));
         wait_until(|| writer.is_idle());
         assert_eq!(
@@ -913,17 +913,7 @@ mod tests {
     fn a_failed_sync_is_fatal_recorded_in_the_state_dir_and_releases_nothing() {
         let log = FakeLog::default();
         log.fail_syncs.store(true, Ordering::Release);
-        let failures = Arc::new(AtomicU64::new(0));
-        let counted = failures.clone();
-        let writer = LogWriter::spawn(
-            log.clone(),
-            FsyncPolicy::Always,
-            move |_| {
-                counted.fetch_add(1, Ordering::AcqRel);
-            },
-            no_stall(),
-        )
-        .unwrap();
+        let (writer, failures) = spawn_counting_failures(&log, no_stall());
         writer.submit(vec![acked(0)], release(&log, "a"));
         wait_until(|| writer.has_failed() && writer.is_idle());
         log.fail_syncs.store(false, Ordering::Release);
