@@ -357,6 +357,19 @@ fn check_center(state: &ModelSyncState, reply_dtype: WireDtype) {
             }
         }
     }
+    // The bounds the center carries cover its buffers (up to f32's
+    // rounding of the steps they were carried through).
+    let measured = center.measure_magnitudes();
+    for (what, measured, bound) in [
+        ("weights", measured.values, center.magnitudes.values),
+        ("velocity", measured.velocity, center.magnitudes.velocity),
+        ("delta sum", measured.delta_sum, center.magnitudes.delta_sum),
+    ] {
+        assert!(
+            measured <= bound * (1.0 + 1e-4),
+            "the center's {what} reach {measured:e}, over their bound {bound:e}"
+        );
+    }
     let Some((_, encoded)) = state.encode_center(reply_dtype) else {
         return;
     };

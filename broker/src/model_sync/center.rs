@@ -25,13 +25,13 @@ use std::time::{Duration, Instant};
 use dflash_proto::v1 as proto;
 
 use super::arith::WireDtype;
-use outer::{add_delta, count_delta_for_momentum, refuse_delta};
+use outer::{add_delta, count_delta_for_momentum, momentum_delay, refuse_delta};
 use upload::decode_chunks;
 use weights::{check_against_center, check_upload_against_center};
 
 pub use outer::{
-    OuterSettings, DEFAULT_MAX_DELTA_NORM_RATIO, DELTA_NORM_FLOOR, DELTA_NORM_WARMUP,
-    DELTA_NORM_WINDOW,
+    MagnitudeBounds, OuterSettings, DEFAULT_MAX_DELTA_NORM_RATIO, DELTA_NORM_FLOOR,
+    DELTA_NORM_WARMUP, DELTA_NORM_WINDOW, MAGNITUDE_LIMIT,
 };
 pub use upload::{dtype_from_proto, dtype_to_proto, ExchangeKind, Upload, UploadedTensor};
 pub use weights::{Center, CenterSnapshot, CenterTensor, EncodedTensor};
@@ -415,12 +415,45 @@ impl ModelSyncState {
                 center_samples: center.samples,
             });
         }
+        let momentum = settings.momentum > 0.0;
+        let momentum_step = Some(center.pending_deltas.saturating_add(1))
+            .filter(|&count| momentum && count >= momentum_delay(&settings, open_sessions));
+        let mut magnitudes =
+            center
+                .magnitudes
+                .after_delta(&settings, norm, momentum, momentum_step);
+        if !magnitudes.within_limit() {
+            // The carried bounds only grow: measure the buffers before
+            // refusing on their account.
+            center.magnitudes = center.measure_magnitudes();
+            magnitudes = center
+                .magnitudes
+                .after_delta(&settings, norm, momentum, momentum_step);
+        }
+        if !magnitudes.within_limit() {
+            center.updates_discarded += 1;
+            self.outlier_deltas += 1;
+            let reason = format!(
+                "delta norm {norm:.4e} could take the center to {:.4e}, past half of f32's range",
+                magnitudes.largest()
+            );
+            tracing::warn!(drafter_id, norm, %reason, "delta discarded; the drafter restarts from the center");
+            return Ok(CommitOutcome {
+                center_version: center.version,
+                staleness,
+                applied: false,
+                reason,
+                initialised: false,
+                send_center,
+                center_samples: center.samples,
+            });
+        }
         if self.recent_delta_norms.len() == DELTA_NORM_WINDOW {
             self.recent_delta_norms.pop_front();
         }
         self.recent_delta_norms.push_back(norm);
-        let momentum = settings.momentum > 0.0;
         add_delta(center, upload, settings.learning_rate, momentum)?;
+        center.magnitudes = magnitudes;
         center.version += 1;
         center.updates_applied += 1;
         center.samples += upload.samples;

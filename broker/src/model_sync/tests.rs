@@ -515,6 +515,71 @@ fn a_non_finite_delta_is_discarded_and_changes_nothing() {
     }
 }
 
+/// A finite delta that could take the center past half of f32's range is
+/// discarded before it touches anything: the fuzz target `model_sync`
+/// made the center infinite with a JOIN near f32's range and one such
+/// delta (tests/fuzz/corpus/model_sync/crash-center-overflow). Within the
+/// range, one is applied and the carried bounds cover the center; with
+/// momentum, the step's push counts too.
+#[test]
+fn a_delta_that_could_overflow_the_center_is_discarded_and_changes_nothing() {
+    let now = Instant::now();
+    let mut state = ModelSyncState::new(plain(), None);
+    let near_the_top = weights([3.0e38, 1.0, 0.0, -2.0], [0.5, 0.0, -1.0]);
+    let outcome = state
+        .commit(
+            "d0",
+            upload(proto::SyncKind::Join, 0, &near_the_top, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(
+        outcome.initialised,
+        "a finite JOIN near the top is a center"
+    );
+    let before = center_values(&state, "a");
+    let delta = weights([1.0e38, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    assert!(!outcome.applied);
+    assert!(outcome.send_center);
+    assert!(
+        outcome.reason.contains("past half of f32's range"),
+        "{}",
+        outcome.reason
+    );
+    assert_eq!((outcome.center_version, state.outlier_deltas), (0, 1));
+    assert_eq!(center_values(&state, "a"), before);
+
+    let (mut state, now) = joined_state(plain());
+    let large = weights([1.0e38, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &large, now);
+    assert!(outcome.applied, "{}", outcome.reason);
+    let center = state.center().unwrap();
+    let measured = center.measure_magnitudes();
+    assert!(measured.values <= center.magnitudes.values);
+    assert!(center.magnitudes.values < 1.1e38);
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 1, &large, now);
+    assert!(!outcome.applied, "2e38 is past half of f32's range");
+    assert_eq!(center_values(&state, "a")[0], 1.0e38 + 1.0);
+
+    // Momentum 0.5 every delta: 6e37 → values 6e37 + 0.5 x 6e37 = 9e37;
+    // the second would push them to 1.95e38.
+    let momentum = OuterSettings {
+        momentum: 0.5,
+        momentum_delay: 1,
+        max_delta_norm_ratio: 0.0,
+        ..plain()
+    };
+    let (mut state, now) = joined_state(momentum);
+    let delta = weights([0.0; 4], [6.0e37, 0.0, 0.0]);
+    assert!(commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now).applied);
+    let before = center_values(&state, "b");
+    assert!(!commit_f32(&mut state, "d0", proto::SyncKind::Update, 1, &delta, now).applied);
+    assert_eq!(center_values(&state, "b"), before);
+}
+
 /// #22: after the warm-up, a finite delta far above the recent applied
 /// deltas' largest norm is discarded; one within the bound is applied.
 #[test]

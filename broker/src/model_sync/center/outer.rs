@@ -81,6 +81,78 @@ impl OuterSettings {
     }
 }
 
+/// The largest magnitude any buffer of the center may reach: half of
+/// f32's largest finite value, so that the rounding of an f32 result whose
+/// exact value is under it cannot reach infinity.
+pub const MAGNITUDE_LIMIT: f64 = f32::MAX as f64 / 2.0;
+
+/// Upper bounds on the largest magnitude (absolute value) in each of the
+/// center's buffers, carried through each step in f64 by the triangle
+/// inequality: no element of a delta is larger than its L2 norm, so
+/// `|w + η·d| ≤ |w| + |η|·‖d‖`, and likewise for the delta sums and the
+/// momentum step. A delta whose bounds after its step pass
+/// [`MAGNITUDE_LIMIT`] is refused before it touches the center: the center
+/// stays finite by construction (the fuzz target `model_sync` drove it to
+/// infinity with two finite deltas near f32's range before).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MagnitudeBounds {
+    pub values: f64,
+    pub velocity: f64,
+    pub delta_sum: f64,
+}
+
+impl MagnitudeBounds {
+    /// The bounds once a delta of L2 norm `norm` is applied with
+    /// `settings` (added to the delta sums with `momentum`), and then the
+    /// momentum step averaging `momentum_step` deltas when one is taken.
+    pub fn after_delta(
+        self,
+        settings: &OuterSettings,
+        norm: f64,
+        momentum: bool,
+        momentum_step: Option<u32>,
+    ) -> MagnitudeBounds {
+        let learning_rate = f64::from(settings.learning_rate).abs();
+        let mut next = MagnitudeBounds {
+            values: self.values + learning_rate * norm,
+            velocity: self.velocity,
+            delta_sum: if momentum {
+                self.delta_sum + norm
+            } else {
+                self.delta_sum
+            },
+        };
+        if let Some(count) = momentum_step {
+            let mu = f64::from(settings.momentum).abs();
+            next.velocity = mu * next.velocity + next.delta_sum / f64::from(count.max(1));
+            next.values += learning_rate * mu * next.velocity;
+            next.delta_sum = 0.0;
+        }
+        next
+    }
+
+    /// Every bound is within [`MAGNITUDE_LIMIT`] (a NaN bound is not).
+    pub fn within_limit(&self) -> bool {
+        [self.values, self.velocity, self.delta_sum]
+            .iter()
+            .all(|&bound| bound <= MAGNITUDE_LIMIT)
+    }
+
+    /// The largest of the bounds.
+    pub fn largest(&self) -> f64 {
+        self.values.max(self.velocity).max(self.delta_sum)
+    }
+}
+
+/// Deltas averaged per momentum step: the setting, or else the number of
+/// drafters with an open session (at least 1).
+pub(super) fn momentum_delay(settings: &OuterSettings, open_sessions: u32) -> u32 {
+    match settings.momentum_delay {
+        0 => open_sessions.max(1),
+        delay => delay,
+    }
+}
+
 /// Why a delta of this `norm` must not reach the center, if it must not:
 /// a NaN or an infinity in it, or a norm over `max_delta_norm_ratio` times
 /// the largest of the recent applied deltas' norms and over `floor` (a
@@ -146,11 +218,7 @@ pub(super) fn count_delta_for_momentum(
     open_sessions: u32,
 ) {
     center.pending_deltas += 1;
-    let delay = match settings.momentum_delay {
-        0 => open_sessions.max(1),
-        delay => delay,
-    };
-    if center.pending_deltas >= delay {
+    if center.pending_deltas >= momentum_delay(settings, open_sessions) {
         let count = center.pending_deltas;
         for tensor in &mut center.tensors {
             arith::delayed_nesterov_step(

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::outer::MagnitudeBounds;
 use super::{SyncError, Upload};
 use crate::model_sync::arith::{self, WireDtype};
 
@@ -46,6 +47,12 @@ pub struct Center {
     pub samples: u64,
     pub updates_applied: u64,
     pub updates_discarded: u64,
+    /// Bounds on the largest magnitude in the weights and the outer
+    /// optimizer's buffers: measured when the center is made, then carried
+    /// forward through each step without a pass over the buffers (see
+    /// [`MagnitudeBounds`]), so a delta that could overflow f32 is refused
+    /// before it touches anything.
+    pub magnitudes: MagnitudeBounds,
 }
 
 impl Center {
@@ -83,7 +90,7 @@ impl Center {
                 return Err(SyncError::DuplicateTensor(tensor.name.clone()));
             }
         }
-        Ok(Center {
+        let mut center = Center {
             tensors,
             by_name,
             config_json,
@@ -92,7 +99,30 @@ impl Center {
             samples: 0,
             updates_applied: 0,
             updates_discarded: 0,
-        })
+            magnitudes: MagnitudeBounds::default(),
+        };
+        center.magnitudes = center.measure_magnitudes();
+        Ok(center)
+    }
+
+    /// The largest magnitude in each of the weights, the velocities and
+    /// the delta sums, measured (one pass over every buffer: when the
+    /// center is made, and when the carried bounds alone would refuse a
+    /// delta).
+    pub fn measure_magnitudes(&self) -> MagnitudeBounds {
+        let largest = |buffer: fn(&CenterTensor) -> &[f32]| {
+            self.tensors
+                .iter()
+                .flat_map(|tensor| buffer(tensor).iter())
+                .fold(0.0f64, |largest, &value| {
+                    largest.max(f64::from(value.abs()))
+                })
+        };
+        MagnitudeBounds {
+            values: largest(|tensor| &tensor.values),
+            velocity: largest(|tensor| &tensor.velocity),
+            delta_sum: largest(|tensor| &tensor.delta_sum),
+        }
     }
 
     /// The L2 norm of every weight together (one pass; taken when the
