@@ -159,6 +159,15 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_MAX_CONNECTIONS", default_value_t = 1024)]
     pub max_connections: usize,
 
+    /// Most client connections open at once from one IP address, so one
+    /// misbehaving host cannot take every slot of --max-connections (0: no
+    /// per-address cap, the default, since `dflash local` and one-host
+    /// setups put every role on one address; in Kubernetes every pod has
+    /// its own, and the manifests set 64). A Rust drafter opens about 3
+    /// connections, a target 2.
+    #[arg(long, env = "DFLASH_MAX_CONNECTIONS_PER_PEER", default_value_t = 0)]
+    pub max_connections_per_peer: usize,
+
     /// Longest a new connection may take to finish its TLS handshake before
     /// it is closed (with TLS on).
     #[arg(long, env = "DFLASH_TLS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
@@ -210,6 +219,7 @@ impl BrokerConfig {
             adopt_state_dir: false,
             max_concurrent_streams: 64,
             max_connections: 1024,
+            max_connections_per_peer: 0,
             tls_handshake_timeout: Duration::from_secs(10),
             model_sync: crate::model_sync::ModelSyncConfig::default(),
             security: crate::auth::BrokerSecurity::none(),

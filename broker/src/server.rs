@@ -108,7 +108,11 @@ pub async fn serve_with_metrics(
         service,
     )?;
     let mut server = tokio::spawn(router.serve_with_incoming_shutdown(
-        crate::connections::capped_incoming(listener, config.max_connections),
+        crate::connections::capped_incoming(
+            listener,
+            config.max_connections,
+            config.max_connections_per_peer,
+        ),
         server_stop.clone().cancelled_owned(),
     ));
 
