@@ -16,6 +16,9 @@
 //!   center, as the session adapter (`model_sync::service`) applies them.
 //! - [`center_checkpoint`]: a center checkpoint's files through the reader
 //!   a restarted broker resumes the center with.
+//! - [`wal_segment`]: a write-ahead log segment (header and frames)
+//!   replayed as a restarted broker replays its newest one, and the queue
+//!   rebuilt from what it recovered.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -599,8 +602,95 @@ fn exchange(
 /// items cut several ways; sessions that join, update (f32 and bf16
 /// deltas, stale ones, with momentum), finish, and one that is refused;
 /// checkpoints written by the center's writer, with and without momentum.
+/// Fuzz body: a write-ahead log segment's bytes (its 32-byte header, then
+/// frames) replayed as the newest segment is when a broker restarts
+/// ([`crate::wal::replay_bytes`]; every frame's length is checked against
+/// the bytes left before anything is allocated), then the queue rebuilt
+/// from whatever it recovered, as a restarted broker rebuilds it.
+///
+/// Checks: neither panics, and the rebuilt queue keeps its invariants
+/// (`Queue::check_invariants`), whatever sequence of records the segment
+/// held.
+pub fn wal_segment(data: &[u8]) {
+    let Ok((recovered, _records)) = crate::wal::replay_bytes::<WirePayload>(data) else {
+        return;
+    };
+    let config = crate::BrokerConfig::for_targets(2).queue_config();
+    let queue = crate::queue::Queue::recover(config, recovered, Instant::now());
+    if let Err(broken) = queue.check_invariants() {
+        panic!("a queue rebuilt from a replayed segment breaks an invariant: {broken}");
+    }
+}
+
+/// Seed segments for [`wal_segment`]: what a run's log holds (epochs,
+/// accepted items, deliveries, acks, a dead letter, done), a snapshot, and
+/// an aborted run.
+fn wal_seeds() -> Vec<Seed> {
+    use crate::queue::JournalEntry;
+    let item = |seq: u64| {
+        let proto_item = proto::Item {
+            seq,
+            sample: Some(schema_sample(2, 4)),
+            trace_context: Default::default(),
+        };
+        let encoded = proto_item.encode_to_vec();
+        <WirePayload as crate::wal::DurablePayload>::decode_payload(&encoded).ok()
+    };
+    let target = |index: usize| -> Arc<str> { Arc::from(format!("target-{index}").as_str()) };
+    let mut run = Vec::new();
+    for index in 0..2 {
+        run.push(JournalEntry::Epoch {
+            target_id: target(index),
+            epoch: 1,
+        });
+        for seq in 0..3 {
+            if let Some(payload) = item(seq) {
+                run.push(JournalEntry::Accepted {
+                    target_id: target(index),
+                    seq,
+                    payload,
+                });
+            }
+        }
+        run.push(JournalEntry::Delivered {
+            target_id: target(index),
+            seq: 0,
+            deliveries: 1,
+        });
+        run.push(JournalEntry::Acked {
+            target_id: target(index),
+            seq: 0,
+        });
+    }
+    run.push(JournalEntry::Done {
+        target_id: target(0),
+    });
+    let mut aborted = run.clone();
+    aborted.push(JournalEntry::Aborted {
+        reason: "target target-1 failed".to_string(),
+    });
+    let config = crate::BrokerConfig::for_targets(2);
+    let fingerprint = config.log_config().shape.fingerprint();
+    // The run's log compacted: the queue rebuilt from it, as a snapshot.
+    let snapshot =
+        crate::wal::replay_bytes::<WirePayload>(&crate::wal::encode_segment(fingerprint, &run))
+            .map(|(recovered, _)| {
+                crate::queue::Queue::recover(config.queue_config(), recovered, Instant::now())
+                    .snapshot_entries()
+            })
+            .unwrap_or_default();
+    [("run", run), ("aborted", aborted), ("snapshot", snapshot)]
+        .into_iter()
+        .map(|(name, entries)| Seed {
+            target: "wal_segment",
+            name: name.to_string(),
+            bytes: crate::wal::encode_segment(fingerprint, &entries),
+        })
+        .collect()
+}
+
 pub fn seeds() -> Vec<Seed> {
-    let mut seeds = Vec::new();
+    let mut seeds = wal_seeds();
     let item = |seq: u64, tokens: usize, width: usize| proto::ProduceRequest {
         kind: Some(proto::produce_request::Kind::Item(proto::Item {
             seq,

@@ -61,6 +61,8 @@ use crate::queue::{JournalEntry, Payload, Recovered};
 mod record;
 mod segment;
 mod state_dir;
+#[doc(hidden)]
+pub use segment::{encode_segment, replay_bytes};
 pub mod writer;
 use record::write_frame;
 use segment::{FingerprintCheck, HEADER_BYTES};

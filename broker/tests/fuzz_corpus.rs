@@ -25,6 +25,11 @@ fn the_center_checkpoint_corpus_replays_without_a_crash() {
 }
 
 #[test]
+fn the_wal_segment_corpus_replays_without_a_crash() {
+    assert!(replay_corpus("wal_segment", fuzzing::wal_segment) >= 3);
+}
+
+#[test]
 #[ignore = "writes the seed files; run by hand after changing an encoder"]
 fn write_seeds() {
     dflash_proto::fuzzing::write_seeds(&fuzzing::seeds()).unwrap();

@@ -31,7 +31,7 @@ use crate::queue::Recovered;
 pub(super) const MAGIC: [u8; 8] = *b"DFLWAL\r\n";
 /// The format this broker writes and reads.
 pub(super) const FORMAT_VERSION: u32 = 1;
-pub(super) const HEADER_BYTES: u64 = 32;
+pub const HEADER_BYTES: u64 = 32;
 
 pub(super) fn segment_path(dir: &Path, index: u64) -> PathBuf {
     dir.join(format!("segment-{index:016}.wal"))
@@ -56,7 +56,7 @@ pub(super) fn list_segments(dir: &Path) -> Result<Vec<(u64, PathBuf)>, WalError>
     Ok(segments)
 }
 
-pub(super) fn encode_header(fingerprint: u64) -> [u8; HEADER_BYTES as usize] {
+pub fn encode_header(fingerprint: u64) -> [u8; HEADER_BYTES as usize] {
     let mut header = [0u8; HEADER_BYTES as usize];
     header[..8].copy_from_slice(&MAGIC);
     header[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -205,21 +205,7 @@ pub(super) fn replay_segment<P: DurablePayload>(
             return Err(corrupt(0, "segment header CRC mismatch".to_string()))
         }
     }
-    let mut offset = HEADER_BYTES;
-    let mut records = 0u64;
-    let failure = loop {
-        if offset == length {
-            break None;
-        }
-        match record::read_frame::<P>(&mut reader, offset, length) {
-            Ok((entry, frame_bytes)) => {
-                recovered.apply(entry);
-                offset += frame_bytes;
-                records += 1;
-            }
-            Err(error) => break Some(error),
-        }
-    };
+    let (records, offset, failure) = replay_frames(&mut reader, HEADER_BYTES, length, recovered);
     drop(reader);
     let Some(error) = failure else {
         return Ok(Replayed {
@@ -252,6 +238,62 @@ pub(super) fn replay_segment<P: DurablePayload>(
         truncated_tail: true,
         needs_header: false,
     })
+}
+
+/// Replays the frames `reader` holds from `offset` of a segment of
+/// `length` bytes: the records applied, where the replay stopped, and why
+/// (`None`: at the end).
+fn replay_frames<P: DurablePayload>(
+    reader: &mut impl Read,
+    mut offset: u64,
+    length: u64,
+    recovered: &mut Recovered<P>,
+) -> (u64, u64, Option<FrameError>) {
+    let mut records = 0u64;
+    while offset < length {
+        match record::read_frame::<P>(reader, offset, length) {
+            Ok((entry, frame_bytes)) => {
+                recovered.apply(entry);
+                offset += frame_bytes;
+                records += 1;
+            }
+            Err(error) => return (records, offset, Some(error)),
+        }
+    }
+    (records, offset, None)
+}
+
+/// A segment's bytes (header and frames) replayed as the newest segment
+/// is, without a file: what was recovered and the records read, or why
+/// the header was refused. For the fuzz body (`crate::fuzzing::wal_segment`).
+pub fn replay_bytes<P: DurablePayload>(bytes: &[u8]) -> Result<(Recovered<P>, u64), String> {
+    let length = bytes.len() as u64;
+    if length < HEADER_BYTES {
+        return Err(format!("{length} bytes: shorter than a header"));
+    }
+    let mut header = [0u8; HEADER_BYTES as usize];
+    header.copy_from_slice(&bytes[..HEADER_BYTES as usize]);
+    decode_header(&header).map_err(|error| format!("{error:?}"))?;
+    let mut recovered = Recovered::default();
+    let mut reader = &bytes[HEADER_BYTES as usize..];
+    let (records, _, _) = replay_frames(&mut reader, HEADER_BYTES, length, &mut recovered);
+    Ok((recovered, records))
+}
+
+/// A segment's bytes holding `entries`: the header (with `fingerprint`),
+/// then one frame each. For the fuzz seeds; an entry too large for a frame
+/// ends the segment early.
+pub fn encode_segment<P: DurablePayload>(
+    fingerprint: u64,
+    entries: &[crate::queue::JournalEntry<P>],
+) -> Vec<u8> {
+    let mut bytes = encode_header(fingerprint).to_vec();
+    for entry in entries {
+        if record::write_frame(&mut bytes, entry).is_err() {
+            break;
+        }
+    }
+    bytes
 }
 
 /// Whether every byte of `file` from `offset` to `length` is zero.
