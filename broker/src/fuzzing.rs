@@ -898,6 +898,13 @@ mod tests {
                 "broker_produce" => produce(&seed.bytes),
                 "model_sync" => model_sync(&seed.bytes),
                 "center_checkpoint" => center_checkpoint(&seed.bytes),
+                "wal_segment" => {
+                    wal_segment(&seed.bytes);
+                    // Past the header: every seed's records are read.
+                    let (_, records) =
+                        crate::wal::replay_bytes::<WirePayload>(&seed.bytes).unwrap();
+                    assert!(records >= 3, "{}: {records} records", seed.name);
+                }
                 other => panic!("a seed for {other}"),
             }
         }
@@ -906,9 +913,10 @@ mod tests {
             (
                 count("broker_produce"),
                 count("model_sync"),
-                count("center_checkpoint")
+                count("center_checkpoint"),
+                count("wal_segment")
             ),
-            (5, 5, 3)
+            (5, 5, 3, 3)
         );
         for seed in seeds.iter().filter(|seed| seed.target == "model_sync") {
             let state = run_sessions(&seed.bytes).unwrap();

@@ -249,6 +249,15 @@ impl<P: DurablePayload> Wal<P> {
             truncated_tail |= replayed.truncated_tail;
             needs_header |= replayed.needs_header;
         }
+        if let (true, Some((_, path))) = (recovered.is_mid_snapshot(), segments.last()) {
+            // A snapshot is renamed into the log only once written whole:
+            // one cut short (its end among a damaged tail) is damage.
+            return Err(WalError::Corrupt {
+                path: path.clone(),
+                offset: fs::metadata(path).map_err(io_error(path))?.len(),
+                detail: "the log ends inside a snapshot (its end is missing): the broker refuses to start rather than resume from part of one; restore the state dir from a copy, or start a new run with a new --state-dir".to_string(),
+            });
+        }
         if adopting {
             for (_, path) in &segments {
                 segment::rewrite_fingerprint(path, fingerprint)?;

@@ -644,3 +644,35 @@ fn a_recorded_abort_survives_a_restart() {
         Some("the write-ahead log failed: EIO on fdatasync")
     );
 }
+
+/// A snapshot joins the log only once written whole, so a log that ends
+/// inside one (its end frame lost with a damaged tail) is refused rather
+/// than resumed from part of it (found by the wal_segment fuzzer).
+#[test]
+fn a_log_that_ends_inside_a_snapshot_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opened = open(dir.path());
+    opened.wal.append(&[accepted("target-0", 0, 64)]).unwrap();
+    let snapshot = vec![
+        JournalEntry::Reset,
+        accepted("target-0", 0, 64),
+        accepted("target-0", 1, 64),
+        JournalEntry::SnapshotEnd,
+    ];
+    opened.wal.compact(&snapshot).unwrap();
+    drop(opened);
+    let segment = segments(dir.path()).pop().unwrap();
+    let length = std::fs::metadata(&segment).unwrap().len();
+    // The SnapshotEnd frame (8 bytes of header, a 1-byte body) half gone.
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&segment)
+        .unwrap();
+    file.set_len(length - 4).unwrap();
+    drop(file);
+    let (path, _, detail) = corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
+        "x".to_string()
+    }));
+    assert_eq!(path, segment);
+    assert!(detail.contains("inside a snapshot"), "{detail}");
+}

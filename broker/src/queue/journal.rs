@@ -163,6 +163,13 @@ impl<P> Default for Recovered<P> {
 }
 
 impl<P: Payload> Recovered<P> {
+    /// Whether the entries so far end inside a snapshot (a `Reset` without
+    /// its `SnapshotEnd`): a log that ends so is damaged, since a snapshot
+    /// is written whole before it joins the log.
+    pub fn is_mid_snapshot(&self) -> bool {
+        self.in_snapshot
+    }
+
     /// Unacked items, in acceptance order.
     pub fn items(&self) -> impl Iterator<Item = &(Arc<str>, u64, P)> {
         self.items.values()

@@ -277,6 +277,10 @@ pub fn replay_bytes<P: DurablePayload>(bytes: &[u8]) -> Result<(Recovered<P>, u6
     let mut recovered = Recovered::default();
     let mut reader = &bytes[HEADER_BYTES as usize..];
     let (records, _, _) = replay_frames(&mut reader, HEADER_BYTES, length, &mut recovered);
+    if recovered.is_mid_snapshot() {
+        // Refused at start (`Wal::open`).
+        return Err("the segment ends inside a snapshot".to_string());
+    }
     Ok((recovered, records))
 }
 
