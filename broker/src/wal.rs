@@ -113,6 +113,8 @@ pub enum WalError {
         offset: u64,
         detail: String,
     },
+    #[error("state dir {path}: the log replays to a queue whose books do not add up ({detail}): records are missing or were altered; the broker refuses to start rather than run a queue that could never complete. Restore the state dir from a copy, or start a new run with a new --state-dir")]
+    Inconsistent { path: PathBuf, detail: String },
     #[error("state dir {path}: segment format version {found}, this broker reads version {supported}; use the broker that wrote it")]
     Version {
         path: PathBuf,

@@ -321,6 +321,15 @@ impl Shared {
             Some(state_dir) => {
                 let opened = Wal::open(state_dir, &config.log_config(), new_run_id)?;
                 let queue = Queue::recover(config.queue_config(), opened.recovered, now);
+                // Every record has its CRC, but whole records can still be
+                // missing or altered: a queue whose books do not add up
+                // would never complete, so it is refused here.
+                queue
+                    .check_invariants()
+                    .map_err(|detail| WalError::Inconsistent {
+                        path: state_dir.clone(),
+                        detail,
+                    })?;
                 let snapshot = queue.snapshot(now);
                 info!(
                     state_dir = %state_dir.display(),

@@ -1,0 +1,363 @@
+//! Every fuzz target's seed inputs, built from the broker's own encoders.
+
+use super::*;
+
+/// A chunk of tensor `name` (`dtype`, `shape`) at `offset`.
+pub(super) fn chunk(
+    name: &str,
+    dtype: proto::Dtype,
+    shape: &[u64],
+    offset: u64,
+    data: Vec<u8>,
+) -> proto::SyncRequest {
+    proto::SyncRequest {
+        kind: Some(proto::sync_request::Kind::Chunk(proto::TensorChunk {
+            name: name.to_string(),
+            dtype: dtype as i32,
+            shape: shape.to_vec(),
+            offset,
+            data: Bytes::from(data),
+        })),
+    }
+}
+
+pub(super) fn hello(drafter_id: &str, config: &str) -> proto::SyncRequest {
+    proto::SyncRequest {
+        kind: Some(proto::sync_request::Kind::Hello(proto::SyncHello {
+            drafter_id: drafter_id.to_string(),
+            model_config_json: config.to_string(),
+        })),
+    }
+}
+
+pub(super) fn begin(
+    kind: proto::SyncKind,
+    base_version: u64,
+    samples: u64,
+    reply: proto::Dtype,
+) -> proto::SyncRequest {
+    proto::SyncRequest {
+        kind: Some(proto::sync_request::Kind::Begin(proto::SyncBegin {
+            kind: kind as i32,
+            base_version,
+            steps: 4,
+            samples,
+            tokens: samples * 16,
+            reply_dtype: reply as i32,
+        })),
+    }
+}
+
+pub(super) fn commit(tensors: u32) -> proto::SyncRequest {
+    proto::SyncRequest {
+        kind: Some(proto::sync_request::Kind::Commit(proto::SyncCommit {
+            tensors,
+        })),
+    }
+}
+
+pub(super) fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
+    values.into_iter().flat_map(f32::to_le_bytes).collect()
+}
+
+pub(super) fn bf16_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
+    values
+        .into_iter()
+        .flat_map(|value| arith::f32_to_bf16(value).to_le_bytes())
+        .collect()
+}
+
+/// An exchange's messages: begin, each tensor of the model (`weight` [2, 3]
+/// and `bias` [3]) in chunks of `chunk_elements`, commit.
+pub(super) fn exchange(
+    kind: proto::SyncKind,
+    base_version: u64,
+    dtype: proto::Dtype,
+    scale: f32,
+    chunk_elements: usize,
+) -> Vec<proto::SyncRequest> {
+    let mut messages = vec![begin(kind, base_version, 2, proto::Dtype::Bf16)];
+    for (name, shape) in [("bias", vec![3u64]), ("weight", vec![2, 3])] {
+        let elements = shape.iter().product::<u64>() as usize;
+        let values: Vec<f32> = (0..elements)
+            .map(|index| scale * (index as f32 - 2.5))
+            .collect();
+        let element_bytes = if dtype == proto::Dtype::Bf16 { 2 } else { 4 };
+        for (index, part) in values.chunks(chunk_elements).enumerate() {
+            let data = match dtype {
+                proto::Dtype::Bf16 => bf16_bytes(part.iter().copied()),
+                _ => f32_bytes(part.iter().copied()),
+            };
+            let offset = (index * chunk_elements * element_bytes) as u64;
+            messages.push(chunk(name, dtype, &shape, offset, data));
+        }
+    }
+    messages.push(commit(2));
+    messages
+}
+
+/// Seed inputs for the broker's fuzz bodies, from its own encoders and
+/// prost's (the drafter's encoder of sync messages): Produce bodies of real
+/// items cut several ways; sessions that join, update (f32 and bf16
+/// deltas, stale ones, with momentum), finish, and one that is refused;
+/// checkpoints written by the center's writer, with and without momentum.
+/// Seed segments for [`wal_segment`]: what a run's log holds (epochs,
+/// accepted items, deliveries, acks, a dead letter, done), a snapshot, and
+/// an aborted run.
+pub(super) fn wal_seeds() -> Vec<Seed> {
+    use crate::queue::JournalEntry;
+    let item = |seq: u64| {
+        let proto_item = proto::Item {
+            seq,
+            sample: Some(schema_sample(2, 4)),
+            trace_context: Default::default(),
+        };
+        let encoded = proto_item.encode_to_vec();
+        <WirePayload as crate::wal::DurablePayload>::decode_payload(&encoded).ok()
+    };
+    let target = |index: usize| -> Arc<str> { Arc::from(format!("target-{index}").as_str()) };
+    let mut run = Vec::new();
+    for index in 0..2 {
+        run.push(JournalEntry::Epoch {
+            target_id: target(index),
+            epoch: 1,
+        });
+        for seq in 0..3 {
+            if let Some(payload) = item(seq) {
+                run.push(JournalEntry::Accepted {
+                    target_id: target(index),
+                    seq,
+                    payload,
+                });
+            }
+        }
+        run.push(JournalEntry::Delivered {
+            target_id: target(index),
+            seq: 0,
+            deliveries: 1,
+        });
+        run.push(JournalEntry::Acked {
+            target_id: target(index),
+            seq: 0,
+        });
+    }
+    run.push(JournalEntry::Done {
+        target_id: target(0),
+    });
+    let mut aborted = run.clone();
+    aborted.push(JournalEntry::Aborted {
+        reason: "target target-1 failed".to_string(),
+    });
+    let config = crate::BrokerConfig::for_targets(2);
+    let fingerprint = config.log_config().shape.fingerprint();
+    // The run's log compacted: the queue rebuilt from it, as a snapshot.
+    let snapshot =
+        crate::wal::replay_bytes::<WirePayload>(&crate::wal::encode_segment(fingerprint, &run))
+            .map(|(recovered, _)| {
+                crate::queue::Queue::recover(config.queue_config(), recovered, Instant::now())
+                    .snapshot_entries()
+            })
+            .unwrap_or_default();
+    [("run", run), ("aborted", aborted), ("snapshot", snapshot)]
+        .into_iter()
+        .map(|(name, entries)| Seed {
+            target: "wal_segment",
+            name: name.to_string(),
+            bytes: crate::wal::encode_segment(fingerprint, &entries),
+        })
+        .collect()
+}
+
+pub fn seeds() -> Vec<Seed> {
+    let mut seeds = wal_seeds();
+    let item = |seq: u64, tokens: usize, width: usize| proto::ProduceRequest {
+        kind: Some(proto::produce_request::Kind::Item(proto::Item {
+            seq,
+            sample: Some(schema_sample(tokens, width)),
+            trace_context: [("traceparent".to_string(), "00-ab-cd-01".to_string())]
+                .into_iter()
+                .collect(),
+        })),
+    };
+    let hello_message = proto::ProduceRequest {
+        kind: Some(proto::produce_request::Kind::Hello(proto::ProducerHello {
+            target_id: "target-0".into(),
+            run_id: String::new(),
+        })),
+    };
+    let stats = proto::ProduceRequest {
+        kind: Some(proto::produce_request::Kind::Stats(
+            proto::ProducerStats::default(),
+        )),
+    };
+    let body =
+        dflash_proto::fuzzing::framed_body(&[hello_message, item(1, 4, 8), stats, item(2, 2, 4)]);
+    for (name, cut_byte) in [
+        ("stream-one-frame", 0u8),
+        ("stream-small-frames", 11),
+        ("stream-wide-frames", 131),
+    ] {
+        seeds.push(Seed {
+            target: "broker_produce",
+            name: name.to_string(),
+            bytes: ReceivedBody::input(0x80, cut_byte, &body),
+        });
+    }
+    // A tensor of 16 KiB and more is kept as its frames' slices.
+    let large = dflash_proto::fuzzing::framed_body(&[item(3, 2, LARGE_WIDTH)]);
+    seeds.push(Seed {
+        target: "broker_produce",
+        name: "large-tensor-across-frames".to_string(),
+        bytes: ReceivedBody::input(0x80 | 100, 150, &large),
+    });
+    let mut duplicate = item(4, 2, 2);
+    if let Some(proto::produce_request::Kind::Item(item)) = &mut duplicate.kind {
+        if let Some(sample) = &mut item.sample {
+            let first = sample.tensors[0].clone();
+            sample.tensors.push(first);
+        }
+    }
+    seeds.push(Seed {
+        target: "broker_produce",
+        name: "duplicate-tensor".to_string(),
+        bytes: ReceivedBody::input(0x80, 0, &dflash_proto::fuzzing::framed_body(&[duplicate])),
+    });
+
+    use proto::{Dtype, SyncKind};
+    let config = PINNED_CONFIG;
+    let mut join_update_final = vec![(0, hello("drafter-0", config))];
+    join_update_final.extend(
+        exchange(SyncKind::Join, 0, Dtype::F32, 1.0, 2)
+            .into_iter()
+            .map(|message| (0, message)),
+    );
+    join_update_final.push((1, hello("drafter-1", config)));
+    join_update_final.push((1, begin(SyncKind::Join, 0, 0, Dtype::F32)));
+    join_update_final.push((1, commit(0)));
+    join_update_final.extend(
+        exchange(SyncKind::Update, 0, Dtype::Bf16, 0.01, 4)
+            .into_iter()
+            .map(|message| (0, message)),
+    );
+    join_update_final.extend(
+        exchange(SyncKind::Update, 0, Dtype::F32, -0.02, 9)
+            .into_iter()
+            .map(|message| (1, message)),
+    );
+    join_update_final.extend(
+        exchange(SyncKind::Final, 1, Dtype::Bf16, 0.005, 3)
+            .into_iter()
+            .map(|message| (0, message)),
+    );
+    join_update_final.push((1, begin(SyncKind::Final, 2, 0, Dtype::F32)));
+    join_update_final.push((1, commit(0)));
+    join_update_final.push((0x80, commit(0)));
+    for (name, settings) in [
+        ("sessions-plain", 0u8),
+        ("sessions-momentum", 1),
+        ("sessions-momentum-delay-staleness", 1 | 2 | 4),
+        ("sessions-pinned-acked-lr-half", 8 | 16 | 32),
+    ] {
+        seeds.push(Seed {
+            target: "model_sync",
+            name: name.to_string(),
+            bytes: model_sync_input(settings, &join_update_final),
+        });
+    }
+    let mut refused = vec![(2, hello("drafter-2", config))];
+    refused.extend(
+        exchange(SyncKind::Join, 0, Dtype::Bf16, 1.0, 6)
+            .into_iter()
+            .map(|message| (2, message)),
+    );
+    refused.push((2, begin(SyncKind::Update, 0, 1, Dtype::F32)));
+    refused.push((
+        2,
+        chunk("bias", Dtype::F32, &[4], 0, f32_bytes([1.0, 2.0, 3.0, 4.0])),
+    ));
+    refused.push((2, commit(1)));
+    refused.push((3, hello("drafter-3", r#"{"model_type": "other"}"#)));
+    refused.push((3, begin(SyncKind::Join, 0, 0, Dtype::F32)));
+    refused.push((3, commit(0)));
+    seeds.push(Seed {
+        target: "model_sync",
+        name: "sessions-refused".to_string(),
+        bytes: model_sync_input(8, &refused),
+    });
+
+    for (name, momentum, with_state) in [
+        ("center-plain", false, true),
+        ("center-momentum", true, true),
+        ("center-without-state", false, false),
+    ] {
+        let Some(files) = seed_center_files(momentum) else {
+            continue;
+        };
+        let file = |wanted: &str| {
+            files
+                .iter()
+                .find(|(name, _)| *name == wanted)
+                .map_or(&[][..], |(_, bytes)| bytes.as_slice())
+        };
+        let mut parts = vec![
+            file(checkpoint::CONFIG_FILE_NAME),
+            file(checkpoint::MODEL_FILE_NAME),
+        ];
+        if with_state {
+            parts.push(file(checkpoint::STATE_FILE_NAME));
+            if momentum {
+                parts.push(file(checkpoint::OPTIMIZER_FILE_NAME));
+            }
+        }
+        seeds.push(Seed {
+            target: "center_checkpoint",
+            name: name.to_string(),
+            bytes: center_checkpoint_input(momentum, &parts),
+        });
+    }
+    seeds
+}
+
+/// Width of the seed item whose hidden states span frames (2 tokens of
+/// bf16: 16 KiB and more).
+pub(super) const LARGE_WIDTH: usize = 4200;
+
+/// A center made by a JOIN and an update through the state machine, as
+/// its checkpoint writer encodes it.
+pub(super) fn seed_center_files(momentum: bool) -> Option<Vec<(&'static str, Vec<u8>)>> {
+    let settings = OuterSettings {
+        momentum: if momentum { 0.7 } else { 0.0 },
+        ..OuterSettings::default()
+    };
+    let mut state = ModelSyncState::new(settings, None);
+    let now = Instant::now();
+    for (kind, dtype, scale) in [
+        (proto::SyncKind::Join, proto::Dtype::F32, 1.0),
+        (proto::SyncKind::Update, proto::Dtype::Bf16, 0.01),
+    ] {
+        let messages = exchange(kind, 0, dtype, scale, 4);
+        let mut upload = None;
+        for message in messages {
+            match message.kind {
+                Some(proto::sync_request::Kind::Begin(begin)) => upload = Upload::new(&begin).ok(),
+                Some(proto::sync_request::Kind::Chunk(chunk)) => {
+                    upload.as_mut()?.add_chunk(chunk).ok()?;
+                }
+                Some(proto::sync_request::Kind::Commit(commit)) => {
+                    state
+                        .commit(
+                            "drafter-0",
+                            upload.take()?,
+                            commit.tensors,
+                            PINNED_CONFIG,
+                            now,
+                        )
+                        .ok()?;
+                }
+                _ => {}
+            }
+        }
+    }
+    let center = state.center()?;
+    checkpoint::encode_center_files(center, &settings.describe()).ok()
+}
