@@ -32,16 +32,19 @@
 //!   server's).
 //! - `metrics`: the Prometheus exposition of a queue snapshot, without I/O.
 //! - `wal`: the write-ahead log under `--state-dir` (a segment log with a
-//!   CRC per record, compacted to the queue's byte cap on its own thread,
-//!   one broker per directory by an `flock`), which the service appends the
-//!   queue's journal entries to before answering.
+//!   header per segment and a CRC per record, compacted to the queue's byte
+//!   cap on its own thread, one broker per directory by an `flock`; only a
+//!   write cut short at its end is cut, other damage refuses to start),
+//!   which the writer thread appends the queue's journal entries to before
+//!   anyone is answered (retried while the disk is full).
 //! - `model_sync`: the `ModelSync` service beside the queue: the run's one
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
 //!   outer step), its arithmetic on raw buffers, and its checkpoints; a
 //!   delta that is not finite or far over the recent norms never reaches it.
 //! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
 //!   untrusted bytes (Produce bodies, ModelSync sessions against the
-//!   center, the center checkpoint reader) and their seeds; run by
+//!   center, the center checkpoint reader, write-ahead log segments) and
+//!   their seeds; run by
 //!   `tests/fuzz` and, over the committed corpus, by `tests/fuzz_corpus.rs`.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).
 //!
