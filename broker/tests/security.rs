@@ -584,3 +584,34 @@ async fn a_client_certificate_can_carry_the_role() {
     assert_eq!(drained.end_of_stream.status(), proto::RunStatus::Complete);
     broker.stop().await;
 }
+
+/// #25: a connection that never finishes its TLS handshake (here: sends
+/// nothing at all) is closed after `--tls-handshake-timeout`, instead of
+/// holding a connection slot forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_never_finishes_its_tls_handshake_is_closed() {
+    use tokio::io::AsyncReadExt;
+    let certificates = Certificates::new();
+    let mut config = broker_config(BrokerSecurity {
+        tls_cert: Some(certificates.path("broker.pem")),
+        tls_key: Some(certificates.path("broker.key")),
+        ..BrokerSecurity::none()
+    });
+    config.tls_handshake_timeout = std::time::Duration::from_millis(500);
+    let broker = TestBroker::start(config).await;
+    let address = broker.address.trim_start_matches("http://").to_string();
+    let mut silent = tokio::net::TcpStream::connect(&address).await.unwrap();
+    let mut buffer = [0u8; 16];
+    let read = tokio::time::timeout(std::time::Duration::from_secs(20), silent.read(&mut buffer))
+        .await
+        .expect("the broker closes a connection whose handshake never starts");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+    // A client that does its handshake is served as before.
+    let served = status_code(
+        &https(&broker),
+        tls_client(&certificates, "ca.pem", false, false),
+    )
+    .await;
+    assert!(served.is_ok(), "{served:?}");
+    broker.stop().await;
+}
