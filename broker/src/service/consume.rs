@@ -5,8 +5,6 @@
 use crate::roles::{Principal, Role};
 
 use dflash_proto::v1 as proto;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Status, Streaming};
 use tracing::{debug, info, warn};
 
@@ -42,7 +40,7 @@ impl BrokerService {
             &self.shared.run_id,
         )?;
         let credit = convert::credit_from_proto(hello.credit);
-        let (outbox, receiver) = mpsc::unbounded_channel();
+        let (outbox, stream, _unread) = super::outbox::outbox();
         let lease_timeout_ms =
             u64::try_from(self.shared.config.lease_timeout.as_millis()).unwrap_or(u64::MAX);
         let connection = self
@@ -74,7 +72,7 @@ impl BrokerService {
             .tasks
             .spawn(self.clone().read_consumer(connection, inbound));
         Ok(GuardedStream {
-            inner: UnboundedReceiverStream::new(receiver),
+            inner: stream,
             _guard: guard,
         })
     }

@@ -34,8 +34,6 @@ use std::time::Duration;
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::broker_server::Broker;
 use futures::Stream;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
@@ -45,6 +43,7 @@ use crate::payload::ProduceIn;
 use crate::queue::{ConnectionId, Delivery};
 
 mod consume;
+mod outbox;
 mod produce;
 mod shared;
 
@@ -54,7 +53,7 @@ pub(crate) use shared::Shared;
 /// How long a new stream may take to send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
-type Outbox<T> = mpsc::UnboundedSender<Result<T, Status>>;
+use outbox::{Outbox, OutboxStream};
 
 /// A Produce stream's messages, however they were decoded (from the
 /// received frames by the `zero_copy` route, or by tonic).
@@ -124,7 +123,7 @@ impl Drop for ConnectionGuard {
 
 /// A response stream that closes its queue connection when dropped.
 pub struct GuardedStream<T> {
-    inner: UnboundedReceiverStream<Result<T, Status>>,
+    inner: OutboxStream<T>,
     _guard: ConnectionGuard,
 }
 

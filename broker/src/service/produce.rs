@@ -8,8 +8,6 @@ use std::sync::Arc;
 
 use dflash_proto::v1 as proto;
 use dflash_telemetry::TRACE_TARGET;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::Status;
 use tracing::{info, warn, Instrument};
 
@@ -45,7 +43,7 @@ impl BrokerService {
             &hello.run_id,
             &self.shared.run_id,
         )?;
-        let (outbox, receiver) = mpsc::unbounded_channel();
+        let (outbox, stream, unread) = super::outbox::outbox();
         let (connection, epoch) = self.shared.with_queue(|locked, now| {
             let opened = locked.queue.open_producer(&hello.target_id, now)?;
             // Sent once the new epoch is durable (`finish_operation`).
@@ -69,11 +67,12 @@ impl BrokerService {
             kind: StreamKind::Producer,
         };
         let target_id: Arc<str> = Arc::from(hello.target_id.as_str());
-        self.shared
-            .tasks
-            .spawn(self.clone().read_producer(target_id, connection, inbound));
+        self.shared.tasks.spawn(
+            self.clone()
+                .read_producer(target_id, connection, inbound, unread),
+        );
         Ok(GuardedStream {
-            inner: UnboundedReceiverStream::new(receiver),
+            inner: stream,
             _guard: guard,
         })
     }
@@ -120,9 +119,19 @@ impl BrokerService {
         target_id: Arc<str>,
         connection: ConnectionId,
         mut inbound: InboundProduce,
+        unread: Arc<super::outbox::Unread>,
     ) {
         let shared = self.shared.clone();
         loop {
+            // A producer that does not read its answers is not read either
+            // (HTTP/2 flow control then holds it back) until half of what
+            // waits for it is taken.
+            if unread.count() > super::outbox::MAX_UNREAD_ANSWERS {
+                tokio::select! {
+                    () = unread.wait_for_at_most(super::outbox::MAX_UNREAD_ANSWERS / 2) => {}
+                    () = shared.shutdown.cancelled() => break,
+                }
+            }
             let request =
                 match next_request(&shared.shutdown, &mut inbound, connection, "producer").await {
                     Ok(Some(request)) => request,

@@ -45,10 +45,10 @@ impl Outgoing {
     pub(super) fn send(self) {
         match self {
             Outgoing::Consumer(outbox, message) => {
-                let _ = outbox.send(message);
+                outbox.send(message);
             }
             Outgoing::Producer(outbox, message) => {
-                let _ = outbox.send(message);
+                outbox.send(message);
             }
             Outgoing::Durable(answer) => {
                 let _ = answer.send(());
