@@ -186,7 +186,7 @@ fn corruption_before_the_tail_is_refused_with_its_place() {
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
     std::fs::write(&older, &bytes).unwrap();
-    match Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || "x".to_string()) {
+    match try_open(dir.path()) {
         Err(WalError::Corrupt { path, detail, .. }) => {
             assert_eq!(path, older);
             assert!(detail.contains("CRC"), "{detail}");
@@ -419,10 +419,15 @@ fn segment_with(dir: &std::path::Path, entries: &[JournalEntry<Blob>]) -> std::p
     segments(dir).pop().unwrap()
 }
 
-fn corrupt_at(
-    result: Result<dflash_broker::wal::Opened<Blob>, WalError>,
-) -> (std::path::PathBuf, u64, String) {
-    match result {
+/// Opens `dir` as a one-target log (a new run id "x" if it has none).
+fn try_open(dir: &std::path::Path) -> Result<dflash_broker::wal::Opened<Blob>, WalError> {
+    Wal::<Blob>::open(dir, &log_config(1 << 20), || "x".to_string())
+}
+
+/// Where and why opening `dir` is refused as corrupt (fails the test if it
+/// is accepted or refused otherwise).
+fn refused_at(dir: &std::path::Path) -> (std::path::PathBuf, u64, String) {
+    match try_open(dir) {
         Err(WalError::Corrupt {
             path,
             offset,
@@ -453,10 +458,7 @@ fn a_bad_frame_with_good_frames_after_it_is_refused_not_cut() {
     // Inside the first frame's body (after its 8-byte frame header).
     bytes[SEGMENT_HEADER_BYTES as usize + 20] ^= 0x01;
     std::fs::write(&segment, &bytes).unwrap();
-    let (path, offset, detail) =
-        corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
-            "x".to_string()
-        }));
+    let (path, offset, detail) = refused_at(dir.path());
     assert_eq!(path, segment);
     assert_eq!(offset, SEGMENT_HEADER_BYTES);
     assert!(detail.contains("CRC"), "{detail}");
@@ -507,10 +509,7 @@ fn a_frame_that_decodes_to_nothing_is_refused_even_at_the_end() {
     bytes.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
     bytes.extend_from_slice(&body);
     std::fs::write(&segment, &bytes).unwrap();
-    let (_, offset, detail) =
-        corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
-            "x".to_string()
-        }));
+    let (_, offset, detail) = refused_at(dir.path());
     assert_eq!(offset as usize, bytes.len() - 12);
     assert!(!detail.contains("CRC"), "{detail}");
 }
@@ -525,10 +524,7 @@ fn a_segment_without_the_magic_or_of_another_version_is_refused() {
     let mut no_magic = good.clone();
     no_magic[0] = b'X';
     std::fs::write(&segment, &no_magic).unwrap();
-    let (path, offset, detail) =
-        corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
-            "x".to_string()
-        }));
+    let (path, offset, detail) = refused_at(dir.path());
     assert_eq!((path, offset), (segment.clone(), 0));
     assert!(detail.contains("magic"), "{detail}");
     let mut newer = good.clone();
@@ -536,7 +532,7 @@ fn a_segment_without_the_magic_or_of_another_version_is_refused() {
     let crc = crc32fast::hash(&newer[..24]);
     newer[24..28].copy_from_slice(&crc.to_le_bytes());
     std::fs::write(&segment, &newer).unwrap();
-    match Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || "x".to_string()) {
+    match try_open(dir.path()) {
         Err(WalError::Version {
             found: 2,
             supported: 1,
@@ -577,7 +573,7 @@ fn a_state_dir_of_other_targets_is_refused_unless_adopted() {
     drop(again);
     // And the old configuration is now the mismatch.
     assert!(matches!(
-        Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || "x".to_string()),
+        try_open(dir.path()),
         Err(WalError::ConfigMismatch { .. })
     ));
 }
@@ -597,7 +593,7 @@ fn a_segment_of_another_run_configuration_is_refused() {
     let foreign = segments(theirs.path()).pop().unwrap();
     std::fs::copy(&foreign, ours.path().join("segment-0000000000000009.wal")).unwrap();
     assert!(matches!(
-        Wal::<Blob>::open(ours.path(), &log_config(1 << 20), || "x".to_string()),
+        try_open(ours.path()),
         Err(WalError::ForeignSegment { .. })
     ));
 }
@@ -670,9 +666,7 @@ fn a_log_that_ends_inside_a_snapshot_is_refused() {
         .unwrap();
     file.set_len(length - 4).unwrap();
     drop(file);
-    let (path, _, detail) = corrupt_at(Wal::<Blob>::open(dir.path(), &log_config(1 << 20), || {
-        "x".to_string()
-    }));
+    let (path, _, detail) = refused_at(dir.path());
     assert_eq!(path, segment);
     assert!(detail.contains("inside a snapshot"), "{detail}");
 }

@@ -83,6 +83,22 @@ pub struct CommitOutcome {
     pub center_samples: u64,
 }
 
+impl CommitOutcome {
+    /// A delta refused (too stale, not finite, an outlier, or one that
+    /// could overflow the center): the center as it was, and why.
+    fn not_applied(center: &Center, staleness: u64, send_center: bool, reason: String) -> Self {
+        CommitOutcome {
+            center_version: center.version,
+            staleness,
+            applied: false,
+            reason,
+            initialised: false,
+            send_center,
+            center_samples: center.samples,
+        }
+    }
+}
+
 /// One drafter as the center knows it (by drafter id, across sessions).
 #[derive(Debug, Clone, Default)]
 pub struct DrafterRecord {
@@ -383,18 +399,16 @@ impl ModelSyncState {
                 max_staleness = settings.max_staleness,
                 "delta discarded as too stale; the drafter restarts from the center"
             );
-            return Ok(CommitOutcome {
-                center_version: center.version,
+            let reason = format!(
+                "staleness {staleness} exceeds the bound {}",
+                settings.max_staleness
+            );
+            return Ok(CommitOutcome::not_applied(
+                center,
                 staleness,
-                applied: false,
-                reason: format!(
-                    "staleness {staleness} exceeds the bound {}",
-                    settings.max_staleness
-                ),
-                initialised: false,
                 send_center,
-                center_samples: center.samples,
-            });
+                reason,
+            ));
         }
         let floor = DELTA_NORM_FLOOR * self.weights_norm_at_start.unwrap_or(0.0);
         if let Some(reason) = refuse_delta(&settings, &self.recent_delta_norms, norm, floor) {
@@ -405,15 +419,12 @@ impl ModelSyncState {
                 self.non_finite_deltas += 1;
             }
             tracing::warn!(drafter_id, norm, %reason, "delta discarded; the drafter restarts from the center");
-            return Ok(CommitOutcome {
-                center_version: center.version,
+            return Ok(CommitOutcome::not_applied(
+                center,
                 staleness,
-                applied: false,
-                reason,
-                initialised: false,
                 send_center,
-                center_samples: center.samples,
-            });
+                reason,
+            ));
         }
         let momentum = settings.momentum > 0.0;
         let momentum_step = Some(center.pending_deltas.saturating_add(1))
@@ -438,15 +449,12 @@ impl ModelSyncState {
                 magnitudes.largest()
             );
             tracing::warn!(drafter_id, norm, %reason, "delta discarded; the drafter restarts from the center");
-            return Ok(CommitOutcome {
-                center_version: center.version,
+            return Ok(CommitOutcome::not_applied(
+                center,
                 staleness,
-                applied: false,
-                reason,
-                initialised: false,
                 send_center,
-                center_samples: center.samples,
-            });
+                reason,
+            ));
         }
         if self.recent_delta_norms.len() == DELTA_NORM_WINDOW {
             self.recent_delta_norms.pop_front();
