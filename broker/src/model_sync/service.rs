@@ -170,6 +170,23 @@ fn response(kind: proto::sync_response::Kind) -> Result<proto::SyncResponse, Sta
 #[tonic::async_trait]
 impl ModelSync for ModelSyncService {
     type SessionStream = ReceiverStream<Result<proto::SyncResponse, Status>>;
+    type ReadCenterStream = ReceiverStream<Result<proto::ReadCenterResponse, Status>>;
+
+    /// Online evaluation's read: served by the next commit.
+    async fn read_center(
+        &self,
+        _request: Request<proto::ReadCenterRequest>,
+    ) -> Result<Response<Self::ReadCenterStream>, Status> {
+        Err(Status::unimplemented("ModelSync.ReadCenter is not served yet"))
+    }
+
+    /// Online evaluation's report: served by the next commit.
+    async fn report_tau(
+        &self,
+        _request: Request<proto::TauReport>,
+    ) -> Result<Response<proto::TauReportResult>, Status> {
+        Err(Status::unimplemented("ModelSync.ReportTau is not served yet"))
+    }
 
     async fn session(
         &self,
