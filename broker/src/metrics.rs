@@ -10,6 +10,7 @@
 
 use dflash_telemetry::{Exposition, MetricKind};
 
+use crate::model_sync::evaluation::TauGauges;
 use crate::payload::ReceivedCounts;
 use crate::queue::{BrokerState, DrafterSnapshot, Snapshot, TargetSnapshot, TargetState};
 use crate::wal::writer::WriterCounts;
@@ -19,7 +20,7 @@ pub const PREFIX: &str = "dflash_broker_";
 
 /// The text exposition (format 0.0.4) of `snapshot`.
 pub fn render(snapshot: &Snapshot) -> String {
-    render_with(snapshot, ReceivedCounts::default(), None)
+    render_with(snapshot, ReceivedCounts::default(), None, None)
 }
 
 /// [`render`] with how large payloads arrived (counted outside the queue).
@@ -27,6 +28,7 @@ pub fn render_with(
     snapshot: &Snapshot,
     received: ReceivedCounts,
     log: Option<WriterCounts>,
+    tau: Option<TauGauges>,
 ) -> String {
     let mut out = Exposition::new();
     write_run(&mut out, snapshot);
@@ -37,7 +39,43 @@ pub fn render_with(
     if let Some(log) = log {
         write_log(&mut out, log);
     }
+    if let Some(tau) = tau {
+        write_tau(&mut out, tau);
+    }
     out.finish()
+}
+
+/// Online evaluation: τ of the center as the evaluator last reported it,
+/// the best so far, and the versions they are of (absent before the first
+/// report: no τ is not τ 0).
+fn write_tau(out: &mut Exposition, tau: TauGauges) {
+    out.counter(
+        &name("center_tau_reports_total"),
+        "Evaluations of the center reported (ModelSync.ReportTau)",
+        tau.reports as f64,
+    );
+    let series = [
+        (
+            tau.latest,
+            "center_tau",
+            "center_tau_version",
+            "tau (mean acceptance length, bonus token counted) of the center version last evaluated",
+            "The center version the last tau is of",
+        ),
+        (
+            tau.best,
+            "center_best_tau",
+            "center_best_tau_version",
+            "The best tau reported so far (that version is written to center-best/)",
+            "The center version of the best tau",
+        ),
+    ];
+    for (point, tau_suffix, version_suffix, tau_help, version_help) in series {
+        if let Some((version, value)) = point {
+            out.gauge(&name(tau_suffix), tau_help, value);
+            out.gauge(&name(version_suffix), version_help, version as f64);
+        }
+    }
 }
 
 /// The write-ahead log's writer (only with `--state-dir`).
@@ -532,6 +570,35 @@ mod tests {
             }
         }
         samples
+    }
+
+    #[test]
+    fn the_center_tau_series_appear_once_reported() {
+        let queue: Queue<TestPayload> = Queue::new(config(1), Instant::now());
+        let snapshot = queue.snapshot(Instant::now());
+        let none = parse(&render_with(
+            &snapshot,
+            ReceivedCounts::default(),
+            None,
+            Some(TauGauges::default()),
+        ));
+        assert_eq!(
+            none.get("dflash_broker_center_tau_reports_total"),
+            Some(&0.0)
+        );
+        assert!(!none.contains_key("dflash_broker_center_tau"), "{none:?}");
+        let tau = TauGauges {
+            latest: Some((12, 2.25)),
+            best: Some((9, 2.5)),
+            reports: 3,
+        };
+        let text = render_with(&snapshot, ReceivedCounts::default(), None, Some(tau));
+        let values = parse(&text);
+        assert_eq!(values["dflash_broker_center_tau"], 2.25);
+        assert_eq!(values["dflash_broker_center_tau_version"], 12.0);
+        assert_eq!(values["dflash_broker_center_best_tau"], 2.5);
+        assert_eq!(values["dflash_broker_center_best_tau_version"], 9.0);
+        assert_eq!(values["dflash_broker_center_tau_reports_total"], 3.0);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Who may call what: credentials that carry a role (target, drafter,
-//! operator) and optionally the one identity they stand for, the checks
+//! evaluator, operator) and optionally the one identity they stand for, the checks
 //! each RPC makes with them, and the checks on a hello's id itself
 //! ([`validate_id`], shared by the broker's and model sync's services).
 //!
@@ -10,6 +10,7 @@
 //! target     target-0   sha256:5e8848...
 //! target     target-1   sha256:6b86b2...
 //! drafter    *          sha256:d4735e...
+//! evaluator  *          sha256:ef2d12...
 //! operator   *          sha256:4e0740...
 //! ```
 //!
@@ -25,6 +26,7 @@
 //! | ReportDone | target | the request's `target_id` |
 //! | Consume | drafter | the hello's `drafter_id` |
 //! | ModelSync.Session | drafter | the hello's `drafter_id` |
+//! | ModelSync.ReadCenter, ModelSync.ReportTau | evaluator | the request's `evaluator_id` |
 //! | GetStatus, WatchStatus | any | — |
 //!
 //! A refusal is PERMISSION_DENIED and names only the caller's own role and
@@ -46,6 +48,9 @@ use sha2::{Digest, Sha256};
 pub enum Role {
     Target,
     Drafter,
+    /// Reads the center and reports its τ (online evaluation); takes no
+    /// part in training.
+    Evaluator,
     Operator,
     /// The shared token, or no credentials configured: every role.
     Any,
@@ -56,6 +61,7 @@ impl Role {
         match self {
             Role::Target => "target",
             Role::Drafter => "drafter",
+            Role::Evaluator => "evaluator",
             Role::Operator => "operator",
             Role::Any => "any",
         }
@@ -191,11 +197,12 @@ impl Credentials {
             let role = match *role {
                 "target" => Role::Target,
                 "drafter" => Role::Drafter,
+                "evaluator" => Role::Evaluator,
                 "operator" => Role::Operator,
                 other => {
                     return Err((
                         number,
-                        format!("role {other:?} is not target, drafter or operator"),
+                        format!("role {other:?} is not target, drafter, evaluator or operator"),
                     ))
                 }
             };
@@ -279,6 +286,7 @@ fn principal_of_uri(uri: &str) -> Option<Principal> {
     let role = match role {
         "target" => Role::Target,
         "drafter" => Role::Drafter,
+        "evaluator" => Role::Evaluator,
         "operator" => Role::Operator,
         _ => return None,
     };

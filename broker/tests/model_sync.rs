@@ -437,3 +437,474 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
     );
     restarted.stop().await;
 }
+
+// ---------------------------------------------------------------- Online evaluation
+
+/// One `ReadCenter`: the header and the center (name → values).
+async fn read_center(
+    address: &str,
+    evaluator_id: &str,
+) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    use proto::read_center_response::Kind;
+    let mut client = ModelSyncClient::connect(address.to_string())
+        .await
+        .expect("connect");
+    let mut stream = client
+        .read_center(proto::ReadCenterRequest {
+            evaluator_id: evaluator_id.to_string(),
+        })
+        .await?
+        .into_inner();
+    let header = match stream.message().await?.and_then(|message| message.kind) {
+        Some(Kind::Header(header)) => header,
+        other => panic!("expected the header, got {other:?}"),
+    };
+    let mut center: Vec<(String, Vec<u8>)> = Vec::new();
+    loop {
+        match stream.message().await?.and_then(|message| message.kind) {
+            Some(Kind::Chunk(chunk)) => {
+                assert_eq!(chunk.dtype, proto::Dtype::F32 as i32);
+                match center.last_mut() {
+                    Some((name, bytes)) if *name == chunk.name => {
+                        assert_eq!(chunk.offset, bytes.len() as u64);
+                        bytes.extend_from_slice(&chunk.data);
+                    }
+                    _ => center.push((chunk.name, chunk.data.to_vec())),
+                }
+            }
+            Some(Kind::Done(done)) => {
+                assert_eq!(done.center_version, header.center_version);
+                assert_eq!(done.tensors as usize, center.len());
+                break;
+            }
+            other => panic!("expected chunks, got {other:?}"),
+        }
+    }
+    let decoded = center
+        .into_iter()
+        .map(|(name, bytes)| (name, f32_values(&bytes)))
+        .collect();
+    Ok((header, decoded))
+}
+
+fn f32_values(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|raw| f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
+        .collect()
+}
+
+fn tau_point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
+    proto::TauPoint {
+        center_version: version,
+        center_samples: samples,
+        tau,
+        prompts: 8,
+        generated_tokens: 320,
+        verification_steps: 100,
+        eval_seconds: 1.5,
+        unix_time_ms: 1_800_000_000_000,
+        evaluator_id: "evaluator".to_string(),
+    }
+}
+
+async fn report_tau(
+    address: &str,
+    evaluator_id: &str,
+    point: Option<proto::TauPoint>,
+) -> Result<proto::TauReportResult, tonic::Status> {
+    let mut client = ModelSyncClient::connect(address.to_string())
+        .await
+        .expect("connect");
+    client
+        .report_tau(proto::TauReport {
+            evaluator_id: evaluator_id.to_string(),
+            point,
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// The status of the run's training alone: without the evaluation's
+/// fields, and with each drafter's time since its last sync (a clock) left
+/// out.
+fn training_status(mut status: proto::ModelSyncStatus) -> proto::ModelSyncStatus {
+    status.tau_history.clear();
+    status.best_tau = None;
+    status.best_path.clear();
+    status.best_saved_version = 0;
+    status.evaluations_pending.clear();
+    for drafter in &mut status.drafters {
+        drafter.last_sync_ms_ago = 0;
+    }
+    status
+}
+
+/// Two drafters' exchanges (delayed Nesterov momentum on, so the open
+/// sessions' count N matters), with or without an evaluator reading the
+/// center between every two of them; the final center's values.
+async fn train_with_optional_reads(
+    evaluator_reads: bool,
+) -> (Vec<(String, Vec<f32>)>, proto::ModelSyncStatus) {
+    let mut config = BrokerConfig::for_targets(1);
+    config.model_sync.outer_momentum = 0.9;
+    let broker = TestBroker::start(config).await;
+    let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
+    first.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
+    second.exchange(proto::SyncKind::Join, 0, &vec![]).await;
+    let mut center = Vec::new();
+    for step in 0..6u64 {
+        if evaluator_reads {
+            let (header, read) = read_center(&broker.address, "evaluator").await.unwrap();
+            assert_eq!(
+                header.center_version, step,
+                "a read sees the center as it is"
+            );
+            assert_eq!(header.model_config_json, CONFIG_JSON);
+            if !center.is_empty() {
+                assert_eq!(read, center, "a read returns the center's exact values");
+            }
+        }
+        let drafter = if step % 2 == 0 {
+            &mut first
+        } else {
+            &mut second
+        };
+        let (result, returned) = drafter
+            .exchange(
+                proto::SyncKind::Update,
+                step.saturating_sub(1),
+                &scaled(0.125),
+            )
+            .await;
+        assert!(result.applied);
+        center = returned.expect("the center comes back");
+    }
+    let status = model_sync_status(&broker).await;
+    broker.stop().await;
+    (center, status)
+}
+
+#[tokio::test]
+async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
+    let (alone, alone_status) = train_with_optional_reads(false).await;
+    let (read, read_status) = train_with_optional_reads(true).await;
+    let bits = |center: &[(String, Vec<f32>)]| -> Vec<(String, Vec<u32>)> {
+        center
+            .iter()
+            .map(|(name, values)| {
+                (
+                    name.clone(),
+                    values.iter().map(|value| value.to_bits()).collect(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(bits(&read), bits(&alone), "the same center, bit for bit");
+    assert_eq!(
+        read_status.evaluations_pending.len(),
+        2,
+        "the last versions read are kept for their reports"
+    );
+    assert_eq!(training_status(read_status), training_status(alone_status));
+}
+
+#[tokio::test]
+async fn the_final_center_does_not_wait_for_an_evaluator() {
+    let work = tempfile::tempdir().unwrap();
+    let mut config = plain_config();
+    config.model_sync.model_output = Some(work.path().join("center"));
+    config.model_sync.model_save_every = Duration::ZERO;
+    // Were the evaluator waited for, the final center would take an hour.
+    config.model_sync.model_final_sync_timeout = Duration::from_secs(3600);
+    let broker = TestBroker::start(config).await;
+    let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
+    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    // A read whose stream the evaluator keeps open and never drains.
+    let mut client = ModelSyncClient::connect(broker.address.clone())
+        .await
+        .unwrap();
+    let _held = client
+        .read_center(proto::ReadCenterRequest {
+            evaluator_id: "evaluator".to_string(),
+        })
+        .await
+        .unwrap();
+    let status = model_sync_status(&broker).await;
+    assert_eq!(status.evaluations_pending, vec![0]);
+    assert_eq!(
+        status.drafters.len(),
+        1,
+        "an evaluator is no drafter: {:?}",
+        status.drafters
+    );
+
+    let queue = broker.client().await;
+    queue
+        .produce("target-0")
+        .await
+        .unwrap()
+        .finish()
+        .await
+        .unwrap();
+    queue.report_done("target-0", 0).await.unwrap();
+    drafter
+        .exchange(proto::SyncKind::Final, 0, &scaled(0.5))
+        .await;
+    assert!(
+        wait_until(Duration::from_secs(20), || async {
+            model_sync_status(&broker).await.final_saved
+        })
+        .await,
+        "the final center is written once the drafter's final sync is in"
+    );
+    broker.stop().await;
+}
+
+/// The tensors of a center checkpoint's `model.safetensors`.
+fn checkpoint_values(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names = file.names();
+    names.sort();
+    names
+        .into_iter()
+        .map(|name| {
+            (
+                name.to_string(),
+                f32_values(file.tensor(name).unwrap().data()),
+            )
+        })
+        .collect()
+}
+
+fn checkpoint_version(dir: &std::path::Path) -> u64 {
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("center_state.json")).unwrap())
+            .unwrap();
+    state["version"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces_it() {
+    let work = tempfile::tempdir().unwrap();
+    let mut config = plain_config();
+    config.model_sync.model_output = Some(work.path().join("center"));
+    let broker = TestBroker::start(config).await;
+    let best_dir = work.path().join("center-best");
+    let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
+    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+
+    // Version 0 is read, then the center moves on twice before its report.
+    let (header, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
+    assert_eq!((header.center_version, header.center_samples), (0, 0));
+    drafter
+        .exchange(proto::SyncKind::Update, 0, &scaled(0.5))
+        .await;
+    drafter
+        .exchange(proto::SyncKind::Update, 1, &scaled(0.25))
+        .await;
+    let result = report_tau(&broker.address, "evaluator", Some(tau_point(0, 0, 1.5)))
+        .await
+        .unwrap();
+    assert!(result.best);
+    assert_eq!(result.best_path, best_dir.display().to_string());
+    assert_eq!(
+        checkpoint_values(&best_dir),
+        version_0,
+        "exactly the version evaluated"
+    );
+    assert_eq!(checkpoint_version(&best_dir), 0);
+    let config_json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(best_dir.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        config_json,
+        serde_json::from_str::<serde_json::Value>(CONFIG_JSON).unwrap()
+    );
+    assert!(!best_dir.join("outer_optimizer.safetensors").exists());
+    let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
+
+    // A worse τ of a later version leaves the best center as it was.
+    let (header, _) = read_center(&broker.address, "evaluator").await.unwrap();
+    assert_eq!((header.center_version, header.center_samples), (2, 24));
+    let result = report_tau(&broker.address, "evaluator", Some(tau_point(2, 24, 1.25)))
+        .await
+        .unwrap();
+    assert!(!result.best);
+    assert_eq!(
+        result.best_point.as_ref().map(|best| best.center_version),
+        Some(0)
+    );
+    assert_eq!(
+        std::fs::read(best_dir.join("model.safetensors")).unwrap(),
+        best_bytes
+    );
+
+    // A better one replaces it with its own version.
+    drafter
+        .exchange(proto::SyncKind::Update, 2, &scaled(1.0))
+        .await;
+    let (header, version_3) = read_center(&broker.address, "evaluator").await.unwrap();
+    assert_eq!(header.center_version, 3);
+    drafter
+        .exchange(proto::SyncKind::Update, 3, &scaled(1.0))
+        .await;
+    let result = report_tau(&broker.address, "evaluator", Some(tau_point(3, 36, 2.0)))
+        .await
+        .unwrap();
+    assert!(result.best);
+    assert_eq!(checkpoint_values(&best_dir), version_3);
+    assert_eq!(checkpoint_version(&best_dir), 3);
+    assert_ne!(version_3, version_0);
+
+    let status = model_sync_status(&broker).await;
+    let history: Vec<(u64, u64, f64)> = status
+        .tau_history
+        .iter()
+        .map(|point| (point.center_version, point.center_samples, point.tau))
+        .collect();
+    assert_eq!(history, vec![(0, 0, 1.5), (2, 24, 1.25), (3, 36, 2.0)]);
+    assert_eq!(
+        status.best_tau.map(|best| (best.center_version, best.tau)),
+        Some((3, 2.0))
+    );
+    assert_eq!(
+        (status.best_saved_version, status.best_path),
+        (3, best_dir.display().to_string())
+    );
+    assert_eq!(status.center_version, 4, "the center itself went on");
+    assert!(status.evaluations_pending.is_empty());
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
+    let work = tempfile::tempdir().unwrap();
+    let mut config = plain_config();
+    config.model_sync.model_output = Some(work.path().join("center"));
+    let broker = TestBroker::start(config).await;
+    let best_dir = work.path().join("center-best");
+    let address = broker.address.clone();
+
+    // Before any drafter: there is no center to read.
+    let refused = read_center(&address, "evaluator").await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        refused.message().contains("no center yet"),
+        "{}",
+        refused.message()
+    );
+
+    let mut drafter = TestDrafter::open(&address, "drafter-0").await;
+    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    read_center(&address, "evaluator").await.unwrap();
+    report_tau(&address, "evaluator", Some(tau_point(0, 0, 1.5)))
+        .await
+        .unwrap();
+    drafter
+        .exchange(proto::SyncKind::Update, 0, &scaled(0.5))
+        .await;
+    read_center(&address, "evaluator").await.unwrap();
+    let before = model_sync_status(&broker).await;
+    let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
+
+    let mut no_prompts = tau_point(1, 12, 2.0);
+    no_prompts.prompts = 0;
+    let mut other_evaluator = tau_point(1, 12, 2.0);
+    other_evaluator.evaluator_id = "someone-else".to_string();
+    let cases: Vec<(&str, Option<proto::TauPoint>, tonic::Code, &str)> = vec![
+        (
+            "evaluator",
+            Some(tau_point(1, 12, f64::NAN)),
+            tonic::Code::InvalidArgument,
+            "τ NaN is not finite",
+        ),
+        (
+            "evaluator",
+            Some(tau_point(1, 12, f64::INFINITY)),
+            tonic::Code::InvalidArgument,
+            "τ inf is not finite",
+        ),
+        (
+            "evaluator",
+            Some(tau_point(1, 12, 0.25)),
+            tonic::Code::InvalidArgument,
+            "τ 0.25 is below 1",
+        ),
+        (
+            "evaluator",
+            Some(tau_point(1, 12, 9.0)),
+            tonic::Code::InvalidArgument,
+            "τ 9 exceeds the drafter's block size 4",
+        ),
+        (
+            "evaluator",
+            Some(no_prompts),
+            tonic::Code::InvalidArgument,
+            "prompts is 0",
+        ),
+        (
+            "evaluator",
+            Some(tau_point(1, 13, 2.0)),
+            tonic::Code::InvalidArgument,
+            "center_samples 13 is not the served version 1's 12",
+        ),
+        (
+            "evaluator",
+            Some(tau_point(7, 12, 2.0)),
+            tonic::Code::FailedPrecondition,
+            "center version 7 was not served",
+        ),
+        (
+            "evaluator",
+            Some(tau_point(0, 0, 2.0)),
+            tonic::Code::FailedPrecondition,
+            "center version 0 is already reported (τ 1.5)",
+        ),
+        (
+            "evaluator",
+            None,
+            tonic::Code::InvalidArgument,
+            "carries no point",
+        ),
+        (
+            "",
+            Some(tau_point(1, 12, 2.0)),
+            tonic::Code::InvalidArgument,
+            "evaluator_id is empty",
+        ),
+        (
+            "evaluator",
+            Some(other_evaluator),
+            tonic::Code::InvalidArgument,
+            "\"someone-else\" is not the report's \"evaluator\"",
+        ),
+    ];
+    for (evaluator_id, point, code, message) in cases {
+        let refused = report_tau(&address, evaluator_id, point).await.unwrap_err();
+        assert_eq!(refused.code(), code, "{}", refused.message());
+        assert!(
+            refused.message().contains(message),
+            "{:?} lacks {message:?}",
+            refused.message()
+        );
+    }
+    let after = model_sync_status(&broker).await;
+    assert_eq!(after.tau_history, before.tau_history);
+    assert_eq!(after.best_tau, before.best_tau);
+    assert_eq!(after.evaluations_pending, before.evaluations_pending);
+    assert_eq!(training_status(after), training_status(before));
+    assert_eq!(
+        std::fs::read(best_dir.join("model.safetensors")).unwrap(),
+        best_bytes
+    );
+
+    // The refused reports left the version's report possible.
+    let result = report_tau(&address, "evaluator", Some(tau_point(1, 12, 2.0)))
+        .await
+        .unwrap();
+    assert!(result.best);
+    broker.stop().await;
+}

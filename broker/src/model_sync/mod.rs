@@ -25,13 +25,20 @@
 //! - `checkpoint`: the center on disk in the reference dflash format
 //!   (safetensors, no libtorch), and reading it back on restart.
 //! - `config`: the flags.
+//! - `evaluation`: online evaluation's τ history, the best report, and the
+//!   center versions kept for it between an evaluator's read
+//!   (`ReadCenter`, read-only: no session, no effect on the run) and its
+//!   report (`ReportTau`).
 //! - `service`: the tonic adapter (shared state, sessions, replies), with
-//!   `service::center_writer`, the background task that writes the center.
+//!   `service::center_writer`, the background task that writes the center,
+//!   and `service::evaluation`, the evaluator's two RPCs and the write of
+//!   the best center.
 
 pub mod arith;
 pub mod center;
 pub mod checkpoint;
 pub mod config;
+pub mod evaluation;
 pub mod service;
 
 #[cfg(test)]

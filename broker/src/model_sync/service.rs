@@ -10,6 +10,7 @@
 //! the center under the lock and write it on a blocking thread.
 
 mod center_writer;
+mod evaluation;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,6 +29,7 @@ use super::arith::WireDtype;
 use super::center::{dtype_to_proto, EncodedTensor, ModelSyncState, SyncError, Upload};
 use super::checkpoint::{read_center, CheckpointError};
 use super::config::ModelSyncConfig;
+use super::evaluation::Evaluations;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -69,6 +71,13 @@ pub struct ModelSyncShared {
     /// What the queue saw each drafter ack (set once the queue exists): the
     /// bound on the samples a drafter's exchanges are credited with.
     acked_by: std::sync::OnceLock<AckedBy>,
+    /// Online evaluation: the τ history, the best report and the versions
+    /// served to an evaluator ([`super::evaluation`]). Its own lock, never
+    /// held with the state's: an evaluator never delays an exchange.
+    evaluations: Mutex<Evaluations>,
+    /// One report at a time, from its checks to its record (the best
+    /// center's write included), so two reports never race for the best.
+    report_lock: tokio::sync::Mutex<()>,
 }
 
 /// Items acked by a drafter id, as the queue counts them.
@@ -113,6 +122,8 @@ impl ModelSyncShared {
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
             sync_changed: Notify::new(),
             acked_by: std::sync::OnceLock::new(),
+            evaluations: Mutex::new(Evaluations::default()),
+            report_lock: tokio::sync::Mutex::new(()),
         }))
     }
 
@@ -123,7 +134,14 @@ impl ModelSyncShared {
     }
 
     pub fn status(&self) -> proto::ModelSyncStatus {
-        self.state.lock().status(Instant::now())
+        let mut status = self.state.lock().status(Instant::now());
+        self.evaluations.lock().fill_status(&mut status);
+        status
+    }
+
+    /// Online evaluation's series for `/metrics`.
+    pub fn tau_gauges(&self) -> super::evaluation::TauGauges {
+        self.evaluations.lock().gauges()
     }
 
     /// The tonic service, with message limits sized for chunks.
@@ -172,20 +190,18 @@ impl ModelSync for ModelSyncService {
     type SessionStream = ReceiverStream<Result<proto::SyncResponse, Status>>;
     type ReadCenterStream = ReceiverStream<Result<proto::ReadCenterResponse, Status>>;
 
-    /// Online evaluation's read: served by the next commit.
     async fn read_center(
         &self,
-        _request: Request<proto::ReadCenterRequest>,
+        request: Request<proto::ReadCenterRequest>,
     ) -> Result<Response<Self::ReadCenterStream>, Status> {
-        Err(Status::unimplemented("ModelSync.ReadCenter is not served yet"))
+        evaluation::read_center(&self.shared, request).await
     }
 
-    /// Online evaluation's report: served by the next commit.
     async fn report_tau(
         &self,
-        _request: Request<proto::TauReport>,
+        request: Request<proto::TauReport>,
     ) -> Result<Response<proto::TauReportResult>, Status> {
-        Err(Status::unimplemented("ModelSync.ReportTau is not served yet"))
+        evaluation::report_tau(&self.shared, request).await
     }
 
     async fn session(
@@ -414,8 +430,8 @@ async fn commit_exchange(
 }
 
 /// Sends the center (encoded as `reply_dtype`) tensor by tensor in chunks
-/// of at most [`CHUNK_BYTES`] (an empty tensor as one empty chunk), then
-/// the `Done` that names its version and tensor count.
+/// of at most [`CHUNK_BYTES`] ([`center_chunks`]), then the `Done` that
+/// names its version and tensor count.
 async fn send_center(
     outbox: &Outbox,
     reply_dtype: WireDtype,
@@ -423,24 +439,8 @@ async fn send_center(
     tensors: Vec<EncodedTensor>,
 ) -> Result<(), Status> {
     let count = tensors.len() as u32;
-    let dtype = dtype_to_proto(reply_dtype) as i32;
-    for (name, shape, bytes) in tensors {
-        let mut offset = 0usize;
-        while offset < bytes.len() || offset == 0 {
-            let end = (offset + CHUNK_BYTES).min(bytes.len());
-            let chunk = proto::TensorChunk {
-                name: name.clone(),
-                dtype,
-                shape: shape.clone(),
-                offset: offset as u64,
-                data: bytes.slice(offset..end),
-            };
-            send(outbox, proto::sync_response::Kind::Chunk(chunk)).await?;
-            offset = end;
-            if end == bytes.len() {
-                break;
-            }
-        }
+    for chunk in center_chunks(reply_dtype, tensors) {
+        send(outbox, proto::sync_response::Kind::Chunk(chunk)).await?;
     }
     send(
         outbox,
@@ -450,6 +450,26 @@ async fn send_center(
         }),
     )
     .await
+}
+
+/// The center's tensors as the chunks that carry them, in order: each
+/// tensor in chunks of at most [`CHUNK_BYTES`] (an empty tensor as one
+/// empty chunk), each chunk a slice of the encoded buffer (no copy).
+fn center_chunks(
+    reply_dtype: WireDtype,
+    tensors: Vec<EncodedTensor>,
+) -> impl Iterator<Item = proto::TensorChunk> {
+    let dtype = dtype_to_proto(reply_dtype) as i32;
+    tensors.into_iter().flat_map(move |(name, shape, bytes)| {
+        let starts = (0..bytes.len().max(1)).step_by(CHUNK_BYTES);
+        starts.map(move |offset| proto::TensorChunk {
+            name: name.clone(),
+            dtype,
+            shape: shape.clone(),
+            offset: offset as u64,
+            data: bytes.slice(offset..(offset + CHUNK_BYTES).min(bytes.len())),
+        })
+    })
 }
 
 /// Sends one response; a gone receiver means the drafter left.

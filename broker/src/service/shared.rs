@@ -462,7 +462,11 @@ impl Shared {
             let log = locked.log.as_ref().map(|log| log.counts());
             (locked.queue.snapshot(Instant::now()), log)
         };
-        crate::metrics::render_with(&snapshot, self.received.counts(), log)
+        let tau = self
+            .model_sync
+            .get()
+            .map(|model_sync| model_sync.tau_gauges());
+        crate::metrics::render_with(&snapshot, self.received.counts(), log, tau)
     }
 
     /// Lease expiry and target liveness: sleeps until the queue's next

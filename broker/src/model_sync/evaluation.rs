@@ -1,0 +1,407 @@
+//! Online evaluation: the τ history of the center, as a synchronous state
+//! machine (no gRPC, no tokio, no clock of its own).
+//!
+//! An evaluator reads the center with `ReadCenter` (a read-only RPC apart
+//! from the drafters' sessions: it opens no session, so it is never one of
+//! the N of the delayed Nesterov step and the final center never waits for
+//! it) and later reports that version's τ with `ReportTau`. Between the two
+//! the broker keeps the version it served as a [`Center`] whose weight
+//! buffers are the center's own `Arc`s (a pointer copy under the lock; an
+//! update copies a buffer only while such a snapshot holds it), so a best τ
+//! writes exactly the weights that were evaluated, whatever the center did
+//! meanwhile. At most [`MAX_PENDING_READS`] versions are kept: an evaluator
+//! evaluates one at a time, and each kept version may cost one copy of the
+//! weights while drafters update the center.
+//!
+//! A report is checked before anything changes ([`Evaluations::check`]):
+//! a refused report leaves the history, the best and the kept versions as
+//! they were.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use dflash_proto::v1 as proto;
+
+use super::center::{Center, CenterTensor};
+
+/// Reports kept in memory (and in the status): the last 1,024.
+pub const TAU_HISTORY: usize = 1024;
+
+/// Versions served and not yet reported that the broker keeps; reading a
+/// newer one lets the oldest go.
+pub const MAX_PENDING_READS: usize = 2;
+
+/// Why a report was refused. Messages name the bad value.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ReportError {
+    #[error("the report carries no point (center version, τ, ...)")]
+    MissingPoint,
+    #[error("τ {0} is not finite")]
+    NotFinite(f64),
+    #[error("τ {0} is below 1 (the target's own token is always accepted)")]
+    BelowOne(f64),
+    #[error("τ {tau} exceeds the drafter's block size {block_size}")]
+    AboveBlockSize { tau: f64, block_size: u64 },
+    #[error("{field} is 0: an evaluation covers at least one prompt and one verification")]
+    Empty { field: &'static str },
+    #[error("eval_seconds {0} is not a finite duration >= 0")]
+    BadSeconds(f64),
+    #[error("center version {version} was not served to an evaluator (pending: {pending:?}); read it with ReadCenter first")]
+    NotServed { version: u64, pending: Vec<u64> },
+    #[error("center version {version} is already reported (τ {tau})")]
+    AlreadyReported { version: u64, tau: f64 },
+    #[error("center_samples {got} is not the served version {version}'s {served}")]
+    SamplesMismatch { version: u64, got: u64, served: u64 },
+}
+
+/// A report that passed every check: what recording it will do.
+#[derive(Debug, Clone)]
+pub struct CheckedReport {
+    pub point: proto::TauPoint,
+    /// Its τ beats every earlier report's (strictly: a tie keeps the
+    /// earlier version).
+    pub best: bool,
+    /// The version's weights, to write as the best center.
+    pub center: Center,
+}
+
+/// The τ history, the best report, and the versions served and not yet
+/// reported.
+#[derive(Debug, Default)]
+pub struct Evaluations {
+    pending: VecDeque<Center>,
+    history: VecDeque<proto::TauPoint>,
+    best: Option<proto::TauPoint>,
+    /// The version written to the best center's directory, and where.
+    best_saved_version: Option<u64>,
+    best_path: String,
+    reports: u64,
+}
+
+impl Evaluations {
+    /// Keeps `center` (a weights-only copy sharing the buffers, see
+    /// [`weights_only`]) as served to an evaluator.
+    pub fn served(&mut self, center: Center) {
+        if self
+            .pending
+            .iter()
+            .any(|pending| pending.version == center.version)
+        {
+            return;
+        }
+        self.pending.push_back(center);
+        while self.pending.len() > MAX_PENDING_READS {
+            self.pending.pop_front();
+        }
+    }
+
+    /// Checks a report against what was served and reported; changes
+    /// nothing.
+    pub fn check(&self, point: Option<&proto::TauPoint>) -> Result<CheckedReport, ReportError> {
+        let point = point.ok_or(ReportError::MissingPoint)?;
+        let tau = point.tau;
+        if !tau.is_finite() {
+            return Err(ReportError::NotFinite(tau));
+        }
+        if tau < 1.0 {
+            return Err(ReportError::BelowOne(tau));
+        }
+        if point.prompts == 0 {
+            return Err(ReportError::Empty { field: "prompts" });
+        }
+        if point.verification_steps == 0 {
+            return Err(ReportError::Empty {
+                field: "verification_steps",
+            });
+        }
+        if !point.eval_seconds.is_finite() || point.eval_seconds < 0.0 {
+            return Err(ReportError::BadSeconds(point.eval_seconds));
+        }
+        let version = point.center_version;
+        if let Some(earlier) = self
+            .history
+            .iter()
+            .find(|earlier| earlier.center_version == version)
+        {
+            return Err(ReportError::AlreadyReported {
+                version,
+                tau: earlier.tau,
+            });
+        }
+        let center = self
+            .pending
+            .iter()
+            .find(|pending| pending.version == version)
+            .ok_or_else(|| ReportError::NotServed {
+                version,
+                pending: self.pending_versions(),
+            })?;
+        if let Some(block_size) = block_size(&center.config_json) {
+            if tau > block_size as f64 {
+                return Err(ReportError::AboveBlockSize { tau, block_size });
+            }
+        }
+        if point.center_samples != center.samples {
+            return Err(ReportError::SamplesMismatch {
+                version,
+                got: point.center_samples,
+                served: center.samples,
+            });
+        }
+        Ok(CheckedReport {
+            point: point.clone(),
+            best: self.best.as_ref().is_none_or(|best| tau > best.tau),
+            center: center.clone(),
+        })
+    }
+
+    /// Records a checked report: into the history (the oldest beyond
+    /// [`TAU_HISTORY`] let go), as the best when it is, with where its
+    /// weights were written (`best_path`, empty when not written); the
+    /// version is no longer kept.
+    pub fn record(&mut self, report: CheckedReport, best_path: Option<String>) {
+        let version = report.point.center_version;
+        self.pending.retain(|pending| pending.version != version);
+        if report.best {
+            self.best = Some(report.point.clone());
+            if let Some(path) = best_path {
+                self.best_saved_version = Some(version);
+                self.best_path = path;
+            }
+        }
+        if self.history.len() == TAU_HISTORY {
+            self.history.pop_front();
+        }
+        self.history.push_back(report.point);
+        self.reports += 1;
+    }
+
+    pub fn pending_versions(&self) -> Vec<u64> {
+        self.pending.iter().map(|pending| pending.version).collect()
+    }
+
+    pub fn best(&self) -> Option<&proto::TauPoint> {
+        self.best.as_ref()
+    }
+
+    pub fn best_path(&self) -> &str {
+        &self.best_path
+    }
+
+    pub fn latest(&self) -> Option<&proto::TauPoint> {
+        self.history.back()
+    }
+
+    /// Reports recorded since the broker started (the history keeps the
+    /// last [`TAU_HISTORY`]).
+    pub fn reports(&self) -> u64 {
+        self.reports
+    }
+
+    /// What `/metrics` shows of it.
+    pub fn gauges(&self) -> TauGauges {
+        TauGauges {
+            latest: self.latest().map(|point| (point.center_version, point.tau)),
+            best: self.best().map(|point| (point.center_version, point.tau)),
+            reports: self.reports,
+        }
+    }
+
+    /// Fills the status's evaluation fields.
+    pub fn fill_status(&self, status: &mut proto::ModelSyncStatus) {
+        status.tau_history = self.history.iter().cloned().collect();
+        status.best_tau = self.best.clone();
+        status.best_path = self.best_path.clone();
+        status.best_saved_version = self.best_saved_version.unwrap_or(0);
+        status.evaluations_pending = self.pending_versions();
+    }
+}
+
+/// The evaluation's series in `/metrics`: (center version, τ) of the
+/// latest and of the best report, and the reports recorded.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TauGauges {
+    pub latest: Option<(u64, f64)>,
+    pub best: Option<(u64, f64)>,
+    pub reports: u64,
+}
+
+/// The center's weights at its version, sharing their buffers (a pointer
+/// copy: taken under the state's lock), without the outer optimizer's
+/// state, which an evaluation does not need and a best center does not
+/// keep (its directory is the reference dflash format plus its counters).
+pub fn weights_only(center: &Center) -> Center {
+    let empty = Arc::new(Vec::new());
+    let mut copy = center.clone();
+    copy.tensors = center
+        .tensors
+        .iter()
+        .map(|tensor| CenterTensor {
+            name: tensor.name.clone(),
+            shape: tensor.shape.clone(),
+            values: tensor.values.clone(),
+            velocity: empty.clone(),
+            delta_sum: empty.clone(),
+        })
+        .collect();
+    copy
+}
+
+/// The draft model's block size from its `config.json` (the largest τ
+/// possible), when it states one.
+fn block_size(config_json: &str) -> Option<u64> {
+    serde_json::from_str::<serde_json::Value>(config_json)
+        .ok()?
+        .get("block_size")?
+        .as_u64()
+        .filter(|&size| size > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn center(version: u64, samples: u64, value: f32) -> Center {
+        let tensor = CenterTensor {
+            name: "fc.weight".to_string(),
+            shape: vec![2],
+            values: Arc::new(vec![value, -value]),
+            velocity: Arc::new(vec![0.0, 0.0]),
+            delta_sum: Arc::new(vec![0.0, 0.0]),
+        };
+        let mut center =
+            Center::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();
+        center.samples = samples;
+        center
+    }
+
+    fn point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
+        proto::TauPoint {
+            center_version: version,
+            center_samples: samples,
+            tau,
+            prompts: 4,
+            generated_tokens: 64,
+            verification_steps: 20,
+            eval_seconds: 0.5,
+            unix_time_ms: 1_700_000_000_000,
+            evaluator_id: "evaluator".to_string(),
+        }
+    }
+
+    fn report(book: &mut Evaluations, point: proto::TauPoint) -> Result<bool, ReportError> {
+        let checked = book.check(Some(&point))?;
+        let best = checked.best;
+        book.record(checked, Some("/runs/center-best".to_string()));
+        Ok(best)
+    }
+
+    #[test]
+    fn a_weights_only_copy_shares_the_values_and_drops_the_optimizer() {
+        let original = center(3, 30, 1.5);
+        let copy = weights_only(&original);
+        assert!(Arc::ptr_eq(
+            &original.tensors[0].values,
+            &copy.tensors[0].values
+        ));
+        assert!(copy.tensors[0].velocity.is_empty());
+        assert!(copy.tensors[0].delta_sum.is_empty());
+        assert_eq!((copy.version, copy.samples), (3, 30));
+    }
+
+    #[test]
+    fn only_a_strictly_better_tau_becomes_the_best() {
+        let mut book = Evaluations::default();
+        for (version, samples) in [(1, 10), (2, 20)] {
+            book.served(weights_only(&center(version, samples, 1.0)));
+        }
+        assert_eq!(report(&mut book, point(1, 10, 2.0)), Ok(true));
+        assert_eq!(report(&mut book, point(2, 20, 1.5)), Ok(false));
+        assert_eq!(book.best().map(|best| best.center_version), Some(1));
+        book.served(weights_only(&center(3, 30, 1.0)));
+        assert_eq!(report(&mut book, point(3, 30, 2.0)), Ok(false), "a tie");
+        book.served(weights_only(&center(4, 40, 1.0)));
+        assert_eq!(report(&mut book, point(4, 40, 2.5)), Ok(true));
+        let mut status = proto::ModelSyncStatus::default();
+        book.fill_status(&mut status);
+        let versions: Vec<u64> = status
+            .tau_history
+            .iter()
+            .map(|point| point.center_version)
+            .collect();
+        assert_eq!(versions, vec![1, 2, 3, 4]);
+        assert_eq!(status.best_saved_version, 4);
+        assert_eq!(status.best_tau.map(|best| best.tau), Some(2.5));
+        assert!(status.evaluations_pending.is_empty());
+    }
+
+    #[test]
+    fn bad_reports_are_refused_naming_the_value_and_change_nothing() {
+        let mut book = Evaluations::default();
+        book.served(weights_only(&center(5, 50, 1.0)));
+        assert_eq!(report(&mut book, point(5, 50, 2.0)), Ok(true));
+        book.served(weights_only(&center(6, 60, 1.0)));
+        let mut no_prompts = point(6, 60, 3.0);
+        no_prompts.prompts = 0;
+        let mut bad_seconds = point(6, 60, 3.0);
+        bad_seconds.eval_seconds = f64::NAN;
+        let cases: Vec<(Option<proto::TauPoint>, &str)> = vec![
+            (None, "no point"),
+            (Some(point(6, 60, f64::NAN)), "τ NaN is not finite"),
+            (Some(point(6, 60, f64::INFINITY)), "τ inf is not finite"),
+            (Some(point(6, 60, 0.5)), "τ 0.5 is below 1"),
+            (
+                Some(point(6, 60, 4.5)),
+                "τ 4.5 exceeds the drafter's block size 4",
+            ),
+            (Some(no_prompts), "prompts is 0"),
+            (Some(bad_seconds), "eval_seconds NaN"),
+            (Some(point(7, 70, 3.0)), "center version 7 was not served"),
+            (
+                Some(point(5, 50, 3.0)),
+                "center version 5 is already reported (τ 2)",
+            ),
+            (
+                Some(point(6, 61, 3.0)),
+                "center_samples 61 is not the served version 6's 60",
+            ),
+        ];
+        let before = format!("{book:?}");
+        for (point, expected) in cases {
+            let error = book.check(point.as_ref()).unwrap_err().to_string();
+            assert!(error.contains(expected), "{error:?} lacks {expected:?}");
+        }
+        assert_eq!(format!("{book:?}"), before);
+        assert_eq!(report(&mut book, point(6, 60, 3.0)), Ok(true));
+    }
+
+    #[test]
+    fn history_and_kept_versions_are_bounded() {
+        let mut book = Evaluations::default();
+        for version in 0..(TAU_HISTORY as u64 + 10) {
+            book.served(weights_only(&center(version, version, 1.0)));
+            report(
+                &mut book,
+                point(version, version, 1.0 + version as f64 / 1e4),
+            )
+            .unwrap();
+        }
+        let mut status = proto::ModelSyncStatus::default();
+        book.fill_status(&mut status);
+        assert_eq!(status.tau_history.len(), TAU_HISTORY);
+        assert_eq!(status.tau_history[0].center_version, 10);
+        assert_eq!(book.reports(), TAU_HISTORY as u64 + 10);
+        for version in 0..5 {
+            book.served(weights_only(&center(10_000 + version, 0, 1.0)));
+        }
+        assert_eq!(book.pending_versions(), vec![10_003, 10_004]);
+        let error = book.check(Some(&point(10_000, 0, 2.0))).unwrap_err();
+        assert!(matches!(
+            error,
+            ReportError::NotServed {
+                version: 10_000,
+                ..
+            }
+        ));
+    }
+}

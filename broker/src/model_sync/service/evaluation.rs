@@ -1,0 +1,196 @@
+//! The evaluator's two RPCs: `ReadCenter` (the center's weights, read-only)
+//! and `ReportTau` (a version's τ; the best one is written to the best
+//! center's directory). The rules are [`crate::model_sync::evaluation`]'s;
+//! this is the adapter: authorization, the locks, the stream, the write.
+//!
+//! `ReadCenter` takes the state's lock once, to copy the center's pointers
+//! ([`weights_only`]), and touches nothing else of it: no session opens,
+//! no drafter record, no counter. The weights are encoded after the lock.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use dflash_proto::v1 as proto;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use super::{center_chunks, ModelSyncShared};
+use crate::model_sync::arith::WireDtype;
+use crate::model_sync::checkpoint::write_center;
+use crate::model_sync::evaluation::{weights_only, ReportError};
+use crate::roles::{validate_id, Principal, Role};
+
+impl From<ReportError> for Status {
+    fn from(error: ReportError) -> Self {
+        match error {
+            ReportError::NotServed { .. } | ReportError::AlreadyReported { .. } => {
+                Status::failed_precondition(error.to_string())
+            }
+            ReportError::MissingPoint
+            | ReportError::NotFinite(_)
+            | ReportError::BelowOne(_)
+            | ReportError::AboveBlockSize { .. }
+            | ReportError::Empty { .. }
+            | ReportError::BadSeconds(_)
+            | ReportError::SamplesMismatch { .. } => Status::invalid_argument(error.to_string()),
+        }
+    }
+}
+
+/// The best center's directory: `<name>-best` beside `--model-output`
+/// (`center-best/` beside `center/`), so it is never the center itself.
+pub fn best_center_dir(model_output: &Path) -> PathBuf {
+    let name = model_output
+        .file_name()
+        .map_or_else(|| "center".into(), |name| name.to_string_lossy());
+    model_output.with_file_name(format!("{name}-best"))
+}
+
+/// Checks the evaluator's id and credential (the evaluator role, for that
+/// id), before anything else.
+fn authorize(principal: &Principal, evaluator_id: &str, action: &str) -> Result<(), Status> {
+    if evaluator_id.is_empty() {
+        return Err(Status::invalid_argument("evaluator_id is empty"));
+    }
+    validate_id("evaluator_id", evaluator_id)?;
+    principal.authorize(Role::Evaluator, evaluator_id, action)
+}
+
+/// `ReadCenter`: the header, the weights in f32 chunks, then `done`.
+pub(super) async fn read_center(
+    shared: &Arc<ModelSyncShared>,
+    request: Request<proto::ReadCenterRequest>,
+) -> Result<Response<ReceiverStream<Result<proto::ReadCenterResponse, Status>>>, Status> {
+    let principal = Principal::of(request.extensions());
+    let request = request.into_inner();
+    authorize(&principal, &request.evaluator_id, "ModelSync.ReadCenter")?;
+    let served = {
+        let state = shared.state.lock();
+        let center = state.center().ok_or_else(|| {
+            Status::failed_precondition("no center yet: no drafter has joined the run")
+        })?;
+        weights_only(center)
+    };
+    shared.evaluations.lock().served(served.clone());
+    info!(evaluator_id = %request.evaluator_id, version = served.version, samples = served.samples, "center read by an evaluator");
+    let header = proto::CenterHeader {
+        center_version: served.version,
+        center_samples: served.samples,
+        model_config_json: served.config_json.clone(),
+    };
+    let count = served.tensors.len() as u32;
+    let version = served.version;
+    let tensors = crate::model_sync::center::CenterSnapshot {
+        version,
+        tensors: served
+            .tensors
+            .into_iter()
+            .map(|tensor| (tensor.name, tensor.shape, tensor.values))
+            .collect(),
+    };
+    let (outbox, receiver) = mpsc::channel(16);
+    let shutdown = shared.shutdown.clone();
+    shared.tasks.spawn(async move {
+        use proto::read_center_response::Kind;
+        let message = |kind| Ok(proto::ReadCenterResponse { kind: Some(kind) });
+        // Encoded here, after the lock, on the session tasks' runtime.
+        let (_, encoded) = tensors.encode(WireDtype::F32);
+        let messages = std::iter::once(Kind::Header(header))
+            .chain(center_chunks(WireDtype::F32, encoded).map(Kind::Chunk))
+            .chain(std::iter::once(Kind::Done(proto::SyncDone {
+                center_version: version,
+                tensors: count,
+            })));
+        for kind in messages {
+            tokio::select! {
+                _ = shutdown.cancelled() => {
+                    let _ = outbox.try_send(Err(Status::unavailable("broker is shutting down")));
+                    return;
+                }
+                sent = outbox.send(message(kind)) => if sent.is_err() {
+                    // The evaluator went away; the version stays kept until
+                    // a newer read lets it go.
+                    return;
+                }
+            }
+        }
+    });
+    Ok(Response::new(ReceiverStream::new(receiver)))
+}
+
+/// `ReportTau`: checks the report, writes the version as the best center
+/// when its τ is the best so far (before answering), and records it.
+pub(super) async fn report_tau(
+    shared: &Arc<ModelSyncShared>,
+    request: Request<proto::TauReport>,
+) -> Result<Response<proto::TauReportResult>, Status> {
+    let principal = Principal::of(request.extensions());
+    let report = request.into_inner();
+    authorize(&principal, &report.evaluator_id, "ModelSync.ReportTau")?;
+    if let Some(point) = &report.point {
+        if point.evaluator_id != report.evaluator_id && !point.evaluator_id.is_empty() {
+            return Err(Status::invalid_argument(format!(
+                "the point's evaluator_id {:?} is not the report's {:?}",
+                point.evaluator_id, report.evaluator_id
+            )));
+        }
+    }
+    let _one_report_at_a_time = shared.report_lock.lock().await;
+    let mut checked = shared.evaluations.lock().check(report.point.as_ref())?;
+    checked.point.evaluator_id = report.evaluator_id.clone();
+    let version = checked.point.center_version;
+    let tau = checked.point.tau;
+    let mut written = None;
+    if checked.best {
+        if let Some(model_output) = &shared.config.model_output {
+            let dir = best_center_dir(model_output);
+            let center = checked.center.clone();
+            let method = shared.state.lock().settings().describe();
+            let started = Instant::now();
+            let target = dir.clone();
+            tokio::task::spawn_blocking(move || write_center(&target, &center, &method))
+                .await
+                .map_err(|join_error| {
+                    Status::internal(format!("writing the best center: {join_error}"))
+                })?
+                .map_err(|error| {
+                    warn!(%error, version, "writing the best center failed; the report is not recorded");
+                    Status::unavailable(format!("writing the best center failed: {error}"))
+                })?;
+            info!(path = %dir.display(), version, tau, seconds = started.elapsed().as_secs_f64(), "best center written");
+            written = Some(dir.display().to_string());
+        }
+    }
+    let best = checked.best;
+    let result = {
+        let mut evaluations = shared.evaluations.lock();
+        evaluations.record(checked, written);
+        proto::TauReportResult {
+            best,
+            best_point: evaluations.best().cloned(),
+            best_path: evaluations.best_path().to_string(),
+        }
+    };
+    info!(evaluator_id = %report.evaluator_id, version, tau, best, "center τ reported");
+    Ok(Response::new(result))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_best_center_lies_beside_the_center_never_in_it() {
+        assert_eq!(
+            best_center_dir(Path::new("/runs/x/center")),
+            PathBuf::from("/runs/x/center-best")
+        );
+        assert_eq!(
+            best_center_dir(Path::new("model")),
+            PathBuf::from("model-best")
+        );
+    }
+}
