@@ -70,6 +70,16 @@ check-ops-cli: setup
 bench: setup
 	$(CARGO) bench -p dflash-broker --bench throughput
 
+## The broker across hosts: the bench's section 7 inside the multi-host test
+## bed of scripts/hosts.sh (9 network namespaces on a bridge, each link
+## shaped per profile; root). Not in `test`: minutes. HOSTS_ARGS are the
+## bench's (e.g. --quick, --rounds 3).
+.PHONY: bench-hosts
+HOSTS_ARGS ?=
+bench-hosts: setup
+	$(CARGO) bench -p dflash-broker --bench throughput --no-run
+	bash scripts/hosts.sh run --hosts 9 -- $(CARGO) bench -p dflash-broker --bench throughput -- --only hosts $(HOSTS_ARGS)
+
 fmt:
 	$(CARGO) fmt --all
 

@@ -27,6 +27,12 @@
 //!    under each `--fsync` policy (`-- --wal-only` runs just this table).
 //! 6. The write-ahead log's replay at start, page cache warm and cold
 //!    (`-- --only replay`): what the broker's startupProbe allows for.
+//! 7. Across hosts (`-- --only hosts`, inside the test bed of
+//!    `scripts/hosts.sh`: `make bench-hosts`): per link profile, 4×4 at
+//!    1 MiB and 16 MiB and end-of-stream to 16 and 64 drafters on 8 hosts
+//!    beside the relay over the same links; the seed's scenario with each
+//!    role on its own host; a drafter host cut off and back. Not in the
+//!    default run: it needs root and the bed.
 //!
 //! Fairness: the broker and the relay each run as their own process (the
 //! broker binary, and this bench re-executed with `--serve-relay`), and the
@@ -53,12 +59,19 @@
 //! - `relay`: the plain TCP relay (`--serve-relay`) and its transfer.
 //! - `transfer_tables`: sections 1, 3 and 5 (throughput against the relay,
 //!   many small items, the write-ahead log's cost), summed and printed.
+//! - `drafter`: the synthetic drafter every section runs.
 //! - `end_of_stream`: section 2; `seed_scenario`: section 4; `replay`:
 //!   section 6.
+//! - `hosts`: section 7, the coordinator on the test bed; `host_roles`: the
+//!   processes it starts on the bed's hosts (this bench re-executed with
+//!   `--host-role`).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod drafter;
 mod end_of_stream;
+mod host_roles;
+mod hosts;
 mod processes;
 mod relay;
 mod replay;
@@ -73,14 +86,19 @@ use transfer_tables::{print_many_small, print_throughput, print_write_ahead_log}
 
 fn main() {
     let arguments: Vec<String> = std::env::args().collect();
-    if !arguments.iter().any(|argument| argument == "--serve-relay") {
-        // This process is the clients of both the broker and the relay:
-        // glibc malloc set up as the target-server and drafter-server set
-        // it up (large blocks kept for reuse), so neither side's clients
-        // pay a fresh mapping per received item. The relay stays a plain
-        // program on glibc's defaults.
+    let relaying = arguments.iter().any(|argument| argument == "--serve-relay");
+    let host_role = arguments.iter().any(|argument| argument == "--host-role");
+    if !relaying {
+        // This process is the clients of both the broker and the relay (or,
+        // on the test bed, some of them): glibc malloc set up as the
+        // target-server and drafter-server set it up (large blocks kept for
+        // reuse), so neither side's clients pay a fresh mapping per
+        // received item. The relay stays a plain program on glibc's
+        // defaults.
         let allocator = dflash_device::configure_allocator(dflash_device::AllocatorMode::Retained);
-        eprintln!("bench clients: {allocator}");
+        if !host_role {
+            eprintln!("bench clients: {allocator}");
+        }
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -90,13 +108,21 @@ fn main() {
         .iter()
         .position(|argument| argument == "--serve-relay")
     {
+        let usage = "--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS [ADDRESS]";
         let number = |offset: usize| -> usize {
             arguments
                 .get(position + offset)
                 .and_then(|value| value.parse().ok())
-                .expect("--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS")
+                .expect(usage)
         };
+        let address = arguments
+            .get(position + 5)
+            .map_or(Ok(std::net::IpAddr::from([127, 0, 0, 1])), |value| {
+                value.parse()
+            })
+            .expect(usage);
         runtime.block_on(serve_relay(
+            address,
             number(1) as u16,
             number(2) as u16,
             number(3),
@@ -104,10 +130,17 @@ fn main() {
         ));
         return;
     }
+    if let Some(position) = arguments
+        .iter()
+        .position(|argument| argument == "--host-role")
+    {
+        runtime.block_on(host_roles::run_role(&arguments[position + 1..]));
+        return;
+    }
     let quick = arguments.iter().any(|argument| argument == "--quick");
     // `--rounds N`: relay/broker pairs per throughput configuration (the
     // table shows medians); `--only a,b`: just these sections (throughput,
-    // wal, eos, small, seed, replay).
+    // wal, eos, small, seed, replay; hosts, which runs only when named).
     let value_of = |flag: &str| {
         arguments
             .iter()
@@ -145,5 +178,12 @@ fn main() {
     }
     if runs("replay") {
         replay::print_replay(quick);
+    }
+    // Only when asked for: it needs the test bed (root, network namespaces).
+    if only
+        .as_ref()
+        .is_some_and(|only| only.split(',').any(|name| name == "hosts"))
+    {
+        hosts::print_hosts(quick, rounds, &runtime);
     }
 }

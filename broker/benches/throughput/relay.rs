@@ -6,7 +6,7 @@
 //! comparison: no gRPC, no client library, and half of it runs in its own
 //! process.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,23 +19,26 @@ use tokio::sync::{mpsc, Mutex};
 use crate::processes::{free_port, ProcessCounters, Received, Server};
 use crate::transfer::Transfer;
 
-/// The relay process: `--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS`.
-/// Accepts `producers` connections on IN_PORT and `consumers` on OUT_PORT,
-/// relays length-prefixed items through one FIFO of 8, reads each 8-byte
+/// The relay process: `--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS
+/// [ADDRESS]` (ADDRESS 127.0.0.1 unless given). Accepts `producers`
+/// connections on IN_PORT and `consumers` on OUT_PORT, relays
+/// length-prefixed items through one FIFO of 8, reads each 8-byte
 /// acknowledgement back, and exits when every producer has closed and every
-/// item went out.
+/// item went out. Prints `listening` once both ports are bound.
 pub(crate) async fn serve_relay(
+    address: IpAddr,
     inbound_port: u16,
     outbound_port: u16,
     producers: usize,
     consumers: usize,
 ) {
-    let inbound = TcpListener::bind(("127.0.0.1", inbound_port))
+    let inbound = TcpListener::bind((address, inbound_port))
         .await
         .expect("bind");
-    let outbound = TcpListener::bind(("127.0.0.1", outbound_port))
+    let outbound = TcpListener::bind((address, outbound_port))
         .await
         .expect("bind");
+    println!("listening");
     let (frames_in, frames_out) = mpsc::channel::<Vec<u8>>(8);
     let frames_out = Arc::new(Mutex::new(frames_out));
     let relay_in = tokio::spawn(async move {
@@ -119,22 +122,8 @@ pub(crate) async fn relay_transfer(
 
     let mut readers = Vec::new();
     for _ in 0..consumers {
-        let socket = TcpStream::connect(outbound_address).await.expect("connect");
-        socket.set_nodelay(true).expect("nodelay");
-        readers.push(tokio::spawn(async move {
-            let (mut reading, mut writing) = socket.into_split();
-            let mut received = 0u64;
-            let mut acked = 0u64;
-            while let Ok(length) = reading.read_u64().await {
-                // A fresh buffer per item, as a gRPC client decodes one.
-                let mut frame = vec![0u8; length as usize];
-                reading.read_exact(&mut frame).await.expect("read");
-                received += frame.len() as u64;
-                acked += 1;
-                writing.write_u64(acked).await.expect("ack");
-            }
-            received
-        }));
+        let socket = relay_connect(outbound_address).await;
+        readers.push(tokio::spawn(relay_consume(socket)));
     }
     let payload = Arc::new(vec![7u8; item_bytes]);
     let server_before = relay.counters();
@@ -142,23 +131,19 @@ pub(crate) async fn relay_transfer(
     let started = Instant::now();
     let mut writers = Vec::new();
     for _ in 0..producers {
-        let payload = payload.clone();
-        writers.push(tokio::spawn(async move {
-            let mut socket = TcpStream::connect(inbound_address).await.expect("connect");
-            socket.set_nodelay(true).expect("nodelay");
-            for _ in 0..per_producer {
-                socket.write_u64(payload.len() as u64).await.expect("write");
-                socket.write_all(&payload).await.expect("write");
-            }
-            let _ = socket.shutdown().await;
-        }));
+        let socket = relay_connect(inbound_address).await;
+        writers.push(tokio::spawn(relay_produce(
+            socket,
+            payload.clone(),
+            per_producer,
+        )));
     }
     for writer in writers {
         writer.await.expect("writer");
     }
     let mut bytes = 0;
     for reader in readers {
-        bytes += reader.await.expect("reader");
+        bytes += reader.await.expect("reader").bytes;
     }
     let seconds = started.elapsed().as_secs_f64();
     let server = relay.counters().since(server_before);
@@ -177,5 +162,58 @@ pub(crate) async fn relay_transfer(
         received: Received::default(),
         second_half: None,
         peak_rss_mib: 0.0,
+    }
+}
+
+/// A relay client's connection (no Nagle delay, as gRPC's).
+pub(crate) async fn relay_connect(address: SocketAddr) -> TcpStream {
+    let socket = TcpStream::connect(address).await.expect("connect");
+    socket.set_nodelay(true).expect("nodelay");
+    socket
+}
+
+/// A relay producer: writes `items` length-prefixed copies of `payload`
+/// from memory, then closes its side.
+pub(crate) async fn relay_produce(mut socket: TcpStream, payload: Arc<Vec<u8>>, items: u64) {
+    relay_write_items(&mut socket, &payload, items).await;
+    let _ = socket.shutdown().await;
+}
+
+/// Writes `items` length-prefixed copies of `payload`, each from memory.
+pub(crate) async fn relay_write_items(socket: &mut TcpStream, payload: &[u8], items: u64) {
+    for _ in 0..items {
+        socket.write_u64(payload.len() as u64).await.expect("write");
+        socket.write_all(payload).await.expect("write");
+    }
+}
+
+/// What one relay consumer received until the relay closed its socket.
+pub(crate) struct RelayConsumed {
+    pub(crate) items: u64,
+    pub(crate) bytes: u64,
+    /// When its last item was read whole.
+    pub(crate) last_received: Option<Instant>,
+    /// When the relay closed the socket (the relay's end-of-stream).
+    pub(crate) closed: Instant,
+}
+
+/// A relay consumer: reads each item into a fresh buffer, as a gRPC client
+/// decodes one, and answers each with an 8-byte acknowledgement.
+pub(crate) async fn relay_consume(socket: TcpStream) -> RelayConsumed {
+    let (mut reading, mut writing) = socket.into_split();
+    let (mut items, mut bytes, mut last_received) = (0u64, 0u64, None);
+    while let Ok(length) = reading.read_u64().await {
+        let mut frame = vec![0u8; length as usize];
+        reading.read_exact(&mut frame).await.expect("read");
+        bytes += frame.len() as u64;
+        items += 1;
+        last_received = Some(Instant::now());
+        writing.write_u64(items).await.expect("ack");
+    }
+    RelayConsumed {
+        items,
+        bytes,
+        last_received,
+        closed: Instant::now(),
     }
 }

@@ -8,28 +8,19 @@
 
 use std::time::{Duration, Instant};
 
-use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
-use dflash_proto::v1 as proto;
+use dflash_client::{BrokerClient, ClientOptions};
 
+use crate::drafter::{run_drafter, DrafterLoad, DrafterRecord};
 use crate::processes::start_broker;
 use crate::transfer::{run_target, sample};
 
-/// One synthetic drafter's record: items it processed, the time it spent
-/// processing them, and when it finished its last one.
-struct DrafterRecord {
-    items: u64,
-    busy: Duration,
-    first_received: Option<Instant>,
-    last_done: Instant,
-}
-
 /// Busy time over the time the drafter had data coming: from its first
 /// delivery to the end of its last step.
-fn busy_percent(record: &DrafterRecord) -> f64 {
-    let Some(first_received) = record.first_received else {
+pub(crate) fn busy_percent(record: &DrafterRecord) -> f64 {
+    let (Some(first_received), Some(last_done)) = (record.first_received, record.last_done) else {
         return 0.0;
     };
-    let window = record.last_done.saturating_duration_since(first_received);
+    let window = last_done.saturating_duration_since(first_received);
     100.0 * record.busy.as_secs_f64() / window.as_secs_f64().max(1e-9)
 }
 
@@ -59,35 +50,20 @@ async fn seed_scenario(
     }
     let started = Instant::now();
     let mut drafters = Vec::new();
+    let load = DrafterLoad {
+        credit: 2,
+        step: Some(step),
+        reconnect: false,
+        record_items: false,
+    };
     for (broker, client) in clients.iter().enumerate() {
         for index in 0..drafters_per_broker {
-            let client = client.clone();
-            drafters.push(tokio::spawn(async move {
-                let mut consumer = client
-                    .consume(
-                        &format!("d{broker}-{index}"),
-                        proto::Credit { items: 2, bytes: 0 },
-                    )
-                    .await
-                    .expect("consume");
-                let handle = consumer.handle();
-                let mut record = DrafterRecord {
-                    items: 0,
-                    busy: Duration::ZERO,
-                    first_received: None,
-                    last_done: Instant::now(),
-                };
-                while let Ok(ConsumerEvent::Delivery(delivery)) = consumer.next().await {
-                    let step_started = Instant::now();
-                    record.first_received.get_or_insert(step_started);
-                    tokio::time::sleep(step).await;
-                    record.busy += step_started.elapsed();
-                    record.items += 1;
-                    record.last_done = Instant::now();
-                    handle.ack(vec![delivery.delivery_id]);
-                }
-                record
-            }));
+            drafters.push(tokio::spawn(run_drafter(
+                client.clone(),
+                format!("d{broker}-{index}"),
+                load,
+                None,
+            )));
         }
     }
     let mut targets = Vec::new();
@@ -121,7 +97,7 @@ async fn seed_scenario(
     );
     let finished = records
         .iter()
-        .map(|record| record.last_done)
+        .filter_map(|record| record.last_done)
         .max()
         .unwrap_or(started);
     let items_per_second = total as f64 / finished.duration_since(started).as_secs_f64();
@@ -130,22 +106,25 @@ async fn seed_scenario(
     (items_per_second, busy)
 }
 
-pub(crate) fn print_seed_scenario(quick: bool, runtime: &tokio::runtime::Runtime) {
-    // A synthetic training step of 10 ms; the drafters' real capacity is
-    // calibrated (a sleep overshoots under load), then each of the five
-    // targets sends at 0.85 of one drafter's capacity: 4.25 drafters' worth
-    // for 3 drafters, so the drafters are the bottleneck even when load on
-    // the machine shifts their speed, while one target alone cannot keep a
-    // drafter busy.
+/// The seed scenario's pace: a synthetic training step of 10 ms, with the
+/// drafters' real capacity calibrated (a sleep overshoots under load), and
+/// each of the five targets sending at 0.85 of one drafter's capacity:
+/// 4.25 drafters' worth for 3 drafters, so the drafters are the bottleneck
+/// even when load on the machine shifts their speed, while one target alone
+/// cannot keep a drafter busy. Returns the step and the targets' items/s.
+pub(crate) async fn seed_rates() -> (Duration, f64) {
     let step = Duration::from_millis(10);
-    let step_seconds = runtime.block_on(async {
-        let started = Instant::now();
-        for _ in 0..20 {
-            tokio::time::sleep(step).await;
-        }
-        started.elapsed().as_secs_f64() / 20.0
-    });
-    let target_rate = 0.85 / step_seconds;
+    let started = Instant::now();
+    for _ in 0..20 {
+        tokio::time::sleep(step).await;
+    }
+    let step_seconds = started.elapsed().as_secs_f64() / 20.0;
+    (step, 0.85 / step_seconds)
+}
+
+pub(crate) fn print_seed_scenario(quick: bool, runtime: &tokio::runtime::Runtime) {
+    let (step, target_rate) = runtime.block_on(seed_rates());
+    let step_seconds = 0.85 / target_rate;
     let items_per_target = if quick { 150 } else { 600 };
     runtime.block_on(async {
         let shared = seed_scenario(1, &[0; 5], 3, items_per_target, target_rate, step).await;

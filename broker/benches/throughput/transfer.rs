@@ -12,10 +12,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dflash_client::{BrokerClient, ClientOptions, ConsumerEvent};
+use dflash_client::{BrokerClient, ClientOptions, Producer};
 use dflash_proto::frames::Copies;
 use dflash_proto::v1 as proto;
 
+use crate::drafter::{run_drafter, DrafterLoad};
 use crate::processes::{
     free_port, peak_rss_mib, scrape_received, start_broker_with, ProcessCounters, Received,
 };
@@ -41,7 +42,20 @@ pub(crate) async fn run_target(
     items: u64,
     pace: Option<Duration>,
 ) {
-    let mut producer = client.produce(&target_id).await.expect("produce");
+    let producer = client.produce(&target_id).await.expect("produce");
+    send_and_finish(producer, payload, items, pace).await;
+    client.report_done(&target_id, items).await.expect("done");
+}
+
+/// A synthetic target's sending on a Produce stream already open: `items`
+/// copies of `payload`, paced or not, then the stream finished (ReportDone
+/// is the caller's, so a caller can time it on its own).
+pub(crate) async fn send_and_finish(
+    mut producer: Producer,
+    payload: proto::Sample,
+    items: u64,
+    pace: Option<Duration>,
+) {
     let mut ticks = pace.map(|period| {
         let mut ticks = tokio::time::interval(period);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -57,7 +71,6 @@ pub(crate) async fn run_target(
             .expect("send");
     }
     producer.finish().await.expect("finish");
-    client.report_done(&target_id, items).await.expect("done");
 }
 
 /// What one transfer measured: bytes per second and the relaying process's
@@ -116,24 +129,19 @@ pub(crate) async fn broker_transfer_with(
     // steady state (the first includes growing the heap to its peak).
     let progress = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut drafters = Vec::new();
+    let load = DrafterLoad {
+        credit: 4,
+        step: None,
+        reconnect: false,
+        record_items: false,
+    };
     for index in 0..consumers {
-        let client = client.clone();
-        let progress = progress.clone();
-        drafters.push(tokio::spawn(async move {
-            let mut consumer = client
-                .consume(&format!("d{index}"), proto::Credit { items: 4, bytes: 0 })
-                .await
-                .expect("consume");
-            let handle = consumer.handle();
-            let mut received = 0u64;
-            while let Ok(ConsumerEvent::Delivery(delivery)) = consumer.next().await {
-                let bytes = delivery.sample.map_or(0, |sample| sample.payload_bytes());
-                received += bytes;
-                progress.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
-                handle.ack(vec![delivery.delivery_id]);
-            }
-            (received, consumer.copies())
-        }));
+        drafters.push(tokio::spawn(run_drafter(
+            client.clone(),
+            format!("d{index}"),
+            load,
+            Some(progress.clone()),
+        )));
     }
     let server_before = broker.counters();
     let clients_before = ProcessCounters::read("self");
@@ -170,9 +178,9 @@ pub(crate) async fn broker_transfer_with(
     let mut bytes = 0;
     let mut copies = Copies::default();
     for drafter in drafters {
-        let (received, drafter_copies) = drafter.await.expect("drafter");
-        bytes += received;
-        copies.add(drafter_copies);
+        let record = drafter.await.expect("drafter");
+        bytes += record.bytes;
+        copies.add(record.copies);
     }
     let seconds = started.elapsed().as_secs_f64();
     let server_after = broker.counters();
