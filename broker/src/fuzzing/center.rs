@@ -56,6 +56,11 @@ pub(super) fn run_sessions(data: &[u8]) -> Option<ModelSyncState> {
         momentum: if settings_byte & 1 != 0 { 0.7 } else { 0.0 },
         momentum_delay: if settings_byte & 2 != 0 { 2 } else { 0 },
         max_staleness: u64::from(settings_byte >> 2 & 1),
+        staleness_scaling: if settings_byte & 128 != 0 {
+            StalenessScaling::Inverse
+        } else {
+            StalenessScaling::None
+        },
         ..OuterSettings::default()
     };
     let mut state = ModelSyncState::new(settings, None);

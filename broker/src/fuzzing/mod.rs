@@ -41,7 +41,7 @@ use prost::Message;
 
 use crate::convert::WirePayload;
 use crate::model_sync::arith::{self, WireDtype};
-use crate::model_sync::center::{ModelSyncState, OuterSettings, Upload};
+use crate::model_sync::center::{ModelSyncState, OuterSettings, StalenessScaling, Upload};
 use crate::model_sync::checkpoint::{self, CenterFiles};
 use crate::payload::{decode_produce_request, ProduceIn, WireItem};
 use crate::queue::Delivery;

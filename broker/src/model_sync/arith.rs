@@ -111,14 +111,15 @@ pub fn decode_into(
 }
 
 /// `values[i] += scale * decode(bytes)[i]`, and when `sum` is given also
-/// `sum[i] += decode(bytes)[i]` in the same pass (the delayed-momentum
-/// accumulator).
+/// `sum[i] += sum_scale * decode(bytes)[i]` in the same pass (the
+/// delayed-momentum accumulator).
 pub fn add_scaled(
     values: &mut [f32],
     sum: Option<&mut [f32]>,
     bytes: &[u8],
     dtype: WireDtype,
     scale: f32,
+    sum_scale: f32,
 ) -> Result<(), LengthMismatch> {
     check_length(values.len(), bytes, dtype)?;
     if let Some(sum) = &sum {
@@ -138,7 +139,7 @@ pub fn add_scaled(
             {
                 let delta = f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
                 *value += scale * delta;
-                *total += delta;
+                *total += sum_scale * delta;
             }
         }
         (WireDtype::Bf16, None) => {
@@ -154,7 +155,7 @@ pub fn add_scaled(
             {
                 let delta = bf16_to_f32(u16::from_le_bytes([raw[0], raw[1]]));
                 *value += scale * delta;
-                *total += delta;
+                *total += sum_scale * delta;
             }
         }
     }
@@ -257,10 +258,18 @@ mod tests {
         let mut values = vec![1.0f32, -2.0, 0.5, 8.0];
         let delta = f32_bytes(&[0.25, 0.5, -1.0, 0.0]);
         let mut sum = vec![0.0f32; 4];
-        add_scaled(&mut values, Some(&mut sum), &delta, WireDtype::F32, 0.5).unwrap();
+        add_scaled(
+            &mut values,
+            Some(&mut sum),
+            &delta,
+            WireDtype::F32,
+            0.5,
+            1.0,
+        )
+        .unwrap();
         assert_eq!(values, vec![1.125, -1.75, 0.0, 8.0]);
         assert_eq!(sum, vec![0.25, 0.5, -1.0, 0.0]);
-        add_scaled(&mut values, None, &delta, WireDtype::F32, 1.0).unwrap();
+        add_scaled(&mut values, None, &delta, WireDtype::F32, 1.0, 1.0).unwrap();
         assert_eq!(values, vec![1.375, -1.25, -1.0, 8.0]);
     }
 
@@ -270,7 +279,7 @@ mod tests {
         // bf16 resolution at 256 is kept because the center is f32.
         let mut values = vec![256.0f32, 0.0, 256.0];
         let delta = bf16_bytes(&[0x3F80, 0xBF00, 0x3C00]);
-        add_scaled(&mut values, None, &delta, WireDtype::Bf16, 1.0).unwrap();
+        add_scaled(&mut values, None, &delta, WireDtype::Bf16, 1.0, 1.0).unwrap();
         assert_eq!(values, vec![257.0, -0.5, 256.0 + 1.0 / 128.0]);
         let mut decoded = vec![0.0f32; 3];
         decode_into(&mut decoded, &delta, WireDtype::Bf16).unwrap();
@@ -280,7 +289,7 @@ mod tests {
     #[test]
     fn lengths_that_do_not_match_are_refused_and_change_nothing() {
         let mut values = vec![1.0f32, 2.0];
-        let error = add_scaled(&mut values, None, &[0u8; 6], WireDtype::F32, 1.0).unwrap_err();
+        let error = add_scaled(&mut values, None, &[0u8; 6], WireDtype::F32, 1.0, 1.0).unwrap_err();
         assert_eq!(error.expected, 8);
         assert_eq!(error.bytes, 6);
         assert_eq!(values, vec![1.0, 2.0]);
@@ -317,7 +326,15 @@ mod tests {
         let mut velocity = vec![0.0f32; 2];
         let mut sum = vec![0.0f32; 2];
         for _ in 0..2 {
-            add_scaled(&mut values, Some(&mut sum), &delta, WireDtype::F32, 1.0).unwrap();
+            add_scaled(
+                &mut values,
+                Some(&mut sum),
+                &delta,
+                WireDtype::F32,
+                1.0,
+                1.0,
+            )
+            .unwrap();
             delayed_nesterov_step(&mut values, &mut velocity, &mut sum, 1, 1.0, 0.5);
         }
         assert_eq!(values, vec![6.5, -13.0]);
@@ -339,6 +356,7 @@ mod tests {
                 &f32_bytes(&[delta]),
                 WireDtype::F32,
                 0.5,
+                1.0,
             )
             .unwrap();
         }

@@ -30,8 +30,8 @@ use upload::decode_chunks;
 use weights::{check_against_center, check_upload_against_center};
 
 pub use outer::{
-    MagnitudeBounds, OuterSettings, DEFAULT_MAX_DELTA_NORM_RATIO, DELTA_NORM_FLOOR,
-    DELTA_NORM_WARMUP, DELTA_NORM_WINDOW, MAGNITUDE_LIMIT,
+    MagnitudeBounds, OuterSettings, StalenessScaling, DEFAULT_MAX_DELTA_NORM_RATIO,
+    DELTA_NORM_FLOOR, DELTA_NORM_WARMUP, DELTA_NORM_WINDOW, MAGNITUDE_LIMIT,
 };
 pub use upload::{dtype_from_proto, dtype_to_proto, ExchangeKind, Upload, UploadedTensor};
 pub use weights::{Center, CenterSnapshot, CenterTensor, EncodedTensor};
@@ -460,7 +460,8 @@ impl ModelSyncState {
             self.recent_delta_norms.pop_front();
         }
         self.recent_delta_norms.push_back(norm);
-        add_delta(center, upload, settings.learning_rate, momentum)?;
+        let weight = settings.staleness_scaling.weight(staleness);
+        add_delta(center, upload, settings.learning_rate, weight, momentum)?;
         center.magnitudes = magnitudes;
         center.version += 1;
         center.updates_applied += 1;
@@ -549,9 +550,6 @@ impl ModelSyncState {
             drafters,
             non_finite_deltas: self.non_finite_deltas,
             outlier_deltas: self.outlier_deltas,
-            // Online evaluation's fields: the service fills them from its
-            // own book (`model_sync::evaluation`), not the center's state.
-            ..proto::ModelSyncStatus::default()
         }
     }
 }

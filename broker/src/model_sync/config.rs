@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use super::center::OuterSettings;
+use super::center::{OuterSettings, StalenessScaling};
 use crate::config::{parse_duration, ConfigError};
 
 #[derive(Debug, Clone, Args)]
@@ -40,6 +40,12 @@ pub struct ModelSyncConfig {
     #[arg(long, env = "DFLASH_OUTER_MOMENTUM_DELAY", default_value_t = 0)]
     pub outer_momentum_delay: u32,
 
+    /// How a delta's weight follows its staleness: `none` (every delta
+    /// counts fully) or `inverse` (a delta s center updates old counts
+    /// 1/s; Zhang et al. 2016).
+    #[arg(long, env = "DFLASH_OUTER_STALENESS_SCALING", value_enum, default_value_t = StalenessScaling::None)]
+    pub outer_staleness_scaling: StalenessScaling,
+
     /// A delta whose base is more than this many center updates old is
     /// discarded and its drafter restarts from the center (0: no bound).
     #[arg(long, env = "DFLASH_SYNC_MAX_STALENESS", default_value_t = 0)]
@@ -71,6 +77,7 @@ impl Default for ModelSyncConfig {
             outer_momentum_delay: outer.momentum_delay,
             sync_max_staleness: outer.max_staleness,
             max_delta_norm_ratio: outer.max_delta_norm_ratio,
+            outer_staleness_scaling: outer.staleness_scaling,
             model_config: None,
         }
     }
@@ -84,6 +91,7 @@ impl ModelSyncConfig {
             momentum_delay: self.outer_momentum_delay,
             max_staleness: self.sync_max_staleness,
             max_delta_norm_ratio: self.max_delta_norm_ratio,
+            staleness_scaling: self.outer_staleness_scaling,
         }
     }
 

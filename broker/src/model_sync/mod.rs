@@ -44,6 +44,6 @@ pub mod service;
 #[cfg(test)]
 mod tests;
 
-pub use center::{ModelSyncState, OuterSettings, SyncError};
+pub use center::{ModelSyncState, OuterSettings, StalenessScaling, SyncError};
 pub use config::ModelSyncConfig;
 pub use service::{ModelSyncService, ModelSyncShared, CHUNK_BYTES};

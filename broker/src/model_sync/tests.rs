@@ -463,6 +463,7 @@ fn momentum_is_applied_to_the_mean_of_the_delayed_deltas() {
         momentum_delay: 2,
         max_staleness: 0,
         max_delta_norm_ratio: 0.0,
+        staleness_scaling: super::center::StalenessScaling::None,
     };
     let (mut state, now) = joined_state(settings);
     let initial = center_values(&state, "b");
@@ -727,4 +728,53 @@ fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_center() {
         resumed.pin_config(other),
         Err(SyncError::ConfigMismatch { .. })
     ));
+}
+
+/// #23: with `--outer-staleness-scaling inverse` a delta s center updates
+/// stale moves the center by delta / s (a fresh one, s = 0, fully), and adds
+/// the same weighted delta to the momentum's sum.
+#[test]
+fn inverse_staleness_scaling_weighs_a_delta_by_one_over_its_staleness() {
+    let settings = OuterSettings {
+        staleness_scaling: super::center::StalenessScaling::Inverse,
+        ..plain()
+    };
+    let (mut state, now) = joined_state(settings);
+    let delta = weights([1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    // Base 0 at version 0: staleness 0, weight 1 → a = 2.
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    assert_eq!((outcome.applied, outcome.staleness), (true, 0));
+    assert_eq!(center_values(&state, "a")[0], 2.0);
+    // Base 0 at version 1: staleness 1, weight 1 → a = 3.
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    assert_eq!((outcome.applied, outcome.staleness), (true, 1));
+    assert_eq!(center_values(&state, "a")[0], 3.0);
+    // Base 0 at version 2: staleness 2, weight 1/2 → a = 3.5; then
+    // staleness 3 at version 3 would be 1/3 (not dyadic): 4 is exact.
+    commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    assert_eq!(center_values(&state, "a")[0], 3.5);
+    commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    assert_eq!(state.version(), Some(5));
+    let a = center_values(&state, "a")[0];
+    assert!(
+        (a - (3.5 + 1.0 / 3.0 + 0.25)).abs() <= 4.0 * f32::EPSILON * a,
+        "a = {a}"
+    );
+
+    // Momentum μ 0.5 every delta: the sum gets the weighted delta too.
+    // Staleness 0 (weight 1): a = 1 + 1, velocity 1, push 0.5 → 2.5.
+    // Staleness 1 (weight 1): a = 3.5, velocity 0.5 + 1 = 1.5, push 0.75 → 4.25.
+    // Staleness 2 (weight 1/2): a = 4.75, velocity 0.75 + 0.5 = 1.25,
+    // push 0.625 → 5.375 (unweighted it would be 6.125).
+    let momentum = OuterSettings {
+        momentum: 0.5,
+        momentum_delay: 1,
+        ..settings
+    };
+    let (mut state, now) = joined_state(momentum);
+    for expected in [2.5, 4.25, 5.375] {
+        commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+        assert_eq!(center_values(&state, "a")[0], expected);
+    }
 }

@@ -1,9 +1,11 @@
-//! The issue's quality comparison, made deterministic: three drafters that
+//! The issue's quality comparison, made deterministic: N drafters that
 //! train one model through the broker's model sync against one drafter
-//! trained on every sample alone and three independent drafters
-//! (`--sync-every 0`), the same samples for each. Asserted: the center
-//! within 10 % of the one drafter's τ, and clearly above every independent
-//! drafter.
+//! trained on every sample alone and N independent drafters
+//! (`--sync-every 0`), the same samples for each. The test asserts the
+//! 3-drafter case: the center within 5 % of the one drafter's τ, and clearly
+//! above every independent drafter. The ignored `study` test is the harness
+//! the outer optimizer's defaults were chosen with (`make study`): 1, 2, 3,
+//! 4 and 8 drafters on the same samples and several seeds, one table.
 //!
 //! Async timing decides, in a real run, which drafter trains which sample
 //! and when each delta lands, so repeated runs spread (the asynchronous
@@ -11,26 +13,29 @@
 //! one drafter's). Here the test itself is the scheduler: the real engines
 //! (`build_engine`, the drafter's own training code, on the run-wide
 //! learning-rate schedule and the asynchronous β1), the real sync links
-//! over gRPC to a real in-process broker (its averaging and delayed
-//! Nesterov outer step), in a fixed interleaving (one step per drafter in
-//! turn, samples dealt round robin as the queue deals them) with fixed
-//! seeds, and libtorch on one thread. Every run of this test computes the
-//! same numbers.
+//! over gRPC to a real in-process broker (its outer step), in a fixed
+//! interleaving (one step per drafter in turn, samples dealt round robin as
+//! the queue deals them) with fixed seeds, and libtorch on one thread.
+//! Every run of this test computes the same numbers.
 //!
 //! τ is measured by real speculative decoding (`eval`) on held-out prompts
 //! that the target continues greedily, as `dflash eval` does.
 //!
-//! Sweeps: `DFLASH_SYNC_QUALITY_{SEED,LR,EPOCHS,SYNC_EVERY,MOMENTUM,OUTER_LR,
-//! DRAFTERS,ADAM_BETA1}` override the settings below (`-- --nocapture` prints τ and
-//! the loss curves).
+//! Knobs: `DFLASH_SYNC_QUALITY_{SEED,LR,EPOCHS,SYNC_EVERY,MOMENTUM,OUTER_LR,
+//! MOMENTUM_DELAY,STALENESS_SCALING,INNER_LR_EXPONENT,INNER_BETA1,DRAFTERS,ADAM_BETA1}`
+//! override the settings below; the study also reads
+//! `DFLASH_STUDY_{DRAFTERS,SEEDS}` (comma-separated lists). `-- --nocapture`
+//! prints τ and the loss curves.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 use common::*;
+use dflash_broker::model_sync::StalenessScaling;
 use dflash_broker::BrokerConfig;
 use dflash_drafter_server::engine::{build_engine, RunSchedule, TrainingEngine};
 use dflash_drafter_server::model_sync::{ModelSyncLink, SyncConfig};
@@ -54,19 +59,8 @@ const BATCH: usize = 16;
 const SYNC_EVERY: u64 = 1;
 const HELD_OUT_PROMPTS: usize = 16;
 const MAX_NEW_TOKENS: usize = 32;
-/// A third of the tiny demo's 3e-3: stale deltas cost more the higher the
-/// learning rate (seed 0, 3 epochs at 3e-3: center / one drafter 0.84 with
-/// a sync every step, 0.71 every 2 steps).
+/// A third of the tiny demo's 3e-3 (the study measures both).
 const LEARNING_RATE: f64 = 1e-3;
-
-/// The data and drafter seeds; `DFLASH_SYNC_QUALITY_SEED` overrides it to
-/// measure the margins on other seeds (the note reports them).
-fn base_seed() -> u64 {
-    std::env::var("DFLASH_SYNC_QUALITY_SEED")
-        .ok()
-        .and_then(|seed| seed.parse().ok())
-        .unwrap_or(0)
-}
 
 /// A sweep knob: `DFLASH_SYNC_QUALITY_<NAME>` when set, else `default`.
 fn knob(name: &str, default: f64) -> f64 {
@@ -76,9 +70,105 @@ fn knob(name: &str, default: f64) -> f64 {
         .unwrap_or(default)
 }
 
-/// Optimizer steps between a drafter's exchanges.
-fn sync_every() -> u64 {
-    knob("SYNC_EVERY", SYNC_EVERY as f64) as u64
+/// A comma-separated list from `variable`, else `default`.
+fn list(variable: &str, default: &[u64]) -> Vec<u64> {
+    std::env::var(variable)
+        .ok()
+        .map(|value| {
+            value
+                .split(',')
+                .map(|item| item.trim().parse().expect("a list of integers"))
+                .collect()
+        })
+        .unwrap_or_else(|| default.to_vec())
+}
+
+/// The run's training settings, the same for every way of spending it.
+#[derive(Debug, Clone, Copy)]
+struct Setting {
+    /// The data and drafter seeds.
+    seed: u64,
+    learning_rate: f64,
+    epochs: usize,
+    /// Optimizer steps between a synced drafter's exchanges.
+    sync_every: u64,
+    adam_beta1: f64,
+}
+
+impl Setting {
+    fn from_env(seed: u64) -> Setting {
+        Setting {
+            seed,
+            learning_rate: knob("LR", LEARNING_RATE),
+            epochs: knob("EPOCHS", EPOCHS as f64) as usize,
+            sync_every: knob("SYNC_EVERY", SYNC_EVERY as f64) as u64,
+            adam_beta1: knob("ADAM_BETA1", 0.9),
+        }
+    }
+}
+
+/// How N drafters train the one model: the broker's outer step and the
+/// drafters' own learning rate.
+#[derive(Debug, Clone, Copy)]
+struct Method {
+    outer_learning_rate: f32,
+    momentum: f32,
+    /// Deltas per delayed Nesterov step (0: the open sessions).
+    momentum_delay: u32,
+    staleness_scaling: StalenessScaling,
+    /// Each of N drafters trains at the run's learning rate × N^this.
+    inner_lr_exponent: f64,
+    /// The synced drafters' AdamW β1 (before the asynchronous β1^N); `None`:
+    /// the run's, as one drafter alone has it.
+    inner_beta1: Option<f64>,
+}
+
+impl Method {
+    /// The broker's defaults, each overridable by its knob.
+    fn from_env() -> Method {
+        let defaults = BrokerConfig::for_targets(1).model_sync;
+        let staleness_scaling = match std::env::var("DFLASH_SYNC_QUALITY_STALENESS_SCALING") {
+            Ok(name) => <StalenessScaling as clap::ValueEnum>::from_str(&name, true)
+                .expect("none or inverse"),
+            Err(_) => defaults.outer_staleness_scaling,
+        };
+        Method {
+            outer_learning_rate: knob("OUTER_LR", defaults.outer_learning_rate.into()) as f32,
+            momentum: knob("MOMENTUM", defaults.outer_momentum.into()) as f32,
+            momentum_delay: knob("MOMENTUM_DELAY", defaults.outer_momentum_delay.into()) as u32,
+            staleness_scaling,
+            inner_lr_exponent: knob("INNER_LR_EXPONENT", 0.0),
+            inner_beta1: std::env::var("DFLASH_SYNC_QUALITY_INNER_BETA1")
+                .ok()
+                .map(|value| value.parse().expect("a number")),
+        }
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, inner beta1 {}",
+            self.outer_learning_rate,
+            self.momentum,
+            match self.momentum_delay {
+                0 => "N".to_string(),
+                delay => delay.to_string(),
+            },
+            self.staleness_scaling.name(),
+            self.inner_lr_exponent,
+            self.inner_beta1
+                .map_or_else(|| "the run's".to_string(), |beta1| beta1.to_string())
+        )
+    }
+
+    /// A broker whose center follows this method.
+    fn broker_config(&self) -> BrokerConfig {
+        let mut config = BrokerConfig::for_targets(1);
+        config.model_sync.outer_learning_rate = self.outer_learning_rate;
+        config.model_sync.outer_momentum = self.momentum;
+        config.model_sync.outer_momentum_delay = self.momentum_delay;
+        config.model_sync.outer_staleness_scaling = self.staleness_scaling;
+        config
+    }
 }
 
 /// Prompts continued greedily by the tiny target: the data a drafter is
@@ -101,12 +191,12 @@ fn self_generated(target: &TargetModel, count: usize, seed: u64) -> Vec<Vec<i64>
         .collect()
 }
 
-fn drafter_config(id: &str, work: &Path, seed: u64) -> DrafterServerConfig {
+fn drafter_config(id: &str, work: &Path, setting: &Setting, seed: u64) -> DrafterServerConfig {
     let mut config = test_drafter_config(id, "http://127.0.0.1:1", work.join(id));
     config.block_size = BLOCK_SIZE;
     config.num_anchors = 32;
-    config.learning_rate = knob("LR", LEARNING_RATE);
-    config.adam_beta1 = knob("ADAM_BETA1", config.adam_beta1);
+    config.learning_rate = setting.learning_rate;
+    config.adam_beta1 = setting.adam_beta1;
     config.max_step_samples = BATCH;
     config.seed = seed;
     config
@@ -126,6 +216,7 @@ struct Trainee {
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {
     Independent,
+    /// Through a broker at this address.
     Synced,
 }
 
@@ -141,30 +232,34 @@ struct RunResult {
 }
 
 /// Trains `drafters` drafters on `run` (the run's samples in queue order,
-/// dealt round robin), one step each in turn. Runs on a plain thread: the
-/// sync links drive their gRPC exchanges on `runtime`.
+/// dealt round robin), one step each in turn. Synced drafters exchange with
+/// a fresh broker following `method`, served on `runtime` (this thread must
+/// not be one of its workers).
 fn train(
     work: &Path,
     runtime: &tokio::runtime::Handle,
-    broker: &str,
+    setting: &Setting,
+    method: &Method,
     drafters: usize,
     mode: Mode,
     run: &[proto::Sample],
 ) -> RunResult {
-    let seed = base_seed();
     let steps_per_drafter = run.len().div_ceil(BATCH * drafters) as u64;
     let sync = SyncConfig {
-        sync_every: sync_every(),
+        sync_every: setting.sync_every,
         ..SyncConfig::default()
     };
+    let broker =
+        (mode == Mode::Synced).then(|| runtime.block_on(TestBroker::start(method.broker_config())));
+    let address = broker.as_ref().map(|broker| broker.address.clone());
     let mut trainees: Vec<Trainee> = (0..drafters)
         .map(|index| {
             let id = format!("drafter-{index}");
-            let mut config = drafter_config(&id, work, seed + index as u64);
+            let mut config = drafter_config(&id, work, setting, setting.seed + index as u64);
             let stream: Vec<proto::Sample> =
                 run.iter().skip(index).step_by(drafters).cloned().collect();
-            match mode {
-                Mode::Independent => {
+            match &address {
+                None => {
                     // Its own schedule over its own share (what the
                     // estimate from the broker's summary gives).
                     config.total_steps = Some(steps_per_drafter);
@@ -177,15 +272,17 @@ fn train(
                         learning_rates: Vec::new(),
                     }
                 }
-                Mode::Synced => {
+                Some(address) => {
                     config.total_steps = None;
+                    config.learning_rate *= (drafters as f64).powf(method.inner_lr_exponent);
+                    config.adam_beta1 = method.inner_beta1.unwrap_or(config.adam_beta1);
                     let mut engine = build_engine(&config, None, 1).unwrap();
                     // The run's size, as the async side learns it from the
                     // broker's expected items.
                     let clock = RunClock::new();
                     clock.set_run_samples_total(run.len() as u64);
                     engine.follow_run_schedule(RunSchedule::for_config(&config, clock.clone()));
-                    let mut link = ModelSyncLink::new(runtime.clone(), broker, &id, &sync)
+                    let mut link = ModelSyncLink::new(runtime.clone(), address, &id, &sync)
                         .unwrap()
                         .with_run_clock(clock);
                     link.join(engine.draft_model().unwrap());
@@ -237,23 +334,73 @@ fn train(
         trainee.engine.save_checkpoint(&dir).unwrap();
         drafter_dirs.push(dir);
     }
-    let center = (mode == Mode::Synced).then(|| {
+    let center = address.as_ref().map(|address| {
         // A drafter joining now receives the center: that is the run's model.
-        let observer_config = drafter_config("observer", work, seed + 100);
+        let observer_config = drafter_config("observer", work, setting, setting.seed + 100);
         let observer = build_engine(&observer_config, None, 1).unwrap();
-        let mut link = ModelSyncLink::new(runtime.clone(), broker, "observer", &sync).unwrap();
+        let mut link = ModelSyncLink::new(runtime.clone(), address, "observer", &sync).unwrap();
         link.join(observer.draft_model().unwrap());
         assert_eq!(link.totals.failures, 0);
         let dir = work.join("center");
         save_draft_checkpoint(&dir, observer.draft_model().unwrap(), None).unwrap();
         dir
     });
+    if let Some(broker) = broker {
+        let status = runtime.block_on(broker.status()).model_sync.unwrap_or_default();
+        eprintln!(
+            "center: {} deltas applied, {} discarded ({} outliers)",
+            status.updates_applied, status.updates_discarded, status.outlier_deltas
+        );
+        runtime.block_on(broker.stop());
+    }
     RunResult {
         drafters: drafter_dirs,
         center,
         losses: trainees.iter().map(|t| t.losses.clone()).collect(),
         learning_rates: trainees.iter().map(|t| t.learning_rates.clone()).collect(),
     }
+}
+
+/// One seed's data: the run's samples in queue order and the held-out
+/// prompts τ is measured on.
+struct Data {
+    run: Vec<proto::Sample>,
+    held_out: Vec<Vec<i64>>,
+}
+
+fn data(setting: &Setting) -> Data {
+    let target = TargetModel::load(tiny_target_dir(), Device::Cpu, Kind::Float).unwrap();
+    let sequences = self_generated(&target, TRAIN_SEQUENCES, 1000 + setting.seed);
+    let held_out = random_token_sequences(HELD_OUT_PROMPTS, PROMPT_LENGTH, 2000 + setting.seed);
+    let samples = target_samples(&sequences);
+    // The run: every sequence `epochs` times, epochs in turn.
+    let run = (0..setting.epochs).flat_map(|_| samples.clone()).collect();
+    Data { run, held_out }
+}
+
+/// A runtime for the brokers and sync links, and this (non-worker) thread
+/// on one libtorch thread: tiny ops are faster so, and every sum's order is
+/// fixed.
+fn runtime() -> tokio::runtime::Runtime {
+    tch::set_num_threads(1);
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn untrained_tau(work: &Path, setting: &Setting, held_out: &[Vec<i64>]) -> f64 {
+    let dir = work.join("untrained");
+    build_engine(
+        &drafter_config("untrained", work, setting, setting.seed),
+        None,
+        1,
+    )
+    .unwrap()
+    .save_checkpoint(&dir)
+    .unwrap();
+    tau(&dir, held_out)
 }
 
 fn tau(checkpoint: &Path, prompts: &[Vec<i64>]) -> f64 {
@@ -301,139 +448,111 @@ struct Taus {
     independent: Vec<f64>,
 }
 
-/// Trains one drafter alone, three synced drafters and three independent
-/// ones on the same run, and measures τ of each result.
-async fn measure() -> Taus {
+/// Trains one drafter alone, `drafters` synced drafters and as many
+/// independent ones on the same run, and measures τ of each result.
+fn measure(drafters: usize) -> Taus {
     let work = tempfile::tempdir().unwrap();
-    let mut broker_config = BrokerConfig::for_targets(1);
-    // The broker's defaults, spelled out: η 1, delayed Nesterov μ 0.7 over
-    // N = open sessions (3 here).
-    broker_config.model_sync.outer_learning_rate = knob("OUTER_LR", 1.0) as f32;
-    broker_config.model_sync.outer_momentum = knob("MOMENTUM", 0.7) as f32;
-    broker_config.model_sync.outer_momentum_delay = 0;
-    let broker = TestBroker::start(broker_config).await;
-    let address = broker.address.clone();
-    let runtime = tokio::runtime::Handle::current();
-    let work_path = work.path().to_path_buf();
-    let taus = tokio::task::spawn_blocking(move || {
-        // Tiny ops: one thread is faster, and fixes every sum's order.
-        tch::set_num_threads(1);
-        let seed = base_seed();
-        let target = TargetModel::load(tiny_target_dir(), Device::Cpu, Kind::Float).unwrap();
-        let sequences = self_generated(&target, TRAIN_SEQUENCES, 1000 + seed);
-        let held_out: Vec<Vec<i64>> =
-            random_token_sequences(HELD_OUT_PROMPTS, PROMPT_LENGTH, 2000 + seed);
-        let samples = target_samples(&sequences);
-        // The run: every sequence EPOCHS times, epochs in turn.
-        let epochs = knob("EPOCHS", EPOCHS as f64) as usize;
-        let run: Vec<proto::Sample> = (0..epochs).flat_map(|_| samples.clone()).collect();
+    let work = work.path();
+    let runtime = runtime();
+    let setting = Setting::from_env(knob("SEED", 0.0) as u64);
+    let method = Method::from_env();
+    let Data { run, held_out } = data(&setting);
+    let handle = runtime.handle();
+    let alone = train(
+        &work.join("alone"),
+        handle,
+        &setting,
+        &method,
+        1,
+        Mode::Independent,
+        &run,
+    );
+    let synced = train(
+        &work.join("synced"),
+        handle,
+        &setting,
+        &method,
+        drafters,
+        Mode::Synced,
+        &run,
+    );
+    let independent = train(
+        &work.join("independent"),
+        handle,
+        &setting,
+        &method,
+        drafters,
+        Mode::Independent,
+        &run,
+    );
 
-        let alone = train(
-            &work_path.join("alone"),
-            &runtime,
-            &address,
-            1,
-            Mode::Independent,
-            &run,
+    // The run-wide schedule: a synced drafter's last step is at the end of
+    // the run's cosine (as the one drafter's last steps), not 1/N of the way
+    // in as its own step count would put it. Its position lags the run's by
+    // the other drafters' steps since their last sync: fewer than
+    // N·2·sync_every steps of one drafter alone.
+    let alone_rates = &alone.learning_rates[0];
+    let lag = drafters * 2 * setting.sync_every as usize;
+    let near_the_end = alone_rates[alone_rates.len() - 1 - lag];
+    for rates in &synced.learning_rates {
+        let last = *rates.last().unwrap();
+        assert!(
+            last <= near_the_end,
+            "last synced lr {last}, the one drafter's near its end {near_the_end}"
         );
-        let synced = train(
-            &work_path.join("synced"),
-            &runtime,
-            &address,
-            knob("DRAFTERS", 3.0) as usize,
-            Mode::Synced,
-            &run,
-        );
-        let independent = train(
-            &work_path.join("independent"),
-            &runtime,
-            &address,
-            3,
-            Mode::Independent,
-            &run,
-        );
-        let untrained_dir = work_path.join("untrained");
-        build_engine(&drafter_config("untrained", &work_path, seed), None, 1)
-            .unwrap()
-            .save_checkpoint(&untrained_dir)
-            .unwrap();
+    }
 
-        // The run-wide schedule: a synced drafter's last step is at the
-        // end of the run's cosine (as the one drafter's last steps), not a
-        // third of the way in as its own step count would put it. Its
-        // position lags the run's by the other drafters' steps since their
-        // last sync: fewer than 3·2·SYNC_EVERY steps of one drafter alone.
-        let alone_rates = &alone.learning_rates[0];
-        let near_the_end = alone_rates[alone_rates.len() - 1 - 3 * 2 * sync_every() as usize];
-        for rates in &synced.learning_rates {
-            let last = *rates.last().unwrap();
-            assert!(
-                last <= near_the_end,
-                "last synced lr {last}, the one drafter's near its end {near_the_end}"
-            );
-        }
-
-        let taus = Taus {
-            untrained: tau(&untrained_dir, &held_out),
-            alone: tau(&alone.drafters[0], &held_out),
-            center: tau(synced.center.as_ref().unwrap(), &held_out),
-            independent: independent
-                .drafters
-                .iter()
-                .map(|dir| tau(dir, &held_out))
-                .collect(),
-        };
-        eprintln!(
-            "seed {seed}: tau untrained {:.3}, one drafter {:.3}, center of 3 synced {:.3} \
-             (center / one drafter {:.3}), 3 independent {:.3?}",
-            taus.untrained,
-            taus.alone,
-            taus.center,
-            taus.center / taus.alone,
-            taus.independent
-        );
-        eprintln!(
-            "loss (round, mean over drafters): one drafter {:.3?}",
-            loss_curve(&alone.losses)
-        );
-        eprintln!("loss: 3 synced {:.3?}", loss_curve(&synced.losses));
-        eprintln!(
-            "loss: 3 independent {:.3?}",
-            loss_curve(&independent.losses)
-        );
-        taus
-    })
-    .await
-    .unwrap();
-    broker.stop().await;
+    let taus = Taus {
+        untrained: untrained_tau(work, &setting, &held_out),
+        alone: tau(&alone.drafters[0], &held_out),
+        center: tau(synced.center.as_ref().unwrap(), &held_out),
+        independent: independent
+            .drafters
+            .iter()
+            .map(|dir| tau(dir, &held_out))
+            .collect(),
+    };
+    eprintln!("{}", method.describe());
+    eprintln!(
+        "seed {}: tau untrained {:.3}, one drafter {:.3}, center of {drafters} synced {:.3} \
+         (center / one drafter {:.3}), {drafters} independent {:.3?}",
+        setting.seed,
+        taus.untrained,
+        taus.alone,
+        taus.center,
+        taus.center / taus.alone,
+        taus.independent
+    );
+    eprintln!(
+        "loss (round, mean over drafters): one drafter {:.3?}",
+        loss_curve(&alone.losses)
+    );
+    eprintln!("loss: {drafters} synced {:.3?}", loss_curve(&synced.losses));
+    eprintln!(
+        "loss: {drafters} independent {:.3?}",
+        loss_curve(&independent.losses)
+    );
     taus
 }
 
-/// Measured, τ untrained / one drafter / center / independent (η 1,
-/// delayed Nesterov μ 0.7, each drafter's β1 0.9^N with N measured):
-/// seed 0: 1.000 / 1.517 / 1.585 / 1.058, 1.000, 1.053 (center 1.045 of one drafter);
-/// seed 1: 1.120 / 2.016 / 1.984 / 1.210, 1.117, 1.162 (0.984);
-/// seed 2: 1.000 / 1.450 / 1.512 / 1.035, 1.016, 1.074 (1.043).
-/// With every drafter at β1 0.9 (before the asynchronous β1) the center
-/// reached 0.85, 0.76 and 0.89 of one drafter; with β1 0.9^N and no outer
-/// momentum 1.035 (seed 0). Where one drafter learns faster the center does
-/// not keep up (seed 0): lr 3e-3, 3 epochs: 0.84 (a sync every step), 0.71
-/// (every 2 steps); `ADAM_BETA1=0.7` for every drafter: 0.76 (3e-3), 0.78
-/// (1e-3). The issue stays open on that.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_synced_drafters_reach_one_drafters_tau_and_beat_three_independent_ones() {
-    let taus = measure().await;
+/// Measured (the broker's defaults, each drafter's β1 0.9^N with N
+/// measured): see BENCHMARKS.md, "Model sync: cost and quality", for the
+/// figures per seed and the study this default came from.
+#[test]
+fn three_synced_drafters_reach_one_drafters_tau_and_beat_three_independent_ones() {
+    let drafters = knob("DRAFTERS", 3.0) as usize;
+    let taus = measure(drafters);
     assert!(
         taus.alone > taus.untrained + 0.3,
         "the run is long enough to learn: tau {} vs untrained {}",
         taus.alone,
         taus.untrained
     );
-    // The issue's criterion: within 10 % of one drafter trained on every
-    // sample alone.
+    // The issue's goal at 2 to 4 drafters: at least 0.95 of one drafter
+    // trained on every sample alone.
     assert!(
-        taus.center >= 0.9 * taus.alone,
-        "center tau {} below 90 % of one drafter's {}",
+        taus.center >= 0.95 * taus.alone,
+        "center tau {} below 95 % of one drafter's {}",
         taus.center,
         taus.alone
     );
@@ -447,6 +566,106 @@ async fn three_synced_drafters_reach_one_drafters_tau_and_beat_three_independent
             independent - taus.untrained < 0.5 * center_gain,
             "independent tau {independent} not clearly below the center's {}",
             taus.center
+        );
+    }
+}
+
+/// The study (`make study`, or `cargo test -p dflash-drafter-server --test
+/// model_sync_quality -- --ignored study --nocapture`): for each seed of
+/// `DFLASH_STUDY_SEEDS` (default 0,1,2), one drafter alone on every sample,
+/// then N synced drafters for each N of `DFLASH_STUDY_DRAFTERS` (default
+/// 1,2,3,4,8) on the same samples, with the method and setting of the
+/// knobs. Prints one line per run as it ends and the table at the end:
+/// τ of the center / τ of one drafter, per N and seed, and the wall time.
+#[test]
+#[ignore = "the study behind the outer optimizer's defaults: minutes per seed"]
+fn study() {
+    let runtime = runtime();
+    let method = Method::from_env();
+    let counts = list("DFLASH_STUDY_DRAFTERS", &[1, 2, 3, 4, 8]);
+    let seeds = list("DFLASH_STUDY_SEEDS", &[0, 1, 2]);
+    let base = Setting::from_env(0);
+    eprintln!(
+        "study: {}; lr {}, {} epochs of {TRAIN_SEQUENCES} sequences, batch {BATCH}, a sync every {} steps",
+        method.describe(),
+        base.learning_rate,
+        base.epochs,
+        base.sync_every
+    );
+    // ratios[n][s]: center / one drafter for counts[n], seeds[s].
+    let mut ratios = vec![vec![0.0; seeds.len()]; counts.len()];
+    let mut seconds = vec![0.0; counts.len()];
+    let mut alone_taus = Vec::new();
+    for (s, &seed) in seeds.iter().enumerate() {
+        let work = tempfile::tempdir().unwrap();
+        let work = work.path();
+        let setting = Setting::from_env(seed);
+        let Data { run, held_out } = data(&setting);
+        let started = Instant::now();
+        let alone = train(
+            &work.join("alone"),
+            runtime.handle(),
+            &setting,
+            &method,
+            1,
+            Mode::Independent,
+            &run,
+        );
+        let alone_tau = tau(&alone.drafters[0], &held_out);
+        let untrained = untrained_tau(work, &setting, &held_out);
+        alone_taus.push(alone_tau);
+        eprintln!(
+            "study: seed {seed}: untrained {untrained:.3}, one drafter {alone_tau:.3} ({:.0} s); loss {:.3?}",
+            started.elapsed().as_secs_f64(),
+            loss_curve(&alone.losses)
+        );
+        for (n, &count) in counts.iter().enumerate() {
+            let started = Instant::now();
+            let synced = train(
+                &work.join(format!("synced-{count}")),
+                runtime.handle(),
+                &setting,
+                &method,
+                count as usize,
+                Mode::Synced,
+                &run,
+            );
+            let center = tau(synced.center.as_ref().unwrap(), &held_out);
+            let elapsed = started.elapsed().as_secs_f64();
+            seconds[n] += elapsed;
+            ratios[n][s] = center / alone_tau;
+            eprintln!(
+                "study: seed {seed}: {count} drafters: center {center:.3}, / one drafter {:.3} ({elapsed:.0} s); loss {:.3?}",
+                ratios[n][s],
+                loss_curve(&synced.losses)
+            );
+        }
+    }
+    let seed_columns: Vec<String> = seeds.iter().map(|seed| format!("seed {seed}")).collect();
+    println!("\n{}", method.describe());
+    println!(
+        "one drafter's tau: {}",
+        alone_taus
+            .iter()
+            .map(|tau| format!("{tau:.3}"))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    );
+    println!(
+        "| drafters | {} | lowest | s per run |",
+        seed_columns.join(" | ")
+    );
+    println!("|---|{}---|---|", "---|".repeat(seeds.len()));
+    for (n, &count) in counts.iter().enumerate() {
+        let lowest = ratios[n].iter().copied().fold(f64::INFINITY, f64::min);
+        println!(
+            "| {count} | {} | {lowest:.3} | {:.0} |",
+            ratios[n]
+                .iter()
+                .map(|ratio| format!("{ratio:.3}"))
+                .collect::<Vec<_>>()
+                .join(" | "),
+            seconds[n] / seeds.len() as f64
         );
     }
 }

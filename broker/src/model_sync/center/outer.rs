@@ -37,6 +37,37 @@ pub struct OuterSettings {
     /// then never caught up). Growth past the window's largest by this
     /// factor in one exchange is not training, it is a fault.
     pub max_delta_norm_ratio: f32,
+    /// How a delta's weight follows its staleness.
+    pub staleness_scaling: StalenessScaling,
+}
+
+/// How much of a delta reaches the center, by its staleness (the center
+/// updates applied since the drafter's base).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum StalenessScaling {
+    /// Every delta counts fully (asynchronous local SGD as is).
+    #[default]
+    None,
+    /// A delta `s` updates stale counts `1 / max(1, s)` (Zhang, Gupta,
+    /// Lian, Liu 2016, "Staleness-aware async-SGD").
+    Inverse,
+}
+
+impl StalenessScaling {
+    /// The weight of a delta `staleness` center updates old, in (0, 1].
+    pub fn weight(self, staleness: u64) -> f32 {
+        match self {
+            StalenessScaling::None => 1.0,
+            StalenessScaling::Inverse => 1.0 / staleness.max(1) as f32,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StalenessScaling::None => "none",
+            StalenessScaling::Inverse => "inverse",
+        }
+    }
 }
 
 /// Default of [`OuterSettings::max_delta_norm_ratio`]: consecutive deltas
@@ -59,6 +90,7 @@ impl Default for OuterSettings {
             momentum_delay: 0,
             max_staleness: 0,
             max_delta_norm_ratio: DEFAULT_MAX_DELTA_NORM_RATIO,
+            staleness_scaling: StalenessScaling::None,
         }
     }
 }
@@ -75,8 +107,10 @@ impl OuterSettings {
             bound => bound.to_string(),
         };
         format!(
-            "async local SGD (DiLoCo outer step, Liu et al. 2024 delayed Nesterov): outer lr {}, momentum {}, {delay}, max staleness {staleness}",
-            self.learning_rate, self.momentum
+            "async local SGD (DiLoCo outer step, Liu et al. 2024 delayed Nesterov): outer lr {}, momentum {}, {delay}, max staleness {staleness}, staleness scaling {}",
+            self.learning_rate,
+            self.momentum,
+            self.staleness_scaling.name()
         )
     }
 }
@@ -181,12 +215,14 @@ pub(super) fn refuse_delta(
     })
 }
 
-/// Adds `learning_rate` times the uploaded delta to the center's values,
-/// chunk by chunk, and (with momentum) to each tensor's running delta sum.
+/// Adds `learning_rate · weight` times the uploaded delta to the center's
+/// values, chunk by chunk, and (with momentum) `weight` times it to each
+/// tensor's running delta sum.
 pub(super) fn add_delta(
     center: &mut Center,
     upload: &Upload,
     learning_rate: f32,
+    weight: f32,
     momentum: bool,
 ) -> Result<(), SyncError> {
     for uploaded in &upload.tensors {
@@ -202,7 +238,8 @@ pub(super) fn add_delta(
                 sum,
                 chunk,
                 uploaded.dtype,
-                learning_rate,
+                learning_rate * weight,
+                weight,
             )
         })?;
     }
