@@ -346,7 +346,10 @@ fn train(
         dir
     });
     if let Some(broker) = broker {
-        let status = runtime.block_on(broker.status()).model_sync.unwrap_or_default();
+        let status = runtime
+            .block_on(broker.status())
+            .model_sync
+            .unwrap_or_default();
         eprintln!(
             "center: {} deltas applied, {} discarded ({} outliers)",
             status.updates_applied, status.updates_discarded, status.outlier_deltas
