@@ -120,3 +120,12 @@ check-k8s:
 check-cuda-build: setup
 	$(CARGO) build --workspace --bins
 	bash scripts/check-cuda-build.sh
+
+## The one prepared GPU check (#26): the CUDA build checks, then on a GPU a
+## Qwen3-8B-shaped target forward with capture, the reference drafter step
+## and `dflash local` on the one GPU; without a GPU it says so and passes
+## after the build checks. Not in `test`: it fetches the CUDA wheels once.
+.PHONY: check-gpu
+check-gpu: setup
+	$(CARGO) build --workspace --bins
+	bash scripts/check-gpu.sh

@@ -23,10 +23,18 @@ Attention, as in the Rust code:
 Prints, per anchor count: tokens/s, ms per step, minor page faults per
 step and peak RSS (`/proc/self/status` VmHWM, reset per anchor count).
 
+`--shape qwen3-8b` is the reference drafter of Qwen3-8B instead (hidden
+4096, intermediate 12288, 32 / 8 heads of 128, 5 draft layers reading
+target layers [1, 9, 17, 25, 33] of 36, vocab 151936), random weights;
+`--device cuda:0 --dtype bf16` runs it on a GPU in bf16 (each step ends
+with a synchronize, and the GPU memory's peak is printed), as
+`scripts/check-gpu.sh` does beside the Rust example.
+
 Usage (the venv of scripts/python-venv.sh has torch and dflash):
   PY="$(bash scripts/python-venv.sh)"
   "$PY" scripts/bench/drafter_step_torch.py [--anchors 64,512] [--steps 5] \
-      [--seq-len 512] [--seqs 8] [--attention split|dense] [--vocab 512]
+      [--seq-len 512] [--seqs 8] [--attention split|dense] [--vocab 512] \
+      [--shape tiny|qwen3-8b] [--device cpu|cuda:0] [--dtype f32|bf16]
 """
 
 import argparse
@@ -52,6 +60,13 @@ BLOCK = 16
 GAMMA = 7.0
 EPS = 1e-6
 ROPE_THETA = 1_000_000.0
+
+
+def use_qwen3_8b_shape() -> None:
+    """The module's sizes become the reference drafter of Qwen3-8B."""
+    global HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, TARGET_LAYERS, TARGET_LAYER_IDS
+    HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
+    TARGET_LAYERS, TARGET_LAYER_IDS = 36, [1, 9, 17, 25, 33]
 
 
 def config(vocab: int) -> Qwen3Config:
@@ -100,8 +115,9 @@ def split_forward(parameters, target_hidden, block_ids, anchors, embed):
     queries = num_blocks * BLOCK
     context = rms_norm(F.linear(target_hidden, parameters["fc.weight"]), parameters["hidden_norm.weight"])
     block_positions = (anchors[..., None] + torch.arange(BLOCK)).view(batch, queries)
-    context_cos, context_sin = rotary(torch.arange(context_len))
-    block_cos, block_sin = rotary(block_positions)
+    # The angles in float32, applied in the activations' dtype (bf16 on a GPU).
+    context_cos, context_sin = (t.to(target_hidden.dtype) for t in rotary(torch.arange(context_len)))
+    block_cos, block_sin = (t.to(target_hidden.dtype) for t in rotary(block_positions))
     block_cos, block_sin = block_cos[:, None], block_sin[:, None]
     visible = (torch.arange(context_len)[None, None, :] < anchors[..., None])
     visible = visible[:, :, None, :].expand(batch, num_blocks, BLOCK, context_len).reshape(batch, 1, queries, context_len)
@@ -182,14 +198,27 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--seqs", type=int, default=8)
     parser.add_argument("--attention", choices=["split", "dense"], default="split")
-    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=None, help="512 (tiny) or 151936 (qwen3-8b)")
+    parser.add_argument("--shape", choices=["tiny", "qwen3-8b"], default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
     arguments = parser.parse_args()
+    if arguments.shape == "qwen3-8b":
+        use_qwen3_8b_shape()
+    vocab = arguments.vocab or (151936 if arguments.shape == "qwen3-8b" else 512)
+    dtype = torch.bfloat16 if arguments.dtype == "bf16" else torch.float32
+    device = torch.device(arguments.device)
+    # Every tensor the step makes lands on the device.
+    torch.set_default_device(device)
+
+    def settle():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     torch.manual_seed(0)
-    vocab = arguments.vocab
     length = arguments.seq_len
     width = len(TARGET_LAYER_IDS) * HIDDEN
-    embed = torch.randn(vocab, HIDDEN) * 0.02
+    embed = (torch.randn(vocab, HIDDEN) * 0.02).to(dtype)
     batches = []
     for _ in range(2):
         input_ids = torch.randint(3, min(vocab, 500), (arguments.seqs, length))
@@ -199,14 +228,15 @@ def main() -> None:
     print(
         f"drafter step (PyTorch {torch.__version__} eager, attention {arguments.attention}): "
         f"hidden {HIDDEN}, vocab {vocab}, {DRAFT_LAYERS} draft layers, block {BLOCK}, "
-        f"{arguments.seqs} x {length} tokens per step, {torch.get_num_threads()} threads"
+        f"{arguments.seqs} x {length} tokens per step, {torch.get_num_threads()} threads, "
+        f"device {arguments.device} {arguments.dtype}"
     )
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device=device).manual_seed(0)
     offsets = torch.arange(1, BLOCK)
     decay = torch.exp(-(offsets.float() - 1) / GAMMA)
 
     for num_anchors in (int(value) for value in arguments.anchors.split(",")):
-        model = DFlashDraftModel(config(vocab)).float()
+        model = DFlashDraftModel(config(vocab)).to(device=device, dtype=dtype)
         for name, parameter in model.named_parameters():
             with torch.no_grad():
                 if name.endswith("norm.weight"):
@@ -225,7 +255,7 @@ def main() -> None:
             ])
             block_ids = torch.full((*anchors.shape, BLOCK), vocab - 1)
             block_ids[..., 0] = input_ids.gather(1, anchors)
-            hidden_states = target_hidden.float()
+            hidden_states = target_hidden.to(dtype)
             if arguments.attention == "split":
                 draft = split_forward(parameters, hidden_states, block_ids, anchors, embed)
             else:
@@ -246,6 +276,8 @@ def main() -> None:
 
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         try:
             first = step(batches[0])
         except RuntimeError as error:  # out of memory in the dense mask
@@ -256,6 +288,7 @@ def main() -> None:
         last = first
         for index in range(arguments.steps):
             last = step(batches[(index + 1) % 2])
+        settle()
         seconds = time.perf_counter() - started
         faults = (minor_faults() - faults_before) / arguments.steps
         tokens = arguments.steps * arguments.seqs * length
@@ -263,6 +296,9 @@ def main() -> None:
             f"anchors {num_anchors}: {tokens / seconds:.0f} tokens/s ({seconds * 1000 / arguments.steps:.1f} ms per step), "
             f"{faults:.0f} minor faults per step, peak RSS {peak_rss_mib():.1f} MiB, loss {first:.4f} -> {last:.4f}"
         )
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) / (1 << 30)
+            print(f"anchors {num_anchors}: GPU memory peak {peak:.2f} GiB (torch.cuda.max_memory_allocated)")
         if not math.isfinite(last):
             raise SystemExit("loss is not finite")
 

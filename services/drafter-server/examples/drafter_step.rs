@@ -9,8 +9,14 @@
 //! cargo run --release --workspace --example drafter_step -- \
 //!     [--anchors 64,512] [--steps 5] [--seq-len 512] [--seqs 8] \
 //!     [--attention split|fused|concatenated] [--attention-chunk 8] [--logits-chunk 32|all] \
-//!     [--checkpoint-layers] [--vocab 512] [--device cpu|cuda:N] [--dtype f32|bf16]
+//!     [--checkpoint-layers] [--vocab 512] [--device cpu|cuda:N] [--dtype f32|bf16] \
+//!     [--target-dir DIR]
 //! ```
+//!
+//! `--target-dir` takes the target (its shape, embeddings and LM head) from
+//! a model directory instead of the tiny one: `scripts/check-gpu.sh` passes
+//! the Qwen3-8B-shaped one `capture_overhead --shape qwen3-8b` wrote, for
+//! the reference drafter shape (hidden 4096, 5 layers, vocab 151936).
 //!
 //! The allocator is set up like the binaries do (`DFLASH_MALLOC=system`
 //! shows glibc's defaults for comparison). `scripts/bench/drafter_step_torch.py`
@@ -41,6 +47,8 @@ struct Arguments {
     vocab: Option<i64>,
     device: Device,
     kind: Kind,
+    /// A target model directory to draft for, instead of the tiny target.
+    target_dir: Option<std::path::PathBuf>,
 }
 
 fn parse_arguments() -> anyhow::Result<Arguments> {
@@ -57,6 +65,7 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
         vocab: None,
         device: Device::Cpu,
         kind: Kind::Float,
+        target_dir: None,
     };
     let mut attention_chunk = dflash_model::draft::DEFAULT_BLOCKS_PER_ATTENTION_CHUNK;
     let mut attention_name = "split".to_string();
@@ -94,6 +103,7 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
                 }
             }
             "--vocab" => arguments.vocab = Some(number(&value)? as i64),
+            "--target-dir" => arguments.target_dir = Some(value.into()),
             "--device" => {
                 let choice: dflash_shell::DeviceChoice =
                     value.parse().map_err(anyhow::Error::msg)?;
@@ -160,24 +170,35 @@ fn peak_rss_bytes() -> anyhow::Result<u64> {
 fn main() -> anyhow::Result<()> {
     let allocator = configure_allocator(AllocatorMode::Retained);
     let arguments = parse_arguments()?;
-    let target_dir = tempfile::tempdir()?;
-    let mut spec = TinyModelSpec::default();
-    if let Some(vocab) = arguments.vocab {
-        spec.vocab = vocab;
-    }
-    write_tiny_model(target_dir.path(), &spec)?;
-    let (target_config, _) = FrozenTargetHeads::load(target_dir.path(), Device::Cpu, Kind::Float)?;
+    let scratch = tempfile::tempdir()?;
+    let target_dir = match &arguments.target_dir {
+        Some(dir) => dir.clone(),
+        None => {
+            let mut spec = TinyModelSpec::default();
+            if let Some(vocab) = arguments.vocab {
+                spec.vocab = vocab;
+            }
+            write_tiny_model(scratch.path(), &spec)?;
+            scratch.path().to_path_buf()
+        }
+    };
+    let (target_config, _) = FrozenTargetHeads::load(&target_dir, Device::Cpu, Kind::Float)?;
     let options = DraftOptions {
-        mask_token_id: mask_token_id(target_dir.path())?,
+        mask_token_id: mask_token_id(&target_dir)?,
         ..DraftOptions::default()
     };
     let config = DraftConfig::for_target(&TargetDimensions::from(&target_config), &options)?;
     let width = config.target_hidden_width();
     let block_size = config.block_size;
     println!(
-        "drafter step: tiny target (hidden {}, vocab {}), {} draft layers, block {block_size}, \
+        "drafter step: target {} (hidden {}, vocab {}), {} draft layers, block {block_size}, \
          {} × {} tokens per step, {} threads, {allocator}, attention {:?}, logits chunk {:?}, \
          checkpoint layers {}, device {:?} {:?}",
+        if arguments.target_dir.is_some() {
+            target_dir.display().to_string()
+        } else {
+            "tiny".to_string()
+        },
         config.hidden_size,
         config.vocab_size,
         config.num_draft_layers,
@@ -226,8 +247,7 @@ fn main() -> anyhow::Result<()> {
         .collect();
 
     for &num_anchors in &arguments.anchors {
-        let frozen =
-            FrozenTargetHeads::load(target_dir.path(), arguments.device, arguments.kind)?.1;
+        let frozen = FrozenTargetHeads::load(&target_dir, arguments.device, arguments.kind)?.1;
         let mut model =
             DraftModel::new(config.clone(), frozen, arguments.device, arguments.kind, 0)?;
         model.set_attention(arguments.attention)?;
