@@ -550,6 +550,9 @@ impl ModelSyncState {
             drafters,
             non_finite_deltas: self.non_finite_deltas,
             outlier_deltas: self.outlier_deltas,
+            // Online evaluation's fields: the service fills them from its
+            // own book (`model_sync::evaluation`), not the center's state.
+            ..proto::ModelSyncStatus::default()
         }
     }
 }
