@@ -62,12 +62,13 @@
 //! - `drafter`: the synthetic drafter every section runs.
 //! - `end_of_stream`: section 2; `seed_scenario`: section 4; `replay`:
 //!   section 6.
-//! - `hosts`: section 7, the coordinator on the test bed; `host_roles`: the
-//!   processes it starts on the bed's hosts (this bench re-executed with
-//!   `--host-role`).
+//! - `hosts`: section 7, the coordinator on the test bed; `bed`: how it
+//!   starts processes on the bed's hosts and reads them; `host_roles`: the
+//!   processes it starts there (this bench re-executed with `--host-role`).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod bed;
 mod drafter;
 mod end_of_stream;
 mod host_roles;
