@@ -30,9 +30,12 @@ pub struct ModelSyncConfig {
     #[arg(long, env = "DFLASH_OUTER_LEARNING_RATE", default_value_t = 1.0)]
     pub outer_learning_rate: f32,
 
-    /// Nesterov momentum μ of the outer step, in [0, 1). 0 is plain
-    /// asynchronous local SGD and keeps no optimizer state.
-    #[arg(long, env = "DFLASH_OUTER_MOMENTUM", default_value_t = 0.7)]
+    /// Nesterov momentum μ of the outer step, in [0, 1). 0 (the default) is
+    /// plain asynchronous local SGD and keeps no optimizer state: in the
+    /// model-sync study (BENCHMARKS.md) outer momentum only added to the
+    /// momentum asynchrony already brings (0.7 cost 0.13-0.25 of one
+    /// drafter's τ at 2 drafters).
+    #[arg(long, env = "DFLASH_OUTER_MOMENTUM", default_value_t = 0.0)]
     pub outer_momentum: f32,
 
     /// Deltas averaged per momentum step (N of the delayed Nesterov update;

@@ -170,6 +170,16 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_ADAM_BETA1", default_value_t = 0.9)]
     pub adam_beta1: f64,
 
+    /// The largest AdamW β1 of a drafter that shares the center with
+    /// others (N > 1 measured): it uses min(β1^N, this). 0 (the default):
+    /// no first moment while sharing, since asynchrony itself acts as
+    /// momentum (the model-sync study in BENCHMARKS.md: at 2 and 3 drafters
+    /// the center reached 0.93-1.04 and 0.75-0.94 of one drafter's τ,
+    /// against 0.73-0.78 and 0.66-0.75 with β1^N and outer momentum 0.7).
+    /// 1 keeps β1^N.
+    #[arg(long, env = "DFLASH_SYNC_ADAM_BETA1", default_value_t = 0.0)]
+    pub sync_adam_beta1: f64,
+
     /// Fraction of the schedule spent in linear warmup before the cosine decay.
     #[arg(long, env = "DFLASH_WARMUP_FRACTION", default_value_t = 0.04)]
     pub warmup_fraction: f64,
@@ -302,6 +312,8 @@ pub enum ConfigError {
     WarmupFraction(f64),
     #[error("--adam-beta1 must be in [0, 1), got {0}")]
     AdamBeta1(f64),
+    #[error("--sync-adam-beta1 must be in [0, 1], got {0}")]
+    SyncAdamBeta1(f64),
     #[error("--grad-norm-spike-ratio must be 0 (off) or a finite ratio above 1, got {0}")]
     GradNormSpikeRatio(f64),
 }
@@ -346,6 +358,9 @@ impl DrafterServerConfig {
         }
         if !(0.0..1.0).contains(&self.adam_beta1) {
             return Err(ConfigError::AdamBeta1(self.adam_beta1));
+        }
+        if !(0.0..=1.0).contains(&self.sync_adam_beta1) {
+            return Err(ConfigError::SyncAdamBeta1(self.sync_adam_beta1));
         }
         let spike = self.grad_norm_spike_ratio;
         if !(spike == 0.0 || (spike.is_finite() && spike > 1.0)) {
@@ -411,6 +426,7 @@ impl DrafterServerConfig {
             learning_rate: 6e-4,
             weight_decay: 0.0,
             adam_beta1: 0.9,
+            sync_adam_beta1: 0.0,
             warmup_fraction: 0.04,
             max_grad_norm: 1.0,
             grad_accumulation: 1,
@@ -572,6 +588,16 @@ mod tests {
             );
         }
         config.adam_beta1 = 0.0;
+        assert_eq!(config.validate(), Ok(()));
+        for bad in [1.5, -0.1, f64::NAN] {
+            config.sync_adam_beta1 = bad;
+            let error = config.validate().unwrap_err().to_string();
+            assert!(
+                error.contains("--sync-adam-beta1") && error.contains(&bad.to_string()),
+                "{error}"
+            );
+        }
+        config.sync_adam_beta1 = 1.0;
         assert_eq!(config.validate(), Ok(()));
     }
 }

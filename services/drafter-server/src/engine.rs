@@ -84,8 +84,10 @@ pub struct RunSchedule {
     /// (`--max-step-samples`).
     pub assumed_samples_per_step: u64,
     /// `--adam-beta1`: one drafter's β1; each of N syncing drafters uses
-    /// [`asynchronous_beta1`] of it.
+    /// [`asynchronous_beta1`] of it, at most `sync_adam_beta1`.
     pub adam_beta1: f64,
+    /// `--sync-adam-beta1`: the cap on β1 while N > 1 drafters share.
+    pub sync_adam_beta1: f64,
 }
 
 impl RunSchedule {
@@ -97,6 +99,7 @@ impl RunSchedule {
             fallback_total_steps: config.fallback_total_steps,
             assumed_samples_per_step: config.max_step_samples as u64,
             adam_beta1: config.adam_beta1,
+            sync_adam_beta1: config.sync_adam_beta1,
         }
     }
 }
@@ -243,10 +246,13 @@ impl TrainingEngine for DFlashEngine {
             );
             self.trainer
                 .set_schedule_position(position.step, position.total_steps);
-            self.trainer.set_adam_beta1(asynchronous_beta1(
-                schedule.adam_beta1,
-                clock.drafters_sharing,
-            ));
+            let beta1 = asynchronous_beta1(schedule.adam_beta1, clock.drafters_sharing);
+            self.trainer
+                .set_adam_beta1(if clock.drafters_sharing > 1.0 {
+                    beta1.min(schedule.sync_adam_beta1)
+                } else {
+                    beta1
+                });
         }
         Ok(self.trainer.step()?)
     }

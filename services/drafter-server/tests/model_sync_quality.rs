@@ -118,8 +118,8 @@ struct Method {
     staleness_scaling: StalenessScaling,
     /// Each of N drafters trains at the run's learning rate × N^this.
     inner_lr_exponent: f64,
-    /// The synced drafters' AdamW β1 (before the asynchronous β1^N); `None`:
-    /// the run's, as one drafter alone has it.
+    /// The synced drafters' `--sync-adam-beta1` (the cap on β1^N while
+    /// sharing); `None`: the drafter's default.
     inner_beta1: Option<f64>,
 }
 
@@ -146,7 +146,7 @@ impl Method {
 
     fn describe(&self) -> String {
         format!(
-            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, inner beta1 {}",
+            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, synced drafters' beta1 cap {}",
             self.outer_learning_rate,
             self.momentum,
             match self.momentum_delay {
@@ -156,7 +156,7 @@ impl Method {
             self.staleness_scaling.name(),
             self.inner_lr_exponent,
             self.inner_beta1
-                .map_or_else(|| "the run's".to_string(), |beta1| beta1.to_string())
+                .map_or_else(|| "the default".to_string(), |beta1| beta1.to_string())
         )
     }
 
@@ -275,7 +275,7 @@ fn train(
                 Some(address) => {
                     config.total_steps = None;
                     config.learning_rate *= (drafters as f64).powf(method.inner_lr_exponent);
-                    config.adam_beta1 = method.inner_beta1.unwrap_or(config.adam_beta1);
+                    config.sync_adam_beta1 = method.inner_beta1.unwrap_or(config.sync_adam_beta1);
                     let mut engine = build_engine(&config, None, 1).unwrap();
                     // The run's size, as the async side learns it from the
                     // broker's expected items.

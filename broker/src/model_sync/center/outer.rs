@@ -86,7 +86,7 @@ impl Default for OuterSettings {
     fn default() -> Self {
         OuterSettings {
             learning_rate: 1.0,
-            momentum: 0.7,
+            momentum: 0.0,
             momentum_delay: 0,
             max_staleness: 0,
             max_delta_norm_ratio: DEFAULT_MAX_DELTA_NORM_RATIO,
