@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use dflash_cli::{demo, local, regenerate};
+use dflash_cli::{demo, evaluate, local, regenerate};
 use tokio_util::sync::CancellationToken;
 
 /// dflash: train DFlash speculative-decoding drafters from a target model's
@@ -26,6 +26,11 @@ enum Command {
     Ops(dflash_ops::OpsCommand),
     /// Speculative decoding with a trained drafter; prints the mean acceptance length τ.
     Eval(EvalArgs),
+    /// τ of the run's shared model while it trains: reads the broker's
+    /// center (read-only), measures τ as `eval` does and reports it to the
+    /// broker, which keeps the history and the best center (`--watch`:
+    /// follow the run to its end).
+    Evaluate(evaluate::EvaluateArgs),
     /// Regenerate the assistant turns of a chat JSONL with the target (batched,
     /// KV cached): the drafter then learns the target's own distribution.
     Regenerate(regenerate::RegenerateArgs),
@@ -86,6 +91,10 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Ops(command) => dflash_ops::run(command).await?,
         Command::Eval(args) => eval(args).await?,
+        Command::Evaluate(args) => {
+            let interrupt: CancellationToken = dflash_shell::shutdown_signal();
+            evaluate::run(args, interrupt).await?;
+        }
         Command::Regenerate(args) => {
             let report = tokio::task::spawn_blocking(move || regenerate::run(&args)).await??;
             println!(

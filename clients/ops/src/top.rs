@@ -341,6 +341,7 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
         sync.updates_applied,
         sync.updates_discarded,
     );
+    out.push_str(&tau_line(sync));
     for drafter in &sync.drafters {
         let state = if drafter.finished {
             "finished"
@@ -362,6 +363,55 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
         );
     }
     out
+}
+
+/// Points of the τ trend shown by `top`.
+const TAU_TREND_POINTS: usize = 24;
+
+/// Online evaluation: the latest τ, a sparkline of the last points and the
+/// best (nothing before the first report).
+pub fn tau_line(sync: &proto::ModelSyncStatus) -> String {
+    let Some(latest) = sync.tau_history.last() else {
+        return String::new();
+    };
+    let shown = &sync.tau_history[sync.tau_history.len().saturating_sub(TAU_TREND_POINTS)..];
+    let taus: Vec<f64> = shown.iter().map(|point| point.tau).collect();
+    let best = sync.best_tau.as_ref().map_or(String::new(), |best| {
+        let place = if sync.best_path.is_empty() {
+            String::new()
+        } else {
+            format!(" in {}", sync.best_path)
+        };
+        format!("  best {:.2} (v{}){place}", best.tau, best.center_version)
+    });
+    format!(
+        "tau    v{} {:.2}  trend {} ({} points, {:.2}..{:.2}){best}\n",
+        latest.center_version,
+        latest.tau,
+        sparkline(&taus),
+        sync.tau_history.len(),
+        taus.iter().copied().fold(f64::INFINITY, f64::min),
+        taus.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    )
+}
+
+/// One block character per value, scaled between the values' least and
+/// greatest (all the lowest block when they are equal).
+pub fn sparkline(values: &[f64]) -> String {
+    const BLOCKS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
+    let low = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let high = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    values
+        .iter()
+        .map(|&value| {
+            let level = if high > low {
+                ((value - low) / (high - low) * 7.0).round() as usize
+            } else {
+                0
+            };
+            BLOCKS[level.min(7)]
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -394,6 +444,38 @@ mod tests {
             text.contains("2 discarded (1 not finite, 1 over the norm bound)"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_latest_tau_its_trend_and_the_best_are_shown() {
+        let point = |version: u64, tau: f64| proto::TauPoint {
+            center_version: version,
+            tau,
+            ..Default::default()
+        };
+        let mut sync = proto::ModelSyncStatus {
+            has_center: true,
+            ..Default::default()
+        };
+        assert_eq!(tau_line(&sync), "", "nothing before the first report");
+        sync.tau_history = vec![
+            point(0, 1.0),
+            point(10, 1.5),
+            point(20, 2.0),
+            point(30, 1.75),
+        ];
+        sync.best_tau = Some(point(20, 2.0));
+        sync.best_path = "/runs/center-best".to_string();
+        let line = tau_line(&sync);
+        assert!(
+            line.starts_with("tau    v30 1.75  trend ▁▅█▆ (4 points, 1.00..2.00)"),
+            "{line}"
+        );
+        assert!(
+            line.contains("best 2.00 (v20) in /runs/center-best"),
+            "{line}"
+        );
+        assert_eq!(sparkline(&[3.0, 3.0]), "▁▁");
     }
 
     #[test]

@@ -133,12 +133,36 @@ pub fn evaluate_with_options(
     prompts: &[Vec<i64>],
     options: &EvalOptions,
 ) -> Result<EvalReport, EvalError> {
-    let kind = if options.device == Device::Cpu {
+    let target = load_target(target_dir, options.device)?;
+    evaluate_loaded(&target, drafter_checkpoint_dir, prompts, options)
+}
+
+/// The element type evaluation runs in on `device`: f32 on the CPU, bf16
+/// on a GPU.
+fn compute_kind(device: Device) -> Kind {
+    if device == Device::Cpu {
         Kind::Float
     } else {
         Kind::BFloat16
-    };
-    let target = TargetModel::load(target_dir, options.device, kind)?;
+    }
+}
+
+/// The target as [`evaluate`] loads it, for callers that evaluate many
+/// drafters against one target ([`evaluate_loaded`]: the online evaluator).
+pub fn load_target(target_dir: &Path, device: Device) -> Result<TargetModel, EvalError> {
+    Ok(TargetModel::load(target_dir, device, compute_kind(device))?)
+}
+
+/// [`evaluate_with_options`] against a target already loaded with
+/// [`load_target`] on `options.device`: the same τ, without loading the
+/// target again.
+pub fn evaluate_loaded(
+    target: &TargetModel,
+    drafter_checkpoint_dir: &Path,
+    prompts: &[Vec<i64>],
+    options: &EvalOptions,
+) -> Result<EvalReport, EvalError> {
+    let kind = compute_kind(options.device);
     let frozen = FrozenTargetHeads {
         embed_tokens: target.embed_tokens_weight().shallow_clone(),
         lm_head: target.lm_head_weight().shallow_clone(),
@@ -167,7 +191,7 @@ pub fn evaluate_with_options(
             return Err(EvalError::EmptyPrompt { index });
         }
         let trace = speculative_generate(
-            &target,
+            target,
             &drafter,
             prompt,
             options.max_new_tokens,

@@ -245,6 +245,59 @@ pub(super) fn start_drafters(
     Ok(drafters)
 }
 
+/// The online evaluator (`dflash evaluate --watch`, this binary): τ of
+/// the center while the run trains, on the held-out prompts, with one
+/// libtorch thread of its own (or its own `--evaluator-device`). None in
+/// synthetic runs, without held-out prompts, or with `--no-evaluator`.
+pub(super) fn start_evaluator(
+    args: &LocalArgs,
+    inputs: &Inputs,
+    address: &str,
+    workdir: &Path,
+    logs: &Path,
+) -> anyhow::Result<Option<Managed>> {
+    let (Some(model), Some(held_out)) = (&inputs.model_dir, &inputs.held_out) else {
+        return Ok(None);
+    };
+    if args.no_evaluator || args.synthetic {
+        return Ok(None);
+    }
+    let exe = std::env::current_exe().context("locating the dflash binary")?;
+    let device = args.evaluator_device.to_string();
+    let flags = vec![
+        "evaluate".to_string(),
+        "--watch".into(),
+        "--broker".into(),
+        address.to_string(),
+        "--target".into(),
+        model.display().to_string(),
+        "--prompts".into(),
+        held_out.display().to_string(),
+        // As the summary's final τ measures the trained drafters.
+        "--max-new-tokens".into(),
+        "40".into(),
+        "--every-versions".into(),
+        args.evaluate_every_versions.to_string(),
+        "--every".into(),
+        format!("{}ms", args.evaluate_every.as_millis()),
+        "--device".into(),
+        device.clone(),
+        "--threads".into(),
+        "1".into(),
+        "--scratch".into(),
+        workdir.join("evaluator").display().to_string(),
+    ];
+    Ok(Some(spawn(
+        "evaluator",
+        "evaluator",
+        &device,
+        &exe,
+        &flags,
+        logs,
+        Some("1"),
+    )?))
+}
+
 /// One drafter's flags: the run's, the tiny default's (unless
 /// `--drafter-args` sets its own mask token or sync period), then
 /// `--drafter-args`.

@@ -10,7 +10,8 @@
 //! - `inputs`: the work directory, the model (given or the embedded tiny
 //!   one), the drafters' mask token and the data (given or generated).
 //! - `launch`: what each child runs with (binaries, flags, threads) and
-//!   starting the broker, the targets and the drafters.
+//!   starting the broker, the targets, the drafters and the online
+//!   evaluator (`dflash evaluate --watch`: τ of the center while it trains).
 //! - `supervise`: the children as processes: spawning, the live view
 //!   while they run, and stopping them (SIGTERM, then SIGKILL).
 //! - `quality`: τ of the trained drafter, its untrained baseline and the
@@ -35,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::demo::DemoSpec;
 use inputs::{prepare_inputs, prepare_workdir};
-use launch::{start_broker, start_drafters, start_targets};
+use launch::{start_broker, start_drafters, start_evaluator, start_targets};
 use quality::{measure_taus, Taus};
 use summary::{print_summary, process_summary, summarize, Timings};
 pub use summary::{LocalSummary, ProcessSummary};
@@ -130,7 +131,30 @@ pub struct LocalArgs {
     /// Resolved and checked before anything starts.
     #[arg(long)]
     pub mask_token_id: Option<i64>,
+
+    /// Do not run the online evaluator (`dflash evaluate --watch`), which
+    /// measures τ of the shared model while the run trains.
+    #[arg(long)]
+    pub no_evaluator: bool,
+
+    /// The evaluator evaluates when the center is this many versions past
+    /// the last evaluation...
+    #[arg(long, default_value_t = EVALUATOR_EVERY_VERSIONS)]
+    pub evaluate_every_versions: u64,
+
+    /// ...or this long after it (`20s`, `2m`), whichever comes first.
+    #[arg(long, default_value = EVALUATOR_EVERY, value_parser = dflash_shell::parse_duration)]
+    pub evaluate_every: Duration,
+
+    /// The evaluator's device: its own, never a drafter's (`cpu`, `cuda:N`).
+    #[arg(long, default_value = "cpu")]
+    pub evaluator_device: dflash_shell::DeviceChoice,
 }
+
+/// The evaluator's schedule on the demo: about 240 center versions in a
+/// minute of training; every 30 versions (or 15 s) gives 5 to 8 points.
+const EVALUATOR_EVERY_VERSIONS: u64 = 30;
+const EVALUATOR_EVERY: &str = "15s";
 
 /// Runs the pipeline; returns the summary (also printed and written):
 /// inputs, broker, targets and drafters, watch until they exit, τ,
@@ -147,6 +171,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     println!("dflash local: broker at {address} (watch it with `dflash top --broker {address}`); logs in {}", logs.display());
     let mut children = start_targets(&args, &inputs, &address, &logs)?;
     children.extend(start_drafters(&args, &inputs, &address, &workdir, &logs)?);
+    children.extend(start_evaluator(&args, &inputs, &address, &workdir, &logs)?);
 
     let view = if args.view == View::Top && !std::io::stdout().is_terminal() {
         View::Lines

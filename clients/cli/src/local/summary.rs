@@ -62,6 +62,11 @@ pub struct LocalSummary {
     /// the drafters synced.
     pub center_acceptance_length: Option<f64>,
     pub held_out_prompts: usize,
+    /// τ of the center while the run trained (the online evaluator's
+    /// reports, as the broker kept them), oldest first.
+    pub tau_curve: Vec<TauCurvePoint>,
+    /// The center version with the best τ, written to `center-best/`.
+    pub best_center: Option<BestCenter>,
     /// Generated tokens per target forward of the trained drafter's
     /// speculative decoding (prefills included).
     pub tokens_per_target_forward: Option<f64>,
@@ -72,6 +77,53 @@ pub struct LocalSummary {
     pub ok: bool,
     /// Why the run is not a success (empty when `ok`).
     pub failures: Vec<String>,
+}
+
+/// One online evaluation of the center.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TauCurvePoint {
+    pub center_version: u64,
+    pub center_samples: u64,
+    pub tau: f64,
+    pub prompts: u32,
+    pub eval_seconds: f64,
+    pub unix_time_ms: u64,
+}
+
+/// The best center the broker kept.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct BestCenter {
+    pub center_version: u64,
+    pub center_samples: u64,
+    pub tau: f64,
+    /// Empty when the broker wrote no checkpoint.
+    pub path: String,
+}
+
+/// The τ curve and the best center from the broker's final status.
+fn tau_curve(snapshot: &proto::StatusSnapshot) -> (Vec<TauCurvePoint>, Option<BestCenter>) {
+    let Some(sync) = snapshot.model_sync.as_ref() else {
+        return (Vec::new(), None);
+    };
+    let curve = sync
+        .tau_history
+        .iter()
+        .map(|point| TauCurvePoint {
+            center_version: point.center_version,
+            center_samples: point.center_samples,
+            tau: point.tau,
+            prompts: point.prompts,
+            eval_seconds: point.eval_seconds,
+            unix_time_ms: point.unix_time_ms,
+        })
+        .collect();
+    let best = sync.best_tau.as_ref().map(|best| BestCenter {
+        center_version: best.center_version,
+        center_samples: best.center_samples,
+        tau: best.tau,
+        path: sync.best_path.clone(),
+    });
+    (curve, best)
 }
 
 /// Where the wall time went.
@@ -121,6 +173,7 @@ pub(super) fn summarize(
     );
     let ok = failures.is_empty();
     let pipeline_seconds = timings.pipeline_seconds;
+    let (tau_curve, best_center) = tau_curve(snapshot);
     LocalSummary {
         end_of_stream: end_of_stream.to_string(),
         abort_reason: snapshot.abort_reason.clone(),
@@ -146,6 +199,8 @@ pub(super) fn summarize(
         acceptance_length_drafter: taus.acceptance_length_drafter,
         center_acceptance_length: taus.center_acceptance_length,
         held_out_prompts: taus.held_out_prompts,
+        tau_curve,
+        best_center,
         tokens_per_target_forward: taus.tokens_per_target_forward,
         mask_token_id: inputs.mask_token.as_ref().map(|(id, _)| *id),
         mask_token_source: inputs.mask_token.as_ref().map(|(_, source)| source.clone()),
@@ -365,10 +420,43 @@ pub(super) fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out
             "  τ of the shared model (the broker's center, one model for all drafters): {tau:.2}"
         );
     }
+    print_tau_curve(summary);
     println!("  logs: {}", summary.workdir.join("logs").display());
     println!("  result: {}", if summary.ok { "OK" } else { "FAILED" });
     for failure in &summary.failures {
         println!("    because {failure}");
+    }
+}
+
+/// The online evaluator's τ curve (version: τ, oldest first) and the best
+/// center.
+fn print_tau_curve(summary: &LocalSummary) {
+    let Some(first) = summary.tau_curve.first() else {
+        return;
+    };
+    let points: Vec<String> = summary
+        .tau_curve
+        .iter()
+        .map(|point| format!("v{} {:.2}", point.center_version, point.tau))
+        .collect();
+    println!(
+        "  τ while training (online evaluator, {} prompts each, {} points): {}",
+        first.prompts,
+        summary.tau_curve.len(),
+        points.join(" → ")
+    );
+    if let Some(best) = &summary.best_center {
+        println!(
+            "  best center: v{} ({} samples) τ {:.2}{}",
+            best.center_version,
+            best.center_samples,
+            best.tau,
+            if best.path.is_empty() {
+                String::new()
+            } else {
+                format!(", written to {}", best.path)
+            }
+        );
     }
 }
 
@@ -420,6 +508,35 @@ mod tests {
         assert_eq!(summary.last_window_busy_fraction, Some(0.05));
         assert_eq!(summary.tokens_per_second, Some(812.0));
         assert_eq!(summary.loss, Some(2.5));
+    }
+
+    /// #23: the summary's τ curve and best center are the broker's.
+    #[test]
+    fn the_tau_curve_and_the_best_center_come_from_the_broker() {
+        let mut snapshot = complete();
+        assert_eq!(tau_curve(&snapshot), (Vec::new(), None));
+        let point = |version: u64, tau: f64| proto::TauPoint {
+            center_version: version,
+            center_samples: version * 16,
+            tau,
+            prompts: 32,
+            ..Default::default()
+        };
+        snapshot.model_sync = Some(proto::ModelSyncStatus {
+            tau_history: vec![point(0, 1.1), point(30, 2.4), point(60, 2.2)],
+            best_tau: Some(point(30, 2.4)),
+            best_path: "/runs/x/center-best".to_string(),
+            ..Default::default()
+        });
+        let (curve, best) = tau_curve(&snapshot);
+        let versions: Vec<(u64, f64)> = curve
+            .iter()
+            .map(|point| (point.center_version, point.tau))
+            .collect();
+        assert_eq!(versions, vec![(0, 1.1), (30, 2.4), (60, 2.2)]);
+        let best = best.unwrap();
+        assert_eq!((best.center_version, best.center_samples), (30, 480));
+        assert_eq!(best.path, "/runs/x/center-best");
     }
 
     /// #22: a run is OK only when nothing failed, and each failure is said:

@@ -45,9 +45,12 @@ pub(super) fn spawn(
     let log = logs.join(format!("{name}.log"));
     let file =
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-    // Targets and drafters write their whole-run report for the summary.
+    // Targets, drafters and the evaluator write their whole-run report for
+    // the summary.
     let report = (role != "broker").then(|| logs.join(format!("{name}.report.json")));
     let mut command = Command::new(program);
+    // The flags first: the evaluator's start with its subcommand.
+    command.args(args);
     if let Some(report) = &report {
         command.arg("--report-file").arg(report);
     }
@@ -55,7 +58,6 @@ pub(super) fn spawn(
         command.env("OMP_NUM_THREADS", threads);
     }
     let child = command
-        .args(args)
         .stdin(Stdio::null())
         .stdout(file.try_clone()?)
         .stderr(file)

@@ -1,0 +1,577 @@
+//! `dflash evaluate`: τ of the run's shared model while the run trains.
+//!
+//! The evaluator reads the center with `ModelSync.ReadCenter` (read-only:
+//! it opens no sync session, so it never counts as a drafter, changes
+//! nothing of the center and is never waited for), writes it as a drafter
+//! checkpoint in its scratch folder, measures τ on held-out prompts with
+//! `dflash_model::eval` (the same code as `dflash eval`: greedy, the
+//! target's KV cache, the bonus token counted; the target is loaded once),
+//! and reports it with `ModelSync.ReportTau`; the broker keeps the history
+//! and writes the best version to `center-best/`.
+//!
+//! With `--watch` it follows the run: it polls the broker's status and
+//! evaluates every `--every-versions` center versions or every `--every`
+//! (whichever comes first, and only a version not evaluated yet), and when
+//! the run is over (COMPLETE with the final center written, or ABORTED) it
+//! evaluates the final center once more if it has not, then exits.
+//! Without `--watch` it evaluates the current center once.
+//!
+//! It must not slow the drafters: on the CPU it runs with its own libtorch
+//! thread budget (`--threads`, 1 by default), on a GPU on its own
+//! `--device`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{bail, Context as _};
+use dflash_client::{BrokerClient, ClientSecurityArgs};
+use dflash_model::target_model::TargetModel;
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::model_sync_client::ModelSyncClient;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::demo;
+
+/// The broker's address when `--broker` and `DFLASH_BROKER` are not given.
+const DEFAULT_BROKER: &str = "http://127.0.0.1:50051";
+
+/// `dflash evaluate`'s flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EvaluateArgs {
+    #[arg(long, env = "DFLASH_BROKER", default_value = DEFAULT_BROKER)]
+    pub broker: String,
+    /// Follow the run: evaluate every --every-versions versions or --every,
+    /// and the final center, then exit. Without it: the current center once.
+    #[arg(long)]
+    pub watch: bool,
+    /// The target model directory (Hugging Face layout).
+    #[arg(long)]
+    pub target: PathBuf,
+    /// Held-out prompts (JSONL), as `dflash eval --data` reads them.
+    #[arg(long)]
+    pub prompts: PathBuf,
+    /// Use only the first N prompts (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub max_prompts: usize,
+    #[arg(long, default_value_t = 64)]
+    pub max_new_tokens: usize,
+    /// Evaluate when the center is this many versions past the last one evaluated.
+    #[arg(long, default_value_t = 20)]
+    pub every_versions: u64,
+    /// Evaluate at least this often while the center changes (`90s`, `5m`).
+    #[arg(long, default_value = "5m", value_parser = dflash_shell::parse_duration)]
+    pub every: Duration,
+    /// How often to read the broker's status.
+    #[arg(long, default_value = "1s", value_parser = dflash_shell::parse_duration)]
+    pub poll: Duration,
+    /// Where to evaluate: its own device, never the drafters' (`cpu`,
+    /// `cuda:N`, `auto`).
+    #[arg(long, default_value = "cpu")]
+    pub device: dflash_shell::DeviceChoice,
+    /// libtorch intra-op threads of this process (its CPU share).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    #[arg(long, default_value = "evaluator")]
+    pub evaluator_id: String,
+    /// The center versions read are written here (one folder, replaced each
+    /// time). Default: a temporary folder.
+    #[arg(long)]
+    pub scratch: Option<PathBuf>,
+    /// Write the τ curve (JSON) here when done.
+    #[arg(long)]
+    pub report_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub security: ClientSecurityArgs,
+}
+
+/// What the evaluator measured (its `--report-file`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct EvaluatorReport {
+    pub points: Vec<Point>,
+    /// The broker's best after the last report: (version, τ, path).
+    pub best_version: Option<u64>,
+    pub best_tau: Option<f64>,
+    pub best_path: Option<String>,
+    /// Seconds spent measuring τ (the evaluator's own cost).
+    pub evaluating_seconds: f64,
+    /// Reports the broker refused (each logged with its reason).
+    pub refused_reports: u64,
+}
+
+/// One evaluation.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Point {
+    pub center_version: u64,
+    pub center_samples: u64,
+    pub tau: f64,
+    pub prompts: usize,
+    pub generated_tokens: usize,
+    pub verification_steps: usize,
+    pub eval_seconds: f64,
+    pub unix_time_ms: u64,
+    /// The broker made it the best so far (and wrote it to center-best/).
+    pub best: bool,
+}
+
+/// A center version read with `ReadCenter`: its header and every tensor
+/// (name, shape, f32 little-endian bytes).
+pub struct ReadCenter {
+    pub header: proto::CenterHeader,
+    pub tensors: Vec<(String, Vec<u64>, Vec<u8>)>,
+}
+
+/// The evaluator's connection: status through the broker client, the
+/// center and the reports through ModelSync.
+pub struct Evaluator {
+    pub status: BrokerClient,
+    model_sync: ModelSyncClient<dflash_client::AuthChannel>,
+    pub evaluator_id: String,
+}
+
+impl Evaluator {
+    pub async fn connect(
+        broker: &str,
+        security: &ClientSecurityArgs,
+        evaluator_id: &str,
+    ) -> anyhow::Result<Self> {
+        let options = security.client_options()?;
+        let status = BrokerClient::connect(broker.to_string(), options.clone())
+            .await
+            .with_context(|| format!("connecting to the broker at {broker}"))?;
+        let channel = dflash_client::connect_channel(broker, &options)
+            .await
+            .with_context(|| format!("connecting to the broker at {broker}"))?;
+        let model_sync = ModelSyncClient::new(channel)
+            .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
+            .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES);
+        Ok(Evaluator {
+            status,
+            model_sync,
+            evaluator_id: evaluator_id.to_string(),
+        })
+    }
+
+    /// The center as it is now: header, then every tensor's chunks in
+    /// order, then `done` (whose count must match).
+    pub async fn read_center(&mut self) -> anyhow::Result<ReadCenter> {
+        use proto::read_center_response::Kind;
+        let mut stream = self
+            .model_sync
+            .read_center(proto::ReadCenterRequest {
+                evaluator_id: self.evaluator_id.clone(),
+            })
+            .await
+            .context("ModelSync.ReadCenter")?
+            .into_inner();
+        let header = match stream.message().await?.and_then(|message| message.kind) {
+            Some(Kind::Header(header)) => header,
+            other => bail!("ReadCenter: expected the header first, got {other:?}"),
+        };
+        let mut tensors: Vec<(String, Vec<u64>, Vec<u8>)> = Vec::new();
+        loop {
+            match stream.message().await?.and_then(|message| message.kind) {
+                Some(Kind::Chunk(chunk)) => {
+                    let continues = tensors.last().is_some_and(|(name, _, bytes)| {
+                        *name == chunk.name && bytes.len() as u64 == chunk.offset
+                    });
+                    if continues {
+                        if let Some((_, _, bytes)) = tensors.last_mut() {
+                            bytes.extend_from_slice(&chunk.data);
+                        }
+                    } else if chunk.offset == 0 {
+                        tensors.push((chunk.name, chunk.shape, chunk.data.to_vec()));
+                    } else {
+                        bail!(
+                            "ReadCenter: chunk of {:?} at offset {} out of order",
+                            chunk.name,
+                            chunk.offset
+                        );
+                    }
+                }
+                Some(Kind::Done(done)) => {
+                    if done.tensors as usize != tensors.len()
+                        || done.center_version != header.center_version
+                    {
+                        bail!(
+                            "ReadCenter: {} tensors of version {} received, done says {} of version {}",
+                            tensors.len(),
+                            header.center_version,
+                            done.tensors,
+                            done.center_version
+                        );
+                    }
+                    return Ok(ReadCenter { header, tensors });
+                }
+                other => bail!("ReadCenter: expected chunks then done, got {other:?}"),
+            }
+        }
+    }
+
+    pub async fn report(
+        &mut self,
+        point: proto::TauPoint,
+    ) -> Result<proto::TauReportResult, tonic::Status> {
+        self.model_sync
+            .report_tau(proto::TauReport {
+                evaluator_id: self.evaluator_id.clone(),
+                point: Some(point),
+            })
+            .await
+            .map(tonic::Response::into_inner)
+    }
+}
+
+/// Writes a center read as a drafter checkpoint (reference dflash format:
+/// `config.json`, `model.safetensors` in f32) into `dir`, replacing it.
+pub fn write_checkpoint(center: &ReadCenter, dir: &Path) -> anyhow::Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("config.json"), &center.header.model_config_json)?;
+    let mut named = Vec::with_capacity(center.tensors.len());
+    for (name, shape, bytes) in &center.tensors {
+        let shape: Vec<i64> = shape.iter().map(|&dim| dim as i64).collect();
+        let elements: i64 = shape.iter().product();
+        if bytes.len() as i64 != 4 * elements {
+            bail!(
+                "tensor {name:?}: {} bytes, expected {} for f32 {shape:?}",
+                bytes.len(),
+                4 * elements
+            );
+        }
+        let tensor = tch::Tensor::f_from_data_size(bytes, &shape, tch::Kind::Float)?;
+        named.push((name.clone(), tensor));
+    }
+    let path = dir.join("model.safetensors");
+    tch::Tensor::write_safetensors(&named, &path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+fn unix_time_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+        })
+}
+
+/// What one evaluation needs that does not change between versions.
+struct Bench {
+    target: Option<TargetModel>,
+    prompts: Vec<Vec<i64>>,
+    options: dflash_model::eval::EvalOptions,
+    checkpoint: PathBuf,
+}
+
+impl Bench {
+    /// Reads the center, writes it, measures τ (on a blocking thread,
+    /// which owns the target meanwhile) and reports it.
+    async fn evaluate(
+        &mut self,
+        evaluator: &mut Evaluator,
+        report: &mut EvaluatorReport,
+    ) -> anyhow::Result<u64> {
+        let center = evaluator.read_center().await?;
+        let version = center.header.center_version;
+        let samples = center.header.center_samples;
+        write_checkpoint(&center, &self.checkpoint)?;
+        drop(center);
+        let target = self.target.take().context("the target model is gone")?;
+        let (prompts, options, checkpoint) = (
+            self.prompts.clone(),
+            self.options.clone(),
+            self.checkpoint.clone(),
+        );
+        let (target, measured) = tokio::task::spawn_blocking(move || {
+            let measured =
+                dflash_model::eval::evaluate_loaded(&target, &checkpoint, &prompts, &options);
+            (target, measured)
+        })
+        .await
+        .context("evaluation thread")?;
+        self.target = Some(target);
+        let measured = measured.with_context(|| format!("evaluating center version {version}"))?;
+        report.evaluating_seconds += measured.seconds;
+        let point = proto::TauPoint {
+            center_version: version,
+            center_samples: samples,
+            tau: measured.mean_acceptance_length,
+            prompts: u32::try_from(measured.prompts).unwrap_or(u32::MAX),
+            generated_tokens: measured.generated_tokens as u64,
+            verification_steps: measured.verification_steps as u64,
+            eval_seconds: measured.seconds,
+            unix_time_ms: unix_time_ms(),
+            evaluator_id: evaluator.evaluator_id.clone(),
+        };
+        let mut local = Point {
+            center_version: version,
+            center_samples: samples,
+            tau: measured.mean_acceptance_length,
+            prompts: measured.prompts,
+            generated_tokens: measured.generated_tokens,
+            verification_steps: measured.verification_steps,
+            eval_seconds: measured.seconds,
+            unix_time_ms: point.unix_time_ms,
+            best: false,
+        };
+        match evaluator.report(point).await {
+            Ok(result) => {
+                local.best = result.best;
+                if let Some(best) = result.best_point {
+                    report.best_version = Some(best.center_version);
+                    report.best_tau = Some(best.tau);
+                }
+                report.best_path = Some(result.best_path).filter(|path| !path.is_empty());
+            }
+            Err(status) => {
+                report.refused_reports += 1;
+                warn!(version, code = ?status.code(), message = status.message(), "the broker refused the τ report");
+            }
+        }
+        info!(
+            version,
+            samples,
+            tau = local.tau,
+            seconds = local.eval_seconds,
+            best = local.best,
+            "center evaluated"
+        );
+        println!(
+            "center v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s{}",
+            local.tau,
+            local.prompts,
+            local.eval_seconds,
+            if local.best { "  (best so far)" } else { "" }
+        );
+        report.points.push(local);
+        Ok(version)
+    }
+}
+
+/// When the next evaluation is due: every `every_versions` versions or
+/// every `every`, and never twice for one version.
+#[derive(Debug, Clone, Copy)]
+pub struct Schedule {
+    pub every_versions: u64,
+    pub every: Duration,
+}
+
+impl Schedule {
+    /// Whether `version` should be evaluated now, given the last one
+    /// evaluated and when.
+    pub fn due(&self, version: u64, last: Option<(u64, Instant)>, now: Instant) -> bool {
+        match last {
+            None => true,
+            Some((last_version, _)) if version == last_version => false,
+            Some((last_version, at)) => {
+                version >= last_version.saturating_add(self.every_versions.max(1))
+                    || now.saturating_duration_since(at) >= self.every
+            }
+        }
+    }
+}
+
+/// Whether the run is over for the evaluator: COMPLETE with the final
+/// center written, or ABORTED.
+fn run_over(snapshot: &proto::StatusSnapshot) -> bool {
+    let final_saved = snapshot
+        .model_sync
+        .as_ref()
+        .is_some_and(|sync| sync.final_saved || !sync.has_center);
+    match snapshot.state() {
+        proto::BrokerState::Complete => final_saved,
+        proto::BrokerState::Aborted => true,
+        _ => false,
+    }
+}
+
+/// Runs the evaluator to its end (see the module's doc); returns what it
+/// measured (also written to `--report-file`).
+pub async fn run(
+    args: EvaluateArgs,
+    interrupt: CancellationToken,
+) -> anyhow::Result<EvaluatorReport> {
+    if args.threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    tch::set_num_threads(i32::try_from(args.threads).unwrap_or(i32::MAX));
+    let device = dflash_model::device::resolve_device(args.device)?;
+    let mut prompts = demo::read_prompts(&args.prompts, &args.target)?;
+    if args.max_prompts > 0 {
+        prompts.truncate(args.max_prompts);
+    }
+    let scratch_holder;
+    let scratch = match &args.scratch {
+        Some(dir) => dir.clone(),
+        None => {
+            scratch_holder = tempfile::Builder::new()
+                .prefix("dflash-evaluate-")
+                .tempdir()
+                .context("creating a scratch folder")?;
+            scratch_holder.path().to_path_buf()
+        }
+    };
+    let target_dir = args.target.clone();
+    let target =
+        tokio::task::spawn_blocking(move || dflash_model::eval::load_target(&target_dir, device))
+            .await
+            .context("loading the target")?
+            .with_context(|| format!("loading the target model from {}", args.target.display()))?;
+    let mut bench = Bench {
+        target: Some(target),
+        options: dflash_model::eval::EvalOptions {
+            max_new_tokens: args.max_new_tokens,
+            stop_token_ids: dflash_model::tokens::eos_token_ids(&args.target),
+            device,
+        },
+        prompts,
+        checkpoint: scratch.join("center"),
+    };
+    let mut evaluator =
+        Evaluator::connect(&args.broker, &args.security, &args.evaluator_id).await?;
+    let mut report = EvaluatorReport::default();
+    let outcome = if args.watch {
+        watch(&args, &mut bench, &mut evaluator, &mut report, &interrupt).await
+    } else {
+        bench
+            .evaluate(&mut evaluator, &mut report)
+            .await
+            .map(|_| ())
+    };
+    if let Some(path) = &args.report_file {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    outcome?;
+    Ok(report)
+}
+
+/// `--watch`: polls the status, evaluates when due, and the final center
+/// once the run is over.
+async fn watch(
+    args: &EvaluateArgs,
+    bench: &mut Bench,
+    evaluator: &mut Evaluator,
+    report: &mut EvaluatorReport,
+    interrupt: &CancellationToken,
+) -> anyhow::Result<()> {
+    let schedule = Schedule {
+        every_versions: args.every_versions,
+        every: args.every,
+    };
+    let mut last: Option<(u64, Instant)> = None;
+    let mut failures = 0u32;
+    loop {
+        if interrupt.is_cancelled() {
+            info!("stopped by a signal");
+            return Ok(());
+        }
+        let snapshot = match evaluator.status.status().await {
+            Ok(snapshot) => {
+                failures = 0;
+                snapshot
+            }
+            Err(error) => {
+                failures += 1;
+                // A broker restart is survived; a broker gone for good is not.
+                if failures >= 30 {
+                    bail!("the broker did not answer {failures} status calls in a row: {error}");
+                }
+                warn!(%error, "broker status failed; retrying");
+                pause(args.poll, interrupt).await;
+                continue;
+            }
+        };
+        let center_version = snapshot
+            .model_sync
+            .as_ref()
+            .filter(|sync| sync.has_center)
+            .map(|sync| sync.center_version);
+        let over = run_over(&snapshot);
+        if let Some(version) = center_version {
+            let evaluate = if over {
+                last.is_none_or(|(evaluated, _)| evaluated != version)
+            } else {
+                schedule.due(version, last, Instant::now())
+            };
+            if evaluate {
+                match bench.evaluate(evaluator, report).await {
+                    Ok(evaluated) => last = Some((evaluated, Instant::now())),
+                    Err(error) if over => return Err(error.context("the final evaluation")),
+                    Err(error) => warn!(
+                        error = format!("{error:#}"),
+                        "evaluation failed; retrying at the next poll"
+                    ),
+                }
+                continue;
+            }
+        }
+        if over {
+            info!(
+                evaluations = report.points.len(),
+                "the run is over; the evaluator stops"
+            );
+            return Ok(());
+        }
+        pause(args.poll, interrupt).await;
+    }
+}
+
+async fn pause(poll: Duration, interrupt: &CancellationToken) {
+    tokio::select! {
+        () = interrupt.cancelled() => {}
+        () = tokio::time::sleep(poll) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_evaluation_is_due_every_k_versions_or_t_and_never_twice() {
+        let schedule = Schedule {
+            every_versions: 5,
+            every: Duration::from_secs(60),
+        };
+        let start = Instant::now();
+        assert!(schedule.due(0, None, start), "the first center");
+        let last = Some((3, start));
+        assert!(
+            !schedule.due(3, last, start + Duration::from_secs(600)),
+            "same version"
+        );
+        assert!(!schedule.due(7, last, start + Duration::from_secs(59)));
+        assert!(schedule.due(8, last, start), "5 versions on");
+        assert!(
+            schedule.due(4, last, start + Duration::from_secs(60)),
+            "a minute on"
+        );
+    }
+
+    #[test]
+    fn the_run_is_over_once_complete_with_the_final_center_or_aborted() {
+        let mut snapshot = proto::StatusSnapshot {
+            state: proto::BrokerState::Complete as i32,
+            model_sync: Some(proto::ModelSyncStatus {
+                has_center: true,
+                final_saved: false,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(!run_over(&snapshot), "the final center is not written yet");
+        if let Some(sync) = snapshot.model_sync.as_mut() {
+            sync.final_saved = true;
+        }
+        assert!(run_over(&snapshot));
+        snapshot.state = proto::BrokerState::Running as i32;
+        assert!(!run_over(&snapshot));
+        snapshot.state = proto::BrokerState::Aborted as i32;
+        assert!(run_over(&snapshot));
+    }
+}

@@ -1,0 +1,199 @@
+//! `dflash evaluate` against the real broker in-process: the τ the
+//! evaluator reports for a center version equals `dflash eval` on the
+//! checkpoint the broker wrote of that version (`center-best/`), and the
+//! broker's history holds it.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::Path;
+
+use dflash_cli::evaluate::{run, EvaluateArgs};
+use dflash_model::draft::{
+    save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads,
+    TargetDimensions,
+};
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::model_sync_client::ModelSyncClient;
+use dflash_testkit::TestBroker;
+use tch::{Device, Kind};
+use tokio_util::sync::CancellationToken;
+
+const MAX_NEW_TOKENS: usize = 24;
+
+fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
+    proto::SyncRequest { kind: Some(kind) }
+}
+
+/// Initialises the broker's center from a drafter checkpoint with one JOIN.
+async fn join_with(address: &str, checkpoint: &Path) {
+    let config_json = std::fs::read_to_string(checkpoint.join("config.json")).unwrap();
+    let tensors = tch::Tensor::read_safetensors(checkpoint.join("model.safetensors")).unwrap();
+    let mut messages = vec![
+        request(proto::sync_request::Kind::Hello(proto::SyncHello {
+            drafter_id: "drafter-0".to_string(),
+            model_config_json: config_json,
+        })),
+        request(proto::sync_request::Kind::Begin(proto::SyncBegin {
+            kind: proto::SyncKind::Join as i32,
+            reply_dtype: proto::Dtype::F32 as i32,
+            ..Default::default()
+        })),
+    ];
+    for (name, tensor) in &tensors {
+        let values: Vec<f32> = Vec::try_from(tensor.to_kind(Kind::Float).flatten(0, -1)).unwrap();
+        let bytes: Vec<u8> = values
+            .iter()
+            .flat_map(|value| value.to_le_bytes())
+            .collect();
+        messages.push(request(proto::sync_request::Kind::Chunk(
+            proto::TensorChunk {
+                name: name.clone(),
+                dtype: proto::Dtype::F32 as i32,
+                shape: tensor.size().iter().map(|&dim| dim as u64).collect(),
+                offset: 0,
+                data: bytes.into(),
+            },
+        )));
+    }
+    messages.push(request(proto::sync_request::Kind::Commit(
+        proto::SyncCommit {
+            tensors: tensors.len() as u32,
+        },
+    )));
+    let mut client = ModelSyncClient::connect(address.to_string()).await.unwrap();
+    let mut responses = client
+        .session(tokio_stream::iter(messages))
+        .await
+        .unwrap()
+        .into_inner();
+    loop {
+        match responses
+            .message()
+            .await
+            .unwrap()
+            .and_then(|message| message.kind)
+        {
+            Some(proto::sync_response::Kind::Result(result)) => {
+                assert!(result.initialised, "{result:?}");
+                return;
+            }
+            Some(proto::sync_response::Kind::Welcome(_)) => {}
+            other => panic!("expected the JOIN's result, got {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
+    let work = tempfile::tempdir().unwrap();
+    let target_dir = work.path().join("target");
+    dflash_model::tiny::write_tiny_model(
+        &target_dir,
+        &dflash_model::tiny::TinyModelSpec::default(),
+    )
+    .unwrap();
+    let (target_config, frozen) =
+        FrozenTargetHeads::load(&target_dir, Device::Cpu, Kind::Float).unwrap();
+    let options = DraftOptions {
+        num_draft_layers: Some(2),
+        block_size: Some(4),
+        mask_token_id: dflash_model::tokens::mask_token_id(&target_dir).unwrap(),
+        target_layer_ids: None,
+    };
+    let config =
+        DraftConfig::for_target(&TargetDimensions::from(&target_config), &options).unwrap();
+    let drafter = DraftModel::new(config, frozen, Device::Cpu, Kind::Float, 11).unwrap();
+    let initial = work.path().join("initial");
+    save_draft_checkpoint(&initial, &drafter, None).unwrap();
+    let prompts = work.path().join("held_out.jsonl");
+    let mut lines = String::new();
+    for (index, prompt) in dflash_model::tiny::random_token_sequences(
+        6,
+        5,
+        &mut <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(5),
+    )
+    .iter()
+    .enumerate()
+    {
+        assert!(!prompt.is_empty(), "prompt {index}");
+        lines.push_str(&serde_json::json!({ "input_ids": prompt }).to_string());
+        lines.push('\n');
+    }
+    std::fs::write(&prompts, lines).unwrap();
+
+    let mut broker_config = dflash_broker::BrokerConfig::for_targets(1);
+    broker_config.model_sync.model_output = Some(work.path().join("center"));
+    let broker = TestBroker::start(broker_config).await;
+    join_with(&broker.address, &initial).await;
+
+    let args = EvaluateArgs {
+        broker: broker.address.clone(),
+        watch: false,
+        target: target_dir.clone(),
+        prompts: prompts.clone(),
+        max_prompts: 0,
+        max_new_tokens: MAX_NEW_TOKENS,
+        every_versions: 1,
+        every: std::time::Duration::from_secs(60),
+        poll: std::time::Duration::from_millis(100),
+        device: "cpu".parse().unwrap(),
+        threads: 1,
+        evaluator_id: "evaluator".to_string(),
+        scratch: Some(work.path().join("scratch")),
+        report_file: Some(work.path().join("evaluator.json")),
+        security: Default::default(),
+    };
+    let report = run(args, CancellationToken::new()).await.unwrap();
+    assert_eq!(report.points.len(), 1);
+    let point = &report.points[0];
+    assert!(point.best, "the first report is the best so far");
+    assert_eq!(point.center_version, 0);
+    assert_eq!(report.refused_reports, 0);
+
+    // `dflash eval`'s code on the checkpoint the broker wrote of it.
+    let best_dir = work.path().join("center-best");
+    let eval_prompts = dflash_cli::demo::read_prompts(&prompts, &target_dir).unwrap();
+    let (target, best) = (target_dir.clone(), best_dir.clone());
+    let measured = tokio::task::spawn_blocking(move || {
+        dflash_model::eval::evaluate(&target, &best, &eval_prompts, MAX_NEW_TOKENS, Device::Cpu)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(point.tau, measured.mean_acceptance_length);
+    assert_eq!(point.verification_steps, measured.verification_steps);
+    assert_eq!(point.generated_tokens, measured.generated_tokens);
+
+    // And the `dflash eval` command itself (it prints τ to 3 decimals).
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))
+        .args([
+            "eval",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            &MAX_NEW_TOKENS.to_string(),
+        ])
+        .arg("--target-model")
+        .arg(&target_dir)
+        .arg("--drafter")
+        .arg(&best_dir)
+        .arg("--data")
+        .arg(&prompts)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let expected = format!("τ (mean acceptance length) {:.3} over 6 prompts", point.tau);
+    assert!(stdout.contains(&expected), "{stdout:?} lacks {expected:?}");
+
+    let status = broker.client().await.status().await.unwrap();
+    let sync = status.model_sync.unwrap();
+    assert_eq!(sync.tau_history.len(), 1);
+    assert_eq!(sync.tau_history[0].tau, point.tau);
+    assert_eq!(sync.best_path, best_dir.display().to_string());
+    broker.stop().await;
+}
