@@ -173,6 +173,13 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_TLS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub tls_handshake_timeout: Duration,
 
+    /// Longest a new Produce, Consume or ModelSync stream may take to send
+    /// its hello (its first message); one that has not by then ends with
+    /// DEADLINE_EXCEEDED, so a client that opens streams and sends nothing
+    /// holds none of the broker's stream slots for long.
+    #[arg(long, env = "DFLASH_HELLO_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub hello_timeout: Duration,
+
     /// Keep a --state-dir written for other target ids (another count or
     /// order): its resume points and items go on under this configuration.
     /// Without it such a state dir refuses to start, naming both.
@@ -221,6 +228,7 @@ impl BrokerConfig {
             max_connections: 1024,
             max_connections_per_peer: 0,
             tls_handshake_timeout: Duration::from_secs(10),
+            hello_timeout: Duration::from_secs(30),
             model_sync: crate::model_sync::ModelSyncConfig::default(),
             security: crate::auth::BrokerSecurity::none(),
         }
@@ -271,6 +279,7 @@ impl BrokerConfig {
             ("--keepalive-interval", self.keepalive_interval),
             ("--keepalive-timeout", self.keepalive_timeout),
             ("--tls-handshake-timeout", self.tls_handshake_timeout),
+            ("--hello-timeout", self.hello_timeout),
         ] {
             if value.is_zero() {
                 return Err(ConfigError::NonPositiveDuration { flag, value });

@@ -80,8 +80,11 @@ pub async fn serve_with_metrics(
     let internal = CancellationToken::new();
     let shared = Shared::new(config.clone(), internal.clone())?;
     let service = BrokerService::new(shared.clone());
-    let model_sync =
-        crate::model_sync::ModelSyncShared::start(config.model_sync.clone(), internal.clone())?;
+    let model_sync = crate::model_sync::ModelSyncShared::start(
+        config.model_sync.clone(),
+        config.hello_timeout,
+        internal.clone(),
+    )?;
     shared.set_model_sync(model_sync.clone());
     model_sync.set_acked_by({
         let shared = Arc::downgrade(&shared);

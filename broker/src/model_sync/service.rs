@@ -32,7 +32,6 @@ use super::config::ModelSyncConfig;
 use super::evaluation::Evaluations;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
-const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
 
 impl From<SyncError> for Status {
     fn from(error: SyncError) -> Self {
@@ -58,6 +57,8 @@ impl From<SyncError> for Status {
 pub struct ModelSyncShared {
     state: Mutex<ModelSyncState>,
     config: ModelSyncConfig,
+    /// `--hello-timeout`: how long a new Session may take to send its hello.
+    hello_timeout: Duration,
     /// Cancelled on broker shutdown: sessions end with UNAVAILABLE.
     shutdown: CancellationToken,
     tasks: TaskTracker,
@@ -88,6 +89,7 @@ impl ModelSyncShared {
     /// when a center was written there before.
     pub fn start(
         config: ModelSyncConfig,
+        hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
         let settings = config.outer_settings();
@@ -117,6 +119,7 @@ impl ModelSyncShared {
         Ok(Arc::new(ModelSyncShared {
             state: Mutex::new(state),
             config,
+            hello_timeout,
             shutdown,
             tasks: TaskTracker::new(),
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
@@ -210,8 +213,9 @@ impl ModelSync for ModelSyncService {
     ) -> Result<Response<Self::SessionStream>, Status> {
         let principal = crate::roles::Principal::of(request.extensions());
         let mut inbound = request.into_inner();
-        let first = match tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await {
-            Err(_) => return Err(Status::deadline_exceeded("no hello within 30s")),
+        let timeout = self.shared.hello_timeout;
+        let first = match tokio::time::timeout(timeout, inbound.message()).await {
+            Err(_) => return Err(crate::service::no_hello_within(timeout)),
             Ok(result) => result?,
         };
         let hello = match first.and_then(|message| message.kind) {

@@ -24,7 +24,10 @@ impl BrokerService {
         mut inbound: Streaming<proto::ConsumeRequest>,
         principal: Principal,
     ) -> Result<GuardedStream<ConsumeOut>, Status> {
-        let hello = match first_message(&mut inbound).await?.kind {
+        let hello = match first_message(&mut inbound, self.shared.config.hello_timeout)
+            .await?
+            .kind
+        {
             Some(proto::consume_request::Kind::Hello(hello)) => hello,
             _ => {
                 return Err(Status::invalid_argument(

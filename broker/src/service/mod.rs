@@ -50,9 +50,6 @@ mod shared;
 use shared::Outgoing;
 pub(crate) use shared::Shared;
 
-/// How long a new stream may take to send its hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(30);
-
 use outbox::{Outbox, OutboxStream};
 
 /// A Produce stream's messages, however they were decoded (from the
@@ -147,20 +144,24 @@ impl BrokerService {
     }
 }
 
-/// Waits for the stream's first message, which must be its hello.
-async fn first_message<T, S>(inbound: &mut S) -> Result<T, Status>
+/// Waits for the stream's first message, which must be its hello, at most
+/// `--hello-timeout`.
+async fn first_message<T, S>(inbound: &mut S, timeout: Duration) -> Result<T, Status>
 where
     S: Stream<Item = Result<T, Status>> + Unpin,
 {
-    match tokio::time::timeout(HELLO_TIMEOUT, futures::StreamExt::next(inbound)).await {
-        Err(_) => Err(Status::deadline_exceeded(format!(
-            "no hello within {}s",
-            HELLO_TIMEOUT.as_secs()
-        ))),
+    match tokio::time::timeout(timeout, futures::StreamExt::next(inbound)).await {
+        Err(_) => Err(no_hello_within(timeout)),
         Ok(Some(Err(status))) => Err(status),
         Ok(None) => Err(Status::invalid_argument("stream ended before its hello")),
         Ok(Some(Ok(message))) => Ok(message),
     }
+}
+
+/// The answer to a stream whose hello did not come within `timeout`
+/// (`--hello-timeout`).
+pub(crate) fn no_hello_within(timeout: Duration) -> Status {
+    Status::deadline_exceeded(format!("no hello within {:?} (--hello-timeout)", timeout))
 }
 
 /// The stream's next message; `Ok(None)` when it ended or the broker is

@@ -28,7 +28,7 @@ impl BrokerService {
         mut inbound: InboundProduce,
         principal: Principal,
     ) -> Result<GuardedStream<proto::ProduceResponse>, Status> {
-        let hello = match first_message(&mut inbound).await? {
+        let hello = match first_message(&mut inbound, self.shared.config.hello_timeout).await? {
             ProduceIn::Hello(hello) => hello,
             _ => {
                 return Err(Status::invalid_argument(
