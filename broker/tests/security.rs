@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use dflash_broker::auth::{BrokerSecurity, TokenExempt};
 use dflash_broker::BrokerConfig;
-use dflash_client::{BrokerClient, ClientError, ClientSecurityArgs};
+use dflash_client::{BrokerClient, ClientError, ClientOptions, ClientSecurityArgs};
 use dflash_proto::v1 as proto;
 use dflash_testkit::{sample, spawn_drafter, TestBroker};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
@@ -613,5 +613,160 @@ async fn a_connection_that_never_finishes_its_tls_handshake_is_closed() {
     )
     .await;
     assert!(served.is_ok(), "{served:?}");
+    broker.stop().await;
+}
+
+/// The code of a call's answer (OK when it succeeded).
+fn code_of<T>(result: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code {
+    match result {
+        Ok(_) => tonic::Code::Ok,
+        Err(status) => status.code(),
+    }
+}
+
+/// #23 the evaluator role: an evaluator credential may read the center and
+/// report τ for its own evaluator_id only, and nothing else (no Produce,
+/// ReportDone, Consume or ModelSync.Session); no other role may read the
+/// center or report τ. Every refusal is PERMISSION_DENIED and changes
+/// nothing; the evaluator's own calls pass authorization (they fail later
+/// for want of a center, FAILED_PRECONDITION, or of a served version).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_else() {
+    let folder = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = folder.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let credentials = write(
+        "credentials",
+        "target    target-0 token-of-target-zero\n\
+         drafter   *        token-of-every-drafter\n\
+         evaluator eval-0   token-of-eval-zero\n\
+         operator  *        token-of-the-operator\n",
+    );
+    let broker = TestBroker::start(broker_config(BrokerSecurity {
+        credentials: Some(credentials),
+        ..BrokerSecurity::none()
+    }))
+    .await;
+    let address = broker.address.clone();
+    let options =
+        |name: &str, token: &str| token_file(write(name, token)).client_options().unwrap();
+    let sync_client = |options: ClientOptions| {
+        let address = address.clone();
+        async move {
+            proto::model_sync_client::ModelSyncClient::new(
+                dflash_client::connect_channel(&address, &options)
+                    .await
+                    .unwrap(),
+            )
+        }
+    };
+    let read = |evaluator_id: &str| proto::ReadCenterRequest {
+        evaluator_id: evaluator_id.to_string(),
+    };
+    let report = |evaluator_id: &str| proto::TauReport {
+        evaluator_id: evaluator_id.to_string(),
+        point: Some(proto::TauPoint {
+            center_version: 1,
+            tau: 2.0,
+            prompts: 1,
+            verification_steps: 1,
+            ..Default::default()
+        }),
+    };
+
+    // Other roles may neither read the center nor report τ.
+    for (name, token) in [
+        ("t0", "token-of-target-zero"),
+        ("d", "token-of-every-drafter"),
+        ("o", "token-of-the-operator"),
+    ] {
+        let mut client = sync_client(options(name, token)).await;
+        assert_eq!(
+            code_of(client.read_center(read("eval-0")).await),
+            tonic::Code::PermissionDenied,
+            "{name} read the center"
+        );
+        assert_eq!(
+            code_of(client.report_tau(report("eval-0")).await),
+            tonic::Code::PermissionDenied,
+            "{name} reported tau"
+        );
+    }
+
+    let evaluator_options = options("e0", "token-of-eval-zero");
+    let mut evaluator_sync = sync_client(evaluator_options.clone()).await;
+    // Not as another evaluator.
+    assert_eq!(
+        code_of(evaluator_sync.read_center(read("eval-1")).await),
+        tonic::Code::PermissionDenied
+    );
+    assert_eq!(
+        code_of(evaluator_sync.report_tau(report("eval-1")).await),
+        tonic::Code::PermissionDenied
+    );
+    // As itself it passes authorization: no center yet, no version served.
+    assert_eq!(
+        code_of(evaluator_sync.read_center(read("eval-0")).await),
+        tonic::Code::FailedPrecondition
+    );
+    let refused = evaluator_sync
+        .report_tau(report("eval-0"))
+        .await
+        .unwrap_err();
+    assert_ne!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains("not served"), "{refused:?}");
+
+    // No other RPC but status.
+    let evaluator = BrokerClient::connect(address.clone(), evaluator_options.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        refusal_code(evaluator.produce("target-0").await),
+        "PermissionDenied"
+    );
+    assert_eq!(
+        refusal_code(evaluator.report_done("target-0", 0).await),
+        "PermissionDenied"
+    );
+    assert_eq!(
+        refusal_code(
+            evaluator
+                .consume("drafter-0", dflash_testkit::credit(4))
+                .await
+        ),
+        "PermissionDenied"
+    );
+    let hello = proto::SyncRequest {
+        kind: Some(proto::sync_request::Kind::Hello(proto::SyncHello {
+            drafter_id: "drafter-0".to_string(),
+            model_config_json: "{}".to_string(),
+        })),
+    };
+    assert_eq!(
+        evaluator_sync
+            .session(tokio_stream::iter(vec![hello]))
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .code(),
+        tonic::Code::PermissionDenied
+    );
+
+    // Nothing changed.
+    let status = evaluator.status().await.expect("status as the evaluator");
+    assert_eq!(status.accepted_items, 0);
+    assert_eq!(status.done_targets, 0);
+    assert!(status.drafters.is_empty(), "{:?}", status.drafters);
+    let model_sync = status.model_sync.unwrap_or_default();
+    assert!(!model_sync.has_center);
+    assert!(
+        model_sync.tau_history.is_empty(),
+        "{:?}",
+        model_sync.tau_history
+    );
+    assert!(model_sync.evaluations_pending.is_empty());
     broker.stop().await;
 }
