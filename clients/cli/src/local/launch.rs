@@ -287,15 +287,40 @@ pub(super) fn start_evaluator(
         "--scratch".into(),
         workdir.join("evaluator").display().to_string(),
     ];
+    let (program, flags) = niced(args.evaluator_nice, exe, flags);
     Ok(Some(spawn(
         "evaluator",
         "evaluator",
         &device,
-        &exe,
+        &program,
         &flags,
         logs,
         Some("1"),
     )?))
+}
+
+/// `program flags` under `nice -n <nice>` (found on PATH), or as is for
+/// nice 0 or where there is no `nice` (said on stderr).
+fn niced(nice: u8, program: PathBuf, flags: Vec<String>) -> (PathBuf, Vec<String>) {
+    if nice == 0 {
+        return (program, flags);
+    }
+    let found = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join("nice"))
+            .find(|candidate| candidate.is_file())
+    });
+    let Some(nice_program) = found else {
+        eprintln!("dflash local: no `nice` on PATH; the evaluator runs at the training's priority");
+        return (program, flags);
+    };
+    let mut niced_flags = vec![
+        "-n".to_string(),
+        nice.to_string(),
+        program.display().to_string(),
+    ];
+    niced_flags.extend(flags);
+    (nice_program, niced_flags)
 }
 
 /// One drafter's flags: the run's, the tiny default's (unless
@@ -340,4 +365,30 @@ fn drafter_flags(
     }
     flags.extend(extra_flags);
     flags
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_evaluator_runs_under_nice_unless_its_nice_is_zero() {
+        let program = PathBuf::from("/opt/dflash");
+        let flags = vec!["evaluate".to_string(), "--watch".into()];
+        assert_eq!(
+            niced(0, program.clone(), flags.clone()),
+            (program.clone(), flags.clone())
+        );
+        let (niced_program, niced_flags) = niced(19, program, flags);
+        // Every Linux with coreutils has `nice`; where it is missing the
+        // evaluator runs as is, and so would this.
+        if niced_program.ends_with("nice") {
+            assert_eq!(
+                niced_flags,
+                ["-n", "19", "/opt/dflash", "evaluate", "--watch"]
+            );
+        } else {
+            assert_eq!(niced_program, PathBuf::from("/opt/dflash"));
+        }
+    }
 }

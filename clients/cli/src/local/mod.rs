@@ -149,6 +149,13 @@ pub struct LocalArgs {
     /// The evaluator's device: its own, never a drafter's (`cpu`, `cuda:N`).
     #[arg(long, default_value = "cpu")]
     pub evaluator_device: dflash_shell::DeviceChoice,
+
+    /// The evaluator's CPU priority, as `nice -n` (0 to 19; 19 the lowest):
+    /// on CPUs the targets and drafters keep, it uses only the time they
+    /// leave idle, so measuring τ does not slow training (its points come
+    /// later on a fully busy machine). 0 runs it at their priority.
+    #[arg(long, default_value_t = 19, value_parser = clap::value_parser!(u8).range(0..=19))]
+    pub evaluator_nice: u8,
 }
 
 /// The evaluator's schedule on the demo: about 240 center versions in a
