@@ -99,6 +99,16 @@ fn split_flags(text: &str) -> Vec<String> {
     text.split_whitespace().map(str::to_string).collect()
 }
 
+/// Whether `flags` set `name` (`--name value` or `--name=value`).
+fn sets_flag(flags: &[String], name: &str) -> bool {
+    flags.iter().any(|flag| {
+        flag == name
+            || flag
+                .strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('='))
+    })
+}
+
 async fn wait_for_broker(address: &str, deadline: Duration) -> anyhow::Result<BrokerClient> {
     let started = Instant::now();
     loop {
@@ -176,6 +186,7 @@ pub(super) fn start_targets(
     for index in 0..args.targets {
         let device = args.target_devices[index as usize % args.target_devices.len()].to_string();
         let name = format!("target-{index}");
+        let extra_flags = split_flags(&args.target_args);
         let mut flags = vec![
             "--broker".to_string(),
             address.to_string(),
@@ -188,7 +199,11 @@ pub(super) fn start_targets(
             "--num-shards".into(),
             args.targets.to_string(),
         ];
+        // `--target-args "--model ..."` replaces the run's model, e.g.
+        // synthetic targets (`synthetic:hidden=64,layers=2,vocab=512`, the
+        // tiny default's shape) feeding real drafters.
         match (&inputs.model_dir, args.synthetic) {
+            _ if sets_flag(&extra_flags, "--model") => {}
             (Some(model), false) => flags.extend(["--model".into(), model.display().to_string()]),
             _ => flags.extend([
                 "--model".into(),
@@ -201,7 +216,7 @@ pub(super) fn start_targets(
         if inputs.embedded_model {
             flags.extend(TINY_TARGET_FLAGS.iter().map(|flag| flag.to_string()));
         }
-        flags.extend(split_flags(&args.target_args));
+        flags.extend(extra_flags);
         targets.push(spawn(
             &name,
             "target",
@@ -370,6 +385,16 @@ fn drafter_flags(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flag_is_set_by_its_exact_name_or_name_equals() {
+        let flags = split_flags("--model synthetic:hidden=64 --model-output x --sync-every=1");
+        assert!(sets_flag(&flags, "--model"));
+        assert!(sets_flag(&flags, "--sync-every"));
+        assert!(!sets_flag(&flags, "--model-out"));
+        assert!(!sets_flag(&flags, "--sync"));
+        assert!(!sets_flag(&split_flags("--model-output x"), "--model"));
+    }
 
     #[test]
     fn the_evaluator_runs_under_nice_unless_its_nice_is_zero() {

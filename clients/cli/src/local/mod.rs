@@ -105,6 +105,10 @@ pub struct LocalArgs {
     pub timeout: Duration,
 
     /// Extra flags for every target-server (one string, split on spaces).
+    /// A `--model` here replaces the run's: `--model
+    /// synthetic:hidden=64,layers=2,vocab=512,tokens_per_s=0` gives real
+    /// drafters random hidden states of the tiny default's shape at no
+    /// target compute (the drafter side's throughput alone).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub target_args: String,
 
