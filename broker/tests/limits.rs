@@ -156,14 +156,40 @@ async fn a_connection_has_at_most_its_concurrent_streams() {
     broker.stop().await;
 }
 
+/// Awaits `call`, a stream whose requests never come: it must end with
+/// DEADLINE_EXCEEDED naming `--hello-timeout`, no sooner than `timeout`
+/// and within 20 s.
+async fn ends_for_want_of_a_hello<T: std::fmt::Debug>(
+    name: &str,
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<T, tonic::Status>>,
+) {
+    let started = std::time::Instant::now();
+    let status = tokio::time::timeout(Duration::from_secs(20), call)
+        .await
+        .unwrap_or_else(|_| panic!("{name} did not end within 20 s"))
+        .expect_err("an error");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{name}: {status:?}");
+    assert!(
+        status.message().contains("--hello-timeout"),
+        "{name}: {status:?}"
+    );
+    assert!(
+        started.elapsed() >= timeout,
+        "{name} ended before its hello timeout: {:?}",
+        started.elapsed()
+    );
+}
+
 /// A Produce, Consume or ModelSync stream that sends nothing ends with
 /// DEADLINE_EXCEEDED naming `--hello-timeout` once that time has passed
-/// (here 300 ms; with the 30 s default the 20 s bound below fails), so
+/// (here 300 ms; with the 30 s default the 20 s bound fails), so
 /// silent streams hold none of the broker's stream slots for long.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_sends_no_hello_ends_after_the_hello_timeout() {
+    let timeout = Duration::from_millis(300);
     let mut config = BrokerConfig::for_targets(1);
-    config.hello_timeout = Duration::from_millis(300);
+    config.hello_timeout = timeout;
     let broker = TestBroker::start(config).await;
     let channel = tonic::transport::Endpoint::from_shared(broker.address.clone())
         .unwrap()
@@ -172,46 +198,24 @@ async fn a_stream_that_sends_no_hello_ends_after_the_hello_timeout() {
         .unwrap();
     let mut raw = RawClient::new(channel.clone());
     let mut sync = dflash_proto::v1::model_sync_client::ModelSyncClient::new(channel);
-    let check = |name: &str, started: std::time::Instant, status: tonic::Status| {
-        assert_eq!(status.code(), Code::DeadlineExceeded, "{name}: {status:?}");
-        assert!(
-            status.message().contains("--hello-timeout"),
-            "{name}: {status:?}"
-        );
-        assert!(
-            started.elapsed() >= Duration::from_millis(300),
-            "{name} ended before its hello timeout: {:?}",
-            started.elapsed()
-        );
-    };
-    let bound = Duration::from_secs(20);
-
-    let started = std::time::Instant::now();
-    let produced = tokio::time::timeout(
-        bound,
+    ends_for_want_of_a_hello(
+        "Produce",
+        timeout,
         raw.produce(futures::stream::pending::<proto::ProduceRequest>()),
     )
-    .await
-    .expect("the Produce stream ends within 20 s");
-    check("Produce", started, produced.expect_err("an error"));
-
-    let started = std::time::Instant::now();
-    let consume = tokio::time::timeout(
-        bound,
+    .await;
+    ends_for_want_of_a_hello(
+        "Consume",
+        timeout,
         raw.consume(futures::stream::pending::<proto::ConsumeRequest>()),
     )
-    .await
-    .expect("the Consume stream ends within 20 s");
-    check("Consume", started, consume.expect_err("an error"));
-
-    let started = std::time::Instant::now();
-    let session = tokio::time::timeout(
-        bound,
+    .await;
+    ends_for_want_of_a_hello(
+        "ModelSync.Session",
+        timeout,
         sync.session(futures::stream::pending::<proto::SyncRequest>()),
     )
-    .await
-    .expect("the ModelSync session ends within 20 s");
-    check("ModelSync.Session", started, session.expect_err("an error"));
+    .await;
 
     // The broker still serves: the slots are free.
     let client = broker.client().await;

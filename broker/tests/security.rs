@@ -371,6 +371,33 @@ fn broker_help_and_errors_never_show_the_token() {
     );
 }
 
+/// Writes `text` to `name` in `folder`; its path.
+fn write_in(folder: &std::path::Path, name: &str, text: &str) -> PathBuf {
+    let path = folder.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// A broker that takes the credentials file `text` (written in `folder`).
+async fn broker_with_credentials(folder: &std::path::Path, text: &str) -> TestBroker {
+    let credentials = write_in(folder, "credentials", text);
+    TestBroker::start(broker_config(BrokerSecurity {
+        credentials: Some(credentials),
+        ..BrokerSecurity::none()
+    }))
+    .await
+}
+
+/// A ModelSync.Session hello as drafter-0.
+fn drafter_zero_hello() -> proto::SyncRequest {
+    proto::SyncRequest {
+        kind: Some(proto::sync_request::Kind::Hello(proto::SyncHello {
+            drafter_id: "drafter-0".to_string(),
+            model_config_json: "{}".to_string(),
+        })),
+    }
+}
+
 /// The code of a failed call, however the client reports it (a status on
 /// open, or a stream that ended with one).
 fn refusal_code<T: std::fmt::Debug>(result: Result<T, ClientError>) -> String {
@@ -388,23 +415,15 @@ fn refusal_code<T: std::fmt::Debug>(result: Result<T, ClientError>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_role_may_call_only_its_own_rpcs_and_a_refusal_changes_nothing() {
     let folder = tempfile::tempdir().unwrap();
-    let write = |name: &str, text: &str| {
-        let path = folder.path().join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    let credentials = write(
-        "credentials",
+    let write = |name: &str, text: &str| write_in(folder.path(), name, text);
+    let broker = broker_with_credentials(
+        folder.path(),
         "# role identity token\n\
          target   target-0 token-of-target-zero\n\
          target   target-1 token-of-target-one\n\
          drafter  *        token-of-every-drafter\n\
          operator *        token-of-the-operator\n",
-    );
-    let broker = TestBroker::start(broker_config(BrokerSecurity {
-        credentials: Some(credentials),
-        ..BrokerSecurity::none()
-    }))
+    )
     .await;
     let address = broker.address.clone();
     let client_for = |name: &'static str, token: &'static str| {
@@ -466,12 +485,7 @@ async fn each_role_may_call_only_its_own_rpcs_and_a_refusal_changes_nothing() {
     )
     .await
     .unwrap();
-    let hello = proto::SyncRequest {
-        kind: Some(proto::sync_request::Kind::Hello(proto::SyncHello {
-            drafter_id: "drafter-0".to_string(),
-            model_config_json: "{}".to_string(),
-        })),
-    };
+    let hello = drafter_zero_hello();
     let session = proto::model_sync_client::ModelSyncClient::new(channel)
         .session(tokio_stream::iter(vec![hello]))
         .await;
@@ -633,22 +647,14 @@ fn code_of<T>(result: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_else() {
     let folder = tempfile::tempdir().unwrap();
-    let write = |name: &str, text: &str| {
-        let path = folder.path().join(name);
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    let credentials = write(
-        "credentials",
+    let write = |name: &str, text: &str| write_in(folder.path(), name, text);
+    let broker = broker_with_credentials(
+        folder.path(),
         "target    target-0 token-of-target-zero\n\
          drafter   *        token-of-every-drafter\n\
          evaluator eval-0   token-of-eval-zero\n\
          operator  *        token-of-the-operator\n",
-    );
-    let broker = TestBroker::start(broker_config(BrokerSecurity {
-        credentials: Some(credentials),
-        ..BrokerSecurity::none()
-    }))
+    )
     .await;
     let address = broker.address.clone();
     let options =
@@ -739,12 +745,7 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
         ),
         "PermissionDenied"
     );
-    let hello = proto::SyncRequest {
-        kind: Some(proto::sync_request::Kind::Hello(proto::SyncHello {
-            drafter_id: "drafter-0".to_string(),
-            model_config_json: "{}".to_string(),
-        })),
-    };
+    let hello = drafter_zero_hello();
     assert_eq!(
         evaluator_sync
             .session(tokio_stream::iter(vec![hello]))
