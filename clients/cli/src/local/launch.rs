@@ -369,13 +369,12 @@ fn drafter_flags(
         flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
     }
     let extra_flags = split_flags(&args.drafter_args);
-    let sets = |name: &str| extra_flags.iter().any(|flag| flag.starts_with(name));
     if let Some((id, _)) = &inputs.mask_token {
-        if !sets("--mask-token-id") {
+        if !sets_flag(&extra_flags, "--mask-token-id") {
             flags.extend(["--mask-token-id".to_string(), id.to_string()]);
         }
     }
-    if inputs.embedded_model && !sets("--sync-every") {
+    if inputs.embedded_model && !sets_flag(&extra_flags, "--sync-every") {
         flags.extend(TINY_SYNC_FLAGS.iter().map(|flag| flag.to_string()));
     }
     flags.extend(extra_flags);
