@@ -505,6 +505,7 @@ fn tau_point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
         eval_seconds: 1.5,
         unix_time_ms: 1_800_000_000_000,
         evaluator_id: "evaluator".to_string(),
+        read_unix_time_ms: 0,
     }
 }
 

@@ -78,6 +78,31 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
             "{key}: {summary}"
         );
     }
+    // The online evaluator measured the center while it trained, in version
+    // order, and the final center last, whatever the CPU left it.
+    let state: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(workdir.join("center").join("center_state.json")).unwrap(),
+    )
+    .unwrap();
+    let curve: Vec<u64> = summary["tau_curve"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|point| point["center_version"].as_u64().unwrap())
+        .collect();
+    assert!(
+        curve.windows(2).all(|pair| pair[0] < pair[1]),
+        "τ curve versions {curve:?}"
+    );
+    assert_eq!(
+        curve.last(),
+        state["version"].as_u64().as_ref(),
+        "{summary}"
+    );
+    assert!(
+        summary["best_center"]["tau"].as_f64().is_some(),
+        "{summary}"
+    );
     assert!(
         stdout.contains("end-of-stream: COMPLETE") && stdout.contains("result: OK"),
         "{stdout}"

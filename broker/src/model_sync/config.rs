@@ -66,6 +66,14 @@ pub struct ModelSyncConfig {
     /// model and later ones must match its tensors' shapes.
     #[arg(long, env = "DFLASH_MODEL_CONFIG")]
     pub model_config: Option<PathBuf>,
+
+    /// Center versions read by evaluators and not yet reported that the
+    /// broker keeps (reading one more lets the oldest go). An evaluator
+    /// that measures slower than it reads (a busy CPU) queues this many;
+    /// each kept version may cost one f32 copy of the weights while the
+    /// drafters update the center (4.2 GB for a 1 B-parameter drafter).
+    #[arg(long, env = "DFLASH_MAX_PENDING_EVALUATIONS", default_value_t = super::evaluation::DEFAULT_MAX_PENDING_READS, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub max_pending_evaluations: u32,
 }
 
 impl Default for ModelSyncConfig {
@@ -82,6 +90,7 @@ impl Default for ModelSyncConfig {
             max_delta_norm_ratio: outer.max_delta_norm_ratio,
             outer_staleness_scaling: outer.staleness_scaling,
             model_config: None,
+            max_pending_evaluations: super::evaluation::DEFAULT_MAX_PENDING_READS,
         }
     }
 }

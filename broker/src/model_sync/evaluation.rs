@@ -9,9 +9,11 @@
 //! buffers are the center's own `Arc`s (a pointer copy under the lock; an
 //! update copies a buffer only while such a snapshot holds it), so a best τ
 //! writes exactly the weights that were evaluated, whatever the center did
-//! meanwhile. At most [`MAX_PENDING_READS`] versions are kept: an evaluator
-//! evaluates one at a time, and each kept version may cost one copy of the
-//! weights while drafters update the center.
+//! meanwhile. At most `--max-pending-evaluations` versions are kept (default
+//! [`DEFAULT_MAX_PENDING_READS`]): an evaluator on a busy CPU reads versions
+//! when they are due and measures them later, in order, and each kept
+//! version may cost one copy of the weights while drafters update the
+//! center.
 //!
 //! A report is checked before anything changes ([`Evaluations::check`]):
 //! a refused report leaves the history, the best and the kept versions as
@@ -27,9 +29,9 @@ use super::center::{Center, CenterTensor};
 /// Reports kept in memory (and in the status): the last 1,024.
 pub const TAU_HISTORY: usize = 1024;
 
-/// Versions served and not yet reported that the broker keeps; reading a
-/// newer one lets the oldest go.
-pub const MAX_PENDING_READS: usize = 2;
+/// Versions served and not yet reported that the broker keeps by default;
+/// reading a newer one lets the oldest go.
+pub const DEFAULT_MAX_PENDING_READS: u32 = 4;
 
 /// Why a report was refused. Messages name the bad value.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -67,9 +69,11 @@ pub struct CheckedReport {
 
 /// The τ history, the best report, and the versions served and not yet
 /// reported.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Evaluations {
     pending: VecDeque<Center>,
+    /// The most versions `pending` keeps.
+    max_pending: usize,
     history: VecDeque<proto::TauPoint>,
     best: Option<proto::TauPoint>,
     /// The version written to the best center's directory, and where.
@@ -78,7 +82,27 @@ pub struct Evaluations {
     reports: u64,
 }
 
+impl Default for Evaluations {
+    fn default() -> Self {
+        Evaluations::new(DEFAULT_MAX_PENDING_READS)
+    }
+}
+
 impl Evaluations {
+    /// An empty history that keeps at most `max_pending` (at least 1)
+    /// versions served and not yet reported.
+    pub fn new(max_pending: u32) -> Self {
+        Evaluations {
+            pending: VecDeque::new(),
+            max_pending: (max_pending as usize).max(1),
+            history: VecDeque::new(),
+            best: None,
+            best_saved_version: None,
+            best_path: String::new(),
+            reports: 0,
+        }
+    }
+
     /// Keeps `center` (a weights-only copy sharing the buffers, see
     /// [`weights_only`]) as served to an evaluator.
     pub fn served(&mut self, center: Center) {
@@ -90,7 +114,7 @@ impl Evaluations {
             return;
         }
         self.pending.push_back(center);
-        while self.pending.len() > MAX_PENDING_READS {
+        while self.pending.len() > self.max_pending {
             self.pending.pop_front();
         }
     }
@@ -214,6 +238,7 @@ impl Evaluations {
         status.best_path = self.best_path.clone();
         status.best_saved_version = self.best_saved_version.unwrap_or(0);
         status.evaluations_pending = self.pending_versions();
+        status.max_pending_evaluations = self.max_pending as u32;
     }
 }
 
@@ -286,6 +311,7 @@ mod tests {
             eval_seconds: 0.5,
             unix_time_ms: 1_700_000_000_000,
             evaluator_id: "evaluator".to_string(),
+            read_unix_time_ms: 0,
         }
     }
 
@@ -391,10 +417,19 @@ mod tests {
         assert_eq!(status.tau_history.len(), TAU_HISTORY);
         assert_eq!(status.tau_history[0].center_version, 10);
         assert_eq!(book.reports(), TAU_HISTORY as u64 + 10);
-        for version in 0..5 {
+        for version in 0..6 {
             book.served(weights_only(&center(10_000 + version, 0, 1.0)));
         }
-        assert_eq!(book.pending_versions(), vec![10_003, 10_004]);
+        assert_eq!(
+            book.pending_versions(),
+            vec![10_002, 10_003, 10_004, 10_005],
+            "the default keeps {DEFAULT_MAX_PENDING_READS}"
+        );
+        let mut one = Evaluations::new(1);
+        for version in 0..3 {
+            one.served(weights_only(&center(version, 0, 1.0)));
+        }
+        assert_eq!(one.pending_versions(), vec![2]);
         let error = book.check(Some(&point(10_000, 0, 2.0))).unwrap_err();
         assert!(matches!(
             error,

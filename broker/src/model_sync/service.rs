@@ -116,6 +116,7 @@ impl ModelSyncShared {
             state.saved_path = dir.display().to_string();
         }
         info!(method = %settings.describe(), output = ?config.model_output, "model sync ready");
+        let evaluations = Evaluations::new(config.max_pending_evaluations);
         Ok(Arc::new(ModelSyncShared {
             state: Mutex::new(state),
             config,
@@ -125,7 +126,7 @@ impl ModelSyncShared {
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
             sync_changed: Notify::new(),
             acked_by: std::sync::OnceLock::new(),
-            evaluations: Mutex::new(Evaluations::default()),
+            evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
         }))
     }

@@ -10,11 +10,18 @@
 //! and writes the best version to `center-best/`.
 //!
 //! With `--watch` it follows the run: it polls the broker's status and
-//! evaluates every `--every-versions` center versions or every `--every`
-//! (whichever comes first, and only a version not evaluated yet), and when
-//! the run is over (COMPLETE with the final center written, or ABORTED) it
-//! evaluates the final center once more if it has not, then exits.
-//! Without `--watch` it evaluates the current center once.
+//! reads the center every `--every-versions` center versions or every
+//! `--every` (whichever comes first, and only a version not read yet), and
+//! when the run is over (COMPLETE with the final center written, or
+//! ABORTED) it reads the final center if it has not, measures what it has
+//! read, then exits. Reading and measuring are apart: a version is read
+//! when it is due and measured in turn, up to `--backlog` versions ahead
+//! (at most the broker's `--max-pending-evaluations`, which keeps their
+//! weights until their report). So on a CPU the training keeps busy, an
+//! evaluator at the lowest priority still has a point per due version: it
+//! measures them when the CPU has time, at the latest after the run. Each
+//! point carries when its version was read. Without `--watch` it evaluates
+//! the current center once.
 //!
 //! It must not slow the drafters: on the CPU it runs with its own libtorch
 //! thread budget (`--threads`, 1 by default), on a GPU on its own
@@ -63,6 +70,11 @@ pub struct EvaluateArgs {
     /// Evaluate at least this often while the center changes (`90s`, `5m`).
     #[arg(long, default_value = "5m", value_parser = dflash_shell::parse_duration)]
     pub every: Duration,
+    /// Versions read and not yet measured at most (capped by the broker's
+    /// --max-pending-evaluations): a version due while the evaluator is
+    /// still measuring an earlier one is read now and measured later.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub backlog: u32,
     /// How often to read the broker's status.
     #[arg(long, default_value = "1s", value_parser = dflash_shell::parse_duration)]
     pub poll: Duration,
@@ -110,7 +122,9 @@ pub struct Point {
     pub generated_tokens: usize,
     pub verification_steps: usize,
     pub eval_seconds: f64,
+    /// When the measurement ended, and when the version was read.
     pub unix_time_ms: u64,
+    pub read_unix_time_ms: u64,
     /// The broker made it the best so far (and wrote it to center-best/).
     pub best: bool,
 }
@@ -261,61 +275,111 @@ fn unix_time_ms() -> u64 {
 
 /// What one evaluation needs that does not change between versions.
 struct Bench {
+    /// The target, `None` while a measurement owns it.
     target: Option<TargetModel>,
     prompts: Vec<Vec<i64>>,
     options: dflash_model::eval::EvalOptions,
     checkpoint: PathBuf,
 }
 
-impl Bench {
-    /// Reads the center, writes it, measures τ (on a blocking thread,
-    /// which owns the target meanwhile) and reports it.
-    async fn evaluate(
-        &mut self,
-        evaluator: &mut Evaluator,
-        report: &mut EvaluatorReport,
-    ) -> anyhow::Result<u64> {
+/// A center version read, waiting for its measurement.
+struct Read {
+    center: ReadCenter,
+    read_unix_time_ms: u64,
+}
+
+impl Read {
+    async fn from(evaluator: &mut Evaluator) -> anyhow::Result<Read> {
         let center = evaluator.read_center().await?;
-        let version = center.header.center_version;
-        let samples = center.header.center_samples;
-        write_checkpoint(&center, &self.checkpoint)?;
-        drop(center);
+        Ok(Read {
+            center,
+            read_unix_time_ms: unix_time_ms(),
+        })
+    }
+}
+
+/// A measurement's end: the target back, what was measured and of what.
+struct Measured {
+    target: TargetModel,
+    header: proto::CenterHeader,
+    read_unix_time_ms: u64,
+    result: anyhow::Result<dflash_model::eval::EvalReport>,
+}
+
+type Measuring = tokio::task::JoinHandle<Measured>;
+
+impl Bench {
+    /// Writes the version read as a checkpoint and measures τ on a blocking
+    /// thread, which owns the target meanwhile.
+    fn start(&mut self, read: Read) -> anyhow::Result<Measuring> {
         let target = self.target.take().context("the target model is gone")?;
         let (prompts, options, checkpoint) = (
             self.prompts.clone(),
             self.options.clone(),
             self.checkpoint.clone(),
         );
-        let (target, measured) = tokio::task::spawn_blocking(move || {
-            let measured =
-                dflash_model::eval::evaluate_loaded(&target, &checkpoint, &prompts, &options);
-            (target, measured)
-        })
-        .await
-        .context("evaluation thread")?;
-        self.target = Some(target);
-        let measured = measured.with_context(|| format!("evaluating center version {version}"))?;
-        report.evaluating_seconds += measured.seconds;
+        Ok(tokio::task::spawn_blocking(move || {
+            let Read {
+                center,
+                read_unix_time_ms,
+            } = read;
+            let version = center.header.center_version;
+            let result = write_checkpoint(&center, &checkpoint)
+                .and_then(|()| {
+                    dflash_model::eval::evaluate_loaded(&target, &checkpoint, &prompts, &options)
+                        .map_err(anyhow::Error::from)
+                })
+                .with_context(|| format!("evaluating center version {version}"));
+            Measured {
+                target,
+                header: center.header,
+                read_unix_time_ms,
+                result,
+            }
+        }))
+    }
+
+    /// Takes the target back from a measurement that ended; reports its
+    /// τ. Returns the version measured, or why it could not be.
+    async fn finish(
+        &mut self,
+        joined: Result<Measured, tokio::task::JoinError>,
+        evaluator: &mut Evaluator,
+        report: &mut EvaluatorReport,
+    ) -> Result<u64, (Option<u64>, anyhow::Error)> {
+        let measured = joined.map_err(|error| {
+            (
+                None,
+                anyhow::Error::from(error).context("the evaluation thread"),
+            )
+        })?;
+        self.target = Some(measured.target);
+        let version = measured.header.center_version;
+        let samples = measured.header.center_samples;
+        let measured_report = measured.result.map_err(|error| (Some(version), error))?;
+        report.evaluating_seconds += measured_report.seconds;
         let point = proto::TauPoint {
             center_version: version,
             center_samples: samples,
-            tau: measured.mean_acceptance_length,
-            prompts: u32::try_from(measured.prompts).unwrap_or(u32::MAX),
-            generated_tokens: measured.generated_tokens as u64,
-            verification_steps: measured.verification_steps as u64,
-            eval_seconds: measured.seconds,
+            tau: measured_report.mean_acceptance_length,
+            prompts: u32::try_from(measured_report.prompts).unwrap_or(u32::MAX),
+            generated_tokens: measured_report.generated_tokens as u64,
+            verification_steps: measured_report.verification_steps as u64,
+            eval_seconds: measured_report.seconds,
             unix_time_ms: unix_time_ms(),
             evaluator_id: evaluator.evaluator_id.clone(),
+            read_unix_time_ms: measured.read_unix_time_ms,
         };
         let mut local = Point {
             center_version: version,
             center_samples: samples,
-            tau: measured.mean_acceptance_length,
-            prompts: measured.prompts,
-            generated_tokens: measured.generated_tokens,
-            verification_steps: measured.verification_steps,
-            eval_seconds: measured.seconds,
+            tau: measured_report.mean_acceptance_length,
+            prompts: measured_report.prompts,
+            generated_tokens: measured_report.generated_tokens,
+            verification_steps: measured_report.verification_steps,
+            eval_seconds: measured_report.seconds,
             unix_time_ms: point.unix_time_ms,
+            read_unix_time_ms: point.read_unix_time_ms,
             best: false,
         };
         match evaluator.report(point).await {
@@ -332,23 +396,39 @@ impl Bench {
                 warn!(version, code = ?status.code(), message = status.message(), "the broker refused the τ report");
             }
         }
+        let waited_ms = local.unix_time_ms.saturating_sub(local.read_unix_time_ms);
         info!(
             version,
             samples,
             tau = local.tau,
             seconds = local.eval_seconds,
+            read_seconds_ago = waited_ms as f64 / 1e3,
             best = local.best,
             "center evaluated"
         );
         println!(
-            "center v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s{}",
+            "center v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s (read {:.1}s before){}",
             local.tau,
             local.prompts,
             local.eval_seconds,
+            waited_ms as f64 / 1e3,
             if local.best { "  (best so far)" } else { "" }
         );
         report.points.push(local);
         Ok(version)
+    }
+
+    /// Reads the current center and measures it, now.
+    async fn evaluate_now(
+        &mut self,
+        evaluator: &mut Evaluator,
+        report: &mut EvaluatorReport,
+    ) -> anyhow::Result<u64> {
+        let read = Read::from(evaluator).await?;
+        let joined = self.start(read)?.await;
+        self.finish(joined, evaluator, report)
+            .await
+            .map_err(|(_, error)| error)
     }
 }
 
@@ -438,7 +518,7 @@ pub async fn run(
         watch(&args, &mut bench, &mut evaluator, &mut report, &interrupt).await
     } else {
         bench
-            .evaluate(&mut evaluator, &mut report)
+            .evaluate_now(&mut evaluator, &mut report)
             .await
             .map(|_| ())
     };
@@ -450,8 +530,113 @@ pub async fn run(
     Ok(report)
 }
 
-/// `--watch`: polls the status, evaluates when due, and the final center
-/// once the run is over.
+/// What the watch loop does next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Read the current center (it is due and the backlog has room).
+    Read,
+    /// Poll again later (or when a measurement ends).
+    Wait,
+    /// The run is over and every version read is measured.
+    Stop,
+}
+
+/// The watch loop's decisions, apart from its RPCs and the clock: which
+/// version to read when, how many wait for their measurement, and when
+/// the evaluator is done.
+#[derive(Debug, Clone)]
+pub struct Watcher {
+    schedule: Schedule,
+    backlog: usize,
+    /// Versions read and not yet measured, oldest first (the one being
+    /// measured included).
+    unmeasured: std::collections::VecDeque<u64>,
+    last_read: Option<(u64, Instant)>,
+    /// The run's last version, once the run is over.
+    final_version: Option<u64>,
+}
+
+impl Watcher {
+    /// `backlog`: versions read and not yet measured at most (at least 1).
+    pub fn new(schedule: Schedule, backlog: u32) -> Self {
+        Watcher {
+            schedule,
+            backlog: (backlog as usize).max(1),
+            unmeasured: std::collections::VecDeque::new(),
+            last_read: None,
+            final_version: None,
+        }
+    }
+
+    /// After a status: the center's version (`None` before the first
+    /// JOIN), how many unreported versions the broker keeps (0: not
+    /// said), and whether the run is over.
+    pub fn on_status(&mut self, center: Option<u64>, kept: u32, over: bool, now: Instant) -> Next {
+        let backlog = match kept {
+            0 => self.backlog,
+            kept => self.backlog.min(kept as usize),
+        };
+        if let Some(version) = center {
+            if over {
+                self.final_version = Some(version);
+            }
+            let due = if over {
+                self.last_read.is_none_or(|(last, _)| last != version)
+            } else {
+                self.schedule.due(version, self.last_read, now)
+            };
+            if due {
+                // Reading more than the broker keeps would let an
+                // unreported version go; the next poll reads once one is
+                // measured.
+                return if self.unmeasured.len() < backlog {
+                    Next::Read
+                } else {
+                    Next::Wait
+                };
+            }
+        }
+        if over && self.unmeasured.is_empty() {
+            Next::Stop
+        } else {
+            Next::Wait
+        }
+    }
+
+    /// A version was read (queued for measurement).
+    pub fn read(&mut self, version: u64, now: Instant) {
+        self.last_read = Some((version, now));
+        self.unmeasured.push_back(version);
+    }
+
+    /// A version's measurement ended. A failed one is read again when
+    /// due, unless it is the run's final version: that failure ends the
+    /// evaluator (`Err`).
+    pub fn measured(&mut self, version: u64, ok: bool) -> Result<(), u64> {
+        if let Some(index) = self.unmeasured.iter().position(|&read| read == version) {
+            self.unmeasured.remove(index);
+        }
+        if ok {
+            return Ok(());
+        }
+        if self.final_version == Some(version) {
+            return Err(version);
+        }
+        if self.last_read.is_some_and(|(last, _)| last == version) {
+            self.last_read = None;
+        }
+        Ok(())
+    }
+
+    /// Versions read and not yet measured.
+    pub fn unmeasured(&self) -> usize {
+        self.unmeasured.len()
+    }
+}
+
+/// `--watch`: polls the status, reads a version when due (while fewer
+/// than the backlog wait), measures what was read in order, and once the
+/// run is over the final center, then returns (see [`Watcher`]).
 async fn watch(
     args: &EvaluateArgs,
     bench: &mut Bench,
@@ -459,21 +644,57 @@ async fn watch(
     report: &mut EvaluatorReport,
     interrupt: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let schedule = Schedule {
-        every_versions: args.every_versions,
-        every: args.every,
-    };
-    let mut last: Option<(u64, Instant)> = None;
+    let mut watcher = Watcher::new(
+        Schedule {
+            every_versions: args.every_versions,
+            every: args.every,
+        },
+        args.backlog,
+    );
+    let mut read: std::collections::VecDeque<Read> = std::collections::VecDeque::new();
+    let mut measuring: Option<Measuring> = None;
     let mut failures = 0u32;
     loop {
         if interrupt.is_cancelled() {
-            info!("stopped by a signal");
+            info!(unmeasured = watcher.unmeasured(), "stopped by a signal");
             return Ok(());
         }
-        let snapshot = match evaluator.status.status().await {
+        if measuring.is_none() {
+            if let Some(next) = read.pop_front() {
+                measuring = Some(bench.start(next)?);
+            }
+        }
+        match evaluator.status.status().await {
             Ok(snapshot) => {
                 failures = 0;
-                snapshot
+                let sync = snapshot.model_sync.as_ref().filter(|sync| sync.has_center);
+                let next = watcher.on_status(
+                    sync.map(|sync| sync.center_version),
+                    sync.map_or(0, |sync| sync.max_pending_evaluations),
+                    run_over(&snapshot),
+                    Instant::now(),
+                );
+                match next {
+                    Next::Stop => {
+                        info!(
+                            evaluations = report.points.len(),
+                            "the run is over; the evaluator stops"
+                        );
+                        return Ok(());
+                    }
+                    Next::Read => match Read::from(evaluator).await {
+                        Ok(center) => {
+                            watcher.read(center.center.header.center_version, Instant::now());
+                            read.push_back(center);
+                            continue;
+                        }
+                        Err(error) => warn!(
+                            error = format!("{error:#}"),
+                            "reading the center failed; retrying at the next poll"
+                        ),
+                    },
+                    Next::Wait => {}
+                }
             }
             Err(error) => {
                 failures += 1;
@@ -482,42 +703,39 @@ async fn watch(
                     bail!("the broker did not answer {failures} status calls in a row: {error}");
                 }
                 warn!(%error, "broker status failed; retrying");
+            }
+        }
+        // Until the poll, a signal, or the measurement's end.
+        let joined = match measuring.as_mut() {
+            Some(handle) => tokio::select! {
+                () = interrupt.cancelled() => None,
+                () = tokio::time::sleep(args.poll) => None,
+                joined = handle => Some(joined),
+            },
+            None => {
                 pause(args.poll, interrupt).await;
-                continue;
+                None
             }
         };
-        let center_version = snapshot
-            .model_sync
-            .as_ref()
-            .filter(|sync| sync.has_center)
-            .map(|sync| sync.center_version);
-        let over = run_over(&snapshot);
-        if let Some(version) = center_version {
-            let evaluate = if over {
-                last.is_none_or(|(evaluated, _)| evaluated != version)
-            } else {
-                schedule.due(version, last, Instant::now())
-            };
-            if evaluate {
-                match bench.evaluate(evaluator, report).await {
-                    Ok(evaluated) => last = Some((evaluated, Instant::now())),
-                    Err(error) if over => return Err(error.context("the final evaluation")),
-                    Err(error) => warn!(
-                        error = format!("{error:#}"),
-                        "evaluation failed; retrying at the next poll"
-                    ),
+        if let Some(joined) = joined {
+            measuring = None;
+            match bench.finish(joined, evaluator, report).await {
+                Ok(version) => {
+                    let _ = watcher.measured(version, true);
                 }
-                continue;
+                Err((None, error)) => return Err(error),
+                Err((Some(version), error)) => {
+                    if watcher.measured(version, false).is_err() {
+                        return Err(error.context("the final evaluation"));
+                    }
+                    warn!(
+                        version,
+                        error = format!("{error:#}"),
+                        "evaluation failed; the version is read again when due"
+                    );
+                }
             }
         }
-        if over {
-            info!(
-                evaluations = report.points.len(),
-                "the run is over; the evaluator stops"
-            );
-            return Ok(());
-        }
-        pause(args.poll, interrupt).await;
     }
 }
 
@@ -551,6 +769,97 @@ mod tests {
             schedule.due(4, last, start + Duration::from_secs(60)),
             "a minute on"
         );
+    }
+
+    /// A measurement slower than the versions come: each due version is
+    /// read at once, up to the backlog (and the broker's bound), measured
+    /// in turn; the final version is read once the run is over and the
+    /// watcher stops only when all is measured.
+    #[test]
+    fn due_versions_are_read_while_measuring_up_to_the_backlog_then_the_final_one() {
+        let schedule = Schedule {
+            every_versions: 10,
+            every: Duration::from_secs(3600),
+        };
+        let start = Instant::now();
+        let mut watcher = Watcher::new(schedule, 3);
+        assert_eq!(
+            watcher.on_status(None, 4, false, start),
+            Next::Wait,
+            "no center yet"
+        );
+        assert_eq!(watcher.on_status(Some(0), 4, false, start), Next::Read);
+        watcher.read(0, start);
+        // Version 0 is being measured; 5 is not due, 10 and 20 are.
+        assert_eq!(watcher.on_status(Some(5), 4, false, start), Next::Wait);
+        for version in [10, 20] {
+            assert_eq!(
+                watcher.on_status(Some(version), 4, false, start),
+                Next::Read
+            );
+            watcher.read(version, start);
+        }
+        assert_eq!(watcher.unmeasured(), 3);
+        assert_eq!(
+            watcher.on_status(Some(30), 4, false, start),
+            Next::Wait,
+            "the backlog is full"
+        );
+        assert_eq!(watcher.measured(0, true), Ok(()));
+        // The broker keeps 2: two unmeasured are as many as it holds.
+        assert_eq!(watcher.on_status(Some(30), 2, false, start), Next::Wait);
+        assert_eq!(watcher.on_status(Some(30), 4, false, start), Next::Read);
+        watcher.read(30, start);
+        // The run ends at version 33: read at once when there is room,
+        // and the watcher stops only once every version is measured.
+        assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Wait);
+        assert_eq!(watcher.measured(10, true), Ok(()));
+        assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Read);
+        watcher.read(33, start);
+        assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Wait);
+        for version in [20, 30] {
+            assert_eq!(watcher.measured(version, true), Ok(()));
+            assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Wait);
+        }
+        assert_eq!(watcher.measured(33, true), Ok(()));
+        assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Stop);
+    }
+
+    #[test]
+    fn a_failed_measurement_is_read_again_unless_it_is_the_final_one() {
+        let schedule = Schedule {
+            every_versions: 10,
+            every: Duration::from_secs(3600),
+        };
+        let start = Instant::now();
+        let mut watcher = Watcher::new(schedule, 2);
+        assert_eq!(watcher.on_status(Some(4), 0, false, start), Next::Read);
+        watcher.read(4, start);
+        assert_eq!(watcher.measured(4, false), Ok(()));
+        assert_eq!(
+            watcher.on_status(Some(6), 0, false, start),
+            Next::Read,
+            "read again"
+        );
+        watcher.read(6, start);
+        assert_eq!(watcher.on_status(Some(9), 0, true, start), Next::Read);
+        watcher.read(9, start);
+        assert_eq!(watcher.measured(6, true), Ok(()));
+        assert_eq!(
+            watcher.measured(9, false),
+            Err(9),
+            "the final version failed"
+        );
+    }
+
+    #[test]
+    fn a_run_over_without_a_center_stops_at_once() {
+        let schedule = Schedule {
+            every_versions: 1,
+            every: Duration::from_secs(1),
+        };
+        let mut watcher = Watcher::new(schedule, 1);
+        assert_eq!(watcher.on_status(None, 0, true, Instant::now()), Next::Stop);
     }
 
     #[test]

@@ -134,6 +134,7 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
         max_prompts: 0,
         max_new_tokens: MAX_NEW_TOKENS,
         every_versions: 1,
+        backlog: 4,
         every: std::time::Duration::from_secs(60),
         poll: std::time::Duration::from_millis(100),
         device: "cpu".parse().unwrap(),

@@ -87,7 +87,10 @@ pub struct TauCurvePoint {
     pub tau: f64,
     pub prompts: u32,
     pub eval_seconds: f64,
+    /// When the evaluation ended, and when its version was read (the
+    /// evaluator measures later what it read while the CPUs were busy).
     pub unix_time_ms: u64,
+    pub read_unix_time_ms: u64,
 }
 
 /// The best center the broker kept.
@@ -115,6 +118,7 @@ fn tau_curve(snapshot: &proto::StatusSnapshot) -> (Vec<TauCurvePoint>, Option<Be
             prompts: point.prompts,
             eval_seconds: point.eval_seconds,
             unix_time_ms: point.unix_time_ms,
+            read_unix_time_ms: point.read_unix_time_ms,
         })
         .collect();
     let best = sync.best_tau.as_ref().map(|best| BestCenter {

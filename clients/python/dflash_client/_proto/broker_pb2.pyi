@@ -515,7 +515,7 @@ class DrafterSyncStatus(_message.Message):
     def __init__(self, drafter_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_sync_ms_ago: _Optional[int] = ..., base_version: _Optional[int] = ..., staleness: _Optional[int] = ..., last_update_staleness: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., finished: _Optional[bool] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class ModelSyncStatus(_message.Message):
-    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending")
+    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending", "max_pending_evaluations")
     HAS_CENTER_FIELD_NUMBER: _ClassVar[int]
     CENTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -535,6 +535,7 @@ class ModelSyncStatus(_message.Message):
     BEST_PATH_FIELD_NUMBER: _ClassVar[int]
     BEST_SAVED_VERSION_FIELD_NUMBER: _ClassVar[int]
     EVALUATIONS_PENDING_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
     has_center: bool
     center_version: int
     method: str
@@ -554,10 +555,11 @@ class ModelSyncStatus(_message.Message):
     best_path: str
     best_saved_version: int
     evaluations_pending: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_pending_evaluations: int
+    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ...) -> None: ...
 
 class TauPoint(_message.Message):
-    __slots__ = ("center_version", "center_samples", "tau", "prompts", "generated_tokens", "verification_steps", "eval_seconds", "unix_time_ms", "evaluator_id")
+    __slots__ = ("center_version", "center_samples", "tau", "prompts", "generated_tokens", "verification_steps", "eval_seconds", "unix_time_ms", "evaluator_id", "read_unix_time_ms")
     CENTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     CENTER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +569,7 @@ class TauPoint(_message.Message):
     EVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UNIX_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     EVALUATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    READ_UNIX_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     center_version: int
     center_samples: int
     tau: float
@@ -576,4 +579,5 @@ class TauPoint(_message.Message):
     eval_seconds: float
     unix_time_ms: int
     evaluator_id: str
-    def __init__(self, center_version: _Optional[int] = ..., center_samples: _Optional[int] = ..., tau: _Optional[float] = ..., prompts: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verification_steps: _Optional[int] = ..., eval_seconds: _Optional[float] = ..., unix_time_ms: _Optional[int] = ..., evaluator_id: _Optional[str] = ...) -> None: ...
+    read_unix_time_ms: int
+    def __init__(self, center_version: _Optional[int] = ..., center_samples: _Optional[int] = ..., tau: _Optional[float] = ..., prompts: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verification_steps: _Optional[int] = ..., eval_seconds: _Optional[float] = ..., unix_time_ms: _Optional[int] = ..., evaluator_id: _Optional[str] = ..., read_unix_time_ms: _Optional[int] = ...) -> None: ...
