@@ -6,6 +6,8 @@
 //! - `v1`: the generated messages, `broker_client` and `broker_server`
 //!   (`dflash/v1/broker.proto`), `model_sync_client` and `model_sync_server`
 //!   (`dflash/v1/model_sync.proto`: the shared draft model).
+//! - `chunks`: named tensors sent as `TensorChunk`s put back together
+//!   ([`chunks::TensorAssembler`]), for every receiver of the center.
 //! - `codec`: the gRPC codec of every generated client and server (prost's,
 //!   encoding each message into one exact-size buffer).
 //! - `frames`: gRPC messages read from HTTP/2 DATA frames as slices of
@@ -38,6 +40,7 @@ pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/dflash.v1.rs"));
 }
 
+pub mod chunks;
 pub mod codec;
 pub mod credentials;
 pub mod fields;

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{bail, Context as _};
 use dflash_client::{BrokerClient, ClientSecurityArgs};
 use dflash_model::target_model::TargetModel;
+use dflash_proto::chunks::TensorAssembler;
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 use serde::Serialize;
@@ -183,39 +184,23 @@ impl Evaluator {
             Some(Kind::Header(header)) => header,
             other => bail!("ReadCenter: expected the header first, got {other:?}"),
         };
-        let mut tensors: Vec<(String, Vec<u64>, Vec<u8>)> = Vec::new();
+        let mut tensors = TensorAssembler::default();
         loop {
             match stream.message().await?.and_then(|message| message.kind) {
-                Some(Kind::Chunk(chunk)) => {
-                    let continues = tensors.last().is_some_and(|(name, _, bytes)| {
-                        *name == chunk.name && bytes.len() as u64 == chunk.offset
-                    });
-                    if continues {
-                        if let Some((_, _, bytes)) = tensors.last_mut() {
-                            bytes.extend_from_slice(&chunk.data);
-                        }
-                    } else if chunk.offset == 0 {
-                        tensors.push((chunk.name, chunk.shape, chunk.data.to_vec()));
-                    } else {
-                        bail!(
-                            "ReadCenter: chunk of {:?} at offset {} out of order",
-                            chunk.name,
-                            chunk.offset
-                        );
-                    }
-                }
+                Some(Kind::Chunk(chunk)) => tensors
+                    .push(chunk)
+                    .map_err(|error| anyhow::anyhow!("ReadCenter: {error}"))?,
                 Some(Kind::Done(done)) => {
-                    if done.tensors as usize != tensors.len()
-                        || done.center_version != header.center_version
-                    {
+                    if done.center_version != header.center_version {
                         bail!(
-                            "ReadCenter: {} tensors of version {} received, done says {} of version {}",
-                            tensors.len(),
+                            "ReadCenter: the header says version {}, done says {}",
                             header.center_version,
-                            done.tensors,
                             done.center_version
                         );
                     }
+                    let tensors = tensors
+                        .finish(done.tensors)
+                        .map_err(|error| anyhow::anyhow!("ReadCenter: {error}"))?;
                     return Ok(ReadCenter { header, tensors });
                 }
                 other => bail!("ReadCenter: expected chunks then done, got {other:?}"),

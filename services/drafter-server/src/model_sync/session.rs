@@ -5,6 +5,7 @@
 //! [`super::ModelSyncLink`]; apart from it so the link reads as the
 //! training thread's decisions and this as the protocol.
 
+use dflash_proto::chunks::TensorAssembler;
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 use tokio::sync::mpsc;
@@ -140,35 +141,16 @@ async fn upload(
 /// The center's tensors, chunk by chunk in order, until DONE (whose count
 /// must match).
 async fn receive_center(session: &mut Session) -> Result<Vec<WireTensor>, SyncClientError> {
-    let mut center: Vec<WireTensor> = Vec::new();
+    let mut center = TensorAssembler::default();
     loop {
         match next(session).await? {
-            proto::sync_response::Kind::Chunk(chunk) => {
-                let continues = center.last().is_some_and(|(name, _, bytes)| {
-                    *name == chunk.name && bytes.len() as u64 == chunk.offset
-                });
-                if continues {
-                    if let Some((_, _, bytes)) = center.last_mut() {
-                        bytes.extend_from_slice(&chunk.data);
-                    }
-                } else if chunk.offset == 0 {
-                    center.push((chunk.name, chunk.shape, chunk.data.to_vec()));
-                } else {
-                    return Err(SyncClientError::Protocol(format!(
-                        "chunk of {:?} at offset {} out of order",
-                        chunk.name, chunk.offset
-                    )));
-                }
-            }
+            proto::sync_response::Kind::Chunk(chunk) => center
+                .push(chunk)
+                .map_err(|error| SyncClientError::Protocol(error.to_string()))?,
             proto::sync_response::Kind::Done(done) => {
-                if done.tensors as usize != center.len() {
-                    return Err(SyncClientError::Protocol(format!(
-                        "{} tensors received, the broker sent {}",
-                        center.len(),
-                        done.tensors
-                    )));
-                }
-                return Ok(center);
+                return center
+                    .finish(done.tensors)
+                    .map_err(|error| SyncClientError::Protocol(error.to_string()))
             }
             other => {
                 return Err(SyncClientError::Protocol(format!(

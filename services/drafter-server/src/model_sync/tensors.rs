@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 use super::{SyncClientError, SyncDtype};
 
 /// One tensor in transit: name, shape, raw little-endian bytes.
-pub(super) type WireTensor = (String, Vec<u64>, Vec<u8>);
+pub(super) type WireTensor = dflash_proto::chunks::ReceivedTensor;
 
 /// The model's trainable parameters, sorted by name (the checkpoint order).
 pub(super) fn sorted_parameters(model: &DraftModel) -> Vec<(String, Tensor)> {
