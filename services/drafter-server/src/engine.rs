@@ -246,13 +246,11 @@ impl TrainingEngine for DFlashEngine {
             );
             self.trainer
                 .set_schedule_position(position.step, position.total_steps);
-            let beta1 = asynchronous_beta1(schedule.adam_beta1, clock.drafters_sharing);
-            self.trainer
-                .set_adam_beta1(if clock.drafters_sharing > 1.0 {
-                    beta1.min(schedule.sync_adam_beta1)
-                } else {
-                    beta1
-                });
+            self.trainer.set_adam_beta1(asynchronous_beta1(
+                schedule.adam_beta1,
+                clock.drafters_sharing,
+                schedule.sync_adam_beta1,
+            ));
         }
         Ok(self.trainer.step()?)
     }

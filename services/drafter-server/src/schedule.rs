@@ -145,13 +145,14 @@ pub const SHARING_MEAN_WEIGHT: f64 = 0.25;
 /// AdamW's β1 for a drafter whose center takes `drafters_sharing` drafters'
 /// steps per step of its own: `beta1^N`, so its first moment decays by
 /// `beta1` per step of the center, as one drafter's does per own step (see
-/// the module doc). One drafter (or an unknown count, 0) keeps `beta1`. At
-/// β1 0.9 with three drafters that is 0.729; in the deterministic quality
-/// test (`tests/model_sync_quality.rs`) it took the center from 0.85 to
-/// 1.03 of one drafter's τ.
-pub fn asynchronous_beta1(beta1: f64, drafters_sharing: f64) -> f64 {
-    if drafters_sharing.is_finite() && drafters_sharing > 1.0 {
-        beta1.powf(drafters_sharing.min(1024.0))
+/// the module doc), and at most `sharing_cap` (`--sync-adam-beta1`: 0, the
+/// default, drops the first moment while sharing, since asynchrony is
+/// itself momentum; 1 keeps `beta1^N`). One drafter (or an unknown count:
+/// 0 or NaN) keeps `beta1`, uncapped. At β1 0.9 with three drafters
+/// `beta1^N` is 0.729.
+pub fn asynchronous_beta1(beta1: f64, drafters_sharing: f64, sharing_cap: f64) -> f64 {
+    if drafters_sharing > 1.0 {
+        beta1.powf(drafters_sharing.min(1024.0)).min(sharing_cap)
     } else {
         beta1
     }
@@ -263,20 +264,24 @@ mod tests {
 
     #[test]
     fn each_of_n_drafters_decays_its_moment_by_beta1_per_center_step() {
-        // Unknown or one drafter: the configured β1, bit for bit.
-        assert_eq!(asynchronous_beta1(0.9, 0.0), 0.9);
-        assert_eq!(asynchronous_beta1(0.9, 1.0), 0.9);
-        assert_eq!(asynchronous_beta1(0.9, f64::NAN), 0.9);
+        // Unknown or one drafter: the configured β1, bit for bit, uncapped.
+        assert_eq!(asynchronous_beta1(0.9, 0.0, 0.0), 0.9);
+        assert_eq!(asynchronous_beta1(0.9, 1.0, 0.0), 0.9);
+        assert_eq!(asynchronous_beta1(0.9, f64::NAN, 0.0), 0.9);
         // N drafters: β1^N per own step. Over the N center steps between two
         // steps of one drafter its moment decays as much as one drafter's
         // over N steps (0.9³ = 0.729; 0.9⁸ = 0.43046721).
-        assert!((asynchronous_beta1(0.9, 3.0) - 0.729).abs() < 1e-15);
-        assert!((asynchronous_beta1(0.9, 8.0) - 0.430_467_21).abs() < 1e-15);
+        assert!((asynchronous_beta1(0.9, 3.0, 1.0) - 0.729).abs() < 1e-15);
+        assert!((asynchronous_beta1(0.9, 8.0, 1.0) - 0.430_467_21).abs() < 1e-15);
+        // ... at most the cap while sharing: 0 (the default) drops it.
+        assert_eq!(asynchronous_beta1(0.9, 3.0, 0.5), 0.5);
+        assert_eq!(asynchronous_beta1(0.9, 1.5, 0.0), 0.0);
+        assert!((asynchronous_beta1(0.9, 3.0, 0.8) - 0.729).abs() < 1e-15);
         // β1 0 (no momentum) stays 0; a huge count stays a valid β1.
-        assert_eq!(asynchronous_beta1(0.0, 5.0), 0.0);
-        let many = asynchronous_beta1(0.999, f64::INFINITY);
+        assert_eq!(asynchronous_beta1(0.0, 5.0, 1.0), 0.0);
+        let many = asynchronous_beta1(0.999, f64::INFINITY, 1.0);
         assert!((0.0..1.0).contains(&many), "{many}");
-        let many = asynchronous_beta1(0.999, 1e300);
+        let many = asynchronous_beta1(0.999, 1e300, 1.0);
         assert!((0.0..1.0).contains(&many), "{many}");
     }
 
