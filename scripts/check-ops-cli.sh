@@ -11,12 +11,9 @@ target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import j
 cargo build --quiet -p dflash-ops --bin dflash-ops
 cargo build --quiet -p dflash-broker --bin broker
 ops_cli="$target_dir/debug/dflash-ops"
-passed=0
-failed=0
-check() { # name, then a command that must succeed
-  local name="$1"; shift
-  if "$@"; then passed=$((passed + 1)); else echo "check-ops-cli: FAILED: $name" >&2; failed=$((failed + 1)); fi
-}
+check_name=check-ops-cli
+# shellcheck source=lib/check.sh
+source "$repo_root/scripts/lib/check.sh"
 links_no_torch() { ! ldd "$ops_cli" | grep -Eq 'libtorch|libc10'; }
 check "dflash-ops links no libtorch" links_no_torch
 no_torch_in_its_dependencies() { ! cargo tree -p dflash-ops -e normal --prefix none | grep -Eq '^(tch|torch-sys|dflash-model|dflash-device) '; }
@@ -45,5 +42,4 @@ healthy() { env -u LD_LIBRARY_PATH "$ops_cli" health --broker "http://$address" 
 check "health answers SERVING" healthy
 no_model_commands() { ! "$ops_cli" --help | grep -Eq '^  (local|eval|init-tiny|regenerate) '; }
 check "the model commands are not in dflash-ops" no_model_commands
-echo "check-ops-cli: $passed passed, $failed failed"
-(( failed == 0 ))
+finish
