@@ -205,7 +205,16 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         );
     }
     stop_broker(&mut broker).await;
-    let pipeline_seconds = pipeline_started.elapsed().as_secs_f64();
+    // The training's own time: until the targets and drafters exited. The
+    // evaluator may then still measure versions it read while they ran.
+    let all_exited = Instant::now();
+    let training_ended = stop.training_ended.unwrap_or(all_exited);
+    let pipeline_seconds = training_ended
+        .saturating_duration_since(pipeline_started)
+        .as_secs_f64();
+    let evaluator_tail_seconds = all_exited
+        .saturating_duration_since(training_ended)
+        .as_secs_f64();
 
     let eval_started = Instant::now();
     let processes: Vec<ProcessSummary> = children
@@ -222,6 +231,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         seconds: started.elapsed().as_secs_f64(),
         generation_seconds,
         pipeline_seconds,
+        evaluator_tail_seconds,
         eval_seconds,
     };
     let summary = summarize(&snapshot, processes, taus, timings, &inputs, &workdir, stop);

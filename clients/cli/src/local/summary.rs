@@ -42,6 +42,9 @@ pub struct LocalSummary {
     /// From the broker's start until every target and drafter exited: the
     /// time the throughput figures are computed over.
     pub pipeline_seconds: f64,
+    /// After the pipeline, the online evaluator measuring the center
+    /// versions it read during the run and had not measured yet.
+    pub evaluator_tail_seconds: f64,
     /// The τ measurements after the pipeline.
     pub eval_seconds: f64,
     pub accepted_samples: u64,
@@ -136,6 +139,7 @@ pub(super) struct Timings {
     pub(super) seconds: f64,
     pub(super) generation_seconds: f64,
     pub(super) pipeline_seconds: f64,
+    pub(super) evaluator_tail_seconds: f64,
     pub(super) eval_seconds: f64,
 }
 
@@ -184,6 +188,7 @@ pub(super) fn summarize(
         seconds: timings.seconds,
         generation_seconds: timings.generation_seconds,
         pipeline_seconds,
+        evaluator_tail_seconds: timings.evaluator_tail_seconds,
         eval_seconds: timings.eval_seconds,
         accepted_samples: snapshot.accepted_items,
         trained_samples: trained,
@@ -381,8 +386,12 @@ pub(super) fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out
         summary.tokens
     );
     println!(
-        "  wall time {:.1}s: data generation {:.1}s, pipeline {:.1}s, evaluation {:.1}s",
-        summary.seconds, summary.generation_seconds, summary.pipeline_seconds, summary.eval_seconds
+        "  wall time {:.1}s: data generation {:.1}s, pipeline {:.1}s, online evaluator after it {:.1}s, evaluation {:.1}s",
+        summary.seconds,
+        summary.generation_seconds,
+        summary.pipeline_seconds,
+        summary.evaluator_tail_seconds,
+        summary.eval_seconds
     );
     println!(
         "  pipeline throughput {:.2} samples/s, {:.0} tokens/s (over the pipeline's {:.1}s only)",
@@ -494,6 +503,7 @@ mod tests {
     const CLEAN: StopReason = StopReason {
         interrupted: false,
         timed_out: false,
+        training_ended: None,
     };
 
     /// #23: the summary's busy fraction is the run's, from the process's own

@@ -91,6 +91,9 @@ pub(super) struct StopReason {
     pub(super) interrupted: bool,
     /// `--timeout` stopped them.
     pub(super) timed_out: bool,
+    /// When every child but the evaluator had exited: the training's end
+    /// (the evaluator may go on measuring versions it read).
+    pub(super) training_ended: Option<Instant>,
 }
 
 /// The live view while the children run.
@@ -111,6 +114,7 @@ impl Watch<'_> {
         interrupt: &CancellationToken,
     ) -> StopReason {
         let mut last_line = Instant::now();
+        let mut training_ended = None;
         loop {
             for child in children
                 .iter_mut()
@@ -120,8 +124,19 @@ impl Watch<'_> {
                     child.exit_code = Some(status.code().unwrap_or(-1));
                 }
             }
+            if training_ended.is_none()
+                && children
+                    .iter()
+                    .filter(|child| child.role != "evaluator")
+                    .all(|child| child.exit_code.is_some())
+            {
+                training_ended = Some(Instant::now());
+            }
             if children.iter().all(|child| child.exit_code.is_some()) {
-                return StopReason::default();
+                return StopReason {
+                    training_ended,
+                    ..StopReason::default()
+                };
             }
             if interrupt.is_cancelled() || Instant::now() > deadline {
                 let interrupted = interrupt.is_cancelled();
@@ -129,6 +144,7 @@ impl Watch<'_> {
                 return StopReason {
                     interrupted,
                     timed_out: !interrupted,
+                    training_ended,
                 };
             }
             if let Ok(snapshot) = self.client.status().await {
