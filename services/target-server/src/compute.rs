@@ -145,8 +145,28 @@ impl SyntheticBackend {
         Bytes::from(payload)
     }
 
-    fn produce(&mut self, batch: &PlannedBatch, stop: &CancellationToken) -> Vec<Bytes> {
+    /// Holds the set rate before the next batch: waits until the tokens
+    /// produced so far are due (at `tokens_per_second` since the first
+    /// batch), or `stop`. The compute thread calls it before it starts the
+    /// batch's clock: holding is idle time, not device time, so a target
+    /// held to a low rate reports a low busy fraction.
+    pub fn hold_rate(&mut self, stop: &CancellationToken) {
         let started = *self.started.get_or_insert_with(Instant::now);
+        if self.spec.tokens_per_second <= 0.0 {
+            return;
+        }
+        let due = started
+            + Duration::from_secs_f64(self.tokens_produced as f64 / self.spec.tokens_per_second);
+        while !stop.is_cancelled() {
+            let now = Instant::now();
+            if now >= due {
+                break;
+            }
+            std::thread::sleep((due - now).min(Duration::from_millis(50)));
+        }
+    }
+
+    fn produce(&mut self, batch: &PlannedBatch) -> Vec<Bytes> {
         let payloads = batch
             .samples
             .iter()
@@ -165,20 +185,6 @@ impl SyntheticBackend {
             })
             .collect();
         self.tokens_produced += batch.real_tokens() as u64;
-        if self.spec.tokens_per_second > 0.0 {
-            // Hold the set rate: wait until this many tokens are "due".
-            let due = started
-                + Duration::from_secs_f64(
-                    self.tokens_produced as f64 / self.spec.tokens_per_second,
-                );
-            while !stop.is_cancelled() {
-                let now = Instant::now();
-                if now >= due {
-                    break;
-                }
-                std::thread::sleep((due - now).min(Duration::from_millis(50)));
-            }
-        }
         payloads
     }
 }
@@ -271,6 +277,9 @@ pub fn run_compute_thread(
             first_seq = batch.samples.first().map(|sample| sample.seq),
         );
         let trace_context = dflash_telemetry::inject_context_of(&span);
+        if let Backend::Synthetic(synthetic) = &mut backend {
+            synthetic.hold_rate(&stop);
+        }
         let forward_started = Instant::now();
         let hidden = {
             let _entered = span.enter();
@@ -279,7 +288,7 @@ pub fn run_compute_thread(
                     HiddenStates::Batched(forward(model, layer_ids, &batch)?)
                 }
                 Backend::Synthetic(synthetic) => {
-                    HiddenStates::PerSample(synthetic.produce(&batch, &stop))
+                    HiddenStates::PerSample(synthetic.produce(&batch))
                 }
             }
         };
@@ -528,9 +537,14 @@ mod tests {
         let batch = batch_of(&[50, 20]);
         let started = Instant::now();
         let stop = CancellationToken::new();
-        let first = backend.produce(&batch, &stop);
-        let second = backend.produce(&batch, &stop);
-        // 140 tokens at 2000/s take at least 70 ms.
+        backend.hold_rate(&stop);
+        let first = backend.produce(&batch);
+        backend.hold_rate(&stop);
+        let second = backend.produce(&batch);
+        // The 70 tokens made before the second batch are due 35 ms in;
+        // before the third, 140 tokens: 70 ms.
+        assert!(started.elapsed() >= Duration::from_millis(35));
+        backend.hold_rate(&stop);
         assert!(started.elapsed() >= Duration::from_millis(70));
         assert_eq!(first[0].len(), 50 * 24 * 2);
         assert_eq!(second[1].len(), 20 * 24 * 2);
