@@ -603,10 +603,15 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
             .collect()
     };
     assert_eq!(bits(&read), bits(&alone), "the same center, bit for bit");
+    // Six versions read, none reported: the last ones the broker keeps.
     assert_eq!(
         read_status.evaluations_pending.len(),
-        2,
+        dflash_broker::model_sync::evaluation::DEFAULT_MAX_PENDING_READS as usize,
         "the last versions read are kept for their reports"
+    );
+    assert_eq!(
+        read_status.max_pending_evaluations,
+        dflash_broker::model_sync::evaluation::DEFAULT_MAX_PENDING_READS
     );
     assert_eq!(training_status(read_status), training_status(alone_status));
 }
