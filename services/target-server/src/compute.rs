@@ -287,9 +287,7 @@ pub fn run_compute_thread(
                 Backend::Target { model, layer_ids } => {
                     HiddenStates::Batched(forward(model, layer_ids, &batch)?)
                 }
-                Backend::Synthetic(synthetic) => {
-                    HiddenStates::PerSample(synthetic.produce(&batch))
-                }
+                Backend::Synthetic(synthetic) => HiddenStates::PerSample(synthetic.produce(&batch)),
             }
         };
         let item = ComputedBatch {
