@@ -303,6 +303,38 @@ async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
     Ok(())
 }
 
+/// A synthetic target held to a low token rate waits, not works: its busy
+/// fraction counts the batches' making, not the holds. 20 samples of 16
+/// tokens at 400 tokens/s, batches of 32 tokens: the holds before the
+/// second to the tenth batch take (320 - 32) / 400 = 0.72 s; copying 32
+/// rows of 64 bytes takes microseconds, so even a loaded machine's
+/// scheduling delays stay far below half of the run. (It reported about 1
+/// when the hold counted as device time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synthetic_target_held_to_a_low_rate_is_mostly_idle() -> Result<()> {
+    let broker = TestBroker::for_targets(1).await;
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
+    let model: ModelSource = "synthetic:hidden=16,layers=2,tokens_per_s=400,samples=20,seq_len=16"
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.max_batch_tokens = 32;
+    let report = run(config, CancellationToken::new()).await?;
+    let drained = drafter.await??;
+    ensure!(
+        report.completed && report.total_accepted == 20,
+        "{report:?}"
+    );
+    ensure!(drained.deliveries.len() == 20);
+    ensure!(
+        report.busy_fraction > 0.0 && report.busy_fraction < 0.5,
+        "busy fraction {} of a target held to 400 tokens/s",
+        report.busy_fraction
+    );
+    broker.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_shard() -> Result<()>
 {
