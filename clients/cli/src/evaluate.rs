@@ -760,14 +760,19 @@ mod tests {
     /// read at once, up to the backlog (and the broker's bound), measured
     /// in turn; the final version is read once the run is over and the
     /// watcher stops only when all is measured.
-    #[test]
-    fn due_versions_are_read_while_measuring_up_to_the_backlog_then_the_final_one() {
+    /// Every 10 versions (the time rule out of the way), `backlog` ahead.
+    fn every_ten_versions(backlog: u32) -> Watcher {
         let schedule = Schedule {
             every_versions: 10,
             every: Duration::from_secs(3600),
         };
+        Watcher::new(schedule, backlog)
+    }
+
+    #[test]
+    fn due_versions_are_read_while_measuring_up_to_the_backlog_then_the_final_one() {
         let start = Instant::now();
-        let mut watcher = Watcher::new(schedule, 3);
+        let mut watcher = every_ten_versions(3);
         assert_eq!(
             watcher.on_status(None, 4, false, start),
             Next::Wait,
@@ -812,12 +817,8 @@ mod tests {
 
     #[test]
     fn a_failed_measurement_is_read_again_unless_it_is_the_final_one() {
-        let schedule = Schedule {
-            every_versions: 10,
-            every: Duration::from_secs(3600),
-        };
         let start = Instant::now();
-        let mut watcher = Watcher::new(schedule, 2);
+        let mut watcher = every_ten_versions(2);
         assert_eq!(watcher.on_status(Some(4), 0, false, start), Next::Read);
         watcher.read(4, start);
         assert_eq!(watcher.measured(4, false), Ok(()));

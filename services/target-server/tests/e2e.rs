@@ -274,16 +274,30 @@ async fn restarted_target_skips_exactly_what_the_broker_accepted() -> Result<()>
     Ok(())
 }
 
+/// A synthetic target-0 (`spec` after `synthetic:`) for `broker`, in
+/// batches of at most `max_batch_tokens`.
+fn synthetic_target(
+    broker: &TestBroker,
+    spec: &str,
+    max_batch_tokens: usize,
+) -> Result<TargetServerConfig> {
+    let model: ModelSource = format!("synthetic:{spec}")
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.max_batch_tokens = max_batch_tokens;
+    Ok(config)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
     let broker = TestBroker::for_targets(1).await;
     let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
-    let model: ModelSource =
-        "synthetic:hidden=32,layers=3,tokens_per_s=0,samples=9,seq_len=16,vocab=1000"
-            .parse()
-            .map_err(anyhow::Error::msg)?;
-    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
-    config.max_batch_tokens = 64;
+    let config = synthetic_target(
+        &broker,
+        "hidden=32,layers=3,tokens_per_s=0,samples=9,seq_len=16,vocab=1000",
+        64,
+    )?;
     let report = run(config, CancellationToken::new()).await?;
     let drained = drafter.await??;
     ensure!(
@@ -314,11 +328,11 @@ async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
 async fn a_synthetic_target_held_to_a_low_rate_is_mostly_idle() -> Result<()> {
     let broker = TestBroker::for_targets(1).await;
     let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
-    let model: ModelSource = "synthetic:hidden=16,layers=2,tokens_per_s=400,samples=20,seq_len=16"
-        .parse()
-        .map_err(anyhow::Error::msg)?;
-    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
-    config.max_batch_tokens = 32;
+    let config = synthetic_target(
+        &broker,
+        "hidden=16,layers=2,tokens_per_s=400,samples=20,seq_len=16",
+        32,
+    )?;
     let report = run(config, CancellationToken::new()).await?;
     let drained = drafter.await??;
     ensure!(
@@ -341,11 +355,11 @@ async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_s
     let broker = TestBroker::for_targets(1).await;
     let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
     // 40 samples of 16 tokens at 800 tokens/s: about 0.8 s of work.
-    let model: ModelSource = "synthetic:hidden=16,layers=2,tokens_per_s=800,samples=40,seq_len=16"
-        .parse()
-        .map_err(anyhow::Error::msg)?;
-    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
-    config.max_batch_tokens = 32;
+    let mut config = synthetic_target(
+        &broker,
+        "hidden=16,layers=2,tokens_per_s=800,samples=40,seq_len=16",
+        32,
+    )?;
     config.sort_window = 8;
 
     let shutdown = CancellationToken::new();
