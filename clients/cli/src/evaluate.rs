@@ -130,6 +130,24 @@ pub struct Point {
     pub best: bool,
 }
 
+impl Point {
+    /// The point as reported (not yet known to be the best).
+    fn of(point: &proto::TauPoint) -> Point {
+        Point {
+            center_version: point.center_version,
+            center_samples: point.center_samples,
+            tau: point.tau,
+            prompts: point.prompts as usize,
+            generated_tokens: point.generated_tokens as usize,
+            verification_steps: point.verification_steps as usize,
+            eval_seconds: point.eval_seconds,
+            unix_time_ms: point.unix_time_ms,
+            read_unix_time_ms: point.read_unix_time_ms,
+            best: false,
+        }
+    }
+}
+
 /// A center version read with `ReadCenter`: its header and every tensor
 /// (name, shape, f32 little-endian bytes).
 pub struct ReadCenter {
@@ -355,18 +373,7 @@ impl Bench {
             evaluator_id: evaluator.evaluator_id.clone(),
             read_unix_time_ms: measured.read_unix_time_ms,
         };
-        let mut local = Point {
-            center_version: version,
-            center_samples: samples,
-            tau: measured_report.mean_acceptance_length,
-            prompts: measured_report.prompts,
-            generated_tokens: measured_report.generated_tokens,
-            verification_steps: measured_report.verification_steps,
-            eval_seconds: measured_report.seconds,
-            unix_time_ms: point.unix_time_ms,
-            read_unix_time_ms: point.read_unix_time_ms,
-            best: false,
-        };
+        let mut local = Point::of(&point);
         match evaluator.report(point).await {
             Ok(result) => {
                 local.best = result.best;

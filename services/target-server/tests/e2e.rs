@@ -10,7 +10,8 @@ use common::*;
 use dflash_model::chat::{parse_line, ChatEncoder};
 use dflash_model::target_model::TargetModel;
 use dflash_proto::v1 as proto;
-use dflash_target_server::{run, ModelSource, TargetServerConfig};
+use dflash_target_server::{run, ModelSource, TargetReport, TargetServerConfig};
+use dflash_testkit::Drained;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -289,22 +290,36 @@ fn synthetic_target(
     Ok(config)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
+/// Runs that synthetic target to its end against a fresh broker and one
+/// test drafter, and checks that it completed with `samples` accepted and
+/// that the drafter got every one. The broker is returned still serving.
+async fn synthetic_run(
+    spec: &str,
+    max_batch_tokens: usize,
+    samples: u64,
+) -> Result<(TestBroker, TargetReport, Drained)> {
     let broker = TestBroker::for_targets(1).await;
     let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
-    let config = synthetic_target(
-        &broker,
-        "hidden=32,layers=3,tokens_per_s=0,samples=9,seq_len=16,vocab=1000",
-        64,
-    )?;
+    let config = synthetic_target(&broker, spec, max_batch_tokens)?;
     let report = run(config, CancellationToken::new()).await?;
     let drained = drafter.await??;
     ensure!(
-        report.completed && report.device == "synthetic" && report.total_accepted == 9,
+        report.completed && report.total_accepted == samples,
         "{report:?}"
     );
-    ensure!(drained.deliveries.len() == 9);
+    ensure!(drained.deliveries.len() as u64 == samples);
+    Ok((broker, report, drained))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
+    let (broker, report, drained) = synthetic_run(
+        "hidden=32,layers=3,tokens_per_s=0,samples=9,seq_len=16,vocab=1000",
+        64,
+        9,
+    )
+    .await?;
+    ensure!(report.device == "synthetic", "{report:?}");
     for delivery in &drained.deliveries {
         let sample = delivery.sample.as_ref().context("no sample")?;
         ensure!(check_shapes(sample, 96)? == 16);
@@ -326,20 +341,12 @@ async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
 /// when the hold counted as device time.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_synthetic_target_held_to_a_low_rate_is_mostly_idle() -> Result<()> {
-    let broker = TestBroker::for_targets(1).await;
-    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
-    let config = synthetic_target(
-        &broker,
+    let (broker, report, _) = synthetic_run(
         "hidden=16,layers=2,tokens_per_s=400,samples=20,seq_len=16",
         32,
-    )?;
-    let report = run(config, CancellationToken::new()).await?;
-    let drained = drafter.await??;
-    ensure!(
-        report.completed && report.total_accepted == 20,
-        "{report:?}"
-    );
-    ensure!(drained.deliveries.len() == 20);
+        20,
+    )
+    .await?;
     ensure!(
         report.busy_fraction > 0.0 && report.busy_fraction < 0.5,
         "busy fraction {} of a target held to 400 tokens/s",
