@@ -22,7 +22,7 @@
 //! that the target continues greedily, as `dflash eval` does.
 //!
 //! Knobs: `DFLASH_SYNC_QUALITY_{SEEDS,LR,EPOCHS,SYNC_EVERY,MOMENTUM,OUTER_LR,
-//! MOMENTUM_DELAY,STALENESS_SCALING,INNER_LR_EXPONENT,INNER_BETA1,DRAFTERS,ADAM_BETA1}`
+//! MOMENTUM_DELAY,STALENESS_SCALING,INNER_LR_EXPONENT,INNER_BETA1,DRAFTERS,ADAM_BETA1,BATCH}`
 //! override the settings below; the study also reads
 //! `DFLASH_STUDY_{DRAFTERS,SEEDS}` (comma-separated lists). `-- --nocapture`
 //! prints τ and the loss curves.
@@ -92,6 +92,8 @@ struct Setting {
     epochs: usize,
     /// Optimizer steps between a synced drafter's exchanges.
     sync_every: u64,
+    /// Samples per optimizer step of each drafter.
+    batch: usize,
     adam_beta1: f64,
 }
 
@@ -102,6 +104,7 @@ impl Setting {
             learning_rate: knob("LR", LEARNING_RATE),
             epochs: knob("EPOCHS", EPOCHS as f64) as usize,
             sync_every: knob("SYNC_EVERY", SYNC_EVERY as f64) as u64,
+            batch: knob("BATCH", BATCH as f64) as usize,
             adam_beta1: knob("ADAM_BETA1", 0.9),
         }
     }
@@ -197,7 +200,7 @@ fn drafter_config(id: &str, work: &Path, setting: &Setting, seed: u64) -> Drafte
     config.num_anchors = 32;
     config.learning_rate = setting.learning_rate;
     config.adam_beta1 = setting.adam_beta1;
-    config.max_step_samples = BATCH;
+    config.max_step_samples = setting.batch;
     config.seed = seed;
     config
 }
@@ -244,7 +247,7 @@ fn train(
     mode: Mode,
     run: &[proto::Sample],
 ) -> RunResult {
-    let steps_per_drafter = run.len().div_ceil(BATCH * drafters) as u64;
+    let steps_per_drafter = run.len().div_ceil(setting.batch * drafters) as u64;
     let sync = SyncConfig {
         sync_every: setting.sync_every,
         ..SyncConfig::default()
@@ -303,8 +306,8 @@ fn train(
             let batch: Vec<_> = trainee
                 .stream
                 .iter()
-                .skip(round * BATCH)
-                .take(BATCH)
+                .skip(round * setting.batch)
+                .take(setting.batch)
                 .map(|sample| trainee.engine.prepare(sample).unwrap())
                 .collect();
             if batch.is_empty() {
@@ -543,6 +546,11 @@ fn measure(drafters: usize, seed: u64) -> Taus {
 /// per seed and the study this default came from. The goal is on
 /// every seed: seeds 0, 1 and 2 (`DFLASH_SYNC_QUALITY_SEEDS` overrides;
 /// measured 0.994, 1.166, 1.152).
+///
+/// What it guards is the method at this setting, not the goal at every
+/// learning rate: 1e-3 is far below the one drafter's best (τ 1.517 on
+/// seed 0, against 2.82 at 16e-3), and at 4e-3 the 3-drafter center reaches
+/// 0.72 of it (BENCHMARKS.md, "The reference's learning rate").
 #[test]
 fn three_synced_drafters_reach_one_drafters_tau_and_beat_three_independent_ones() {
     let drafters = knob("DRAFTERS", 3.0) as usize;
@@ -584,10 +592,21 @@ fn three_synced_drafters_on(drafters: usize, seed: u64) {
 /// The study (`make study`, or `cargo test -p dflash-drafter-server --test
 /// model_sync_quality -- --ignored study --nocapture`): for each seed of
 /// `DFLASH_STUDY_SEEDS` (default 0,1,2), one drafter alone on every sample,
-/// then N synced drafters for each N of `DFLASH_STUDY_DRAFTERS` (default
-/// 1,2,3,4,8) on the same samples, with the method and setting of the
-/// knobs. Prints one line per run as it ends and the table at the end:
-/// τ of the center / τ of one drafter, per N and seed, and the wall time.
+/// then for each N of `DFLASH_STUDY_DRAFTERS` (default 1,2,3,4,8), on the
+/// same samples:
+/// - N synced drafters, with the method and setting of the knobs (the
+///   center);
+/// - N independent drafters, each on its 1/N of the samples: what N
+///   drafters give without sync, and what one drafter reaches in the same
+///   steps (the same wall time when drafters limit the run);
+/// - one drafter whose steps take N times the samples (N rounds' samples
+///   per step, at the learning rate × N^`DFLASH_STUDY_CEILING_LR_EXPONENT`,
+///   default 0.5, Adam's square-root rule): synchronous data parallelism
+///   done perfectly, the ceiling of any method that averages N drafters'
+///   work taken at one point.
+///
+/// Prints one line per run as it ends and the table at the end: τ of each
+/// over τ of the one drafter, per N and seed, and the wall time.
 #[test]
 #[ignore = "the study behind the outer optimizer's defaults: minutes per seed"]
 fn study() {
@@ -595,16 +614,21 @@ fn study() {
     let method = Method::from_env();
     let counts = list("DFLASH_STUDY_DRAFTERS", &[1, 2, 3, 4, 8]);
     let seeds = list("DFLASH_STUDY_SEEDS", &[0, 1, 2]);
+    let ceiling_lr_exponent = std::env::var("DFLASH_STUDY_CEILING_LR_EXPONENT")
+        .ok()
+        .map_or(0.5, |value| value.parse().expect("a number"));
     let base = Setting::from_env(0);
     eprintln!(
-        "study: {}; lr {}, {} epochs of {TRAIN_SEQUENCES} sequences, batch {BATCH}, a sync every {} steps",
+        "study: {}; lr {}, {} epochs of {TRAIN_SEQUENCES} sequences, batch {}, a sync every {} steps; ceiling at lr x N^{ceiling_lr_exponent}",
         method.describe(),
         base.learning_rate,
         base.epochs,
+        base.batch,
         base.sync_every
     );
-    // ratios[n][s]: center / one drafter for counts[n], seeds[s].
-    let mut ratios = vec![vec![0.0; seeds.len()]; counts.len()];
+    // rows[n][s]: (center, independent mean, ceiling) / one drafter for
+    // counts[n], seeds[s].
+    let mut rows = vec![vec![[0.0; 3]; seeds.len()]; counts.len()];
     let mut seconds = vec![0.0; counts.len()];
     let mut alone_taus = Vec::new();
     for (s, &seed) in seeds.iter().enumerate() {
@@ -631,23 +655,55 @@ fn study() {
             loss_curve(&alone.losses)
         );
         for (n, &count) in counts.iter().enumerate() {
+            let count = count as usize;
             let started = Instant::now();
             let synced = train(
                 &work.join(format!("synced-{count}")),
                 runtime.handle(),
                 &setting,
                 &method,
-                count as usize,
+                count,
                 Mode::Synced,
                 &run,
             );
             let center = tau(synced.center.as_ref().unwrap(), &held_out);
-            let elapsed = started.elapsed().as_secs_f64();
-            seconds[n] += elapsed;
-            ratios[n][s] = center / alone_tau;
+            seconds[n] += started.elapsed().as_secs_f64();
+            let independent = train(
+                &work.join(format!("independent-{count}")),
+                runtime.handle(),
+                &setting,
+                &method,
+                count,
+                Mode::Independent,
+                &run,
+            );
+            let independent_tau = independent
+                .drafters
+                .iter()
+                .map(|dir| tau(dir, &held_out))
+                .sum::<f64>()
+                / count as f64;
+            let large_batch = Setting {
+                batch: setting.batch * count,
+                learning_rate: setting.learning_rate * (count as f64).powf(ceiling_lr_exponent),
+                ..setting
+            };
+            let ceiling = train(
+                &work.join(format!("ceiling-{count}")),
+                runtime.handle(),
+                &large_batch,
+                &method,
+                1,
+                Mode::Independent,
+                &run,
+            );
+            let ceiling_tau = tau(&ceiling.drafters[0], &held_out);
+            rows[n][s] = [center, independent_tau, ceiling_tau].map(|value| value / alone_tau);
             eprintln!(
-                "study: seed {seed}: {count} drafters: center {center:.3}, / one drafter {:.3} ({elapsed:.0} s); loss {:.3?}",
-                ratios[n][s],
+                "study: seed {seed}: {count} drafters: center {center:.3}, / one drafter {:.3}; independent {independent_tau:.3} ({:.3}); ceiling {ceiling_tau:.3} ({:.3}); loss {:.3?}",
+                rows[n][s][0],
+                rows[n][s][1],
+                rows[n][s][2],
                 loss_curve(&synced.losses)
             );
         }
@@ -662,18 +718,22 @@ fn study() {
             .collect::<Vec<_>>()
             .join(" / ")
     );
+    println!("each cell: center / independent (mean) / ceiling, over one drafter's tau");
     println!(
-        "| drafters | {} | lowest | s per run |",
+        "| drafters | {} | lowest center | s per synced run |",
         seed_columns.join(" | ")
     );
     println!("|---|{}---|---|", "---|".repeat(seeds.len()));
     for (n, &count) in counts.iter().enumerate() {
-        let lowest = ratios[n].iter().copied().fold(f64::INFINITY, f64::min);
+        let lowest = rows[n]
+            .iter()
+            .map(|row| row[0])
+            .fold(f64::INFINITY, f64::min);
         println!(
             "| {count} | {} | {lowest:.3} | {:.0} |",
-            ratios[n]
+            rows[n]
                 .iter()
-                .map(|ratio| format!("{ratio:.3}"))
+                .map(|row| format!("{:.3} / {:.3} / {:.3}", row[0], row[1], row[2]))
                 .collect::<Vec<_>>()
                 .join(" | "),
             seconds[n] / seeds.len() as f64
