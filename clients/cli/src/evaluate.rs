@@ -2,9 +2,9 @@
 //!
 //! The evaluator reads the center with `ModelSync.ReadCenter` (read-only:
 //! it opens no sync session, so it never counts as a drafter, changes
-//! nothing of the center and is never waited for), writes it as a drafter
-//! checkpoint in its scratch folder, measures τ on held-out prompts with
-//! `dflash_model::eval` (the same code as `dflash eval`: greedy, the
+//! nothing of the center and is never waited for), builds the drafter from
+//! the tensors read (in memory: nothing is written), measures τ on held-out
+//! prompts with `dflash_model::eval` (the same code as `dflash eval`: greedy, the
 //! target's KV cache, the bonus token counted; the target is loaded once),
 //! and reports it with `ModelSync.ReportTau`; the broker keeps the history
 //! and writes the best version to `center-best/`.
@@ -27,11 +27,13 @@
 //! thread budget (`--threads`, 1 by default), on a GPU on its own
 //! `--device`.
 
-use std::path::{Path, PathBuf};
+use std::collections::HashMap;
+use std::path::PathBuf;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context as _};
 use dflash_client::{BrokerClient, ClientSecurityArgs};
+use dflash_model::draft::DraftConfig;
 use dflash_model::target_model::TargetModel;
 use dflash_proto::chunks::TensorAssembler;
 use dflash_proto::v1 as proto;
@@ -88,10 +90,6 @@ pub struct EvaluateArgs {
     pub threads: usize,
     #[arg(long, default_value = "evaluator")]
     pub evaluator_id: String,
-    /// The center versions read are written here (one folder, replaced each
-    /// time). Default: a temporary folder.
-    #[arg(long)]
-    pub scratch: Option<PathBuf>,
     /// Write the τ curve (JSON) here when done.
     #[arg(long)]
     pub report_file: Option<PathBuf>,
@@ -113,39 +111,13 @@ pub struct EvaluatorReport {
     pub refused_reports: u64,
 }
 
-/// One evaluation.
+/// One evaluation: the point as reported to the broker, and whether the
+/// broker made it the best so far (and wrote it to `center-best/`).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Point {
-    pub center_version: u64,
-    pub center_samples: u64,
-    pub tau: f64,
-    pub prompts: usize,
-    pub generated_tokens: usize,
-    pub verification_steps: usize,
-    pub eval_seconds: f64,
-    /// When the measurement ended, and when the version was read.
-    pub unix_time_ms: u64,
-    pub read_unix_time_ms: u64,
-    /// The broker made it the best so far (and wrote it to center-best/).
+    #[serde(flatten)]
+    pub point: proto::TauPoint,
     pub best: bool,
-}
-
-impl Point {
-    /// The point as reported (not yet known to be the best).
-    fn of(point: &proto::TauPoint) -> Point {
-        Point {
-            center_version: point.center_version,
-            center_samples: point.center_samples,
-            tau: point.tau,
-            prompts: point.prompts as usize,
-            generated_tokens: point.generated_tokens as usize,
-            verification_steps: point.verification_steps as usize,
-            eval_seconds: point.eval_seconds,
-            unix_time_ms: point.unix_time_ms,
-            read_unix_time_ms: point.read_unix_time_ms,
-            best: false,
-        }
-    }
 }
 
 /// A center version read with `ReadCenter`: its header and every tensor
@@ -240,16 +212,18 @@ impl Evaluator {
     }
 }
 
-/// Writes a center read as a drafter checkpoint (reference dflash format:
-/// `config.json`, `model.safetensors` in f32) into `dir`, replacing it.
-pub fn write_checkpoint(center: &ReadCenter, dir: &Path) -> anyhow::Result<()> {
-    if dir.exists() {
-        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
-    }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    std::fs::write(dir.join("config.json"), &center.header.model_config_json)?;
-    let mut named = Vec::with_capacity(center.tensors.len());
-    for (name, shape, bytes) in &center.tensors {
+/// A center read as the evaluator measures it: its configuration (the
+/// header's `config.json`) and its parameters as f32 tensors, in memory.
+/// Each tensor's bytes are freed once copied, so the weights are held
+/// once and a half at most.
+pub fn center_model(
+    center: ReadCenter,
+) -> anyhow::Result<(DraftConfig, HashMap<String, tch::Tensor>)> {
+    let config_json: serde_json::Value = serde_json::from_str(&center.header.model_config_json)
+        .context("the center's model config is not JSON")?;
+    let config = DraftConfig::from_hf_json(&config_json)?;
+    let mut tensors = HashMap::with_capacity(center.tensors.len());
+    for (name, shape, bytes) in center.tensors {
         let shape: Vec<i64> = shape.iter().map(|&dim| dim as i64).collect();
         let elements: i64 = shape.iter().product();
         if bytes.len() as i64 != 4 * elements {
@@ -259,13 +233,10 @@ pub fn write_checkpoint(center: &ReadCenter, dir: &Path) -> anyhow::Result<()> {
                 4 * elements
             );
         }
-        let tensor = tch::Tensor::f_from_data_size(bytes, &shape, tch::Kind::Float)?;
-        named.push((name.clone(), tensor));
+        let tensor = tch::Tensor::f_from_data_size(&bytes, &shape, tch::Kind::Float)?;
+        tensors.insert(name, tensor);
     }
-    let path = dir.join("model.safetensors");
-    tch::Tensor::write_safetensors(&named, &path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    Ok(())
+    Ok((config, tensors))
 }
 
 fn unix_time_ms() -> u64 {
@@ -282,7 +253,6 @@ struct Bench {
     target: Option<TargetModel>,
     prompts: Vec<Vec<i64>>,
     options: dflash_model::eval::EvalOptions,
-    checkpoint: PathBuf,
 }
 
 /// A center version read, waiting for its measurement.
@@ -312,30 +282,30 @@ struct Measured {
 type Measuring = tokio::task::JoinHandle<Measured>;
 
 impl Bench {
-    /// Writes the version read as a checkpoint and measures τ on a blocking
-    /// thread, which owns the target meanwhile.
+    /// Measures τ of the version read on a blocking thread, which owns
+    /// the target meanwhile.
     fn start(&mut self, read: Read) -> anyhow::Result<Measuring> {
         let target = self.target.take().context("the target model is gone")?;
-        let (prompts, options, checkpoint) = (
-            self.prompts.clone(),
-            self.options.clone(),
-            self.checkpoint.clone(),
-        );
+        let (prompts, options) = (self.prompts.clone(), self.options.clone());
         Ok(tokio::task::spawn_blocking(move || {
             let Read {
                 center,
                 read_unix_time_ms,
             } = read;
-            let version = center.header.center_version;
-            let result = write_checkpoint(&center, &checkpoint)
-                .and_then(|()| {
-                    dflash_model::eval::evaluate_loaded(&target, &checkpoint, &prompts, &options)
-                        .map_err(anyhow::Error::from)
+            let header = center.header.clone();
+            let version = header.center_version;
+            let result = center_model(center)
+                .and_then(|(config, tensors)| {
+                    let origin = format!("center version {version}");
+                    dflash_model::eval::evaluate_tensors(
+                        &target, config, tensors, &origin, &prompts, &options,
+                    )
+                    .map_err(anyhow::Error::from)
                 })
                 .with_context(|| format!("evaluating center version {version}"));
             Measured {
                 target,
-                header: center.header,
+                header,
                 read_unix_time_ms,
                 result,
             }
@@ -373,7 +343,10 @@ impl Bench {
             evaluator_id: evaluator.evaluator_id.clone(),
             read_unix_time_ms: measured.read_unix_time_ms,
         };
-        let mut local = Point::of(&point);
+        let mut local = Point {
+            point: point.clone(),
+            best: false,
+        };
         match evaluator.report(point).await {
             Ok(result) => {
                 local.best = result.best;
@@ -388,21 +361,24 @@ impl Bench {
                 warn!(version, code = ?status.code(), message = status.message(), "the broker refused the τ report");
             }
         }
-        let waited_ms = local.unix_time_ms.saturating_sub(local.read_unix_time_ms);
+        let waited_ms = local
+            .point
+            .unix_time_ms
+            .saturating_sub(local.point.read_unix_time_ms);
         info!(
             version,
             samples,
-            tau = local.tau,
-            seconds = local.eval_seconds,
+            tau = local.point.tau,
+            seconds = local.point.eval_seconds,
             read_seconds_ago = waited_ms as f64 / 1e3,
             best = local.best,
             "center evaluated"
         );
         println!(
             "center v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s (read {:.1}s before){}",
-            local.tau,
-            local.prompts,
-            local.eval_seconds,
+            local.point.tau,
+            local.point.prompts,
+            local.point.eval_seconds,
             waited_ms as f64 / 1e3,
             if local.best { "  (best so far)" } else { "" }
         );
@@ -476,17 +452,6 @@ pub async fn run(
     if args.max_prompts > 0 {
         prompts.truncate(args.max_prompts);
     }
-    let scratch_holder;
-    let scratch = match &args.scratch {
-        Some(dir) => dir.clone(),
-        None => {
-            scratch_holder = tempfile::Builder::new()
-                .prefix("dflash-evaluate-")
-                .tempdir()
-                .context("creating a scratch folder")?;
-            scratch_holder.path().to_path_buf()
-        }
-    };
     let target_dir = args.target.clone();
     let target =
         tokio::task::spawn_blocking(move || dflash_model::eval::load_target(&target_dir, device))
@@ -501,7 +466,6 @@ pub async fn run(
             device,
         },
         prompts,
-        checkpoint: scratch.join("center"),
     };
     let mut evaluator =
         Evaluator::connect(&args.broker, &args.security, &args.evaluator_id).await?;
@@ -533,28 +497,31 @@ pub enum Next {
     Stop,
 }
 
-/// The watch loop's decisions, apart from its RPCs and the clock: which
-/// version to read when, how many wait for their measurement, and when
-/// the evaluator is done.
+/// The watch loop's decisions and its backlog, apart from its RPCs and the
+/// clock: which version to read when, the versions read (`T`: what was
+/// read) waiting for their measurement, which one is being measured, and
+/// when the evaluator is done.
 #[derive(Debug, Clone)]
-pub struct Watcher {
+pub struct Watcher<T> {
     schedule: Schedule,
     backlog: usize,
-    /// Versions read and not yet measured, oldest first (the one being
-    /// measured included).
-    unmeasured: std::collections::VecDeque<u64>,
+    /// Versions read and not yet being measured, oldest first.
+    waiting: std::collections::VecDeque<(u64, T)>,
+    /// The version being measured.
+    measuring: Option<u64>,
     last_read: Option<(u64, Instant)>,
     /// The run's last version, once the run is over.
     final_version: Option<u64>,
 }
 
-impl Watcher {
+impl<T> Watcher<T> {
     /// `backlog`: versions read and not yet measured at most (at least 1).
     pub fn new(schedule: Schedule, backlog: u32) -> Self {
         Watcher {
             schedule,
             backlog: (backlog as usize).max(1),
-            unmeasured: std::collections::VecDeque::new(),
+            waiting: std::collections::VecDeque::new(),
+            measuring: None,
             last_read: None,
             final_version: None,
         }
@@ -581,32 +548,43 @@ impl Watcher {
                 // Reading more than the broker keeps would let an
                 // unreported version go; the next poll reads once one is
                 // measured.
-                return if self.unmeasured.len() < backlog {
+                return if self.unmeasured() < backlog {
                     Next::Read
                 } else {
                     Next::Wait
                 };
             }
         }
-        if over && self.unmeasured.is_empty() {
+        if over && self.unmeasured() == 0 {
             Next::Stop
         } else {
             Next::Wait
         }
     }
 
-    /// A version was read (queued for measurement).
-    pub fn read(&mut self, version: u64, now: Instant) {
+    /// A version was read: it waits for its measurement.
+    pub fn read(&mut self, version: u64, read: T, now: Instant) {
         self.last_read = Some((version, now));
-        self.unmeasured.push_back(version);
+        self.waiting.push_back((version, read));
     }
 
-    /// A version's measurement ended. A failed one is read again when
+    /// The oldest version read, to measure now, unless one is being
+    /// measured (one at a time) or none waits.
+    pub fn next_to_measure(&mut self) -> Option<T> {
+        if self.measuring.is_some() {
+            return None;
+        }
+        let (version, read) = self.waiting.pop_front()?;
+        self.measuring = Some(version);
+        Some(read)
+    }
+
+    /// The measurement of `version` ended. A failed one is read again when
     /// due, unless it is the run's final version: that failure ends the
     /// evaluator (`Err`).
     pub fn measured(&mut self, version: u64, ok: bool) -> Result<(), u64> {
-        if let Some(index) = self.unmeasured.iter().position(|&read| read == version) {
-            self.unmeasured.remove(index);
+        if self.measuring == Some(version) {
+            self.measuring = None;
         }
         if ok {
             return Ok(());
@@ -620,9 +598,10 @@ impl Watcher {
         Ok(())
     }
 
-    /// Versions read and not yet measured.
+    /// Versions read and not yet measured (the one being measured
+    /// included).
     pub fn unmeasured(&self) -> usize {
-        self.unmeasured.len()
+        self.waiting.len() + usize::from(self.measuring.is_some())
     }
 }
 
@@ -636,14 +615,13 @@ async fn watch(
     report: &mut EvaluatorReport,
     interrupt: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut watcher = Watcher::new(
+    let mut watcher: Watcher<Read> = Watcher::new(
         Schedule {
             every_versions: args.every_versions,
             every: args.every,
         },
         args.backlog,
     );
-    let mut read: std::collections::VecDeque<Read> = std::collections::VecDeque::new();
     let mut measuring: Option<Measuring> = None;
     let mut failures = 0u32;
     loop {
@@ -651,10 +629,8 @@ async fn watch(
             info!(unmeasured = watcher.unmeasured(), "stopped by a signal");
             return Ok(());
         }
-        if measuring.is_none() {
-            if let Some(next) = read.pop_front() {
-                measuring = Some(bench.start(next)?);
-            }
+        if let Some(next) = watcher.next_to_measure() {
+            measuring = Some(bench.start(next)?);
         }
         match evaluator.status.status().await {
             Ok(snapshot) => {
@@ -676,8 +652,8 @@ async fn watch(
                     }
                     Next::Read => match Read::from(evaluator).await {
                         Ok(center) => {
-                            watcher.read(center.center.header.center_version, Instant::now());
-                            read.push_back(center);
+                            let version = center.center.header.center_version;
+                            watcher.read(version, center, Instant::now());
                             continue;
                         }
                         Err(error) => warn!(
@@ -763,12 +739,9 @@ mod tests {
         );
     }
 
-    /// A measurement slower than the versions come: each due version is
-    /// read at once, up to the backlog (and the broker's bound), measured
-    /// in turn; the final version is read once the run is over and the
-    /// watcher stops only when all is measured.
-    /// Every 10 versions (the time rule out of the way), `backlog` ahead.
-    fn every_ten_versions(backlog: u32) -> Watcher {
+    /// Every 10 versions (the time rule out of the way), `backlog` ahead;
+    /// what a version read holds is its number, to check the order.
+    fn every_ten_versions(backlog: u32) -> Watcher<u64> {
         let schedule = Schedule {
             every_versions: 10,
             every: Duration::from_secs(3600),
@@ -776,6 +749,23 @@ mod tests {
         Watcher::new(schedule, backlog)
     }
 
+    /// Reads `version` as the loop does once `on_status` says `Read`.
+    fn read(watcher: &mut Watcher<u64>, version: u64, now: Instant) {
+        watcher.read(version, version, now);
+    }
+
+    /// Starts the next measurement, as the loop does when none runs, and
+    /// returns the version it measures.
+    fn start_measuring(watcher: &mut Watcher<u64>) -> u64 {
+        let version = watcher.next_to_measure().unwrap();
+        assert_eq!(watcher.next_to_measure(), None, "one measurement at a time");
+        version
+    }
+
+    /// A measurement slower than the versions come: each due version is
+    /// read at once, up to the backlog (and the broker's bound), measured
+    /// in turn, oldest first; the final version is read once the run is
+    /// over and the watcher stops only when all is measured.
     #[test]
     fn due_versions_are_read_while_measuring_up_to_the_backlog_then_the_final_one() {
         let start = Instant::now();
@@ -785,8 +775,10 @@ mod tests {
             Next::Wait,
             "no center yet"
         );
+        assert_eq!(watcher.next_to_measure(), None, "nothing read");
         assert_eq!(watcher.on_status(Some(0), 4, false, start), Next::Read);
-        watcher.read(0, start);
+        read(&mut watcher, 0, start);
+        assert_eq!(start_measuring(&mut watcher), 0);
         // Version 0 is being measured; 5 is not due, 10 and 20 are.
         assert_eq!(watcher.on_status(Some(5), 4, false, start), Next::Wait);
         for version in [10, 20] {
@@ -794,7 +786,7 @@ mod tests {
                 watcher.on_status(Some(version), 4, false, start),
                 Next::Read
             );
-            watcher.read(version, start);
+            read(&mut watcher, version, start);
         }
         assert_eq!(watcher.unmeasured(), 3);
         assert_eq!(
@@ -803,22 +795,28 @@ mod tests {
             "the backlog is full"
         );
         assert_eq!(watcher.measured(0, true), Ok(()));
+        assert_eq!(watcher.unmeasured(), 2);
+        assert_eq!(start_measuring(&mut watcher), 10);
         // The broker keeps 2: two unmeasured are as many as it holds.
         assert_eq!(watcher.on_status(Some(30), 2, false, start), Next::Wait);
         assert_eq!(watcher.on_status(Some(30), 4, false, start), Next::Read);
-        watcher.read(30, start);
+        read(&mut watcher, 30, start);
         // The run ends at version 33: read at once when there is room,
         // and the watcher stops only once every version is measured.
         assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Wait);
         assert_eq!(watcher.measured(10, true), Ok(()));
         assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Read);
-        watcher.read(33, start);
+        read(&mut watcher, 33, start);
         assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Wait);
         for version in [20, 30] {
+            assert_eq!(start_measuring(&mut watcher), version);
             assert_eq!(watcher.measured(version, true), Ok(()));
             assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Wait);
         }
+        assert_eq!(start_measuring(&mut watcher), 33);
+        assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Wait);
         assert_eq!(watcher.measured(33, true), Ok(()));
+        assert_eq!(watcher.unmeasured(), 0);
         assert_eq!(watcher.on_status(Some(33), 4, true, start), Next::Stop);
     }
 
@@ -827,17 +825,20 @@ mod tests {
         let start = Instant::now();
         let mut watcher = every_ten_versions(2);
         assert_eq!(watcher.on_status(Some(4), 0, false, start), Next::Read);
-        watcher.read(4, start);
+        read(&mut watcher, 4, start);
+        assert_eq!(start_measuring(&mut watcher), 4);
         assert_eq!(watcher.measured(4, false), Ok(()));
         assert_eq!(
             watcher.on_status(Some(6), 0, false, start),
             Next::Read,
             "read again"
         );
-        watcher.read(6, start);
+        read(&mut watcher, 6, start);
         assert_eq!(watcher.on_status(Some(9), 0, true, start), Next::Read);
-        watcher.read(9, start);
+        read(&mut watcher, 9, start);
+        assert_eq!(start_measuring(&mut watcher), 6);
         assert_eq!(watcher.measured(6, true), Ok(()));
+        assert_eq!(start_measuring(&mut watcher), 9);
         assert_eq!(
             watcher.measured(9, false),
             Err(9),
@@ -851,7 +852,7 @@ mod tests {
             every_versions: 1,
             every: Duration::from_secs(1),
         };
-        let mut watcher = Watcher::new(schedule, 1);
+        let mut watcher: Watcher<()> = Watcher::new(schedule, 1);
         assert_eq!(watcher.on_status(None, 0, true, Instant::now()), Next::Stop);
     }
 

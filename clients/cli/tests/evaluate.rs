@@ -140,14 +140,13 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
         device: "cpu".parse().unwrap(),
         threads: 1,
         evaluator_id: "evaluator".to_string(),
-        scratch: Some(work.path().join("scratch")),
         report_file: Some(work.path().join("evaluator.json")),
         security: Default::default(),
     };
     let report = run(args, CancellationToken::new()).await.unwrap();
     assert_eq!(report.points.len(), 1);
-    let point = &report.points[0];
-    assert!(point.best, "the first report is the best so far");
+    assert!(report.points[0].best, "the first report is the best so far");
+    let point = &report.points[0].point;
     assert_eq!(point.center_version, 0);
     assert_eq!(report.refused_reports, 0);
 
@@ -162,8 +161,8 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
     .unwrap()
     .unwrap();
     assert_eq!(point.tau, measured.mean_acceptance_length);
-    assert_eq!(point.verification_steps, measured.verification_steps);
-    assert_eq!(point.generated_tokens, measured.generated_tokens);
+    assert_eq!(point.verification_steps, measured.verification_steps as u64);
+    assert_eq!(point.generated_tokens, measured.generated_tokens as u64);
 
     // And the `dflash eval` command itself (it prints τ to 3 decimals).
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_dflash"))

@@ -18,12 +18,13 @@
 //! whole context for every block) is kept as the reference the cached path
 //! must reproduce token for token, and as the benchmark's baseline.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
 use crate::draft::{
-    load_draft_model, BlockInputs, DraftConfig, DraftContextCache, DraftError, DraftModel,
-    FrozenTargetHeads,
+    draft_model_from_tensors, load_draft_model, BlockInputs, DraftConfig, DraftContextCache,
+    DraftError, DraftModel, FrozenTargetHeads,
 };
 use crate::target_model::{KeyValueCache, ModelError, TargetModel};
 use tch::{Device, Kind, Tensor};
@@ -148,7 +149,8 @@ fn compute_kind(device: Device) -> Kind {
 }
 
 /// The target as [`evaluate`] loads it, for callers that evaluate many
-/// drafters against one target ([`evaluate_loaded`]: the online evaluator).
+/// drafters against one target ([`evaluate_loaded`], [`evaluate_tensors`]:
+/// the online evaluator).
 pub fn load_target(target_dir: &Path, device: Device) -> Result<TargetModel, EvalError> {
     Ok(TargetModel::load(target_dir, device, compute_kind(device))?)
 }
@@ -162,12 +164,53 @@ pub fn evaluate_loaded(
     prompts: &[Vec<i64>],
     options: &EvalOptions,
 ) -> Result<EvalReport, EvalError> {
-    let kind = compute_kind(options.device);
-    let frozen = FrozenTargetHeads {
+    let drafter = load_draft_model(
+        drafter_checkpoint_dir,
+        frozen_heads(target),
+        options.device,
+        compute_kind(options.device),
+    )?;
+    evaluate_drafter(target, &drafter, prompts, options)
+}
+
+/// [`evaluate_loaded`] of a drafter whose parameters are in memory (the
+/// online evaluator's center as read over the network; `origin` names it
+/// in errors): the same τ as of the checkpoint those tensors would make,
+/// without writing it.
+pub fn evaluate_tensors(
+    target: &TargetModel,
+    config: DraftConfig,
+    tensors: HashMap<String, Tensor>,
+    origin: &str,
+    prompts: &[Vec<i64>],
+    options: &EvalOptions,
+) -> Result<EvalReport, EvalError> {
+    let drafter = draft_model_from_tensors(
+        config,
+        tensors,
+        origin,
+        frozen_heads(target),
+        options.device,
+        compute_kind(options.device),
+    )?;
+    evaluate_drafter(target, &drafter, prompts, options)
+}
+
+/// The target's embedding and LM head, which the drafter shares.
+fn frozen_heads(target: &TargetModel) -> FrozenTargetHeads {
+    FrozenTargetHeads {
         embed_tokens: target.embed_tokens_weight().shallow_clone(),
         lm_head: target.lm_head_weight().shallow_clone(),
-    };
-    let drafter = load_draft_model(drafter_checkpoint_dir, frozen, options.device, kind)?;
+    }
+}
+
+/// Speculative decoding of every prompt with `drafter` against `target`.
+fn evaluate_drafter(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompts: &[Vec<i64>],
+    options: &EvalOptions,
+) -> Result<EvalReport, EvalError> {
     if drafter.config().vocab_size != target.config().vocab_size {
         return Err(EvalError::VocabularyMismatch {
             drafter: drafter.config().vocab_size,
@@ -192,7 +235,7 @@ pub fn evaluate_loaded(
         }
         let trace = speculative_generate(
             target,
-            &drafter,
+            drafter,
             prompt,
             options.max_new_tokens,
             &options.stop_token_ids,

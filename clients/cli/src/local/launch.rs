@@ -11,7 +11,7 @@ use anyhow::{bail, Context as _};
 use dflash_client::{BrokerClient, ClientOptions};
 
 use super::inputs::Inputs;
-use super::supervise::{spawn, terminate, Managed};
+use super::supervise::{spawn, terminate, Managed, Role};
 use super::LocalArgs;
 
 /// Drafter settings for the embedded tiny default: a small drafter that
@@ -138,7 +138,7 @@ pub(super) async fn start_broker(
     let _ = std::fs::remove_file(&ready_file);
     let mut broker = spawn(
         "broker",
-        "broker",
+        Role::Broker,
         "-",
         &sibling_binary("broker")?,
         &[
@@ -219,7 +219,7 @@ pub(super) fn start_targets(
         flags.extend(extra_flags);
         targets.push(spawn(
             &name,
-            "target",
+            Role::Target,
             &device,
             &target_binary,
             &flags,
@@ -247,7 +247,7 @@ pub(super) fn start_drafters(
         let flags = drafter_flags(args, inputs, address, &name, &device, &output);
         let mut managed = spawn(
             &name,
-            "drafter",
+            Role::Drafter,
             &device,
             &drafter_binary,
             &flags,
@@ -268,7 +268,6 @@ pub(super) fn start_evaluator(
     args: &LocalArgs,
     inputs: &Inputs,
     address: &str,
-    workdir: &Path,
     logs: &Path,
 ) -> anyhow::Result<Option<Managed>> {
     let (Some(model), Some(held_out)) = (&inputs.model_dir, &inputs.held_out) else {
@@ -299,43 +298,39 @@ pub(super) fn start_evaluator(
         device.clone(),
         "--threads".into(),
         "1".into(),
-        "--scratch".into(),
-        workdir.join("evaluator").display().to_string(),
     ];
-    let (program, flags) = niced(args.evaluator_nice, exe, flags);
-    Ok(Some(spawn(
+    let nice = args.evaluator_nice;
+    let (program, flags) = niced(nice, &exe, &flags);
+    let started = spawn(
         "evaluator",
-        "evaluator",
+        Role::Evaluator,
         &device,
         &program,
         &flags,
         logs,
         Some("1"),
-    )?))
+    );
+    match started {
+        Err(error) if nice > 0 => Err(error.context(format!(
+            "the evaluator runs under `nice -n {nice}`; --evaluator-nice 0 runs it without"
+        ))),
+        started => Ok(Some(started?)),
+    }
 }
 
-/// `program flags` under `nice -n <nice>` (found on PATH), or as is for
-/// nice 0 or where there is no `nice` (said on stderr).
-fn niced(nice: u8, program: PathBuf, flags: Vec<String>) -> (PathBuf, Vec<String>) {
+/// `program flags` under `nice -n <nice>` (the `nice` of PATH, as a
+/// command name is found), or as is for nice 0.
+fn niced(nice: u8, program: &Path, flags: &[String]) -> (PathBuf, Vec<String>) {
     if nice == 0 {
-        return (program, flags);
+        return (program.to_path_buf(), flags.to_vec());
     }
-    let found = std::env::var_os("PATH").and_then(|path| {
-        std::env::split_paths(&path)
-            .map(|dir| dir.join("nice"))
-            .find(|candidate| candidate.is_file())
-    });
-    let Some(nice_program) = found else {
-        eprintln!("dflash local: no `nice` on PATH; the evaluator runs at the training's priority");
-        return (program, flags);
-    };
     let mut niced_flags = vec![
         "-n".to_string(),
         nice.to_string(),
         program.display().to_string(),
     ];
-    niced_flags.extend(flags);
-    (nice_program, niced_flags)
+    niced_flags.extend_from_slice(flags);
+    (PathBuf::from("nice"), niced_flags)
 }
 
 /// One drafter's flags: the run's, the tiny default's (unless
@@ -399,20 +394,15 @@ mod tests {
     fn the_evaluator_runs_under_nice_unless_its_nice_is_zero() {
         let program = PathBuf::from("/opt/dflash");
         let flags = vec!["evaluate".to_string(), "--watch".into()];
+        assert_eq!(niced(0, &program, &flags), (program.clone(), flags.clone()));
         assert_eq!(
-            niced(0, program.clone(), flags.clone()),
-            (program.clone(), flags.clone())
-        );
-        let (niced_program, niced_flags) = niced(19, program, flags);
-        // Every Linux with coreutils has `nice`; where it is missing the
-        // evaluator runs as is, and so would this.
-        if niced_program.ends_with("nice") {
-            assert_eq!(
-                niced_flags,
+            niced(19, &program, &flags),
+            (
+                PathBuf::from("nice"),
                 ["-n", "19", "/opt/dflash", "evaluate", "--watch"]
-            );
-        } else {
-            assert_eq!(niced_program, PathBuf::from("/opt/dflash"));
-        }
+                    .map(String::from)
+                    .to_vec()
+            )
+        );
     }
 }

@@ -182,7 +182,7 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
     println!("dflash local: broker at {address} (watch it with `dflash top --broker {address}`); logs in {}", logs.display());
     let mut children = start_targets(&args, &inputs, &address, &logs)?;
     children.extend(start_drafters(&args, &inputs, &address, &workdir, &logs)?);
-    children.extend(start_evaluator(&args, &inputs, &address, &workdir, &logs)?);
+    children.extend(start_evaluator(&args, &inputs, &address, &logs)?);
 
     let view = if args.view == View::Top && !std::io::stdout().is_terminal() {
         View::Lines

@@ -10,12 +10,12 @@ use serde::Serialize;
 
 use super::inputs::Inputs;
 use super::quality::{center_is_finite, Taus};
-use super::supervise::{Managed, StopReason};
+use super::supervise::{Managed, Role, StopReason};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ProcessSummary {
     pub name: String,
-    pub role: String,
+    pub role: Role,
     pub device: String,
     pub exit_code: Option<i32>,
     /// Over the whole run, from the process's own final report (the last
@@ -66,8 +66,10 @@ pub struct LocalSummary {
     pub center_acceptance_length: Option<f64>,
     pub held_out_prompts: usize,
     /// τ of the center while the run trained (the online evaluator's
-    /// reports, as the broker kept them), oldest first.
-    pub tau_curve: Vec<TauCurvePoint>,
+    /// reports, as the broker kept them), oldest first. Each point says
+    /// when its version was read as well as when it was measured: the
+    /// evaluator measures later what it read while the CPUs were busy.
+    pub tau_curve: Vec<proto::TauPoint>,
     /// The center version with the best τ, written to `center-best/`.
     pub best_center: Option<BestCenter>,
     /// Generated tokens per target forward of the trained drafter's
@@ -82,20 +84,6 @@ pub struct LocalSummary {
     pub failures: Vec<String>,
 }
 
-/// One online evaluation of the center.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct TauCurvePoint {
-    pub center_version: u64,
-    pub center_samples: u64,
-    pub tau: f64,
-    pub prompts: u32,
-    pub eval_seconds: f64,
-    /// When the evaluation ended, and when its version was read (the
-    /// evaluator measures later what it read while the CPUs were busy).
-    pub unix_time_ms: u64,
-    pub read_unix_time_ms: u64,
-}
-
 /// The best center the broker kept.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct BestCenter {
@@ -107,23 +95,11 @@ pub struct BestCenter {
 }
 
 /// The τ curve and the best center from the broker's final status.
-fn tau_curve(snapshot: &proto::StatusSnapshot) -> (Vec<TauCurvePoint>, Option<BestCenter>) {
+fn tau_curve(snapshot: &proto::StatusSnapshot) -> (Vec<proto::TauPoint>, Option<BestCenter>) {
     let Some(sync) = snapshot.model_sync.as_ref() else {
         return (Vec::new(), None);
     };
-    let curve = sync
-        .tau_history
-        .iter()
-        .map(|point| TauCurvePoint {
-            center_version: point.center_version,
-            center_samples: point.center_samples,
-            tau: point.tau,
-            prompts: point.prompts,
-            eval_seconds: point.eval_seconds,
-            unix_time_ms: point.unix_time_ms,
-            read_unix_time_ms: point.read_unix_time_ms,
-        })
-        .collect();
+    let curve = sync.tau_history.clone();
     let best = sync.best_tau.as_ref().map(|best| BestCenter {
         center_version: best.center_version,
         center_samples: best.center_samples,
@@ -161,7 +137,7 @@ pub(super) fn summarize(
     // The mean of the drafters' last reported losses.
     let losses: Vec<f64> = processes
         .iter()
-        .filter(|process| process.role == "drafter")
+        .filter(|process| process.role == Role::Drafter)
         .filter_map(|process| process.loss)
         .collect();
     let final_loss = (!losses.is_empty()).then(|| losses.iter().sum::<f64>() / losses.len() as f64);
@@ -284,7 +260,7 @@ fn failures(
 pub(super) fn process_summary(child: &Managed, snapshot: &proto::StatusSnapshot) -> ProcessSummary {
     let mut summary = ProcessSummary {
         name: child.name.clone(),
-        role: child.role.to_string(),
+        role: child.role,
         device: child.device.clone(),
         exit_code: child.exit_code,
         busy_fraction: None,
@@ -295,7 +271,7 @@ pub(super) fn process_summary(child: &Managed, snapshot: &proto::StatusSnapshot)
         checkpoint: None,
         log: child.log.clone(),
     };
-    if child.role == "target" {
+    if child.role == Role::Target {
         if let Some(target) = snapshot
             .targets
             .iter()
@@ -401,7 +377,7 @@ pub(super) fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out
         println!(
             "  {:<10} {:<7} device {:<7} busy {:>4} (last window {:>4})  tok/s {:>8}  samples {:>5}  loss {:>7}  exit {}{}",
             process.name,
-            process.role,
+            process.role.name(),
             process.device,
             percent(process.busy_fraction),
             percent(process.last_window_busy_fraction),
@@ -480,7 +456,7 @@ mod tests {
     fn drafter(exit_code: Option<i32>) -> ProcessSummary {
         ProcessSummary {
             name: "drafter-0".to_string(),
-            role: "drafter".to_string(),
+            role: Role::Drafter,
             device: "cpu".to_string(),
             exit_code,
             busy_fraction: None,

@@ -14,16 +14,40 @@ use dflash_ops::top::{self, RenderOptions};
 use dflash_proto::v1 as proto;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use serde::Serialize;
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
 use super::View;
 
+/// What a child of the run is: the broker, a target-server, a
+/// drafter-server or the online evaluator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Broker,
+    Target,
+    Drafter,
+    Evaluator,
+}
+
+impl Role {
+    /// Its name in the summary and `summary.json`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Broker => "broker",
+            Role::Target => "target",
+            Role::Drafter => "drafter",
+            Role::Evaluator => "evaluator",
+        }
+    }
+}
+
 /// One child process of the run: what the summary needs of it (name, role,
 /// device, exit code) and where it writes (log, checkpoints, report).
 pub(super) struct Managed {
     pub(super) name: String,
-    pub(super) role: &'static str,
+    pub(super) role: Role,
     pub(super) device: String,
     pub(super) child: Child,
     pub(super) log: PathBuf,
@@ -35,7 +59,7 @@ pub(super) struct Managed {
 
 pub(super) fn spawn(
     name: &str,
-    role: &'static str,
+    role: Role,
     device: &str,
     program: &Path,
     args: &[String],
@@ -47,7 +71,7 @@ pub(super) fn spawn(
         std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     // Targets, drafters and the evaluator write their whole-run report for
     // the summary.
-    let report = (role != "broker").then(|| logs.join(format!("{name}.report.json")));
+    let report = (role != Role::Broker).then(|| logs.join(format!("{name}.report.json")));
     let mut command = Command::new(program);
     // The flags first: the evaluator's start with its subcommand.
     command.args(args);
@@ -127,7 +151,7 @@ impl Watch<'_> {
             if training_ended.is_none()
                 && children
                     .iter()
-                    .filter(|child| child.role != "evaluator")
+                    .filter(|child| child.role != Role::Evaluator)
                     .all(|child| child.exit_code.is_some())
             {
                 training_ended = Some(Instant::now());

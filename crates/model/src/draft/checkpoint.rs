@@ -120,26 +120,46 @@ pub fn load_draft_model(
 ) -> Result<DraftModel, DraftError> {
     let config = load_draft_config(dir)?;
     let path = dir.join(MODEL_FILE_NAME);
-    let mut stored = read_safetensors(&path)?;
+    let stored = read_safetensors(&path)?;
+    draft_model_from_tensors(
+        config,
+        stored,
+        &path.display().to_string(),
+        frozen,
+        device,
+        compute_kind,
+    )
+}
+
+/// A draft model from its parameters in memory (the online evaluator's
+/// center, read over the network): every parameter of `config` with its
+/// shape, and nothing else, as [`load_draft_model`] requires of a file.
+/// `origin` names where the tensors came from in errors.
+pub fn draft_model_from_tensors(
+    config: DraftConfig,
+    mut tensors: HashMap<String, Tensor>,
+    origin: &str,
+    frozen: FrozenTargetHeads,
+    device: Device,
+    compute_kind: Kind,
+) -> Result<DraftModel, DraftError> {
     let var_store = VarStore::new(device);
     for (name, shape) in parameter_shapes(&config) {
-        let tensor = stored.remove(&name).ok_or_else(|| {
-            DraftError::Checkpoint(format!("{}: missing tensor {name:?}", path.display()))
-        })?;
+        let tensor = tensors
+            .remove(&name)
+            .ok_or_else(|| DraftError::Checkpoint(format!("{origin}: missing tensor {name:?}")))?;
         if tensor.size() != shape {
             return Err(DraftError::Checkpoint(format!(
-                "{}: tensor {name:?} has shape {:?}, the config implies {shape:?}",
-                path.display(),
+                "{origin}: tensor {name:?} has shape {:?}, the config implies {shape:?}",
                 tensor.size()
             )));
         }
         add_named_variable(&var_store, &name, &tensor.to_kind(Kind::Float))?;
     }
-    if let Some(unexpected) = stored.keys().next() {
+    if let Some(unexpected) = tensors.keys().next() {
         return Err(DraftError::Checkpoint(format!(
-            "{}: unexpected tensor {unexpected:?} ({} unexpected in all)",
-            path.display(),
-            stored.len()
+            "{origin}: unexpected tensor {unexpected:?} ({} unexpected in all)",
+            tensors.len()
         )));
     }
     DraftModel::from_var_store(config, var_store, frozen, compute_kind)

@@ -39,8 +39,9 @@ pub mod step_dirs;
 pub mod trainer;
 
 pub use checkpoint::{
-    load_draft_model, load_training_state, save_draft_checkpoint, TrainingProgress,
-    CONFIG_FILE_NAME, MODEL_FILE_NAME, OPTIMIZER_FILE_NAME, TRAINER_STATE_FILE_NAME,
+    draft_model_from_tensors, load_draft_model, load_training_state, save_draft_checkpoint,
+    TrainingProgress, CONFIG_FILE_NAME, MODEL_FILE_NAME, OPTIMIZER_FILE_NAME,
+    TRAINER_STATE_FILE_NAME,
 };
 pub use config::{build_target_layer_ids, DraftConfig, DraftOptions, TargetDimensions};
 pub use model::{
