@@ -440,21 +440,32 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
 
 // ---------------------------------------------------------------- Online evaluation
 
-/// One `ReadCenter`: the header and the center (name → values).
+/// One `ReadCenter` of the current center: the header and the center
+/// (name → values).
 async fn read_center(
     address: &str,
     evaluator_id: &str,
+) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    read_center_with(
+        address,
+        proto::ReadCenterRequest {
+            evaluator_id: evaluator_id.to_string(),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// One `ReadCenter` as `request` asks it.
+async fn read_center_with(
+    address: &str,
+    request: proto::ReadCenterRequest,
 ) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
     use proto::read_center_response::Kind;
     let mut client = ModelSyncClient::connect(address.to_string())
         .await
         .expect("connect");
-    let mut stream = client
-        .read_center(proto::ReadCenterRequest {
-            evaluator_id: evaluator_id.to_string(),
-        })
-        .await?
-        .into_inner();
+    let mut stream = client.read_center(request).await?.into_inner();
     let header = match stream.message().await?.and_then(|message| message.kind) {
         Some(Kind::Header(header)) => header,
         other => panic!("expected the header, got {other:?}"),
@@ -634,6 +645,7 @@ async fn the_final_center_does_not_wait_for_an_evaluator() {
     let _held = client
         .read_center(proto::ReadCenterRequest {
             evaluator_id: "evaluator".to_string(),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -690,6 +702,77 @@ fn checkpoint_version(dir: &std::path::Path) -> u64 {
         serde_json::from_str(&std::fs::read_to_string(dir.join("center_state.json")).unwrap())
             .unwrap();
     state["version"].as_u64().unwrap()
+}
+
+/// An evaluator that measures later than it reads: a header-only read
+/// keeps the version (no weights sent), a read of that version later sends
+/// exactly its weights though the center moved on, and takes nothing new;
+/// a version not kept is refused, naming the versions kept.
+#[tokio::test]
+async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
+    let broker = TestBroker::start(plain_config()).await;
+    let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
+    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    let (_, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
+    drafter
+        .exchange(proto::SyncKind::Update, 0, &scaled(0.5))
+        .await;
+    let request = |header_only, center_version| proto::ReadCenterRequest {
+        evaluator_id: "evaluator".to_string(),
+        header_only,
+        center_version,
+    };
+
+    let (header, weights) = read_center_with(&broker.address, request(true, None))
+        .await
+        .unwrap();
+    assert_eq!((header.center_version, header.center_samples), (1, 12));
+    assert!(weights.is_empty(), "a header-only read sends no weights");
+    assert_eq!(
+        model_sync_status(&broker).await.evaluations_pending,
+        vec![0, 1]
+    );
+
+    drafter
+        .exchange(proto::SyncKind::Update, 1, &scaled(0.25))
+        .await;
+    let (header, version_1) = read_center_with(&broker.address, request(false, Some(1)))
+        .await
+        .unwrap();
+    assert_eq!((header.center_version, header.center_samples), (1, 12));
+    let (current, now) = read_center(&broker.address, "evaluator").await.unwrap();
+    assert_eq!(current.center_version, 2);
+    assert_ne!(version_1, now, "the kept version, not the current one");
+    assert_ne!(version_1, version_0);
+    let (_, again) = read_center_with(&broker.address, request(false, Some(0)))
+        .await
+        .unwrap();
+    assert_eq!(again, version_0, "version 0 as it was read");
+    assert_eq!(
+        model_sync_status(&broker).await.evaluations_pending,
+        vec![0, 1, 2],
+        "each version read is kept once"
+    );
+
+    let refused = read_center_with(&broker.address, request(false, Some(7)))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        refused.message().contains("center version 7 is not kept")
+            && refused.message().contains("[0, 1, 2]"),
+        "{}",
+        refused.message()
+    );
+    // Reported, a version is no longer kept.
+    report_tau(&broker.address, "evaluator", Some(tau_point(1, 12, 1.5)))
+        .await
+        .unwrap();
+    let gone = read_center_with(&broker.address, request(false, Some(1)))
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::FailedPrecondition);
+    broker.stop().await;
 }
 
 #[tokio::test]

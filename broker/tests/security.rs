@@ -671,6 +671,7 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
     };
     let read = |evaluator_id: &str| proto::ReadCenterRequest {
         evaluator_id: evaluator_id.to_string(),
+        ..Default::default()
     };
     let report = |evaluator_id: &str| proto::TauReport {
         evaluator_id: evaluator_id.to_string(),

@@ -119,6 +119,15 @@ impl Evaluations {
         }
     }
 
+    /// The version `version` as served and kept (its buffers shared), if
+    /// it is still kept.
+    pub fn kept(&self, version: u64) -> Option<Center> {
+        self.pending
+            .iter()
+            .find(|pending| pending.version == version)
+            .cloned()
+    }
+
     /// Checks a report against what was served and reported; changes
     /// nothing.
     pub fn check(&self, point: Option<&proto::TauPoint>) -> Result<CheckedReport, ReportError> {

@@ -17,7 +17,10 @@
 //! read, then exits. Reading and measuring are apart: a version is read
 //! when it is due and measured in turn, up to `--backlog` versions ahead
 //! (at most the broker's `--max-pending-evaluations`, which keeps their
-//! weights until their report). So on a CPU the training keeps busy, an
+//! weights until their report). A version due is read header-only (the
+//! broker keeps it) and its weights are read from the broker when its
+//! measurement starts, so the versions waiting cost the evaluator no
+//! memory: it holds one version's weights at a time. So on a CPU the training keeps busy, an
 //! evaluator at the lowest priority still has a point per due version: it
 //! measures them when the CPU has time, at the latest after the run. Each
 //! point carries when its version was read. Without `--watch` it evaluates
@@ -161,11 +164,41 @@ impl Evaluator {
     /// The center as it is now: header, then every tensor's chunks in
     /// order, then `done` (whose count must match).
     pub async fn read_center(&mut self) -> anyhow::Result<ReadCenter> {
+        self.read(false, None).await
+    }
+
+    /// Keeps the current version at the broker until its report and
+    /// returns its header only (no weights: [`Self::read_kept`] reads them
+    /// when it is measured).
+    pub async fn keep_center(&mut self) -> anyhow::Result<proto::CenterHeader> {
+        Ok(self.read(true, None).await?.header)
+    }
+
+    /// A version the broker keeps since [`Self::keep_center`], whole.
+    pub async fn read_kept(&mut self, version: u64) -> anyhow::Result<ReadCenter> {
+        let read = self.read(false, Some(version)).await?;
+        if read.header.center_version != version {
+            // A broker that predates kept reads answers the current center.
+            bail!(
+                "ReadCenter: asked for kept version {version}, got {} (a broker without kept reads?)",
+                read.header.center_version
+            );
+        }
+        Ok(read)
+    }
+
+    async fn read(
+        &mut self,
+        header_only: bool,
+        center_version: Option<u64>,
+    ) -> anyhow::Result<ReadCenter> {
         use proto::read_center_response::Kind;
         let mut stream = self
             .model_sync
             .read_center(proto::ReadCenterRequest {
                 evaluator_id: self.evaluator_id.clone(),
+                header_only,
+                center_version,
             })
             .await
             .context("ModelSync.ReadCenter")?
@@ -255,7 +288,7 @@ struct Bench {
     options: dflash_model::eval::EvalOptions,
 }
 
-/// A center version read, waiting for its measurement.
+/// A center version read whole, to measure.
 struct Read {
     center: ReadCenter,
     read_unix_time_ms: u64,
@@ -270,6 +303,52 @@ impl Read {
         })
     }
 }
+
+/// A center version the broker keeps for the evaluator (its header only),
+/// waiting for its measurement: the weights are read when it is measured,
+/// so versions waiting cost the evaluator no memory.
+struct Kept {
+    header: proto::CenterHeader,
+    read_unix_time_ms: u64,
+}
+
+impl Kept {
+    async fn from(evaluator: &mut Evaluator) -> anyhow::Result<Kept> {
+        let header = evaluator.keep_center().await?;
+        Ok(Kept {
+            header,
+            read_unix_time_ms: unix_time_ms(),
+        })
+    }
+
+    /// Its weights, from the broker: a few tries, `poll` apart, since a
+    /// broker that does not answer once may the next time.
+    async fn read(self, evaluator: &mut Evaluator, poll: Duration) -> anyhow::Result<Read> {
+        let version = self.header.center_version;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match evaluator.read_kept(version).await {
+                Ok(center) => {
+                    return Ok(Read {
+                        center,
+                        read_unix_time_ms: self.read_unix_time_ms,
+                    })
+                }
+                Err(error) if tries < KEPT_READ_TRIES => warn!(
+                    version,
+                    error = format!("{error:#}"),
+                    "reading a kept version failed; trying again"
+                ),
+                Err(error) => return Err(error),
+            }
+            tokio::time::sleep(poll).await;
+        }
+    }
+}
+
+/// Tries of [`Kept::read`].
+const KEPT_READ_TRIES: u32 = 3;
 
 /// A measurement's end: the target back, what was measured and of what.
 struct Measured {
@@ -615,7 +694,7 @@ async fn watch(
     report: &mut EvaluatorReport,
     interrupt: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut watcher: Watcher<Read> = Watcher::new(
+    let mut watcher: Watcher<Kept> = Watcher::new(
         Schedule {
             every_versions: args.every_versions,
             every: args.every,
@@ -630,7 +709,20 @@ async fn watch(
             return Ok(());
         }
         if let Some(next) = watcher.next_to_measure() {
-            measuring = Some(bench.start(next)?);
+            let version = next.header.center_version;
+            match next.read(evaluator, args.poll).await {
+                Ok(read) => measuring = Some(bench.start(read)?),
+                Err(error) => {
+                    if watcher.measured(version, false).is_err() {
+                        return Err(error.context("reading the final center"));
+                    }
+                    warn!(
+                        version,
+                        error = format!("{error:#}"),
+                        "reading a kept version failed; the center is read again when due"
+                    );
+                }
+            }
         }
         match evaluator.status.status().await {
             Ok(snapshot) => {
@@ -650,10 +742,10 @@ async fn watch(
                         );
                         return Ok(());
                     }
-                    Next::Read => match Read::from(evaluator).await {
-                        Ok(center) => {
-                            let version = center.center.header.center_version;
-                            watcher.read(version, center, Instant::now());
+                    Next::Read => match Kept::from(evaluator).await {
+                        Ok(kept) => {
+                            let version = kept.header.center_version;
+                            watcher.read(version, kept, Instant::now());
                             continue;
                         }
                         Err(error) => warn!(

@@ -59,7 +59,9 @@ fn authorize(principal: &Principal, evaluator_id: &str, action: &str) -> Result<
     principal.authorize(Role::Evaluator, evaluator_id, action)
 }
 
-/// `ReadCenter`: the header, the weights in f32 chunks, then `done`.
+/// `ReadCenter`: the header, the weights in f32 chunks (none with
+/// `header_only`), then `done`; of the current center, kept until its
+/// report, or of a version kept since an earlier read (`center_version`).
 pub(super) async fn read_center(
     shared: &Arc<ModelSyncShared>,
     request: Request<proto::ReadCenterRequest>,
@@ -67,26 +69,51 @@ pub(super) async fn read_center(
     let principal = Principal::of(request.extensions());
     let request = request.into_inner();
     authorize(&principal, &request.evaluator_id, "ModelSync.ReadCenter")?;
-    let served = {
-        let state = shared.state.lock();
-        let center = state.center().ok_or_else(|| {
-            Status::failed_precondition("no center yet: no drafter has joined the run")
-        })?;
-        weights_only(center)
+    let served = match request.center_version {
+        Some(version) => {
+            let evaluations = shared.evaluations.lock();
+            evaluations.kept(version).ok_or_else(|| {
+                Status::failed_precondition(format!(
+                    "center version {version} is not kept for evaluation (kept: {:?}); read the current center",
+                    evaluations.pending_versions()
+                ))
+            })?
+        }
+        None => {
+            let served = {
+                let state = shared.state.lock();
+                let center = state.center().ok_or_else(|| {
+                    Status::failed_precondition("no center yet: no drafter has joined the run")
+                })?;
+                weights_only(center)
+            };
+            shared.evaluations.lock().served(served.clone());
+            served
+        }
     };
-    shared.evaluations.lock().served(served.clone());
-    info!(evaluator_id = %request.evaluator_id, version = served.version, samples = served.samples, "center read by an evaluator");
+    info!(
+        evaluator_id = %request.evaluator_id,
+        version = served.version,
+        samples = served.samples,
+        kept_version = request.center_version.is_some(),
+        header_only = request.header_only,
+        "center read by an evaluator"
+    );
     let header = proto::CenterHeader {
         center_version: served.version,
         center_samples: served.samples,
         model_config_json: served.config_json.clone(),
     };
-    let count = served.tensors.len() as u32;
+    let weights = if request.header_only {
+        Vec::new()
+    } else {
+        served.tensors
+    };
+    let count = weights.len() as u32;
     let version = served.version;
     let tensors = crate::model_sync::center::CenterSnapshot {
         version,
-        tensors: served
-            .tensors
+        tensors: weights
             .into_iter()
             .map(|tensor| (tensor.name, tensor.shape, tensor.values))
             .collect(),
