@@ -73,6 +73,18 @@ fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
 }
 
 /// `--attention`: see [`DrafterServerConfig::attention_for`].
+/// `--sync-lr-scaling`: a sharing drafter's learning rate over N, the
+/// drafters sharing the center (`crate::schedule::sync_learning_rate_scale`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncLrScaling {
+    /// The schedule's learning rate, whatever N.
+    None,
+    /// Divided by N.
+    Inverse,
+    /// Divided by √N.
+    InverseSqrt,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AttentionChoice {
     Auto,
@@ -179,6 +191,16 @@ pub struct DrafterServerConfig {
     /// 1 keeps β1^N.
     #[arg(long, env = "DFLASH_SYNC_ADAM_BETA1", default_value_t = 0.0)]
     pub sync_adam_beta1: f64,
+
+    /// How a drafter that shares the center with others (N > 1 measured,
+    /// as for β1) scales its learning rate: `none` (the default) keeps
+    /// `--learning-rate`'s schedule; `inverse` divides it by N,
+    /// `inverse-sqrt` by √N. With a learning rate tuned for one drafter,
+    /// `inverse` keeps the center above what one drafter reaches on its
+    /// share of the samples as drafters are added (the model-sync study in
+    /// BENCHMARKS.md, "Scaling the learning rate by the drafters sharing").
+    #[arg(long, env = "DFLASH_SYNC_LR_SCALING", value_enum, default_value_t = SyncLrScaling::None)]
+    pub sync_lr_scaling: SyncLrScaling,
 
     /// Fraction of the schedule spent in linear warmup before the cosine decay.
     #[arg(long, env = "DFLASH_WARMUP_FRACTION", default_value_t = 0.04)]
@@ -427,6 +449,7 @@ impl DrafterServerConfig {
             weight_decay: 0.0,
             adam_beta1: 0.9,
             sync_adam_beta1: 0.0,
+            sync_lr_scaling: SyncLrScaling::None,
             warmup_fraction: 0.04,
             max_grad_norm: 1.0,
             grad_accumulation: 1,

@@ -13,9 +13,11 @@ use dflash_model::draft::{
 use dflash_proto::v1::Sample;
 use tracing::info;
 
-use crate::config::{DrafterServerConfig, ModelMode};
+use crate::config::{DrafterServerConfig, ModelMode, SyncLrScaling};
 use crate::samples::{decode_sample, SampleError, SampleExpectations};
-use crate::schedule::{asynchronous_beta1, run_schedule_position, RunClock};
+use crate::schedule::{
+    asynchronous_beta1, run_schedule_position, sync_learning_rate_scale, RunClock,
+};
 
 /// Errors of the engine; a failing micro-batch hands its items back.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +90,8 @@ pub struct RunSchedule {
     pub adam_beta1: f64,
     /// `--sync-adam-beta1`: the cap on β1 while N > 1 drafters share.
     pub sync_adam_beta1: f64,
+    /// `--sync-lr-scaling`: the learning rate over N while N > 1 share.
+    pub sync_lr_scaling: SyncLrScaling,
 }
 
 impl RunSchedule {
@@ -100,6 +104,7 @@ impl RunSchedule {
             assumed_samples_per_step: config.max_step_samples as u64,
             adam_beta1: config.adam_beta1,
             sync_adam_beta1: config.sync_adam_beta1,
+            sync_lr_scaling: config.sync_lr_scaling,
         }
     }
 }
@@ -251,6 +256,11 @@ impl TrainingEngine for DFlashEngine {
                 clock.drafters_sharing,
                 schedule.sync_adam_beta1,
             ));
+            self.trainer
+                .set_learning_rate_scale(sync_learning_rate_scale(
+                    clock.drafters_sharing,
+                    schedule.sync_lr_scaling,
+                ));
         }
         Ok(self.trainer.step()?)
     }

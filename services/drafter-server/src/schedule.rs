@@ -32,6 +32,8 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use crate::config::SyncLrScaling;
+
 /// The facts the estimate uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ScheduleInputs {
@@ -158,6 +160,28 @@ pub fn asynchronous_beta1(beta1: f64, drafters_sharing: f64, sharing_cap: f64) -
     }
 }
 
+/// The factor on a sharing drafter's learning rate (`--sync-lr-scaling`):
+/// 1/N or 1/√N of `drafters_sharing` once N > 1; 1 for one drafter or an
+/// unknown count (0 or NaN). N drafters applying their steps to one center
+/// each take steps from a base about N center updates old; the delay
+/// shrinks the learning rate that stays stable about as 1/N (Zhang, Gupta,
+/// Lian, Liu 2016 scale by the staleness), which is what the model-sync
+/// study measured: the center's best learning rate falls as drafters are
+/// added.
+pub fn sync_learning_rate_scale(drafters_sharing: f64, scaling: SyncLrScaling) -> f64 {
+    // NaN is not above 1: an unknown count scales nothing.
+    let drafters = if drafters_sharing > 1.0 {
+        drafters_sharing.min(1024.0)
+    } else {
+        return 1.0;
+    };
+    match scaling {
+        SyncLrScaling::None => 1.0,
+        SyncLrScaling::Inverse => 1.0 / drafters,
+        SyncLrScaling::InverseSqrt => 1.0 / drafters.sqrt(),
+    }
+}
+
 /// A step's place in a schedule: the 0-based step and the schedule length,
 /// as `LearningRateSchedule::learning_rate(step, total_steps)` takes them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,6 +227,32 @@ pub fn run_schedule_position(
 mod tests {
     use super::*;
     use dflash_model::draft::LearningRateSchedule;
+
+    #[test]
+    fn a_sharing_drafters_learning_rate_is_scaled_by_the_drafters_sharing() {
+        for scaling in [
+            SyncLrScaling::None,
+            SyncLrScaling::Inverse,
+            SyncLrScaling::InverseSqrt,
+        ] {
+            for alone in [0.0, 1.0, f64::NAN] {
+                assert_eq!(sync_learning_rate_scale(alone, scaling), 1.0, "{scaling:?}");
+            }
+        }
+        assert_eq!(sync_learning_rate_scale(4.0, SyncLrScaling::None), 1.0);
+        assert_eq!(sync_learning_rate_scale(4.0, SyncLrScaling::Inverse), 0.25);
+        assert_eq!(
+            sync_learning_rate_scale(4.0, SyncLrScaling::InverseSqrt),
+            0.5
+        );
+        // A running mean between counts scales between them.
+        assert_eq!(sync_learning_rate_scale(2.5, SyncLrScaling::Inverse), 0.4);
+        // A runaway count stops at 1024 drafters.
+        assert_eq!(
+            sync_learning_rate_scale(1e9, SyncLrScaling::Inverse),
+            1.0 / 1024.0
+        );
+    }
 
     fn inputs() -> ScheduleInputs {
         ScheduleInputs {

@@ -131,6 +131,9 @@ pub struct DraftTrainer {
     /// trainer's own step count (a drafter on the run-wide schedule of
     /// model sync); taken by that step.
     next_schedule_step: Option<u64>,
+    /// Multiplies the scheduled learning rate (1 unless a drafter sharing
+    /// the center scales it down: `--sync-lr-scaling`).
+    learning_rate_scale: f64,
     /// Gradient norms of the last taken steps (the spike bound's median).
     recent_grad_norms: std::collections::VecDeque<f64>,
     /// Steps skipped by the guard since this trainer was made.
@@ -193,6 +196,7 @@ impl DraftTrainer {
             progress,
             accumulation: Accumulation::default(),
             next_schedule_step: None,
+            learning_rate_scale: 1.0,
             recent_grad_norms: std::collections::VecDeque::with_capacity(GRAD_NORM_WINDOW),
             skipped_steps: 0,
         }
@@ -260,6 +264,16 @@ impl DraftTrainer {
     pub fn set_schedule_position(&mut self, step: u64, total_steps: u64) {
         self.set_total_steps(total_steps);
         self.next_schedule_step = Some(step);
+    }
+
+    /// Multiplies the scheduled learning rate from the next step on (a
+    /// finite factor > 0; anything else is taken as 1).
+    pub fn set_learning_rate_scale(&mut self, scale: f64) {
+        self.learning_rate_scale = if scale.is_finite() && scale > 0.0 {
+            scale
+        } else {
+            1.0
+        };
     }
 
     /// Micro-batches accumulated since the last step.
@@ -337,7 +351,8 @@ impl DraftTrainer {
         let learning_rate = self
             .settings
             .schedule
-            .learning_rate(schedule_step, self.settings.total_steps);
+            .learning_rate(schedule_step, self.settings.total_steps)
+            * self.learning_rate_scale;
         let loss = if accumulation.weight_sum > 0.0 {
             accumulation.weighted_cross_entropy / accumulation.weight_sum
         } else {
