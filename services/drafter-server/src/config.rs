@@ -195,10 +195,12 @@ pub struct DrafterServerConfig {
     /// How a drafter that shares the center with others (N > 1 measured,
     /// as for β1) scales its learning rate: `none` (the default) keeps
     /// `--learning-rate`'s schedule; `inverse` divides it by N,
-    /// `inverse-sqrt` by √N. With a learning rate tuned for one drafter,
-    /// `inverse` keeps the center above what one drafter reaches on its
-    /// share of the samples as drafters are added (the model-sync study in
-    /// BENCHMARKS.md, "Scaling the learning rate by the drafters sharing").
+    /// `inverse-sqrt` by √N. Near one drafter's best learning rate,
+    /// `inverse` raised the center at every drafter count measured and kept
+    /// it above what one drafter reaches on its share of the samples in 11
+    /// of 12 cases; below one drafter's best rate it slows the center (the
+    /// model-sync study in BENCHMARKS.md, "Scaling the learning rate by the
+    /// drafters sharing").
     #[arg(long, env = "DFLASH_SYNC_LR_SCALING", value_enum, default_value_t = SyncLrScaling::None)]
     pub sync_lr_scaling: SyncLrScaling,
 
