@@ -21,7 +21,7 @@
 //! τ is measured by real speculative decoding (`eval`) on held-out prompts
 //! that the target continues greedily, as `dflash eval` does.
 //!
-//! Knobs: `DFLASH_SYNC_QUALITY_{SEEDS,LR,EPOCHS,SYNC_EVERY,MOMENTUM,OUTER_LR,
+//! Knobs: `DFLASH_SYNC_QUALITY_{SEEDS,LR,EPOCHS,SEQUENCES,SYNC_EVERY,MOMENTUM,OUTER_LR,
 //! MOMENTUM_DELAY,STALENESS_SCALING,INNER_LR_EXPONENT,LR_SCALING,INNER_BETA1,DRAFTERS,ADAM_BETA1,BATCH}`
 //! override the settings below; the study also reads
 //! `DFLASH_STUDY_{DRAFTERS,SEEDS}` (comma-separated lists) and
@@ -96,6 +96,8 @@ struct Setting {
     sync_every: u64,
     /// Samples per optimizer step of each drafter.
     batch: usize,
+    /// Distinct training sequences, each seen `epochs` times.
+    sequences: usize,
     adam_beta1: f64,
 }
 
@@ -107,6 +109,7 @@ impl Setting {
             epochs: knob("EPOCHS", EPOCHS as f64) as usize,
             sync_every: knob("SYNC_EVERY", SYNC_EVERY as f64) as u64,
             batch: knob("BATCH", BATCH as f64) as usize,
+            sequences: knob("SEQUENCES", TRAIN_SEQUENCES as f64) as usize,
             adam_beta1: knob("ADAM_BETA1", 0.9),
         }
     }
@@ -389,7 +392,7 @@ struct Data {
 
 fn data(setting: &Setting) -> Data {
     let target = TargetModel::load(tiny_target_dir(), Device::Cpu, Kind::Float).unwrap();
-    let sequences = self_generated(&target, TRAIN_SEQUENCES, 1000 + setting.seed);
+    let sequences = self_generated(&target, setting.sequences, 1000 + setting.seed);
     let held_out = random_token_sequences(HELD_OUT_PROMPTS, PROMPT_LENGTH, 2000 + setting.seed);
     let samples = target_samples(&sequences);
     // The run: every sequence `epochs` times, epochs in turn.
@@ -664,10 +667,11 @@ fn study() {
     let center_only = std::env::var_os("DFLASH_STUDY_CENTER_ONLY").is_some();
     let base = Setting::from_env(0);
     eprintln!(
-        "study: {}; lr {}, {} epochs of {TRAIN_SEQUENCES} sequences, batch {}, a sync every {} steps; ceiling at lr x N^{ceiling_lr_exponent}",
+        "study: {}; lr {}, {} epochs of {} sequences, batch {}, a sync every {} steps; ceiling at lr x N^{ceiling_lr_exponent}",
         method.describe(),
         base.learning_rate,
         base.epochs,
+        base.sequences,
         base.batch,
         base.sync_every
     );
