@@ -100,6 +100,18 @@ fn split_flags(text: &str) -> Vec<String> {
 }
 
 /// Whether `flags` set `name` (`--name value` or `--name=value`).
+/// The `--name value` pairs of `defaults` whose name `extra` does not set:
+/// the tiny default's flags give way to the user's `--drafter-args` or
+/// `--target-args` (a flag given twice is an error to the servers).
+fn defaults_unless_set(defaults: &[&str], extra: &[String]) -> Vec<String> {
+    defaults
+        .chunks(2)
+        .filter(|pair| !sets_flag(extra, pair[0]))
+        .flatten()
+        .map(|flag| flag.to_string())
+        .collect()
+}
+
 fn sets_flag(flags: &[String], name: &str) -> bool {
     flags.iter().any(|flag| {
         flag == name
@@ -214,7 +226,7 @@ pub(super) fn start_targets(
             flags.extend(["--data".into(), data.display().to_string()]);
         }
         if inputs.embedded_model {
-            flags.extend(TINY_TARGET_FLAGS.iter().map(|flag| flag.to_string()));
+            flags.extend(defaults_unless_set(TINY_TARGET_FLAGS, &extra_flags));
         }
         flags.extend(extra_flags);
         targets.push(spawn(
@@ -333,9 +345,8 @@ fn niced(nice: u8, program: &Path, flags: &[String]) -> (PathBuf, Vec<String>) {
     (PathBuf::from("nice"), niced_flags)
 }
 
-/// One drafter's flags: the run's, the tiny default's (unless
-/// `--drafter-args` sets its own mask token or sync period), then
-/// `--drafter-args`.
+/// One drafter's flags: the run's, the tiny default's (each unless
+/// `--drafter-args` sets it, as the mask token), then `--drafter-args`.
 fn drafter_flags(
     args: &LocalArgs,
     inputs: &Inputs,
@@ -360,17 +371,15 @@ fn drafter_flags(
         }
         _ => flags.extend(["--model".into(), "synthetic:ms_per_1k_tokens=5".into()]),
     }
-    if inputs.embedded_model {
-        flags.extend(TINY_DRAFTER_FLAGS.iter().map(|flag| flag.to_string()));
-    }
     let extra_flags = split_flags(&args.drafter_args);
+    if inputs.embedded_model {
+        flags.extend(defaults_unless_set(TINY_DRAFTER_FLAGS, &extra_flags));
+        flags.extend(defaults_unless_set(&TINY_SYNC_FLAGS, &extra_flags));
+    }
     if let Some((id, _)) = &inputs.mask_token {
         if !sets_flag(&extra_flags, "--mask-token-id") {
             flags.extend(["--mask-token-id".to_string(), id.to_string()]);
         }
-    }
-    if inputs.embedded_model && !sets_flag(&extra_flags, "--sync-every") {
-        flags.extend(TINY_SYNC_FLAGS.iter().map(|flag| flag.to_string()));
     }
     flags.extend(extra_flags);
     flags
@@ -388,6 +397,33 @@ mod tests {
         assert!(!sets_flag(&flags, "--model-out"));
         assert!(!sets_flag(&flags, "--sync"));
         assert!(!sets_flag(&split_flags("--model-output x"), "--model"));
+    }
+
+    #[test]
+    fn the_tiny_defaults_give_way_to_the_users_flags() {
+        let extra = split_flags("--learning-rate=16e-3 --sync-lr-scaling inverse --block-size 4");
+        let kept = defaults_unless_set(TINY_DRAFTER_FLAGS, &extra);
+        assert_eq!(
+            kept,
+            [
+                "--draft-layers",
+                "2",
+                "--num-anchors",
+                "32",
+                "--max-step-samples",
+                "16"
+            ]
+            .map(String::from)
+            .to_vec()
+        );
+        assert_eq!(
+            defaults_unless_set(&TINY_SYNC_FLAGS, &split_flags("--sync-every 5")),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            defaults_unless_set(TINY_TARGET_FLAGS, &[]),
+            ["--num-draft-layers", "2"].map(String::from).to_vec()
+        );
     }
 
     #[test]

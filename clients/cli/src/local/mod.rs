@@ -108,11 +108,14 @@ pub struct LocalArgs {
     /// A `--model` here replaces the run's: `--model
     /// synthetic:hidden=64,layers=2,vocab=512,tokens_per_s=0` gives real
     /// drafters random hidden states of the tiny default's shape at no
-    /// target compute (the drafter side's throughput alone).
+    /// target compute (the drafter side's throughput alone). A flag here
+    /// replaces the tiny default's.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub target_args: String,
 
     /// Extra flags for every drafter-server (one string, split on spaces).
+    /// A flag here replaces the tiny default's (`--learning-rate 16e-3
+    /// --sync-lr-scaling inverse`).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub drafter_args: String,
 
