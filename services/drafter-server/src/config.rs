@@ -72,7 +72,6 @@ fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
         .collect()
 }
 
-/// `--attention`: see [`DrafterServerConfig::attention_for`].
 /// `--sync-lr-scaling`: a sharing drafter's learning rate over N, the
 /// drafters sharing the center (`crate::schedule::sync_learning_rate_scale`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -85,6 +84,7 @@ pub enum SyncLrScaling {
     InverseSqrt,
 }
 
+/// `--attention`: see [`DrafterServerConfig::attention_for`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AttentionChoice {
     Auto,

@@ -29,6 +29,11 @@
 //!   running mean of S + 1 over the last exchanges
 //!   ([`RunClock::staleness_observed`]), so it follows drafters that join,
 //!   leave or run at other speeds.
+//! - With `--sync-lr-scaling inverse` (or `inverse-sqrt`) the same N also
+//!   divides the drafter's learning rate (by N or √N,
+//!   [`sync_learning_rate_scale`]): a learning rate tuned for one drafter
+//!   is too large for N drafters whose steps land on weights N updates
+//!   old. Off by default (see the flag).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
