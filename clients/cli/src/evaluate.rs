@@ -322,7 +322,8 @@ impl Kept {
     }
 
     /// Its weights, from the broker: a few tries, `poll` apart, since a
-    /// broker that does not answer once may the next time.
+    /// broker that does not answer once may the next time; one only when
+    /// the broker says it no longer keeps the version.
     async fn read(self, evaluator: &mut Evaluator, poll: Duration) -> anyhow::Result<Read> {
         let version = self.header.center_version;
         let mut tries = 0;
@@ -335,7 +336,7 @@ impl Kept {
                         read_unix_time_ms: self.read_unix_time_ms,
                     })
                 }
-                Err(error) if tries < KEPT_READ_TRIES => warn!(
+                Err(error) if tries < KEPT_READ_TRIES && !no_longer_kept(&error) => warn!(
                     version,
                     error = format!("{error:#}"),
                     "reading a kept version failed; trying again"
@@ -349,6 +350,14 @@ impl Kept {
 
 /// Tries of [`Kept::read`].
 const KEPT_READ_TRIES: u32 = 3;
+
+/// Whether a read failed because the broker no longer keeps the version
+/// (FAILED_PRECONDITION): trying again cannot help.
+fn no_longer_kept(error: &anyhow::Error) -> bool {
+    error
+        .downcast_ref::<tonic::Status>()
+        .is_some_and(|status| status.code() == tonic::Code::FailedPrecondition)
+}
 
 /// A measurement's end: the target back, what was measured and of what.
 struct Measured {
@@ -936,6 +945,21 @@ mod tests {
             Err(9),
             "the final version failed"
         );
+    }
+
+    #[test]
+    fn a_version_no_longer_kept_is_told_apart_from_a_broker_that_did_not_answer() {
+        let refused = anyhow::Error::from(tonic::Status::failed_precondition(
+            "center version 7 is not kept for evaluation (kept: [8]); read the current center",
+        ))
+        .context("ModelSync.ReadCenter");
+        assert!(no_longer_kept(&refused));
+        let unanswered = anyhow::Error::from(tonic::Status::unavailable("connection refused"))
+            .context("ModelSync.ReadCenter");
+        assert!(!no_longer_kept(&unanswered));
+        assert!(!no_longer_kept(&anyhow::anyhow!(
+            "ReadCenter: expected the header first"
+        )));
     }
 
     #[test]
