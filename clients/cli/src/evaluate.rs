@@ -32,6 +32,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context as _};
@@ -130,6 +131,47 @@ pub struct ReadCenter {
     pub tensors: Vec<(String, Vec<u64>, Vec<u8>)>,
 }
 
+/// Why a `ModelSync.ReadCenter` failed: whether another try can help
+/// depends on it.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The broker no longer keeps the version asked for
+    /// (FAILED_PRECONDITION: reported, released, or the broker restarted):
+    /// another try cannot help.
+    #[error(
+        "ModelSync.ReadCenter: the broker no longer keeps center version {version}: {message}"
+    )]
+    NotKept { version: u64, message: String },
+    /// The call failed or broke off (the broker down, restarting or
+    /// refusing): another try may succeed.
+    #[error("ModelSync.ReadCenter: {0}")]
+    Call(tonic::Status),
+    /// The broker's answer is not a center.
+    #[error("ReadCenter: {0}")]
+    Malformed(String),
+}
+
+impl ReadError {
+    /// The error of a read of `version` (`None`: the current center) that
+    /// ended with `status`.
+    pub fn from_status(status: tonic::Status, version: Option<u64>) -> ReadError {
+        match version {
+            Some(version) if status.code() == tonic::Code::FailedPrecondition => {
+                ReadError::NotKept {
+                    version,
+                    message: status.message().to_string(),
+                }
+            }
+            _ => ReadError::Call(status),
+        }
+    }
+
+    /// Whether trying the same read again may succeed.
+    pub fn may_pass_again(&self) -> bool {
+        matches!(self, ReadError::Call(_))
+    }
+}
+
 /// The evaluator's connection: status through the broker client, the
 /// center and the reports through ModelSync.
 pub struct Evaluator {
@@ -161,28 +203,24 @@ impl Evaluator {
         })
     }
 
-    /// The center as it is now: header, then every tensor's chunks in
-    /// order, then `done` (whose count must match).
-    pub async fn read_center(&mut self) -> anyhow::Result<ReadCenter> {
-        self.read(false, None).await
-    }
-
     /// Keeps the current version at the broker until its report and
     /// returns its header only (no weights: [`Self::read_kept`] reads them
     /// when it is measured).
-    pub async fn keep_center(&mut self) -> anyhow::Result<proto::CenterHeader> {
+    pub async fn keep_center(&mut self) -> Result<proto::CenterHeader, ReadError> {
         Ok(self.read(true, None).await?.header)
     }
 
-    /// A version the broker keeps since [`Self::keep_center`], whole.
-    pub async fn read_kept(&mut self, version: u64) -> anyhow::Result<ReadCenter> {
+    /// A version the broker keeps since [`Self::keep_center`], whole:
+    /// header, then every tensor's chunks in order, then `done` (whose
+    /// count must match).
+    pub async fn read_kept(&mut self, version: u64) -> Result<ReadCenter, ReadError> {
         let read = self.read(false, Some(version)).await?;
         if read.header.center_version != version {
             // A broker that predates kept reads answers the current center.
-            bail!(
-                "ReadCenter: asked for kept version {version}, got {} (a broker without kept reads?)",
+            return Err(ReadError::Malformed(format!(
+                "asked for kept version {version}, got {} (a broker without kept reads?)",
                 read.header.center_version
-            );
+            )));
         }
         Ok(read)
     }
@@ -191,8 +229,9 @@ impl Evaluator {
         &mut self,
         header_only: bool,
         center_version: Option<u64>,
-    ) -> anyhow::Result<ReadCenter> {
+    ) -> Result<ReadCenter, ReadError> {
         use proto::read_center_response::Kind;
+        let failed = |status| ReadError::from_status(status, center_version);
         let mut stream = self
             .model_sync
             .read_center(proto::ReadCenterRequest {
@@ -201,32 +240,49 @@ impl Evaluator {
                 center_version,
             })
             .await
-            .context("ModelSync.ReadCenter")?
+            .map_err(failed)?
             .into_inner();
-        let header = match stream.message().await?.and_then(|message| message.kind) {
+        let header = match stream
+            .message()
+            .await
+            .map_err(failed)?
+            .and_then(|message| message.kind)
+        {
             Some(Kind::Header(header)) => header,
-            other => bail!("ReadCenter: expected the header first, got {other:?}"),
+            other => {
+                return Err(ReadError::Malformed(format!(
+                    "expected the header first, got {other:?}"
+                )))
+            }
         };
         let mut tensors = TensorAssembler::default();
         loop {
-            match stream.message().await?.and_then(|message| message.kind) {
+            match stream
+                .message()
+                .await
+                .map_err(failed)?
+                .and_then(|message| message.kind)
+            {
                 Some(Kind::Chunk(chunk)) => tensors
                     .push(chunk)
-                    .map_err(|error| anyhow::anyhow!("ReadCenter: {error}"))?,
+                    .map_err(|error| ReadError::Malformed(error.to_string()))?,
                 Some(Kind::Done(done)) => {
                     if done.center_version != header.center_version {
-                        bail!(
-                            "ReadCenter: the header says version {}, done says {}",
-                            header.center_version,
-                            done.center_version
-                        );
+                        return Err(ReadError::Malformed(format!(
+                            "the header says version {}, done says {}",
+                            header.center_version, done.center_version
+                        )));
                     }
                     let tensors = tensors
                         .finish(done.tensors)
-                        .map_err(|error| anyhow::anyhow!("ReadCenter: {error}"))?;
+                        .map_err(|error| ReadError::Malformed(error.to_string()))?;
                     return Ok(ReadCenter { header, tensors });
                 }
-                other => bail!("ReadCenter: expected chunks then done, got {other:?}"),
+                other => {
+                    return Err(ReadError::Malformed(format!(
+                        "expected chunks then done, got {other:?}"
+                    )))
+                }
             }
         }
     }
@@ -284,7 +340,8 @@ fn unix_time_ms() -> u64 {
 struct Bench {
     /// The target, `None` while a measurement owns it.
     target: Option<TargetModel>,
-    prompts: Vec<Vec<i64>>,
+    /// Shared with each measurement's thread.
+    prompts: Arc<Vec<Vec<i64>>>,
     options: dflash_model::eval::EvalOptions,
 }
 
@@ -292,16 +349,6 @@ struct Bench {
 struct Read {
     center: ReadCenter,
     read_unix_time_ms: u64,
-}
-
-impl Read {
-    async fn from(evaluator: &mut Evaluator) -> anyhow::Result<Read> {
-        let center = evaluator.read_center().await?;
-        Ok(Read {
-            center,
-            read_unix_time_ms: unix_time_ms(),
-        })
-    }
 }
 
 /// A center version the broker keeps for the evaluator (its header only),
@@ -323,8 +370,9 @@ impl Kept {
 
     /// Its weights, from the broker: a few tries, `poll` apart, since a
     /// broker that does not answer once may the next time; one only when
-    /// the broker says it no longer keeps the version.
-    async fn read(self, evaluator: &mut Evaluator, poll: Duration) -> anyhow::Result<Read> {
+    /// the answer says another cannot help (the version no longer kept, or
+    /// not a center).
+    async fn read(self, evaluator: &mut Evaluator, poll: Duration) -> Result<Read, ReadError> {
         let version = self.header.center_version;
         let mut tries = 0;
         loop {
@@ -336,7 +384,7 @@ impl Kept {
                         read_unix_time_ms: self.read_unix_time_ms,
                     })
                 }
-                Err(error) if tries < KEPT_READ_TRIES && !no_longer_kept(&error) => warn!(
+                Err(error) if tries < KEPT_READ_TRIES && error.may_pass_again() => warn!(
                     version,
                     error = format!("{error:#}"),
                     "reading a kept version failed; trying again"
@@ -350,14 +398,6 @@ impl Kept {
 
 /// Tries of [`Kept::read`].
 const KEPT_READ_TRIES: u32 = 3;
-
-/// Whether a read failed because the broker no longer keeps the version
-/// (FAILED_PRECONDITION): trying again cannot help.
-fn no_longer_kept(error: &anyhow::Error) -> bool {
-    error
-        .downcast_ref::<tonic::Status>()
-        .is_some_and(|status| status.code() == tonic::Code::FailedPrecondition)
-}
 
 /// A measurement's end: the target back, what was measured and of what.
 struct Measured {
@@ -374,7 +414,7 @@ impl Bench {
     /// the target meanwhile.
     fn start(&mut self, read: Read) -> anyhow::Result<Measuring> {
         let target = self.target.take().context("the target model is gone")?;
-        let (prompts, options) = (self.prompts.clone(), self.options.clone());
+        let (prompts, options) = (Arc::clone(&self.prompts), self.options.clone());
         Ok(tokio::task::spawn_blocking(move || {
             let Read {
                 center,
@@ -474,13 +514,15 @@ impl Bench {
         Ok(version)
     }
 
-    /// Reads the current center and measures it, now.
+    /// Reads the current center and measures it, now: kept at the broker
+    /// until its report, as a `--watch` read is.
     async fn evaluate_now(
         &mut self,
         evaluator: &mut Evaluator,
         report: &mut EvaluatorReport,
+        poll: Duration,
     ) -> anyhow::Result<u64> {
-        let read = Read::from(evaluator).await?;
+        let read = Kept::from(evaluator).await?.read(evaluator, poll).await?;
         let joined = self.start(read)?.await;
         self.finish(joined, evaluator, report)
             .await
@@ -553,7 +595,7 @@ pub async fn run(
             stop_token_ids: dflash_model::tokens::eos_token_ids(&args.target),
             device,
         },
-        prompts,
+        prompts: Arc::new(prompts),
     };
     let mut evaluator =
         Evaluator::connect(&args.broker, &args.security, &args.evaluator_id).await?;
@@ -562,7 +604,7 @@ pub async fn run(
         watch(&args, &mut bench, &mut evaluator, &mut report, &interrupt).await
     } else {
         bench
-            .evaluate_now(&mut evaluator, &mut report)
+            .evaluate_now(&mut evaluator, &mut report, args.poll)
             .await
             .map(|_| ())
     };
@@ -723,7 +765,7 @@ async fn watch(
                 Ok(read) => measuring = Some(bench.start(read)?),
                 Err(error) => {
                     if watcher.measured(version, false).is_err() {
-                        return Err(error.context("reading the final center"));
+                        return Err(anyhow::Error::from(error).context("reading the final center"));
                     }
                     warn!(
                         version,
@@ -949,17 +991,26 @@ mod tests {
 
     #[test]
     fn a_version_no_longer_kept_is_told_apart_from_a_broker_that_did_not_answer() {
-        let refused = anyhow::Error::from(tonic::Status::failed_precondition(
-            "center version 7 is not kept for evaluation (kept: [8]); read the current center",
-        ))
-        .context("ModelSync.ReadCenter");
-        assert!(no_longer_kept(&refused));
-        let unanswered = anyhow::Error::from(tonic::Status::unavailable("connection refused"))
-            .context("ModelSync.ReadCenter");
-        assert!(!no_longer_kept(&unanswered));
-        assert!(!no_longer_kept(&anyhow::anyhow!(
-            "ReadCenter: expected the header first"
-        )));
+        let refusal = || {
+            tonic::Status::failed_precondition(
+                "center version 7 is not kept for evaluation (kept: [8]); read the current center",
+            )
+        };
+        let refused = ReadError::from_status(refusal(), Some(7));
+        assert!(!refused.may_pass_again());
+        assert!(
+            refused
+                .to_string()
+                .contains("no longer keeps center version 7")
+                && refused.to_string().contains("kept: [8]"),
+            "{refused}"
+        );
+        // Refused while reading the current center ("no center yet"): a
+        // drafter may join, so a later read may pass.
+        assert!(ReadError::from_status(refusal(), None).may_pass_again());
+        let unanswered = tonic::Status::unavailable("connection refused");
+        assert!(ReadError::from_status(unanswered, Some(7)).may_pass_again());
+        assert!(!ReadError::Malformed("expected the header first".into()).may_pass_again());
     }
 
     #[test]
