@@ -84,6 +84,18 @@ pub enum SyncLrScaling {
     InverseSqrt,
 }
 
+/// `--sync-batch-scaling`: a sharing drafter's step size over N, the
+/// drafters sharing the center (`crate::schedule::shared_step_limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncBatchScaling {
+    /// Every drafter's step is one drafter's (`--max-step-samples`,
+    /// `--batch-tokens` × `--grad-accumulation`), whatever N.
+    None,
+    /// Each of N drafters takes 1/N of one drafter's step: a round of N
+    /// steps trains on one drafter's step of samples.
+    Inverse,
+}
+
 /// `--attention`: see [`DrafterServerConfig::attention_for`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AttentionChoice {
@@ -203,6 +215,19 @@ pub struct DrafterServerConfig {
     /// drafters sharing").
     #[arg(long, env = "DFLASH_SYNC_LR_SCALING", value_enum, default_value_t = SyncLrScaling::None)]
     pub sync_lr_scaling: SyncLrScaling,
+
+    /// How a drafter that shares the center with others (N > 1 measured,
+    /// as for β1) sizes its optimizer steps: `none` (the default) takes
+    /// one drafter's step (`--max-step-samples`, `--batch-tokens` ×
+    /// `--grad-accumulation`); `inverse` takes 1/N of it, so the N
+    /// drafters' steps together train on one drafter's step of samples
+    /// (data parallelism's fixed global batch) and the center takes as
+    /// many steps over the run as one drafter would. With
+    /// `--sync-lr-scaling inverse` it is what the model-sync study
+    /// measured closest to one drafter (BENCHMARKS.md, "Sharing one
+    /// drafter's step").
+    #[arg(long, env = "DFLASH_SYNC_BATCH_SCALING", value_enum, default_value_t = SyncBatchScaling::None)]
+    pub sync_batch_scaling: SyncBatchScaling,
 
     /// Fraction of the schedule spent in linear warmup before the cosine decay.
     #[arg(long, env = "DFLASH_WARMUP_FRACTION", default_value_t = 0.04)]
@@ -452,6 +477,7 @@ impl DrafterServerConfig {
             adam_beta1: 0.9,
             sync_adam_beta1: 0.0,
             sync_lr_scaling: SyncLrScaling::None,
+            sync_batch_scaling: SyncBatchScaling::None,
             warmup_fraction: 0.04,
             max_grad_norm: 1.0,
             grad_accumulation: 1,

@@ -34,10 +34,16 @@
 //!   [`sync_learning_rate_scale`]): a learning rate tuned for one drafter
 //!   is too large for N drafters whose steps land on weights N updates
 //!   old. Off by default (see the flag).
+//! - With `--sync-batch-scaling inverse` the same N divides the drafter's
+//!   optimizer step ([`shared_step_limits`]): N drafters each take 1/N of
+//!   one drafter's step, so a round of their N deltas trains on one
+//!   drafter's step of samples and the center takes as many steps over
+//!   the run as one drafter would. The run-wide schedule needs nothing
+//!   more: its position is a fraction of the run's samples.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::config::SyncLrScaling;
+use crate::config::{SyncBatchScaling, SyncLrScaling};
 
 /// The facts the estimate uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +193,45 @@ pub fn sync_learning_rate_scale(drafters_sharing: f64, scaling: SyncLrScaling) -
     }
 }
 
+/// When a drafter takes an optimizer step: a micro-batch is formed when
+/// its padded tokens reach `batch_tokens`, a step is taken after
+/// `grad_accumulation` micro-batches, or once `max_step_samples` samples
+/// are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepLimits {
+    pub batch_tokens: usize,
+    pub grad_accumulation: u64,
+    pub max_step_samples: usize,
+}
+
+/// A sharing drafter's step limits (`--sync-batch-scaling`): with
+/// `inverse` and N = `drafters_sharing` > 1, 1/N of `one`'s samples
+/// (rounded, at least 1) and of its token budget (`batch_tokens` ×
+/// `grad_accumulation`): fewer micro-batches when there are at least N,
+/// else smaller ones, so a micro-batch never grows. One drafter or an
+/// unknown count (0 or NaN) keeps `one`.
+pub fn shared_step_limits(
+    one: StepLimits,
+    drafters_sharing: f64,
+    scaling: SyncBatchScaling,
+) -> StepLimits {
+    // NaN is not above 1: an unknown count shares nothing.
+    let drafters = match scaling {
+        SyncBatchScaling::Inverse if drafters_sharing > 1.0 => drafters_sharing.min(1024.0),
+        _ => return one,
+    };
+    let share = |value: f64| (value / drafters).round().max(1.0);
+    let grad_accumulation = share(one.grad_accumulation as f64);
+    let step_tokens = one.batch_tokens as f64 * one.grad_accumulation as f64 / drafters;
+    StepLimits {
+        batch_tokens: (step_tokens / grad_accumulation)
+            .ceil()
+            .clamp(1.0, one.batch_tokens as f64) as usize,
+        grad_accumulation: grad_accumulation as u64,
+        max_step_samples: share(one.max_step_samples as f64) as usize,
+    }
+}
+
 /// A step's place in a schedule: the 0-based step and the schedule length,
 /// as `LearningRateSchedule::learning_rate(step, total_steps)` takes them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -256,6 +301,72 @@ mod tests {
         assert_eq!(
             sync_learning_rate_scale(1e9, SyncLrScaling::Inverse),
             1.0 / 1024.0
+        );
+    }
+
+    #[test]
+    fn a_sharing_drafters_step_is_its_share_of_one_drafters() {
+        let one = StepLimits {
+            batch_tokens: 16384,
+            grad_accumulation: 1,
+            max_step_samples: 64,
+        };
+        for alone in [0.0, 1.0, f64::NAN] {
+            assert_eq!(
+                shared_step_limits(one, alone, SyncBatchScaling::Inverse),
+                one
+            );
+        }
+        assert_eq!(shared_step_limits(one, 4.0, SyncBatchScaling::None), one);
+        // One micro-batch per step: a quarter of its tokens and samples.
+        assert_eq!(
+            shared_step_limits(one, 4.0, SyncBatchScaling::Inverse),
+            StepLimits {
+                batch_tokens: 4096,
+                grad_accumulation: 1,
+                max_step_samples: 16,
+            }
+        );
+        // Three: 64 / 3 = 21.3 samples, rounded; 16384 / 3 tokens, up.
+        assert_eq!(
+            shared_step_limits(one, 3.0, SyncBatchScaling::Inverse),
+            StepLimits {
+                batch_tokens: 5462,
+                grad_accumulation: 1,
+                max_step_samples: 21,
+            }
+        );
+        // Eight micro-batches among four drafters: two whole ones each.
+        let accumulating = StepLimits {
+            grad_accumulation: 8,
+            ..one
+        };
+        assert_eq!(
+            shared_step_limits(accumulating, 4.0, SyncBatchScaling::Inverse),
+            StepLimits {
+                batch_tokens: 16384,
+                grad_accumulation: 2,
+                max_step_samples: 16,
+            }
+        );
+        // Among three: 8 / 3 = 2.7 micro-batches' tokens in 3 smaller ones.
+        assert_eq!(
+            shared_step_limits(accumulating, 3.0, SyncBatchScaling::Inverse),
+            StepLimits {
+                batch_tokens: 14564,
+                grad_accumulation: 3,
+                max_step_samples: 21,
+            }
+        );
+        // Never below one sample, one token, one micro-batch.
+        let tiny = StepLimits {
+            batch_tokens: 1,
+            grad_accumulation: 1,
+            max_step_samples: 1,
+        };
+        assert_eq!(
+            shared_step_limits(tiny, 1e9, SyncBatchScaling::Inverse),
+            tiny
         );
     }
 

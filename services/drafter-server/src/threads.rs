@@ -76,6 +76,7 @@ pub(crate) fn start_trainer(
         batch_tokens: config.batch_tokens,
         grad_accumulation: config.grad_accumulation,
         max_step_samples: config.max_step_samples,
+        sync_batch_scaling: config.sync_batch_scaling,
         save_every: config.save_every,
         keep_checkpoints: config.keep_checkpoints,
         output: config.output.clone(),

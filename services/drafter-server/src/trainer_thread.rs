@@ -10,6 +10,11 @@
 //! Items are acked only after the optimizer step that used them: a
 //! `Stepped` event carries exactly those delivery ids.
 //!
+//! A step's limits (`--batch-tokens`, `--grad-accumulation`,
+//! `--max-step-samples`) are one drafter's; with `--sync-batch-scaling
+//! inverse` a drafter sharing the center takes its share of them, N as its
+//! sync link's run clock measures it ([`crate::schedule::shared_step_limits`]).
+//!
 //! Each step runs in a `drafter.step` trace span (target
 //! [`dflash_telemetry::TRACE_TARGET`], so it is disabled and nearly free
 //! without a span exporter) that covers its micro-batches and the update. It
@@ -32,8 +37,10 @@ use dflash_proto::v1::Delivery;
 use tokio::sync::mpsc;
 use tracing::{info, warn, Span};
 
+use crate::config::SyncBatchScaling;
 use crate::engine::{EngineError, PreparedSample, TrainingEngine};
 use crate::model_sync::ModelSyncLink;
+use crate::schedule::{shared_step_limits, StepLimits};
 use dflash_model::draft::step_dirs::{prune_step_checkpoints, record_latest, step_dir_name};
 use dflash_model::draft::DraftError;
 
@@ -109,6 +116,9 @@ pub struct LoopSettings {
     pub batch_tokens: usize,
     pub grad_accumulation: u64,
     pub max_step_samples: usize,
+    /// `--sync-batch-scaling`: the three above are one drafter's step;
+    /// a drafter sharing the center may take its share of it.
+    pub sync_batch_scaling: SyncBatchScaling,
     pub save_every: u64,
     pub keep_checkpoints: usize,
     pub output: PathBuf,
@@ -259,22 +269,39 @@ impl TrainingLoop {
             * samples.len()
     }
 
+    /// This step's limits: one drafter's, or its share of them while it
+    /// shares the center (`--sync-batch-scaling`, N as its exchanges
+    /// measure it).
+    fn step_limits(&self) -> StepLimits {
+        let one = StepLimits {
+            batch_tokens: self.settings.batch_tokens,
+            grad_accumulation: self.settings.grad_accumulation,
+            max_step_samples: self.settings.max_step_samples,
+        };
+        let drafters_sharing = self
+            .sync
+            .as_ref()
+            .map_or(0.0, |sync| sync.run_clock().state().drafters_sharing);
+        shared_step_limits(one, drafters_sharing, self.settings.sync_batch_scaling)
+    }
+
     fn train_what_is_ready(&mut self) {
-        if Self::padded_tokens(&self.pending) >= self.settings.batch_tokens {
+        let limits = self.step_limits();
+        if Self::padded_tokens(&self.pending) >= limits.batch_tokens {
             // Keep the newest sample for the next micro-batch when it is the
             // one that pushed this one over the budget.
             let keep_last = self.pending.len() > 1
                 && Self::padded_tokens(&self.pending[..self.pending.len() - 1])
-                    < self.settings.batch_tokens
-                && Self::padded_tokens(&self.pending) > self.settings.batch_tokens;
+                    < limits.batch_tokens
+                && Self::padded_tokens(&self.pending) > limits.batch_tokens;
             let carried = if keep_last { self.pending.pop() } else { None };
             self.run_micro_batch();
             self.pending.extend(carried);
-            if self.accumulated_micro_batches >= self.settings.grad_accumulation {
+            if self.accumulated_micro_batches >= limits.grad_accumulation {
                 self.run_step();
             }
         }
-        if self.held_samples() >= self.settings.max_step_samples {
+        if self.held_samples() >= limits.max_step_samples {
             self.flush();
         }
     }
@@ -480,5 +507,94 @@ impl TrainingLoop {
             final_checkpoint,
             checkpoint_error,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::SyntheticEngine;
+    use crate::model_sync::SyncConfig;
+    use crate::schedule::RunClock;
+
+    /// The samples of each step a loop takes over `deliveries` deliveries
+    /// when its sync link has measured `staleness` (None: no exchange yet).
+    fn step_sizes(
+        scaling: SyncBatchScaling,
+        staleness: Option<u64>,
+        deliveries: u64,
+    ) -> Vec<usize> {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let output = tempfile::tempdir().unwrap();
+        let clock = RunClock::new();
+        if let Some(staleness) = staleness {
+            clock.staleness_observed(staleness);
+        }
+        let sync = SyncConfig {
+            sync_every: 1,
+            ..SyncConfig::default()
+        };
+        // Never dialled: the synthetic engine has no model to exchange.
+        let link = ModelSyncLink::new(runtime.handle().clone(), "http://127.0.0.1:1", "d", &sync)
+            .unwrap()
+            .with_run_clock(clock);
+        let settings = LoopSettings {
+            batch_tokens: usize::MAX,
+            grad_accumulation: 1,
+            max_step_samples: 16,
+            sync_batch_scaling: scaling,
+            save_every: 0,
+            keep_checkpoints: 1,
+            output: output.path().to_path_buf(),
+        };
+        let room = deliveries as usize + 8;
+        let (commands, receiver) = mpsc::channel(room);
+        let (events, mut reports) = mpsc::channel(room);
+        for delivery_id in 0..deliveries {
+            let delivery = Delivery {
+                delivery_id,
+                sample: Some(dflash_testkit::sample(64, delivery_id)),
+                ..Default::default()
+            };
+            commands
+                .try_send(TrainerCommand::Delivery {
+                    generation: 0,
+                    delivery: Box::new(delivery),
+                })
+                .unwrap();
+        }
+        commands
+            .try_send(TrainerCommand::Finish {
+                step_accumulated: true,
+            })
+            .unwrap();
+        run_training_loop(
+            Box::new(SyntheticEngine::new(0.0)),
+            settings,
+            receiver,
+            events,
+            Some(link),
+        );
+        let mut sizes = Vec::new();
+        while let Ok(event) = reports.try_recv() {
+            match event {
+                TrainerEvent::Stepped { delivery_ids, .. } => sizes.push(delivery_ids.len()),
+                TrainerEvent::Rejected { reason, .. } => panic!("rejected: {reason}"),
+                _ => {}
+            }
+        }
+        sizes
+    }
+
+    #[test]
+    fn a_drafter_sharing_the_center_takes_its_share_of_one_drafters_step() {
+        // Four drafters measured: a quarter of the 16 samples per step.
+        assert_eq!(
+            step_sizes(SyncBatchScaling::Inverse, Some(3), 16),
+            vec![4; 4]
+        );
+        // Without the scaling, or before any exchange: one drafter's step.
+        assert_eq!(step_sizes(SyncBatchScaling::None, Some(3), 32), vec![16; 2]);
+        assert_eq!(step_sizes(SyncBatchScaling::Inverse, None, 32), vec![16; 2]);
     }
 }

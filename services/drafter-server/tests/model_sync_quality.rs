@@ -22,10 +22,11 @@
 //! that the target continues greedily, as `dflash eval` does.
 //!
 //! Knobs: `DFLASH_SYNC_QUALITY_{SEEDS,LR,EPOCHS,SEQUENCES,SYNC_EVERY,MOMENTUM,OUTER_LR,
-//! MOMENTUM_DELAY,STALENESS_SCALING,INNER_LR_EXPONENT,LR_SCALING,INNER_BETA1,DRAFTERS,ADAM_BETA1,BATCH}`
+//! MOMENTUM_DELAY,STALENESS_SCALING,INNER_LR_EXPONENT,LR_SCALING,INNER_BETA1,DRAFTERS,ADAM_BETA1,BATCH,
+//! BATCH_SCALING,HELD_OUT}`
 //! override the settings below; the study also reads
 //! `DFLASH_STUDY_{DRAFTERS,SEEDS}` (comma-separated lists) and
-//! `DFLASH_STUDY_{CEILING_LR_EXPONENT,CENTER_ONLY}`. `-- --nocapture`
+//! `DFLASH_STUDY_{INITS,CEILING_LR_EXPONENT,CENTER_ONLY}`. `-- --nocapture`
 //! prints τ and the loss curves.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -38,10 +39,10 @@ use std::time::Instant;
 use common::*;
 use dflash_broker::model_sync::StalenessScaling;
 use dflash_broker::BrokerConfig;
-use dflash_drafter_server::config::SyncLrScaling;
+use dflash_drafter_server::config::{SyncBatchScaling, SyncLrScaling};
 use dflash_drafter_server::engine::{build_engine, RunSchedule, TrainingEngine};
 use dflash_drafter_server::model_sync::{ModelSyncLink, SyncConfig};
-use dflash_drafter_server::schedule::RunClock;
+use dflash_drafter_server::schedule::{shared_step_limits, RunClock, StepLimits};
 use dflash_drafter_server::DrafterServerConfig;
 use dflash_model::draft::save_draft_checkpoint;
 use dflash_model::eval::{evaluate_with_options, EvalOptions};
@@ -99,6 +100,9 @@ struct Setting {
     /// Distinct training sequences, each seen `epochs` times.
     sequences: usize,
     adam_beta1: f64,
+    /// Which initialisation of the drafters: drafter i's seed is
+    /// `seed + 100·init + i` (the data stays the seed's).
+    init: u64,
 }
 
 impl Setting {
@@ -111,6 +115,7 @@ impl Setting {
             batch: knob("BATCH", BATCH as f64) as usize,
             sequences: knob("SEQUENCES", TRAIN_SEQUENCES as f64) as usize,
             adam_beta1: knob("ADAM_BETA1", 0.9),
+            init: 0,
         }
     }
 }
@@ -128,6 +133,8 @@ struct Method {
     inner_lr_exponent: f64,
     /// The synced drafters' `--sync-lr-scaling` (by N as measured).
     lr_scaling: SyncLrScaling,
+    /// The synced drafters' `--sync-batch-scaling` (by N as measured).
+    batch_scaling: SyncBatchScaling,
     /// The synced drafters' `--sync-adam-beta1` (the cap on β1^N while
     /// sharing); `None`: the drafter's default.
     inner_beta1: Option<f64>,
@@ -155,6 +162,13 @@ impl Method {
                         .expect("none, inverse or inverse-sqrt")
                 },
             ),
+            batch_scaling: std::env::var("DFLASH_SYNC_QUALITY_BATCH_SCALING").map_or(
+                DrafterServerConfig::with_defaults("", "", PathBuf::new()).sync_batch_scaling,
+                |name| {
+                    <SyncBatchScaling as clap::ValueEnum>::from_str(&name, true)
+                        .expect("none or inverse")
+                },
+            ),
             inner_beta1: std::env::var("DFLASH_SYNC_QUALITY_INNER_BETA1")
                 .ok()
                 .map(|value| value.parse().expect("a number")),
@@ -163,7 +177,7 @@ impl Method {
 
     fn describe(&self) -> String {
         format!(
-            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, synced drafters' lr scaling {:?}, beta1 cap {}",
+            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, synced drafters' lr scaling {:?}, batch scaling {:?}, beta1 cap {}",
             self.outer_learning_rate,
             self.momentum,
             match self.momentum_delay {
@@ -173,6 +187,7 @@ impl Method {
             self.staleness_scaling.name(),
             self.inner_lr_exponent,
             self.lr_scaling,
+            self.batch_scaling,
             self.inner_beta1
                 .map_or_else(|| "the default".to_string(), |beta1| beta1.to_string())
         )
@@ -273,7 +288,12 @@ fn train(
     let mut trainees: Vec<Trainee> = (0..drafters)
         .map(|index| {
             let id = format!("drafter-{index}");
-            let mut config = drafter_config(&id, work, setting, setting.seed + index as u64);
+            let mut config = drafter_config(
+                &id,
+                work,
+                setting,
+                setting.seed + 100 * setting.init + index as u64,
+            );
             let stream: Vec<proto::Sample> =
                 run.iter().skip(index).step_by(drafters).cloned().collect();
             match &address {
@@ -294,6 +314,7 @@ fn train(
                     config.total_steps = None;
                     config.learning_rate *= (drafters as f64).powf(method.inner_lr_exponent);
                     config.sync_lr_scaling = method.lr_scaling;
+                    config.sync_batch_scaling = method.batch_scaling;
                     config.sync_adam_beta1 = method.inner_beta1.unwrap_or(config.sync_adam_beta1);
                     let mut engine = build_engine(&config, None, 1).unwrap();
                     // The run's size, as the async side learns it from the
@@ -317,18 +338,41 @@ fn train(
             }
         })
         .collect();
-    for round in 0..steps_per_drafter as usize {
-        for trainee in trainees.iter_mut() {
+    // Samples each drafter has trained on, in its stream's order.
+    let mut trained = vec![0; drafters];
+    // A round: one step of each drafter with samples left.
+    while trainees
+        .iter()
+        .zip(&trained)
+        .any(|(trainee, &done)| done < trainee.stream.len())
+    {
+        for (trainee, done) in trainees.iter_mut().zip(trained.iter_mut()) {
+            // The step a drafter of this run takes: the setting's batch, or
+            // its share while it shares the center, as the drafter-server's
+            // training loop sizes it (`--sync-batch-scaling`).
+            let batch_size = match &trainee.link {
+                None => setting.batch,
+                Some(link) => {
+                    let one = StepLimits {
+                        batch_tokens: usize::MAX,
+                        grad_accumulation: 1,
+                        max_step_samples: setting.batch,
+                    };
+                    let sharing = link.run_clock().state().drafters_sharing;
+                    shared_step_limits(one, sharing, method.batch_scaling).max_step_samples
+                }
+            };
             let batch: Vec<_> = trainee
                 .stream
                 .iter()
-                .skip(round * setting.batch)
-                .take(setting.batch)
+                .skip(*done)
+                .take(batch_size)
                 .map(|sample| trainee.engine.prepare(sample).unwrap())
                 .collect();
             if batch.is_empty() {
                 continue;
             }
+            *done += batch.len();
             trainee.engine.accumulate(batch).unwrap();
             let report = trainee.engine.step().unwrap();
             trainee.losses.push(report.loss);
@@ -393,7 +437,11 @@ struct Data {
 fn data(setting: &Setting) -> Data {
     let target = TargetModel::load(tiny_target_dir(), Device::Cpu, Kind::Float).unwrap();
     let sequences = self_generated(&target, setting.sequences, 1000 + setting.seed);
-    let held_out = random_token_sequences(HELD_OUT_PROMPTS, PROMPT_LENGTH, 2000 + setting.seed);
+    let held_out = random_token_sequences(
+        knob("HELD_OUT", HELD_OUT_PROMPTS as f64) as usize,
+        PROMPT_LENGTH,
+        2000 + setting.seed,
+    );
     let samples = target_samples(&sequences);
     // The run: every sequence `epochs` times, epochs in turn.
     let run = (0..setting.epochs).flat_map(|_| samples.clone()).collect();
@@ -632,6 +680,35 @@ fn at_one_drafters_learning_rate_inverse_scaling_keeps_the_center_above_independ
     }
 }
 
+/// `--sync-batch-scaling inverse` beside `--sync-lr-scaling inverse`, at
+/// the learning rate of the test above (tuned for one drafter): each of 4
+/// drafters steps on a quarter of one drafter's batch at a quarter of its
+/// rate, so a round of their 4 steps is one step of one drafter's size and
+/// the center takes as many such steps as one drafter alone. Measured on
+/// this seed: the center at 0.823 of one drafter's τ (2.307 against
+/// 2.802; the independent drafters 1.088–1.438), where the learning-rate
+/// scaling alone gave 0.548 (BENCHMARKS.md, "Sharing one drafter's step").
+/// 66 s in the debug build on a quiet core.
+#[test]
+fn with_shared_steps_four_drafters_center_nears_one_drafter() {
+    let setting = Setting {
+        learning_rate: 16e-3,
+        ..Setting::from_env(0)
+    };
+    let method = Method {
+        lr_scaling: SyncLrScaling::Inverse,
+        batch_scaling: SyncBatchScaling::Inverse,
+        ..Method::from_env()
+    };
+    let taus = measure(4, setting, method);
+    assert!(
+        taus.center >= 0.75 * taus.alone,
+        "center tau {} below 75 % of one drafter's {}",
+        taus.center,
+        taus.alone
+    );
+}
+
 /// The study (`make study`, or `cargo test -p dflash-drafter-server --test
 /// model_sync_quality -- --ignored study --nocapture`): for each seed of
 /// `DFLASH_STUDY_SEEDS` (default 0,1,2), one drafter alone on every sample,
@@ -648,6 +725,11 @@ fn at_one_drafters_learning_rate_inverse_scaling_keeps_the_center_above_independ
 ///   done perfectly, the ceiling of any method that averages N drafters'
 ///   work taken at one point.
 ///
+/// Each is trained from `DFLASH_STUDY_INITS` initialisations (default 1;
+/// the data stays the seed's) and its τ is the mean over them: one
+/// drafter's τ on this run moves by up to a fifth with its initialisation
+/// alone, so one run per cell cannot tell methods a few percent apart.
+///
 /// `DFLASH_STUDY_CENTER_ONLY` (set to anything) trains the centers only:
 /// the independent drafters and the ceiling do not depend on the method,
 /// so a sweep of the method needs them once.
@@ -661,13 +743,14 @@ fn study() {
     let method = Method::from_env();
     let counts = list("DFLASH_STUDY_DRAFTERS", &[1, 2, 3, 4, 8]);
     let seeds = list("DFLASH_STUDY_SEEDS", &[0, 1, 2]);
+    let inits = list("DFLASH_STUDY_INITS", &[1])[0].max(1);
     let ceiling_lr_exponent = std::env::var("DFLASH_STUDY_CEILING_LR_EXPONENT")
         .ok()
         .map_or(0.5, |value| value.parse().expect("a number"));
     let center_only = std::env::var_os("DFLASH_STUDY_CENTER_ONLY").is_some();
     let base = Setting::from_env(0);
     eprintln!(
-        "study: {}; lr {}, {} epochs of {} sequences, batch {}, a sync every {} steps; ceiling at lr x N^{ceiling_lr_exponent}",
+        "study: {}; lr {}, {} epochs of {} sequences, batch {}, a sync every {} steps; ceiling at lr x N^{ceiling_lr_exponent}; {inits} initialisations",
         method.describe(),
         base.learning_rate,
         base.epochs,
@@ -675,6 +758,7 @@ fn study() {
         base.batch,
         base.sync_every
     );
+    let mean = |values: &[f64]| values.iter().sum::<f64>() / values.len() as f64;
     // rows[n][s]: (center, independent mean, ceiling) / one drafter for
     // counts[n], seeds[s].
     let mut rows = vec![vec![[0.0; 3]; seeds.len()]; counts.len()];
@@ -683,86 +767,108 @@ fn study() {
     for (s, &seed) in seeds.iter().enumerate() {
         let work = tempfile::tempdir().unwrap();
         let work = work.path();
-        let setting = Setting::from_env(seed);
-        let Data { run, held_out } = data(&setting);
+        let Data { run, held_out } = data(&Setting::from_env(seed));
+        let settings: Vec<Setting> = (0..inits)
+            .map(|init| Setting {
+                init,
+                ..Setting::from_env(seed)
+            })
+            .collect();
         let started = Instant::now();
-        let alone = train(
-            &work.join("alone"),
-            runtime.handle(),
-            &setting,
-            &method,
-            1,
-            Mode::Independent,
-            &run,
-        );
-        let alone_tau = tau(&alone.drafters[0], &held_out);
-        let untrained = untrained_tau(work, &setting, &held_out);
-        alone_taus.push(alone_tau);
-        eprintln!(
-            "study: seed {seed}: untrained {untrained:.3}, one drafter {alone_tau:.3} ({:.0} s); loss {:.3?}",
-            started.elapsed().as_secs_f64(),
-            loss_curve(&alone.losses)
-        );
-        for (n, &count) in counts.iter().enumerate() {
-            let count = count as usize;
-            let started = Instant::now();
-            let synced = train(
-                &work.join(format!("synced-{count}")),
+        let mut alone_by_init = Vec::new();
+        for setting in &settings {
+            let alone = train(
+                &work.join(format!("alone-{}", setting.init)),
                 runtime.handle(),
-                &setting,
-                &method,
-                count,
-                Mode::Synced,
-                &run,
-            );
-            let center = tau(synced.center.as_ref().unwrap(), &held_out);
-            seconds[n] += started.elapsed().as_secs_f64();
-            if center_only {
-                rows[n][s] = [center / alone_tau, f64::NAN, f64::NAN];
-                eprintln!(
-                    "study: seed {seed}: {count} drafters: center {center:.3}, / one drafter {:.3}; loss {:.3?}",
-                    rows[n][s][0],
-                    loss_curve(&synced.losses)
-                );
-                continue;
-            }
-            let independent = train(
-                &work.join(format!("independent-{count}")),
-                runtime.handle(),
-                &setting,
-                &method,
-                count,
-                Mode::Independent,
-                &run,
-            );
-            let independent_tau = independent
-                .drafters
-                .iter()
-                .map(|dir| tau(dir, &held_out))
-                .sum::<f64>()
-                / count as f64;
-            let large_batch = Setting {
-                batch: setting.batch * count,
-                learning_rate: setting.learning_rate * (count as f64).powf(ceiling_lr_exponent),
-                ..setting
-            };
-            let ceiling = train(
-                &work.join(format!("ceiling-{count}")),
-                runtime.handle(),
-                &large_batch,
+                setting,
                 &method,
                 1,
                 Mode::Independent,
                 &run,
             );
-            let ceiling_tau = tau(&ceiling.drafters[0], &held_out);
-            rows[n][s] = [center, independent_tau, ceiling_tau].map(|value| value / alone_tau);
+            alone_by_init.push(tau(&alone.drafters[0], &held_out));
             eprintln!(
-                "study: seed {seed}: {count} drafters: center {center:.3}, / one drafter {:.3}; independent {independent_tau:.3} ({:.3}); ceiling {ceiling_tau:.3} ({:.3}); loss {:.3?}",
+                "study: seed {seed}, init {}: one drafter {:.3}; loss {:.3?}",
+                setting.init,
+                alone_by_init.last().unwrap(),
+                loss_curve(&alone.losses)
+            );
+        }
+        let alone_tau = mean(&alone_by_init);
+        let untrained = untrained_tau(work, &settings[0], &held_out);
+        alone_taus.push(alone_tau);
+        eprintln!(
+            "study: seed {seed}: untrained {untrained:.3}, one drafter {alone_tau:.3} (by init {alone_by_init:.3?}; {:.0} s)",
+            started.elapsed().as_secs_f64(),
+        );
+        for (n, &count) in counts.iter().enumerate() {
+            let count = count as usize;
+            let (mut centers, mut independents, mut ceilings) =
+                (Vec::new(), Vec::new(), Vec::new());
+            for setting in &settings {
+                let started = Instant::now();
+                let synced = train(
+                    &work.join(format!("synced-{count}-{}", setting.init)),
+                    runtime.handle(),
+                    setting,
+                    &method,
+                    count,
+                    Mode::Synced,
+                    &run,
+                );
+                centers.push(tau(synced.center.as_ref().unwrap(), &held_out));
+                seconds[n] += started.elapsed().as_secs_f64();
+                eprintln!(
+                    "study: seed {seed}, init {}: {count} drafters: center {:.3}; loss {:.3?}",
+                    setting.init,
+                    centers.last().unwrap(),
+                    loss_curve(&synced.losses)
+                );
+                if center_only {
+                    continue;
+                }
+                let independent = train(
+                    &work.join(format!("independent-{count}-{}", setting.init)),
+                    runtime.handle(),
+                    setting,
+                    &method,
+                    count,
+                    Mode::Independent,
+                    &run,
+                );
+                let taus: Vec<f64> = independent
+                    .drafters
+                    .iter()
+                    .map(|dir| tau(dir, &held_out))
+                    .collect();
+                independents.push(mean(&taus));
+                let large_batch = Setting {
+                    batch: setting.batch * count,
+                    learning_rate: setting.learning_rate * (count as f64).powf(ceiling_lr_exponent),
+                    ..*setting
+                };
+                let ceiling = train(
+                    &work.join(format!("ceiling-{count}-{}", setting.init)),
+                    runtime.handle(),
+                    &large_batch,
+                    &method,
+                    1,
+                    Mode::Independent,
+                    &run,
+                );
+                ceilings.push(tau(&ceiling.drafters[0], &held_out));
+            }
+            let (center, independent, ceiling) = if center_only {
+                (mean(&centers), f64::NAN, f64::NAN)
+            } else {
+                (mean(&centers), mean(&independents), mean(&ceilings))
+            };
+            rows[n][s] = [center, independent, ceiling].map(|value| value / alone_tau);
+            eprintln!(
+                "study: seed {seed}: {count} drafters: center {center:.3} (by init {centers:.3?}), / one drafter {:.3}; independent {independent:.3} ({:.3}); ceiling {ceiling:.3} ({:.3})",
                 rows[n][s][0],
                 rows[n][s][1],
                 rows[n][s][2],
-                loss_curve(&synced.losses)
             );
         }
     }
@@ -794,7 +900,7 @@ fn study() {
                 .map(|row| format!("{:.3} / {:.3} / {:.3}", row[0], row[1], row[2]))
                 .collect::<Vec<_>>()
                 .join(" | "),
-            seconds[n] / seeds.len() as f64
+            seconds[n] / (seeds.len() as u64 * inits) as f64
         );
     }
 }
