@@ -688,7 +688,7 @@ fn at_one_drafters_learning_rate_inverse_scaling_keeps_the_center_above_independ
 /// this seed: the center at 0.823 of one drafter's τ (2.307 against
 /// 2.802; the independent drafters 1.088–1.438), where the learning-rate
 /// scaling alone gave 0.548 (BENCHMARKS.md, "Sharing one drafter's step").
-/// 66 s in the debug build on a quiet core.
+/// About 65 s of CPU in the debug build.
 #[test]
 fn with_shared_steps_four_drafters_center_nears_one_drafter() {
     let setting = Setting {
