@@ -73,6 +73,15 @@ fn knob(name: &str, default: f64) -> f64 {
         .unwrap_or(default)
 }
 
+/// A flag's value by its name (`DFLASH_SYNC_QUALITY_<NAME>`, as the flag
+/// takes it) when set, else `default`.
+fn choice<T: clap::ValueEnum>(name: &str, default: T) -> T {
+    std::env::var(format!("DFLASH_SYNC_QUALITY_{name}")).map_or(default, |value| {
+        T::from_str(&value, true)
+            .unwrap_or_else(|error| panic!("DFLASH_SYNC_QUALITY_{name}={value}: {error}"))
+    })
+}
+
 /// A comma-separated list from `variable`, else `default`.
 fn list(variable: &str, default: &[u64]) -> Vec<u64> {
     std::env::var(variable)
@@ -144,31 +153,15 @@ impl Method {
     /// The broker's defaults, each overridable by its knob.
     fn from_env() -> Method {
         let defaults = BrokerConfig::for_targets(1).model_sync;
-        let staleness_scaling = match std::env::var("DFLASH_SYNC_QUALITY_STALENESS_SCALING") {
-            Ok(name) => <StalenessScaling as clap::ValueEnum>::from_str(&name, true)
-                .expect("none or inverse"),
-            Err(_) => defaults.outer_staleness_scaling,
-        };
+        let drafter = DrafterServerConfig::with_defaults("", "", PathBuf::new());
         Method {
             outer_learning_rate: knob("OUTER_LR", defaults.outer_learning_rate.into()) as f32,
             momentum: knob("MOMENTUM", defaults.outer_momentum.into()) as f32,
             momentum_delay: knob("MOMENTUM_DELAY", defaults.outer_momentum_delay.into()) as u32,
-            staleness_scaling,
+            staleness_scaling: choice("STALENESS_SCALING", defaults.outer_staleness_scaling),
             inner_lr_exponent: knob("INNER_LR_EXPONENT", 0.0),
-            lr_scaling: std::env::var("DFLASH_SYNC_QUALITY_LR_SCALING").map_or(
-                DrafterServerConfig::with_defaults("", "", PathBuf::new()).sync_lr_scaling,
-                |name| {
-                    <SyncLrScaling as clap::ValueEnum>::from_str(&name, true)
-                        .expect("none, inverse or inverse-sqrt")
-                },
-            ),
-            batch_scaling: std::env::var("DFLASH_SYNC_QUALITY_BATCH_SCALING").map_or(
-                DrafterServerConfig::with_defaults("", "", PathBuf::new()).sync_batch_scaling,
-                |name| {
-                    <SyncBatchScaling as clap::ValueEnum>::from_str(&name, true)
-                        .expect("none or inverse")
-                },
-            ),
+            lr_scaling: choice("LR_SCALING", drafter.sync_lr_scaling),
+            batch_scaling: choice("BATCH_SCALING", drafter.sync_batch_scaling),
             inner_beta1: std::env::var("DFLASH_SYNC_QUALITY_INNER_BETA1")
                 .ok()
                 .map(|value| value.parse().expect("a number")),
@@ -651,6 +644,22 @@ fn three_synced_drafters_on(drafters: usize, seed: u64) {
     }
 }
 
+/// 4 drafters with `--sync-lr-scaling inverse` and `batch_scaling` at lr
+/// 16e-3 (tuned for one drafter), seed 0, against one drafter and 4
+/// independent ones.
+fn four_drafters_at_one_drafters_rate(batch_scaling: SyncBatchScaling) -> Taus {
+    let setting = Setting {
+        learning_rate: 16e-3,
+        ..Setting::from_env(0)
+    };
+    let method = Method {
+        lr_scaling: SyncLrScaling::Inverse,
+        batch_scaling,
+        ..Method::from_env()
+    };
+    measure(4, setting, method)
+}
+
 /// `--sync-lr-scaling inverse` at a learning rate tuned for one drafter
 /// (16e-3: one drafter's τ 2.80 on seed 0, near its best 2.83 at 32e-3,
 /// against 1.52 at the other test's 1e-3): 4 synced drafters, each at
@@ -661,15 +670,7 @@ fn three_synced_drafters_on(drafters: usize, seed: u64) {
 /// 0.377 of one drafter against their mean 0.454; with it 0.548).
 #[test]
 fn at_one_drafters_learning_rate_inverse_scaling_keeps_the_center_above_independent_drafters() {
-    let setting = Setting {
-        learning_rate: 16e-3,
-        ..Setting::from_env(0)
-    };
-    let method = Method {
-        lr_scaling: SyncLrScaling::Inverse,
-        ..Method::from_env()
-    };
-    let taus = measure(4, setting, method);
+    let taus = four_drafters_at_one_drafters_rate(SyncBatchScaling::None);
     for independent in &taus.independent {
         assert!(
             taus.center > *independent,
@@ -691,16 +692,7 @@ fn at_one_drafters_learning_rate_inverse_scaling_keeps_the_center_above_independ
 /// About 65 s of CPU in the debug build.
 #[test]
 fn with_shared_steps_four_drafters_center_nears_one_drafter() {
-    let setting = Setting {
-        learning_rate: 16e-3,
-        ..Setting::from_env(0)
-    };
-    let method = Method {
-        lr_scaling: SyncLrScaling::Inverse,
-        batch_scaling: SyncBatchScaling::Inverse,
-        ..Method::from_env()
-    };
-    let taus = measure(4, setting, method);
+    let taus = four_drafters_at_one_drafters_rate(SyncBatchScaling::Inverse);
     assert!(
         taus.center >= 0.75 * taus.alone,
         "center tau {} below 75 % of one drafter's {}",
