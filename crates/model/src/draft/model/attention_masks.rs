@@ -115,10 +115,39 @@ fn chunk_spans(
     Ok(spans)
 }
 
-/// 0 where `visible`, −∞ elsewhere.
+/// Off the CPU, the row stride (in elements) of an additive mask: the
+/// memory-efficient attention kernel rejects a bias whose rows do not start
+/// at multiples of 8 elements ("attn_bias is not correctly aligned
+/// (strideM)", seen on an H200 with a 17-position context). PyTorch's public
+/// `scaled_dot_product_attention` pads the bias for it; the kernel called
+/// directly, as [`AttentionImplementation::Fused`] does for its
+/// log-sum-exp, does not.
+const CUDA_MASK_ROW_ALIGNMENT: i64 = 8;
+
+/// 0 where `visible`, −∞ elsewhere; off the CPU with its rows aligned for
+/// the memory-efficient kernel (see [`aligned_additive_mask`]).
 fn additive_mask(visible: &Tensor, kind: Kind, device: Device) -> Tensor {
-    Tensor::zeros(visible.size(), (kind, device))
-        .masked_fill(&visible.logical_not(), f64::NEG_INFINITY)
+    let alignment = if device == Device::Cpu {
+        1
+    } else {
+        CUDA_MASK_ROW_ALIGNMENT
+    };
+    aligned_additive_mask(visible, kind, device, alignment)
+}
+
+/// 0 where `visible`, −∞ elsewhere, as a view of the first columns of a
+/// tensor whose last dimension is padded to a multiple of `alignment`: the
+/// same values, a unit column stride and a row stride that is a multiple
+/// of `alignment`. Filled in place, since an out-of-place fill would copy
+/// the view into a contiguous (unaligned) tensor.
+fn aligned_additive_mask(visible: &Tensor, kind: Kind, device: Device, alignment: i64) -> Tensor {
+    let mut size = visible.size();
+    let last = size.len() - 1;
+    let columns = size[last];
+    size[last] = (columns + alignment - 1) / alignment * alignment;
+    let mut mask = Tensor::zeros(size, (kind, device)).narrow(last as i64, 0, columns);
+    let _ = mask.masked_fill_(&visible.logical_not(), f64::NEG_INFINITY);
+    mask
 }
 
 impl ContextAttentionChunk {
@@ -212,5 +241,32 @@ impl FusedAttentionChunk {
             span,
             additive_mask: additive_mask(&visible, kind, device),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_aligned_mask_has_the_values_of_the_plain_one_and_aligned_rows() {
+        // 17 context positions, as the H200 run that found the kernel's
+        // alignment rule had.
+        let visible = Tensor::arange(17, (Kind::Int64, Device::Cpu))
+            .view([1, 1, 1, 17])
+            .lt_tensor(&Tensor::from_slice(&[3i64, 9, 17]).view([1, 1, 3, 1]));
+        let plain = aligned_additive_mask(&visible, Kind::Float, Device::Cpu, 1);
+        let aligned = aligned_additive_mask(&visible, Kind::Float, Device::Cpu, 8);
+        assert_eq!(aligned.size(), vec![1, 1, 3, 17]);
+        assert_eq!(plain.stride(), vec![51, 51, 17, 1]);
+        assert_eq!(aligned.stride(), vec![72, 72, 24, 1]);
+        assert!(aligned.equal(&plain));
+        // 0 where visible, -inf elsewhere: row 0 sees positions 0..3.
+        let row: Vec<f32> = Vec::try_from(aligned.get(0).get(0).get(0)).unwrap();
+        assert_eq!(&row[..3], &[0.0; 3]);
+        assert!(row[3..].iter().all(|value| *value == f32::NEG_INFINITY));
+        // Expanded over the heads (as the kernel gets it) the rows stay aligned.
+        let expanded = aligned.expand([-1, 4, -1, -1], false);
+        assert_eq!(expanded.stride()[2] % CUDA_MASK_ROW_ALIGNMENT, 0);
     }
 }
