@@ -108,3 +108,55 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
         "{stdout}"
     );
 }
+
+/// Every drafter fails (here at its start, from a flag it does not know; on
+/// an H200, stop 34, at its first training step): nothing is left to train,
+/// so `dflash local` stops the targets and the evaluator and reports the
+/// run FAILED, saying why, instead of waiting for `--timeout` (15 min here;
+/// the demo's 6400 samples keep the targets busy well past the drafters'
+/// exit).
+#[test]
+fn dflash_local_stops_and_fails_when_every_drafter_failed() {
+    let temporary = tempfile::tempdir().unwrap();
+    let workdir = temporary.path().join("run");
+    let output = std::process::Command::new(dflash_testkit::workspace_binary("dflash"))
+        .args(["local", "--view", "lines", "--timeout", "15m"])
+        .args(["--demo-sequences", "32", "--demo-epochs", "200"])
+        .arg("--drafter-args=--no-such-flag")
+        .arg("--workdir")
+        .arg(&workdir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "dflash local succeeded without drafters\n{stdout}\n{stderr}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(workdir.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["ok"], false, "{summary}");
+    let failures: Vec<&str> = summary["failures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|failure| failure.as_str())
+        .collect();
+    assert!(
+        failures
+            .iter()
+            .any(|failure| failure.contains("every drafter exited")),
+        "{failures:?}"
+    );
+    assert!(
+        !failures.iter().any(|failure| failure.contains("--timeout")),
+        "{failures:?}"
+    );
+    for process in summary["processes"].as_array().unwrap() {
+        if process["role"] == "drafter" {
+            assert_ne!(process["exit_code"].as_i64(), Some(0), "{process}");
+        }
+        // Nothing is left running: every child has an exit code.
+        assert!(process["exit_code"].is_i64(), "{process}");
+    }
+}

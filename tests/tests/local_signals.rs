@@ -36,6 +36,29 @@ fn processes_naming(workdir: &Path, except: u32) -> Vec<String> {
 
 #[test]
 fn sigterm_stops_the_children_and_prints_the_summary() {
+    stop_mid_run(Signalled::Process);
+}
+
+/// Ctrl-C in a terminal and `timeout` signal dflash's whole process group.
+/// On an H200 (stop 34) `timeout` did, the broker (then in dflash's group)
+/// stopped at once, and dflash, left without its final status, printed an
+/// error instead of its summary. The children now have their own groups.
+#[test]
+fn a_signal_to_the_process_group_still_ends_with_the_summary() {
+    stop_mid_run(Signalled::Group);
+}
+
+/// Who the SIGTERM goes to.
+enum Signalled {
+    /// dflash alone (`kill PID`).
+    Process,
+    /// dflash's process group (`kill -- -PGID`), dflash started as its leader.
+    Group,
+}
+
+fn stop_mid_run(signalled: Signalled) {
+    use std::os::unix::process::CommandExt as _;
+
     let temporary = tempfile::tempdir().unwrap();
     let workdir = temporary.path().join("run");
     // Enough epochs that the pipeline is still running when the signal comes.
@@ -51,6 +74,7 @@ fn sigterm_stops_the_children_and_prints_the_summary() {
         .arg(&workdir)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .process_group(0)
         .spawn()
         .unwrap();
     let drafter_log = workdir.join("logs").join("drafter-1.log");
@@ -58,8 +82,14 @@ fn sigterm_stops_the_children_and_prints_the_summary() {
         drafter_log.is_file() && !processes_naming(&workdir, local.id()).is_empty()
     });
     assert!(started, "the pipeline's children never started");
-    let pid = local.id().to_string();
-    let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let target = match signalled {
+        Signalled::Process => local.id().to_string(),
+        Signalled::Group => format!("-{}", local.id()),
+    };
+    let status = Command::new("kill")
+        .args(["-TERM", "--", &target])
+        .status()
+        .unwrap();
     assert!(status.success());
     let exited = wait_until_blocking(Duration::from_secs(120), || {
         matches!(local.try_wait(), Ok(Some(_)))

@@ -200,8 +200,21 @@ pub async fn run(args: LocalArgs, interrupt: CancellationToken) -> anyhow::Resul
         view,
         started,
     };
-    let stop = watch.until_exit(&mut children, deadline, &interrupt).await;
-    let snapshot = client.status().await.context("final broker status")?;
+    let (mut stop, last_seen) = watch.until_exit(&mut children, deadline, &interrupt).await;
+    let snapshot = match (client.status().await, last_seen) {
+        (Ok(snapshot), _) => snapshot,
+        (Err(error), Some(last_seen)) => {
+            eprintln!(
+                "dflash local: the broker did not answer the final status ({error}); \
+                 the summary uses the last status seen"
+            );
+            stop.final_status_stale = true;
+            last_seen
+        }
+        (Err(error), None) => {
+            return Err(error).context("final broker status (no status was ever read)")
+        }
+    };
     if view == View::Top {
         print!(
             "\x1b[H\x1b[2J{}",

@@ -212,6 +212,19 @@ fn failures(
     if stop.timed_out {
         failures.push("gave up at --timeout".to_string());
     }
+    if stop.drafters_gone {
+        failures.push(
+            "every drafter exited and one failed before the run completed: nothing was left to \
+             train, so the rest were stopped"
+                .to_string(),
+        );
+    }
+    if stop.final_status_stale {
+        failures.push(
+            "the broker did not answer the final status: the figures are its last status seen"
+                .to_string(),
+        );
+    }
     if snapshot.state() != proto::BrokerState::Complete {
         failures.push(format!(
             "the run did not end COMPLETE ({:?}{})",
@@ -480,6 +493,8 @@ mod tests {
         interrupted: false,
         timed_out: false,
         training_ended: None,
+        drafters_gone: false,
+        final_status_stale: false,
     };
 
     /// #23: the summary's busy fraction is the run's, from the process's own
@@ -564,5 +579,24 @@ mod tests {
         let failed = failures(&complete(), &[drafter(Some(0))], Some(1.0), &CLEAN, &center);
         assert_eq!(failed.len(), 1, "{failed:?}");
         assert!(failed[0].contains("is not finite"), "{}", failed[0]);
+
+        // Stopped because every drafter was gone, and summarised from the
+        // last status seen: each said.
+        let stopped = StopReason {
+            drafters_gone: true,
+            final_status_stale: true,
+            ..CLEAN
+        };
+        let empty = folder.path().join("no-center");
+        let failed = failures(
+            &complete(),
+            &[drafter(Some(0))],
+            Some(1.0),
+            &stopped,
+            &empty,
+        );
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        assert!(failed[0].contains("every drafter exited"), "{}", failed[0]);
+        assert!(failed[1].contains("last status seen"), "{}", failed[1]);
     }
 }

@@ -81,6 +81,11 @@ pub(super) fn spawn(
     if let Some(threads) = threads {
         command.env("OMP_NUM_THREADS", threads);
     }
+    // Its own process group: a signal to dflash's group (Ctrl-C in a
+    // terminal, `timeout`) reaches dflash alone, which stops the children in
+    // order (targets, drafters and the evaluator, then the broker after its
+    // final status) instead of every process at once, the broker first.
+    command.process_group(0);
     let child = command
         .stdin(Stdio::null())
         .stdout(file.try_clone()?)
@@ -118,6 +123,35 @@ pub(super) struct StopReason {
     /// When every child but the evaluator had exited: the training's end
     /// (the evaluator may go on measuring versions it read).
     pub(super) training_ended: Option<Instant>,
+    /// Every drafter had exited, one of them failed, and the run was not
+    /// complete: nothing was left to train, so the rest were stopped.
+    pub(super) drafters_gone: bool,
+    /// The broker did not answer the final status call: the summary's
+    /// figures are its last status seen while watching.
+    pub(super) final_status_stale: bool,
+}
+
+/// Whether the run can no longer complete for want of a drafter: every
+/// drafter has exited, at least one failed, and the broker's last status
+/// was not COMPLETE. Drafters that all exit 0 got end-of-stream; one that
+/// fails after a COMPLETE run does not stop the evaluator's tail.
+pub(super) fn no_drafter_left(
+    exits: impl IntoIterator<Item = (Role, Option<i32>)>,
+    last_state: Option<proto::BrokerState>,
+) -> bool {
+    let mut drafters = 0;
+    let mut failed = 0;
+    for (role, exit_code) in exits {
+        if role == Role::Drafter {
+            match exit_code {
+                None => return false,
+                Some(0) => {}
+                Some(_) => failed += 1,
+            }
+            drafters += 1;
+        }
+    }
+    drafters > 0 && failed > 0 && last_state != Some(proto::BrokerState::Complete)
 }
 
 /// The live view while the children run.
@@ -129,16 +163,19 @@ pub(super) struct Watch<'a> {
 }
 
 impl Watch<'_> {
-    /// Watches until every child has exited, Ctrl-C, or `deadline`; stops
-    /// the children still running in the last two cases.
+    /// Watches until every child has exited, Ctrl-C, `deadline`, or no
+    /// drafter is left ([`no_drafter_left`]); stops the children still
+    /// running in the last three cases. Returns how it ended and the last
+    /// broker status it saw.
     pub(super) async fn until_exit(
         &self,
         children: &mut [Managed],
         deadline: Instant,
         interrupt: &CancellationToken,
-    ) -> StopReason {
+    ) -> (StopReason, Option<proto::StatusSnapshot>) {
         let mut last_line = Instant::now();
         let mut training_ended = None;
+        let mut last_seen: Option<proto::StatusSnapshot> = None;
         loop {
             for child in children
                 .iter_mut()
@@ -157,22 +194,45 @@ impl Watch<'_> {
                 training_ended = Some(Instant::now());
             }
             if children.iter().all(|child| child.exit_code.is_some()) {
-                return StopReason {
+                // A signal may have come as they exited: still said.
+                let stop = StopReason {
+                    interrupted: interrupt.is_cancelled(),
                     training_ended,
                     ..StopReason::default()
                 };
+                return (stop, last_seen);
             }
             if interrupt.is_cancelled() || Instant::now() > deadline {
                 let interrupted = interrupt.is_cancelled();
                 stop_children(children).await;
-                return StopReason {
+                let stop = StopReason {
                     interrupted,
                     timed_out: !interrupted,
                     training_ended,
+                    ..StopReason::default()
                 };
+                return (stop, last_seen);
+            }
+            let last_state = last_seen.as_ref().map(|snapshot| snapshot.state());
+            if no_drafter_left(
+                children.iter().map(|child| (child.role, child.exit_code)),
+                last_state,
+            ) {
+                println!(
+                    "dflash local: every drafter has exited and one failed before the run completed; \
+                     stopping the rest (see the drafters' logs)"
+                );
+                stop_children(children).await;
+                let stop = StopReason {
+                    drafters_gone: true,
+                    training_ended: Some(training_ended.unwrap_or_else(Instant::now)),
+                    ..StopReason::default()
+                };
+                return (stop, last_seen);
             }
             if let Ok(snapshot) = self.client.status().await {
                 self.show(&snapshot, &mut last_line);
+                last_seen = Some(snapshot);
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -234,5 +294,50 @@ pub(super) async fn stop_broker(broker: &mut Managed) {
         broker.exit_code = status.code();
     } else {
         let _ = broker.child.kill().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_run_stops_only_when_every_drafter_is_gone_and_one_failed_before_completion() {
+        use proto::BrokerState::{Complete, Draining, Running};
+        let running = Some(Running);
+        // Both drafters died (the H200 run of stop 34: each drafter's
+        // training thread failed at its first step; dflash local then waited
+        // for --timeout).
+        let dead = [
+            (Role::Target, Some(0)),
+            (Role::Drafter, Some(1)),
+            (Role::Drafter, Some(1)),
+            (Role::Evaluator, None),
+        ];
+        assert!(no_drafter_left(dead, Some(Draining)));
+        assert!(no_drafter_left(dead, None));
+        // One drafter still runs: it trains the rest.
+        assert!(!no_drafter_left(
+            [(Role::Drafter, Some(1)), (Role::Drafter, None)],
+            running
+        ));
+        // Every drafter got end-of-stream and exited 0.
+        assert!(!no_drafter_left(
+            [(Role::Drafter, Some(0)), (Role::Drafter, Some(0))],
+            running
+        ));
+        // One failed after the run completed: the evaluator's tail goes on.
+        assert!(!no_drafter_left(
+            [
+                (Role::Drafter, Some(0)),
+                (Role::Drafter, Some(2)),
+                (Role::Evaluator, None)
+            ],
+            Some(Complete)
+        ));
+        // A killed drafter (no exit code from a signal is -1 here) counts as failed.
+        assert!(no_drafter_left([(Role::Drafter, Some(-1))], running));
+        // No drafter at all is not this case.
+        assert!(!no_drafter_left([(Role::Target, Some(1))], running));
     }
 }
