@@ -20,8 +20,14 @@
 //! ```text
 //! cargo run --release -p dflash-target-server --example capture_overhead -- \
 //!     [--model-dir DIR] [--shape tiny|qwen3-8b] [--batch 8] [--seq-len 512] \
-//!     [--rounds 7] [--draft-layers 5] [--device cpu|cuda:N] [--dtype f32|bf16]
+//!     [--rounds 7] [--draft-layers 5] [--device cpu|cuda:N] [--dtype f32|bf16] \
+//!     [--save-hidden FILE]
 //! ```
+//!
+//! `--save-hidden FILE` also writes the captured batch to a safetensors file
+//! (`input_ids` int64 [B, T], `layer_ids` int64 [n], `hidden_states` bf16
+//! [B, T, n*H], what the target-server sends): `scripts/bench/target_parity_hf.py`
+//! compares it with transformers' hidden states of the same weights and ids.
 //!
 //! Without `--model-dir` the model of `--shape` is written to a temporary
 //! folder; with a folder that does not exist yet it is written there (so the
@@ -52,6 +58,7 @@ struct Arguments {
     draft_layers: usize,
     device: Device,
     kind: Kind,
+    save_hidden: Option<PathBuf>,
 }
 
 /// Qwen3-8B's shape (its config.json) with the tiny model's tokenizer.
@@ -77,6 +84,7 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
         draft_layers: 5,
         device: Device::Cpu,
         kind: Kind::Float,
+        save_hidden: None,
     };
     let mut words = std::env::args().skip(1);
     while let Some(flag) = words.next() {
@@ -111,6 +119,7 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
                     .map_err(|error| anyhow::anyhow!("--dtype {name:?}: {error}"))?;
                 arguments.kind = dflash_model::device::kind_of(choice);
             }
+            "--save-hidden" => arguments.save_hidden = Some(PathBuf::from(value()?)),
             "--bench" => {} // cargo bench passes it
             other => bail!("unknown flag {other:?}"),
         }
@@ -208,6 +217,23 @@ fn main() -> anyhow::Result<()> {
     let warm = model.capture_hidden_states(&input_ids, &mask, &layer_ids)?;
     to_samples(&warm, &ids, rows as usize)?;
     settle(device);
+    if let Some(path) = &arguments.save_hidden {
+        let layers: Vec<i64> = layer_ids.iter().map(|&id| id as i64).collect();
+        Tensor::write_safetensors(
+            &[
+                ("input_ids", input_ids.to_device(Device::Cpu)),
+                ("layer_ids", Tensor::from_slice(&layers)),
+                (
+                    "hidden_states",
+                    warm.f_to_kind(Kind::BFloat16)?.f_to_device(Device::Cpu)?,
+                ),
+            ],
+            path,
+        )
+        .with_context(|| format!("--save-hidden {}", path.display()))?;
+        println!("saved the captured batch to {}", path.display());
+    }
+    drop(warm);
     // What the target sends per token: the kept layers' states in bf16.
     let bytes_per_token = (layer_ids.len() as i64 * model.config().hidden_size * 2) as f64;
     let deepest = layer_ids.iter().max().copied().unwrap_or(0);
