@@ -1,6 +1,8 @@
 //! `dflash local` stopped with SIGTERM mid-run (as a scheduler or `timeout`
-//! stops it): it stops its children with SIGTERM, waits for them (bounded),
-//! prints its summary, and leaves no process of the run behind.
+//! stops it), sent to it or to its whole process group: it stops its
+//! children with SIGTERM, waits for them (bounded), prints its summary, and
+//! leaves no process of the run behind. Killed with SIGKILL, it leaves no
+//! child running either (they stop on their parent-death signal).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -56,13 +58,21 @@ enum Signalled {
     Group,
 }
 
-fn stop_mid_run(signalled: Signalled) {
+/// A `dflash local` run (its children started, in the pipeline) with
+/// enough epochs that it is still running when the test acts; the temporary
+/// folder holds its workdir.
+struct MidRun {
+    local: std::process::Child,
+    workdir: std::path::PathBuf,
+    _temporary: tempfile::TempDir,
+}
+
+fn start_mid_run() -> MidRun {
     use std::os::unix::process::CommandExt as _;
 
     let temporary = tempfile::tempdir().unwrap();
     let workdir = temporary.path().join("run");
-    // Enough epochs that the pipeline is still running when the signal comes.
-    let mut local = Command::new(dflash_testkit::workspace_binary("dflash"))
+    let local = Command::new(dflash_testkit::workspace_binary("dflash"))
         .args(["local", "--view", "lines", "--timeout", "15m"])
         .args([
             "--demo-sequences",
@@ -82,6 +92,42 @@ fn stop_mid_run(signalled: Signalled) {
         drafter_log.is_file() && !processes_naming(&workdir, local.id()).is_empty()
     });
     assert!(started, "the pipeline's children never started");
+    MidRun {
+        local,
+        workdir,
+        _temporary: temporary,
+    }
+}
+
+/// dflash killed with SIGKILL (the OOM killer, `timeout -s KILL`) can stop
+/// nothing itself: its children, each in its own process group, stop on the
+/// parent-death signal they asked for, and none is left running.
+#[test]
+fn sigkill_of_dflash_leaves_no_child_running() {
+    let MidRun {
+        mut local,
+        workdir,
+        _temporary,
+    } = start_mid_run();
+    let pid = local.id();
+    local.kill().unwrap();
+    local.wait().unwrap();
+    let gone = wait_until_blocking(Duration::from_secs(120), || {
+        processes_naming(&workdir, pid).is_empty()
+    });
+    let left = processes_naming(&workdir, pid);
+    assert!(
+        gone,
+        "children still running after dflash was killed: {left:?}"
+    );
+}
+
+fn stop_mid_run(signalled: Signalled) {
+    let MidRun {
+        mut local,
+        workdir,
+        _temporary,
+    } = start_mid_run();
     let target = match signalled {
         Signalled::Process => local.id().to_string(),
         Signalled::Group => format!("-{}", local.id()),

@@ -11,7 +11,8 @@
 //!   [`DtypeChoice`] (`bf16`, `f16`, `f32`) as flags; `dflash-model` turns
 //!   them into libtorch devices and kinds.
 //! - `signal` (feature `signal`): `shutdown_signal`, one
-//!   `CancellationToken` cancelled on SIGINT or SIGTERM.
+//!   `CancellationToken` cancelled on SIGINT or SIGTERM, or when the parent
+//!   named by `STOP_WITH_PARENT_ENV` dies (`dflash local`'s children).
 //! - [`exit`]: [`Exit`], the exit-code table of every binary.
 //! - [`durable`]: files that survive a crash: [`write_synced`],
 //!   [`sync_directory`], and [`replace_directory`], a checkpoint directory
@@ -33,5 +34,5 @@ pub use device::{DeviceChoice, DtypeChoice};
 pub use durable::{replace_directory, sync_directory, write_synced, DurableError};
 pub use exit::Exit;
 #[cfg(feature = "signal")]
-pub use signal::shutdown_signal;
+pub use signal::{shutdown_signal, STOP_WITH_PARENT_ENV};
 pub use units::{parse_bytes, parse_duration};

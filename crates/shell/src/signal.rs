@@ -2,18 +2,58 @@
 
 use tokio_util::sync::CancellationToken;
 
+/// The environment variable through which a parent (`dflash local`) asks a
+/// child to stop with it: the parent's process id.
+pub const STOP_WITH_PARENT_ENV: &str = "DFLASH_STOP_WITH_PARENT";
+
 /// A token cancelled on the first SIGINT or SIGTERM (a pod being stopped,
 /// Ctrl-C): the root of the process's cancellation tree. Spawns the watcher
 /// on the current tokio runtime; it lives as long as the process.
+///
+/// With [`STOP_WITH_PARENT_ENV`] set to its parent's process id, the process
+/// also gets SIGTERM when that parent dies, however it died (Linux's
+/// parent-death signal), and stops at once if the parent is already gone:
+/// `dflash local` killed with SIGKILL leaves no child running on.
 pub fn shutdown_signal() -> CancellationToken {
     let token = CancellationToken::new();
+    let parent_gone = !stop_with_parent();
     let cancel = token.clone();
     tokio::spawn(async move {
-        wait_for_signal().await;
-        tracing::info!("signal received; shutting down");
+        if parent_gone {
+            tracing::info!("the parent that started this process is gone; shutting down");
+        } else {
+            wait_for_signal().await;
+            tracing::info!("signal received; shutting down");
+        }
         cancel.cancel();
     });
     token
+}
+
+/// Asks for SIGTERM when the parent named by [`STOP_WITH_PARENT_ENV`] dies;
+/// false when that parent is already gone (it died before the request: the
+/// process was re-parented). True without the variable, or where the
+/// request cannot be made (said in the log).
+fn stop_with_parent() -> bool {
+    let Some(parent) = std::env::var(STOP_WITH_PARENT_ENV)
+        .ok()
+        .and_then(|value| value.parse::<i32>().ok())
+    else {
+        return true;
+    };
+    #[cfg(target_os = "linux")]
+    {
+        if let Err(error) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM) {
+            tracing::warn!(%error, "cannot ask to be stopped with the parent");
+            return true;
+        }
+        nix::unistd::getppid().as_raw() == parent
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = parent;
+        true
+    }
 }
 
 async fn wait_for_signal() {

@@ -86,6 +86,12 @@ pub(super) fn spawn(
     // order (targets, drafters and the evaluator, then the broker after its
     // final status) instead of every process at once, the broker first.
     command.process_group(0);
+    // ... and stops when dflash dies, however (SIGKILL included): the
+    // parent-death signal the children ask for (`dflash_shell::shutdown_signal`).
+    command.env(
+        dflash_shell::STOP_WITH_PARENT_ENV,
+        std::process::id().to_string(),
+    );
     let child = command
         .stdin(Stdio::null())
         .stdout(file.try_clone()?)
