@@ -30,6 +30,8 @@ set -euo pipefail
 torch_version="${1:?usage: build-for-device.sh TORCH_VERSION OUT_DIR}"
 out="${2:?usage: build-for-device.sh TORCH_VERSION OUT_DIR}"
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=lib/device-programs.sh
+source "$repo_root/scripts/lib/device-programs.sh"
 cache_root="${DFLASH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
 work="$cache_root/device-build-$torch_version"
 mkdir -p "$work/wheels" "$out"
@@ -60,10 +62,7 @@ build() {
   (cd "$work/workspace" &&
     CARGO_TARGET_DIR="$work/target" LIBTORCH="$work/torch" LIBTORCH_CXX11_ABI=1 \
       LIBTORCH_BYPASS_VERSION_CHECK=1 RUSTFLAGS="-C link-arg=-Wl,--allow-shlib-undefined" \
-      cargo build --release -p dflash-target-server --example capture_overhead \
-      -p dflash-drafter-server --example drafter_step -p dflash-cli --bin dflash \
-      -p dflash-target-server --bin target-server -p dflash-drafter-server --bin drafter-server \
-      -p dflash-broker --bin broker)
+      cargo build --release "${device_build_args[@]}")
 }
 
 # Stubs every generated wrapper the compiler rejected (their line numbers in
@@ -103,7 +102,7 @@ done
 
 mkdir -p "$work/bin"
 release="$work/target/release"
-for program in dflash broker target-server drafter-server examples/capture_overhead examples/drafter_step; do
+for program in "${device_programs[@]}"; do
   strip -o "$work/bin/$(basename "$program")" "$release/$program"
 done
 tar -cJf "$out/bin.tar.xz" -C "$work/bin" .

@@ -52,6 +52,8 @@ prebuilt="${DFLASH_GPU_PREBUILT:-}"
 check_name=check-gpu
 # shellcheck source=lib/check.sh
 source "$repo_root/scripts/lib/check.sh"
+# shellcheck source=lib/device-programs.sh
+source "$repo_root/scripts/lib/device-programs.sh"
 figure() { echo "check-gpu: figure $*"; }
 
 cd "$repo_root" || exit 1
@@ -61,7 +63,8 @@ if [[ -n "$prebuilt" ]]; then
   examples="$prebuilt"
   programs_there() {
     local program
-    for program in dflash broker target-server drafter-server capture_overhead drafter_step; do
+    for program in "${device_programs[@]}"; do
+      program="$(basename "$program")"
       [[ -x "$prebuilt/$program" ]] || { echo "    $prebuilt/$program is missing"; return 1; }
     done
   }
@@ -81,11 +84,7 @@ else
   base_target="${CARGO_TARGET_DIR:-$repo_root/target}"
   cuda_target="${base_target%/}-cuda"
   build_started=$SECONDS
-  if CARGO_TARGET_DIR="$cuda_target" LIBTORCH="$libtorch" LIBTORCH_CXX11_ABI=1 cargo build --quiet --release \
-    -p dflash-target-server --example capture_overhead \
-    -p dflash-drafter-server --example drafter_step \
-    -p dflash-cli --bin dflash -p dflash-target-server --bin target-server \
-    -p dflash-drafter-server --bin drafter-server -p dflash-broker --bin broker; then
+  if CARGO_TARGET_DIR="$cuda_target" LIBTORCH="$libtorch" LIBTORCH_CXX11_ABI=1 cargo build --quiet --release "${device_build_args[@]}"; then
     check "the device checks' programs build in release against the CUDA libtorch ($((SECONDS - build_started)) s)" true
   else
     check "the device checks' programs build in release against the CUDA libtorch" false
