@@ -244,6 +244,12 @@ enum Mode {
     Independent,
     /// Through a broker at this address.
     Synced,
+    /// Synchronous rounds, done by the test without a broker: every
+    /// drafter steps from the same weights, then all move to those weights
+    /// plus the outer learning rate × the mean of their deltas (DiLoCo's
+    /// synchronous outer step, momentum 0), each at the run's schedule and
+    /// its share of the batch by `--sync-batch-scaling`.
+    Rounds,
 }
 
 /// What a run produced.
@@ -255,6 +261,18 @@ struct RunResult {
     /// Loss of every step, per drafter.
     losses: Vec<Vec<f64>>,
     learning_rates: Vec<Vec<f64>>,
+}
+
+/// Samples per step of a drafter among `sharing` (as the drafter-server's
+/// training loop sizes it by `--sync-batch-scaling`), one drafter's being
+/// `batch`.
+fn step_share(batch: usize, sharing: f64, scaling: SyncBatchScaling) -> usize {
+    let one = StepLimits {
+        batch_tokens: usize::MAX,
+        grad_accumulation: 1,
+        max_step_samples: batch,
+    };
+    shared_step_limits(one, sharing, scaling).max_step_samples
 }
 
 /// Trains `drafters` drafters on `run` (the run's samples in queue order,
@@ -289,6 +307,20 @@ fn train(
             );
             let stream: Vec<proto::Sample> =
                 run.iter().skip(index).step_by(drafters).cloned().collect();
+            if mode == Mode::Rounds {
+                let share = step_share(setting.batch, drafters as f64, method.batch_scaling);
+                let steps = run.len().div_ceil(share * drafters) as u64;
+                config.total_steps = Some(steps);
+                config.learning_rate *= (drafters as f64).powf(method.inner_lr_exponent);
+                let engine = build_engine(&config, None, steps).unwrap();
+                return Trainee {
+                    engine,
+                    link: None,
+                    stream,
+                    losses: Vec::new(),
+                    learning_rates: Vec::new(),
+                };
+            }
             match &address {
                 None => {
                     // Its own schedule over its own share (what the
@@ -333,27 +365,66 @@ fn train(
         .collect();
     // Samples each drafter has trained on, in its stream's order.
     let mut trained = vec![0; drafters];
+    // The synchronous rounds' shared weights, which every drafter starts
+    // each round from (drafter 0's initialisation).
+    let center: Option<Vec<(String, tch::Tensor)>> = (mode == Mode::Rounds).then(|| {
+        let mut variables: Vec<(String, tch::Tensor)> = trainees[0]
+            .engine
+            .draft_model()
+            .unwrap()
+            .var_store()
+            .variables()
+            .into_iter()
+            .collect();
+        variables.sort_by(|a, b| a.0.cmp(&b.0));
+        variables
+            .into_iter()
+            .map(|(name, value)| (name, value.detach().copy()))
+            .collect()
+    });
+    let load = |trainee: &Trainee, center: &[(String, tch::Tensor)]| {
+        let variables = trainee
+            .engine
+            .draft_model()
+            .unwrap()
+            .var_store()
+            .variables();
+        tch::no_grad(|| {
+            for (name, value) in center {
+                variables[name].shallow_clone().copy_(value);
+            }
+        });
+    };
+    if let Some(center) = &center {
+        for trainee in &trainees {
+            load(trainee, center);
+        }
+    }
     // A round: one step of each drafter with samples left.
     while trainees
         .iter()
         .zip(&trained)
         .any(|(trainee, &done)| done < trainee.stream.len())
     {
-        for (trainee, done) in trainees.iter_mut().zip(trained.iter_mut()) {
+        let mut stepped = vec![false; drafters];
+        for ((trainee, done), stepped) in trainees
+            .iter_mut()
+            .zip(trained.iter_mut())
+            .zip(stepped.iter_mut())
+        {
             // The step a drafter of this run takes: the setting's batch, or
             // its share while it shares the center, as the drafter-server's
             // training loop sizes it (`--sync-batch-scaling`).
             let batch_size = match &trainee.link {
-                None => setting.batch,
-                Some(link) => {
-                    let one = StepLimits {
-                        batch_tokens: usize::MAX,
-                        grad_accumulation: 1,
-                        max_step_samples: setting.batch,
-                    };
-                    let sharing = link.run_clock().state().drafters_sharing;
-                    shared_step_limits(one, sharing, method.batch_scaling).max_step_samples
+                None if mode == Mode::Rounds => {
+                    step_share(setting.batch, drafters as f64, method.batch_scaling)
                 }
+                None => setting.batch,
+                Some(link) => step_share(
+                    setting.batch,
+                    link.run_clock().state().drafters_sharing,
+                    method.batch_scaling,
+                ),
             };
             let batch: Vec<_> = trainee
                 .stream
@@ -366,6 +437,7 @@ fn train(
                 continue;
             }
             *done += batch.len();
+            *stepped = true;
             trainee.engine.accumulate(batch).unwrap();
             let report = trainee.engine.step().unwrap();
             trainee.losses.push(report.loss);
@@ -379,6 +451,30 @@ fn train(
                 assert_eq!(link.totals.failures, 0);
             }
         }
+        if let Some(center) = &center {
+            // The outer step: the mean of this round's deltas.
+            let count = stepped.iter().filter(|&&stepped| stepped).count();
+            tch::no_grad(|| {
+                for (name, value) in center {
+                    let mut sum = value.zeros_like();
+                    for (trainee, _) in trainees.iter().zip(&stepped).filter(|(_, &s)| s) {
+                        let variables = trainee
+                            .engine
+                            .draft_model()
+                            .unwrap()
+                            .var_store()
+                            .variables();
+                        sum += &variables[name] - value;
+                    }
+                    value.shallow_clone().copy_(
+                        &(value + sum * (f64::from(method.outer_learning_rate) / count as f64)),
+                    );
+                }
+            });
+            for trainee in &trainees {
+                load(trainee, center);
+            }
+        }
     }
     let mut drafter_dirs = Vec::new();
     for (index, trainee) in trainees.iter_mut().enumerate() {
@@ -390,17 +486,22 @@ fn train(
         trainee.engine.save_checkpoint(&dir).unwrap();
         drafter_dirs.push(dir);
     }
-    let center = address.as_ref().map(|address| {
-        // A drafter joining now receives the center: that is the run's model.
-        let observer_config = drafter_config("observer", work, setting, setting.seed + 100);
-        let observer = build_engine(&observer_config, None, 1).unwrap();
-        let mut link = ModelSyncLink::new(runtime.clone(), address, "observer", &sync).unwrap();
-        link.join(observer.draft_model().unwrap());
-        assert_eq!(link.totals.failures, 0);
-        let dir = work.join("center");
-        save_draft_checkpoint(&dir, observer.draft_model().unwrap(), None).unwrap();
-        dir
-    });
+    let center = if mode == Mode::Rounds {
+        // Every drafter holds the last round's center.
+        Some(drafter_dirs[0].clone())
+    } else {
+        address.as_ref().map(|address| {
+            // A drafter joining now receives the center: that is the run's model.
+            let observer_config = drafter_config("observer", work, setting, setting.seed + 100);
+            let observer = build_engine(&observer_config, None, 1).unwrap();
+            let mut link = ModelSyncLink::new(runtime.clone(), address, "observer", &sync).unwrap();
+            link.join(observer.draft_model().unwrap());
+            assert_eq!(link.totals.failures, 0);
+            let dir = work.join("center");
+            save_draft_checkpoint(&dir, observer.draft_model().unwrap(), None).unwrap();
+            dir
+        })
+    };
     if let Some(broker) = broker {
         let status = runtime
             .block_on(broker.status())
@@ -689,13 +790,17 @@ fn at_one_drafters_learning_rate_inverse_scaling_keeps_the_center_above_independ
 /// this seed: the center at 0.823 of one drafter's τ (2.307 against
 /// 2.802; the independent drafters 1.088–1.438), where the learning-rate
 /// scaling alone gave 0.548 (BENCHMARKS.md, "Sharing one drafter's step").
+/// Deterministic on one machine, not across CPUs: on an AMD EPYC with
+/// AVX-512 the same test measures 0.752 (2.120 against 2.818) while the
+/// learning-rate scaling alone gives 0.545 there too (1.536, the same
+/// figure on both), so the bound sits between the two, 0.1 from each.
 /// About 65 s of CPU in the debug build.
 #[test]
 fn with_shared_steps_four_drafters_center_nears_one_drafter() {
     let taus = four_drafters_at_one_drafters_rate(SyncBatchScaling::Inverse);
     assert!(
-        taus.center >= 0.75 * taus.alone,
-        "center tau {} below 75 % of one drafter's {}",
+        taus.center >= 0.65 * taus.alone,
+        "center tau {} below 65 % of one drafter's {}",
         taus.center,
         taus.alone
     );
@@ -740,6 +845,11 @@ fn study() {
         .ok()
         .map_or(0.5, |value| value.parse().expect("a number"));
     let center_only = std::env::var_os("DFLASH_STUDY_CENTER_ONLY").is_some();
+    let center_mode = if std::env::var_os("DFLASH_STUDY_ROUNDS").is_some() {
+        Mode::Rounds
+    } else {
+        Mode::Synced
+    };
     let base = Setting::from_env(0);
     eprintln!(
         "study: {}; lr {}, {} epochs of {} sequences, batch {}, a sync every {} steps; ceiling at lr x N^{ceiling_lr_exponent}; {inits} initialisations",
@@ -805,7 +915,7 @@ fn study() {
                     setting,
                     &method,
                     count,
-                    Mode::Synced,
+                    center_mode,
                     &run,
                 );
                 centers.push(tau(synced.center.as_ref().unwrap(), &held_out));
