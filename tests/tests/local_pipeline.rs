@@ -1,6 +1,26 @@
 //! `dflash local` on the embedded tiny default, as a newcomer runs it: the
 //! real binaries as processes on loopback, on the CPU.
 
+#![allow(clippy::unwrap_used)]
+
+/// `dflash local --view lines --timeout 15m ARGS --workdir WORKDIR`, run to
+/// its end: its exit and its output.
+fn dflash_local(
+    workdir: &std::path::Path,
+    args: &[&str],
+) -> (std::process::Output, String, String) {
+    let output = std::process::Command::new(dflash_testkit::workspace_binary("dflash"))
+        .args(["local", "--view", "lines", "--timeout", "15m"])
+        .args(args)
+        .arg("--workdir")
+        .arg(workdir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    (output, stdout, stderr)
+}
+
 #[test]
 fn dflash_local_trains_every_sample_and_ends_complete() {
     // `make test` keeps the run (DFLASH_LOCAL_RUN_DIR) so that
@@ -16,14 +36,8 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
         None => temporary.path().to_path_buf(),
     };
     // A small demo keeps the debug-build test to a couple of minutes.
-    let output = std::process::Command::new(dflash_testkit::workspace_binary("dflash"))
-        .args(["local", "--view", "lines", "--timeout", "15m"])
-        .args(["--demo-sequences", "48", "--demo-epochs", "4", "--workdir"])
-        .arg(&workdir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let (output, stdout, stderr) =
+        dflash_local(&workdir, &["--demo-sequences", "48", "--demo-epochs", "4"]);
     assert!(
         output.status.success(),
         "dflash local failed\n{stdout}\n{stderr}"
@@ -119,16 +133,16 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
 fn dflash_local_stops_and_fails_when_every_drafter_failed() {
     let temporary = tempfile::tempdir().unwrap();
     let workdir = temporary.path().join("run");
-    let output = std::process::Command::new(dflash_testkit::workspace_binary("dflash"))
-        .args(["local", "--view", "lines", "--timeout", "15m"])
-        .args(["--demo-sequences", "32", "--demo-epochs", "200"])
-        .arg("--drafter-args=--no-such-flag")
-        .arg("--workdir")
-        .arg(&workdir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let (output, stdout, stderr) = dflash_local(
+        &workdir,
+        &[
+            "--demo-sequences",
+            "32",
+            "--demo-epochs",
+            "200",
+            "--drafter-args=--no-such-flag",
+        ],
+    );
     assert!(
         !output.status.success(),
         "dflash local succeeded without drafters\n{stdout}\n{stderr}"

@@ -16,10 +16,10 @@ pub const STOP_WITH_PARENT_ENV: &str = "DFLASH_STOP_WITH_PARENT";
 /// `dflash local` killed with SIGKILL leaves no child running on.
 pub fn shutdown_signal() -> CancellationToken {
     let token = CancellationToken::new();
-    let parent_gone = !stop_with_parent();
+    let parent = stop_with_parent();
     let cancel = token.clone();
     tokio::spawn(async move {
-        if parent_gone {
+        if parent == Parent::Gone {
             tracing::info!("the parent that started this process is gone; shutting down");
         } else {
             wait_for_signal().await;
@@ -30,29 +30,42 @@ pub fn shutdown_signal() -> CancellationToken {
     token
 }
 
-/// Asks for SIGTERM when the parent named by [`STOP_WITH_PARENT_ENV`] dies;
-/// false when that parent is already gone (it died before the request: the
-/// process was re-parented). True without the variable, or where the
-/// request cannot be made (said in the log).
-fn stop_with_parent() -> bool {
+/// What [`stop_with_parent`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Parent {
+    /// No parent asked ([`STOP_WITH_PARENT_ENV`] unset or not a process
+    /// id), or the request could not be made (said in the log).
+    NotWatched,
+    /// SIGTERM comes when the parent dies.
+    Watched,
+    /// The parent died before the request: the process was re-parented.
+    Gone,
+}
+
+/// Asks for SIGTERM when the parent named by [`STOP_WITH_PARENT_ENV`] dies.
+fn stop_with_parent() -> Parent {
     let Some(parent) = std::env::var(STOP_WITH_PARENT_ENV)
         .ok()
         .and_then(|value| value.parse::<i32>().ok())
     else {
-        return true;
+        return Parent::NotWatched;
     };
     #[cfg(target_os = "linux")]
     {
         if let Err(error) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM) {
             tracing::warn!(%error, "cannot ask to be stopped with the parent");
-            return true;
+            return Parent::NotWatched;
         }
-        nix::unistd::getppid().as_raw() == parent
+        if nix::unistd::getppid().as_raw() == parent {
+            Parent::Watched
+        } else {
+            Parent::Gone
+        }
     }
     #[cfg(not(target_os = "linux"))]
     {
         let _ = parent;
-        true
+        Parent::NotWatched
     }
 }
 

@@ -88,6 +88,10 @@ pub(super) fn spawn(
     command.process_group(0);
     // ... and stops when dflash dies, however (SIGKILL included): the
     // parent-death signal the children ask for (`dflash_shell::shutdown_signal`).
+    // Linux sends it when the *thread* that spawned the child exits: spawn
+    // from the runtime's own threads (main's `block_on`, its workers: they
+    // live as long as dflash), never inside `spawn_blocking` (its threads
+    // exit after 10 s idle, which would stop the child mid-run).
     command.env(
         dflash_shell::STOP_WITH_PARENT_ENV,
         std::process::id().to_string(),

@@ -72,32 +72,41 @@ fn random_bf16_bytes(seed: u64, name: &str, count: usize, init: &Init) -> Vec<u8
 /// thread of an H200 machine's CPU (`scripts/check-gpu.sh`).
 fn fill_in_parallel(seed: u64, plan: &[(String, Vec<i64>, Init)]) -> Vec<Vec<u8>> {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Mutex;
 
     let count = |shape: &[i64]| shape.iter().product::<i64>() as usize;
     let mut order: Vec<usize> = (0..plan.len()).collect();
     order.sort_by_key(|&index| std::cmp::Reverse(count(&plan[index].1)));
     let next = AtomicUsize::new(0);
-    let filled: Mutex<Vec<Vec<u8>>> = Mutex::new(vec![Vec::new(); plan.len()]);
     let workers = std::thread::available_parallelism()
         .map_or(1, |cores| cores.get())
         .min(plan.len().max(1));
+    let mut filled = vec![Vec::new(); plan.len()];
     std::thread::scope(|scope| {
-        for _ in 0..workers {
-            scope.spawn(|| {
-                while let Some(&index) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
-                    let (name, shape, init) = &plan[index];
-                    let bytes = random_bf16_bytes(seed, name, count(shape), init);
-                    if let Ok(mut filled) = filled.lock() {
+        // Each worker returns the tensors it filled, by index.
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    while let Some(&index) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let (name, shape, init) = &plan[index];
+                        mine.push((index, random_bf16_bytes(seed, name, count(shape), init)));
+                    }
+                    mine
+                })
+            })
+            .collect();
+        for handle in handles {
+            match handle.join() {
+                Ok(mine) => {
+                    for (index, bytes) in mine {
                         filled[index] = bytes;
                     }
                 }
-            });
+                Err(panic) => std::panic::resume_unwind(panic),
+            }
         }
     });
     filled
-        .into_inner()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Every tensor of the tiny model with its shape and initialisation, in
