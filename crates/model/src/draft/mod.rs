@@ -55,7 +55,7 @@ pub use objective::{
 };
 pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
 pub use trainer::{
-    DraftTrainer, MicroBatchReport, SkippedStep, StepReport, TrainerSettings,
+    DraftTrainer, InnerStep, MicroBatchReport, SkippedStep, StepReport, TrainerSettings,
     DEFAULT_GRAD_NORM_SPIKE_RATIO, DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
 };
 
