@@ -67,6 +67,18 @@ fn chunks_of(tensors: &Named) -> Vec<proto::SyncRequest> {
     messages
 }
 
+fn begin(kind: proto::SyncKind, base_version: u64) -> proto::SyncBegin {
+    proto::SyncBegin {
+        kind: kind as i32,
+        base_version,
+        steps: 3,
+        samples: 12,
+        tokens: 120,
+        reply_dtype: proto::Dtype::F32 as i32,
+        gradient_step: None,
+    }
+}
+
 impl TestDrafter {
     async fn open(address: &str, drafter_id: &str) -> TestDrafter {
         let mut client = ModelSyncClient::connect(address.to_string())
@@ -98,16 +110,30 @@ impl TestDrafter {
         }
     }
 
+    /// Opens an exchange (its chunks and commit to follow).
     async fn begin(&self, kind: proto::SyncKind, base_version: u64) {
         self.requests
-            .send(request(proto::sync_request::Kind::Begin(
-                proto::SyncBegin {
-                    kind: kind as i32,
-                    base_version,
-                    steps: 3,
-                    samples: 12,
-                    tokens: 120,
-                    reply_dtype: proto::Dtype::F32 as i32,
+            .send(request(proto::sync_request::Kind::Begin(begin(
+                kind,
+                base_version,
+            ))))
+            .await
+            .unwrap();
+    }
+
+    /// Sends one whole exchange: `begin`, the chunks, the commit.
+    async fn send_exchange(&self, begin: proto::SyncBegin, tensors: &Named) {
+        self.requests
+            .send(request(proto::sync_request::Kind::Begin(begin)))
+            .await
+            .unwrap();
+        for message in chunks_of(tensors) {
+            self.requests.send(message).await.unwrap();
+        }
+        self.requests
+            .send(request(proto::sync_request::Kind::Commit(
+                proto::SyncCommit {
+                    tensors: tensors.len() as u32,
                 },
             )))
             .await
@@ -121,18 +147,13 @@ impl TestDrafter {
         base_version: u64,
         tensors: &Named,
     ) -> (proto::SyncResult, Option<Vec<(String, Vec<f32>)>>) {
-        self.begin(kind, base_version).await;
-        for message in chunks_of(tensors) {
-            self.requests.send(message).await.unwrap();
-        }
-        self.requests
-            .send(request(proto::sync_request::Kind::Commit(
-                proto::SyncCommit {
-                    tensors: tensors.len() as u32,
-                },
-            )))
-            .await
-            .unwrap();
+        self.send_exchange(begin(kind, base_version), tensors).await;
+        self.reply().await
+    }
+
+    /// The answer to an exchange sent: its result, and the center
+    /// (name → values) when it comes back.
+    async fn reply(&mut self) -> (proto::SyncResult, Option<Vec<(String, Vec<f32>)>>) {
         let result = match self.responses.message().await.unwrap().unwrap().kind {
             Some(proto::sync_response::Kind::Result(result)) => result,
             other => panic!("expected a result, got {other:?}"),
@@ -995,5 +1016,96 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
         .await
         .unwrap();
     assert!(result.best);
+    broker.stop().await;
+}
+
+/// A gradient exchange (`--sync-gradients`): `samples` samples of a step
+/// of 24, lr 0.01, no clipping; the tensors sent are minus the gradient.
+fn gradient_begin(base_version: u64, samples: u64) -> proto::SyncBegin {
+    proto::SyncBegin {
+        samples,
+        gradient_step: Some(proto::GradientStep {
+            learning_rate: 0.01,
+            max_grad_norm: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+            step_samples: 24,
+        }),
+        ..begin(proto::SyncKind::Update, base_version)
+    }
+}
+
+/// Two joined drafters of one center (`initial`).
+async fn two_joined(broker: &TestBroker) -> (TestDrafter, TestDrafter) {
+    let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
+    first.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
+    second.exchange(proto::SyncKind::Join, 0, &vec![]).await;
+    (first, second)
+}
+
+/// AdamW's first step on `initial` with a gradient of 1 everywhere: every
+/// weight down by the learning rate (to f32 rounding of values up to 6).
+fn assert_stepped_once(center: &[(String, Vec<f32>)]) {
+    for (name, _, before) in initial() {
+        for (after, before) in values(center, name).iter().zip(before) {
+            assert!(
+                (after - (before - 0.01)).abs() <= 4e-6,
+                "{name}: {after} from {before}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_gradient_gets_the_center_once_its_round_has_stepped() {
+    let broker = TestBroker::start(plain_config()).await;
+    let (mut first, mut second) = two_joined(&broker).await;
+    // Half a step from the first: its answer waits for the round.
+    first
+        .send_exchange(gradient_begin(0, 12), &scaled(-1.0))
+        .await;
+    wait_until(Duration::from_secs(10), || async {
+        model_sync_status(&broker).await.updates_applied == 1
+    })
+    .await;
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), first.reply())
+            .await
+            .is_err(),
+        "the center came back before the round stepped"
+    );
+    // The second's half completes the round: both get the stepped center.
+    second
+        .send_exchange(gradient_begin(1, 12), &scaled(-1.0))
+        .await;
+    let (result, center) = second.reply().await;
+    assert!(result.applied);
+    assert_eq!(result.staleness, 1, "the other drafter sharing the center");
+    assert_stepped_once(&center.unwrap());
+    let (result, center) = first.reply().await;
+    assert_eq!(result.center_version, 2);
+    assert_stepped_once(&center.unwrap());
+    broker.stop().await;
+}
+
+#[tokio::test]
+async fn a_round_steps_without_a_silent_drafter_after_the_round_timeout() {
+    let mut config = plain_config();
+    config.model_sync.sync_round_timeout = Duration::from_secs(1);
+    let broker = TestBroker::start(config).await;
+    // The second drafter joins and then sends nothing (hung).
+    let (mut first, _silent) = two_joined(&broker).await;
+    let started = std::time::Instant::now();
+    first
+        .send_exchange(gradient_begin(0, 12), &scaled(-1.0))
+        .await;
+    let (result, center) = first.reply().await;
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    assert!(result.applied);
+    // The step of its own gradient alone (the mean over its 12 samples).
+    assert_stepped_once(&center.unwrap());
     broker.stop().await;
 }

@@ -44,6 +44,7 @@ pub(super) fn begin(
             samples,
             tokens: samples * 16,
             reply_dtype: reply as i32,
+            gradient_step: None,
         })),
     }
 }

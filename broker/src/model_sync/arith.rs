@@ -196,6 +196,111 @@ pub fn delayed_nesterov_step(
     }
 }
 
+/// `sum[i] += scale * decode(bytes)[i]`: a gradient's share of a round
+/// (the center's AdamW, [`crate::model_sync::center`]'s `gradient`).
+pub fn accumulate_scaled(
+    sum: &mut [f32],
+    bytes: &[u8],
+    dtype: WireDtype,
+    scale: f32,
+) -> Result<(), LengthMismatch> {
+    check_length(sum.len(), bytes, dtype)?;
+    match dtype {
+        WireDtype::F32 => {
+            for (total, raw) in sum.iter_mut().zip(bytes.chunks_exact(4)) {
+                *total += scale * f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+            }
+        }
+        WireDtype::Bf16 => {
+            for (total, raw) in sum.iter_mut().zip(bytes.chunks_exact(2)) {
+                *total += scale * bf16_to_f32(u16::from_le_bytes([raw[0], raw[1]]));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The sum of squares of `values` (in f64).
+pub fn squared_norm(values: &[f32]) -> f64 {
+    values
+        .iter()
+        .map(|&value| f64::from(value) * f64::from(value))
+        .sum()
+}
+
+/// The constants of one AdamW step over a gradient sum (PyTorch `AdamW`:
+/// decoupled weight decay first, then the bias-corrected moments).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Turns the round's gradient sum into the (clipped) mean gradient.
+    pub gradient_scale: f32,
+    pub learning_rate: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub epsilon: f32,
+    /// `1 − learning_rate · weight_decay`.
+    pub decay: f32,
+    /// `1 − beta1^t` and `sqrt(1 − beta2^t)` for step `t` (from 1).
+    pub bias_correction1: f32,
+    pub bias_correction2_sqrt: f32,
+}
+
+impl AdamWStep {
+    /// One element: its new value and moments.
+    #[inline]
+    fn apply(&self, value: f32, first: f32, second: f32, sum: f32) -> (f32, f32, f32) {
+        let gradient = sum * self.gradient_scale;
+        let first = self.beta1 * first + (1.0 - self.beta1) * gradient;
+        let second = self.beta2 * second + (1.0 - self.beta2) * gradient * gradient;
+        let denominator = second.sqrt() / self.bias_correction2_sqrt + self.epsilon;
+        let value =
+            value * self.decay - (self.learning_rate / self.bias_correction1) * first / denominator;
+        (value, first, second)
+    }
+
+    /// The largest magnitudes of the weights, first and second moments the
+    /// step would leave in these buffers (infinity when any would not be
+    /// finite), without changing anything.
+    pub fn bounds(&self, values: &[f32], first: &[f32], second: &[f32], sum: &[f32]) -> [f64; 3] {
+        assert!(
+            first.len() == values.len()
+                && second.len() == values.len()
+                && sum.len() == values.len(),
+            "optimizer state of another tensor"
+        );
+        let mut largest = [0.0f32; 3];
+        for (((&value, &first), &second), &total) in values.iter().zip(first).zip(second).zip(sum) {
+            let (value, first, second) = self.apply(value, first, second, total);
+            largest[0] = largest[0].max(value.abs());
+            largest[1] = largest[1].max(first.abs());
+            largest[2] = largest[2].max(second);
+            if !(value.is_finite() && first.is_finite() && second.is_finite()) {
+                return [f64::INFINITY; 3];
+            }
+        }
+        largest.map(f64::from)
+    }
+
+    /// Takes the step: new weights and moments, and the sum cleared.
+    pub fn take(&self, values: &mut [f32], first: &mut [f32], second: &mut [f32], sum: &mut [f32]) {
+        assert!(
+            first.len() == values.len()
+                && second.len() == values.len()
+                && sum.len() == values.len(),
+            "optimizer state of another tensor"
+        );
+        for (((value, first), second), total) in values
+            .iter_mut()
+            .zip(first.iter_mut())
+            .zip(second.iter_mut())
+            .zip(sum.iter_mut())
+        {
+            (*value, *first, *second) = self.apply(*value, *first, *second, *total);
+            *total = 0.0;
+        }
+    }
+}
+
 /// The little-endian bytes of `values` as `dtype`.
 pub fn encode(values: &[f32], dtype: WireDtype) -> Vec<u8> {
     let mut bytes = vec![0u8; values.len() * dtype.element_bytes()];

@@ -13,7 +13,10 @@
 //!   an upload must pass against them.
 //! - `outer`: the outer optimizer ([`OuterSettings`]), the guards against a
 //!   non-finite or outlier delta, and the step that applies one.
+//! - `gradient`: the one AdamW over drafters' gradients ([`CenterAdamW`],
+//!   drafters with `--sync-gradients`).
 
+mod gradient;
 mod outer;
 mod upload;
 mod weights;
@@ -29,6 +32,7 @@ use outer::{add_delta, count_delta_for_momentum, momentum_delay, refuse_delta};
 use upload::decode_chunks;
 use weights::{check_against_center, check_upload_against_center};
 
+pub use gradient::{CenterAdamW, GradientStep};
 pub use outer::{
     MagnitudeBounds, OuterSettings, StalenessScaling, DEFAULT_MAX_DELTA_NORM_RATIO,
     DELTA_NORM_FLOOR, DELTA_NORM_WARMUP, DELTA_NORM_WINDOW, MAGNITUDE_LIMIT,
@@ -67,6 +71,10 @@ pub enum SyncError {
     Config(String),
     #[error("model config {got} is not the run's {expected} (--model-config)")]
     ConfigMismatch { expected: String, got: String },
+    #[error("gradient step: {0}")]
+    GradientStep(String),
+    #[error("{0}")]
+    MixedMethods(String),
 }
 
 /// What a committed exchange did.
@@ -81,6 +89,11 @@ pub struct CommitOutcome {
     /// The drafter gets the center back (JOIN and UPDATE).
     pub send_center: bool,
     pub center_samples: u64,
+    /// A gradient in this round of the center's AdamW (1 = the first):
+    /// the center goes back once the round has ended
+    /// ([`ModelSyncState::gradient_rounds_ended`]), so that every drafter
+    /// computes its next gradient on the weights after it.
+    pub await_round: Option<u64>,
 }
 
 impl CommitOutcome {
@@ -95,6 +108,7 @@ impl CommitOutcome {
             initialised: false,
             send_center,
             center_samples: center.samples,
+            await_round: None,
         }
     }
 }
@@ -130,6 +144,11 @@ pub struct ModelSyncState {
     pub non_finite_deltas: u64,
     pub outlier_deltas: u64,
     drafters: BTreeMap<String, DrafterRecord>,
+    /// Whether this run's updates are gradients (`--sync-gradients`) or
+    /// deltas: fixed by the first one, and a run never mixes them.
+    sends_gradients: Option<bool>,
+    /// The one AdamW over the gradients, from the first one on.
+    adamw: Option<CenterAdamW>,
     /// The newest version written to disk, where, and whether as final.
     pub saved_version: Option<u64>,
     pub saved_path: String,
@@ -147,6 +166,8 @@ impl ModelSyncState {
             non_finite_deltas: 0,
             outlier_deltas: 0,
             drafters: BTreeMap::new(),
+            sends_gradients: None,
+            adamw: None,
             saved_version: None,
             saved_path: String::new(),
             final_saved: false,
@@ -219,6 +240,8 @@ impl ModelSyncState {
         if let Some(record) = self.drafters.get_mut(drafter_id) {
             record.open_sessions = record.open_sessions.saturating_sub(1);
         }
+        // The round may have waited for this drafter alone.
+        self.end_gradient_round_if_ready(drafter_id);
     }
 
     /// Drafters with an open session that have not sent their FINAL
@@ -243,6 +266,12 @@ impl ModelSyncState {
         upload.check_complete(declared_tensors)?;
         let kind = upload.kind;
         let carried_delta = !upload.tensors.is_empty();
+        // A gradient's weight in its round: the samples it was computed on,
+        // as claimed (the acks below bound the credit, not the weight),
+        // never more than one step's.
+        let gradient_weight = upload
+            .gradient_step
+            .map_or(0, |step| upload.samples.min(step.step_samples));
         let mut upload = upload;
         // The samples a drafter claims never exceed what the broker saw it
         // ack (in all its exchanges): a claim cannot advance the run's
@@ -279,11 +308,12 @@ impl ModelSyncState {
                     initialised: false,
                     send_center: false,
                     center_samples: center.samples,
+                    await_round: None,
                 }
             }
             ExchangeKind::Update | ExchangeKind::Final => {
                 let norm = upload.measured_norm.unwrap_or_else(|| upload.norm());
-                self.update(drafter_id, &upload, norm)?
+                self.update(drafter_id, &upload, norm, gradient_weight)?
             }
         };
         let record = self.drafters.entry(drafter_id.to_string()).or_default();
@@ -307,7 +337,55 @@ impl ModelSyncState {
                 record.updates_discarded += 1;
             }
         }
+        if kind == ExchangeKind::Final {
+            // A finished drafter holds no round up; the last one's ends the
+            // run's last round.
+            self.end_gradient_round_if_ready(drafter_id);
+        }
         Ok(outcome)
+    }
+
+    /// Rounds of the center's AdamW ended so far (stepped or dropped).
+    pub fn gradient_rounds_ended(&self) -> u64 {
+        self.adamw.as_ref().map_or(0, |adamw| adamw.rounds_ended)
+    }
+
+    /// Ends the round of the center's AdamW when it is ready: it holds one
+    /// step's samples, or every drafter with an open session that has not
+    /// finished sent its gradient to it (a drafter that left, or one whose
+    /// share is smaller, does not hold the others). True when it ended.
+    pub fn end_gradient_round_if_ready(&mut self, reason: &str) -> bool {
+        let Some(adamw) = self.adamw.as_ref() else {
+            return false;
+        };
+        let everyone_in = self
+            .drafters
+            .iter()
+            .filter(|(_, record)| record.open_sessions > 0 && !record.finished)
+            .all(|(drafter_id, _)| adamw.contributors.contains(drafter_id));
+        if adamw.round_gradients > 0 && (adamw.round_complete() || everyone_in) {
+            self.end_gradient_round(reason);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Ends the round of the center's AdamW now with the gradients it
+    /// holds (if any): its AdamW step. `reason` goes to the log when the
+    /// step is refused.
+    pub fn end_gradient_round(&mut self, reason: &str) {
+        let (Some(center), Some(adamw)) = (self.center.as_mut(), self.adamw.as_mut()) else {
+            return;
+        };
+        if adamw.round_gradients == 0 {
+            return;
+        }
+        if let Err(refused) = adamw.step(center) {
+            self.outlier_deltas += 1;
+            center.updates_discarded += 1;
+            tracing::warn!(reason, %refused, "gradient round dropped");
+        }
     }
 
     fn join(
@@ -330,6 +408,7 @@ impl ModelSyncState {
                 initialised: false,
                 send_center: true,
                 center_samples: center.samples,
+                await_round: None,
             });
         }
         if upload.tensors.is_empty() {
@@ -365,6 +444,7 @@ impl ModelSyncState {
             initialised: true,
             send_center: false,
             center_samples: 0,
+            await_round: None,
         };
         self.weights_norm_at_start = Some(center.weights_norm());
         self.center = Some(center);
@@ -380,7 +460,22 @@ impl ModelSyncState {
         drafter_id: &str,
         upload: &Upload,
         norm: f64,
+        gradient_weight: u64,
     ) -> Result<CommitOutcome, SyncError> {
+        let gradient = upload.gradient_step.is_some();
+        match self.sends_gradients {
+            Some(true) if !gradient => {
+                return Err(SyncError::MixedMethods(
+                    "this run's drafters send gradients (--sync-gradients): a delta of a drafter without it cannot join".to_string(),
+                ))
+            }
+            Some(false) if gradient => {
+                return Err(SyncError::MixedMethods(
+                    "this run's drafters send deltas: a gradient (--sync-gradients) cannot join; start every drafter with the same flags".to_string(),
+                ))
+            }
+            _ => {}
+        }
         let open_sessions = self
             .drafters
             .values()
@@ -426,6 +521,56 @@ impl ModelSyncState {
                 reason,
             ));
         }
+        if let Some(step) = upload.gradient_step {
+            let adamw = self.adamw.get_or_insert_with(|| CenterAdamW::new(center));
+            if let Err(reason) = adamw.add(drafter_id, center, upload, norm, gradient_weight, step)
+            {
+                center.updates_discarded += 1;
+                self.outlier_deltas += 1;
+                tracing::warn!(drafter_id, norm, %reason, "gradient discarded; the drafter restarts from the center");
+                return Ok(CommitOutcome::not_applied(
+                    center,
+                    staleness,
+                    send_center,
+                    reason,
+                ));
+            }
+            self.sends_gradients = Some(true);
+            if self.recent_delta_norms.len() == DELTA_NORM_WINDOW {
+                self.recent_delta_norms.pop_front();
+            }
+            self.recent_delta_norms.push_back(norm);
+            // Every gradient is a version, as every delta is (the
+            // staleness drafters measure their number by counts them); the
+            // weights change when a round completes.
+            center.version += 1;
+            center.updates_applied += 1;
+            center.samples += upload.samples;
+            let round = adamw.rounds_ended + 1;
+            self.end_gradient_round_if_ready(drafter_id);
+            let center = self.center.as_ref().ok_or(SyncError::NoCenter)?;
+            // Rounds make every gradient fresh; what a drafter learns from
+            // the staleness is how many drafters share the center (the N
+            // its step is divided by): the others that send gradients.
+            let others = self
+                .drafters
+                .iter()
+                .filter(|(id, record)| {
+                    id.as_str() != drafter_id && record.open_sessions > 0 && !record.finished
+                })
+                .count() as u64;
+            return Ok(CommitOutcome {
+                center_version: center.version,
+                staleness: others,
+                applied: true,
+                reason: String::new(),
+                initialised: false,
+                send_center,
+                center_samples: center.samples,
+                await_round: send_center.then_some(round),
+            });
+        }
+        self.sends_gradients = Some(false);
         let momentum = settings.momentum > 0.0;
         let momentum_step = Some(center.pending_deltas.saturating_add(1))
             .filter(|&count| momentum && count >= momentum_delay(&settings, open_sessions));
@@ -477,6 +622,7 @@ impl ModelSyncState {
             initialised: false,
             send_center,
             center_samples: center.samples,
+            await_round: None,
         })
     }
 

@@ -19,9 +19,12 @@
 //!   commits, staleness, claims against acks, drafter records, status)
 //!   with no I/O or clock. Beneath it: `center::upload` (an exchange as a
 //!   session stages it, chunk by chunk), `center::weights` (the center's
-//!   f32 tensors, their snapshots, the checks against them) and
+//!   f32 tensors, their snapshots, the checks against them),
 //!   `center::outer` (the outer optimizer's settings, the guards against
-//!   non-finite and outlier deltas, and the step).
+//!   non-finite and outlier deltas, and the step) and `center::gradient`
+//!   (drafters with `--sync-gradients`: one AdamW over their gradients,
+//!   stepped once a round holds one drafter's batch; the service holds
+//!   each answer until its round has stepped).
 //! - `checkpoint`: the center on disk in the reference dflash format
 //!   (safetensors, no libtorch), and reading it back on restart.
 //! - `config`: the flags.

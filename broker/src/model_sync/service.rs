@@ -47,8 +47,11 @@ impl From<SyncError> for Status {
             | SyncError::DuplicateTensor(_)
             | SyncError::Dtype(_)
             | SyncError::Kind(_)
-            | SyncError::Config(_) => Status::invalid_argument(error.to_string()),
-            SyncError::ConfigMismatch { .. } => Status::failed_precondition(error.to_string()),
+            | SyncError::Config(_)
+            | SyncError::GradientStep(_) => Status::invalid_argument(error.to_string()),
+            SyncError::ConfigMismatch { .. } | SyncError::MixedMethods(_) => {
+                Status::failed_precondition(error.to_string())
+            }
         }
     }
 }
@@ -69,6 +72,10 @@ pub struct ModelSyncShared {
     /// Woken when an exchange commits or a session closes: the center
     /// writer re-checks what it waits for.
     sync_changed: Notify,
+    /// Rounds of the center's AdamW ended so far (drafters with
+    /// `--sync-gradients`): a drafter whose gradient is in a round waits
+    /// for it here before it gets the center.
+    rounds_ended: tokio::sync::watch::Sender<u64>,
     /// What the queue saw each drafter ack (set once the queue exists): the
     /// bound on the samples a drafter's exchanges are credited with.
     acked_by: std::sync::OnceLock<AckedBy>,
@@ -125,6 +132,7 @@ impl ModelSyncShared {
             tasks: TaskTracker::new(),
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
             sync_changed: Notify::new(),
+            rounds_ended: tokio::sync::watch::Sender::new(0),
             acked_by: std::sync::OnceLock::new(),
             evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
@@ -178,7 +186,12 @@ struct SessionGuard {
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        self.shared.state.lock().close_session(&self.drafter_id);
+        let rounds_ended = {
+            let mut state = self.shared.state.lock();
+            state.close_session(&self.drafter_id);
+            state.gradient_rounds_ended()
+        };
+        self.shared.rounds_ended.send_replace(rounds_ended);
         self.shared.sync_changed.notify_one();
     }
 }
@@ -388,7 +401,7 @@ async fn commit_exchange(
         .acked_by
         .get()
         .and_then(|acked_by| acked_by(drafter_id));
-    let (outcome, snapshot) = {
+    let (mut outcome, mut snapshot, rounds_ended) = {
         let mut state = shared.state.lock();
         let outcome = state.commit(
             drafter_id,
@@ -403,9 +416,20 @@ async fn commit_exchange(
         } else {
             None
         };
-        (outcome, snapshot)
+        (outcome, snapshot, state.gradient_rounds_ended())
     };
+    shared.rounds_ended.send_replace(rounds_ended);
     shared.sync_changed.notify_one();
+    if let Some(round) = outcome.await_round.filter(|&round| rounds_ended < round) {
+        // A gradient: the center goes back once its round has stepped.
+        wait_for_round(shared, drafter_id, round).await?;
+        let state = shared.state.lock();
+        snapshot = state.center_snapshot();
+        if let Some(center) = state.center() {
+            outcome.center_version = center.version;
+            outcome.center_samples = center.samples;
+        }
+    }
     let center = snapshot.map(|snapshot| snapshot.encode(reply_dtype));
     debug!(
         drafter_id,
@@ -432,6 +456,35 @@ async fn commit_exchange(
         send_center(outbox, reply_dtype, version, tensors).await?;
     }
     Ok(())
+}
+
+/// Waits until the center's AdamW has ended `round`: the other drafters'
+/// gradients came, or they left, or `--sync-round-timeout` passed (then
+/// this session ends the round with what it holds).
+async fn wait_for_round(
+    shared: &ModelSyncShared,
+    drafter_id: &str,
+    round: u64,
+) -> Result<(), Status> {
+    let mut rounds = shared.rounds_ended.subscribe();
+    tokio::select! {
+        ended = rounds.wait_for(|&ended| ended >= round) => {
+            ended.map(|_| ()).map_err(|_| Status::unavailable("the broker is stopping"))
+        }
+        () = tokio::time::sleep(shared.config.sync_round_timeout) => {
+            let rounds_ended = {
+                let mut state = shared.state.lock();
+                if state.gradient_rounds_ended() < round {
+                    warn!(drafter_id, round, timeout = ?shared.config.sync_round_timeout, "gradient round timed out waiting for drafters; stepping with the gradients it holds");
+                    state.end_gradient_round(drafter_id);
+                }
+                state.gradient_rounds_ended()
+            };
+            shared.rounds_ended.send_replace(rounds_ended);
+            Ok(())
+        }
+        () = shared.shutdown.cancelled() => Err(Status::unavailable("the broker is stopping")),
+    }
 }
 
 /// Sends the center (encoded as `reply_dtype`) tensor by tensor in chunks

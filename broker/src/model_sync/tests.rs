@@ -34,6 +34,7 @@ fn begin(kind: proto::SyncKind, base_version: u64) -> proto::SyncBegin {
         samples: 10,
         tokens: 100,
         reply_dtype: proto::Dtype::F32 as i32,
+        gradient_step: None,
     }
 }
 
@@ -46,7 +47,17 @@ fn upload(
     dtype: WireDtype,
     chunk_elements: usize,
 ) -> Upload {
-    let mut upload = Upload::new(&begin(kind, base_version)).unwrap();
+    upload_of(&begin(kind, base_version), tensors, dtype, chunk_elements)
+}
+
+/// [`upload`] with its own `begin`.
+fn upload_of(
+    begin: &proto::SyncBegin,
+    tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
+    dtype: WireDtype,
+    chunk_elements: usize,
+) -> Upload {
+    let mut upload = Upload::new(begin).unwrap();
     for (name, shape, values) in tensors {
         let bytes = arith::encode(values, dtype);
         let chunk_bytes = chunk_elements * dtype.element_bytes();
@@ -776,5 +787,188 @@ fn inverse_staleness_scaling_weighs_a_delta_by_one_over_its_staleness() {
     for expected in [2.5, 4.25, 5.375] {
         commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
         assert_eq!(center_values(&state, "a")[0], expected);
+    }
+}
+
+/// The center's one AdamW over drafters' gradients (`--sync-gradients`).
+mod gradients {
+    use super::*;
+
+    const LEARNING_RATE: f64 = 0.01;
+
+    fn settings(step_samples: u64) -> proto::GradientStep {
+        proto::GradientStep {
+            learning_rate: LEARNING_RATE,
+            max_grad_norm: 0.0,
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+            step_samples,
+        }
+    }
+
+    /// `drafter_id`'s gradient over `samples` samples: its tensors are minus
+    /// `gradient` (the drafter's step moved its weights by −gradient).
+    fn send_gradient(
+        state: &mut ModelSyncState,
+        drafter_id: &str,
+        samples: u64,
+        gradient: ([f32; 4], [f32; 3]),
+        step_samples: u64,
+    ) -> Result<CommitOutcome, SyncError> {
+        let (a, b) = gradient;
+        let minus = weights(a.map(|value| -value), b.map(|value| -value));
+        let begin = proto::SyncBegin {
+            samples,
+            gradient_step: Some(settings(step_samples)),
+            ..begin(proto::SyncKind::Update, state.version().unwrap())
+        };
+        state.commit(
+            drafter_id,
+            upload_of(&begin, &minus, WireDtype::F32, 3),
+            2,
+            CONFIG,
+            Instant::now(),
+        )
+    }
+
+    /// Two drafters with open sessions around the center of [`joined_state`].
+    fn two_drafters() -> ModelSyncState {
+        let (mut state, _) = joined_state(plain());
+        state.open_session("d1");
+        state
+    }
+
+    /// AdamW's first step moves each weight by the learning rate against
+    /// the sign of its gradient (m̂ = g, v̂ = g²), 0 where it is 0. In f32 on
+    /// weights up to 8: each of the step's few operations rounds by at most
+    /// half an ulp of 8 (4.8e-7), and ε moves it by lr·ε/|g| ≤ 1e-10, so
+    /// 4e-6 bounds the difference.
+    fn assert_first_step(state: &ModelSyncState, name: &str, before: &[f32], mean: &[f32]) {
+        let after = center_values(state, name);
+        for ((after, before), gradient) in after.iter().zip(before).zip(mean) {
+            let expected =
+                before - LEARNING_RATE as f32 * gradient.signum() * f32::from(*gradient != 0.0);
+            assert!(
+                (after - expected).abs() <= 4e-6,
+                "{name}: {after} against {expected} (gradient {gradient})"
+            );
+        }
+    }
+
+    #[test]
+    fn a_round_of_one_steps_samples_takes_one_adamw_step_with_the_mean_gradient() {
+        let mut state = two_drafters();
+        let (a0, b0) = (center_values(&state, "a"), center_values(&state, "b"));
+        let first = send_gradient(
+            &mut state,
+            "d0",
+            2,
+            ([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),
+            4,
+        )
+        .unwrap();
+        // Gathered, not stepped: the weights wait for the round.
+        assert!(first.applied);
+        assert_eq!(first.await_round, Some(1));
+        assert_eq!(state.gradient_rounds_ended(), 0);
+        assert_eq!(center_values(&state, "a"), a0);
+        // The others sharing the center, as the staleness says it.
+        assert_eq!(first.staleness, 1);
+        let second = send_gradient(
+            &mut state,
+            "d1",
+            2,
+            ([3.0, -1.0, 1.0, 1.0], [1.0, 1.0, -3.0]),
+            4,
+        )
+        .unwrap();
+        assert_eq!(second.await_round, Some(1));
+        assert_eq!(state.gradient_rounds_ended(), 1);
+        // Mean gradient a [2, 0, 1, 1], b [1, 1, -1].
+        assert_first_step(&state, "a", &a0, &[2.0, 0.0, 1.0, 1.0]);
+        assert_first_step(&state, "b", &b0, &[1.0, 1.0, -1.0]);
+        // Every gradient is a version; the samples are the center's.
+        assert_eq!(state.version(), Some(2));
+        assert_eq!(state.center().unwrap().samples, 4);
+    }
+
+    #[test]
+    fn a_round_ends_once_every_drafter_left_sent_its_gradient() {
+        let mut state = two_drafters();
+        let (a0, b0) = (center_values(&state, "a"), center_values(&state, "b"));
+        // One sample of a four-sample step: the round waits for d1.
+        send_gradient(
+            &mut state,
+            "d0",
+            1,
+            ([1.0, -2.0, 0.0, 4.0], [1.0, 1.0, 1.0]),
+            4,
+        )
+        .unwrap();
+        assert_eq!(state.gradient_rounds_ended(), 0);
+        // d1 leaves without sending: the round has every gradient coming.
+        state.close_session("d1");
+        assert_eq!(state.gradient_rounds_ended(), 1);
+        assert_first_step(&state, "a", &a0, &[1.0, -2.0, 0.0, 4.0]);
+        assert_first_step(&state, "b", &b0, &[1.0, 1.0, 1.0]);
+    }
+
+    #[test]
+    fn a_run_sends_gradients_or_deltas_never_both() {
+        let mut state = two_drafters();
+        send_gradient(&mut state, "d0", 2, ([1.0; 4], [1.0; 3]), 4).unwrap();
+        let before = (center_values(&state, "a"), state.version());
+        let delta = weights([0.25; 4], [0.25; 3]);
+        let refused = state.commit(
+            "d1",
+            upload(proto::SyncKind::Update, 1, &delta, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            Instant::now(),
+        );
+        assert!(
+            matches!(&refused, Err(SyncError::MixedMethods(message)) if message.contains("--sync-gradients")),
+            "{refused:?}"
+        );
+        assert_eq!((center_values(&state, "a"), state.version()), before);
+
+        let mut state = two_drafters();
+        commit_f32(
+            &mut state,
+            "d0",
+            proto::SyncKind::Update,
+            0,
+            &delta,
+            Instant::now(),
+        );
+        let refused = send_gradient(&mut state, "d1", 2, ([1.0; 4], [1.0; 3]), 4);
+        assert!(
+            matches!(refused, Err(SyncError::MixedMethods(_))),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn gradient_settings_out_of_range_are_refused_naming_the_value() {
+        type Spoil = fn(&mut proto::GradientStep);
+        let cases: [(&str, Spoil); 5] = [
+            ("beta1 1 ", |step| step.beta1 = 1.0),
+            ("learning_rate NaN", |step| step.learning_rate = f64::NAN),
+            ("epsilon 0 ", |step| step.epsilon = 0.0),
+            ("step_samples 0", |step| step.step_samples = 0),
+            ("weight_decay 200", |step| step.weight_decay = 200.0),
+        ];
+        for (named, spoil) in cases {
+            let mut step = settings(4);
+            spoil(&mut step);
+            let begin = proto::SyncBegin {
+                gradient_step: Some(step),
+                ..begin(proto::SyncKind::Update, 0)
+            };
+            let error = Upload::new(&begin).unwrap_err().to_string();
+            assert!(error.contains(named), "{named:?} not in {error:?}");
+        }
     }
 }

@@ -162,6 +162,11 @@ impl DFlashEngine {
         settings.schedule.peak_learning_rate = config.learning_rate;
         settings.schedule.warmup_fraction = config.warmup_fraction;
         settings.seed = config.seed;
+        settings.inner_step = if config.sync_gradients {
+            dflash_model::draft::InnerStep::Gradient
+        } else {
+            dflash_model::draft::InnerStep::AdamW
+        };
         let mut trainer = match resume_from {
             Some(checkpoint) => {
                 info!(checkpoint = %checkpoint.display(), "resuming from checkpoint");

@@ -147,6 +147,21 @@ struct Method {
     /// The synced drafters' `--sync-adam-beta1` (the cap on β1^N while
     /// sharing); `None`: the drafter's default.
     inner_beta1: Option<f64>,
+    /// The synced drafters' `--sync-gradients`
+    /// (`DFLASH_SYNC_QUALITY_SYNC_GRADIENTS`): the broker's one AdamW over
+    /// their gradients.
+    sync_gradients: bool,
+    /// Synchronous rounds only (`DFLASH_STUDY_OUTER_ADAMW`): each drafter's
+    /// step is its gradient, and one AdamW over the center applies the
+    /// round's mean gradient (data parallelism), instead of the mean of the
+    /// drafters' own AdamW steps.
+    outer_adamw: bool,
+    /// Synchronous rounds only: every drafter starts each round from the
+    /// center after the last round (a barrier), or (`DFLASH_STUDY_NO_BARRIER`)
+    /// from the center it got back when it sent its own, one round older
+    /// for all but the round's last drafter (as a broker that replies at
+    /// once would have it).
+    barrier: bool,
 }
 
 impl Method {
@@ -165,12 +180,15 @@ impl Method {
             inner_beta1: std::env::var("DFLASH_SYNC_QUALITY_INNER_BETA1")
                 .ok()
                 .map(|value| value.parse().expect("a number")),
+            sync_gradients: std::env::var_os("DFLASH_SYNC_QUALITY_SYNC_GRADIENTS").is_some(),
+            outer_adamw: std::env::var_os("DFLASH_STUDY_OUTER_ADAMW").is_some(),
+            barrier: std::env::var_os("DFLASH_STUDY_NO_BARRIER").is_none(),
         }
     }
 
     fn describe(&self) -> String {
         format!(
-            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, synced drafters' lr scaling {:?}, batch scaling {:?}, beta1 cap {}",
+            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, synced drafters' lr scaling {:?}, batch scaling {:?}, beta1 cap {}, sync gradients {}; rounds: outer AdamW {}, barrier {}",
             self.outer_learning_rate,
             self.momentum,
             match self.momentum_delay {
@@ -182,7 +200,10 @@ impl Method {
             self.lr_scaling,
             self.batch_scaling,
             self.inner_beta1
-                .map_or_else(|| "the default".to_string(), |beta1| beta1.to_string())
+                .map_or_else(|| "the default".to_string(), |beta1| beta1.to_string()),
+            self.sync_gradients,
+            self.outer_adamw,
+            self.barrier
         )
     }
 
@@ -288,6 +309,9 @@ fn train(
     mode: Mode,
     run: &[proto::Sample],
 ) -> RunResult {
+    if mode == Mode::Synced && method.sync_gradients {
+        return train_in_rounds(work, runtime, setting, method, drafters, run);
+    }
     let steps_per_drafter = run.len().div_ceil(setting.batch * drafters) as u64;
     let sync = SyncConfig {
         sync_every: setting.sync_every,
@@ -312,6 +336,7 @@ fn train(
                 let steps = run.len().div_ceil(share * drafters) as u64;
                 config.total_steps = Some(steps);
                 config.learning_rate *= (drafters as f64).powf(method.inner_lr_exponent);
+                config.sync_gradients = method.outer_adamw;
                 let engine = build_engine(&config, None, steps).unwrap();
                 return Trainee {
                     engine,
@@ -341,6 +366,7 @@ fn train(
                     config.sync_lr_scaling = method.lr_scaling;
                     config.sync_batch_scaling = method.batch_scaling;
                     config.sync_adam_beta1 = method.inner_beta1.unwrap_or(config.sync_adam_beta1);
+                    config.sync_gradients = method.sync_gradients;
                     let mut engine = build_engine(&config, None, 1).unwrap();
                     // The run's size, as the async side learns it from the
                     // broker's expected items.
@@ -349,7 +375,8 @@ fn train(
                     engine.follow_run_schedule(RunSchedule::for_config(&config, clock.clone()));
                     let mut link = ModelSyncLink::new(runtime.clone(), address, &id, &sync)
                         .unwrap()
-                        .with_run_clock(clock);
+                        .with_run_clock(clock)
+                        .with_gradient_step(config.gradient_step());
                     link.join(engine.draft_model().unwrap());
                     assert_eq!(link.totals.failures, 0);
                     Trainee {
@@ -379,9 +406,26 @@ fn train(
         variables.sort_by(|a, b| a.0.cmp(&b.0));
         variables
             .into_iter()
-            .map(|(name, value)| (name, value.detach().copy()))
+            .map(|(name, value)| (name, value.detach().copy().set_requires_grad(true)))
             .collect()
     });
+    // With `outer_adamw`: the one optimizer, over the center, with the
+    // drafters' AdamW settings.
+    let mut outer_optimizer = center
+        .as_ref()
+        .filter(|_| method.outer_adamw)
+        .map(|center| {
+            let settings = dflash_model::draft::AdamWSettings {
+                beta1: setting.adam_beta1,
+                weight_decay: drafter_config("any", work, setting, 0).weight_decay,
+                ..Default::default()
+            };
+            dflash_model::draft::AdamW::new(
+                center.iter().map(|(n, t)| (n.clone(), t.shallow_clone())),
+                settings,
+            )
+        });
+    let max_grad_norm = drafter_config("any", work, setting, 0).max_grad_norm;
     let load = |trainee: &Trainee, center: &[(String, tch::Tensor)]| {
         let variables = trainee
             .engine
@@ -447,33 +491,91 @@ fn train(
                     trainee.engine.draft_model().unwrap(),
                     report.samples,
                     report.tokens,
+                    report.learning_rate,
                 );
                 assert_eq!(link.totals.failures, 0);
             }
         }
         if let Some(center) = &center {
-            // The outer step: the mean of this round's deltas.
+            // The outer step: the mean of this round's deltas, applied as
+            // is (× the outer learning rate) or, with `outer_adamw`, as the
+            // gradient of one AdamW step at the schedule's rate.
             let count = stepped.iter().filter(|&&stepped| stepped).count();
-            tch::no_grad(|| {
-                for (name, value) in center {
-                    let mut sum = value.zeros_like();
-                    for (trainee, _) in trainees.iter().zip(&stepped).filter(|(_, &s)| s) {
-                        let variables = trainee
-                            .engine
-                            .draft_model()
-                            .unwrap()
-                            .var_store()
-                            .variables();
-                        sum += &variables[name] - value;
-                    }
-                    value.shallow_clone().copy_(
-                        &(value + sum * (f64::from(method.outer_learning_rate) / count as f64)),
-                    );
-                }
+            let before: Vec<tch::Tensor> = center
+                .iter()
+                .map(|(_, value)| value.detach().copy())
+                .collect();
+            let means: Vec<tch::Tensor> = tch::no_grad(|| {
+                center
+                    .iter()
+                    .map(|(name, value)| {
+                        let mut sum = value.zeros_like();
+                        for (trainee, _) in trainees.iter().zip(&stepped).filter(|(_, &s)| s) {
+                            let variables = trainee
+                                .engine
+                                .draft_model()
+                                .unwrap()
+                                .var_store()
+                                .variables();
+                            sum += &variables[name] - value;
+                        }
+                        sum / count as f64
+                    })
+                    .collect()
             });
-            for trainee in &trainees {
-                load(trainee, center);
+            match outer_optimizer.as_mut() {
+                None => tch::no_grad(|| {
+                    for ((_, value), mean) in center.iter().zip(&means) {
+                        value
+                            .shallow_clone()
+                            .copy_(&(value + mean * f64::from(method.outer_learning_rate)));
+                    }
+                }),
+                Some(optimizer) => {
+                    // The gradient is minus the mean delta: set it through
+                    // a backward of Σ value · gradient.
+                    optimizer.zero_grad();
+                    let pseudo_loss = center
+                        .iter()
+                        .zip(&means)
+                        .map(|((_, value), mean)| (value * -mean).sum(Kind::Float))
+                        .fold(
+                            tch::Tensor::zeros([], (Kind::Float, Device::Cpu)),
+                            |a, b| a + b,
+                        );
+                    pseudo_loss.backward();
+                    let norm = optimizer.gradient_norm();
+                    optimizer.clip_gradients(max_grad_norm, norm);
+                    let learning_rate = trainees
+                        .iter()
+                        .zip(&stepped)
+                        .filter(|(_, &s)| s)
+                        .map(|(trainee, _)| *trainee.learning_rates.last().unwrap())
+                        .next()
+                        .unwrap();
+                    optimizer.step(learning_rate);
+                    optimizer.zero_grad();
+                }
             }
+            let last = stepped.iter().rposition(|&s| s).unwrap();
+            for (index, trainee) in trainees.iter().enumerate() {
+                if method.barrier || index == last {
+                    load(trainee, center);
+                } else {
+                    let older: Vec<(String, tch::Tensor)> = center
+                        .iter()
+                        .zip(&before)
+                        .map(|((name, _), value)| (name.clone(), value.shallow_clone()))
+                        .collect();
+                    load(trainee, &older);
+                }
+            }
+        }
+    }
+    if let Some(center) = &center {
+        // The run's model is the last center.
+        for trainee in &trainees {
+            load(trainee, center);
         }
     }
     let mut drafter_dirs = Vec::new();
@@ -487,7 +589,7 @@ fn train(
         drafter_dirs.push(dir);
     }
     let center = if mode == Mode::Rounds {
-        // Every drafter holds the last round's center.
+        // Every drafter holds the last center.
         Some(drafter_dirs[0].clone())
     } else {
         address.as_ref().map(|address| {
@@ -518,6 +620,141 @@ fn train(
         center,
         losses: trainees.iter().map(|t| t.losses.clone()).collect(),
         learning_rates: trainees.iter().map(|t| t.learning_rates.clone()).collect(),
+    }
+}
+
+/// `drafters` drafters with `--sync-gradients` through a fresh broker: the
+/// broker's AdamW holds each drafter's reply until its round has stepped,
+/// so each drafter runs on its own thread (a single thread would wait on
+/// itself). They join in order (drafter 0's weights make the center), then
+/// each trains its share (`run` dealt round robin) at its own pace; the
+/// rounds keep them in step. The order gradients land in within a round
+/// varies, so the center's last bits do too.
+fn train_in_rounds(
+    work: &Path,
+    runtime: &tokio::runtime::Handle,
+    setting: &Setting,
+    method: &Method,
+    drafters: usize,
+    run: &[proto::Sample],
+) -> RunResult {
+    let sync = SyncConfig {
+        sync_every: setting.sync_every,
+        ..SyncConfig::default()
+    };
+    let broker = runtime.block_on(TestBroker::start(method.broker_config()));
+    let address = broker.address.clone();
+    // Whose turn it is to join.
+    let turn = (std::sync::Mutex::new(0usize), std::sync::Condvar::new());
+    let results: Vec<(PathBuf, Vec<f64>, Vec<f64>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..drafters)
+            .map(|index| {
+                let (sync, address, turn) = (&sync, &address, &turn);
+                scope.spawn(move || {
+                    tch::set_num_threads(1);
+                    let id = format!("drafter-{index}");
+                    let mut config = drafter_config(
+                        &id,
+                        work,
+                        setting,
+                        setting.seed + 100 * setting.init + index as u64,
+                    );
+                    config.total_steps = None;
+                    config.sync_batch_scaling = method.batch_scaling;
+                    config.sync_gradients = true;
+                    let mut engine = build_engine(&config, None, 1).unwrap();
+                    let clock = RunClock::new();
+                    clock.set_run_samples_total(run.len() as u64);
+                    engine.follow_run_schedule(RunSchedule::for_config(&config, clock.clone()));
+                    let mut link = ModelSyncLink::new(runtime.clone(), address, &id, sync)
+                        .unwrap()
+                        .with_run_clock(clock)
+                        .with_gradient_step(config.gradient_step());
+                    {
+                        let (lock, ready) = turn;
+                        let mut next = lock.lock().unwrap();
+                        while *next != index {
+                            next = ready.wait(next).unwrap();
+                        }
+                        link.join(engine.draft_model().unwrap());
+                        *next += 1;
+                        ready.notify_all();
+                    }
+                    assert_eq!(link.totals.failures, 0);
+                    let stream: Vec<&proto::Sample> =
+                        run.iter().skip(index).step_by(drafters).collect();
+                    let (mut losses, mut learning_rates) = (Vec::new(), Vec::new());
+                    let mut done = 0;
+                    while done < stream.len() {
+                        let share = step_share(
+                            setting.batch,
+                            link.run_clock().state().drafters_sharing,
+                            method.batch_scaling,
+                        );
+                        let batch: Vec<_> = stream[done..(done + share).min(stream.len())]
+                            .iter()
+                            .map(|sample| engine.prepare(sample).unwrap())
+                            .collect();
+                        done += batch.len();
+                        engine.accumulate(batch).unwrap();
+                        let report = engine.step().unwrap();
+                        losses.push(report.loss);
+                        learning_rates.push(report.learning_rate);
+                        link.after_step(
+                            engine.draft_model().unwrap(),
+                            report.samples,
+                            report.tokens,
+                            report.learning_rate,
+                        );
+                        assert_eq!(link.totals.failures, 0);
+                    }
+                    link.finish(engine.draft_model().unwrap());
+                    assert_eq!(link.totals.failures, 0);
+                    let dir = work.join(format!("drafter-{index}-final"));
+                    engine.save_checkpoint(&dir).unwrap();
+                    (dir, losses, learning_rates)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|handle| handle.join().unwrap())
+            .collect()
+    });
+    // A drafter joining now receives the center: that is the run's model.
+    let observer_config = drafter_config("observer", work, setting, setting.seed + 100);
+    let observer = build_engine(&observer_config, None, 1).unwrap();
+    let mut link = ModelSyncLink::new(runtime.clone(), &address, "observer", &sync).unwrap();
+    link.join(observer.draft_model().unwrap());
+    assert_eq!(link.totals.failures, 0);
+    let center = work.join("center");
+    save_draft_checkpoint(&center, observer.draft_model().unwrap(), None).unwrap();
+    let status = runtime
+        .block_on(broker.status())
+        .model_sync
+        .unwrap_or_default();
+    eprintln!(
+        "center: {} gradients applied, {} discarded ({} outliers), version {}",
+        status.updates_applied,
+        status.updates_discarded,
+        status.outlier_deltas,
+        status.center_version
+    );
+    runtime.block_on(broker.stop());
+    let (drafters, losses, learning_rates) = results.into_iter().fold(
+        (Vec::new(), Vec::new(), Vec::new()),
+        |(mut dirs, mut losses, mut rates), (dir, loss, rate)| {
+            dirs.push(dir);
+            losses.push(loss);
+            rates.push(rate);
+            (dirs, losses, rates)
+        },
+    );
+    RunResult {
+        drafters,
+        center: Some(center),
+        losses,
+        learning_rates,
     }
 }
 

@@ -162,6 +162,9 @@ pub struct Upload {
     /// acks), when known: the samples it may be credited with in all (a
     /// claim beyond is cut to it).
     pub acked_by_drafter: Option<u64>,
+    /// The AdamW settings of a gradient (UPDATE or FINAL of a drafter with
+    /// `--sync-gradients`): the tensors are then minus its gradient.
+    pub gradient_step: Option<super::GradientStep>,
 }
 
 impl Upload {
@@ -192,8 +195,15 @@ impl Upload {
             0 => WireDtype::F32,
             other => dtype_from_proto(other)?,
         };
+        let kind = ExchangeKind::from_proto(begin.kind)?;
+        let gradient_step = match (&begin.gradient_step, kind) {
+            (Some(step), ExchangeKind::Update | ExchangeKind::Final) => {
+                Some(super::GradientStep::from_proto(step)?)
+            }
+            _ => None,
+        };
         Ok(Upload {
-            kind: ExchangeKind::from_proto(begin.kind)?,
+            kind,
             base_version: begin.base_version,
             steps: begin.steps,
             samples: begin.samples,
@@ -201,6 +211,7 @@ impl Upload {
             tensors: Vec::new(),
             measured_norm: None,
             acked_by_drafter: None,
+            gradient_step,
         })
     }
 
