@@ -626,8 +626,8 @@ fn train(
 /// `drafters` drafters with `--sync-gradients` through a fresh broker: the
 /// broker's AdamW holds each drafter's reply until its round has stepped,
 /// so each drafter runs on its own thread (a single thread would wait on
-/// itself). They join in order (drafter 0's weights make the center), then
-/// each trains its share (`run` dealt round robin) at its own pace; the
+/// itself). They join in order (drafter 0's weights make the center), then,
+/// once all have joined, each trains its share (`run` dealt round robin) at its own pace; the
 /// rounds keep them in step. The order gradients land in within a round
 /// varies, so the center's last bits do too.
 fn train_in_rounds(
@@ -679,7 +679,16 @@ fn train_in_rounds(
                         link.join(engine.draft_model().unwrap());
                         *next += 1;
                         ready.notify_all();
+                        // Training starts once every drafter has joined.
+                        while *next < drafters {
+                            next = ready.wait(next).unwrap();
+                        }
                     }
+                    // Each knows from its first step that `drafters` share
+                    // the center (a drafter learns it from its first
+                    // exchange, after one full step): every round is then
+                    // one share of each.
+                    link.run_clock().staleness_observed(drafters as u64 - 1);
                     assert_eq!(link.totals.failures, 0);
                     let stream: Vec<&proto::Sample> =
                         run.iter().skip(index).step_by(drafters).collect();
@@ -739,6 +748,10 @@ fn train_in_rounds(
         status.updates_discarded,
         status.outlier_deltas,
         status.center_version
+    );
+    assert_eq!(
+        status.updates_discarded, 0,
+        "every gradient reaches the center"
     );
     runtime.block_on(broker.stop());
     let (drafters, losses, learning_rates) = results.into_iter().fold(
@@ -1041,6 +1054,64 @@ fn with_shared_steps_four_drafters_center_nears_one_drafter() {
         taus.center,
         taus.alone
     );
+}
+
+/// `--sync-gradients` end to end (real engines, links and broker, a thread
+/// per drafter, 2 drafters on 64 samples, four rounds of two 8-sample
+/// shares): each answer waits
+/// for its round, so every drafter ends holding the center itself, bit for
+/// bit (without the wait the first drafter of the last round would hold
+/// the center before it), no exchange failed and no gradient was
+/// discarded (asserted in `train_in_rounds`).
+#[test]
+fn with_sync_gradients_every_drafter_ends_holding_the_center() {
+    let setting = Setting {
+        learning_rate: 16e-3,
+        sequences: 8,
+        epochs: 8,
+        ..Setting::from_env(0)
+    };
+    let method = Method {
+        batch_scaling: SyncBatchScaling::Inverse,
+        lr_scaling: SyncLrScaling::None,
+        sync_gradients: true,
+        ..Method::from_env()
+    };
+    let work = tempfile::tempdir().unwrap();
+    let runtime = runtime();
+    let Data { run, .. } = data(&setting);
+    assert_eq!(run.len(), 64);
+    let result = train(
+        work.path(),
+        runtime.handle(),
+        &setting,
+        &method,
+        2,
+        Mode::Synced,
+        &run,
+    );
+    let weights = |dir: &Path| {
+        let mut tensors = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        tensors
+    };
+    let center = weights(result.center.as_ref().unwrap());
+    assert!(!center.is_empty());
+    for dir in &result.drafters {
+        let held = weights(dir);
+        assert_eq!(held.len(), center.len());
+        for ((name, held), (_, center)) in held.iter().zip(&center) {
+            assert!(
+                held.equal(center),
+                "{}: tensor {name} is not the center's",
+                dir.display()
+            );
+        }
+    }
+    // Each drafter stepped 4 times, on shares of 8.
+    for losses in &result.losses {
+        assert_eq!(losses.len(), 4, "{losses:?}");
+    }
 }
 
 /// The study (`make study`, or `cargo test -p dflash-drafter-server --test
