@@ -536,10 +536,7 @@ impl ModelSyncState {
                 ));
             }
             self.sends_gradients = Some(true);
-            if self.recent_delta_norms.len() == DELTA_NORM_WINDOW {
-                self.recent_delta_norms.pop_front();
-            }
-            self.recent_delta_norms.push_back(norm);
+            remember_norm(&mut self.recent_delta_norms, norm);
             // Every gradient is a version, as every delta is (the
             // staleness drafters measure their number by counts them); the
             // weights change when a round completes.
@@ -601,10 +598,7 @@ impl ModelSyncState {
                 reason,
             ));
         }
-        if self.recent_delta_norms.len() == DELTA_NORM_WINDOW {
-            self.recent_delta_norms.pop_front();
-        }
-        self.recent_delta_norms.push_back(norm);
+        remember_norm(&mut self.recent_delta_norms, norm);
         let weight = settings.staleness_scaling.weight(staleness);
         add_delta(center, upload, settings.learning_rate, weight, momentum)?;
         center.magnitudes = magnitudes;
@@ -705,4 +699,13 @@ impl ModelSyncState {
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Keeps `norm` among the last [`DELTA_NORM_WINDOW`] applied norms (the
+/// outlier bound's reference).
+fn remember_norm(recent: &mut std::collections::VecDeque<f64>, norm: f64) {
+    if recent.len() == DELTA_NORM_WINDOW {
+        recent.pop_front();
+    }
+    recent.push_back(norm);
 }

@@ -249,6 +249,18 @@ fn drafter_config(id: &str, work: &Path, setting: &Setting, seed: u64) -> Drafte
     config
 }
 
+/// Drafter `index`'s id and config: its seed is `seed + 100·init + index`.
+fn nth_drafter(work: &Path, setting: &Setting, index: usize) -> (String, DrafterServerConfig) {
+    let id = format!("drafter-{index}");
+    let config = drafter_config(
+        &id,
+        work,
+        setting,
+        setting.seed + 100 * setting.init + index as u64,
+    );
+    (id, config)
+}
+
 /// One drafter as the test drives it.
 struct Trainee {
     engine: Box<dyn TrainingEngine>,
@@ -257,6 +269,16 @@ struct Trainee {
     stream: Vec<proto::Sample>,
     losses: Vec<f64>,
     learning_rates: Vec<f64>,
+}
+
+/// A trainee's parameters by name (handles to its model's tensors).
+fn variables(trainee: &Trainee) -> std::collections::HashMap<String, tch::Tensor> {
+    trainee
+        .engine
+        .draft_model()
+        .unwrap()
+        .var_store()
+        .variables()
 }
 
 /// How a run's drafters relate.
@@ -322,13 +344,7 @@ fn train(
     let address = broker.as_ref().map(|broker| broker.address.clone());
     let mut trainees: Vec<Trainee> = (0..drafters)
         .map(|index| {
-            let id = format!("drafter-{index}");
-            let mut config = drafter_config(
-                &id,
-                work,
-                setting,
-                setting.seed + 100 * setting.init + index as u64,
-            );
+            let (id, mut config) = nth_drafter(work, setting, index);
             let stream: Vec<proto::Sample> =
                 run.iter().skip(index).step_by(drafters).cloned().collect();
             if mode == Mode::Rounds {
@@ -395,14 +411,8 @@ fn train(
     // The synchronous rounds' shared weights, which every drafter starts
     // each round from (drafter 0's initialisation).
     let center: Option<Vec<(String, tch::Tensor)>> = (mode == Mode::Rounds).then(|| {
-        let mut variables: Vec<(String, tch::Tensor)> = trainees[0]
-            .engine
-            .draft_model()
-            .unwrap()
-            .var_store()
-            .variables()
-            .into_iter()
-            .collect();
+        let mut variables: Vec<(String, tch::Tensor)> =
+            variables(&trainees[0]).into_iter().collect();
         variables.sort_by(|a, b| a.0.cmp(&b.0));
         variables
             .into_iter()
@@ -427,12 +437,7 @@ fn train(
         });
     let max_grad_norm = drafter_config("any", work, setting, 0).max_grad_norm;
     let load = |trainee: &Trainee, center: &[(String, tch::Tensor)]| {
-        let variables = trainee
-            .engine
-            .draft_model()
-            .unwrap()
-            .var_store()
-            .variables();
+        let variables = variables(trainee);
         tch::no_grad(|| {
             for (name, value) in center {
                 variables[name].shallow_clone().copy_(value);
@@ -511,12 +516,7 @@ fn train(
                     .map(|(name, value)| {
                         let mut sum = value.zeros_like();
                         for (trainee, _) in trainees.iter().zip(&stepped).filter(|(_, &s)| s) {
-                            let variables = trainee
-                                .engine
-                                .draft_model()
-                                .unwrap()
-                                .var_store()
-                                .variables();
+                            let variables = variables(trainee);
                             sum += &variables[name] - value;
                         }
                         sum / count as f64
@@ -652,13 +652,7 @@ fn train_in_rounds(
                 let (sync, address, turn) = (&sync, &address, &turn);
                 scope.spawn(move || {
                     tch::set_num_threads(1);
-                    let id = format!("drafter-{index}");
-                    let mut config = drafter_config(
-                        &id,
-                        work,
-                        setting,
-                        setting.seed + 100 * setting.init + index as u64,
-                    );
+                    let (id, mut config) = nth_drafter(work, setting, index);
                     config.total_steps = None;
                     config.sync_batch_scaling = method.batch_scaling;
                     config.sync_gradients = true;
