@@ -1109,3 +1109,37 @@ async fn a_round_steps_without_a_silent_drafter_after_the_round_timeout() {
     assert_stepped_once(&center.unwrap());
     broker.stop().await;
 }
+
+#[tokio::test]
+async fn a_round_does_not_wait_for_a_drafter_with_nothing_to_train() {
+    let mut config = plain_config();
+    config.model_sync.sync_round_timeout = Duration::from_secs(120);
+    let broker = TestBroker::start(config).await;
+    let (mut first, _second) = two_joined(&broker).await;
+    // drafter-b consumes from an empty queue: it holds no leased item.
+    let _consumer = broker
+        .client()
+        .await
+        .consume("drafter-b", dflash_testkit::credit(8))
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(10), || async {
+        let status = broker.client().await.status().await.unwrap();
+        dflash_testkit::drafter_status(&status, "drafter-b").is_some()
+    })
+    .await;
+    let started = std::time::Instant::now();
+    first
+        .send_exchange(gradient_begin(0, 12), &scaled(-1.0))
+        .await;
+    let (result, center) = first.reply().await;
+    // Well before the round timeout (120 s): drafter-b has nothing to send.
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(result.applied);
+    assert_stepped_once(&center.unwrap());
+    broker.stop().await;
+}

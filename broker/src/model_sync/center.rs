@@ -149,6 +149,10 @@ pub struct ModelSyncState {
     sends_gradients: Option<bool>,
     /// The one AdamW over the gradients, from the first one on.
     adamw: Option<CenterAdamW>,
+    /// Drafters that held no leased item when last looked (the queue's
+    /// view, set by the service): they have nothing to train, so a round
+    /// does not wait for them.
+    idle_drafters: std::collections::BTreeSet<String>,
     /// The newest version written to disk, where, and whether as final.
     pub saved_version: Option<u64>,
     pub saved_path: String,
@@ -168,6 +172,7 @@ impl ModelSyncState {
             drafters: BTreeMap::new(),
             sends_gradients: None,
             adamw: None,
+            idle_drafters: std::collections::BTreeSet::new(),
             saved_version: None,
             saved_path: String::new(),
             final_saved: false,
@@ -345,6 +350,26 @@ impl ModelSyncState {
         Ok(outcome)
     }
 
+    /// Whether this run's drafters send gradients (`--sync-gradients`).
+    pub fn sends_gradients(&self) -> bool {
+        self.sends_gradients == Some(true)
+    }
+
+    /// The drafters with an open session, by id.
+    pub fn connected_drafters(&self) -> Vec<String> {
+        self.drafters
+            .iter()
+            .filter(|(_, record)| record.open_sessions > 0)
+            .map(|(drafter_id, _)| drafter_id.clone())
+            .collect()
+    }
+
+    /// Which drafters hold no leased item now (the queue's view): a round
+    /// of gradients does not wait for them.
+    pub fn set_idle_drafters(&mut self, idle: std::collections::BTreeSet<String>) {
+        self.idle_drafters = idle;
+    }
+
     /// Rounds of the center's AdamW ended so far (stepped or dropped).
     pub fn gradient_rounds_ended(&self) -> u64 {
         self.adamw.as_ref().map_or(0, |adamw| adamw.rounds_ended)
@@ -352,8 +377,9 @@ impl ModelSyncState {
 
     /// Ends the round of the center's AdamW when it is ready: it holds one
     /// step's samples, or every drafter with an open session that has not
-    /// finished sent its gradient to it (a drafter that left, or one whose
-    /// share is smaller, does not hold the others). True when it ended.
+    /// finished and holds leased items sent its gradient to it (a drafter
+    /// that left, one with nothing to train, or one whose share is smaller
+    /// does not hold the others). True when it ended.
     pub fn end_gradient_round_if_ready(&mut self, reason: &str) -> bool {
         let Some(adamw) = self.adamw.as_ref() else {
             return false;
@@ -361,7 +387,11 @@ impl ModelSyncState {
         let everyone_in = self
             .drafters
             .iter()
-            .filter(|(_, record)| record.open_sessions > 0 && !record.finished)
+            .filter(|(drafter_id, record)| {
+                record.open_sessions > 0
+                    && !record.finished
+                    && !self.idle_drafters.contains(*drafter_id)
+            })
             .all(|(drafter_id, _)| adamw.contributors.contains(drafter_id));
         if adamw.round_gradients > 0 && (adamw.round_complete() || everyone_in) {
             self.end_gradient_round(reason);

@@ -79,6 +79,9 @@ pub struct ModelSyncShared {
     /// What the queue saw each drafter ack (set once the queue exists): the
     /// bound on the samples a drafter's exchanges are credited with.
     acked_by: std::sync::OnceLock<AckedBy>,
+    /// Items each drafter holds leased now (set once the queue exists): a
+    /// round of gradients does not wait for a drafter holding none.
+    leased_to: std::sync::OnceLock<AckedBy>,
     /// Online evaluation: the τ history, the best report and the versions
     /// served to an evaluator ([`super::evaluation`]). Its own lock, never
     /// held with the state's: an evaluator never delays an exchange.
@@ -134,6 +137,7 @@ impl ModelSyncShared {
             sync_changed: Notify::new(),
             rounds_ended: tokio::sync::watch::Sender::new(0),
             acked_by: std::sync::OnceLock::new(),
+            leased_to: std::sync::OnceLock::new(),
             evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
         }))
@@ -143,6 +147,33 @@ impl ModelSyncShared {
     /// `Upload::acked_by_drafter`); without it claims are credited as sent.
     pub fn set_acked_by(&self, acked_by: impl Fn(&str) -> Option<u64> + Send + Sync + 'static) {
         let _ = self.acked_by.set(Box::new(acked_by));
+    }
+
+    /// Where the queue's per-drafter lease counts come from (see
+    /// `ModelSyncState::set_idle_drafters`); without it no drafter is idle.
+    pub fn set_leased_to(&self, leased_to: impl Fn(&str) -> Option<u64> + Send + Sync + 'static) {
+        let _ = self.leased_to.set(Box::new(leased_to));
+    }
+
+    /// Brings the state's idle drafters up to date (gradient runs only):
+    /// the drafters read under the state's lock, their leases under the
+    /// queue's, never both at once.
+    fn refresh_idle_drafters(&self) {
+        let Some(leased_to) = self.leased_to.get() else {
+            return;
+        };
+        let drafters = {
+            let state = self.state.lock();
+            if !state.sends_gradients() {
+                return;
+            }
+            state.connected_drafters()
+        };
+        let idle = drafters
+            .into_iter()
+            .filter(|drafter_id| leased_to(drafter_id) == Some(0))
+            .collect();
+        self.state.lock().set_idle_drafters(idle);
     }
 
     pub fn status(&self) -> proto::ModelSyncStatus {
@@ -401,6 +432,9 @@ async fn commit_exchange(
         .acked_by
         .get()
         .and_then(|acked_by| acked_by(drafter_id));
+    if open.gradient_step.is_some() {
+        shared.refresh_idle_drafters();
+    }
     let (mut outcome, mut snapshot, rounds_ended) = {
         let mut state = shared.state.lock();
         let outcome = state.commit(
@@ -467,25 +501,42 @@ async fn wait_for_round(
     round: u64,
 ) -> Result<(), Status> {
     let mut rounds = shared.rounds_ended.subscribe();
-    tokio::select! {
-        ended = rounds.wait_for(|&ended| ended >= round) => {
-            ended.map(|_| ()).map_err(|_| Status::unavailable("the broker is stopping"))
-        }
-        () = tokio::time::sleep(shared.config.sync_round_timeout) => {
-            let rounds_ended = {
-                let mut state = shared.state.lock();
-                if state.gradient_rounds_ended() < round {
-                    warn!(drafter_id, round, timeout = ?shared.config.sync_round_timeout, "gradient round timed out waiting for drafters; stepping with the gradients it holds");
-                    state.end_gradient_round(drafter_id);
+    let deadline = tokio::time::Instant::now() + shared.config.sync_round_timeout;
+    loop {
+        // Every tick the drafters that ran out of items stop holding the
+        // round (the queue does not tell the center when a lease ends).
+        let tick = (tokio::time::Instant::now() + ROUND_IDLE_CHECK).min(deadline);
+        tokio::select! {
+            ended = rounds.wait_for(|&ended| ended >= round) => {
+                return ended.map(|_| ()).map_err(|_| Status::unavailable("the broker is stopping"));
+            }
+            () = tokio::time::sleep_until(tick) => {
+                shared.refresh_idle_drafters();
+                let timed_out = tokio::time::Instant::now() >= deadline;
+                let rounds_ended = {
+                    let mut state = shared.state.lock();
+                    if !state.end_gradient_round_if_ready(drafter_id)
+                        && timed_out
+                        && state.gradient_rounds_ended() < round
+                    {
+                        warn!(drafter_id, round, timeout = ?shared.config.sync_round_timeout, "gradient round timed out waiting for drafters; stepping with the gradients it holds");
+                        state.end_gradient_round(drafter_id);
+                    }
+                    state.gradient_rounds_ended()
+                };
+                shared.rounds_ended.send_replace(rounds_ended);
+                if rounds_ended >= round {
+                    return Ok(());
                 }
-                state.gradient_rounds_ended()
-            };
-            shared.rounds_ended.send_replace(rounds_ended);
-            Ok(())
+            }
+            () = shared.shutdown.cancelled() => return Err(Status::unavailable("the broker is stopping")),
         }
-        () = shared.shutdown.cancelled() => Err(Status::unavailable("the broker is stopping")),
     }
 }
+
+/// How often a drafter waiting for its round re-checks which drafters are
+/// idle (hold no leased item).
+const ROUND_IDLE_CHECK: Duration = Duration::from_millis(100);
 
 /// Sends the center (encoded as `reply_dtype`) tensor by tensor in chunks
 /// of at most [`CHUNK_BYTES`] ([`center_chunks`]), then the `Done` that
