@@ -92,6 +92,10 @@ pub struct RunSchedule {
     pub sync_adam_beta1: f64,
     /// `--sync-lr-scaling`: the learning rate over N while N > 1 share.
     pub sync_lr_scaling: SyncLrScaling,
+    /// `--sync-gradients`: the position counts the center's rounds of
+    /// `--max-step-samples` (one drafter's batch), so the learning rate a
+    /// gradient carries is the one a single drafter would step at.
+    pub gradient_rounds: bool,
 }
 
 impl RunSchedule {
@@ -105,6 +109,7 @@ impl RunSchedule {
             adam_beta1: config.adam_beta1,
             sync_adam_beta1: config.sync_adam_beta1,
             sync_lr_scaling: config.sync_lr_scaling,
+            gradient_rounds: config.sync_gradients,
         }
     }
 }
@@ -240,9 +245,12 @@ impl TrainingEngine for DFlashEngine {
     fn step(&mut self) -> Result<StepReport, EngineError> {
         if let Some(schedule) = &self.run_schedule {
             // The run's samples over this drafter's batch: its mean samples
-            // per step so far, the configured batch before its first step.
+            // per step so far, the configured batch before its first step
+            // (one drafter's batch, the round's, with --sync-gradients).
             let progress = self.trainer.progress();
-            let samples_per_step = if progress.step > 0 && progress.samples_trained > 0 {
+            let samples_per_step = if schedule.gradient_rounds {
+                schedule.assumed_samples_per_step as f64
+            } else if progress.step > 0 && progress.samples_trained > 0 {
                 progress.samples_trained as f64 / progress.step as f64
             } else {
                 schedule.assumed_samples_per_step as f64
