@@ -1051,22 +1051,28 @@ fn with_shared_steps_four_drafters_center_nears_one_drafter() {
 }
 
 /// `--sync-gradients` end to end (real engines, links and broker, a thread
-/// per drafter, 2 drafters on 64 samples, four rounds of two 8-sample
-/// shares) against one drafter on the same 64 samples, 16 per step: the
-/// two train the model the one trains (the same learning rates, mean
-/// losses and weights to f32 rounding: data parallelism, not two models
-/// averaged), and each answer waits for its round, so every drafter ends
-/// holding the center itself, bit for bit (without the wait the first
-/// drafter of the last round would hold the center before it). No
-/// exchange failed and no gradient was discarded (asserted in
-/// `train_in_rounds`). With two drafters the broker's sums do not depend
-/// on which gradient lands first (a + b = b + a in floats).
-#[test]
-fn with_sync_gradients_two_drafters_train_what_one_drafter_trains() {
+/// per drafter) against one drafter on the same samples, `batch` per step:
+/// `drafters` drafters on `sequences` × `epochs` samples, each round one
+/// share of `batch / drafters` from each. The drafters train the model the
+/// one trains (the same learning rates, mean losses and weights to f32
+/// rounding: data parallelism, not models averaged), and each answer waits
+/// for its round, so every drafter ends holding the center itself, bit for
+/// bit (without the wait the first drafters of the last round would hold
+/// the center before it). No exchange failed and no gradient was
+/// discarded (asserted in `train_in_rounds`). Returns how far the center
+/// is from the one drafter's weights and how far those moved (largest
+/// element).
+fn sync_gradients_against_one_drafter(
+    drafters: usize,
+    batch: usize,
+    sequences: usize,
+    epochs: usize,
+) -> (f64, f64) {
     let setting = Setting {
         learning_rate: 16e-3,
-        sequences: 8,
-        epochs: 8,
+        batch,
+        sequences,
+        epochs,
         ..Setting::from_env(0)
     };
     let method = Method {
@@ -1078,13 +1084,13 @@ fn with_sync_gradients_two_drafters_train_what_one_drafter_trains() {
     let work = tempfile::tempdir().unwrap();
     let runtime = runtime();
     let Data { run, .. } = data(&setting);
-    assert_eq!(run.len(), 64);
+    assert_eq!(run.len(), sequences * epochs);
     let result = train(
         work.path(),
         runtime.handle(),
         &setting,
         &method,
-        2,
+        drafters,
         Mode::Synced,
         &run,
     );
@@ -1106,7 +1112,10 @@ fn with_sync_gradients_two_drafters_train_what_one_drafter_trains() {
             );
         }
     }
-    // One drafter alone on the same 64 samples, 16 per step.
+    let steps = run.len() / batch;
+    for losses in &result.losses {
+        assert_eq!(losses.len(), steps, "one share per round: {losses:?}");
+    }
     let alone = train(
         &work.path().join("alone"),
         runtime.handle(),
@@ -1129,36 +1138,57 @@ fn with_sync_gradients_two_drafters_train_what_one_drafter_trains() {
         assert_eq!(rates, &alone_rates[0]);
     }
     for (step, alone_loss) in alone_losses[0].iter().enumerate() {
-        let mean = result.losses.iter().map(|losses| losses[step]).sum::<f64>() / 2.0;
+        let mean = result.losses.iter().map(|losses| losses[step]).sum::<f64>() / drafters as f64;
         assert!(
             (mean - alone_loss).abs() <= 1e-3 * alone_loss,
             "step {step}: mean loss {mean} against one drafter's {alone_loss}"
         );
     }
-    // The same weights, to f32 rounding: each gradient goes up as the
-    // change of weights near 1 (w − g) − w, rounded to about 1e-7 of them,
-    // which AdamW's normalisation passes on; 1e-3 is far below the 4.8e-2
-    // the 4 steps moved the largest weight (measured: 6.1e-5 apart).
     let mut moved = 0.0f64;
     let mut apart = 0.0f64;
-    for (((name, center), (_, alone)), (_, initial)) in center.iter().zip(&alone).zip(&initial) {
+    for ((center, (_, alone)), (_, initial)) in center.iter().zip(&alone).zip(&initial) {
         moved = moved.max((alone - initial).abs().max().double_value(&[]));
-        let difference = (center - alone).abs().max().double_value(&[]);
-        assert!(
-            difference <= 1e-3,
-            "{name}: the center is {difference:.3e} from one drafter's weights"
-        );
-        apart = apart.max(difference);
+        apart = apart.max((&center.1 - alone).abs().max().double_value(&[]));
     }
+    eprintln!("{drafters} drafters' center vs one drafter: {apart:.3e} apart, moved {moved:.3e}");
+    (apart, moved)
+}
+
+/// Two drafters, 4 rounds of two 8-sample shares (64 samples, one
+/// drafter's step 16): the same weights as one drafter, to f32 rounding.
+/// Each gradient goes up as the change of weights near 1, (w − g) − w,
+/// rounded to about 1e-7 of them, which AdamW's normalisation passes on;
+/// 1e-3 is far below the 4.8e-2 the 4 steps moved the largest weight
+/// (measured: 6.1e-5 apart; 1.25e-2 when the gradients carried another
+/// learning rate). With two drafters the broker's sums do not depend on
+/// which gradient lands first (a + b = b + a in floats).
+#[test]
+fn with_sync_gradients_two_drafters_train_what_one_drafter_trains() {
+    let (apart, moved) = sync_gradients_against_one_drafter(2, 16, 8, 8);
     assert!(
         moved > 10.0 * 1e-3,
         "the steps moved the weights by {moved:.3e} only"
     );
-    eprintln!("two drafters' center vs one drafter: {apart:.3e} apart, moved {moved:.3e}");
-    // Each drafter stepped 4 times, on shares of 8.
-    for losses in &result.losses {
-        assert_eq!(losses.len(), 4, "{losses:?}");
-    }
+    assert!(
+        apart <= 1e-3,
+        "the center is {apart:.3e} from one drafter's weights"
+    );
+}
+
+/// The 3-drafter case: 6 rounds of three 2-sample shares (36
+/// samples, one drafter's step 6), the same bound as for two (the order
+/// three gradients land in changes their sum's last bits only).
+#[test]
+fn with_sync_gradients_three_drafters_train_what_one_drafter_trains() {
+    let (apart, moved) = sync_gradients_against_one_drafter(3, 6, 6, 6);
+    assert!(
+        moved > 10.0 * 1e-3,
+        "the steps moved the weights by {moved:.3e} only"
+    );
+    assert!(
+        apart <= 1e-3,
+        "the center is {apart:.3e} from one drafter's weights"
+    );
 }
 
 /// The study (`make study`, or `cargo test -p dflash-drafter-server --test
