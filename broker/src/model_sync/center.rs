@@ -567,9 +567,8 @@ impl ModelSyncState {
             }
             self.sends_gradients = Some(true);
             remember_norm(&mut self.recent_delta_norms, norm);
-            // Every gradient is a version, as every delta is (the
-            // staleness drafters measure their number by counts them); the
-            // weights change when a round completes.
+            // Every gradient is a center version, as every delta is; the
+            // weights change when its round ends.
             center.version += 1;
             center.updates_applied += 1;
             center.samples += upload.samples;
