@@ -452,15 +452,17 @@ impl DrafterServerConfig {
     /// With `--sync-gradients`: the AdamW settings each gradient carries
     /// (its learning rate is set per step).
     pub fn gradient_step(&self) -> Option<dflash_proto::v1::GradientStep> {
-        self.sync_gradients.then(|| dflash_proto::v1::GradientStep {
-            learning_rate: 0.0,
-            max_grad_norm: self.max_grad_norm,
-            beta1: self.adam_beta1,
-            beta2: dflash_model::draft::AdamWSettings::default().beta2,
-            epsilon: dflash_model::draft::AdamWSettings::default().epsilon,
-            weight_decay: self.weight_decay,
-            step_samples: self.max_step_samples as u64,
-        })
+        let adamw = dflash_model::draft::AdamWSettings::default();
+        self.sync_gradients
+            .then_some(dflash_proto::v1::GradientStep {
+                learning_rate: 0.0,
+                max_grad_norm: self.max_grad_norm,
+                beta1: self.adam_beta1,
+                beta2: adamw.beta2,
+                epsilon: adamw.epsilon,
+                weight_decay: self.weight_decay,
+                step_samples: self.max_step_samples as u64,
+            })
     }
 
     /// The device `--device` names, checked against what libtorch sees.
