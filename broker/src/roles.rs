@@ -26,6 +26,7 @@
 //! | ReportDone | target | the request's `target_id` |
 //! | Consume | drafter | the hello's `drafter_id` |
 //! | ModelSync.Session | drafter | the hello's `drafter_id` |
+//! | ModelSync.Quorum, ModelSync.Commit | drafter | the request's `drafter_id` |
 //! | ModelSync.ReadCenter, ModelSync.ReportTau | evaluator | the request's `evaluator_id` |
 //! | GetStatus, WatchStatus | any | — |
 //!

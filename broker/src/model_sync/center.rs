@@ -65,7 +65,7 @@ pub enum SyncError {
     FutureBase { base: u64, center: u64 },
     #[error("unsupported dtype {0} (expected DTYPE_BF16 or DTYPE_F32)")]
     Dtype(i32),
-    #[error("sync kind {0} is not JOIN, UPDATE or FINAL")]
+    #[error("sync kind {0} is not JOIN, UPDATE, FINAL, SNAPSHOT or FINAL_SNAPSHOT")]
     Kind(i32),
     #[error("model config is not valid JSON: {0}")]
     Config(String),
@@ -147,6 +147,9 @@ pub struct ModelSyncState {
     /// Whether this run's updates are gradients (`--sync-gradients`) or
     /// deltas: fixed by the first one, and a run never mixes them.
     sends_gradients: Option<bool>,
+    /// Whether data-parallel snapshots made the center (never mixed with
+    /// deltas or gradients).
+    snapshots: bool,
     /// The one AdamW over the gradients, from the first one on.
     adamw: Option<CenterAdamW>,
     /// Drafters that held no leased item when last looked (the queue's
@@ -171,6 +174,7 @@ impl ModelSyncState {
             outlier_deltas: 0,
             drafters: BTreeMap::new(),
             sends_gradients: None,
+            snapshots: false,
             adamw: None,
             idle_drafters: std::collections::BTreeSet::new(),
             saved_version: None,
@@ -320,6 +324,9 @@ impl ModelSyncState {
                 let norm = upload.measured_norm.unwrap_or_else(|| upload.norm());
                 self.update(drafter_id, &upload, norm, gradient_weight)?
             }
+            ExchangeKind::Snapshot | ExchangeKind::FinalSnapshot => {
+                self.snapshot(upload, model_config_json)?
+            }
         };
         let record = self.drafters.entry(drafter_id.to_string()).or_default();
         record.last_sync = Some(now);
@@ -328,12 +335,13 @@ impl ModelSyncState {
                 record.finished = false;
                 record.base_version = outcome.center_version;
             }
-            ExchangeKind::Update => {
+            ExchangeKind::Update | ExchangeKind::Snapshot => {
                 record.base_version = outcome.center_version;
             }
-            ExchangeKind::Final => record.finished = true,
+            ExchangeKind::Final | ExchangeKind::FinalSnapshot => record.finished = true,
         }
-        if kind != ExchangeKind::Join && carried_delta {
+        let delta = matches!(kind, ExchangeKind::Update | ExchangeKind::Final);
+        if delta && carried_delta {
             record.last_update_staleness = outcome.staleness;
             if outcome.applied {
                 record.updates_applied += 1;
@@ -342,7 +350,7 @@ impl ModelSyncState {
                 record.updates_discarded += 1;
             }
         }
-        if kind == ExchangeKind::Final {
+        if matches!(kind, ExchangeKind::Final | ExchangeKind::FinalSnapshot) {
             // A finished drafter holds no round up; the last one's ends the
             // run's last round.
             self.end_gradient_round_if_ready(drafter_id);
@@ -444,27 +452,7 @@ impl ModelSyncState {
         if upload.tensors.is_empty() {
             return Err(SyncError::NoCenter);
         }
-        let momentum = self.settings.momentum > 0.0;
-        let mut tensors = Vec::with_capacity(upload.tensors.len());
-        for uploaded in upload.tensors {
-            let elements = uploaded.shape.iter().product::<u64>() as usize;
-            let mut values = vec![0.0f32; elements];
-            decode_chunks(&mut values, &uploaded)?;
-            let optimizer_buffer = || {
-                Arc::new(if momentum {
-                    vec![0.0; elements]
-                } else {
-                    Vec::new()
-                })
-            };
-            tensors.push(CenterTensor {
-                velocity: optimizer_buffer(),
-                delta_sum: optimizer_buffer(),
-                name: uploaded.name,
-                shape: uploaded.shape,
-                values: Arc::new(values),
-            });
-        }
+        let tensors = decode_center_tensors(upload.tensors, self.settings.momentum > 0.0)?;
         let center = Center::new(model_config_json.to_string(), tensors, 0)?;
         let outcome = CommitOutcome {
             center_version: 0,
@@ -481,6 +469,58 @@ impl ModelSyncState {
         Ok(outcome)
     }
 
+    /// Data parallelism: the trained model's weights after `upload.steps`
+    /// committed steps become the center, unless it already holds that
+    /// step or a later one (a member behind the others, or a repeat). The
+    /// center's version is the step; no arithmetic.
+    fn snapshot(
+        &mut self,
+        upload: Upload,
+        model_config_json: &str,
+    ) -> Result<CommitOutcome, SyncError> {
+        self.check_pinned_config(model_config_json)?;
+        if self.sends_gradients.is_some() {
+            return Err(SyncError::MixedMethods(
+                "this run's drafters exchange deltas or gradients with the center: a data-parallel snapshot cannot replace it; start every drafter with the same --model-sync".to_string(),
+            ));
+        }
+        if let Some(center) = &self.center {
+            check_upload_against_center(center, &upload)?;
+            if upload.steps <= center.version {
+                return Ok(CommitOutcome::not_applied(
+                    center,
+                    0,
+                    false,
+                    format!(
+                        "the center holds step {} already; this snapshot is of step {}",
+                        center.version, upload.steps
+                    ),
+                ));
+            }
+        } else if upload.tensors.is_empty() {
+            return Err(SyncError::NoCenter);
+        }
+        let tensors = decode_center_tensors(upload.tensors, self.settings.momentum > 0.0)?;
+        let mut center = Center::new(model_config_json.to_string(), tensors, upload.steps)?;
+        center.samples = upload.samples;
+        center.updates_applied = upload.steps;
+        let outcome = CommitOutcome {
+            center_version: center.version,
+            staleness: 0,
+            applied: true,
+            reason: String::new(),
+            initialised: self.center.is_none(),
+            send_center: false,
+            center_samples: center.samples,
+            await_round: None,
+        };
+        self.snapshots = true;
+        self.weights_norm_at_start
+            .get_or_insert_with(|| center.weights_norm());
+        self.center = Some(center);
+        Ok(outcome)
+    }
+
     /// Applies one drafter's delta to the center: checks the upload against
     /// the center, discards it when it is too stale, else adds it (scaled by
     /// the outer learning rate) and takes a momentum step when enough deltas
@@ -493,6 +533,11 @@ impl ModelSyncState {
         gradient_weight: u64,
     ) -> Result<CommitOutcome, SyncError> {
         let gradient = upload.gradient_step.is_some();
+        if self.snapshots {
+            return Err(SyncError::MixedMethods(
+                "this run's drafters are data-parallel (their snapshots are the center): a delta or gradient cannot join; start every drafter with the same --model-sync".to_string(),
+            ));
+        }
         match self.sends_gradients {
             Some(true) if !gradient => {
                 return Err(SyncError::MixedMethods(
@@ -724,6 +769,35 @@ impl ModelSyncState {
             ..proto::ModelSyncStatus::default()
         }
     }
+}
+
+/// The center's tensors from a complete upload of whole weights (a JOIN
+/// that initialises it, or a snapshot), with empty or zeroed outer buffers.
+fn decode_center_tensors(
+    uploaded: Vec<UploadedTensor>,
+    momentum: bool,
+) -> Result<Vec<CenterTensor>, SyncError> {
+    let mut tensors = Vec::with_capacity(uploaded.len());
+    for uploaded in uploaded {
+        let elements = uploaded.shape.iter().product::<u64>() as usize;
+        let mut values = vec![0.0f32; elements];
+        decode_chunks(&mut values, &uploaded)?;
+        let optimizer_buffer = || {
+            Arc::new(if momentum {
+                vec![0.0; elements]
+            } else {
+                Vec::new()
+            })
+        };
+        tensors.push(CenterTensor {
+            velocity: optimizer_buffer(),
+            delta_sum: optimizer_buffer(),
+            name: uploaded.name,
+            shape: uploaded.shape,
+            values: Arc::new(values),
+        });
+    }
+    Ok(tensors)
 }
 
 fn millis(duration: Duration) -> u64 {

@@ -81,6 +81,17 @@ pub struct ModelSyncConfig {
     /// it holds and every drafter in it gets the center.
     #[arg(long, env = "DFLASH_SYNC_ROUND_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub sync_round_timeout: Duration,
+
+    /// Data-parallel drafters: how long a step's quorum waits for a member
+    /// of the last quorum that has not asked yet (a hung or dead drafter is
+    /// dropped after it), and a step's vote for a member that has not voted
+    /// after the first vote came.
+    #[arg(long, env = "DFLASH_QUORUM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub quorum_timeout: Duration,
+
+    /// Data-parallel drafters: the fewest members a step is taken with.
+    #[arg(long, env = "DFLASH_QUORUM_MIN_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub quorum_min_size: u32,
 }
 
 impl Default for ModelSyncConfig {
@@ -99,6 +110,8 @@ impl Default for ModelSyncConfig {
             model_config: None,
             max_pending_evaluations: super::evaluation::DEFAULT_MAX_PENDING_READS,
             sync_round_timeout: Duration::from_secs(30),
+            quorum_timeout: Duration::from_secs(30),
+            quorum_min_size: 1,
         }
     }
 }
@@ -112,6 +125,14 @@ impl ModelSyncConfig {
             max_staleness: self.sync_max_staleness,
             max_delta_norm_ratio: self.max_delta_norm_ratio,
             staleness_scaling: self.outer_staleness_scaling,
+        }
+    }
+
+    pub fn quorum_settings(&self) -> super::quorum::QuorumSettings {
+        super::quorum::QuorumSettings {
+            timeout: self.quorum_timeout,
+            min_size: self.quorum_min_size as usize,
+            idle_wait: super::quorum::QuorumSettings::default().idle_wait,
         }
     }
 
@@ -139,6 +160,12 @@ impl ModelSyncConfig {
             return Err(ConfigError::NonPositiveDuration {
                 flag: "--sync-round-timeout",
                 value: self.sync_round_timeout,
+            });
+        }
+        if self.quorum_timeout.is_zero() {
+            return Err(ConfigError::NonPositiveDuration {
+                flag: "--quorum-timeout",
+                value: self.quorum_timeout,
             });
         }
         if self.model_final_sync_timeout.is_zero() {

@@ -11,6 +11,9 @@
 
 mod center_writer;
 mod evaluation;
+mod quorum;
+
+pub use quorum::QuorumHub;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -89,6 +92,9 @@ pub struct ModelSyncShared {
     /// One report at a time, from its checks to its record (the best
     /// center's write included), so two reports never race for the best.
     report_lock: tokio::sync::Mutex<()>,
+    /// Data-parallel drafters' lighthouse: each step's quorum and commit
+    /// vote ([`crate::model_sync::quorum`]). Its own lock.
+    pub quorum: QuorumHub,
 }
 
 /// Items acked by a drafter id, as the queue counts them.
@@ -127,6 +133,7 @@ impl ModelSyncShared {
         }
         info!(method = %settings.describe(), output = ?config.model_output, "model sync ready");
         let evaluations = Evaluations::new(config.max_pending_evaluations);
+        let quorum = QuorumHub::new(config.quorum_settings());
         Ok(Arc::new(ModelSyncShared {
             state: Mutex::new(state),
             config,
@@ -140,6 +147,7 @@ impl ModelSyncShared {
             leased_to: std::sync::OnceLock::new(),
             evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
+            quorum,
         }))
     }
 
@@ -250,6 +258,20 @@ impl ModelSync for ModelSyncService {
         request: Request<proto::TauReport>,
     ) -> Result<Response<proto::TauReportResult>, Status> {
         evaluation::report_tau(&self.shared, request).await
+    }
+
+    async fn quorum(
+        &self,
+        request: Request<proto::QuorumRequest>,
+    ) -> Result<Response<proto::QuorumResponse>, Status> {
+        quorum::quorum(&self.shared, request).await
+    }
+
+    async fn commit(
+        &self,
+        request: Request<proto::CommitVote>,
+    ) -> Result<Response<proto::CommitDecision>, Status> {
+        quorum::commit(&self.shared, request).await
     }
 
     async fn session(

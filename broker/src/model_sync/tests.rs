@@ -972,3 +972,109 @@ mod gradients {
         }
     }
 }
+
+/// A data-parallel snapshot of `steps` committed steps and `samples`.
+fn snapshot_upload(
+    kind: proto::SyncKind,
+    steps: u64,
+    samples: u64,
+    tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
+) -> Upload {
+    let begin = proto::SyncBegin {
+        steps,
+        samples,
+        ..begin(kind, 0)
+    };
+    upload_of(&begin, tensors, WireDtype::F32, 3)
+}
+
+#[test]
+fn a_snapshot_of_a_later_step_becomes_the_center_and_an_older_one_changes_nothing() {
+    let (mut state, now) = joined_state(plain());
+    let trained = weights([1.5, 2.5, -3.0, 4.25], [0.0, 1.0, 2.0]);
+    let outcome = state
+        .commit(
+            "d0",
+            snapshot_upload(proto::SyncKind::Snapshot, 7, 56, &trained),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(outcome.applied);
+    assert_eq!(outcome.center_version, 7);
+    assert_eq!(outcome.center_samples, 56);
+    assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
+    assert_eq!(center_values(&state, "b"), vec![0.0, 1.0, 2.0]);
+    // A member behind the others (step 6) changes nothing.
+    let older = weights([9.0; 4], [9.0; 3]);
+    let outcome = state
+        .commit(
+            "d1",
+            snapshot_upload(proto::SyncKind::FinalSnapshot, 6, 48, &older),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    assert!(!outcome.applied);
+    assert!(outcome.reason.contains("step 7"), "{}", outcome.reason);
+    assert_eq!(state.version(), Some(7));
+    assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
+    assert!(state.drafter("d1").unwrap().finished);
+}
+
+#[test]
+fn a_snapshot_with_a_non_finite_weight_or_a_missing_tensor_is_refused() {
+    let (mut state, now) = joined_state(plain());
+    let broken = weights([1.0, f32::NAN, 3.0, 4.0], [0.5, -0.5, 8.0]);
+    assert!(state
+        .commit(
+            "d0",
+            snapshot_upload(proto::SyncKind::Snapshot, 3, 8, &broken),
+            2,
+            CONFIG,
+            now,
+        )
+        .is_err());
+    let partial = vec![("a", vec![2, 2], vec![1.0, 2.0, 3.0, 4.0])];
+    let error = state
+        .commit(
+            "d0",
+            snapshot_upload(proto::SyncKind::Snapshot, 3, 8, &partial),
+            1,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert_eq!(error, SyncError::MissingTensor("b".to_string()));
+    assert_eq!(state.version(), Some(0));
+    assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
+}
+
+#[test]
+fn snapshots_and_deltas_never_mix_in_one_run() {
+    let (mut state, now) = joined_state(plain());
+    let trained = weights([1.5, 2.5, -3.0, 4.25], [0.0, 1.0, 2.0]);
+    state
+        .commit(
+            "d0",
+            snapshot_upload(proto::SyncKind::Snapshot, 2, 16, &trained),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap();
+    let delta = weights([0.5; 4], [0.5; 3]);
+    let error = state
+        .commit(
+            "d1",
+            upload(proto::SyncKind::Update, 2, &delta, WireDtype::F32, 4),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert!(matches!(error, SyncError::MixedMethods(_)), "{error:?}");
+    assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
+}

@@ -18,6 +18,10 @@ pub enum ExchangeKind {
     Join,
     Update,
     Final,
+    /// Data parallelism: the trained model's weights, replacing the center.
+    Snapshot,
+    /// A snapshot that is also the drafter's final exchange.
+    FinalSnapshot,
 }
 
 impl ExchangeKind {
@@ -26,6 +30,8 @@ impl ExchangeKind {
             Ok(proto::SyncKind::Join) => Ok(ExchangeKind::Join),
             Ok(proto::SyncKind::Update) => Ok(ExchangeKind::Update),
             Ok(proto::SyncKind::Final) => Ok(ExchangeKind::Final),
+            Ok(proto::SyncKind::Snapshot) => Ok(ExchangeKind::Snapshot),
+            Ok(proto::SyncKind::FinalSnapshot) => Ok(ExchangeKind::FinalSnapshot),
             _ => Err(SyncError::Kind(value)),
         }
     }
