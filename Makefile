@@ -12,9 +12,11 @@ export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
 all: build
 
-## One-time set-up: libtorch 2.13 (CPU) from PyPI wheels into the cache.
+## One-time set-up: libtorch 2.13 (CPU) from PyPI wheels into the cache, and
+## gloo's headers (Debian's libgloo-dev) for crates/collective's c10d shim.
 setup:
 	@bash scripts/setup-libtorch.sh >/dev/null
+	@bash scripts/setup-gloo-headers.sh >/dev/null
 
 build: setup
 	$(CARGO) build --workspace
