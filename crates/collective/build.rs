@@ -4,10 +4,14 @@
 //! `torch_cpu` and `c10` (c10d and gloo live inside libtorch_cpu.so) with an
 //! rpath to that folder.
 //!
-//! With the `nccl` feature it also defines `USE_C10D_NCCL` and links
-//! `torch_cuda` (whole, `--no-as-needed`); the CUDA headers come from
-//! `CUDA_HOME/include` (default `/usr/local/cuda/include`) and nccl.h and
-//! any further folders from `DFLASH_NCCL_INCLUDE` (`:`-separated).
+//! With the `nccl` feature it also defines `USE_C10D_NCCL` and `USE_CUDA`
+//! and links `torch_cuda` (whole, `--no-as-needed`) and `c10_cuda`: tch must
+//! then link the CUDA wheel's libtorch (`LIBTORCH_USE_PYTORCH=1`). The CUDA
+//! headers come from `CUDA_HOME/include` (default `/usr/local/cuda/include`),
+//! nccl.h and any further folders from `DFLASH_NCCL_INCLUDE` (`:`-separated).
+//! With pip's wheels: `CUDA_HOME=<site-packages>/nvidia/cu13` (cuda-runtime,
+//! -crt, -cccl, cublas, cusparse, cusolver put their headers there) and
+//! `DFLASH_NCCL_INCLUDE=<site-packages>/nvidia/nccl/include`.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -91,6 +95,8 @@ fn build() -> Result<(), String> {
         // its symbols directly) and CUDA is not initialised: a known tch pitfall.
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        // c10::cuda::getCurrentCUDAStream and CUDAStream::synchronize.
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
     }
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
