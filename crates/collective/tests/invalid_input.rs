@@ -174,3 +174,19 @@ fn bad_tensors_and_roots_are_refused_by_a_live_group() {
         .expect("all_reduce in a world of one");
     assert_eq!(Vec::<f32>::try_from(&values).expect("f32"), vec![1.0, 2.0]);
 }
+
+#[test]
+fn a_group_whose_peers_never_come_fails_at_the_group_timeout() {
+    // The store's own timeout is long: the group's must be the one that counts.
+    let store = Store::host("127.0.0.1", 0, Duration::from_secs(60)).expect("a store");
+    let lonely = GroupOptions {
+        timeout: Duration::from_secs(1),
+        ..options(store.port(), "stragglers", 0, 2)
+    };
+    let started = Instant::now();
+    let error = ProcessGroup::new(&lonely, Some(&store)).expect_err("rank 1 never joins");
+    let elapsed = started.elapsed();
+    assert!(matches!(error, CollectiveError::Join { .. }), "{error:?}");
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    eprintln!("no peer: failed after {elapsed:?}: {error}");
+}
