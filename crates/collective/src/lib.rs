@@ -84,6 +84,17 @@ mod tests {
         assert_eq!(backend_for(tch::Device::Cuda(0)), expected);
     }
 
+    /// The threading contract callers build on: a group moves to its own
+    /// thread; a store is shared (behind an Arc) between threads.
+    #[test]
+    fn groups_are_send_and_stores_send_and_sync() {
+        fn send<T: Send>() {}
+        fn send_and_sync<T: Send + Sync>() {}
+        send::<ProcessGroup>();
+        send_and_sync::<Store>();
+        send_and_sync::<CollectiveError>();
+    }
+
     #[test]
     fn timeouts_under_a_millisecond_are_refused() {
         assert!(timeout_millis(Duration::from_micros(999)).is_err());
