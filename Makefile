@@ -12,9 +12,11 @@ export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
 all: build
 
-## One-time set-up: libtorch 2.13 (CPU) from PyPI wheels into the cache.
+## One-time set-up: libtorch 2.13 (CPU) from PyPI wheels into the cache, and
+## gloo's headers (Debian's libgloo-dev) for crates/collective's c10d shim.
 setup:
 	@bash scripts/setup-libtorch.sh >/dev/null
+	@bash scripts/setup-gloo-headers.sh >/dev/null
 
 build: setup
 	$(CARGO) build --workspace
@@ -76,6 +78,14 @@ check-ops-cli: setup
 
 bench: setup
 	$(CARGO) bench -p dflash-broker --bench throughput
+
+## c10d's Gloo all-reduce on loopback (crates/collective): W = 2 and 4
+## processes, 16 M, 64 M and 277 M f32. Not in `test`: tens of seconds, GBs.
+## The dev profile is enough (the work is libtorch's; dependencies are built
+## optimised) and reuses `make test`'s build instead of a release tch.
+.PHONY: bench-collective
+bench-collective: setup
+	$(CARGO) run -p dflash-collective --example allreduce_bench
 
 ## The broker across hosts: the bench's section 7 inside the multi-host test
 ## bed of scripts/hosts.sh (9 network namespaces on a bridge, each link
