@@ -79,6 +79,8 @@ fn spawn_drafter(work: &Path, broker: &str, tiny: &Path, index: usize) -> Child 
         .args(["--max-step-samples", "4", "--prefetch-samples", "2"])
         .args(["--linger", "200ms", "--stats-interval", "200ms"])
         .args([
+            "--model-sync",
+            "local-sgd",
             "--sync-every",
             "1",
             "--sync-timeout",

@@ -351,6 +351,10 @@ pub struct DrafterServerConfig {
     #[command(flatten)]
     pub model_sync: crate::model_sync::SyncConfig,
 
+    /// Data parallelism's collectives (`--model-sync data-parallel`).
+    #[command(flatten)]
+    pub data_parallel: crate::data_parallel::DataParallelConfig,
+
     /// TLS and the broker's bearer token.
     #[command(flatten)]
     pub security: dflash_client::ClientSecurityArgs,
@@ -546,6 +550,7 @@ impl DrafterServerConfig {
             grad_norm_spike_ratio: dflash_model::draft::DEFAULT_GRAD_NORM_SPIKE_RATIO,
             metrics_listen: None,
             model_sync: crate::model_sync::SyncConfig::default(),
+            data_parallel: crate::data_parallel::DataParallelConfig::default(),
             security: dflash_client::ClientSecurityArgs::default(),
         }
     }

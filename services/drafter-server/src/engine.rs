@@ -70,6 +70,14 @@ pub trait TrainingEngine {
     /// From now on, each step's learning rate comes from the run's position
     /// (model sync), not from this engine's own step count.
     fn follow_run_schedule(&mut self, _schedule: RunSchedule) {}
+    /// The trainer, for data parallelism (`None`: nothing to train as one
+    /// model, as in synthetic mode).
+    fn trainer_mut(&mut self) -> Option<&mut DraftTrainer> {
+        None
+    }
+    fn trainer(&self) -> Option<&DraftTrainer> {
+        None
+    }
 }
 
 /// The run-wide learning-rate schedule a drafter follows when it trains one
@@ -300,6 +308,14 @@ impl TrainingEngine for DFlashEngine {
 
     fn device_name(&self) -> String {
         dflash_model::device::device_label(self.trainer.model().device())
+    }
+
+    fn trainer_mut(&mut self) -> Option<&mut DraftTrainer> {
+        Some(&mut self.trainer)
+    }
+
+    fn trainer(&self) -> Option<&DraftTrainer> {
+        Some(&self.trainer)
     }
 
     fn draft_model(&self) -> Option<&DraftModel> {

@@ -31,6 +31,9 @@
 //! - [`schedule`]: where a step is in its learning-rate schedule: the
 //!   run-wide schedule of model sync ([`schedule::RunClock`]), or an
 //!   independent drafter's length estimate from the broker's run summary.
+//! - [`data_parallel`]: the default way N drafters train one model: this
+//!   drafter's membership in the run's data-parallel trainer (the broker's
+//!   quorum and commit vote, gradients all-reduced over c10d).
 //! - [`model_sync`]: the exchange with the broker's shared draft model
 //!   (asynchronous local SGD: join from the center, a delta every
 //!   `--sync-every` steps, a final delta), run from the training thread;
@@ -50,6 +53,7 @@
 //! otherwise.
 
 pub mod config;
+pub mod data_parallel;
 pub mod engine;
 pub mod metrics;
 pub mod model_sync;

@@ -62,6 +62,8 @@ pub enum DrafterError {
     },
     #[error("metrics: {0}")]
     Metrics(#[from] RegistryError),
+    #[error("data parallelism: {0}")]
+    DataParallel(Box<crate::data_parallel::DataParallelError>),
 }
 
 /// How a run ended.
@@ -173,9 +175,11 @@ async fn run_to_end(
     };
     let metrics = DrafterMetrics::register(registry, &config.drafter_id, &device_label)?;
     let resume_from = prepare_output(&config)?;
-    // With model sync the schedule is the run's: the link keeps the clock
-    // current with the center, this side with the run's size.
-    let run_clock = (config.model_sync.sync_every > 0).then(RunClock::new);
+    // With local SGD the schedule is the run's: the link keeps the clock
+    // current with the center, this side with the run's size. A
+    // data-parallel member's steps are the run's steps already.
+    let run_clock = (config.model_sync.mode() == crate::model_sync::ModelSyncMode::LocalSgd)
+        .then(RunClock::new);
     let mut trainer = start_trainer(&config, resume_from, run_clock.clone())?;
     let (device, resumed_step) = trainer
         .ready()

@@ -93,6 +93,23 @@ pub(crate) fn start_trainer(
         Some(clock) => link.with_run_clock(clock.clone()),
         None => link,
     });
+    let data_parallel = if config.model_sync.mode()
+        == crate::model_sync::ModelSyncMode::DataParallel
+        && config.model == crate::config::ModelMode::DFlash
+    {
+        Some(
+            crate::data_parallel::DataParallel::start(
+                tokio::runtime::Handle::current(),
+                &config.broker,
+                &config.drafter_id,
+                config.security.clone(),
+                &config.data_parallel,
+            )
+            .map_err(|error| DrafterError::DataParallel(Box::new(error)))?,
+        )
+    } else {
+        None
+    };
     let run_schedule = run_clock.map(|clock| RunSchedule::for_config(config, clock));
     let initial_total_steps = config.total_steps.unwrap_or(config.fallback_total_steps);
     let engine_config = config.clone();
@@ -106,7 +123,14 @@ pub(crate) fn start_trainer(
                 }
                 side.ready(Ok((engine.device_name(), engine.steps_done())));
                 let (commands, events) = side.into_channels();
-                run_training_loop(engine, loop_settings, commands, events, model_sync);
+                run_training_loop(
+                    engine,
+                    loop_settings,
+                    commands,
+                    events,
+                    model_sync,
+                    data_parallel,
+                );
             }
             Err(error) => {
                 side.ready(Err(error));

@@ -38,6 +38,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn, Span};
 
 use crate::config::SyncBatchScaling;
+use crate::data_parallel::{DataParallel, StepOutcome};
 use crate::engine::{EngineError, PreparedSample, TrainingEngine};
 use crate::model_sync::ModelSyncLink;
 use crate::schedule::{shared_step_limits, StepLimits};
@@ -153,8 +154,12 @@ struct TrainingLoop {
     /// Step of the newest checkpoint written, so the final one is not
     /// written twice.
     last_checkpoint_step: Option<u64>,
-    /// The exchange with the broker's shared model (`None`: independent).
+    /// The exchange with the broker's shared model (`None`: independent):
+    /// local SGD's deltas, or data parallelism's join and snapshots.
     sync: Option<ModelSyncLink>,
+    /// Membership in the run's data-parallel trainer (`None`: local SGD or
+    /// an independent drafter).
+    data_parallel: Option<DataParallel>,
     started: Instant,
 }
 
@@ -165,6 +170,7 @@ pub fn run_training_loop(
     mut commands: mpsc::Receiver<TrainerCommand>,
     events: mpsc::Sender<TrainerEvent>,
     sync: Option<ModelSyncLink>,
+    data_parallel: Option<DataParallel>,
 ) {
     let mut state = TrainingLoop {
         engine,
@@ -179,13 +185,29 @@ pub fn run_training_loop(
         busy: Duration::ZERO,
         last_checkpoint_step: None,
         sync,
+        data_parallel,
         started: Instant::now(),
     };
-    if let (Some(sync), Some(model)) = (&mut state.sync, state.engine.draft_model()) {
-        sync.join(model);
-    }
+    state.join();
     let hang_after_steps = crate::test_hooks::hang_trainer_after_steps();
-    while let Some(command) = commands.blocking_recv() {
+    loop {
+        // A data-parallel member holding nothing takes part in the others'
+        // steps (with zeros) while it waits, so that nobody waits for it.
+        let command = if state.data_parallel.is_some() && state.held_samples() == 0 {
+            match commands.try_recv() {
+                Ok(command) => command,
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    state.idle();
+                    continue;
+                }
+                Err(mpsc::error::TryRecvError::Disconnected) => break,
+            }
+        } else {
+            match commands.blocking_recv() {
+                Some(command) => command,
+                None => break,
+            }
+        };
         if hang_after_steps.is_some_and(|steps| state.engine.steps_done() >= steps) {
             warn!(
                 steps = state.engine.steps_done(),
@@ -219,6 +241,25 @@ pub fn run_training_loop(
 }
 
 impl TrainingLoop {
+    /// Starts from the run's model: local SGD's join, or data
+    /// parallelism's (the broker's model, continuing its step count).
+    fn join(&mut self) {
+        let Some(sync) = &mut self.sync else {
+            return;
+        };
+        if self.data_parallel.is_some() {
+            let Some(model) = self.engine.draft_model() else {
+                return;
+            };
+            let (step, samples) = sync.join_run(model);
+            if let Some(trainer) = self.engine.trainer_mut() {
+                trainer.continue_run(step, samples);
+            }
+        } else if let Some(model) = self.engine.draft_model() {
+            sync.join(model);
+        }
+    }
+
     fn emit(&self, event: TrainerEvent) {
         // The receiver only disappears when the server is already gone.
         let _ = self.events.blocking_send(event);
@@ -278,6 +319,11 @@ impl TrainingLoop {
             grad_accumulation: self.settings.grad_accumulation,
             max_step_samples: self.settings.max_step_samples,
         };
+        if let Some(data_parallel) = &self.data_parallel {
+            // The step's size is the run's: each member trains its share.
+            let members = data_parallel.world_size() as f64;
+            return shared_step_limits(one, members, SyncBatchScaling::Inverse);
+        }
         let drafters_sharing = self
             .sync
             .as_ref()
@@ -379,6 +425,10 @@ impl TrainingLoop {
     }
 
     fn run_step(&mut self) {
+        if self.data_parallel.is_some() {
+            self.run_data_parallel_step();
+            return;
+        }
         let span = self.step_span.take().unwrap_or_else(Span::none);
         span.record("samples", self.accumulated_ids.len());
         let started = Instant::now();
@@ -429,6 +479,136 @@ impl TrainingLoop {
                     delivery_ids,
                     reason: error.to_string(),
                 });
+            }
+        }
+    }
+
+    /// One step of the run's data-parallel trainer with what this member
+    /// accumulated: acked when committed with its samples in it, handed
+    /// back to the queue otherwise (`crate::data_parallel`).
+    fn run_data_parallel_step(&mut self) {
+        let (Some(data_parallel), Some(trainer)) =
+            (self.data_parallel.as_mut(), self.engine.trainer_mut())
+        else {
+            return;
+        };
+        let own_samples = trainer.accumulated_samples();
+        let own_tokens = trainer.accumulated_tokens();
+        let span = self.step_span.take().unwrap_or_else(Span::none);
+        span.record("samples", self.accumulated_ids.len());
+        let started = Instant::now();
+        let outcome = span.in_scope(|| data_parallel.step(trainer));
+        drop(span);
+        let elapsed = started.elapsed();
+        self.busy += elapsed;
+        if matches!(outcome, StepOutcome::NoQuorum) {
+            // Too few members: keep what is accumulated and try again.
+            return;
+        }
+        let step_compute = std::mem::take(&mut self.step_compute) + elapsed;
+        let delivery_ids = std::mem::take(&mut self.accumulated_ids);
+        self.accumulated_micro_batches = 0;
+        self.after_data_parallel_step(outcome, delivery_ids, own_samples, own_tokens, step_compute);
+    }
+
+    /// Nothing held: takes part in a step the others take meanwhile.
+    fn idle(&mut self) {
+        let (Some(data_parallel), Some(trainer)) =
+            (self.data_parallel.as_mut(), self.engine.trainer_mut())
+        else {
+            return;
+        };
+        let started = Instant::now();
+        if let Some(outcome) = data_parallel.idle(trainer) {
+            let elapsed = started.elapsed();
+            self.after_data_parallel_step(outcome, Vec::new(), 0, 0, elapsed);
+        }
+    }
+
+    fn after_data_parallel_step(
+        &mut self,
+        outcome: StepOutcome,
+        delivery_ids: Vec<u64>,
+        own_samples: usize,
+        own_tokens: usize,
+        step_compute: Duration,
+    ) {
+        match outcome {
+            StepOutcome::NoQuorum => {}
+            StepOutcome::Committed {
+                mut report,
+                excluded,
+            } => {
+                let step = report.step;
+                // This drafter's own part of the run's step.
+                let (acked, handed_back) = match &excluded {
+                    None => (delivery_ids, Vec::new()),
+                    Some(_) => (Vec::new(), delivery_ids),
+                };
+                report.samples = if excluded.is_none() { own_samples } else { 0 };
+                report.tokens = if excluded.is_none() { own_tokens } else { 0 };
+                let busy = std::mem::take(&mut self.busy);
+                self.emit(TrainerEvent::Stepped {
+                    generation: self.generation,
+                    delivery_ids: acked,
+                    report,
+                    busy,
+                    step_compute,
+                });
+                match excluded {
+                    Some(dflash_model::draft::Exclusion::BadShare(skipped)) => {
+                        self.emit(TrainerEvent::StepSkipped {
+                            generation: self.generation,
+                            delivery_ids: handed_back,
+                            reason: format!("this drafter's share was left out of step {step}: {skipped}"),
+                        })
+                    }
+                    Some(dflash_model::draft::Exclusion::StaleModel) => {
+                        self.emit(TrainerEvent::BatchFailed {
+                            generation: self.generation,
+                            delivery_ids: handed_back,
+                            reason: format!("trained on a model older than step {step}'s (this drafter healed first)"),
+                        })
+                    }
+                    None => {}
+                }
+                self.after_committed_step(step);
+            }
+            StepOutcome::NotCommitted { reason, skipped } => {
+                warn!(%reason, samples = delivery_ids.len(), "data-parallel step not committed; its items go back to the queue");
+                self.engine.discard();
+                let event = match skipped {
+                    Some(_) => TrainerEvent::StepSkipped {
+                        generation: self.generation,
+                        delivery_ids,
+                        reason: format!("optimizer step skipped: {reason}"),
+                    },
+                    None => TrainerEvent::BatchFailed {
+                        generation: self.generation,
+                        delivery_ids,
+                        reason: format!("data-parallel step not committed: {reason}"),
+                    },
+                };
+                self.emit(event);
+            }
+        }
+    }
+
+    /// After a committed data-parallel step: rank 0's snapshot to the
+    /// broker every `--snapshot-every` steps, and the periodic checkpoint.
+    fn after_committed_step(&mut self, step: u64) {
+        if let (Some(data_parallel), Some(sync), Some(trainer)) =
+            (&self.data_parallel, &mut self.sync, self.engine.trainer())
+        {
+            let every = data_parallel.snapshot_every();
+            if data_parallel.is_rank_zero() && every > 0 && step.is_multiple_of(every) {
+                let samples = trainer.progress().samples_trained;
+                sync.snapshot(trainer.model(), step, samples, false);
+            }
+        }
+        if self.settings.save_every > 0 && step.is_multiple_of(self.settings.save_every) {
+            if let Err(error) = self.save_checkpoint() {
+                warn!(%error, step, "periodic checkpoint failed; training continues");
             }
         }
     }
@@ -486,7 +666,33 @@ impl TrainingLoop {
         self.accumulated_micro_batches = 0;
         self.end_step_span();
         self.engine.discard();
-        if let (Some(sync), Some(model)) = (&mut self.sync, self.engine.draft_model()) {
+        if let (Some(data_parallel), Some(sync), Some(trainer)) = (
+            &mut self.data_parallel,
+            &mut self.sync,
+            self.engine.trainer(),
+        ) {
+            // Out of the membership first, so nobody waits for this drafter,
+            // then its model to the broker (kept if no member is further).
+            data_parallel.leave(trainer);
+            let totals = &data_parallel.totals;
+            info!(
+                steps_committed = totals.steps_committed,
+                steps_not_committed = totals.steps_not_committed,
+                heals = totals.heals,
+                zero_contributions = totals.zero_contributions,
+                seconds_in_quorum = totals.time_in_quorum.as_secs_f64(),
+                seconds_in_collectives = totals.time_in_collectives.as_secs_f64(),
+                last_world_size = totals.last_world_size,
+                "data parallelism totals"
+            );
+            let progress = trainer.progress();
+            sync.snapshot(
+                trainer.model(),
+                progress.step,
+                progress.samples_trained,
+                true,
+            );
+        } else if let (Some(sync), Some(model)) = (&mut self.sync, self.engine.draft_model()) {
             sync.finish(model);
             let wall = self.started.elapsed().as_secs_f64().max(1e-9);
             info!(
@@ -532,6 +738,7 @@ mod tests {
             clock.staleness_observed(staleness);
         }
         let sync = SyncConfig {
+            model_sync: crate::model_sync::ModelSyncMode::LocalSgd,
             sync_every: 1,
             ..SyncConfig::default()
         };
@@ -575,6 +782,7 @@ mod tests {
             receiver,
             events,
             Some(link),
+            None,
         );
         let mut sizes = Vec::new();
         while let Ok(event) = reports.try_recv() {

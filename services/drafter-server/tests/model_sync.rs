@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use dflash_broker::BrokerConfig;
-use dflash_drafter_server::model_sync::{ModelSyncLink, SyncConfig, SyncDtype};
+use dflash_drafter_server::model_sync::{ModelSyncLink, ModelSyncMode, SyncConfig, SyncDtype};
 use dflash_drafter_server::{run, RunEnd};
 use dflash_model::draft::{
     load_draft_model, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads, TargetDimensions,
@@ -171,6 +171,7 @@ async fn drafters_train_one_center_a_killed_one_blocks_nothing_and_the_center_lo
     let broker = TestBroker::start(broker_config).await;
     let config = |id: &str| {
         let mut config = test_drafter_config(id, &broker.address, work.path().join(id));
+        config.model_sync.model_sync = ModelSyncMode::LocalSgd;
         config.model_sync.sync_every = 1;
         config
     };
@@ -340,6 +341,7 @@ async fn train(
         .map(|index| {
             let id = format!("drafter-{index}");
             let mut config = test_drafter_config(&id, &broker.address, work.join(&id));
+            config.model_sync.model_sync = ModelSyncMode::LocalSgd;
             config.model_sync.sync_every = sync_every;
             config.learning_rate = 3e-3;
             config.total_steps = None;

@@ -28,11 +28,6 @@ const TINY_DRAFTER_FLAGS: &[&str] = &[
     "--max-step-samples",
     "16",
 ];
-/// Model sync of the tiny default unless --drafter-args sets its own: a demo
-/// run is a few dozen steps per drafter, and syncing every 10 left the
-/// center far below one drafter's τ; every 2 is what the README's quality
-/// figures measure (the center stays below one drafter trained alone).
-const TINY_SYNC_FLAGS: [&str; 2] = ["--sync-every", "2"];
 const TINY_TARGET_FLAGS: &[&str] = &["--num-draft-layers", "2"];
 
 fn sibling_binary(name: &str) -> anyhow::Result<PathBuf> {
@@ -374,7 +369,6 @@ fn drafter_flags(
     let extra_flags = split_flags(&args.drafter_args);
     if inputs.embedded_model {
         flags.extend(defaults_unless_set(TINY_DRAFTER_FLAGS, &extra_flags));
-        flags.extend(defaults_unless_set(&TINY_SYNC_FLAGS, &extra_flags));
     }
     if let Some((id, _)) = &inputs.mask_token {
         if !sets_flag(&extra_flags, "--mask-token-id") {
@@ -415,10 +409,6 @@ mod tests {
             ]
             .map(String::from)
             .to_vec()
-        );
-        assert_eq!(
-            defaults_unless_set(&TINY_SYNC_FLAGS, &split_flags("--sync-every 5")),
-            Vec::<String>::new()
         );
         assert_eq!(
             defaults_unless_set(TINY_TARGET_FLAGS, &[]),

@@ -20,7 +20,9 @@
 //! - [`optim`]: AdamW, warmup + cosine schedule, gradient clipping, with
 //!   state that can be saved.
 //! - [`trainer`]: micro-batch accumulation and optimizer steps over the
-//!   above, plus checkpoint save and resume; no queue, no threads.
+//!   above, plus checkpoint save and resume; no queue, no threads. Its
+//!   child `trainer::data_parallel` packs one member's share of a
+//!   data-parallel step and applies the reduced one.
 //! - [`checkpoint`]: atomic save / load of `model.safetensors`,
 //!   `config.json` (loadable by `dflash`'s `DFlashDraftModel.from_pretrained`)
 //!   and the optimizer/trainer state for resuming.
@@ -55,8 +57,9 @@ pub use objective::{
 };
 pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
 pub use trainer::{
-    DraftTrainer, InnerStep, MicroBatchReport, SkippedStep, StepReport, TrainerSettings,
-    DEFAULT_GRAD_NORM_SPIKE_RATIO, DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
+    Contribution, DraftTrainer, Exclusion, InnerStep, MicroBatchReport, ReducedStep, SkippedStep,
+    StepReport, TrainerSettings, DEFAULT_GRAD_NORM_SPIKE_RATIO, DEFAULT_LOGITS_CHUNK_BLOCKS,
+    GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
 };
 
 use std::path::PathBuf;

@@ -176,16 +176,44 @@ impl AdamW {
 
     /// One AdamW update at `learning_rate` (PyTorch `AdamW` semantics).
     pub fn step(&mut self, learning_rate: f64) {
+        self.step_with(learning_rate, |parameter, _| {
+            let gradient = parameter.grad();
+            gradient.defined().then_some(gradient)
+        });
+    }
+
+    /// One AdamW update at `learning_rate` whose gradient is `flat`, laid
+    /// out as [`AdamW::flat_gradients`] lays it out (a data-parallel
+    /// trainer's reduced gradient); the parameters' own gradients are not
+    /// read.
+    pub fn step_flat(&mut self, learning_rate: f64, flat: &Tensor) -> Result<(), DraftError> {
+        self.check_flat("gradient", flat, self.parameter_elements())?;
+        let mut offset = 0i64;
+        self.step_with(learning_rate, |parameter, _| {
+            let elements = parameter.numel() as i64;
+            let gradient = flat
+                .narrow(0, offset, elements)
+                .view(parameter.size().as_slice());
+            offset += elements;
+            Some(gradient)
+        });
+        Ok(())
+    }
+
+    fn step_with(
+        &mut self,
+        learning_rate: f64,
+        mut gradient_of: impl FnMut(&Tensor, &str) -> Option<Tensor>,
+    ) {
         let _no_grad = tch::no_grad_guard();
         self.steps_taken += 1;
         let settings = &self.settings;
         let bias_correction1 = 1.0 - settings.beta1.powi(self.steps_taken as i32);
         let bias_correction2_sqrt = (1.0 - settings.beta2.powi(self.steps_taken as i32)).sqrt();
-        for (parameter, first_moment, second_moment) in self.states.values_mut() {
-            let gradient = parameter.grad();
-            if !gradient.defined() {
+        for (name, (parameter, first_moment, second_moment)) in self.states.iter_mut() {
+            let Some(gradient) = gradient_of(parameter, name) else {
                 continue;
-            }
+            };
             let gradient = gradient.to_kind(Kind::Float);
             if settings.weight_decay != 0.0 {
                 let _ = parameter.g_mul_scalar_(1.0 - learning_rate * settings.weight_decay);
@@ -198,6 +226,118 @@ impl AdamW {
             let update = (&*first_moment / denominator) * (learning_rate / bias_correction1);
             let _ = parameter.g_sub_(&update.to_kind(parameter.kind()));
         }
+    }
+
+    /// Elements of every parameter together.
+    pub fn parameter_elements(&self) -> i64 {
+        self.states
+            .values()
+            .map(|(parameter, _, _)| parameter.numel() as i64)
+            .sum()
+    }
+
+    /// Every parameter's gradient in name order as one flat f32 tensor on
+    /// the parameters' device (zeros where a gradient is undefined): what a
+    /// data-parallel member all-reduces.
+    pub fn flat_gradients(&self) -> Tensor {
+        let _no_grad = tch::no_grad_guard();
+        let parts: Vec<Tensor> = self
+            .states
+            .values()
+            .map(|(parameter, _, _)| {
+                let gradient = parameter.grad();
+                if gradient.defined() {
+                    gradient.to_kind(Kind::Float).reshape([-1])
+                } else {
+                    Tensor::zeros(
+                        [parameter.numel() as i64],
+                        (Kind::Float, parameter.device()),
+                    )
+                }
+            })
+            .collect();
+        Tensor::cat(&parts, 0)
+    }
+
+    /// Weights, first and second moments, each in name order, as one flat
+    /// f32 tensor: the state a joining data-parallel member takes.
+    pub fn flat_state(&self) -> Tensor {
+        let _no_grad = tch::no_grad_guard();
+        let mut parts = Vec::with_capacity(3 * self.states.len());
+        for index in 0..3 {
+            for (parameter, first_moment, second_moment) in self.states.values() {
+                let tensor = [parameter, first_moment, second_moment][index];
+                parts.push(tensor.detach().to_kind(Kind::Float).reshape([-1]));
+            }
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// Takes weights and moments from `flat` ([`AdamW::flat_state`]'s
+    /// layout) and the step count; nothing changes when `flat` has the
+    /// wrong size or a value that is not finite.
+    pub fn load_flat_state(&mut self, flat: &Tensor, steps_taken: u64) -> Result<(), DraftError> {
+        let _no_grad = tch::no_grad_guard();
+        let elements = self.parameter_elements();
+        self.check_flat("state", flat, 3 * elements)?;
+        if !bool::try_from(flat.isfinite().all()).unwrap_or(false) {
+            return Err(DraftError::Checkpoint(
+                "the state to load has a value that is not finite".to_string(),
+            ));
+        }
+        let mut offset = 0i64;
+        for index in 0..3 {
+            for (parameter, first_moment, second_moment) in self.states.values_mut() {
+                let count = parameter.numel() as i64;
+                let source = flat
+                    .narrow(0, offset, count)
+                    .view(parameter.size().as_slice());
+                offset += count;
+                let destination = match index {
+                    0 => parameter,
+                    1 => first_moment,
+                    _ => second_moment,
+                };
+                let kind = destination.kind();
+                destination.copy_(&source.to_kind(kind));
+            }
+        }
+        self.steps_taken = steps_taken;
+        Ok(())
+    }
+
+    /// A checksum of the weights, moments and step count: the integer sum
+    /// of each tensor's f32 bit patterns, mixed with its place. Members of a
+    /// data-parallel trainer compare it at each quorum.
+    pub fn state_checksum(&self) -> u64 {
+        let _no_grad = tch::no_grad_guard();
+        let mut checksum = splitmix(self.steps_taken);
+        for (index, (parameter, first_moment, second_moment)) in self.states.values().enumerate() {
+            for (which, tensor) in [parameter, first_moment, second_moment]
+                .into_iter()
+                .enumerate()
+            {
+                let bits = tensor
+                    .detach()
+                    .to_kind(Kind::Float)
+                    .view_dtype(Kind::Int)
+                    .to_kind(Kind::Int64)
+                    .sum(Kind::Int64)
+                    .int64_value(&[]) as u64;
+                checksum = splitmix(checksum ^ bits ^ ((index as u64) << 2 | which as u64));
+            }
+        }
+        checksum
+    }
+
+    fn check_flat(&self, what: &str, flat: &Tensor, expected: i64) -> Result<(), DraftError> {
+        let size = flat.size();
+        if size.len() != 1 || size[0] != expected {
+            return Err(DraftError::ShapeMismatch(format!(
+                "flat {what} of shape {size:?}, expected [{expected}]"
+            )));
+        }
+        Ok(())
     }
 
     /// Moves every parameter by minus its gradient, as it is (no learning
@@ -255,6 +395,14 @@ impl AdamW {
         self.steps_taken = steps_taken;
         Ok(())
     }
+}
+
+/// SplitMix64's finaliser: mixes a checksum's parts.
+fn splitmix(mut value: u64) -> u64 {
+    value = value.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    value = (value ^ (value >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    value = (value ^ (value >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    value ^ (value >> 31)
 }
 
 #[cfg(test)]

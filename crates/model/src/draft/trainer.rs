@@ -23,6 +23,10 @@ use super::objective::{
 use super::optim::{AdamW, AdamWSettings, LearningRateSchedule};
 use super::{accuracy_ratios, AttentionImplementation, DraftError, DraftModel, FrozenTargetHeads};
 
+mod data_parallel;
+
+pub use data_parallel::{Contribution, Exclusion, ReducedStep};
+
 /// Hyper-parameters of the objective and the optimizer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainerSettings {
@@ -396,10 +400,7 @@ impl DraftTrainer {
                 }
                 InnerStep::Gradient => self.optimizer.descend(),
             }
-            if self.recent_grad_norms.len() == GRAD_NORM_WINDOW {
-                self.recent_grad_norms.pop_front();
-            }
-            self.recent_grad_norms.push_back(grad_norm);
+            self.remember_grad_norm(grad_norm);
         }
         self.optimizer.zero_grad();
         self.progress.step += 1;
@@ -423,6 +424,14 @@ impl DraftTrainer {
             samples: accumulation.samples,
             tokens: accumulation.tokens,
         })
+    }
+
+    /// Keeps a taken step's gradient norm for the spike bound's median.
+    fn remember_grad_norm(&mut self, grad_norm: f64) {
+        if self.recent_grad_norms.len() == GRAD_NORM_WINDOW {
+            self.recent_grad_norms.pop_front();
+        }
+        self.recent_grad_norms.push_back(grad_norm);
     }
 
     /// Why the step with this loss and gradient norm must not be taken, if

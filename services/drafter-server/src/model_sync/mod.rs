@@ -75,11 +75,36 @@ impl SyncDtype {
     }
 }
 
+/// How this drafter trains one model with the run's other drafters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModelSyncMode {
+    /// The drafters are one data-parallel trainer: each trains its share of
+    /// every step, gradients all-reduced over c10d (`crate::data_parallel`).
+    DataParallel,
+    /// Asynchronous local SGD through the broker's center: `--sync-every`
+    /// local steps, then a delta (for drafters across slow links).
+    LocalSgd,
+    /// An independent drafter: no model sync at all.
+    Off,
+}
+
 /// The drafter's model-sync flags.
 #[derive(Debug, Clone, PartialEq, Args)]
 pub struct SyncConfig {
-    /// Exchange with the broker's shared model every this many optimizer
-    /// steps; 0 trains an independent drafter (no sync at all).
+    /// How this drafter trains one model with the others: `data-parallel`
+    /// (the default; adding drafters needs no other flag), `local-sgd` or
+    /// `off`.
+    #[arg(
+        long,
+        env = "DFLASH_MODEL_SYNC",
+        value_enum,
+        default_value = "data-parallel"
+    )]
+    pub model_sync: ModelSyncMode,
+
+    /// With `--model-sync local-sgd`: exchange with the broker's center
+    /// every this many optimizer steps. 0 trains an independent drafter,
+    /// whatever `--model-sync` says.
     #[arg(long, env = "DFLASH_SYNC_EVERY", default_value_t = 10)]
     pub sync_every: u64,
 
@@ -93,9 +118,21 @@ pub struct SyncConfig {
     pub sync_timeout: Duration,
 }
 
+impl SyncConfig {
+    /// The mode in force: `--sync-every 0` is an independent drafter.
+    pub fn mode(&self) -> ModelSyncMode {
+        if self.sync_every == 0 {
+            ModelSyncMode::Off
+        } else {
+            self.model_sync
+        }
+    }
+}
+
 impl Default for SyncConfig {
     fn default() -> Self {
         SyncConfig {
+            model_sync: ModelSyncMode::DataParallel,
             sync_every: 10,
             sync_dtype: SyncDtype::F32,
             sync_timeout: Duration::from_secs(120),
@@ -159,14 +196,16 @@ pub struct ModelSyncLink {
 }
 
 impl ModelSyncLink {
-    /// A link when `config.sync_every > 0`, else `None` (independent drafter).
+    /// A link unless the drafter is independent (`--model-sync off` or
+    /// `--sync-every 0`): local SGD's exchanges, or data parallelism's
+    /// join, snapshots and final snapshot.
     pub fn new(
         runtime: tokio::runtime::Handle,
         broker: &str,
         drafter_id: &str,
         config: &SyncConfig,
     ) -> Option<Self> {
-        (config.sync_every > 0).then(|| ModelSyncLink {
+        (config.mode() != ModelSyncMode::Off).then(|| ModelSyncLink {
             runtime,
             broker: broker.to_string(),
             drafter_id: drafter_id.to_string(),
@@ -259,6 +298,78 @@ impl ModelSyncLink {
         let outcome = self.try_exchange(model, proto::SyncKind::Final);
         self.account(started, outcome, "final sync");
         self.session = None;
+    }
+
+    /// Data parallelism: sends the trained model's weights after `steps`
+    /// committed steps (`samples` trained in them, every member's) to the
+    /// broker, where they become the run's model unless it holds a later
+    /// step. `last`: this drafter stops (its final exchange). A failure is
+    /// logged; the next snapshot tries again.
+    pub fn snapshot(&mut self, model: &DraftModel, steps: u64, samples: u64, last: bool) {
+        let started = Instant::now();
+        let outcome = self.try_snapshot(model, steps, samples, last);
+        self.totals.time_in_sync += started.elapsed();
+        match outcome {
+            Ok(result) => {
+                self.totals.exchanges += 1;
+                self.totals.center_version = result.center_version;
+                self.totals.center_samples = result.center_samples;
+            }
+            Err(error) => {
+                self.totals.failures += 1;
+                self.session = None;
+                warn!(%error, steps, "model snapshot to the broker failed");
+            }
+        }
+        if last {
+            self.session = None;
+        }
+    }
+
+    fn try_snapshot(
+        &mut self,
+        model: &DraftModel,
+        steps: u64,
+        samples: u64,
+        last: bool,
+    ) -> Result<proto::SyncResult, SyncClientError> {
+        if self.session.is_none() {
+            let config_json = model.config().to_hf_json("float32").to_string();
+            self.open_session(config_json)?;
+        }
+        let tensors = sorted_parameters(model)
+            .iter()
+            .map(|(name, tensor)| tensor_to_wire(name, tensor, SyncDtype::F32))
+            .collect::<Result<Vec<_>, _>>()?;
+        let kind = if last {
+            proto::SyncKind::FinalSnapshot
+        } else {
+            proto::SyncKind::Snapshot
+        };
+        let begin = proto::SyncBegin {
+            kind: kind as i32,
+            base_version: 0,
+            steps,
+            samples,
+            tokens: 0,
+            reply_dtype: proto::Dtype::F32 as i32,
+            gradient_step: None,
+        };
+        let (result, _) = self.run_exchange(begin, tensors)?;
+        Ok(result)
+    }
+
+    /// Data parallelism: starts from the run's model (the broker's, when it
+    /// has one: a run whose drafters all stopped resumes from it) or makes
+    /// this drafter's initial weights the run's. The step count comes from
+    /// the others at the first quorum.
+    /// Returns the run model's step and samples (0 when this drafter made
+    /// it or the join failed).
+    pub fn join_run(&mut self, model: &DraftModel) -> (u64, u64) {
+        self.join(model);
+        // Local SGD's base is not needed: snapshots carry whole weights.
+        self.base = None;
+        (self.totals.center_version, self.totals.center_samples)
     }
 
     fn account(&mut self, started: Instant, outcome: Result<(), SyncClientError>, what: &str) {
