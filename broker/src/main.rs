@@ -51,7 +51,12 @@ async fn main() -> std::process::ExitCode {
 
 async fn serve(cli: Cli) -> anyhow::Result<()> {
     // Held to the end: dropping it flushes the last spans.
-    let _telemetry = dflash_telemetry::init("dflash-broker", cli.log_format)?;
+    let identity = dflash_telemetry::ServiceIdentity::new(
+        dflash_telemetry::Service::Broker,
+        dflash_telemetry::process_instance_id(),
+        env!("CARGO_PKG_VERSION"),
+    );
+    let _telemetry = dflash_telemetry::init(&identity, cli.log_format)?;
     cli.config.validate()?;
     let listener = tokio::net::TcpListener::bind(cli.config.listen)
         .await

@@ -422,6 +422,15 @@ impl Bench {
             } = read;
             let header = center.header.clone();
             let version = header.center_version;
+            // Exported when OTLP is configured (`dflash_telemetry::init`).
+            let span = tracing::debug_span!(
+                target: dflash_telemetry::TRACE_TARGET,
+                "evaluator.measure",
+                center_version = version,
+                center_samples = header.center_samples,
+                tau = tracing::field::Empty,
+            );
+            let _measuring = span.enter();
             let result = center_model(center)
                 .and_then(|(config, tensors)| {
                     let origin = format!("center version {version}");
@@ -431,6 +440,9 @@ impl Bench {
                     .map_err(anyhow::Error::from)
                 })
                 .with_context(|| format!("evaluating center version {version}"));
+            if let Ok(measured) = &result {
+                span.record("tau", measured.mean_acceptance_length);
+            }
             Measured {
                 target,
                 header,

@@ -79,7 +79,23 @@ fn tempfile_dir() -> anyhow::Result<tempfile::TempDir> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    dflash_ops::init_logging();
+    // The evaluator runs beside the services for a whole run: it logs and
+    // exports spans as they do, under its own resource. The other commands
+    // only log.
+    let _telemetry = match &cli.command {
+        Command::Evaluate(args) => Some(dflash_telemetry::init(
+            &dflash_telemetry::ServiceIdentity::new(
+                dflash_telemetry::Service::Evaluator,
+                args.evaluator_id.clone(),
+                env!("CARGO_PKG_VERSION"),
+            ),
+            dflash_telemetry::LogFormat::Text,
+        )?),
+        _ => {
+            dflash_ops::init_logging();
+            None
+        }
+    };
     match cli.command {
         Command::Local(args) => {
             // SIGINT or SIGTERM: stop the children, then print the summary.

@@ -32,13 +32,16 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Serves `render()` at `/metrics` on `listener` until `shutdown` is
-/// cancelled. `render` runs on the async runtime once per scrape, so it
+/// cancelled, followed by the process's span export counts
+/// (`dflash_trace_spans_*`) when it exports spans. `render` runs on the async runtime once per scrape, so it
 /// should be quick (take a snapshot, format it).
 pub async fn serve_metrics<F>(listener: TcpListener, render: F, shutdown: CancellationToken)
 where
     F: Fn() -> String + Send + Sync + 'static,
 {
-    let render = Arc::new(render);
+    // Every process's scrape also says what became of its spans (nothing
+    // when it exports none).
+    let render = Arc::new(move || render() + &crate::export::process_export_metrics());
     let mut connections = JoinSet::new();
     loop {
         // Reap finished connections so the set does not grow.

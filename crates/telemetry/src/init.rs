@@ -9,16 +9,25 @@
 //! per-item spans in the broker almost free.
 
 use std::io::IsTerminal;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::ValueEnum;
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_sdk::trace::{SdkTracerProvider, SpanExporter};
+use opentelemetry_otlp::WithTonicConfig as _;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider, SpanExporter,
+};
 use opentelemetry_sdk::Resource;
 use tracing_subscriber::filter::ParseError;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
+
+use crate::export::{
+    install_process_stats, CountingExporter, CountingProcessor, SpanExportCounts, SpanExportStats,
+};
+use crate::resource::{resource_from_env, ServiceIdentity};
 
 /// Environment variable with the `EnvFilter` directives for exported spans.
 pub const TRACE_FILTER_ENV: &str = "DFLASH_TRACE_FILTER";
@@ -28,8 +37,25 @@ pub const TRACE_FILTER_ENV: &str = "DFLASH_TRACE_FILTER";
 const DEFAULT_TRACE_FILTER: &str = "info,dflash::trace=debug,h2=off,hyper=off,hyper_util=off,\
 tonic=off,tower=off,opentelemetry=off,opentelemetry_sdk=off,opentelemetry_otlp=off";
 
-/// How long dropping the guard may wait for the last spans to leave.
-const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+/// Logs by default: INFO, without the OpenTelemetry crates' own lines
+/// (one ERROR per failed batch, and more per retry): the export's state is
+/// logged once per change by [`crate::export`] and counted in `/metrics`.
+const DEFAULT_LOG_FILTER: &str =
+    "info,opentelemetry=off,opentelemetry_sdk=off,opentelemetry-otlp=off,opentelemetry_otlp=off";
+
+/// How long dropping the guard may wait for the last spans to leave: a
+/// dead or hanging collector must not hold up a pod's exit (the SDK's
+/// default is 5 s for the flush plus 5 s for the shutdown). With a working
+/// collector the last batch of at most [`DEFAULT_MAX_QUEUED_SPANS`] spans
+/// leaves in milliseconds.
+pub const SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long [`TelemetryGuard::flush`] waits.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Spans queued for export (or in flight) at most; more are dropped and
+/// counted. The SDK's default, and `OTEL_BSP_MAX_QUEUE_SIZE` sets it.
+const DEFAULT_MAX_QUEUED_SPANS: usize = 2048;
 
 /// How log lines are written (to stderr): `--log-format text|json`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum)]
@@ -68,6 +94,8 @@ pub enum TelemetryError {
 #[must_use = "dropping the guard stops span export"]
 pub struct TelemetryGuard {
     provider: Option<SdkTracerProvider>,
+    /// The export's counts (OTLP export only).
+    stats: Option<Arc<SpanExportStats>>,
 }
 
 impl TelemetryGuard {
@@ -76,12 +104,40 @@ impl TelemetryGuard {
         self.provider.is_some()
     }
 
-    /// Sends the spans buffered so far now (e.g. before a long idle wait).
+    /// What became of the spans so far (OTLP export only).
+    pub fn export_counts(&self) -> Option<SpanExportCounts> {
+        self.stats.as_ref().map(|stats| stats.counts())
+    }
+
+    /// Sends the spans buffered so far now (e.g. before a long idle wait),
+    /// waiting at most a second; skipped while export is failing. Not
+    /// needed before exiting: dropping the guard flushes.
     pub fn flush(&self) {
-        if let Some(provider) = &self.provider {
-            if let Err(error) = provider.force_flush() {
-                tracing::warn!(%error, "span export flush failed");
-            }
+        let Some(provider) = &self.provider else {
+            return;
+        };
+        if self.stats.as_ref().is_some_and(|stats| stats.failing()) {
+            return;
+        }
+        // The SDK's flush waits up to 5 s for a hanging collector and
+        // cannot be told less: it runs on a thread of its own that is left
+        // to end by itself (within those 5 s) when it takes too long.
+        let provider = provider.clone();
+        let (sender, receiver) = std::sync::mpsc::sync_channel(1);
+        let spawned = std::thread::Builder::new()
+            .name("span-flush".to_string())
+            .spawn(move || {
+                let _ = sender.send(provider.force_flush());
+            });
+        let outcome = match spawned {
+            Err(error) => Err(error.to_string()),
+            Ok(_flusher) => match receiver.recv_timeout(FLUSH_TIMEOUT) {
+                Ok(result) => result.map_err(|error| error.to_string()),
+                Err(_) => Err(format!("no answer within {FLUSH_TIMEOUT:?}")),
+            },
+        };
+        if let Err(error) = outcome {
+            tracing::debug!(%error, "span export flush did not finish");
         }
     }
 }
@@ -89,8 +145,10 @@ impl TelemetryGuard {
 impl Drop for TelemetryGuard {
     fn drop(&mut self) {
         if let Some(provider) = self.provider.take() {
+            // Bounded: the counting processor writes off (as dropped) and
+            // reports whatever could not leave in time.
             if let Err(error) = provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT) {
-                tracing::warn!(%error, "span exporter did not shut down cleanly");
+                tracing::debug!(%error, "span exporter did not shut down cleanly");
             }
         }
     }
@@ -98,10 +156,14 @@ impl Drop for TelemetryGuard {
 
 /// Installs logging and, when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, span export over OTLP/gRPC
-/// with `service.name` = `service_name`. Call once, early in `main`, inside
-/// the tokio runtime (the gRPC exporter runs its connection on it).
-pub fn init(service_name: &str, log_format: LogFormat) -> Result<TelemetryGuard, TelemetryError> {
-    let provider = if otlp_configured() {
+/// with the resource of `identity` (see [`crate::resource`]), its outcome
+/// counted for `/metrics`. Call once, early in `main`, inside the tokio
+/// runtime (the gRPC exporter runs its connection on it).
+pub fn init(
+    identity: &ServiceIdentity,
+    log_format: LogFormat,
+) -> Result<TelemetryGuard, TelemetryError> {
+    let (provider, stats) = if otlp_configured() {
         // The gRPC channel spawns its connection task on the current
         // runtime; without one it would panic.
         if tokio::runtime::Handle::try_current().is_err() {
@@ -110,18 +172,33 @@ pub fn init(service_name: &str, log_format: LogFormat) -> Result<TelemetryGuard,
         let endpoint = std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
             .or_else(|_| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT"))
             .unwrap_or_default();
+        // One retry rides out a blip; the SDK's three resend every batch
+        // to a collector that is down, for nothing.
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
+            .with_retry_policy(opentelemetry_otlp::RetryPolicy::recommended().with_max_retries(1))
             .build()
-            .map_err(|source| TelemetryError::Exporter { endpoint, source })?;
-        Some(
-            SdkTracerProvider::builder()
-                .with_batch_exporter(exporter)
-                .with_resource(resource(service_name))
-                .build(),
-        )
+            .map_err(|source| TelemetryError::Exporter {
+                endpoint: endpoint.clone(),
+                source,
+            })?;
+        let stats = Arc::new(SpanExportStats::new(endpoint));
+        let max_queued = max_queued_spans();
+        let batches = BatchSpanProcessor::builder(CountingExporter::new(exporter, stats.clone()))
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_max_queue_size(max_queued)
+                    .build(),
+            )
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_span_processor(CountingProcessor::new(batches, stats.clone(), max_queued))
+            .with_resource(resource_from_env(identity))
+            .build();
+        install_process_stats(stats.clone());
+        (Some(provider), Some(stats))
     } else {
-        None
+        (None, None)
     };
     let subscriber = build_subscriber(
         log_filter()?,
@@ -129,13 +206,22 @@ pub fn init(service_name: &str, log_format: LogFormat) -> Result<TelemetryGuard,
         log_format,
         provider
             .as_ref()
-            .map(|provider| provider.tracer(service_name.to_string())),
+            .map(|provider| provider.tracer(identity.service.name())),
         false,
     );
-    let guard = TelemetryGuard { provider };
+    let guard = TelemetryGuard { provider, stats };
     subscriber.try_init()?;
     tracing::debug!(exporting = guard.exporting(), "telemetry installed");
     Ok(guard)
+}
+
+/// `OTEL_BSP_MAX_QUEUE_SIZE`, or the SDK's default.
+fn max_queued_spans() -> usize {
+    std::env::var("OTEL_BSP_MAX_QUEUE_SIZE")
+        .ok()
+        .and_then(|value| value.trim().parse().ok())
+        .filter(|&size: &usize| size > 0)
+        .unwrap_or(DEFAULT_MAX_QUEUED_SPANS)
 }
 
 /// Like [`init`], but exports every span to `exporter` the moment it ends
@@ -160,6 +246,7 @@ pub fn init_with_exporter<E: SpanExporter + 'static>(
     );
     let guard = TelemetryGuard {
         provider: Some(provider),
+        stats: None,
     };
     subscriber.try_init()?;
     Ok(guard)
@@ -224,7 +311,7 @@ fn otlp_configured() -> bool {
 }
 
 fn log_filter() -> Result<EnvFilter, TelemetryError> {
-    filter_from_env("RUST_LOG", "info")
+    filter_from_env("RUST_LOG", DEFAULT_LOG_FILTER)
 }
 
 fn trace_filter() -> Result<EnvFilter, TelemetryError> {
@@ -257,7 +344,7 @@ mod tests {
     #[test]
     fn default_filters_parse() {
         assert!(EnvFilter::builder().parse(DEFAULT_TRACE_FILTER).is_ok());
-        assert!(EnvFilter::builder().parse("info").is_ok());
+        assert!(EnvFilter::builder().parse(DEFAULT_LOG_FILTER).is_ok());
     }
 
     #[test]

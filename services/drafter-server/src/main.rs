@@ -27,8 +27,13 @@ async fn main() -> std::process::ExitCode {
     // First: with huge pages this may re-execute the process.
     let allocator = dflash_device::configure_allocator(dflash_device::AllocatorMode::Retained);
     let cli = Cli::parse();
-    // Held to the end: dropping it flushes the spans still buffered.
-    let telemetry = match dflash_telemetry::init("drafter-server", cli.log_format) {
+    let identity = dflash_telemetry::ServiceIdentity::new(
+        dflash_telemetry::Service::DrafterServer,
+        cli.config.drafter_id.clone(),
+        dflash_drafter_server::test_hooks::VERSION,
+    );
+    // Held to the end: dropping it sends the last spans (bounded).
+    let _telemetry = match dflash_telemetry::init(&identity, cli.log_format) {
         Ok(guard) => guard,
         Err(error) => {
             eprintln!("drafter-server: {error}");
@@ -39,7 +44,6 @@ async fn main() -> std::process::ExitCode {
     let shutdown = dflash_shell::shutdown_signal();
     let report_file = cli.config.report_file.clone();
     let result = run(cli.config, shutdown).await;
-    telemetry.flush();
     match result {
         Ok(report) => {
             if let Some(path) = &report_file {

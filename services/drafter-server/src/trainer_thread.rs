@@ -127,6 +127,9 @@ pub struct LoopSettings {
 
 struct HeldSample {
     delivery_id: u64,
+    /// The sample's key, recorded on the step span that trains on it.
+    target_id: String,
+    seq: u64,
     /// The producer's W3C trace context (`Delivery.trace_context`), so the
     /// step that trains on this sample joins or links its trace.
     trace_context: HashMap<String, String>,
@@ -147,6 +150,8 @@ struct TrainingLoop {
     /// The span of the step being accumulated: opened with its first
     /// micro-batch, closed when the step is taken or its work is discarded.
     step_span: Option<Span>,
+    /// The samples of the step being accumulated, for its span.
+    step_samples: dflash_telemetry::SampleTraces,
     /// Compute time of the step being accumulated, for `Stepped`.
     step_compute: Duration,
     /// Compute time not yet reported.
@@ -181,6 +186,7 @@ pub fn run_training_loop(
         accumulated_ids: Vec::new(),
         accumulated_micro_batches: 0,
         step_span: None,
+        step_samples: dflash_telemetry::SampleTraces::new(),
         step_compute: Duration::ZERO,
         busy: Duration::ZERO,
         last_checkpoint_step: None,
@@ -292,6 +298,8 @@ impl TrainingLoop {
             Ok(prepared) => {
                 self.pending.push(HeldSample {
                     delivery_id,
+                    target_id,
+                    seq,
                     trace_context,
                     prepared,
                 });
@@ -362,11 +370,10 @@ impl TrainingLoop {
         }
     }
 
-    /// The span of the step that `batch` joins, opened (and parented to the
-    /// batch's first sample) when the batch is the step's first; every other
-    /// sample of the batch is linked.
+    /// The span of the step that `batch` joins, opened when the batch is
+    /// the step's first; parented to its first sample, linked once to each
+    /// other producer span, naming every sample (`SampleTraces`).
     fn step_span_for(&mut self, batch: &[HeldSample]) -> Span {
-        let mut trace_contexts = batch.iter().map(|held| &held.trace_context);
         let span = match &self.step_span {
             Some(span) => span.clone(),
             None => {
@@ -376,17 +383,13 @@ impl TrainingLoop {
                     samples = tracing::field::Empty,
                     step = self.engine.steps_done() + 1,
                 );
-                if let Some(first) = trace_contexts.next() {
-                    dflash_telemetry::set_parent_from(&span, first);
-                }
                 self.step_span = Some(span.clone());
                 span
             }
         };
-        if !span.is_disabled() {
-            for trace_context in trace_contexts {
-                dflash_telemetry::add_link_from(&span, trace_context);
-            }
+        for held in batch {
+            self.step_samples
+                .add(&span, &held.target_id, held.seq, &held.trace_context);
         }
         span
     }
@@ -431,6 +434,7 @@ impl TrainingLoop {
         }
         let span = self.step_span.take().unwrap_or_else(Span::none);
         span.record("samples", self.accumulated_ids.len());
+        self.step_samples.apply(&span);
         let started = Instant::now();
         let result = span.in_scope(|| self.engine.step());
         drop(span);
@@ -624,6 +628,7 @@ impl TrainingLoop {
     /// Forgets the step being accumulated: its span ends without a step.
     fn end_step_span(&mut self) {
         self.step_span = None;
+        self.step_samples = dflash_telemetry::SampleTraces::new();
         self.step_compute = Duration::ZERO;
     }
 

@@ -89,6 +89,12 @@ async fn a_step_span_is_parented_to_its_first_sample_and_linked_to_the_others() 
     );
     ensure!(span_attribute(step, "samples").as_deref() == Some(&*ITEMS.to_string()));
     ensure!(span_attribute(step, "step").as_deref() == Some("1"));
+    // Every sample it trained, by (target, seq).
+    let keys = span_attribute(step, dflash_telemetry::SAMPLE_KEYS_ATTRIBUTE).unwrap_or_default();
+    for seq in 0..ITEMS as u64 {
+        let key = dflash_telemetry::sample_key("target-0", seq);
+        ensure!(keys.contains(&key), "{key} not in {keys}");
+    }
     broker.stop().await;
     Ok(())
 }

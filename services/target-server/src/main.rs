@@ -13,7 +13,13 @@ async fn main() -> std::process::ExitCode {
     // First: with huge pages this may re-execute the process.
     let allocator = dflash_device::configure_allocator(dflash_device::AllocatorMode::Retained);
     let config = TargetServerConfig::parse();
-    let telemetry = match dflash_telemetry::init("target-server", config.log_format) {
+    let identity = dflash_telemetry::ServiceIdentity::new(
+        dflash_telemetry::Service::TargetServer,
+        config.target_id.clone(),
+        env!("CARGO_PKG_VERSION"),
+    );
+    // Held to the end: dropping it sends the last spans (bounded).
+    let _telemetry = match dflash_telemetry::init(&identity, config.log_format) {
         Ok(guard) => guard,
         Err(error) => {
             eprintln!("target-server: {error}");
@@ -24,7 +30,6 @@ async fn main() -> std::process::ExitCode {
     let shutdown = dflash_shell::shutdown_signal();
     let report_file = config.report_file.clone();
     let outcome = run(config, shutdown).await;
-    telemetry.flush();
     if let (Some(path), Ok(report)) = (&report_file, &outcome) {
         let json = serde_json::json!({
             "role": "target",
