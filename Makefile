@@ -7,7 +7,7 @@ PYTHON ?= python3
 CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
-.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-ops-cli check-python bench build release fmt clean-cache fuzz
+.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-dflash2 check-ops-cli check-python bench build release fmt clean-cache fuzz
 .PHONY: image check-deploy check-k8s check-cuda-build study
 
 all: build
@@ -33,7 +33,7 @@ run: release
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker, the Python client).
-test: setup lint check-grpcurl test-rust check-checkpoint check-ops-cli check-python check-k8s check-deploy
+test: setup lint check-grpcurl test-rust check-checkpoint check-dflash2 check-ops-cli check-python check-k8s check-deploy
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -61,6 +61,11 @@ study: setup
 ## reference `dflash` package (installed once into a venv in the cache).
 check-checkpoint: setup
 	bash scripts/check-checkpoint.sh $(CURDIR)/runs/test-local
+
+## A trained tiny DFlash2 checkpoint loads in the reference's
+## DFlash2DraftModel with 0 missing/unexpected keys and the same forward (#42).
+check-dflash2: setup
+	bash scripts/check-dflash2.sh
 
 ## The Python client (clients/python) against the real broker, target-server
 ## and drafter-server binaries (pytest, in the venv of scripts/python-venv.sh).

@@ -381,6 +381,7 @@ impl TrainingEngine for SyntheticEngine {
             grad_norm: 0.0,
             samples: self.pending_samples as usize,
             tokens: self.pending_tokens as usize,
+            selector: None,
         };
         self.pending_samples = 0;
         self.pending_tokens = 0;

@@ -15,7 +15,9 @@ use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use super::model::{add_named_variable, parameter_shapes};
+use super::model::{
+    add_named_variable, parameter_shapes, PREDECESSOR_CODEBOOK_NAME, SUCCESSOR_CODEBOOK_NAME,
+};
 use super::{AdamW, DraftConfig, DraftError, DraftModel, FrozenTargetHeads};
 
 pub const CONFIG_FILE_NAME: &str = "config.json";
@@ -145,8 +147,18 @@ pub fn draft_model_from_tensors(
 ) -> Result<DraftModel, DraftError> {
     let var_store = VarStore::new(device);
     for (name, shape) in parameter_shapes(&config) {
+        // The selector's codebooks are stored without `.weight` (what
+        // `DFlash2DraftModel.from_pretrained` maps); the reference's own
+        // `save_pretrained` writes them with it: read both.
         let tensor = tensors
             .remove(&name)
+            .or_else(|| {
+                let is_codebook =
+                    name == PREDECESSOR_CODEBOOK_NAME || name == SUCCESSOR_CODEBOOK_NAME;
+                is_codebook
+                    .then(|| tensors.remove(&format!("{name}.weight")))
+                    .flatten()
+            })
             .ok_or_else(|| DraftError::Checkpoint(format!("{origin}: missing tensor {name:?}")))?;
         if tensor.size() != shape {
             return Err(DraftError::Checkpoint(format!(

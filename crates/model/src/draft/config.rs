@@ -52,7 +52,46 @@ pub struct DraftConfig {
     /// Standard deviation of the normal initialisation of linear weights
     /// (HF `initializer_range`).
     pub initializer_range: f64,
+    /// DFlash2's additions (grouped dynamic convolutions in every layer and
+    /// the candidate selector); `None` is plain DFlash.
+    pub dflash2: Option<Dflash2Config>,
 }
+
+/// The keys `dflash`'s `DFlash2DraftModel` reads on top of DFlash's, plus
+/// the weight of the selector loss in training.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Dflash2Config {
+    /// Causal taps of each grouped dynamic convolution (`conv_kernel_size`).
+    pub conv_kernel_size: i64,
+    /// Hidden channels sharing one dynamic kernel (`conv_group_size`); must
+    /// divide the hidden size.
+    pub conv_group_size: i64,
+    /// Rank of the selector's bilinear factorisation (`selector_rank`).
+    pub selector_rank: i64,
+    /// Unary candidates the selector re-ranks per position (`selector_top_k`).
+    pub selector_top_k: i64,
+    /// Training loss = unary loss + `selector_loss_alpha` × selector loss
+    /// (speculators' default 1.0). Not read by the reference; kept in
+    /// `dflash_config` so a checkpoint says how it was trained.
+    pub selector_loss_alpha: f64,
+}
+
+impl Default for Dflash2Config {
+    /// speculators 0.9.0's defaults.
+    fn default() -> Self {
+        Dflash2Config {
+            conv_kernel_size: 2,
+            conv_group_size: 16,
+            selector_rank: 256,
+            selector_top_k: 16,
+            selector_loss_alpha: 1.0,
+        }
+    }
+}
+
+/// Architecture names of the two draft models in `config.json`.
+pub const DFLASH_ARCHITECTURE: &str = "DFlashDraftModel";
+pub const DFLASH2_ARCHITECTURE: &str = "DFlash2DraftModel";
 
 /// The target-side facts a draft configuration is derived from.
 #[derive(Debug, Clone, PartialEq)]
@@ -138,9 +177,29 @@ impl DraftConfig {
             target_layer_ids,
             mask_token_id: options.mask_token_id,
             initializer_range: 0.02,
+            dflash2: None,
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// This configuration with DFlash2's additions switched on (validated).
+    pub fn with_dflash2(self, dflash2: Dflash2Config) -> Result<Self, DraftError> {
+        let config = DraftConfig {
+            dflash2: Some(dflash2),
+            ..self
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// The reference class that loads this configuration's checkpoints.
+    pub fn architecture(&self) -> &'static str {
+        if self.dflash2.is_some() {
+            DFLASH2_ARCHITECTURE
+        } else {
+            DFLASH_ARCHITECTURE
+        }
     }
 
     /// Width of the concatenated target hidden states a sample carries.
@@ -200,6 +259,9 @@ impl DraftConfig {
                 self.mask_token_id, self.vocab_size
             ));
         }
+        if let Some(dflash2) = &self.dflash2 {
+            dflash2.validate(self)?;
+        }
         Ok(())
     }
 
@@ -222,8 +284,8 @@ impl DraftConfig {
             rope_parameters = llama3;
             rope_parameters["rope_theta"] = json!(self.rope.theta);
         }
-        json!({
-            "architectures": ["DFlashDraftModel"],
+        let mut config = json!({
+            "architectures": [self.architecture()],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -256,7 +318,21 @@ impl DraftConfig {
                 "mask_token_id": self.mask_token_id,
                 "block_size": self.block_size,
             },
-        })
+        });
+        if let Some(dflash2) = &self.dflash2 {
+            let keys = [
+                ("conv_kernel_size", json!(dflash2.conv_kernel_size)),
+                ("conv_group_size", json!(dflash2.conv_group_size)),
+                ("selector_rank", json!(dflash2.selector_rank)),
+                ("selector_top_k", json!(dflash2.selector_top_k)),
+            ];
+            for (name, value) in keys {
+                config[name] = value.clone();
+                config["dflash_config"][name] = value;
+            }
+            config["dflash_config"]["selector_loss_alpha"] = json!(dflash2.selector_loss_alpha);
+        }
+        config
     }
 
     /// Reads a checkpoint's `config.json`, looking up the DFlash keys in
@@ -326,10 +402,126 @@ impl DraftConfig {
                 .get("initializer_range")
                 .and_then(Value::as_f64)
                 .unwrap_or(0.02),
+            dflash2: dflash2_from_json(value)?,
         };
+        reject_unimplemented_transforms(value)?;
         config.validate()?;
         Ok(config)
     }
+}
+
+impl Dflash2Config {
+    /// The bounds `DFlash2DraftModel` and speculators' training assume.
+    fn validate(&self, draft: &DraftConfig) -> Result<(), DraftError> {
+        let invalid = |reason: String| Err(DraftError::InvalidConfig(reason));
+        if self.conv_kernel_size < 1 || self.conv_kernel_size > draft.block_size {
+            return invalid(format!(
+                "conv_kernel_size {} must be between 1 and block_size {}",
+                self.conv_kernel_size, draft.block_size
+            ));
+        }
+        if self.conv_group_size < 1 || draft.hidden_size % self.conv_group_size != 0 {
+            return invalid(format!(
+                "conv_group_size {} must be positive and divide hidden_size {}",
+                self.conv_group_size, draft.hidden_size
+            ));
+        }
+        if self.selector_rank < 1 {
+            return invalid(format!(
+                "selector_rank {} must be positive",
+                self.selector_rank
+            ));
+        }
+        if self.selector_top_k < 1 || self.selector_top_k > draft.vocab_size {
+            return invalid(format!(
+                "selector_top_k {} must be between 1 and the vocabulary of {} tokens",
+                self.selector_top_k, draft.vocab_size
+            ));
+        }
+        if !self.selector_loss_alpha.is_finite() || self.selector_loss_alpha < 0.0 {
+            return invalid(format!(
+                "selector_loss_alpha {} must be finite and non-negative",
+                self.selector_loss_alpha
+            ));
+        }
+        Ok(())
+    }
+
+    /// Groups of channels sharing one dynamic kernel.
+    pub fn conv_groups(&self, hidden_size: i64) -> i64 {
+        hidden_size / self.conv_group_size
+    }
+}
+
+/// DFlash2's keys when `architectures` names `DFlash2DraftModel` (the
+/// reference requires them then), else `None`.
+fn dflash2_from_json(value: &Value) -> Result<Option<Dflash2Config>, DraftError> {
+    let architectures = value.get("architectures").and_then(Value::as_array);
+    let is_dflash2 = architectures.is_some_and(|names| {
+        names
+            .iter()
+            .any(|name| name.as_str() == Some(DFLASH2_ARCHITECTURE))
+    });
+    if !is_dflash2 {
+        return Ok(None);
+    }
+    let integer = |name: &str| -> Result<i64, DraftError> {
+        dflash_value(value, name)
+            .and_then(Value::as_i64)
+            .ok_or_else(|| {
+                DraftError::InvalidConfig(format!(
+                    "config.json: {DFLASH2_ARCHITECTURE} without an integer {name:?}"
+                ))
+            })
+    };
+    let selector_loss_alpha = match dflash_value(value, "selector_loss_alpha") {
+        None => Dflash2Config::default().selector_loss_alpha,
+        Some(alpha) => alpha.as_f64().ok_or_else(|| {
+            DraftError::InvalidConfig(format!(
+                "config.json: selector_loss_alpha {alpha} is not a number"
+            ))
+        })?,
+    };
+    Ok(Some(Dflash2Config {
+        conv_kernel_size: integer("conv_kernel_size")?,
+        conv_group_size: integer("conv_group_size")?,
+        selector_rank: integer("selector_rank")?,
+        selector_top_k: integer("selector_top_k")?,
+        selector_loss_alpha,
+    }))
+}
+
+/// The reference applies `input_embedding_scale` to the block embeddings,
+/// and `output_multiplier` then `final_logit_softcapping` to the logits.
+/// Only their identity values are implemented here: anything else is
+/// refused by name rather than trained or evaluated as a different model.
+fn reject_unimplemented_transforms(value: &Value) -> Result<(), DraftError> {
+    let number = |name: &str| -> Result<Option<f64>, DraftError> {
+        match dflash_value(value, name) {
+            None => Ok(None),
+            Some(found) => found.as_f64().map(Some).ok_or_else(|| {
+                DraftError::InvalidConfig(format!("config.json: {name} {found} is not a number"))
+            }),
+        }
+    };
+    for name in ["input_embedding_scale", "output_multiplier"] {
+        if let Some(found) = number(name)? {
+            if found != 1.0 {
+                return Err(DraftError::InvalidConfig(format!(
+                    "config.json: {name} {found} is not supported (only 1.0 is implemented)"
+                )));
+            }
+        }
+    }
+    if let Some(softcap) = number("final_logit_softcapping")? {
+        // The reference caps only when the value is positive.
+        if softcap > 0.0 {
+            return Err(DraftError::InvalidConfig(format!(
+                "config.json: final_logit_softcapping {softcap} is not supported (only none or 0 is implemented)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `dflash_config[name]`, else the top-level `name` (the reference's lookup order).

@@ -1,5 +1,8 @@
-//! The DFlash draft model (arXiv 2602.06036), its training objective, its
-//! optimizer and its checkpoint format.
+//! The DFlash draft model (arXiv 2602.06036) and its DFlash2 variant
+//! (`dflash` 0.1.0's `DFlash2DraftModel`: grouped dynamic convolutions in
+//! every layer and a candidate selector, switched on by
+//! `DraftConfig::dflash2`), their training objective, optimizer and
+//! checkpoint format.
 //!
 //! # Layout
 //! - [`config`]: `DraftConfig`, derived from the target's config, and its
@@ -45,21 +48,25 @@ pub use checkpoint::{
     TrainingProgress, CONFIG_FILE_NAME, MODEL_FILE_NAME, OPTIMIZER_FILE_NAME,
     TRAINER_STATE_FILE_NAME,
 };
-pub use config::{build_target_layer_ids, DraftConfig, DraftOptions, TargetDimensions};
+pub use config::{
+    build_target_layer_ids, Dflash2Config, DraftConfig, DraftOptions, TargetDimensions,
+    DFLASH2_ARCHITECTURE, DFLASH_ARCHITECTURE,
+};
 pub use model::{
     AttentionImplementation, BlockInputs, DraftContextCache, DraftModel, FrozenTargetHeads,
-    DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
+    SelectorPath, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK, HIDDEN_PROJECTION_NAME,
+    PREDECESSOR_CODEBOOK_NAME, SUCCESSOR_CODEBOOK_NAME,
 };
 pub use objective::{
     accuracy_ratios, compute_objective, compute_objective_backward, default_loss_decay_gamma,
-    overall_accuracy, pack_batch, sample_anchors, BackwardOutput, ObjectiveMemory, ObjectiveOutput,
-    PackedBatch, TrainingSequence,
+    overall_accuracy, pack_batch, sample_anchors, selector_training_candidates, BackwardOutput,
+    ObjectiveMemory, ObjectiveOutput, PackedBatch, SelectorTotals, TrainingSequence,
 };
 pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
 pub use trainer::{
-    Contribution, DraftTrainer, Exclusion, InnerStep, MicroBatchReport, ReducedStep, SkippedStep,
-    StepReport, TrainerSettings, DEFAULT_GRAD_NORM_SPIKE_RATIO, DEFAULT_LOGITS_CHUNK_BLOCKS,
-    GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
+    Contribution, DraftTrainer, Exclusion, InnerStep, MicroBatchReport, ReducedStep,
+    SelectorReport, SkippedStep, StepReport, TrainerSettings, DEFAULT_GRAD_NORM_SPIKE_RATIO,
+    DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
 };
 
 use std::path::PathBuf;

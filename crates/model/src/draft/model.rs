@@ -47,17 +47,26 @@ use super::{DraftConfig, DraftError};
 mod attention;
 mod attention_masks;
 mod context_cache;
+mod convolution;
 mod forward;
 mod parameters;
+mod selector;
 
 pub use attention::{AttentionImplementation, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK};
 pub use context_cache::DraftContextCache;
 pub(crate) use forward::backward_with_gradient;
 pub(crate) use parameters::add_named_variable;
-pub use parameters::{parameter_shapes, FrozenTargetHeads};
+pub use parameters::{
+    parameter_shapes, FrozenTargetHeads, HIDDEN_PROJECTION_NAME, PREDECESSOR_CODEBOOK_NAME,
+    SUCCESSOR_CODEBOOK_NAME,
+};
+pub use selector::SelectorPath;
 
 use attention::repeat_key_value_heads;
-use parameters::{check_frozen_shapes, seeded_normal, DraftLayerParameters};
+use parameters::{
+    check_frozen_shapes, initialisation_of, seeded_normal, DraftLayerParameters,
+    DynamicConvolution, Initialisation, LayerConvolutions, SelectorParameters,
+};
 
 /// One forward's inputs, already batched and padded.
 pub struct BlockInputs<'a> {
@@ -79,6 +88,8 @@ pub struct DraftModel {
     hidden_norm: Tensor,
     layers: Vec<DraftLayerParameters>,
     norm: Tensor,
+    /// DFlash2's candidate selector; `None` for DFlash.
+    selector: Option<SelectorParameters>,
     frozen: FrozenTargetHeads,
     /// Kind the forward computes in: f32 on the CPU, bf16 on a GPU. The
     /// master weights in the `VarStore` stay f32 either way.
@@ -104,11 +115,16 @@ impl DraftModel {
         let mut generator = rand::rngs::StdRng::seed_from_u64(seed);
         let standard_deviation = config.initializer_range;
         for (name, shape) in parameter_shapes(&config) {
-            let is_norm = name.ends_with("norm.weight") || name.ends_with("layernorm.weight");
-            let initial = if is_norm {
-                Tensor::ones(shape.as_slice(), (Kind::Float, Device::Cpu))
-            } else {
-                seeded_normal(&shape, standard_deviation, &mut generator)
+            let options = (Kind::Float, Device::Cpu);
+            let initial = match initialisation_of(&name) {
+                Initialisation::Ones => Tensor::ones(shape.as_slice(), options),
+                Initialisation::Normal => seeded_normal(&shape, standard_deviation, &mut generator),
+                Initialisation::Zeros => Tensor::zeros(shape.as_slice(), options),
+                Initialisation::IdentityConvolution => {
+                    let kernel = Tensor::zeros(shape.as_slice(), options);
+                    let _ = kernel.narrow(1, 0, 1).fill_(1.0);
+                    kernel
+                }
             };
             add_named_variable(&var_store, &name, &initial)?;
         }
@@ -149,9 +165,34 @@ impl DraftModel {
                     gate_proj: fetch(format!("{prefix}.mlp.gate_proj.weight"))?,
                     up_proj: fetch(format!("{prefix}.mlp.up_proj.weight"))?,
                     down_proj: fetch(format!("{prefix}.mlp.down_proj.weight"))?,
+                    convolutions: match config.dflash2 {
+                        None => None,
+                        Some(_) => {
+                            let convolution = |name: &str| -> Result<_, DraftError> {
+                                Ok(DynamicConvolution {
+                                    base_kernel: fetch(format!("{prefix}.{name}.base_kernel"))?,
+                                    kernel_projection: fetch(format!(
+                                        "{prefix}.{name}.kernel_projection.weight"
+                                    ))?,
+                                })
+                            };
+                            Some(LayerConvolutions {
+                                attention: convolution("attention_conv")?,
+                                mlp: convolution("mlp_conv")?,
+                            })
+                        }
+                    },
                 })
             })
             .collect::<Result<Vec<_>, DraftError>>()?;
+        let selector = match config.dflash2 {
+            None => None,
+            Some(_) => Some(SelectorParameters {
+                predecessor_codebook: fetch(PREDECESSOR_CODEBOOK_NAME.to_string())?,
+                successor_codebook: fetch(SUCCESSOR_CODEBOOK_NAME.to_string())?,
+                hidden_projection: fetch(HIDDEN_PROJECTION_NAME.to_string())?,
+            }),
+        };
         let frozen = FrozenTargetHeads {
             embed_tokens: frozen
                 .embed_tokens
@@ -169,6 +210,7 @@ impl DraftModel {
             hidden_norm: fetch("hidden_norm.weight".to_string())?,
             norm: fetch("norm.weight".to_string())?,
             layers,
+            selector,
             config,
             var_store,
             frozen,

@@ -7,6 +7,13 @@
 //! `[token at anchor, MASK × (B − 1)]`; block position `k ≥ 1` predicts the
 //! token at `anchor + k` with weight `exp(−(k − 1)/γ) · loss_mask[anchor + k]`
 //! (zero past the end of the sequence), and the loss is `Σ w·CE / Σ w`.
+//!
+//! DFlash2 adds the selector loss of speculators 0.9.0: at each block
+//! position the unary top-k candidates (sorted), with the gold token put in
+//! at rank K when the top-k misses it, are scored by the candidate selector
+//! with the true previous token as predecessor (teacher forcing: the anchor
+//! at position 1), and the cross-entropy of the gold's rank gets the same
+//! weights `w`. The loss is `(Σ w·CE + α·Σ w·CE_selector) / Σ w`.
 
 use rand::rngs::StdRng;
 use tch::{Device, Kind, Tensor};
@@ -171,6 +178,62 @@ pub struct ObjectiveOutput {
     pub correct_per_position: Vec<f64>,
     /// Per block position `k = 1..B−1`: supervised targets.
     pub supervised_per_position: Vec<f64>,
+    /// DFlash2's selector terms; `None` for DFlash.
+    pub selector: Option<SelectorTotals>,
+}
+
+/// DFlash2's selector loss and metrics over a batch, as sums so that
+/// micro-batches add up exactly.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SelectorTotals {
+    /// Candidates per position (`selector_top_k`).
+    pub top_k: i64,
+    /// `α` of the loss.
+    pub selector_loss_alpha: f64,
+    /// `Σ w·CE` of the unary (DFlash) loss.
+    pub unary_weighted_cross_entropy: f64,
+    /// `Σ w·CE` of the selector loss.
+    pub selector_weighted_cross_entropy: f64,
+    /// Supervised positions.
+    pub supervised: f64,
+    /// Supervised positions whose gold token is in the unary top-k (recall@K).
+    pub recall_hits: f64,
+    /// Of those, positions where the selector's best candidate (teacher
+    /// forced) is the gold token.
+    pub selector_correct: f64,
+}
+
+impl SelectorTotals {
+    /// Sums another batch's totals into these.
+    pub fn add(&mut self, other: &SelectorTotals) {
+        self.top_k = other.top_k;
+        self.selector_loss_alpha = other.selector_loss_alpha;
+        self.unary_weighted_cross_entropy += other.unary_weighted_cross_entropy;
+        self.selector_weighted_cross_entropy += other.selector_weighted_cross_entropy;
+        self.supervised += other.supervised;
+        self.recall_hits += other.recall_hits;
+        self.selector_correct += other.selector_correct;
+    }
+
+    /// Fraction of supervised positions whose gold is in the unary top-k.
+    pub fn recall_at_k(&self) -> f64 {
+        ratio(self.recall_hits, self.supervised)
+    }
+
+    /// Teacher-forced selector accuracy over the positions the top-k
+    /// recalled (speculators' `teacher_forced_selector_acc`).
+    pub fn teacher_forced_selector_accuracy(&self) -> f64 {
+        ratio(self.selector_correct, self.recall_hits)
+    }
+}
+
+/// `numerator / denominator`, 0 when there is nothing to count.
+fn ratio(numerator: f64, denominator: f64) -> f64 {
+    if denominator > 0.0 {
+        numerator / denominator
+    } else {
+        0.0
+    }
 }
 
 impl ObjectiveOutput {
@@ -214,6 +277,9 @@ struct BlockTargets {
     /// `[batch, blocks, B−1]` supervised · exp(−(k − 1)/γ).
     weights: Tensor,
     anchors: Tensor,
+    /// `[batch, blocks, B−1]` the true token before each label (the anchor
+    /// token for `k = 1`): the selector's teacher-forced predecessors.
+    predecessors: Tensor,
 }
 
 fn block_targets(
@@ -256,12 +322,20 @@ fn block_targets(
         * anchor_valid.unsqueeze(-1).to_kind(Kind::Float);
     let decay = ((offsets.to_kind(Kind::Float) - 1.0) * (-1.0 / gamma)).exp();
     let weights = &supervised * decay;
+    let predecessors = Tensor::cat(
+        &[
+            &anchor_tokens.unsqueeze(-1),
+            &labels.narrow(2, 0, block_size - 2),
+        ],
+        -1,
+    );
     Ok(BlockTargets {
         block_token_ids,
         labels,
         supervised,
         weights,
         anchors,
+        predecessors,
     })
 }
 
@@ -288,7 +362,27 @@ pub fn compute_objective(
         .gather(-1, &labels.unsqueeze(-1), false)
         .squeeze_dim(-1);
     let weight_sum = weights.sum(Kind::Float);
-    let loss = (&cross_entropy * weights).sum(Kind::Float) / weight_sum.clamp_min(1e-12);
+    let mut weighted_cross_entropy = (&cross_entropy * weights).sum(Kind::Float);
+    let selector = match model.config().dflash2.as_ref() {
+        None => None,
+        Some(dflash2) => {
+            let terms = selector_terms(
+                model,
+                &draft_hidden.narrow(2, 1, block_size - 1),
+                &logits,
+                labels,
+                &targets.predecessors,
+                weights,
+                supervised,
+            )?;
+            let mut totals = terms.totals(weighted_cross_entropy.double_value(&[]), dflash2)?;
+            weighted_cross_entropy = weighted_cross_entropy
+                .g_add(&(&terms.weighted_cross_entropy * dflash2.selector_loss_alpha));
+            totals.selector_weighted_cross_entropy = terms.weighted_cross_entropy.double_value(&[]);
+            Some(totals)
+        }
+    };
+    let loss = weighted_cross_entropy / weight_sum.clamp_min(1e-12);
 
     let correct = logits
         .argmax(-1, false)
@@ -304,6 +398,109 @@ pub fn compute_objective(
         weight_sum: weight_sum.double_value(&[]),
         correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
         supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
+        selector,
+    })
+}
+
+/// The unary top-k `candidate_ids` `[.., K]` (sorted, best first) made into
+/// the selector's training candidates for `target_ids` `[..]`: where the
+/// gold token is missing, it replaces the K-th (weakest) candidate. Returns
+/// the training candidates, the gold's rank among them `[..]` and whether
+/// the unary top-k held the gold `[..]` (speculators'
+/// `selector_training_candidates`).
+pub fn selector_training_candidates(
+    candidate_ids: &Tensor,
+    target_ids: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor), DraftError> {
+    let top_k = candidate_ids.size().last().copied().unwrap_or(0);
+    if top_k < 1 {
+        return Err(DraftError::ShapeMismatch(format!(
+            "selector candidates {:?} have no candidate dimension",
+            candidate_ids.size()
+        )));
+    }
+    let matches = candidate_ids.eq_tensor(&target_ids.unsqueeze(-1));
+    let contains_target = matches.any_dim(-1, false);
+    let found_rank = matches.to_kind(Kind::Int64).argmax(-1, false);
+    let last_rank = found_rank.full_like(top_k - 1);
+    let target_positions = found_rank.where_self(&contains_target, &last_rank);
+    let last_candidate = candidate_ids.narrow(-1, top_k - 1, 1).squeeze_dim(-1);
+    let replaced_last = last_candidate.where_self(&contains_target, target_ids);
+    let training_candidate_ids = Tensor::cat(
+        &[
+            &candidate_ids.narrow(-1, 0, top_k - 1),
+            &replaced_last.unsqueeze(-1),
+        ],
+        -1,
+    );
+    Ok((training_candidate_ids, target_positions, contains_target))
+}
+
+/// The selector's terms over some blocks: `Σ w·CE` (differentiable) and
+/// the counts of recall@K and teacher-forced accuracy.
+struct SelectorTerms {
+    weighted_cross_entropy: Tensor,
+    supervised: Tensor,
+    recall_hits: Tensor,
+    selector_correct: Tensor,
+}
+
+impl SelectorTerms {
+    /// The totals with the unary `Σ w·CE`; the selector's own is filled by
+    /// the caller, which may have back-propagated it chunk by chunk.
+    fn totals(
+        &self,
+        unary_weighted_cross_entropy: f64,
+        dflash2: &super::Dflash2Config,
+    ) -> Result<SelectorTotals, DraftError> {
+        Ok(SelectorTotals {
+            top_k: dflash2.selector_top_k,
+            selector_loss_alpha: dflash2.selector_loss_alpha,
+            unary_weighted_cross_entropy,
+            selector_weighted_cross_entropy: 0.0,
+            supervised: self.supervised.double_value(&[]),
+            recall_hits: self.recall_hits.double_value(&[]),
+            selector_correct: self.selector_correct.double_value(&[]),
+        })
+    }
+}
+
+/// The selector loss and metrics of draft hidden states `hidden`
+/// `[batch, blocks, B−1, hidden]` with unary `logits` `[.., vocab]`.
+fn selector_terms(
+    model: &DraftModel,
+    hidden: &Tensor,
+    logits: &Tensor,
+    labels: &Tensor,
+    predecessors: &Tensor,
+    weights: &Tensor,
+    supervised: &Tensor,
+) -> Result<SelectorTerms, DraftError> {
+    let top_k = model.selector_top_k().ok_or_else(|| {
+        DraftError::InvalidConfig("the selector loss needs a DFlash2 model".to_string())
+    })?;
+    let (_, candidate_ids) = tch::no_grad(|| logits.topk(top_k, -1, true, true));
+    let (training_candidate_ids, target_positions, contains_target) =
+        selector_training_candidates(&candidate_ids, labels)?;
+    let scores = model.selector_scores(hidden, logits, predecessors, &training_candidate_ids)?;
+    let cross_entropy = -scores
+        .log_softmax(-1, Kind::Float)
+        .gather(-1, &target_positions.unsqueeze(-1), false)
+        .squeeze_dim(-1);
+    let weighted_cross_entropy = (&cross_entropy * weights).sum(Kind::Float);
+    let (recall_hits, selector_correct) = tch::no_grad(|| {
+        let recalled = contains_target.to_kind(Kind::Float) * supervised;
+        let chosen = training_candidate_ids
+            .gather(-1, &scores.argmax(-1, true), false)
+            .squeeze_dim(-1);
+        let correct = chosen.eq_tensor(labels).to_kind(Kind::Float) * &recalled;
+        (recalled.sum(Kind::Float), correct.sum(Kind::Float))
+    });
+    Ok(SelectorTerms {
+        weighted_cross_entropy,
+        supervised: supervised.sum(Kind::Float),
+        recall_hits,
+        selector_correct,
     })
 }
 
@@ -333,6 +530,8 @@ pub struct BackwardOutput {
     pub correct_per_position: Vec<f64>,
     /// Per block position `k = 1..B−1`: supervised targets.
     pub supervised_per_position: Vec<f64>,
+    /// DFlash2's selector terms; `None` for DFlash.
+    pub selector: Option<SelectorTotals>,
 }
 
 /// Forward and backward of the objective in one go: back-propagates the
@@ -367,7 +566,7 @@ pub fn compute_objective_backward(
             train,
         )
     };
-    let (weighted_cross_entropy, correct) = if memory.checkpoint_layers && train {
+    let (weighted_cross_entropy, correct, selector) = if memory.checkpoint_layers && train {
         model.forward_backward_checkpointed(&inputs, head)?
     } else {
         let draft_hidden = model.forward_blocks(&inputs)?;
@@ -393,26 +592,37 @@ pub fn compute_objective_backward(
         weight_sum,
         correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
         supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
+        selector,
     })
 }
 
 /// The weighted cross-entropy `Σ w·CE` over the draft hidden states (a
 /// leaf that requires grad when `train`), `chunk_blocks` blocks of logits at
 /// a time: each chunk back-propagates into the leaf's grad. Also which
-/// predictions were right, `[batch, blocks, block_size − 1]`.
+/// predictions were right, `[batch, blocks, block_size − 1]`. For DFlash2
+/// the sum includes `α·Σ w·CE_selector` and the selector's totals come too.
 fn chunked_cross_entropy(
     model: &DraftModel,
     targets: &BlockTargets,
     draft_hidden: &Tensor,
     chunk_blocks: Option<i64>,
     train: bool,
-) -> Result<(f64, Tensor), DraftError> {
+) -> Result<(f64, Tensor, Option<SelectorTotals>), DraftError> {
     let block_size = model.config().block_size;
     let num_blocks = draft_hidden.size()[1];
     let chunk_blocks = chunk_blocks
         .unwrap_or(num_blocks)
         .clamp(1, num_blocks.max(1));
     let mut weighted_cross_entropy = 0.0;
+    let mut selector = model
+        .config()
+        .dflash2
+        .as_ref()
+        .map(|dflash2| SelectorTotals {
+            top_k: dflash2.selector_top_k,
+            selector_loss_alpha: dflash2.selector_loss_alpha,
+            ..SelectorTotals::default()
+        });
     let mut correct_chunks = Vec::new();
     let mut first_block = 0;
     while first_block < num_blocks {
@@ -427,8 +637,27 @@ fn chunked_cross_entropy(
             .log_softmax(-1, Kind::Float)
             .gather(-1, &labels.unsqueeze(-1), false)
             .squeeze_dim(-1);
-        let chunk_sum = (&cross_entropy * &weights).sum(Kind::Float);
+        let mut chunk_sum = (&cross_entropy * &weights).sum(Kind::Float);
         weighted_cross_entropy += chunk_sum.double_value(&[]);
+        if let (Some(totals), Some(dflash2)) = (selector.as_mut(), model.config().dflash2.as_ref())
+        {
+            let terms = selector_terms(
+                model,
+                &hidden,
+                &logits,
+                &labels,
+                &targets.predecessors.narrow(1, first_block, blocks),
+                &weights,
+                &targets.supervised.narrow(1, first_block, blocks),
+            )?;
+            let mut chunk_totals = terms.totals(chunk_sum.double_value(&[]), dflash2)?;
+            let selector_sum = terms.weighted_cross_entropy.double_value(&[]);
+            chunk_totals.selector_weighted_cross_entropy = selector_sum;
+            totals.add(&chunk_totals);
+            weighted_cross_entropy += dflash2.selector_loss_alpha * selector_sum;
+            chunk_sum =
+                chunk_sum.g_add(&(terms.weighted_cross_entropy * dflash2.selector_loss_alpha));
+        }
         if train {
             chunk_sum.backward();
         }
@@ -440,7 +669,11 @@ fn chunked_cross_entropy(
         }));
         first_block += blocks;
     }
-    Ok((weighted_cross_entropy, Tensor::cat(&correct_chunks, 1)))
+    Ok((
+        weighted_cross_entropy,
+        Tensor::cat(&correct_chunks, 1),
+        selector,
+    ))
 }
 
 /// A 1-D tensor's values as f64.

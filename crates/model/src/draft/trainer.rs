@@ -18,7 +18,7 @@ use super::checkpoint::{
 };
 use super::objective::{
     compute_objective_backward, overall_accuracy, pack_batch, sample_anchors, ObjectiveMemory,
-    TrainingSequence,
+    SelectorTotals, TrainingSequence,
 };
 use super::optim::{AdamW, AdamWSettings, LearningRateSchedule};
 use super::{accuracy_ratios, AttentionImplementation, DraftError, DraftModel, FrozenTargetHeads};
@@ -118,7 +118,8 @@ pub struct MicroBatchReport {
 pub struct StepReport {
     /// Optimizer steps completed, this one included.
     pub step: u64,
-    /// `Σ w·CE / Σ w` over the step's micro-batches.
+    /// `Σ w·CE / Σ w` over the step's micro-batches (DFlash2: unary plus
+    /// `α` × selector, see [`SelectorReport`]).
     pub loss: f64,
     pub accuracy: f64,
     /// Accuracy at block positions 1..B−1.
@@ -128,6 +129,43 @@ pub struct StepReport {
     pub grad_norm: f64,
     pub samples: usize,
     pub tokens: usize,
+    /// DFlash2's selector figures; `None` for DFlash.
+    pub selector: Option<SelectorReport>,
+}
+
+/// DFlash2's part of a step report (speculators' metrics).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SelectorReport {
+    /// Candidates per position (the K of recall@K).
+    pub top_k: i64,
+    /// The unary (DFlash) loss `Σ w·CE / Σ w`.
+    pub unary_loss: f64,
+    /// The selector loss `Σ w·CE_selector / Σ w`.
+    pub selector_loss: f64,
+    /// Supervised positions whose gold token is in the unary top-k.
+    pub recall_at_k: f64,
+    /// Teacher-forced selector accuracy over the recalled positions.
+    pub teacher_forced_selector_accuracy: f64,
+}
+
+impl SelectorReport {
+    /// The report of a step's summed selector totals and `Σ w`.
+    pub fn from_totals(totals: &SelectorTotals, weight_sum: f64) -> Self {
+        let per_weight = |sum: f64| {
+            if weight_sum > 0.0 {
+                sum / weight_sum
+            } else {
+                f64::NAN
+            }
+        };
+        SelectorReport {
+            top_k: totals.top_k,
+            unary_loss: per_weight(totals.unary_weighted_cross_entropy),
+            selector_loss: per_weight(totals.selector_weighted_cross_entropy),
+            recall_at_k: totals.recall_at_k(),
+            teacher_forced_selector_accuracy: totals.teacher_forced_selector_accuracy(),
+        }
+    }
 }
 
 /// Sums over the micro-batches of the step in progress.
@@ -140,6 +178,8 @@ struct Accumulation {
     samples: usize,
     tokens: usize,
     micro_batches: u64,
+    /// DFlash2's selector sums.
+    selector: Option<SelectorTotals>,
 }
 
 /// The draft model with its optimizer, schedule and progress.
@@ -343,6 +383,12 @@ impl DraftTrainer {
             &mut accumulation.supervised_per_position,
             &output.supervised_per_position,
         );
+        if let Some(totals) = &output.selector {
+            accumulation
+                .selector
+                .get_or_insert_with(SelectorTotals::default)
+                .add(totals);
+        }
         accumulation.samples += sequences.len();
         accumulation.tokens += batch.num_tokens;
         accumulation.micro_batches += 1;
@@ -423,6 +469,10 @@ impl DraftTrainer {
             grad_norm,
             samples: accumulation.samples,
             tokens: accumulation.tokens,
+            selector: accumulation
+                .selector
+                .as_ref()
+                .map(|totals| SelectorReport::from_totals(totals, accumulation.weight_sum)),
         })
     }
 

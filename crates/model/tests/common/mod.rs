@@ -31,6 +31,7 @@ pub fn tiny_draft_config(initializer_range: f64) -> DraftConfig {
         target_layer_ids: vec![1, 3],
         mask_token_id: VOCAB - 1,
         initializer_range,
+        dflash2: None,
     }
 }
 

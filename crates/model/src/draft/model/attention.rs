@@ -34,6 +34,17 @@ impl DraftModel {
             &self.weight(&layer.input_layernorm),
             config.rms_norm_eps,
         );
+        let (normed, attention_output_kernel) = match &layer.convolutions {
+            None => (normed, None),
+            Some(convolutions) => {
+                let (convolved, kernel) = self.convolve_sublayer_input(
+                    &convolutions.attention,
+                    &normed,
+                    prepared.block_size,
+                );
+                (convolved, Some(kernel))
+            }
+        };
         let q_norm = self.weight(&layer.q_norm);
         let k_norm = self.weight(&layer.k_norm);
         let k_proj = self.weight(&layer.k_proj);
@@ -83,6 +94,7 @@ impl DraftModel {
             head_dim,
             scale: (head_dim as f64).powf(-0.5),
             kind: self.compute_kind,
+            attention_output_kernel,
         }
     }
 }
@@ -101,6 +113,8 @@ pub(super) struct AttentionHeads {
     scale: f64,
     /// The compute kind the probabilities go back to after the f32 softmax.
     kind: Kind,
+    /// DFlash2: the dynamic kernel the attention output is convolved with.
+    pub(super) attention_output_kernel: Option<Tensor>,
 }
 
 impl AttentionHeads {

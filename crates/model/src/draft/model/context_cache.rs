@@ -259,6 +259,15 @@ impl DraftModel {
             &self.weight(&layer.input_layernorm),
             config.rms_norm_eps,
         );
+        // DFlash2: the block is one convolution block.
+        let (normed, attention_output_kernel) = match &layer.convolutions {
+            None => (normed, None),
+            Some(convolutions) => {
+                let (convolved, kernel) =
+                    self.convolve_sublayer_input(&convolutions.attention, &normed, block_length);
+                (convolved, Some(kernel))
+            }
+        };
         let k_norm = self.weight(&layer.k_norm);
         let query = split_heads(
             normed.linear::<Tensor>(&self.weight(&layer.q_proj), None),
@@ -297,6 +306,12 @@ impl DraftModel {
             + probabilities
                 .narrow(-1, context_length, block_length)
                 .matmul(&block_value);
-        self.finish_layer(layer, residual, &attended)
+        self.finish_layer(
+            layer,
+            residual,
+            &attended,
+            attention_output_kernel.as_ref(),
+            block_length,
+        )
     }
 }

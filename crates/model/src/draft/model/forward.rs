@@ -147,21 +147,40 @@ impl DraftModel {
                 heads.fused_concatenated_attention(chunks, prepared)
             }
         };
-        self.finish_layer(layer, residual, &attended)
+        self.finish_layer(
+            layer,
+            residual,
+            &attended,
+            heads.attention_output_kernel.as_ref(),
+            prepared.block_size,
+        )
     }
 
     /// The rest of a draft layer after attention, shared by the training
     /// forward and the cached one: heads `[batch, heads, queries, head_dim]`
-    /// merged, `o_proj` plus the residual, then the post-attention norm and
-    /// the SwiGLU MLP with their residual.
+    /// merged, `o_proj` (DFlash2: convolved with `attention_output_kernel`)
+    /// plus the residual, then the post-attention norm and the SwiGLU MLP
+    /// (DFlash2: inside the MLP convolution) with their residual. Blocks are
+    /// `block_length` consecutive queries.
     pub(super) fn finish_layer(
         &self,
         layer: &DraftLayerParameters,
         residual: Tensor,
         attended: &Tensor,
+        attention_output_kernel: Option<&Tensor>,
+        block_length: i64,
     ) -> Tensor {
         let attended = attended.transpose(1, 2).flatten(2, 3);
-        let hidden = residual + attended.linear::<Tensor>(&self.weight(&layer.o_proj), None);
+        let mut attention_output = attended.linear::<Tensor>(&self.weight(&layer.o_proj), None);
+        if let (Some(convolutions), Some(kernel)) = (&layer.convolutions, attention_output_kernel) {
+            attention_output = self.convolve_sublayer_output(
+                &convolutions.attention,
+                &attention_output,
+                kernel,
+                block_length,
+            );
+        }
+        let hidden = residual + attention_output;
 
         let residual = hidden.shallow_clone();
         let normed = rms_norm(
@@ -169,13 +188,28 @@ impl DraftModel {
             &self.weight(&layer.post_attention_layernorm),
             self.config.rms_norm_eps,
         );
-        residual
-            + swiglu_mlp(
-                &normed,
+        let mlp = |input: &Tensor| {
+            swiglu_mlp(
+                input,
                 &self.weight(&layer.gate_proj),
                 &self.weight(&layer.up_proj),
                 &self.weight(&layer.down_proj),
             )
+        };
+        match &layer.convolutions {
+            None => residual + mlp(&normed),
+            Some(convolutions) => {
+                let (convolved, kernel) =
+                    self.convolve_sublayer_input(&convolutions.mlp, &normed, block_length);
+                residual
+                    + self.convolve_sublayer_output(
+                        &convolutions.mlp,
+                        &mlp(&convolved),
+                        &kernel,
+                        block_length,
+                    )
+            }
+        }
     }
 
     /// The final `norm`, reshaped to `[batch, blocks, block_size, hidden]`.

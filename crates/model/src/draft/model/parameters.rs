@@ -30,6 +30,57 @@ pub(super) struct DraftLayerParameters {
     pub(super) gate_proj: Tensor,
     pub(super) up_proj: Tensor,
     pub(super) down_proj: Tensor,
+    /// DFlash2's convolutions around the attention and the MLP sublayers.
+    pub(super) convolutions: Option<LayerConvolutions>,
+}
+
+/// One `GroupedDynamicCausalConv` of the reference: `base_kernel`
+/// `[2, taps, hidden]` (index 0 for the sublayer's input, 1 for its output)
+/// and `kernel_projection` `[2·taps·groups, hidden]`, which turns the
+/// sublayer's normed input into both dynamic kernels.
+pub(super) struct DynamicConvolution {
+    pub(super) base_kernel: Tensor,
+    pub(super) kernel_projection: Tensor,
+}
+
+/// A DFlash2 layer's two convolutions (`attention_conv`, `mlp_conv`).
+pub(super) struct LayerConvolutions {
+    pub(super) attention: DynamicConvolution,
+    pub(super) mlp: DynamicConvolution,
+}
+
+/// The reference `CandidateSelector`'s parameters.
+pub(super) struct SelectorParameters {
+    /// `[vocab, rank]`: the previous token's factor.
+    pub(super) predecessor_codebook: Tensor,
+    /// `[vocab, rank]`: the candidate's factor.
+    pub(super) successor_codebook: Tensor,
+    /// `[rank, hidden]`: the draft hidden state's factor.
+    pub(super) hidden_projection: Tensor,
+}
+
+/// How [`crate::draft::DraftModel::new`] initialises a parameter: like the
+/// reference's `_init_weights` (norms at one, linear weights normal) and,
+/// for DFlash2, speculators' `reset_parameters` (each convolution the
+/// identity: base kernel tap 0 at one, the rest and the projection zero).
+pub(super) enum Initialisation {
+    Ones,
+    Normal,
+    Zeros,
+    IdentityConvolution,
+}
+
+/// The initialisation of a parameter by its checkpoint name.
+pub(super) fn initialisation_of(name: &str) -> Initialisation {
+    if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+        Initialisation::Ones
+    } else if name.ends_with("_conv.base_kernel") {
+        Initialisation::IdentityConvolution
+    } else if name.ends_with("_conv.kernel_projection.weight") {
+        Initialisation::Zeros
+    } else {
+        Initialisation::Normal
+    }
 }
 
 /// The frozen pieces of the target the drafter reads tokens through.
@@ -89,8 +140,18 @@ impl FrozenTargetHeads {
 const EMBED_TOKENS_NAME: &str = "model.embed_tokens.weight";
 const LM_HEAD_NAME: &str = "lm_head.weight";
 
+/// Checkpoint names of the selector's codebooks. The reference module holds
+/// them as `nn.Embedding` (`….weight`) but loads them from the speculators
+/// layout without the suffix (`DFlash2DraftModel.from_pretrained`'s
+/// `key_mapping`), so that is how they are stored.
+pub const PREDECESSOR_CODEBOOK_NAME: &str = "candidate_selector.predecessor_codebook";
+pub const SUCCESSOR_CODEBOOK_NAME: &str = "candidate_selector.successor_codebook";
+pub const HIDDEN_PROJECTION_NAME: &str = "candidate_selector.hidden_projection.weight";
+
 /// Every parameter name of the reference `DFlashDraftModel.state_dict()`
-/// with its shape, in a stable order.
+/// (for DFlash2 `DFlash2DraftModel`'s, codebooks as the checkpoint names
+/// them) with its shape, in a stable order: DFlash's first, so a DFlash2
+/// model drawn from a seed starts with the DFlash model of that seed.
 pub fn parameter_shapes(config: &DraftConfig) -> Vec<(String, Vec<i64>)> {
     let hidden = config.hidden_size;
     let query_width = config.num_attention_heads * config.head_dim;
@@ -147,6 +208,34 @@ pub fn parameter_shapes(config: &DraftConfig) -> Vec<(String, Vec<i64>)> {
                 format!("{prefix}.mlp.down_proj.weight"),
                 vec![hidden, config.intermediate_size],
             ),
+        ]);
+    }
+    if let Some(dflash2) = &config.dflash2 {
+        let taps = dflash2.conv_kernel_size;
+        let groups = dflash2.conv_groups(hidden);
+        for index in 0..config.num_draft_layers {
+            for convolution in ["attention_conv", "mlp_conv"] {
+                let prefix = format!("layers.{index}.{convolution}");
+                shapes.extend([
+                    (format!("{prefix}.base_kernel"), vec![2, taps, hidden]),
+                    (
+                        format!("{prefix}.kernel_projection.weight"),
+                        vec![2 * taps * groups, hidden],
+                    ),
+                ]);
+            }
+        }
+        let rank = dflash2.selector_rank;
+        shapes.extend([
+            (
+                PREDECESSOR_CODEBOOK_NAME.to_string(),
+                vec![config.vocab_size, rank],
+            ),
+            (
+                SUCCESSOR_CODEBOOK_NAME.to_string(),
+                vec![config.vocab_size, rank],
+            ),
+            (HIDDEN_PROJECTION_NAME.to_string(), vec![rank, hidden]),
         ]);
     }
     shapes

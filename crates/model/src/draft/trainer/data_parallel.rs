@@ -248,6 +248,8 @@ impl DraftTrainer {
             grad_norm,
             samples,
             tokens,
+            // DFlash2's selector figures are not reduced over the members.
+            selector: None,
         })
     }
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# DFlash2 checkpoints load in the reference (issue 42): trains a tiny DFlash2
+# drafter for a few steps with this project's code, saves its checkpoint and
+# one block's draft hidden states and greedy selector path, then loads it
+# with PyPI `dflash` 0.1.0's DFlash2DraftModel.from_pretrained (0 missing,
+# 0 unexpected keys, every tensor bit for bit) and runs that block through
+# the reference. The Python packages come from scripts/python-venv.sh.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="$(bash "$repo_root/scripts/python-venv.sh")"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+cd "$repo_root"
+cargo run --quiet -p dflash-model --example dflash2_checkpoint -- "$work/checkpoint"
+"$python" "$repo_root/scripts/check_dflash_checkpoint.py" "$work/checkpoint"
+echo "check-dflash2: OK"
