@@ -515,7 +515,7 @@ class DrafterSyncStatus(_message.Message):
     def __init__(self, drafter_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_sync_ms_ago: _Optional[int] = ..., base_version: _Optional[int] = ..., staleness: _Optional[int] = ..., last_update_staleness: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., finished: _Optional[bool] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class ModelSyncStatus(_message.Message):
-    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending", "max_pending_evaluations")
+    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending", "max_pending_evaluations", "data_parallel")
     HAS_CENTER_FIELD_NUMBER: _ClassVar[int]
     CENTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +536,7 @@ class ModelSyncStatus(_message.Message):
     BEST_SAVED_VERSION_FIELD_NUMBER: _ClassVar[int]
     EVALUATIONS_PENDING_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     has_center: bool
     center_version: int
     method: str
@@ -556,7 +557,30 @@ class ModelSyncStatus(_message.Message):
     best_saved_version: int
     evaluations_pending: _containers.RepeatedScalarFieldContainer[int]
     max_pending_evaluations: int
-    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ...) -> None: ...
+    data_parallel: DataParallelStatus
+    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ..., data_parallel: _Optional[_Union[DataParallelStatus, _Mapping]] = ...) -> None: ...
+
+class DataParallelStatus(_message.Message):
+    __slots__ = ("quorum_id", "step", "members", "quorums_formed", "steps_committed", "steps_failed", "heals", "checksum_mismatches", "members_dropped")
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    QUORUMS_FORMED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    HEALS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    quorum_id: int
+    step: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    quorums_formed: int
+    steps_committed: int
+    steps_failed: int
+    heals: int
+    checksum_mismatches: int
+    members_dropped: int
+    def __init__(self, quorum_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., quorums_formed: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_failed: _Optional[int] = ..., heals: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., members_dropped: _Optional[int] = ...) -> None: ...
 
 class TauPoint(_message.Message):
     __slots__ = ("center_version", "center_samples", "tau", "prompts", "generated_tokens", "verification_steps", "eval_seconds", "unix_time_ms", "evaluator_id", "read_unix_time_ms")
