@@ -187,6 +187,7 @@ impl ModelSyncShared {
     pub fn status(&self) -> proto::ModelSyncStatus {
         let mut status = self.state.lock().status(Instant::now());
         self.evaluations.lock().fill_status(&mut status);
+        status.data_parallel = Some(self.quorum.status());
         status
     }
 

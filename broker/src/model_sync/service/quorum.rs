@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status};
 
 use super::ModelSyncShared;
 use crate::model_sync::quorum::{
-    Answers, Decision, QuorumAnswer, QuorumAsk, QuorumCounters, QuorumSettings, QuorumState, Vote,
+    Answers, Decision, QuorumAnswer, QuorumAsk, QuorumSettings, QuorumState, Vote,
 };
 
 /// How often a waiting call ticks the state (idle answers, timeouts).
@@ -94,17 +94,25 @@ impl QuorumHub {
         }
     }
 
-    pub fn counters(&self) -> QuorumCounters {
-        self.inner.lock().state.counters.clone()
-    }
-
-    /// The last quorum's id, step and members.
-    pub fn last(&self) -> Option<(u64, u64, Vec<String>)> {
-        self.inner
-            .lock()
-            .state
-            .last()
-            .map(|formed| (formed.quorum_id, formed.step, formed.members.clone()))
+    /// The last quorum and the counters, for status.
+    pub fn status(&self) -> proto::DataParallelStatus {
+        let inner = self.inner.lock();
+        let counters = &inner.state.counters;
+        let mut status = proto::DataParallelStatus {
+            quorums_formed: counters.quorums_formed,
+            steps_committed: counters.steps_committed,
+            steps_failed: counters.steps_failed,
+            heals: counters.heals,
+            checksum_mismatches: counters.checksum_mismatches,
+            members_dropped: counters.members_dropped,
+            ..Default::default()
+        };
+        if let Some(formed) = inner.state.last() {
+            status.quorum_id = formed.quorum_id;
+            status.step = formed.step;
+            status.members = formed.members.clone();
+        }
+        status
     }
 
     async fn wait<T>(
