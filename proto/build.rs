@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 /// Messages of the status snapshot, which derive `serde::Serialize`.
-const STATUS_MESSAGES: [&str; 11] = [
+const STATUS_MESSAGES: [&str; 12] = [
     "dflash.v1.StatusSnapshot",
     "dflash.v1.TargetStatus",
     "dflash.v1.DrafterStatus",
@@ -17,6 +17,7 @@ const STATUS_MESSAGES: [&str; 11] = [
     "dflash.v1.ModelSyncStatus",
     "dflash.v1.DrafterSyncStatus",
     "dflash.v1.TauPoint",
+    "dflash.v1.DataParallelStatus",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
