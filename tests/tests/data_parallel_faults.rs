@@ -1,0 +1,328 @@
+//! Data-parallel drafters survive a hang, a join and a death mid-run: real
+//! `broker` and `drafter-server` binaries (real draft models of the tiny
+//! target, gradients all-reduced over Gloo on loopback), the producer in
+//! the test. In one run:
+//!
+//! 1. three drafters form a quorum and commit steps;
+//! 2. one is stopped (SIGSTOP): the others go on without it within the
+//!    collective timeout plus one quorum timeout; continued (SIGCONT), it
+//!    asks again, heals from rank 0 and takes part again;
+//! 3. a fourth drafter joins mid-run: it heals, and no member's state
+//!    checksum ever differs from rank 0's;
+//! 4. one is killed (SIGKILL) while the others train: they go on;
+//! 5. the run ends COMPLETE: every item acked once (the broker's ledger
+//!    acks a (target, seq) at most once, and acked = produced with no dead
+//!    letters), the survivors exit 0, and the run's model the broker wrote
+//!    is the last committed step's and finite.
+//!
+//! Items are produced phase by phase, so the run cannot end before the
+//! faults happened; every wait polls the broker's status.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use dflash_broker::model_sync::checkpoint::read_center;
+use dflash_client::BrokerClient;
+use dflash_proto::v1 as proto;
+use dflash_testkit::{wait_until, workspace_binary, BrokerProcess};
+
+const TOKENS_PER_ITEM: usize = 16;
+/// The tiny target's hidden size times the 2 draft layers' target layers.
+const HIDDEN_WIDTH: u64 = 2 * 64;
+/// Items sent before each phase: several steps of 6 samples.
+const ITEMS_PER_PHASE: u64 = 36;
+/// Bound on each waited-for state (a debug build on a loaded 2-core machine).
+const PHASE_TIMEOUT: Duration = Duration::from_secs(240);
+/// The broker's --quorum-timeout and the drafters' --collective-timeout:
+/// how long a stopped or dead member can hold the others.
+const FAULT_TIMEOUT: &str = "5s";
+
+fn drafter_id(index: usize) -> String {
+    format!("drafter-{index}")
+}
+
+/// A sample the tiny drafter accepts (as in `model_sync_kill.rs`).
+fn item(seq: u64) -> proto::Sample {
+    let input_ids: Vec<i64> = (0..TOKENS_PER_ITEM as u64)
+        .map(|position| 3 + (seq * 7 + position * 13) as i64 % 290)
+        .collect();
+    let loss_mask: Vec<u8> = (0..TOKENS_PER_ITEM)
+        .map(|position| u8::from(position >= TOKENS_PER_ITEM / 4))
+        .collect();
+    let hidden: Vec<u8> = (0..TOKENS_PER_ITEM as u64 * HIDDEN_WIDTH)
+        .flat_map(|index| {
+            let value = ((index * 31 + seq * 5) % 17) as f32 / 8.0 - 1.0;
+            ((value.to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect();
+    dflash_proto::sample::encode(
+        &input_ids,
+        &loss_mask,
+        bytes::Bytes::from(hidden),
+        proto::Dtype::Bf16,
+        HIDDEN_WIDTH,
+    )
+}
+
+fn spawn_drafter(work: &Path, broker: &str, tiny: &Path, index: usize) -> Child {
+    let id = drafter_id(index);
+    let log = std::fs::File::create(work.join(format!("{id}.log"))).unwrap();
+    Command::new(workspace_binary("drafter-server"))
+        .args(["--broker", broker, "--drafter-id", &id, "--target-model"])
+        .arg(tiny)
+        .arg("--output")
+        .arg(work.join(&id))
+        .args([
+            "--device",
+            "cpu",
+            "--draft-layers",
+            "2",
+            "--block-size",
+            "4",
+        ])
+        .args(["--num-anchors", "8", "--batch-tokens", "256"])
+        .args(["--max-step-samples", "6", "--prefetch-samples", "2"])
+        .args(["--linger", "200ms", "--stats-interval", "200ms"])
+        .args(["--save-every", "0", "--snapshot-every", "2"])
+        .args(["--collective-timeout", FAULT_TIMEOUT])
+        // Four trainers share the machine's cores.
+        .env("OMP_NUM_THREADS", "1")
+        .env("TORCH_CPP_LOG_LEVEL", "ERROR")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start a drafter-server binary")
+}
+
+fn drafter_log(work: &Path, index: usize) -> String {
+    std::fs::read_to_string(work.join(format!("{}.log", drafter_id(index)))).unwrap_or_default()
+}
+
+async fn parallel_status(client: &BrokerClient) -> proto::DataParallelStatus {
+    client
+        .status()
+        .await
+        .ok()
+        .and_then(|status| status.model_sync)
+        .and_then(|sync| sync.data_parallel)
+        .unwrap_or_default()
+}
+
+fn members_are(status: &proto::DataParallelStatus, indices: &[usize]) -> bool {
+    let mut members = status.members.clone();
+    members.sort();
+    let mut expected: Vec<String> = indices.iter().map(|&index| drafter_id(index)).collect();
+    expected.sort();
+    members == expected
+}
+
+/// Waits until a quorum of exactly `indices` committed a step after
+/// `after` committed steps; panics naming the state and the logs if not.
+async fn wait_for_quorum(
+    client: &BrokerClient,
+    work: &Path,
+    indices: &[usize],
+    after: u64,
+    what: &str,
+) -> proto::DataParallelStatus {
+    let reached = wait_until(PHASE_TIMEOUT, || async {
+        let status = parallel_status(client).await;
+        members_are(&status, indices) && status.steps_committed > after + 1
+    })
+    .await;
+    let status = parallel_status(client).await;
+    assert!(
+        reached,
+        "{what}: {status:?}; drafter-0 log tail: {}",
+        tail(&drafter_log(work, 0))
+    );
+    status
+}
+
+fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+async fn produce(producer: &mut dflash_client::Producer, from: u64, count: u64) {
+    for seq in from..from + count {
+        producer
+            .send(seq, item(seq), Default::default())
+            .await
+            .unwrap();
+    }
+}
+
+async fn wait_for_exit(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Sends `signal` (e.g. "STOP") to `child` with kill(1).
+fn signal(child: &Child, signal: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {}", child.id());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
+    let work = tempfile::tempdir().unwrap();
+    let tiny: PathBuf = work.path().join("tiny");
+    let init = Command::new(workspace_binary("dflash"))
+        .arg("init-tiny")
+        .arg(&tiny)
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{init:?}");
+    let model_dir = work.path().join("model");
+    let model_arg = model_dir.to_str().unwrap().to_string();
+    let broker = BrokerProcess::start(
+        &[
+            "--expected-targets",
+            "1",
+            "--model-output",
+            &model_arg,
+            "--quorum-timeout",
+            FAULT_TIMEOUT,
+            "--lease-timeout",
+            "60s",
+        ],
+        work.path().join("broker.log"),
+    )
+    .await;
+    let client = broker.client().await;
+    let mut drafters: Vec<Child> = (0..3)
+        .map(|index| spawn_drafter(work.path(), &broker.address, &tiny, index))
+        .collect();
+    let mut producer = client.produce("target-0").await.unwrap();
+    let mut produced = 0u64;
+
+    // 1. Three members commit steps together.
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(&client, work.path(), &[0, 1, 2], 0, "three members").await;
+
+    // 2. drafter-1 hangs: the others go on without it, then it comes back.
+    signal(&drafters[1], "STOP");
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(
+        &client,
+        work.path(),
+        &[0, 2],
+        status.steps_committed,
+        "the others without the stopped member",
+    )
+    .await;
+    assert!(status.members_dropped >= 1, "{status:?}");
+    signal(&drafters[1], "CONT");
+    let heals_before = status.heals;
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(
+        &client,
+        work.path(),
+        &[0, 1, 2],
+        status.steps_committed,
+        "the continued member back in",
+    )
+    .await;
+    assert!(status.heals > heals_before, "it healed back: {status:?}");
+
+    // 3. drafter-3 joins mid-run.
+    drafters.push(spawn_drafter(work.path(), &broker.address, &tiny, 3));
+    let heals_before = status.heals;
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(
+        &client,
+        work.path(),
+        &[0, 1, 2, 3],
+        status.steps_committed,
+        "the joiner in",
+    )
+    .await;
+    assert!(status.heals > heals_before, "the joiner healed: {status:?}");
+
+    // 4. drafter-0 dies while the others train.
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    drafters[0].kill().unwrap();
+    drafters[0].wait().unwrap();
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(
+        &client,
+        work.path(),
+        &[1, 2, 3],
+        status.steps_committed,
+        "the survivors after the kill",
+    )
+    .await;
+    assert_eq!(status.checksum_mismatches, 0, "{status:?}");
+
+    // 5. The run ends: every item acked once, the survivors exit 0.
+    let report = producer.finish().await.unwrap();
+    assert_eq!(report.accepted, produced, "{report:?}");
+    client.report_done("target-0", produced).await.unwrap();
+    for index in 1..4 {
+        let exit = wait_for_exit(&mut drafters[index], PHASE_TIMEOUT).await;
+        assert!(
+            exit.is_some_and(|status| status.success()),
+            "{} exited {exit:?}; log: {}",
+            drafter_id(index),
+            tail(&drafter_log(work.path(), index))
+        );
+    }
+    let status = client.status().await.unwrap();
+    assert_eq!(status.state, proto::BrokerState::Complete as i32);
+    let summary = status.summary.clone().unwrap_or_default();
+    assert_eq!(summary.acked_items, produced, "{summary:?}");
+    assert_eq!(summary.dead_letters, 0, "{summary:?}");
+    let sync = status.model_sync.clone().unwrap_or_default();
+    let parallel = sync.data_parallel.clone().unwrap_or_default();
+    eprintln!("data parallelism at the end: {parallel:?}");
+    assert_eq!(parallel.checksum_mismatches, 0, "{parallel:?}");
+
+    // The run's model on disk is the last committed step's, whole and finite.
+    let final_saved = wait_until(Duration::from_secs(60), || async {
+        client
+            .status()
+            .await
+            .ok()
+            .and_then(|status| status.model_sync)
+            .is_some_and(|sync| sync.final_saved)
+    })
+    .await;
+    assert!(final_saved, "final model written; log: {}", broker.log());
+    let model = read_center(&model_dir, false)
+        .unwrap()
+        .expect("a model on disk");
+    let last_step = parallel.step + 1;
+    assert_eq!(model.version, last_step, "{parallel:?}");
+    assert!(!model.tensors.is_empty());
+    for tensor in &model.tensors {
+        let elements = tensor.shape.iter().product::<u64>() as usize;
+        assert_eq!(tensor.values.len(), elements, "{}", tensor.name);
+        assert!(
+            tensor.values.iter().all(|value| value.is_finite()),
+            "{} has a non-finite value",
+            tensor.name
+        );
+    }
+}
