@@ -12,8 +12,8 @@
 #     root file system, no privilege escalation, no capabilities and the
 #     RuntimeDefault seccomp profile on every pod and container; default-deny
 #     NetworkPolicies that let only targets, drafters and operator pods reach
-#     the broker's gRPC port and only the monitoring namespace the metrics
-#     ports; TLS on the broker with every client on https and the CA; one
+#     the broker's gRPC port, only the monitoring namespace the metrics
+#     ports, and only drafters the drafters' other ports (their collectives); TLS on the broker with every client on https and the CA; one
 #     token Secret per role, each pod mounting only its own; the broker
 #     authorizes by role with --credentials from dflash-broker-credentials
 #     and mounts no role token, no token file, and no rendered object
@@ -377,6 +377,14 @@ def network_policies(path):
                 where = f"{w.name}: NetworkPolicy {policy['metadata']['name']}"
                 opened = rule_ports(rule, w)
                 peers = rule.get("from") or []
+                # Drafters all-reduce with each other over c10d (Gloo's pairs
+                # on ports the kernel picks): every port, from drafters only.
+                drafters_only = bool(peers) and all(
+                    set(peer) == {"podSelector"} and selector_matches(peer["podSelector"], w.labels)
+                    and not selector_matches(peer["podSelector"], OTHER_POD)
+                    for peer in peers)
+                if w.role == "drafter" and drafters_only:
+                    continue
                 need(opened is not None, f"{where} opens every port")
                 need(peers, f"{where} admits every peer (no `from`)")
                 for port in opened or []:
