@@ -58,8 +58,10 @@ study: setup
 	$(CARGO) test -p dflash-drafter-server --test model_sync_quality -- --ignored --exact study --nocapture
 
 ## The drafter checkpoints of the system test's `dflash local` run load in the
-## reference `dflash` package (installed once into a venv in the cache).
-check-checkpoint: setup
+## reference `dflash` package (installed once into a venv in the cache). It
+## reads the run test-rust keeps (runs/test-local), hence the prerequisite
+## (also under make -j).
+check-checkpoint: setup test-rust
 	bash scripts/check-checkpoint.sh $(CURDIR)/runs/test-local
 
 ## A trained tiny DFlash2 checkpoint loads in the reference's
@@ -80,6 +82,14 @@ check-grpcurl: setup
 ## against a live broker and link no libtorch.
 check-ops-cli: setup
 	bash scripts/check-ops-cli.sh
+
+## Mutation check of the queue's rules (scripts/mutants.sh): each named
+## mutant of broker/src/queue must make its tests fail. Not in `test`: 5 min
+## on the 2-core machine (27 mutants, 8-18 s each). MUTANTS picks some.
+.PHONY: mutants
+MUTANTS ?=
+mutants:
+	bash scripts/mutants.sh $(MUTANTS)
 
 bench: setup
 	$(CARGO) bench -p dflash-broker --bench throughput

@@ -40,8 +40,10 @@
 # its own volume (checked: run 2 has a new run id, not run 1's resumed), and
 # `down -v` removes it.
 #
-# Skipped, with a message, only when no Docker engine answers.
-# Prints `check-deploy: N passed, M failed` last; exits non-zero on a failure.
+# Skipped only when no Docker engine answers, and then reported as skipped
+# (`check-deploy: 0 passed, 0 failed, 1 skipped`), except on CI (CI=true),
+# where that is a failure. Prints `check-deploy: N passed, M failed` last;
+# exits non-zero on a failure.
 set -uo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cache_root="${DFLASH_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash}"
@@ -65,8 +67,14 @@ summary() {
 }
 
 if ! docker info >/dev/null 2>&1; then
-  say "SKIPPED: no Docker engine answers ('docker info' failed); nothing was checked"
-  echo "check-deploy: 0 passed, 0 failed"
+  # A skip is reported as one, never as a pass; on CI (CI=true), whose
+  # machines run a Docker engine, a missing one is a failure.
+  if [[ "${CI:-}" == "true" || "${CI:-}" == "1" ]]; then
+    fail "a Docker engine answers ('docker info' failed; CI must have one)"
+    summary; exit 1
+  fi
+  echo "SKIPPED: check-deploy: no Docker engine answers ('docker info' failed); nothing was checked"
+  echo "check-deploy: 0 passed, 0 failed, 1 skipped"
   exit 0
 fi
 if command -v docker-compose >/dev/null 2>&1; then

@@ -17,12 +17,21 @@ fi
 cd "$repo_root"
 cargo build --quiet -p dflash-broker --bin broker
 target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
-port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
 log="$(mktemp)"
-"$target_dir/debug/broker" --listen "127.0.0.1:$port" --expected-targets 2 >"$log" 2>&1 &
+ready="$(mktemp -u)"
+# Port 0: the broker holds the port the kernel gives it and writes it to its
+# ready file (no free port picked here and let go before the broker binds).
+"$target_dir/debug/broker" --listen 127.0.0.1:0 --ready-file "$ready" --expected-targets 2 >"$log" 2>&1 &
 broker_pid=$!
-trap 'kill "$broker_pid" 2>/dev/null || true; rm -f "$log"' EXIT
+trap 'kill "$broker_pid" 2>/dev/null || true; rm -f "$log" "$ready"' EXIT
 
+for _ in $(seq 1 600); do
+  [[ -s "$ready" ]] && break
+  kill -0 "$broker_pid" 2>/dev/null || break
+  sleep 0.1
+done
+[[ -s "$ready" ]] || { echo "check-grpcurl: the broker wrote no ready file" >&2; cat "$log" >&2; exit 1; }
+port="$(sed 's/.*://' "$ready")"
 for _ in $(seq 1 100); do
   if "$grpcurl" -plaintext "127.0.0.1:$port" list >/dev/null 2>&1; then break; fi
   sleep 0.1

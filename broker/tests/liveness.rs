@@ -86,8 +86,11 @@ async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
     assert_eq!(end.status(), proto::RunStatus::Aborted, "{end:?}");
     assert!(end.reason.contains("no item accepted"), "{}", end.reason);
     assert!(end.reason.contains("target-0"), "{}", end.reason);
+    // Not before the stall timeout (the broker's clock may start up to
+    // its 100 ms tick earlier than ours). How long after is no property of
+    // the rule (the reason names the stall timeout as the cause): the bound
+    // is end_of_stream's, a liveness bound, not a timing one.
     assert!(waited >= stall - Duration::from_millis(100), "{waited:?}");
-    assert!(waited <= stall + Duration::from_secs(3), "{waited:?}");
     let status = broker.status().await;
     assert_eq!(status.state(), proto::BrokerState::Aborted);
     stats.abort();
@@ -114,8 +117,11 @@ async fn a_silent_producer_under_continue_completes_with_the_target_failed() {
         vec!["target-0".to_string()],
         "{end:?}"
     );
+    // Not before the stall timeout (the broker's clock may start up to
+    // its 100 ms tick earlier than ours). How long after is no property of
+    // the rule (the reason names the stall timeout as the cause): the bound
+    // is end_of_stream's, a liveness bound, not a timing one.
     assert!(waited >= stall - Duration::from_millis(100), "{waited:?}");
-    assert!(waited <= stall + Duration::from_secs(3), "{waited:?}");
     let status = broker.status().await;
     assert_eq!(status.state(), proto::BrokerState::Complete);
     // What it sent before it went silent was delivered and acked.
@@ -136,8 +142,9 @@ async fn a_producer_that_never_sends_fails_after_the_load_timeout() {
     let waited = connected.elapsed();
     assert_eq!(end.status(), proto::RunStatus::Aborted, "{end:?}");
     assert!(end.reason.contains("no first item"), "{}", end.reason);
+    // Not before the load timeout; after it only as late as end_of_stream
+    // waits (a liveness bound: the reason names the load timeout as cause).
     assert!(waited >= load - Duration::from_millis(100), "{waited:?}");
-    assert!(waited <= load + Duration::from_secs(3), "{waited:?}");
     broker.stop().await;
 }
 
@@ -160,11 +167,31 @@ async fn backpressure_is_not_a_stall() {
         }
         producer.finish().await.unwrap()
     });
-    // Held back for three stall timeouts: still running.
-    tokio::time::sleep(stall * 3).await;
-    let status = broker.status().await;
-    assert_eq!(status.state(), proto::BrokerState::Running, "{status:?}");
-    assert!(status.accepted_items < 12);
+    // First the state under test: the broker holds the target back (the
+    // queue holds so much that the next item does not fit), whatever the
+    // machine's load made that take.
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            let status = broker.status().await;
+            let per_item = status.queued_bytes / status.accepted_items.max(1);
+            status.accepted_items > 0 && status.queued_bytes + per_item > status.max_queue_bytes
+        })
+        .await,
+        "the queue never filled: {:?}",
+        broker.status().await
+    );
+    let held = broker.status().await.accepted_items;
+    assert!(held < 12, "{held} accepted: nothing held back");
+    // Then, for three stall timeouts held back, checked every 100 ms: still
+    // running, nothing more accepted (still held back, so the stall clock
+    // must not run).
+    let held_since = Instant::now();
+    while held_since.elapsed() < stall * 3 {
+        let status = broker.status().await;
+        assert_eq!(status.state(), proto::BrokerState::Running, "{status:?}");
+        assert_eq!(status.accepted_items, held, "{status:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // A drafter frees room; everything arrives.
     let mut consumer = client.consume("drafter-0", credit(2)).await.unwrap();
     let handle = consumer.handle();
@@ -218,8 +245,10 @@ async fn extensions_cannot_keep_a_lease_past_its_lifetime() {
         "the lease outlived its lifetime"
     );
     let taken_back = delivered.elapsed();
+    // Not before the lifetime (2 s, less the 100 ms our clock may start
+    // after the broker's); the wait above (10 s) bounds the rest: extended
+    // every 100 ms, the lease would otherwise live as long as the test.
     assert!(taken_back >= Duration::from_millis(1900), "{taken_back:?}");
-    assert!(taken_back <= Duration::from_secs(4), "{taken_back:?}");
     assert_eq!(first.delivery_count, 1);
     extender.abort();
     broker.stop().await;

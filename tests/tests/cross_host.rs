@@ -13,7 +13,8 @@
 //! The test builds the bed itself: run outside it, it runs
 //! `scripts/hosts.sh run --hosts 2 --on 1 -- <this test>`, which tears the
 //! bed down however the run ends. It needs root (network namespaces); without
-//! it, or without iproute2, it says why and passes without running.
+//! it, or without iproute2, it reports itself skipped (`SKIPPED:`, counted
+//! apart by `.ci/run`), and on CI (`CI=true`), where both are there, it fails.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -59,7 +60,7 @@ async fn a_drafter_host_cut_off_and_back_loses_nothing() {
         return;
     }
     if let Some(reason) = why_no_bed() {
-        eprintln!("{TEST_NAME}: skipped: {reason}");
+        dflash_testkit::skip(TEST_NAME, &reason);
         return;
     }
     // Outside the bed: build it and run this test again inside, on host 1.

@@ -298,6 +298,36 @@ pub fn workspace_binary(name: &str) -> PathBuf {
     path
 }
 
+/// Whether this runs on the project's CI (`CI` set to `true` or `1`, as
+/// `.ci/run` sets it): there every test's environment is there by
+/// definition (root, Docker, `ip netns`, tmpfs mounts), so none may skip.
+pub fn on_ci() -> bool {
+    matches!(
+        std::env::var("CI")
+            .as_deref()
+            .map(str::to_ascii_lowercase)
+            .as_deref(),
+        Ok("true" | "1")
+    )
+}
+
+/// A test that cannot run here reports a skip, never a pass: it prints
+/// `SKIPPED: <test>: <why>` on a line of its own, which `.ci/run` counts
+/// apart (and takes off libtest's passes, which count the returning test),
+/// then the caller returns. The line is written to the process's stderr
+/// itself, past libtest's capture, so it shows without `--nocapture`. On CI
+/// a missing environment is a failure: this panics instead.
+pub fn skip(test: &str, why: &str) {
+    assert!(
+        !on_ci(),
+        "{test}: cannot run on CI, where its environment must be: {why}"
+    );
+    use std::io::Write;
+    // One line, whatever the reason holds (a command's stderr may span lines).
+    let why = why.split_whitespace().collect::<Vec<_>>().join(" ");
+    let _ = writeln!(std::io::stderr().lock(), "\nSKIPPED: {test}: {why}");
+}
+
 /// Fails the test, saying what to do, unless `binary` (a `target-server` or
 /// `drafter-server`) was built with the cargo feature `test-hooks`, which its
 /// `--version` shows with `+test-hooks`: the hidden hooks a test relies on (a
@@ -330,16 +360,14 @@ pub struct BrokerProcess {
 }
 
 impl BrokerProcess {
-    /// Starts `broker --listen 127.0.0.1:<free port> <args>` and waits until
-    /// it answers GetStatus; its output goes to `log_path` (appended to).
+    /// Starts `broker --listen 127.0.0.1:0 <args>`, reads the port the
+    /// kernel gave it from its `--ready-file` (no port is picked and let go
+    /// before the broker holds it) and waits until it answers GetStatus; its
+    /// output goes to `log_path` (appended to).
     pub async fn start(args: &[&str], log_path: PathBuf) -> BrokerProcess {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free loopback port")
-            .port();
         let mut process = BrokerProcess {
-            address: format!("http://127.0.0.1:{port}"),
-            port,
+            address: String::new(),
+            port: 0,
             args: args.iter().map(|arg| arg.to_string()).collect(),
             child: None,
             log_path,
@@ -348,21 +376,71 @@ impl BrokerProcess {
         process
     }
 
+    /// The ready file beside the log: the broker writes its bound address
+    /// there once it listens.
+    fn ready_file(&self) -> PathBuf {
+        self.log_path.with_extension("ready")
+    }
+
+    /// Starts the binary on `self.port` (0 the first time) and waits for its
+    /// ready file and its first answer. A restart must reuse the port its
+    /// clients know; while the kernel still lends that port to another
+    /// socket (an outgoing connection may take any free port) the bind
+    /// fails at once and is tried again, for up to 60 s.
     async fn spawn(&mut self) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log_path)
-            .expect("broker log file");
-        let child = std::process::Command::new(workspace_binary("broker"))
-            .arg("--listen")
-            .arg(format!("127.0.0.1:{}", self.port))
-            .args(&self.args)
-            .stdout(log.try_clone().expect("log handle"))
-            .stderr(log)
-            .spawn()
-            .expect("start the broker binary");
-        self.child = Some(child);
+        let ready_file = self.ready_file();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let bound = loop {
+            let _ = std::fs::remove_file(&ready_file);
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log_path)
+                .expect("broker log file");
+            let mut child = std::process::Command::new(workspace_binary("broker"))
+                .arg("--listen")
+                .arg(format!("127.0.0.1:{}", self.port))
+                .arg("--ready-file")
+                .arg(&ready_file)
+                .args(&self.args)
+                .stdout(log.try_clone().expect("log handle"))
+                .stderr(log)
+                .spawn()
+                .expect("start the broker binary");
+            let bound = loop {
+                if let Ok(text) = std::fs::read_to_string(&ready_file) {
+                    break Some(text);
+                }
+                if child.try_wait().expect("poll the broker").is_some() {
+                    break None;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the broker wrote no ready file; log: {}",
+                    self.log()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            match bound {
+                Some(text) => {
+                    self.child = Some(child);
+                    break text;
+                }
+                None => {
+                    let log = self.log();
+                    assert!(
+                        self.port != 0
+                            && log.contains("cannot listen")
+                            && Instant::now() < deadline,
+                        "the broker exited before listening; log: {log}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        let address: SocketAddr = bound.trim().parse().expect("the ready file's address");
+        self.port = address.port();
+        self.address = format!("http://{address}");
         let address = self.address.clone();
         let answered = wait_until(Duration::from_secs(60), || {
             let address = address.clone();
