@@ -772,3 +772,108 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
     assert!(model_sync.evaluations_pending.is_empty());
     broker.stop().await;
 }
+
+/// #37 the lighthouse: only a drafter credential may ask for a quorum or
+/// vote, for its own drafter id when the credential names one; every other
+/// role is refused PERMISSION_DENIED and changes nothing (the broker's data
+/// parallelism status stays empty). A drafter's own ask passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_a_drafter_asks_for_a_quorum_or_votes_and_only_as_itself() {
+    let folder = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| write_in(folder.path(), name, text);
+    let broker = broker_with_credentials(
+        folder.path(),
+        "target    target-0  token-of-target-zero\n\
+         drafter   drafter-0 token-of-drafter-zero\n\
+         evaluator *         token-of-evaluators\n\
+         operator  *         token-of-the-operator\n",
+    )
+    .await;
+    let address = broker.address.clone();
+    let options =
+        |name: &str, token: &str| token_file(write(name, token)).client_options().unwrap();
+    let sync_client = |options: ClientOptions| {
+        let address = address.clone();
+        async move {
+            proto::model_sync_client::ModelSyncClient::new(
+                dflash_client::connect_channel(&address, &options)
+                    .await
+                    .unwrap(),
+            )
+        }
+    };
+    let ask = |drafter_id: &str| proto::QuorumRequest {
+        drafter_id: drafter_id.to_string(),
+        store_address: "127.0.0.1:29500".to_string(),
+        samples_ready: 4,
+        ..Default::default()
+    };
+    let vote = |drafter_id: &str| proto::CommitVote {
+        drafter_id: drafter_id.to_string(),
+        quorum_id: 1,
+        ok: true,
+        ..Default::default()
+    };
+    for (name, token) in [
+        ("t0", "token-of-target-zero"),
+        ("e", "token-of-evaluators"),
+        ("o", "token-of-the-operator"),
+    ] {
+        let mut client = sync_client(options(name, token)).await;
+        assert_eq!(
+            code_of(client.quorum(ask("drafter-0")).await),
+            tonic::Code::PermissionDenied,
+            "{name} asked for a quorum"
+        );
+        assert_eq!(
+            code_of(client.commit(vote("drafter-0")).await),
+            tonic::Code::PermissionDenied,
+            "{name} voted"
+        );
+    }
+    let mut drafter = sync_client(options("d0", "token-of-drafter-zero")).await;
+    assert_eq!(
+        code_of(drafter.quorum(ask("drafter-1")).await),
+        tonic::Code::PermissionDenied,
+        "drafter-0's credential asked as drafter-1"
+    );
+    assert_eq!(
+        code_of(drafter.commit(vote("drafter-1")).await),
+        tonic::Code::PermissionDenied
+    );
+    // A bad store address names itself and changes nothing.
+    let bad = drafter
+        .quorum(proto::QuorumRequest {
+            store_address: "nowhere".to_string(),
+            ..ask("drafter-0")
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(bad.message().contains("\"nowhere\""), "{bad:?}");
+    let operator = BrokerClient::connect(address.clone(), options("o2", "token-of-the-operator"))
+        .await
+        .unwrap();
+    let status = operator.status().await.unwrap();
+    let parallel = status
+        .model_sync
+        .unwrap_or_default()
+        .data_parallel
+        .unwrap_or_default();
+    assert_eq!(parallel.quorums_formed, 0, "{parallel:?}");
+    // As itself it is answered: a quorum of one once the first round gathered.
+    let formed = drafter.quorum(ask("drafter-0")).await.unwrap().into_inner();
+    assert_eq!(formed.members, vec!["drafter-0".to_string()]);
+    assert_eq!(formed.world_size, 1);
+    let decision = drafter
+        .commit(proto::CommitVote {
+            quorum_id: formed.quorum_id,
+            step: formed.step,
+            ..vote("drafter-0")
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(decision.commit, "{decision:?}");
+    broker.stop().await;
+}
