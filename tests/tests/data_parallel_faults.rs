@@ -10,7 +10,9 @@
 //! 3. a fourth drafter joins mid-run: it heals, and no member's state
 //!    checksum ever differs from rank 0's;
 //! 4. one is killed (SIGKILL) while the others train: they go on;
-//! 5. the run ends COMPLETE: every item acked once (the broker's ledger
+//! 5. the broker is killed (SIGKILL) and restarted on its state dir: the
+//!    drafters form a quorum again on the new broker and go on;
+//! 6. the run ends COMPLETE: every item acked once (the broker's ledger
 //!    acks a (target, seq) at most once, and acked = produced with no dead
 //!    letters), the survivors exit 0, and the run's model the broker wrote
 //!    is the last committed step's and finite.
@@ -191,10 +193,13 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     assert!(init.status.success(), "{init:?}");
     let model_dir = work.path().join("model");
     let model_arg = model_dir.to_str().unwrap().to_string();
-    let broker = BrokerProcess::start(
+    let state_arg = work.path().join("state").to_str().unwrap().to_string();
+    let mut broker = BrokerProcess::start(
         &[
             "--expected-targets",
             "1",
+            "--state-dir",
+            &state_arg,
             "--model-output",
             &model_arg,
             "--quorum-timeout",
@@ -276,9 +281,32 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     .await;
     assert_eq!(status.checksum_mismatches, 0, "{status:?}");
 
-    // 5. The run ends: every item acked once, the survivors exit 0.
+    // 5. The broker dies and comes back on its state dir; the drafters go on.
     let report = producer.finish().await.unwrap();
     assert_eq!(report.accepted, produced, "{report:?}");
+    let step_before_restart = status.step;
+    broker.restart().await;
+    let client = broker.client().await;
+    let mut producer = client.produce("target-0").await.unwrap();
+    let resumed_from = produced;
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(
+        &client,
+        work.path(),
+        &[1, 2, 3],
+        0,
+        "the survivors on the restarted broker",
+    )
+    .await;
+    assert!(
+        status.step > step_before_restart,
+        "the steps go on from where they were: {status:?}"
+    );
+
+    // 6. The run ends: every item acked once, the survivors exit 0.
+    let report = producer.finish().await.unwrap();
+    assert_eq!(report.accepted, produced - resumed_from, "{report:?}");
     client.report_done("target-0", produced).await.unwrap();
     for index in 1..4 {
         let exit = wait_for_exit(&mut drafters[index], PHASE_TIMEOUT).await;

@@ -76,6 +76,9 @@ pub struct QuorumAsk {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Formed {
     pub quorum_id: u64,
+    /// The lighthouse's instance (see [`QuorumState::new`]): quorum ids
+    /// start again after a broker restart, the drafters' stores do not.
+    pub instance: u64,
     /// The step every member's model is at once healed.
     pub step: u64,
     /// Drafter ids by rank; rank 0 hosts the store.
@@ -86,8 +89,11 @@ pub struct Formed {
 }
 
 impl Formed {
+    /// The key prefix of this quorum's process group in rank 0's store:
+    /// unique per lighthouse instance and quorum, so a group never meets
+    /// another's keys in a store that outlived a broker restart.
     pub fn store_prefix(&self) -> String {
-        format!("dflash/quorum-{}", self.quorum_id)
+        format!("dflash/{:016x}/quorum-{}", self.instance, self.quorum_id)
     }
 
     pub fn rank_of(&self, drafter_id: &str) -> Option<usize> {
@@ -160,6 +166,7 @@ const DECIDED_ROUNDS_KEPT: usize = 16;
 #[derive(Debug)]
 pub struct QuorumState {
     settings: QuorumSettings,
+    instance: u64,
     /// Members of the last formed quorum, less those that left since.
     expected: BTreeSet<String>,
     /// Outstanding asks and when each arrived.
@@ -178,9 +185,13 @@ pub struct QuorumState {
 }
 
 impl QuorumState {
-    pub fn new(settings: QuorumSettings) -> Self {
+    /// `instance` tells this lighthouse's quorums apart from those of an
+    /// earlier broker process (any value unlikely to repeat: the service
+    /// takes the clock and the process id).
+    pub fn new(settings: QuorumSettings, instance: u64) -> Self {
         QuorumState {
             settings,
+            instance,
             expected: BTreeSet::new(),
             waiting: BTreeMap::new(),
             round_started: None,
@@ -509,6 +520,7 @@ impl QuorumState {
         }
         let formed = Arc::new(Formed {
             quorum_id,
+            instance: self.instance,
             step,
             members,
             store_address: source.store_address.clone(),

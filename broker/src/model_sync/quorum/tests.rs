@@ -4,11 +4,14 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 const IDLE: Duration = Duration::from_millis(500);
 
 fn state() -> QuorumState {
-    QuorumState::new(QuorumSettings {
-        timeout: TIMEOUT,
-        min_size: 1,
-        idle_wait: IDLE,
-    })
+    QuorumState::new(
+        QuorumSettings {
+            timeout: TIMEOUT,
+            min_size: 1,
+            idle_wait: IDLE,
+        },
+        7,
+    )
 }
 
 fn ask(drafter_id: &str, step: u64, samples_ready: u64) -> QuorumAsk {
@@ -323,11 +326,14 @@ fn a_new_quorum_before_the_vote_ended_fails_the_open_step() {
 
 #[test]
 fn min_size_holds_a_quorum_back_and_idles_its_askers() {
-    let mut quorum = QuorumState::new(QuorumSettings {
-        timeout: TIMEOUT,
-        min_size: 2,
-        idle_wait: IDLE,
-    });
+    let mut quorum = QuorumState::new(
+        QuorumSettings {
+            timeout: TIMEOUT,
+            min_size: 2,
+            idle_wait: IDLE,
+        },
+        7,
+    );
     let now = Instant::now();
     assert!(quorum.ask(now, ask("d0", 0, 4)).quorums.is_empty());
     let answers = quorum.tick(now + IDLE);
@@ -339,4 +345,17 @@ fn min_size_holds_a_quorum_back_and_idles_its_askers() {
     quorum.ask(now + IDLE, ask("d1", 0, 0));
     let answers = quorum.tick(now + 2 * IDLE);
     assert_eq!(formed_for(&answers, "d0").unwrap().members.len(), 2);
+}
+
+#[test]
+fn store_prefixes_differ_between_lighthouse_instances_and_quorums() {
+    let now = Instant::now();
+    let formed = |instance: u64| {
+        let mut quorum = QuorumState::new(QuorumSettings::default(), instance);
+        let answers = formed_together(&mut quorum, now, &[("d0", 0)]);
+        formed_for(&answers, "d0").unwrap()
+    };
+    let (first, restarted) = (formed(1), formed(2));
+    assert_eq!(first.quorum_id, restarted.quorum_id, "ids start again");
+    assert_ne!(first.store_prefix(), restarted.store_prefix());
 }

@@ -86,7 +86,7 @@ impl QuorumHub {
     pub fn new(settings: QuorumSettings) -> Self {
         QuorumHub {
             inner: Mutex::new(HubInner {
-                state: QuorumState::new(settings),
+                state: QuorumState::new(settings, instance()),
                 asks: HashMap::new(),
                 votes: HashMap::new(),
                 next_call: 0,
@@ -184,6 +184,15 @@ impl QuorumHub {
         };
         self.wait(receiver, shutdown).await
     }
+}
+
+/// This broker process's lighthouse instance: the clock and the process
+/// id, mixed (quorum ids start again at 1 after a restart).
+fn instance() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_nanos() as u64);
+    nanos.rotate_left(17) ^ u64::from(std::process::id())
 }
 
 fn checked_drafter(
