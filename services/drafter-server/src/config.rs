@@ -96,6 +96,17 @@ pub enum SyncBatchScaling {
     Inverse,
 }
 
+/// `--draft-architecture`: which reference draft model is trained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftArchitecture {
+    /// `DFlashDraftModel`.
+    Dflash,
+    /// `DFlash2DraftModel`: grouped dynamic convolutions in each layer and
+    /// the candidate selector, trained with the selector loss (speculators'
+    /// defaults: kernel 2, group 16, rank 256, top-k 16, α 1).
+    Dflash2,
+}
+
 /// `--attention`: see [`DrafterServerConfig::attention_for`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AttentionChoice {
@@ -174,6 +185,12 @@ pub struct DrafterServerConfig {
     /// function either way (equal within 1e-5 in f32, gradients included).
     #[arg(long, env = "DFLASH_ATTENTION", value_enum, default_value_t = AttentionChoice::Auto)]
     pub attention: AttentionChoice,
+
+    /// The draft model trained: `dflash` or `dflash2` (docs/dflash2.md).
+    /// A run's drafters must all train the same one (the broker refuses a
+    /// model config that differs from the run's).
+    #[arg(long, env = "DFLASH_DRAFT_ARCHITECTURE", value_enum, default_value_t = DraftArchitecture::Dflash)]
+    pub draft_architecture: DraftArchitecture,
 
     /// Decay γ of the per-position loss weights exp(-(k-1)/γ); by default
     /// 7 for block 16 and 4 for block 8.
@@ -519,6 +536,7 @@ impl DrafterServerConfig {
             target_layer_ids: None,
             num_anchors: 512,
             attention: AttentionChoice::Auto,
+            draft_architecture: DraftArchitecture::Dflash,
             loss_gamma: None,
             learning_rate: 6e-4,
             weight_decay: 0.0,

@@ -201,8 +201,12 @@ impl DFlashEngine {
                     mask_token_id,
                     target_layer_ids: config.target_layer_ids.clone(),
                 };
-                let draft_config =
+                let mut draft_config =
                     DraftConfig::for_target(&TargetDimensions::from(&target_config), &options)?;
+                if config.draft_architecture == crate::config::DraftArchitecture::Dflash2 {
+                    draft_config = draft_config
+                        .with_dflash2(dflash_model::draft::config::Dflash2Config::default())?;
+                }
                 let model =
                     DraftModel::new(draft_config, frozen, device, compute_kind, config.seed)?;
                 DraftTrainer::new(model, settings)

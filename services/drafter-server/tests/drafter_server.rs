@@ -396,3 +396,40 @@ async fn synthetic_mode_consumes_and_acks_without_a_model() {
     assert_eq!(broker.status().await.acked_items, 20);
     broker.stop().await;
 }
+
+/// `--draft-architecture dflash2`: the drafter trains DFlash2 (its steps
+/// finite) and its checkpoint is the reference's DFlash2DraftModel with the
+/// selector's and the convolutions' tensors (`make check-dflash2` loads one
+/// in the reference package).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dflash2_drafter_trains_and_writes_a_dflash2_checkpoint() {
+    let output = tempfile::tempdir().unwrap();
+    let samples = target_samples(&random_token_sequences(8, 16, 9));
+    let broker = TestBroker::for_targets(1).await;
+    let mut config = test_drafter_config("drafter-0", &broker.address, output.path().to_path_buf());
+    config.draft_architecture = dflash_drafter_server::config::DraftArchitecture::Dflash2;
+    let drafter = tokio::spawn(run(config, CancellationToken::new()));
+    produce(&broker.address, "target-0", samples, true).await;
+    let report = report_within(TEST_TIMEOUT, drafter).await;
+    assert_eq!(report.end, RunEnd::Complete);
+    assert!(report.steps >= 2, "{} steps", report.steps);
+    let checkpoint = report.final_checkpoint.expect("a final checkpoint");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(checkpoint.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["architectures"][0], "DFlash2DraftModel", "{config}");
+    let names: Vec<String> = tch::Tensor::read_safetensors(checkpoint.join("model.safetensors"))
+        .unwrap()
+        .into_iter()
+        .map(|(name, tensor)| {
+            let finite = bool::try_from(tensor.isfinite().all()).unwrap();
+            assert!(finite, "{name} is not finite");
+            name
+        })
+        .collect();
+    assert!(
+        names.iter().any(|name| name.contains("codebook")),
+        "no selector codebook in {names:?}"
+    );
+    broker.stop().await;
+}
