@@ -308,8 +308,8 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     let report = producer.finish().await.unwrap();
     assert_eq!(report.accepted, produced - resumed_from, "{report:?}");
     client.report_done("target-0", produced).await.unwrap();
-    for index in 1..4 {
-        let exit = wait_for_exit(&mut drafters[index], PHASE_TIMEOUT).await;
+    for (index, drafter) in drafters.iter_mut().enumerate().skip(1) {
+        let exit = wait_for_exit(drafter, PHASE_TIMEOUT).await;
         assert!(
             exit.is_some_and(|status| status.success()),
             "{} exited {exit:?}; log: {}",

@@ -580,8 +580,9 @@ impl ModelSyncState {
                 reason,
             ));
         }
-        let floor = DELTA_NORM_FLOOR * self.weights_norm_at_start.unwrap_or(0.0);
-        if let Some(reason) = refuse_delta(&settings, &self.recent_delta_norms, norm, floor) {
+        let weights_norm = self.weights_norm_at_start.unwrap_or(0.0);
+        if let Some(reason) = refuse_delta(&settings, &self.recent_delta_norms, norm, weights_norm)
+        {
             center.updates_discarded += 1;
             if norm.is_finite() {
                 self.outlier_deltas += 1;

@@ -564,7 +564,11 @@ fn a_delta_that_could_overflow_the_center_is_discarded_and_changes_nothing() {
     assert_eq!((outcome.center_version, state.outlier_deltas), (0, 1));
     assert_eq!(center_values(&state, "a"), before);
 
-    let (mut state, now) = joined_state(plain());
+    // The norm rules off: the magnitude bound alone.
+    let (mut state, now) = joined_state(OuterSettings {
+        max_delta_norm_ratio: 0.0,
+        ..plain()
+    });
     let large = weights([1.0e38, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
     let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &large, now);
     assert!(outcome.applied, "{}", outcome.reason);
@@ -1077,4 +1081,36 @@ fn snapshots_and_deltas_never_mix_in_one_run() {
         .unwrap_err();
     assert!(matches!(error, SyncError::MixedMethods(_)), "{error:?}");
     assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
+}
+
+/// #37's try: a drafter credential's first delta of 1e20 per value was
+/// applied (the largest-recent-norm rule waits for 4 applied deltas) and
+/// the center became 1e20 everywhere. Before that warm-up a delta over ten
+/// times the weights' norm is refused, and one within it still applies.
+#[test]
+fn a_huge_first_delta_is_refused_before_the_norm_rule_has_history() {
+    let (mut state, now) = joined_state(plain());
+    let before = center_values(&state, "a");
+    // The joined weights' norm: sqrt(1+4+9+16+0.25+0.25+64) = 9.73.
+    let destroying = weights([1e20; 4], [1e20; 3]);
+    let outcome = commit_f32(
+        &mut state,
+        "d0",
+        proto::SyncKind::Update,
+        0,
+        &destroying,
+        now,
+    );
+    assert!(!outcome.applied);
+    assert!(
+        outcome.reason.contains("weights' norm"),
+        "{}",
+        outcome.reason
+    );
+    assert_eq!(center_values(&state, "a"), before);
+    assert_eq!(state.outlier_deltas, 1);
+    // 90 is under 10 x 9.73: a large early delta is not a fault.
+    let large = weights([90.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0]);
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &large, now);
+    assert!(outcome.applied, "{}", outcome.reason);
 }

@@ -81,6 +81,12 @@ pub const DELTA_NORM_WARMUP: usize = 4;
 /// A delta whose norm is at most this fraction of the weights' norm (when
 /// the center was made or resumed) is never an outlier.
 pub const DELTA_NORM_FLOOR: f64 = 0.05;
+/// Before [`DELTA_NORM_WARMUP`] deltas were applied (no recent norm to
+/// compare with), a delta whose norm is over this many times the weights'
+/// norm is refused: a run's first deltas move weights by a few learning
+/// rates each, not by ten times the whole model (a first delta of 1e20 per
+/// value from a drafter credential was applied before this bound).
+pub const EARLY_DELTA_NORM_BOUND: f64 = 10.0;
 
 impl Default for OuterSettings {
     fn default() -> Self {
@@ -189,21 +195,34 @@ pub(super) fn momentum_delay(settings: &OuterSettings, open_sessions: u32) -> u3
 
 /// Why a delta of this `norm` must not reach the center, if it must not:
 /// a NaN or an infinity in it, or a norm over `max_delta_norm_ratio` times
-/// the largest of the recent applied deltas' norms and over `floor` (a
-/// small fraction of the weights' own norm, under which a delta is never
-/// an outlier: the first deltas of a run, at a warming-up learning rate,
-/// can be a hundred times smaller than the next ones).
+/// the largest of the recent applied deltas' norms and over
+/// [`DELTA_NORM_FLOOR`] × `weights_norm` (the weights' own norm, under a
+/// small fraction of which a delta is never an outlier: the first deltas of
+/// a run, at a warming-up learning rate, can be a hundred times smaller than
+/// the next ones); before the recent norms exist, a norm over
+/// [`EARLY_DELTA_NORM_BOUND`] × `weights_norm`.
 pub(super) fn refuse_delta(
     settings: &OuterSettings,
     recent_norms: &std::collections::VecDeque<f64>,
     norm: f64,
-    floor: f64,
+    weights_norm: f64,
 ) -> Option<String> {
     if !norm.is_finite() {
         return Some("the delta holds a NaN or an infinity".to_string());
     }
     let ratio = f64::from(settings.max_delta_norm_ratio);
-    if ratio <= 0.0 || recent_norms.len() < DELTA_NORM_WARMUP || norm <= floor {
+    if ratio <= 0.0 {
+        return None;
+    }
+    if recent_norms.len() < DELTA_NORM_WARMUP {
+        let bound = EARLY_DELTA_NORM_BOUND * weights_norm;
+        return (weights_norm > 0.0 && norm > bound).then(|| {
+            format!(
+                "delta norm {norm:.4e} is over {EARLY_DELTA_NORM_BOUND} x the weights' norm {weights_norm:.4e} before {DELTA_NORM_WARMUP} deltas were applied (--max-delta-norm-ratio)"
+            )
+        });
+    }
+    if norm <= DELTA_NORM_FLOOR * weights_norm {
         return None;
     }
     let largest = recent_norms.iter().copied().fold(0.0, f64::max);
