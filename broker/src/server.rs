@@ -90,10 +90,6 @@ pub async fn serve_with_metrics(
         let shared = Arc::downgrade(&shared);
         move |drafter_id: &str| shared.upgrade()?.acked_or_leased_by(drafter_id)
     });
-    model_sync.set_leased_to({
-        let shared = Arc::downgrade(&shared);
-        move |drafter_id: &str| shared.upgrade()?.leased_to(drafter_id)
-    });
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     report_serving(&health_reporter).await;

@@ -1019,11 +1019,17 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     broker.stop().await;
 }
 
-/// A gradient exchange (`--sync-gradients`): `samples` samples of a step
-/// of 24, lr 0.01, no clipping; the tensors sent are minus the gradient.
-fn gradient_begin(base_version: u64, samples: u64) -> proto::SyncBegin {
-    proto::SyncBegin {
-        samples,
+/// A drafter of the removed `--sync-gradients` (its begin sets the
+/// deprecated `gradient_step`) is refused on the wire, naming the field,
+/// and the run goes on as before: the center unchanged, a delta applied.
+#[tokio::test]
+async fn a_gradient_exchange_of_the_removed_broker_adamw_is_refused() {
+    let broker = TestBroker::start(plain_config()).await;
+    let mut drafter = TestDrafter::open(&broker.address, "d").await;
+    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    let mut old = TestDrafter::open(&broker.address, "old").await;
+    old.exchange(proto::SyncKind::Join, 0, &vec![]).await;
+    let gradient = proto::SyncBegin {
         gradient_step: Some(proto::GradientStep {
             learning_rate: 0.01,
             max_grad_norm: 0.0,
@@ -1033,113 +1039,27 @@ fn gradient_begin(base_version: u64, samples: u64) -> proto::SyncBegin {
             weight_decay: 0.0,
             step_samples: 24,
         }),
-        ..begin(proto::SyncKind::Update, base_version)
-    }
-}
-
-/// Two joined drafters of one center (`initial`).
-async fn two_joined(broker: &TestBroker) -> (TestDrafter, TestDrafter) {
-    let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
-    first.exchange(proto::SyncKind::Join, 0, &initial()).await;
-    let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
-    second.exchange(proto::SyncKind::Join, 0, &vec![]).await;
-    (first, second)
-}
-
-/// AdamW's first step on `initial` with a gradient of 1 everywhere: every
-/// weight down by the learning rate (to f32 rounding of values up to 6).
-fn assert_stepped_once(center: &[(String, Vec<f32>)]) {
-    for (name, _, before) in initial() {
-        for (after, before) in values(center, name).iter().zip(before) {
-            assert!(
-                (after - (before - 0.01)).abs() <= 4e-6,
-                "{name}: {after} from {before}"
-            );
-        }
-    }
-}
-
-#[tokio::test]
-async fn a_gradient_gets_the_center_once_its_round_has_stepped() {
-    let broker = TestBroker::start(plain_config()).await;
-    let (mut first, mut second) = two_joined(&broker).await;
-    // Half a step from the first: its answer waits for the round.
-    first
-        .send_exchange(gradient_begin(0, 12), &scaled(-1.0))
-        .await;
-    wait_until(Duration::from_secs(10), || async {
-        model_sync_status(&broker).await.updates_applied == 1
-    })
-    .await;
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), first.reply())
-            .await
-            .is_err(),
-        "the center came back before the round stepped"
-    );
-    // The second's half completes the round: both get the stepped center.
-    second
-        .send_exchange(gradient_begin(1, 12), &scaled(-1.0))
-        .await;
-    let (result, center) = second.reply().await;
-    assert!(result.applied);
-    assert_eq!(result.staleness, 1, "the other drafter sharing the center");
-    assert_stepped_once(&center.unwrap());
-    let (result, center) = first.reply().await;
-    assert_eq!(result.center_version, 2);
-    assert_stepped_once(&center.unwrap());
-    broker.stop().await;
-}
-
-#[tokio::test]
-async fn a_round_steps_without_a_silent_drafter_after_the_round_timeout() {
-    let mut config = plain_config();
-    config.model_sync.sync_round_timeout = Duration::from_secs(1);
-    let broker = TestBroker::start(config).await;
-    // The second drafter joins and then sends nothing (hung).
-    let (mut first, _silent) = two_joined(&broker).await;
-    let started = std::time::Instant::now();
-    first
-        .send_exchange(gradient_begin(0, 12), &scaled(-1.0))
-        .await;
-    let (result, center) = first.reply().await;
-    assert!(started.elapsed() >= Duration::from_secs(1));
-    assert!(result.applied);
-    // The step of its own gradient alone (the mean over its 12 samples).
-    assert_stepped_once(&center.unwrap());
-    broker.stop().await;
-}
-
-#[tokio::test]
-async fn a_round_does_not_wait_for_a_drafter_with_nothing_to_train() {
-    let mut config = plain_config();
-    config.model_sync.sync_round_timeout = Duration::from_secs(120);
-    let broker = TestBroker::start(config).await;
-    let (mut first, _second) = two_joined(&broker).await;
-    // drafter-b consumes from an empty queue: it holds no leased item.
-    let _consumer = broker
-        .client()
-        .await
-        .consume("drafter-b", dflash_testkit::credit(8))
+        ..begin(proto::SyncKind::Update, 0)
+    };
+    // The begin alone: the broker ends the session at it.
+    old.requests
+        .send(request(proto::sync_request::Kind::Begin(gradient)))
         .await
         .unwrap();
-    wait_until(Duration::from_secs(10), || async {
-        let status = broker.client().await.status().await.unwrap();
-        dflash_testkit::drafter_status(&status, "drafter-b").is_some()
-    })
-    .await;
-    let started = std::time::Instant::now();
-    first
-        .send_exchange(gradient_begin(0, 12), &scaled(-1.0))
-        .await;
-    let (result, center) = first.reply().await;
-    // Well before the round timeout (120 s): drafter-b has nothing to send.
+    let status = old.responses.message().await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(
-        started.elapsed() < Duration::from_secs(60),
-        "{:?}",
-        started.elapsed()
+        status.message().starts_with("gradient_step: ")
+            && status.message().contains("--sync-gradients"),
+        "{}",
+        status.message()
     );
+    let after = model_sync_status(&broker).await;
+    assert_eq!((after.center_version, after.updates_applied), (0, 0));
+    let (result, center) = drafter
+        .exchange(proto::SyncKind::Update, 0, &scaled(1.0))
+        .await;
     assert!(result.applied);
-    assert_stepped_once(&center.unwrap());
+    assert_eq!(values(&center.unwrap(), "norm.weight"), vec![2.0, 2.0]);
     broker.stop().await;
 }

@@ -13,10 +13,7 @@
 //!   an upload must pass against them.
 //! - `outer`: the outer optimizer ([`OuterSettings`]), the guards against a
 //!   non-finite or outlier delta, and the step that applies one.
-//! - `gradient`: the one AdamW over drafters' gradients ([`CenterAdamW`],
-//!   drafters with `--sync-gradients`).
 
-mod gradient;
 mod outer;
 mod upload;
 mod weights;
@@ -32,7 +29,6 @@ use outer::{add_delta, count_delta_for_momentum, momentum_delay, refuse_delta};
 use upload::decode_chunks;
 use weights::{check_against_center, check_upload_against_center};
 
-pub use gradient::{CenterAdamW, GradientStep};
 pub use outer::{
     MagnitudeBounds, OuterSettings, StalenessScaling, DEFAULT_MAX_DELTA_NORM_RATIO,
     DELTA_NORM_FLOOR, DELTA_NORM_WARMUP, DELTA_NORM_WINDOW, MAGNITUDE_LIMIT,
@@ -71,8 +67,10 @@ pub enum SyncError {
     Config(String),
     #[error("model config {got} is not the run's {expected} (--model-config)")]
     ConfigMismatch { expected: String, got: String },
-    #[error("gradient step: {0}")]
-    GradientStep(String),
+    /// A SyncBegin that sets `gradient_step` (field 7, kept on the wire so
+    /// its number is never reused): the mode that sent it is gone.
+    #[error("gradient_step: the broker's AdamW (--sync-gradients) was removed; drafters are data-parallel by default")]
+    GradientStepRemoved,
     #[error("{0}")]
     MixedMethods(String),
 }
@@ -89,11 +87,6 @@ pub struct CommitOutcome {
     /// The drafter gets the center back (JOIN and UPDATE).
     pub send_center: bool,
     pub center_samples: u64,
-    /// A gradient in this round of the center's AdamW (1 = the first):
-    /// the center goes back once the round has ended
-    /// ([`ModelSyncState::gradient_rounds_ended`]), so that every drafter
-    /// computes its next gradient on the weights after it.
-    pub await_round: Option<u64>,
 }
 
 impl CommitOutcome {
@@ -108,7 +101,6 @@ impl CommitOutcome {
             initialised: false,
             send_center,
             center_samples: center.samples,
-            await_round: None,
         }
     }
 }
@@ -144,18 +136,12 @@ pub struct ModelSyncState {
     pub non_finite_deltas: u64,
     pub outlier_deltas: u64,
     drafters: BTreeMap<String, DrafterRecord>,
-    /// Whether this run's updates are gradients (`--sync-gradients`) or
-    /// deltas: fixed by the first one, and a run never mixes them.
-    sends_gradients: Option<bool>,
+    /// Whether local SGD's deltas reached the center: a run never mixes
+    /// them with data-parallel snapshots.
+    deltas: bool,
     /// Whether data-parallel snapshots made the center (never mixed with
-    /// deltas or gradients).
+    /// deltas).
     snapshots: bool,
-    /// The one AdamW over the gradients, from the first one on.
-    adamw: Option<CenterAdamW>,
-    /// Drafters that held no leased item when last looked (the queue's
-    /// view, set by the service): they have nothing to train, so a round
-    /// does not wait for them.
-    idle_drafters: std::collections::BTreeSet<String>,
     /// The newest version written to disk, where, and whether as final.
     pub saved_version: Option<u64>,
     pub saved_path: String,
@@ -173,10 +159,8 @@ impl ModelSyncState {
             non_finite_deltas: 0,
             outlier_deltas: 0,
             drafters: BTreeMap::new(),
-            sends_gradients: None,
+            deltas: false,
             snapshots: false,
-            adamw: None,
-            idle_drafters: std::collections::BTreeSet::new(),
             saved_version: None,
             saved_path: String::new(),
             final_saved: false,
@@ -249,8 +233,6 @@ impl ModelSyncState {
         if let Some(record) = self.drafters.get_mut(drafter_id) {
             record.open_sessions = record.open_sessions.saturating_sub(1);
         }
-        // The round may have waited for this drafter alone.
-        self.end_gradient_round_if_ready(drafter_id);
     }
 
     /// Drafters with an open session that have not sent their FINAL
@@ -275,12 +257,6 @@ impl ModelSyncState {
         upload.check_complete(declared_tensors)?;
         let kind = upload.kind;
         let carried_delta = !upload.tensors.is_empty();
-        // A gradient's weight in its round: the samples it was computed on,
-        // as claimed (the acks below bound the credit, not the weight),
-        // never more than one step's.
-        let gradient_weight = upload
-            .gradient_step
-            .map_or(0, |step| upload.samples.min(step.step_samples));
         let mut upload = upload;
         // The samples a drafter claims never exceed what the broker saw it
         // ack (in all its exchanges): a claim cannot advance the run's
@@ -317,12 +293,11 @@ impl ModelSyncState {
                     initialised: false,
                     send_center: false,
                     center_samples: center.samples,
-                    await_round: None,
                 }
             }
             ExchangeKind::Update | ExchangeKind::Final => {
                 let norm = upload.measured_norm.unwrap_or_else(|| upload.norm());
-                self.update(drafter_id, &upload, norm, gradient_weight)?
+                self.update(drafter_id, &upload, norm)?
             }
             ExchangeKind::Snapshot | ExchangeKind::FinalSnapshot => {
                 self.snapshot(upload, model_config_json)?
@@ -350,80 +325,7 @@ impl ModelSyncState {
                 record.updates_discarded += 1;
             }
         }
-        if matches!(kind, ExchangeKind::Final | ExchangeKind::FinalSnapshot) {
-            // A finished drafter holds no round up; the last one's ends the
-            // run's last round.
-            self.end_gradient_round_if_ready(drafter_id);
-        }
         Ok(outcome)
-    }
-
-    /// Whether this run's drafters send gradients (`--sync-gradients`).
-    pub fn sends_gradients(&self) -> bool {
-        self.sends_gradients == Some(true)
-    }
-
-    /// The drafters with an open session, by id.
-    pub fn connected_drafters(&self) -> Vec<String> {
-        self.drafters
-            .iter()
-            .filter(|(_, record)| record.open_sessions > 0)
-            .map(|(drafter_id, _)| drafter_id.clone())
-            .collect()
-    }
-
-    /// Which drafters hold no leased item now (the queue's view): a round
-    /// of gradients does not wait for them.
-    pub fn set_idle_drafters(&mut self, idle: std::collections::BTreeSet<String>) {
-        self.idle_drafters = idle;
-    }
-
-    /// Rounds of the center's AdamW ended so far (stepped or dropped).
-    pub fn gradient_rounds_ended(&self) -> u64 {
-        self.adamw.as_ref().map_or(0, |adamw| adamw.rounds_ended)
-    }
-
-    /// Ends the round of the center's AdamW when it is ready: it holds one
-    /// step's samples, or every drafter with an open session that has not
-    /// finished and holds leased items sent its gradient to it (a drafter
-    /// that left, one with nothing to train, or one whose share is smaller
-    /// does not hold the others). True when it ended.
-    pub fn end_gradient_round_if_ready(&mut self, reason: &str) -> bool {
-        let Some(adamw) = self.adamw.as_ref() else {
-            return false;
-        };
-        let everyone_in = self
-            .drafters
-            .iter()
-            .filter(|(drafter_id, record)| {
-                record.open_sessions > 0
-                    && !record.finished
-                    && !self.idle_drafters.contains(*drafter_id)
-            })
-            .all(|(drafter_id, _)| adamw.contributors.contains(drafter_id));
-        if adamw.round_gradients > 0 && (adamw.round_complete() || everyone_in) {
-            self.end_gradient_round(reason);
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Ends the round of the center's AdamW now with the gradients it
-    /// holds (if any): its AdamW step. `reason` goes to the log when the
-    /// step is refused.
-    pub fn end_gradient_round(&mut self, reason: &str) {
-        let (Some(center), Some(adamw)) = (self.center.as_mut(), self.adamw.as_mut()) else {
-            return;
-        };
-        if adamw.round_gradients == 0 {
-            return;
-        }
-        if let Err(refused) = adamw.step(center) {
-            self.outlier_deltas += 1;
-            center.updates_discarded += 1;
-            tracing::warn!(reason, %refused, "gradient round dropped");
-        }
     }
 
     fn join(
@@ -446,7 +348,6 @@ impl ModelSyncState {
                 initialised: false,
                 send_center: true,
                 center_samples: center.samples,
-                await_round: None,
             });
         }
         if upload.tensors.is_empty() {
@@ -462,7 +363,6 @@ impl ModelSyncState {
             initialised: true,
             send_center: false,
             center_samples: 0,
-            await_round: None,
         };
         self.weights_norm_at_start = Some(center.weights_norm());
         self.center = Some(center);
@@ -479,9 +379,9 @@ impl ModelSyncState {
         model_config_json: &str,
     ) -> Result<CommitOutcome, SyncError> {
         self.check_pinned_config(model_config_json)?;
-        if self.sends_gradients.is_some() {
+        if self.deltas {
             return Err(SyncError::MixedMethods(
-                "this run's drafters exchange deltas or gradients with the center: a data-parallel snapshot cannot replace it; start every drafter with the same --model-sync".to_string(),
+                "this run's drafters exchange deltas with the center (local SGD): a data-parallel snapshot cannot replace it; start every drafter with the same --model-sync".to_string(),
             ));
         }
         if let Some(center) = &self.center {
@@ -512,7 +412,6 @@ impl ModelSyncState {
             initialised: self.center.is_none(),
             send_center: false,
             center_samples: center.samples,
-            await_round: None,
         };
         self.snapshots = true;
         self.weights_norm_at_start
@@ -530,26 +429,11 @@ impl ModelSyncState {
         drafter_id: &str,
         upload: &Upload,
         norm: f64,
-        gradient_weight: u64,
     ) -> Result<CommitOutcome, SyncError> {
-        let gradient = upload.gradient_step.is_some();
         if self.snapshots {
             return Err(SyncError::MixedMethods(
-                "this run's drafters are data-parallel (their snapshots are the center): a delta or gradient cannot join; start every drafter with the same --model-sync".to_string(),
+                "this run's drafters are data-parallel (their snapshots are the center): a delta cannot join; start every drafter with the same --model-sync".to_string(),
             ));
-        }
-        match self.sends_gradients {
-            Some(true) if !gradient => {
-                return Err(SyncError::MixedMethods(
-                    "this run's drafters send gradients (--sync-gradients): a delta of a drafter without it cannot join".to_string(),
-                ))
-            }
-            Some(false) if gradient => {
-                return Err(SyncError::MixedMethods(
-                    "this run's drafters send deltas: a gradient (--sync-gradients) cannot join; start every drafter with the same flags".to_string(),
-                ))
-            }
-            _ => {}
         }
         let open_sessions = self
             .drafters
@@ -597,52 +481,7 @@ impl ModelSyncState {
                 reason,
             ));
         }
-        if let Some(step) = upload.gradient_step {
-            let adamw = self.adamw.get_or_insert_with(|| CenterAdamW::new(center));
-            if let Err(reason) = adamw.add(drafter_id, center, upload, norm, gradient_weight, step)
-            {
-                center.updates_discarded += 1;
-                self.outlier_deltas += 1;
-                tracing::warn!(drafter_id, norm, %reason, "gradient discarded; the drafter restarts from the center");
-                return Ok(CommitOutcome::not_applied(
-                    center,
-                    staleness,
-                    send_center,
-                    reason,
-                ));
-            }
-            self.sends_gradients = Some(true);
-            remember_norm(&mut self.recent_delta_norms, norm);
-            // Every gradient is a center version, as every delta is; the
-            // weights change when its round ends.
-            center.version += 1;
-            center.updates_applied += 1;
-            center.samples += upload.samples;
-            let round = adamw.rounds_ended + 1;
-            self.end_gradient_round_if_ready(drafter_id);
-            let center = self.center.as_ref().ok_or(SyncError::NoCenter)?;
-            // Rounds make every gradient fresh; what a drafter learns from
-            // the staleness is how many drafters share the center (the N
-            // its step is divided by): the others that send gradients.
-            let others = self
-                .drafters
-                .iter()
-                .filter(|(id, record)| {
-                    id.as_str() != drafter_id && record.open_sessions > 0 && !record.finished
-                })
-                .count() as u64;
-            return Ok(CommitOutcome {
-                center_version: center.version,
-                staleness: others,
-                applied: true,
-                reason: String::new(),
-                initialised: false,
-                send_center,
-                center_samples: center.samples,
-                await_round: send_center.then_some(round),
-            });
-        }
-        self.sends_gradients = Some(false);
+        self.deltas = true;
         let momentum = settings.momentum > 0.0;
         let momentum_step = Some(center.pending_deltas.saturating_add(1))
             .filter(|&count| momentum && count >= momentum_delay(&settings, open_sessions));
@@ -691,7 +530,6 @@ impl ModelSyncState {
             initialised: false,
             send_center,
             center_samples: center.samples,
-            await_round: None,
         })
     }
 

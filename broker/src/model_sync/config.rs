@@ -75,13 +75,6 @@ pub struct ModelSyncConfig {
     #[arg(long, env = "DFLASH_MAX_PENDING_EVALUATIONS", default_value_t = super::evaluation::DEFAULT_MAX_PENDING_READS, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_pending_evaluations: u32,
 
-    /// With drafters that send gradients (`--sync-gradients`): the longest
-    /// a round of the center's AdamW waits for the drafters that have not
-    /// sent theirs (a hung one). Past it the round steps with the gradients
-    /// it holds and every drafter in it gets the center.
-    #[arg(long, env = "DFLASH_SYNC_ROUND_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub sync_round_timeout: Duration,
-
     /// Data-parallel drafters: how long a step's quorum waits for a member
     /// of the last quorum that has not asked yet (a hung or dead drafter is
     /// dropped after it), and a step's vote for a member that has not voted
@@ -109,7 +102,6 @@ impl Default for ModelSyncConfig {
             outer_staleness_scaling: outer.staleness_scaling,
             model_config: None,
             max_pending_evaluations: super::evaluation::DEFAULT_MAX_PENDING_READS,
-            sync_round_timeout: Duration::from_secs(30),
             quorum_timeout: Duration::from_secs(30),
             quorum_min_size: 1,
         }
@@ -155,12 +147,6 @@ impl ModelSyncConfig {
             return Err(ConfigError::Parse(format!(
                 "--max-delta-norm-ratio must be 0 (no bound) or a finite ratio above 1, got {ratio}"
             )));
-        }
-        if self.sync_round_timeout.is_zero() {
-            return Err(ConfigError::NonPositiveDuration {
-                flag: "--sync-round-timeout",
-                value: self.sync_round_timeout,
-            });
         }
         if self.quorum_timeout.is_zero() {
             return Err(ConfigError::NonPositiveDuration {

@@ -21,10 +21,7 @@
 //!   session stages it, chunk by chunk), `center::weights` (the center's
 //!   f32 tensors, their snapshots, the checks against them),
 //!   `center::outer` (the outer optimizer's settings, the guards against
-//!   non-finite and outlier deltas, and the step) and `center::gradient`
-//!   (drafters with `--sync-gradients`: one AdamW over their gradients,
-//!   stepped once a round holds one drafter's batch; the service holds
-//!   each answer until its round has stepped).
+//!   non-finite and outlier deltas, and the step).
 //! - `checkpoint`: the center on disk in the reference dflash format
 //!   (safetensors, no libtorch), and reading it back on restart.
 //! - `config`: the flags.

@@ -51,7 +51,7 @@ impl From<SyncError> for Status {
             | SyncError::Dtype(_)
             | SyncError::Kind(_)
             | SyncError::Config(_)
-            | SyncError::GradientStep(_) => Status::invalid_argument(error.to_string()),
+            | SyncError::GradientStepRemoved => Status::invalid_argument(error.to_string()),
             SyncError::ConfigMismatch { .. } | SyncError::MixedMethods(_) => {
                 Status::failed_precondition(error.to_string())
             }
@@ -75,16 +75,9 @@ pub struct ModelSyncShared {
     /// Woken when an exchange commits or a session closes: the center
     /// writer re-checks what it waits for.
     sync_changed: Notify,
-    /// Rounds of the center's AdamW ended so far (drafters with
-    /// `--sync-gradients`): a drafter whose gradient is in a round waits
-    /// for it here before it gets the center.
-    rounds_ended: tokio::sync::watch::Sender<u64>,
     /// What the queue saw each drafter ack (set once the queue exists): the
     /// bound on the samples a drafter's exchanges are credited with.
     acked_by: std::sync::OnceLock<AckedBy>,
-    /// Items each drafter holds leased now (set once the queue exists): a
-    /// round of gradients does not wait for a drafter holding none.
-    leased_to: std::sync::OnceLock<AckedBy>,
     /// Online evaluation: the τ history, the best report and the versions
     /// served to an evaluator ([`super::evaluation`]). Its own lock, never
     /// held with the state's: an evaluator never delays an exchange.
@@ -142,9 +135,7 @@ impl ModelSyncShared {
             tasks: TaskTracker::new(),
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
             sync_changed: Notify::new(),
-            rounds_ended: tokio::sync::watch::Sender::new(0),
             acked_by: std::sync::OnceLock::new(),
-            leased_to: std::sync::OnceLock::new(),
             evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
             quorum,
@@ -155,33 +146,6 @@ impl ModelSyncShared {
     /// `Upload::acked_by_drafter`); without it claims are credited as sent.
     pub fn set_acked_by(&self, acked_by: impl Fn(&str) -> Option<u64> + Send + Sync + 'static) {
         let _ = self.acked_by.set(Box::new(acked_by));
-    }
-
-    /// Where the queue's per-drafter lease counts come from (see
-    /// `ModelSyncState::set_idle_drafters`); without it no drafter is idle.
-    pub fn set_leased_to(&self, leased_to: impl Fn(&str) -> Option<u64> + Send + Sync + 'static) {
-        let _ = self.leased_to.set(Box::new(leased_to));
-    }
-
-    /// Brings the state's idle drafters up to date (gradient runs only):
-    /// the drafters read under the state's lock, their leases under the
-    /// queue's, never both at once.
-    fn refresh_idle_drafters(&self) {
-        let Some(leased_to) = self.leased_to.get() else {
-            return;
-        };
-        let drafters = {
-            let state = self.state.lock();
-            if !state.sends_gradients() {
-                return;
-            }
-            state.connected_drafters()
-        };
-        let idle = drafters
-            .into_iter()
-            .filter(|drafter_id| leased_to(drafter_id) == Some(0))
-            .collect();
-        self.state.lock().set_idle_drafters(idle);
     }
 
     pub fn status(&self) -> proto::ModelSyncStatus {
@@ -226,12 +190,7 @@ struct SessionGuard {
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        let rounds_ended = {
-            let mut state = self.shared.state.lock();
-            state.close_session(&self.drafter_id);
-            state.gradient_rounds_ended()
-        };
-        self.shared.rounds_ended.send_replace(rounds_ended);
+        self.shared.state.lock().close_session(&self.drafter_id);
         self.shared.sync_changed.notify_one();
     }
 }
@@ -455,10 +414,7 @@ async fn commit_exchange(
         .acked_by
         .get()
         .and_then(|acked_by| acked_by(drafter_id));
-    if open.gradient_step.is_some() {
-        shared.refresh_idle_drafters();
-    }
-    let (mut outcome, mut snapshot, rounds_ended) = {
+    let (outcome, snapshot) = {
         let mut state = shared.state.lock();
         let outcome = state.commit(
             drafter_id,
@@ -473,20 +429,9 @@ async fn commit_exchange(
         } else {
             None
         };
-        (outcome, snapshot, state.gradient_rounds_ended())
+        (outcome, snapshot)
     };
-    shared.rounds_ended.send_replace(rounds_ended);
     shared.sync_changed.notify_one();
-    if let Some(round) = outcome.await_round.filter(|&round| rounds_ended < round) {
-        // A gradient: the center goes back once its round has stepped.
-        wait_for_round(shared, drafter_id, round).await?;
-        let state = shared.state.lock();
-        snapshot = state.center_snapshot();
-        if let Some(center) = state.center() {
-            outcome.center_version = center.version;
-            outcome.center_samples = center.samples;
-        }
-    }
     let center = snapshot.map(|snapshot| snapshot.encode(reply_dtype));
     debug!(
         drafter_id,
@@ -514,52 +459,6 @@ async fn commit_exchange(
     }
     Ok(())
 }
-
-/// Waits until the center's AdamW has ended `round`: the other drafters'
-/// gradients came, or they left, or `--sync-round-timeout` passed (then
-/// this session ends the round with what it holds).
-async fn wait_for_round(
-    shared: &ModelSyncShared,
-    drafter_id: &str,
-    round: u64,
-) -> Result<(), Status> {
-    let mut rounds = shared.rounds_ended.subscribe();
-    let deadline = tokio::time::Instant::now() + shared.config.sync_round_timeout;
-    loop {
-        // Every tick the drafters that ran out of items stop holding the
-        // round (the queue does not tell the center when a lease ends).
-        let tick = (tokio::time::Instant::now() + ROUND_IDLE_CHECK).min(deadline);
-        tokio::select! {
-            ended = rounds.wait_for(|&ended| ended >= round) => {
-                return ended.map(|_| ()).map_err(|_| Status::unavailable("the broker is stopping"));
-            }
-            () = tokio::time::sleep_until(tick) => {
-                shared.refresh_idle_drafters();
-                let timed_out = tokio::time::Instant::now() >= deadline;
-                let rounds_ended = {
-                    let mut state = shared.state.lock();
-                    if !state.end_gradient_round_if_ready(drafter_id)
-                        && timed_out
-                        && state.gradient_rounds_ended() < round
-                    {
-                        warn!(drafter_id, round, timeout = ?shared.config.sync_round_timeout, "gradient round timed out waiting for drafters; stepping with the gradients it holds");
-                        state.end_gradient_round(drafter_id);
-                    }
-                    state.gradient_rounds_ended()
-                };
-                shared.rounds_ended.send_replace(rounds_ended);
-                if rounds_ended >= round {
-                    return Ok(());
-                }
-            }
-            () = shared.shutdown.cancelled() => return Err(Status::unavailable("the broker is stopping")),
-        }
-    }
-}
-
-/// How often a drafter waiting for its round re-checks which drafters are
-/// idle (hold no leased item).
-const ROUND_IDLE_CHECK: Duration = Duration::from_millis(100);
 
 /// Sends the center (encoded as `reply_dtype`) tensor by tensor in chunks
 /// of at most [`CHUNK_BYTES`] ([`center_chunks`]), then the `Done` that

@@ -794,187 +794,61 @@ fn inverse_staleness_scaling_weighs_a_delta_by_one_over_its_staleness() {
     }
 }
 
-/// The center's one AdamW over drafters' gradients (`--sync-gradients`).
-mod gradients {
-    use super::*;
-
-    const LEARNING_RATE: f64 = 0.01;
-
-    fn settings(step_samples: u64) -> proto::GradientStep {
-        proto::GradientStep {
-            learning_rate: LEARNING_RATE,
-            max_grad_norm: 0.0,
-            beta1: 0.9,
-            beta2: 0.999,
-            epsilon: 1e-8,
-            weight_decay: 0.0,
-            step_samples,
-        }
-    }
-
-    /// `drafter_id`'s gradient over `samples` samples: its tensors are minus
-    /// `gradient` (the drafter's step moved its weights by −gradient).
-    fn send_gradient(
-        state: &mut ModelSyncState,
-        drafter_id: &str,
-        samples: u64,
-        gradient: ([f32; 4], [f32; 3]),
-        step_samples: u64,
-    ) -> Result<CommitOutcome, SyncError> {
-        let (a, b) = gradient;
-        let minus = weights(a.map(|value| -value), b.map(|value| -value));
-        let begin = proto::SyncBegin {
-            samples,
-            gradient_step: Some(settings(step_samples)),
-            ..begin(proto::SyncKind::Update, state.version().unwrap())
+/// The broker's AdamW over drafters' gradients (`--sync-gradients`) was
+/// removed; its `SyncBegin.gradient_step` stays on the wire (field 7) and
+/// is refused, whatever the exchange, before anything is staged.
+#[test]
+fn a_begin_with_a_gradient_step_is_refused_naming_it_and_changes_nothing() {
+    let (mut state, now) = joined_state(plain());
+    let delta = weights([0.5; 4], [0.5; 3]);
+    commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    let (version, a, b) = (
+        state.version(),
+        center_values(&state, "a"),
+        center_values(&state, "b"),
+    );
+    let record = state.drafter("d0").unwrap().clone();
+    let step = proto::GradientStep {
+        learning_rate: 1e-3,
+        max_grad_norm: 1.0,
+        beta1: 0.9,
+        beta2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.0,
+        step_samples: 4,
+    };
+    for kind in [
+        proto::SyncKind::Update,
+        proto::SyncKind::Final,
+        proto::SyncKind::Join,
+    ] {
+        let refused = proto::SyncBegin {
+            gradient_step: Some(step),
+            ..begin(kind, 1)
         };
-        state.commit(
-            drafter_id,
-            upload_of(&begin, &minus, WireDtype::F32, 3),
-            2,
-            CONFIG,
-            Instant::now(),
-        )
-    }
-
-    /// Two drafters with open sessions around the center of [`joined_state`].
-    fn two_drafters() -> ModelSyncState {
-        let (mut state, _) = joined_state(plain());
-        state.open_session("d1");
-        state
-    }
-
-    /// AdamW's first step moves each weight by the learning rate against
-    /// the sign of its gradient (m̂ = g, v̂ = g²), 0 where it is 0. In f32 on
-    /// weights up to 8: each of the step's few operations rounds by at most
-    /// half an ulp of 8 (4.8e-7), and ε moves it by lr·ε/|g| ≤ 1e-10, so
-    /// 4e-6 bounds the difference.
-    fn assert_first_step(state: &ModelSyncState, name: &str, before: &[f32], mean: &[f32]) {
-        let after = center_values(state, name);
-        for ((after, before), gradient) in after.iter().zip(before).zip(mean) {
-            let expected =
-                before - LEARNING_RATE as f32 * gradient.signum() * f32::from(*gradient != 0.0);
-            assert!(
-                (after - expected).abs() <= 4e-6,
-                "{name}: {after} against {expected} (gradient {gradient})"
-            );
-        }
-    }
-
-    #[test]
-    fn a_round_of_one_steps_samples_takes_one_adamw_step_with_the_mean_gradient() {
-        let mut state = two_drafters();
-        let (a0, b0) = (center_values(&state, "a"), center_values(&state, "b"));
-        let first = send_gradient(
-            &mut state,
-            "d0",
-            2,
-            ([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),
-            4,
-        )
-        .unwrap();
-        // Gathered, not stepped: the weights wait for the round.
-        assert!(first.applied);
-        assert_eq!(first.await_round, Some(1));
-        assert_eq!(state.gradient_rounds_ended(), 0);
-        assert_eq!(center_values(&state, "a"), a0);
-        // The others sharing the center, as the staleness says it.
-        assert_eq!(first.staleness, 1);
-        let second = send_gradient(
-            &mut state,
-            "d1",
-            2,
-            ([3.0, -1.0, 1.0, 1.0], [1.0, 1.0, -3.0]),
-            4,
-        )
-        .unwrap();
-        assert_eq!(second.await_round, Some(1));
-        assert_eq!(state.gradient_rounds_ended(), 1);
-        // Mean gradient a [2, 0, 1, 1], b [1, 1, -1].
-        assert_first_step(&state, "a", &a0, &[2.0, 0.0, 1.0, 1.0]);
-        assert_first_step(&state, "b", &b0, &[1.0, 1.0, -1.0]);
-        // Every gradient is a version; the samples are the center's.
-        assert_eq!(state.version(), Some(2));
-        assert_eq!(state.center().unwrap().samples, 4);
-    }
-
-    #[test]
-    fn a_round_ends_once_every_drafter_left_sent_its_gradient() {
-        let mut state = two_drafters();
-        let (a0, b0) = (center_values(&state, "a"), center_values(&state, "b"));
-        // One sample of a four-sample step: the round waits for d1.
-        send_gradient(
-            &mut state,
-            "d0",
-            1,
-            ([1.0, -2.0, 0.0, 4.0], [1.0, 1.0, 1.0]),
-            4,
-        )
-        .unwrap();
-        assert_eq!(state.gradient_rounds_ended(), 0);
-        // d1 leaves without sending: the round has every gradient coming.
-        state.close_session("d1");
-        assert_eq!(state.gradient_rounds_ended(), 1);
-        assert_first_step(&state, "a", &a0, &[1.0, -2.0, 0.0, 4.0]);
-        assert_first_step(&state, "b", &b0, &[1.0, 1.0, 1.0]);
-    }
-
-    #[test]
-    fn a_run_sends_gradients_or_deltas_never_both() {
-        let mut state = two_drafters();
-        send_gradient(&mut state, "d0", 2, ([1.0; 4], [1.0; 3]), 4).unwrap();
-        let before = (center_values(&state, "a"), state.version());
-        let delta = weights([0.25; 4], [0.25; 3]);
-        let refused = state.commit(
-            "d1",
-            upload(proto::SyncKind::Update, 1, &delta, WireDtype::F32, 4),
-            2,
-            CONFIG,
-            Instant::now(),
-        );
+        let error = Upload::new(&refused).unwrap_err();
+        assert_eq!(error, SyncError::GradientStepRemoved);
+        let status = tonic::Status::from(error);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
         assert!(
-            matches!(&refused, Err(SyncError::MixedMethods(message)) if message.contains("--sync-gradients")),
-            "{refused:?}"
-        );
-        assert_eq!((center_values(&state, "a"), state.version()), before);
-
-        let mut state = two_drafters();
-        commit_f32(
-            &mut state,
-            "d0",
-            proto::SyncKind::Update,
-            0,
-            &delta,
-            Instant::now(),
-        );
-        let refused = send_gradient(&mut state, "d1", 2, ([1.0; 4], [1.0; 3]), 4);
-        assert!(
-            matches!(refused, Err(SyncError::MixedMethods(_))),
-            "{refused:?}"
+            status.message().starts_with("gradient_step: ")
+                && status.message().contains("--sync-gradients"),
+            "{kind:?}: {}",
+            status.message()
         );
     }
-
-    #[test]
-    fn gradient_settings_out_of_range_are_refused_naming_the_value() {
-        type Spoil = fn(&mut proto::GradientStep);
-        let cases: [(&str, Spoil); 5] = [
-            ("beta1 1 ", |step| step.beta1 = 1.0),
-            ("learning_rate NaN", |step| step.learning_rate = f64::NAN),
-            ("epsilon 0 ", |step| step.epsilon = 0.0),
-            ("step_samples 0", |step| step.step_samples = 0),
-            ("weight_decay 200", |step| step.weight_decay = 200.0),
-        ];
-        for (named, spoil) in cases {
-            let mut step = settings(4);
-            spoil(&mut step);
-            let begin = proto::SyncBegin {
-                gradient_step: Some(step),
-                ..begin(proto::SyncKind::Update, 0)
-            };
-            let error = Upload::new(&begin).unwrap_err().to_string();
-            assert!(error.contains(named), "{named:?} not in {error:?}");
-        }
-    }
+    assert_eq!(state.version(), version);
+    assert_eq!(center_values(&state, "a"), a);
+    assert_eq!(center_values(&state, "b"), b);
+    let after = state.drafter("d0").unwrap();
+    assert_eq!(
+        (after.updates_applied, after.samples, after.base_version),
+        (record.updates_applied, record.samples, record.base_version)
+    );
+    // The same exchange without it is a delta as before.
+    let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 1, &delta, now);
+    assert!(outcome.applied);
+    assert_eq!(state.version(), version.map(|version| version + 1));
 }
 
 /// A data-parallel snapshot of `steps` committed steps and `samples`.
@@ -1081,6 +955,21 @@ fn snapshots_and_deltas_never_mix_in_one_run() {
         .unwrap_err();
     assert!(matches!(error, SyncError::MixedMethods(_)), "{error:?}");
     assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
+    // Nor the other way: a run of deltas keeps its center.
+    let (mut state, now) = joined_state(plain());
+    commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &delta, now);
+    let error = state
+        .commit(
+            "d1",
+            snapshot_upload(proto::SyncKind::Snapshot, 9, 16, &trained),
+            2,
+            CONFIG,
+            now,
+        )
+        .unwrap_err();
+    assert!(matches!(error, SyncError::MixedMethods(_)), "{error:?}");
+    assert_eq!(state.version(), Some(1));
+    assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, 3.5, 4.5]);
 }
 
 /// #37's try: a drafter credential's first delta of 1e20 per value was

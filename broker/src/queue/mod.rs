@@ -279,14 +279,6 @@ impl<P: Payload> Queue<P> {
             .map(|entry| entry.acked_items + entry.leases.len() as u64)
     }
 
-    /// Items `drafter_id` holds leased now (`None` for an unknown drafter):
-    /// one holding none has nothing to train until the queue deals it more.
-    pub fn leased_to(&self, drafter_id: &str) -> Option<u64> {
-        self.drafters
-            .get(drafter_id)
-            .map(|entry| entry.leases.len() as u64)
-    }
-
     /// The drafter whose stream `connection` is, for logs and traces.
     pub fn drafter_id_of(&self, connection: ConnectionId) -> Option<&str> {
         self.consumer_connections

@@ -539,11 +539,6 @@ impl Shared {
         self.locked.lock().queue.acked_or_leased_by(drafter_id)
     }
 
-    /// Items `drafter_id` holds leased now (see the queue's).
-    pub(crate) fn leased_to(&self, drafter_id: &str) -> Option<u64> {
-        self.locked.lock().queue.leased_to(drafter_id)
-    }
-
     /// The run state as it changes.
     pub(crate) fn watch_run_state(
         &self,

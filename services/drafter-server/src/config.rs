@@ -246,18 +246,6 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_SYNC_BATCH_SCALING", value_enum, default_value_t = SyncBatchScaling::None)]
     pub sync_batch_scaling: SyncBatchScaling,
 
-    /// Send each step's gradient to the broker's one AdamW over the center
-    /// instead of taking an AdamW step here (data parallelism through the
-    /// broker): the N drafters then train exactly as one drafter on their
-    /// summed samples would, one step per `--max-step-samples` samples of
-    /// them all. Needs `--sync-every 1`; use with `--sync-batch-scaling
-    /// inverse` so that each drafter computes its share of a step. This
-    /// drafter's AdamW flags (`--learning-rate`, `--max-grad-norm`,
-    /// `--adam-beta1`, `--weight-decay`, the schedule) travel with each
-    /// gradient; every drafter of a run must use the flag or none.
-    #[arg(long, env = "DFLASH_SYNC_GRADIENTS")]
-    pub sync_gradients: bool,
-
     /// Fraction of the schedule spent in linear warmup before the cosine decay.
     #[arg(long, env = "DFLASH_WARMUP_FRACTION", default_value_t = 0.04)]
     pub warmup_fraction: f64,
@@ -398,8 +386,6 @@ pub enum ConfigError {
     SyncAdamBeta1(f64),
     #[error("--grad-norm-spike-ratio must be 0 (off) or a finite ratio above 1, got {0}")]
     GradNormSpikeRatio(f64),
-    #[error("--sync-gradients {0}")]
-    SyncGradients(String),
 }
 
 impl DrafterServerConfig {
@@ -453,37 +439,7 @@ impl DrafterServerConfig {
         if self.dtype == Some(DtypeChoice::F16) {
             return Err(ConfigError::UnsupportedDtype("f16"));
         }
-        if self.sync_gradients {
-            if self.model_sync.sync_every != 1 {
-                return Err(ConfigError::SyncGradients(format!(
-                    "needs --sync-every 1 (each step's gradient goes to the broker), got {}",
-                    self.model_sync.sync_every
-                )));
-            }
-            if self.sync_lr_scaling != SyncLrScaling::None {
-                return Err(ConfigError::SyncGradients(format!(
-                    "steps at the run's learning rate: --sync-lr-scaling must be none, got {:?}",
-                    self.sync_lr_scaling
-                )));
-            }
-        }
         Ok(())
-    }
-
-    /// With `--sync-gradients`: the AdamW settings each gradient carries
-    /// (its learning rate is set per step).
-    pub fn gradient_step(&self) -> Option<dflash_proto::v1::GradientStep> {
-        let adamw = dflash_model::draft::AdamWSettings::default();
-        self.sync_gradients
-            .then_some(dflash_proto::v1::GradientStep {
-                learning_rate: 0.0,
-                max_grad_norm: self.max_grad_norm,
-                beta1: self.adam_beta1,
-                beta2: adamw.beta2,
-                epsilon: adamw.epsilon,
-                weight_decay: self.weight_decay,
-                step_samples: self.max_step_samples as u64,
-            })
     }
 
     /// The device `--device` names, checked against what libtorch sees.
@@ -544,7 +500,6 @@ impl DrafterServerConfig {
             sync_adam_beta1: 0.0,
             sync_lr_scaling: SyncLrScaling::None,
             sync_batch_scaling: SyncBatchScaling::None,
-            sync_gradients: false,
             warmup_fraction: 0.04,
             max_grad_norm: 1.0,
             grad_accumulation: 1,
@@ -674,32 +629,9 @@ mod tests {
         ] {
             assert!(parse_flags(&[old, "250"]).is_err(), "{old} still parses");
         }
+        // The broker's AdamW over drafters' gradients went (issue 37).
+        assert!(parse_flags(&["--sync-gradients"]).is_err());
         assert!(parse_flags(&["--linger", "soon"]).is_err());
-    }
-
-    #[test]
-    fn sync_gradients_needs_an_exchange_every_step_at_the_runs_learning_rate() {
-        let mut config = parse_flags(&["--sync-gradients", "--sync-every", "1"]).unwrap();
-        config.model = ModelMode::Synthetic {
-            ms_per_1k_tokens: 1.0,
-        };
-        assert_eq!(config.validate(), Ok(()));
-        let step = config.gradient_step().unwrap();
-        assert_eq!(step.step_samples, config.max_step_samples as u64);
-        assert_eq!(step.max_grad_norm, config.max_grad_norm);
-        config.model_sync.sync_every = 10;
-        let error = config.validate().unwrap_err().to_string();
-        assert!(
-            error.contains("--sync-every 1") && error.contains("got 10"),
-            "{error}"
-        );
-        config.model_sync.sync_every = 1;
-        config.sync_lr_scaling = SyncLrScaling::Inverse;
-        let error = config.validate().unwrap_err().to_string();
-        assert!(error.contains("--sync-lr-scaling"), "{error}");
-        config.sync_gradients = false;
-        assert_eq!(config.validate(), Ok(()));
-        assert_eq!(config.gradient_step(), None);
     }
 
     #[test]

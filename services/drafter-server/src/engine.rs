@@ -100,10 +100,6 @@ pub struct RunSchedule {
     pub sync_adam_beta1: f64,
     /// `--sync-lr-scaling`: the learning rate over N while N > 1 share.
     pub sync_lr_scaling: SyncLrScaling,
-    /// `--sync-gradients`: the position counts the center's rounds of
-    /// `--max-step-samples` (one drafter's batch), so the learning rate a
-    /// gradient carries is the one a single drafter would step at.
-    pub gradient_rounds: bool,
 }
 
 impl RunSchedule {
@@ -117,7 +113,6 @@ impl RunSchedule {
             adam_beta1: config.adam_beta1,
             sync_adam_beta1: config.sync_adam_beta1,
             sync_lr_scaling: config.sync_lr_scaling,
-            gradient_rounds: config.sync_gradients,
         }
     }
 }
@@ -175,11 +170,6 @@ impl DFlashEngine {
         settings.schedule.peak_learning_rate = config.learning_rate;
         settings.schedule.warmup_fraction = config.warmup_fraction;
         settings.seed = config.seed;
-        settings.inner_step = if config.sync_gradients {
-            dflash_model::draft::InnerStep::Gradient
-        } else {
-            dflash_model::draft::InnerStep::AdamW
-        };
         let mut trainer = match resume_from {
             Some(checkpoint) => {
                 info!(checkpoint = %checkpoint.display(), "resuming from checkpoint");
@@ -257,12 +247,9 @@ impl TrainingEngine for DFlashEngine {
     fn step(&mut self) -> Result<StepReport, EngineError> {
         if let Some(schedule) = &self.run_schedule {
             // The run's samples over this drafter's batch: its mean samples
-            // per step so far, the configured batch before its first step
-            // (one drafter's batch, the round's, with --sync-gradients).
+            // per step so far, the configured batch before its first step.
             let progress = self.trainer.progress();
-            let samples_per_step = if schedule.gradient_rounds {
-                schedule.assumed_samples_per_step as f64
-            } else if progress.step > 0 && progress.samples_trained > 0 {
+            let samples_per_step = if progress.step > 0 && progress.samples_trained > 0 {
                 progress.samples_trained as f64 / progress.step as f64
             } else {
                 schedule.assumed_samples_per_step as f64

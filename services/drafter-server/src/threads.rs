@@ -88,7 +88,6 @@ pub(crate) fn start_trainer(
         &config.model_sync,
     )
     .map(|link| link.with_security(config.security.clone()))
-    .map(|link| link.with_gradient_step(config.gradient_step()))
     .map(|link| match &run_clock {
         Some(clock) => link.with_run_clock(clock.clone()),
         None => link,

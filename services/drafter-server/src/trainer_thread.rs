@@ -446,8 +446,7 @@ impl TrainingLoop {
         match result {
             Ok(report) => {
                 let step = report.step;
-                let (samples, tokens, learning_rate) =
-                    (report.samples, report.tokens, report.learning_rate);
+                let (samples, tokens) = (report.samples, report.tokens);
                 let busy = std::mem::take(&mut self.busy);
                 self.emit(TrainerEvent::Stepped {
                     generation: self.generation,
@@ -459,7 +458,7 @@ impl TrainingLoop {
                 // After the step's acks are on their way: an exchange with
                 // the center every --sync-every steps.
                 if let (Some(sync), Some(model)) = (&mut self.sync, self.engine.draft_model()) {
-                    sync.after_step(model, samples, tokens, learning_rate);
+                    sync.after_step(model, samples, tokens);
                 }
                 if self.settings.save_every > 0 && step % self.settings.save_every == 0 {
                     if let Err(error) = self.save_checkpoint() {

@@ -86,7 +86,7 @@ async fn a_drafter_joining_mid_run_starts_from_the_center_and_deltas_reach_every
         );
         // The first drafter trains and syncs: the center moves.
         shift(&first, 0.25);
-        first_link.after_step(&first, 4, 40, 1e-3);
+        first_link.after_step(&first, 4, 40);
         assert_eq!(first_link.totals.center_version, 1);
 
         // A drafter joining now starts from the center, not its own init.
@@ -103,8 +103,8 @@ async fn a_drafter_joining_mid_run_starts_from_the_center_and_deltas_reach_every
         // Its delta reaches the center, and the first drafter's next sync
         // brings it there too (the first drafter's own delta is zero).
         shift(&late, -0.5);
-        late_link.after_step(&late, 4, 40, 1e-3);
-        first_link.after_step(&first, 4, 40, 1e-3);
+        late_link.after_step(&late, 4, 40);
+        first_link.after_step(&first, 4, 40);
         assert_eq!(first_link.totals.center_version, 3);
         assert_eq!(first_link.totals.last_staleness, 1);
         // Staleness measures the drafters sharing the center (their AdamW
@@ -460,7 +460,7 @@ async fn after_a_broker_restart_drafters_rejoin_the_resumed_center() {
         let mut link = ModelSyncLink::new(runtime, &address, "drafter-0", &every_step).unwrap();
         link.join(&model);
         shift(&model, 0.25);
-        link.after_step(&model, 4, 40, 1e-3);
+        link.after_step(&model, 4, 40);
         let synced = tiny_draft_model(2);
         tch::no_grad(|| {
             for ((_, mut copy), (_, value)) in
@@ -479,7 +479,7 @@ async fn after_a_broker_restart_drafters_rejoin_the_resumed_center() {
         step_sender.blocking_send(report(&link, &model)).unwrap();
         while model_receiver.recv().is_ok() {
             shift(&model, 1.0);
-            link.after_step(&model, 4, 40, 1e-3);
+            link.after_step(&model, 4, 40);
             step_sender.blocking_send(report(&link, &model)).unwrap();
         }
     });

@@ -147,15 +147,6 @@ struct Method {
     /// The synced drafters' `--sync-adam-beta1` (the cap on β1^N while
     /// sharing); `None`: the drafter's default.
     inner_beta1: Option<f64>,
-    /// The synced drafters' `--sync-gradients`
-    /// (`DFLASH_SYNC_QUALITY_SYNC_GRADIENTS`): the broker's one AdamW over
-    /// their gradients.
-    sync_gradients: bool,
-    /// Synchronous rounds only (`DFLASH_STUDY_OUTER_ADAMW`): each drafter's
-    /// step is its gradient, and one AdamW over the center applies the
-    /// round's mean gradient (data parallelism), instead of the mean of the
-    /// drafters' own AdamW steps.
-    outer_adamw: bool,
     /// Synchronous rounds only: every drafter starts each round from the
     /// center after the last round (a barrier), or (`DFLASH_STUDY_NO_BARRIER`)
     /// from the center it got back when it sent its own, one round older
@@ -180,15 +171,13 @@ impl Method {
             inner_beta1: std::env::var("DFLASH_SYNC_QUALITY_INNER_BETA1")
                 .ok()
                 .map(|value| value.parse().expect("a number")),
-            sync_gradients: std::env::var_os("DFLASH_SYNC_QUALITY_SYNC_GRADIENTS").is_some(),
-            outer_adamw: std::env::var_os("DFLASH_STUDY_OUTER_ADAMW").is_some(),
             barrier: std::env::var_os("DFLASH_STUDY_NO_BARRIER").is_none(),
         }
     }
 
     fn describe(&self) -> String {
         format!(
-            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, synced drafters' lr scaling {:?}, batch scaling {:?}, beta1 cap {}, sync gradients {}; rounds: outer AdamW {}, barrier {}",
+            "outer lr {}, momentum {} (delay {}), staleness scaling {}, inner lr x N^{}, synced drafters' lr scaling {:?}, batch scaling {:?}, beta1 cap {}; rounds: barrier {}",
             self.outer_learning_rate,
             self.momentum,
             match self.momentum_delay {
@@ -201,8 +190,6 @@ impl Method {
             self.batch_scaling,
             self.inner_beta1
                 .map_or_else(|| "the default".to_string(), |beta1| beta1.to_string()),
-            self.sync_gradients,
-            self.outer_adamw,
             self.barrier
         )
     }
@@ -331,9 +318,6 @@ fn train(
     mode: Mode,
     run: &[proto::Sample],
 ) -> RunResult {
-    if mode == Mode::Synced && method.sync_gradients {
-        return train_in_rounds(work, runtime, setting, method, drafters, run);
-    }
     let steps_per_drafter = run.len().div_ceil(setting.batch * drafters) as u64;
     let sync = SyncConfig {
         sync_every: setting.sync_every,
@@ -352,7 +336,6 @@ fn train(
                 let steps = run.len().div_ceil(share * drafters) as u64;
                 config.total_steps = Some(steps);
                 config.learning_rate *= (drafters as f64).powf(method.inner_lr_exponent);
-                config.sync_gradients = method.outer_adamw;
                 let engine = build_engine(&config, None, steps).unwrap();
                 return Trainee {
                     engine,
@@ -382,7 +365,6 @@ fn train(
                     config.sync_lr_scaling = method.lr_scaling;
                     config.sync_batch_scaling = method.batch_scaling;
                     config.sync_adam_beta1 = method.inner_beta1.unwrap_or(config.sync_adam_beta1);
-                    config.sync_gradients = method.sync_gradients;
                     let mut engine = build_engine(&config, None, 1).unwrap();
                     // The run's size, as the async side learns it from the
                     // broker's expected items.
@@ -391,8 +373,7 @@ fn train(
                     engine.follow_run_schedule(RunSchedule::for_config(&config, clock.clone()));
                     let mut link = ModelSyncLink::new(runtime.clone(), address, &id, &sync)
                         .unwrap()
-                        .with_run_clock(clock)
-                        .with_gradient_step(config.gradient_step());
+                        .with_run_clock(clock);
                     link.join(engine.draft_model().unwrap());
                     assert_eq!(link.totals.failures, 0);
                     Trainee {
@@ -416,26 +397,9 @@ fn train(
         variables.sort_by(|a, b| a.0.cmp(&b.0));
         variables
             .into_iter()
-            .map(|(name, value)| (name, value.detach().copy().set_requires_grad(true)))
+            .map(|(name, value)| (name, value.detach().copy()))
             .collect()
     });
-    // With `outer_adamw`: the one optimizer, over the center, with the
-    // drafters' AdamW settings.
-    let mut outer_optimizer = center
-        .as_ref()
-        .filter(|_| method.outer_adamw)
-        .map(|center| {
-            let settings = dflash_model::draft::AdamWSettings {
-                beta1: setting.adam_beta1,
-                weight_decay: drafter_config("any", work, setting, 0).weight_decay,
-                ..Default::default()
-            };
-            dflash_model::draft::AdamW::new(
-                center.iter().map(|(n, t)| (n.clone(), t.shallow_clone())),
-                settings,
-            )
-        });
-    let max_grad_norm = drafter_config("any", work, setting, 0).max_grad_norm;
     let load = |trainee: &Trainee, center: &[(String, tch::Tensor)]| {
         let variables = variables(trainee);
         tch::no_grad(|| {
@@ -496,15 +460,13 @@ fn train(
                     trainee.engine.draft_model().unwrap(),
                     report.samples,
                     report.tokens,
-                    report.learning_rate,
                 );
                 assert_eq!(link.totals.failures, 0);
             }
         }
         if let Some(center) = &center {
-            // The outer step: the mean of this round's deltas, applied as
-            // is (× the outer learning rate) or, with `outer_adamw`, as the
-            // gradient of one AdamW step at the schedule's rate.
+            // The outer step: the mean of this round's deltas (× the outer
+            // learning rate).
             let count = stepped.iter().filter(|&&stepped| stepped).count();
             let before: Vec<tch::Tensor> = center
                 .iter()
@@ -523,40 +485,13 @@ fn train(
                     })
                     .collect()
             });
-            match outer_optimizer.as_mut() {
-                None => tch::no_grad(|| {
-                    for ((_, value), mean) in center.iter().zip(&means) {
-                        value
-                            .shallow_clone()
-                            .copy_(&(value + mean * f64::from(method.outer_learning_rate)));
-                    }
-                }),
-                Some(optimizer) => {
-                    // The gradient is minus the mean delta: set it through
-                    // a backward of Σ value · gradient.
-                    optimizer.zero_grad();
-                    let pseudo_loss = center
-                        .iter()
-                        .zip(&means)
-                        .map(|((_, value), mean)| (value * -mean).sum(Kind::Float))
-                        .fold(
-                            tch::Tensor::zeros([], (Kind::Float, Device::Cpu)),
-                            |a, b| a + b,
-                        );
-                    pseudo_loss.backward();
-                    let norm = optimizer.gradient_norm();
-                    optimizer.clip_gradients(max_grad_norm, norm);
-                    let learning_rate = trainees
-                        .iter()
-                        .zip(&stepped)
-                        .filter(|(_, &s)| s)
-                        .map(|(trainee, _)| *trainee.learning_rates.last().unwrap())
-                        .next()
-                        .unwrap();
-                    optimizer.step(learning_rate);
-                    optimizer.zero_grad();
+            tch::no_grad(|| {
+                for ((_, value), mean) in center.iter().zip(&means) {
+                    value
+                        .shallow_clone()
+                        .copy_(&(value + mean * f64::from(method.outer_learning_rate)));
                 }
-            }
+            });
             let last = stepped.iter().rposition(|&s| s).unwrap();
             for (index, trainee) in trainees.iter().enumerate() {
                 if method.barrier || index == last {
@@ -620,148 +555,6 @@ fn train(
         center,
         losses: trainees.iter().map(|t| t.losses.clone()).collect(),
         learning_rates: trainees.iter().map(|t| t.learning_rates.clone()).collect(),
-    }
-}
-
-/// `drafters` drafters with `--sync-gradients` through a fresh broker: the
-/// broker's AdamW holds each drafter's reply until its round has stepped,
-/// so each drafter runs on its own thread (a single thread would wait on
-/// itself). They join in order (drafter 0's weights make the center), then,
-/// once all have joined, each trains its share (`run` dealt round robin) at its own pace; the
-/// rounds keep them in step. The order gradients land in within a round
-/// varies, so the center's last bits do too.
-fn train_in_rounds(
-    work: &Path,
-    runtime: &tokio::runtime::Handle,
-    setting: &Setting,
-    method: &Method,
-    drafters: usize,
-    run: &[proto::Sample],
-) -> RunResult {
-    let sync = SyncConfig {
-        sync_every: setting.sync_every,
-        ..SyncConfig::default()
-    };
-    let broker = runtime.block_on(TestBroker::start(method.broker_config()));
-    let address = broker.address.clone();
-    // Whose turn it is to join.
-    let turn = (std::sync::Mutex::new(0usize), std::sync::Condvar::new());
-    let results: Vec<(PathBuf, Vec<f64>, Vec<f64>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..drafters)
-            .map(|index| {
-                let (sync, address, turn) = (&sync, &address, &turn);
-                scope.spawn(move || {
-                    tch::set_num_threads(1);
-                    let (id, mut config) = nth_drafter(work, setting, index);
-                    config.total_steps = None;
-                    config.sync_batch_scaling = method.batch_scaling;
-                    config.sync_gradients = true;
-                    let mut engine = build_engine(&config, None, 1).unwrap();
-                    let clock = RunClock::new();
-                    clock.set_run_samples_total(run.len() as u64);
-                    engine.follow_run_schedule(RunSchedule::for_config(&config, clock.clone()));
-                    let mut link = ModelSyncLink::new(runtime.clone(), address, &id, sync)
-                        .unwrap()
-                        .with_run_clock(clock)
-                        .with_gradient_step(config.gradient_step());
-                    {
-                        let (lock, ready) = turn;
-                        let mut next = lock.lock().unwrap();
-                        while *next != index {
-                            next = ready.wait(next).unwrap();
-                        }
-                        link.join(engine.draft_model().unwrap());
-                        *next += 1;
-                        ready.notify_all();
-                        // Training starts once every drafter has joined.
-                        while *next < drafters {
-                            next = ready.wait(next).unwrap();
-                        }
-                    }
-                    // Each knows from its first step that `drafters` share
-                    // the center (a drafter learns it from its first
-                    // exchange, after one full step): every round is then
-                    // one share of each.
-                    link.run_clock().staleness_observed(drafters as u64 - 1);
-                    assert_eq!(link.totals.failures, 0);
-                    let stream: Vec<&proto::Sample> =
-                        run.iter().skip(index).step_by(drafters).collect();
-                    let (mut losses, mut learning_rates) = (Vec::new(), Vec::new());
-                    let mut done = 0;
-                    while done < stream.len() {
-                        let share = step_share(
-                            setting.batch,
-                            link.run_clock().state().drafters_sharing,
-                            method.batch_scaling,
-                        );
-                        let batch: Vec<_> = stream[done..(done + share).min(stream.len())]
-                            .iter()
-                            .map(|sample| engine.prepare(sample).unwrap())
-                            .collect();
-                        done += batch.len();
-                        engine.accumulate(batch).unwrap();
-                        let report = engine.step().unwrap();
-                        losses.push(report.loss);
-                        learning_rates.push(report.learning_rate);
-                        link.after_step(
-                            engine.draft_model().unwrap(),
-                            report.samples,
-                            report.tokens,
-                            report.learning_rate,
-                        );
-                        assert_eq!(link.totals.failures, 0);
-                    }
-                    link.finish(engine.draft_model().unwrap());
-                    assert_eq!(link.totals.failures, 0);
-                    let dir = work.join(format!("drafter-{index}-final"));
-                    engine.save_checkpoint(&dir).unwrap();
-                    (dir, losses, learning_rates)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|handle| handle.join().unwrap())
-            .collect()
-    });
-    // A drafter joining now receives the center: that is the run's model.
-    let observer_config = drafter_config("observer", work, setting, setting.seed + 100);
-    let observer = build_engine(&observer_config, None, 1).unwrap();
-    let mut link = ModelSyncLink::new(runtime.clone(), &address, "observer", &sync).unwrap();
-    link.join(observer.draft_model().unwrap());
-    assert_eq!(link.totals.failures, 0);
-    let center = work.join("center");
-    save_draft_checkpoint(&center, observer.draft_model().unwrap(), None).unwrap();
-    let status = runtime
-        .block_on(broker.status())
-        .model_sync
-        .unwrap_or_default();
-    eprintln!(
-        "center: {} gradients applied, {} discarded ({} outliers), version {}",
-        status.updates_applied,
-        status.updates_discarded,
-        status.outlier_deltas,
-        status.center_version
-    );
-    assert_eq!(
-        status.updates_discarded, 0,
-        "every gradient reaches the center"
-    );
-    runtime.block_on(broker.stop());
-    let (drafters, losses, learning_rates) = results.into_iter().fold(
-        (Vec::new(), Vec::new(), Vec::new()),
-        |(mut dirs, mut losses, mut rates), (dir, loss, rate)| {
-            dirs.push(dir);
-            losses.push(loss);
-            rates.push(rate);
-            (dirs, losses, rates)
-        },
-    );
-    RunResult {
-        drafters,
-        center: Some(center),
-        losses,
-        learning_rates,
     }
 }
 
@@ -1048,138 +841,6 @@ fn with_shared_steps_four_drafters_center_nears_one_drafter() {
         taus.center,
         taus.alone
     );
-}
-
-/// `--sync-gradients` end to end (real engines, links and broker, a thread
-/// per drafter) against one drafter on the same samples, `batch` per step:
-/// `drafters` drafters on `sequences` × `epochs` samples, each round one
-/// share of `batch / drafters` from each. The drafters train the model the
-/// one trains (the same learning rates, mean losses and weights to f32
-/// rounding: data parallelism, not models averaged), and each answer waits
-/// for its round, so every drafter ends holding the center itself, bit for
-/// bit (without the wait the first drafters of the last round would hold
-/// the center before it). No exchange failed and no gradient was
-/// discarded (asserted in `train_in_rounds`). The center must be within
-/// 1e-3 of the one drafter's weights (largest element), which must have
-/// moved by more than ten times that.
-fn sync_gradients_against_one_drafter(
-    drafters: usize,
-    batch: usize,
-    sequences: usize,
-    epochs: usize,
-) {
-    let setting = Setting {
-        learning_rate: 16e-3,
-        batch,
-        sequences,
-        epochs,
-        ..Setting::from_env(0)
-    };
-    let method = Method {
-        batch_scaling: SyncBatchScaling::Inverse,
-        lr_scaling: SyncLrScaling::None,
-        sync_gradients: true,
-        ..Method::from_env()
-    };
-    let work = tempfile::tempdir().unwrap();
-    let runtime = runtime();
-    let Data { run, .. } = data(&setting);
-    assert_eq!(run.len(), sequences * epochs);
-    let result = train(
-        work.path(),
-        runtime.handle(),
-        &setting,
-        &method,
-        drafters,
-        Mode::Synced,
-        &run,
-    );
-    let weights = |dir: &Path| {
-        let mut tensors = tch::Tensor::read_safetensors(dir.join("model.safetensors")).unwrap();
-        tensors.sort_by(|a, b| a.0.cmp(&b.0));
-        tensors
-    };
-    let center = weights(result.center.as_ref().unwrap());
-    assert!(!center.is_empty());
-    for dir in &result.drafters {
-        let held = weights(dir);
-        assert_eq!(held.len(), center.len());
-        for ((name, held), (_, center)) in held.iter().zip(&center) {
-            assert!(
-                held.equal(center),
-                "{}: tensor {name} is not the center's",
-                dir.display()
-            );
-        }
-    }
-    let steps = run.len() / batch;
-    for losses in &result.losses {
-        assert_eq!(losses.len(), steps, "one share per round: {losses:?}");
-    }
-    let alone = train(
-        &work.path().join("alone"),
-        runtime.handle(),
-        &setting,
-        &method,
-        1,
-        Mode::Independent,
-        &run,
-    );
-    let (alone_rates, alone_losses) = (alone.learning_rates, alone.losses);
-    let alone = weights(&alone.drafters[0]);
-    let initial_dir = work.path().join("initial");
-    build_engine(&nth_drafter(work.path(), &setting, 0).1, None, 1)
-        .unwrap()
-        .save_checkpoint(&initial_dir)
-        .unwrap();
-    let initial = weights(&initial_dir);
-    // The same learning rate at every step, and the same mean loss.
-    for rates in &result.learning_rates {
-        assert_eq!(rates, &alone_rates[0]);
-    }
-    for (step, alone_loss) in alone_losses[0].iter().enumerate() {
-        let mean = result.losses.iter().map(|losses| losses[step]).sum::<f64>() / drafters as f64;
-        assert!(
-            (mean - alone_loss).abs() <= 1e-3 * alone_loss,
-            "step {step}: mean loss {mean} against one drafter's {alone_loss}"
-        );
-    }
-    let mut moved = 0.0f64;
-    let mut apart = 0.0f64;
-    for ((center, (_, alone)), (_, initial)) in center.iter().zip(&alone).zip(&initial) {
-        moved = moved.max((alone - initial).abs().max().double_value(&[]));
-        apart = apart.max((&center.1 - alone).abs().max().double_value(&[]));
-    }
-    eprintln!("{drafters} drafters' center vs one drafter: {apart:.3e} apart, moved {moved:.3e}");
-    assert!(
-        moved > 10.0 * 1e-3,
-        "the steps moved the weights by {moved:.3e} only"
-    );
-    assert!(
-        apart <= 1e-3,
-        "the center is {apart:.3e} from one drafter's weights"
-    );
-}
-
-/// Two drafters, 4 rounds of two 8-sample shares (64 samples, one
-/// drafter's step 16): the same weights as one drafter, to f32 rounding.
-/// Each gradient goes up as the change of weights near 1, (w − g) − w,
-/// rounded to about 1e-7 of them, which AdamW's normalisation passes on;
-/// 1e-3 is far below the 4.8e-2 the 4 steps moved the largest weight
-/// (measured: 6.1e-5 apart; 1.25e-2 when the gradients carried another
-/// learning rate). With two drafters the broker's sums do not depend on
-/// which gradient lands first (a + b = b + a in floats).
-#[test]
-fn with_sync_gradients_two_drafters_train_what_one_drafter_trains() {
-    sync_gradients_against_one_drafter(2, 16, 8, 8);
-}
-
-/// The 3-drafter case: 6 rounds of three 2-sample shares (36
-/// samples, one drafter's step 6), the same bound as for two (the order
-/// three gradients land in changes their sum's last bits only).
-#[test]
-fn with_sync_gradients_three_drafters_train_what_one_drafter_trains() {
-    sync_gradients_against_one_drafter(3, 6, 6, 6);
 }
 
 /// The study (`make study`, or `cargo test -p dflash-drafter-server --test

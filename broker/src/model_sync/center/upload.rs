@@ -168,9 +168,6 @@ pub struct Upload {
     /// acks), when known: the samples it may be credited with in all (a
     /// claim beyond is cut to it).
     pub acked_by_drafter: Option<u64>,
-    /// The AdamW settings of a gradient (UPDATE or FINAL of a drafter with
-    /// `--sync-gradients`): the tensors are then minus its gradient.
-    pub gradient_step: Option<super::GradientStep>,
 }
 
 impl Upload {
@@ -196,18 +193,17 @@ impl Upload {
 }
 
 impl Upload {
+    /// The exchange `begin` opens, checked; a begin that sets the removed
+    /// `gradient_step` (a drafter of the broker's AdamW) is refused.
     pub fn new(begin: &proto::SyncBegin) -> Result<Self, SyncError> {
+        if begin.gradient_step.is_some() {
+            return Err(SyncError::GradientStepRemoved);
+        }
         let reply_dtype = match begin.reply_dtype {
             0 => WireDtype::F32,
             other => dtype_from_proto(other)?,
         };
         let kind = ExchangeKind::from_proto(begin.kind)?;
-        let gradient_step = match (&begin.gradient_step, kind) {
-            (Some(step), ExchangeKind::Update | ExchangeKind::Final) => {
-                Some(super::GradientStep::from_proto(step)?)
-            }
-            _ => None,
-        };
         Ok(Upload {
             kind,
             base_version: begin.base_version,
@@ -217,7 +213,6 @@ impl Upload {
             tensors: Vec::new(),
             measured_norm: None,
             acked_by_drafter: None,
-            gradient_step,
         })
     }
 

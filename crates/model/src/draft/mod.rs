@@ -64,8 +64,8 @@ pub use objective::{
 };
 pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
 pub use trainer::{
-    Contribution, DraftTrainer, Exclusion, InnerStep, MicroBatchReport, ReducedStep,
-    SelectorReport, SkippedStep, StepReport, TrainerSettings, DEFAULT_GRAD_NORM_SPIKE_RATIO,
+    Contribution, DraftTrainer, Exclusion, MicroBatchReport, ReducedStep, SelectorReport,
+    SkippedStep, StepReport, TrainerSettings, DEFAULT_GRAD_NORM_SPIKE_RATIO,
     DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
 };
 

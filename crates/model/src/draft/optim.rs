@@ -340,20 +340,6 @@ impl AdamW {
         Ok(())
     }
 
-    /// Moves every parameter by minus its gradient, as it is (no learning
-    /// rate, no clipping, no moments): the step of a drafter whose update is
-    /// its gradient, for an optimizer elsewhere to apply
-    /// ([`super::InnerStep::Gradient`]).
-    pub fn descend(&mut self) {
-        let _no_grad = tch::no_grad_guard();
-        for (parameter, _, _) in self.states.values_mut() {
-            let gradient = parameter.grad();
-            if gradient.defined() {
-                let _ = parameter.g_sub_(&gradient.to_kind(parameter.kind()));
-            }
-        }
-    }
-
     /// The moment estimates as named tensors (`exp_avg.{name}`,
     /// `exp_avg_sq.{name}`), for the checkpoint.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
@@ -437,25 +423,6 @@ mod tests {
             "{values:?}"
         );
         assert_eq!(optimizer.state_tensors().len(), 2);
-    }
-
-    #[test]
-    fn descend_moves_each_weight_by_minus_its_gradient_and_keeps_the_moments() {
-        let parameter = Tensor::from_slice(&[1.0f32, -2.0, 0.5]).set_requires_grad(true);
-        let mut optimizer = AdamW::new(
-            [("w".to_string(), parameter.shallow_clone())],
-            AdamWSettings::default(),
-        );
-        (&parameter * Tensor::from_slice(&[0.25f32, -4.0, 3.0]))
-            .sum(Kind::Float)
-            .backward();
-        optimizer.descend();
-        let values: Vec<f32> = Vec::try_from(&parameter.detach()).unwrap();
-        assert_eq!(values, vec![0.75, 2.0, -2.5]);
-        assert_eq!(optimizer.steps_taken(), 0);
-        for (_, moment) in optimizer.state_tensors() {
-            assert_eq!(moment.abs().sum(Kind::Float).double_value(&[]), 0.0);
-        }
     }
 
     #[test]

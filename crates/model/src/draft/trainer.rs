@@ -51,23 +51,6 @@ pub struct TrainerSettings {
     /// skipped, once [`GRAD_NORM_WARMUP`] steps were taken; 0 turns the
     /// bound off. Non-finite losses and norms are always skipped.
     pub grad_norm_spike_ratio: f64,
-    /// What a step does with the normalised gradient.
-    pub inner_step: InnerStep,
-}
-
-/// What [`DraftTrainer::step`] does with the step's normalised gradient.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum InnerStep {
-    /// Clips it and takes an AdamW step at the scheduled learning rate.
-    #[default]
-    AdamW,
-    /// Moves the weights by minus the gradient as it is (not clipped, no
-    /// learning rate, no moments), so that the weights' change is the
-    /// gradient: the step of a drafter whose gradients one optimizer over
-    /// many drafters applies (the model-sync study's synchronous rounds).
-    /// The report's learning rate is the schedule's, the rate that optimizer
-    /// should step at.
-    Gradient,
 }
 
 /// Default of [`TrainerSettings::grad_norm_spike_ratio`]: far above the
@@ -95,7 +78,6 @@ impl TrainerSettings {
                 checkpoint_layers: false,
             },
             grad_norm_spike_ratio: DEFAULT_GRAD_NORM_SPIKE_RATIO,
-            inner_step: InnerStep::AdamW,
         }
     }
 }
@@ -438,14 +420,9 @@ impl DraftTrainer {
                 self.next_schedule_step = None;
                 return Err(DraftError::StepSkipped(skipped));
             }
-            match self.settings.inner_step {
-                InnerStep::AdamW => {
-                    self.optimizer
-                        .clip_gradients(self.settings.max_grad_norm, grad_norm);
-                    self.optimizer.step(learning_rate);
-                }
-                InnerStep::Gradient => self.optimizer.descend(),
-            }
+            self.optimizer
+                .clip_gradients(self.settings.max_grad_norm, grad_norm);
+            self.optimizer.step(learning_rate);
             self.remember_grad_norm(grad_norm);
         }
         self.optimizer.zero_grad();

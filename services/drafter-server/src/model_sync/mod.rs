@@ -47,7 +47,7 @@ use tracing::{info, warn};
 
 use crate::schedule::RunClock;
 use session::{exchange, open, Session};
-use tensors::{delta_to_wire, load_center, restore, sorted_parameters, tensor_to_wire, WireTensor};
+use tensors::{delta_to_wire, load_center, sorted_parameters, tensor_to_wire, WireTensor};
 
 /// Element type of weights on the sync wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -190,9 +190,6 @@ pub struct ModelSyncLink {
     pub totals: SyncTotals,
     /// Where the run is, for the run-wide learning-rate schedule.
     clock: RunClock,
-    /// With `--sync-gradients`: the AdamW settings each update carries,
-    /// its learning rate that of the last step.
-    gradient_step: Option<proto::GradientStep>,
 }
 
 impl ModelSyncLink {
@@ -218,15 +215,7 @@ impl ModelSyncLink {
             tokens_since_sync: 0,
             totals: SyncTotals::default(),
             clock: RunClock::new(),
-            gradient_step: None,
         })
-    }
-
-    /// Sends each step's change as a gradient for the broker's AdamW with
-    /// these settings (`--sync-gradients`; `None`: deltas).
-    pub fn with_gradient_step(mut self, step: Option<proto::GradientStep>) -> Self {
-        self.gradient_step = step;
-        self
     }
 
     /// Keeps `clock` current with the center's sample count and this
@@ -260,18 +249,9 @@ impl ModelSyncLink {
         self.account(started, outcome, "join");
     }
 
-    /// Counts a step at `learning_rate` (the schedule's); every
-    /// `--sync-every` steps exchanges with the center.
-    pub fn after_step(
-        &mut self,
-        model: &DraftModel,
-        samples: usize,
-        tokens: usize,
-        learning_rate: f64,
-    ) {
-        if let Some(step) = self.gradient_step.as_mut() {
-            step.learning_rate = learning_rate;
-        }
+    /// Counts a step of `samples` and `tokens`; every `--sync-every` steps
+    /// exchanges with the center.
+    pub fn after_step(&mut self, model: &DraftModel, samples: usize, tokens: usize) {
         self.steps_since_sync += 1;
         self.samples_since_sync += samples as u64;
         self.tokens_since_sync += tokens as u64;
@@ -457,17 +437,7 @@ impl ModelSyncLink {
             delta_to_wire(&parameters, &base, self.config.sync_dtype)?
         };
         let begin = self.begin(kind, base_version);
-        let (result, center) = match self.run_exchange(begin, deltas) {
-            Ok(reply) => reply,
-            Err(error) => {
-                if self.gradient_step.is_some() {
-                    // The weights moved by a raw gradient: back to the
-                    // center they came from until the re-join.
-                    restore(&parameters, &base)?;
-                }
-                return Err(error);
-            }
-        };
+        let (result, center) = self.run_exchange(begin, deltas)?;
         self.totals.center_version = result.center_version;
         self.totals.center_samples = result.center_samples;
         self.totals.last_staleness = result.staleness;
@@ -493,10 +463,7 @@ impl ModelSyncLink {
             samples: self.samples_since_sync,
             tokens: self.tokens_since_sync,
             reply_dtype: self.config.sync_dtype.proto() as i32,
-            gradient_step: match kind {
-                proto::SyncKind::Update | proto::SyncKind::Final => self.gradient_step,
-                _ => None,
-            },
+            gradient_step: None,
         }
     }
 

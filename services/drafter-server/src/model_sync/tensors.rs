@@ -57,18 +57,6 @@ pub(super) fn delta_to_wire(
         .collect()
 }
 
-/// Copies `base` (sorted as `parameters`) back into the model's
-/// parameters.
-pub(super) fn restore(
-    parameters: &[(String, Tensor)],
-    base: &[(String, Tensor)],
-) -> Result<(), SyncClientError> {
-    for ((_, parameter), (_, values)) in parameters.iter().zip(base) {
-        tch::no_grad(|| parameter.shallow_clone().f_copy_(values))?;
-    }
-    Ok(())
-}
-
 /// Copies the center into the model's parameters and returns the new base
 /// (a copy of the same values).
 pub(super) fn load_center(
