@@ -342,6 +342,7 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
         sync.updates_discarded,
     );
     out.push_str(&tau_line(sync));
+    out.push_str(&data_parallel_line(sync));
     for drafter in &sync.drafters {
         let state = if drafter.finished {
             "finished"
@@ -363,6 +364,36 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
         );
     }
     out
+}
+
+/// Data-parallel drafters: the last quorum and the lighthouse's counters
+/// (nothing before the first quorum).
+pub fn data_parallel_line(sync: &proto::ModelSyncStatus) -> String {
+    let Some(parallel) = sync
+        .data_parallel
+        .as_ref()
+        .filter(|parallel| parallel.quorum_id > 0)
+    else {
+        return String::new();
+    };
+    let problems =
+        if parallel.steps_failed + parallel.checksum_mismatches + parallel.members_dropped > 0 {
+            format!(
+                "  failed {}  dropped {}  checksum mismatches {}",
+                parallel.steps_failed, parallel.members_dropped, parallel.checksum_mismatches
+            )
+        } else {
+            String::new()
+        };
+    format!(
+        "dp     quorum {} step {}  {} members ({})  {} steps committed  {} heals{problems}\n",
+        parallel.quorum_id,
+        parallel.step,
+        parallel.members.len(),
+        parallel.members.join(", "),
+        parallel.steps_committed,
+        parallel.heals,
+    )
 }
 
 /// Points of the τ trend shown by `top`.
@@ -512,6 +543,36 @@ mod tests {
             "{line}"
         );
         assert!(line.contains("syncing"), "{line}");
+    }
+
+    #[test]
+    fn the_data_parallel_quorum_and_its_failures_are_shown() {
+        let mut sync = proto::ModelSyncStatus {
+            has_center: true,
+            ..Default::default()
+        };
+        assert_eq!(data_parallel_line(&sync), "", "nothing before a quorum");
+        sync.data_parallel = Some(proto::DataParallelStatus {
+            quorum_id: 3,
+            step: 120,
+            members: vec!["drafter-0".into(), "drafter-1".into()],
+            steps_committed: 118,
+            heals: 1,
+            ..Default::default()
+        });
+        assert_eq!(
+            data_parallel_line(&sync),
+            "dp     quorum 3 step 120  2 members (drafter-0, drafter-1)  118 steps committed  1 heals\n"
+        );
+        if let Some(parallel) = sync.data_parallel.as_mut() {
+            parallel.steps_failed = 2;
+            parallel.members_dropped = 1;
+        }
+        let line = data_parallel_line(&sync);
+        assert!(
+            line.contains("failed 2  dropped 1  checksum mismatches 0"),
+            "{line}"
+        );
     }
 
     fn snapshot() -> proto::StatusSnapshot {
