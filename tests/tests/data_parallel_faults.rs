@@ -144,6 +144,29 @@ async fn wait_for_quorum(
     status
 }
 
+/// Waits until the drafters `indices` have their Consume streams open (so
+/// the next items are dealt to them too, and each takes part in a step).
+async fn wait_connected(client: &BrokerClient, work: &Path, indices: &[usize]) {
+    let connected = wait_until(PHASE_TIMEOUT, || async {
+        let Ok(status) = client.status().await else {
+            return false;
+        };
+        indices.iter().all(|&index| {
+            status
+                .drafters
+                .iter()
+                .any(|drafter| drafter.drafter_id == drafter_id(index) && drafter.connected)
+        })
+    })
+    .await;
+    assert!(
+        connected,
+        "drafters {indices:?} connected; drafter-{} log tail: {}",
+        indices[0],
+        tail(&drafter_log(work, indices[0]))
+    );
+}
+
 fn tail(log: &str) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
@@ -218,6 +241,7 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     let mut produced = 0u64;
 
     // 1. Three members commit steps together.
+    wait_connected(&client, work.path(), &[0, 1, 2]).await;
     produce(&mut producer, produced, ITEMS_PER_PHASE).await;
     produced += ITEMS_PER_PHASE;
     let status = wait_for_quorum(&client, work.path(), &[0, 1, 2], 0, "three members").await;
@@ -251,6 +275,7 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
 
     // 3. drafter-3 joins mid-run.
     drafters.push(spawn_drafter(work.path(), &broker.address, &tiny, 3));
+    wait_connected(&client, work.path(), &[3]).await;
     let heals_before = status.heals;
     produce(&mut producer, produced, ITEMS_PER_PHASE).await;
     produced += ITEMS_PER_PHASE;
