@@ -261,8 +261,11 @@ impl ModelSyncState {
         // The samples a drafter claims never exceed what the broker saw it
         // ack (in all its exchanges): a claim cannot advance the run's
         // schedule. Acks that have not landed yet are credited at the next
-        // exchange, when they have.
-        if let Some(acked) = upload.acked_by_drafter {
+        // exchange, when they have. A data-parallel snapshot's samples are
+        // every member's (the run's count, shown beside the model, not a
+        // schedule's input): one drafter's acks do not bound them.
+        let snapshot = matches!(kind, ExchangeKind::Snapshot | ExchangeKind::FinalSnapshot);
+        if let Some(acked) = upload.acked_by_drafter.filter(|_| !snapshot) {
             let credited = self
                 .drafters
                 .get(drafter_id)

@@ -1003,3 +1003,16 @@ fn a_huge_first_delta_is_refused_before_the_norm_rule_has_history() {
     let outcome = commit_f32(&mut state, "d0", proto::SyncKind::Update, 0, &large, now);
     assert!(outcome.applied, "{}", outcome.reason);
 }
+
+/// A snapshot's samples are the run's (every member's), so the sending
+/// drafter's own acks do not cut them, where a delta's claim is cut.
+#[test]
+fn a_snapshots_samples_are_the_runs_not_cut_to_the_senders_acks() {
+    let (mut state, now) = joined_state(plain());
+    let trained = weights([1.5, 2.5, -3.0, 4.25], [0.0, 1.0, 2.0]);
+    let mut upload = snapshot_upload(proto::SyncKind::Snapshot, 4, 64, &trained);
+    upload.acked_by_drafter = Some(16);
+    let outcome = state.commit("d0", upload, 2, CONFIG, now).unwrap();
+    assert!(outcome.applied);
+    assert_eq!(outcome.center_samples, 64);
+}
