@@ -1,6 +1,6 @@
 //! Layer primitives shared by the frozen target and the trainable drafter:
-//! RMSNorm, rotary position embeddings (default and llama3-scaled) and the
-//! SwiGLU MLP.
+//! RMSNorm, rotary position embeddings (default and llama3-scaled), the
+//! SwiGLU MLP and grouped-query attention's key/value head repetition.
 //!
 //! They are free functions over plain `tch::Tensor` weights rather than
 //! `nn::Module`s so that the same code runs on frozen weights loaded from
@@ -144,6 +144,21 @@ pub fn swiglu_mlp(
     let gate = hidden.linear::<Tensor>(gate_weight, None).silu();
     let up = hidden.linear::<Tensor>(up_weight, None);
     (gate * up).linear::<Tensor>(down_weight, None)
+}
+
+/// HF `repeat_kv`: key/value head `h` serves the `repeats` consecutive query
+/// heads `h·repeats .. (h+1)·repeats` (grouped-query attention), on
+/// `[batch, heads, length, head_dim]` states.
+pub fn repeat_key_value_heads(states: &Tensor, repeats: i64) -> Tensor {
+    if repeats == 1 {
+        return states.shallow_clone();
+    }
+    let size = states.size();
+    let (batch, key_value_heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
+    states
+        .unsqueeze(2)
+        .expand([batch, key_value_heads, repeats, length, head_dim], false)
+        .reshape([batch, key_value_heads * repeats, length, head_dim])
 }
 
 #[cfg(test)]

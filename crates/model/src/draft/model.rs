@@ -62,7 +62,7 @@ pub use parameters::{
 };
 pub use selector::SelectorPath;
 
-use attention::repeat_key_value_heads;
+use crate::layers::repeat_key_value_heads;
 use parameters::{
     check_frozen_shapes, initialisation_of, seeded_normal, DraftLayerParameters,
     DynamicConvolution, Initialisation, LayerConvolutions, SelectorParameters,

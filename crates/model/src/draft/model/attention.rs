@@ -11,7 +11,7 @@ use tch::{Device, Kind, Tensor};
 use super::attention_masks::{ContextAttentionChunk, FusedAttentionChunk};
 use super::forward::PreparedBlocks;
 use super::{DraftLayerParameters, DraftModel};
-use crate::layers::{apply_rotary, rms_norm};
+use crate::layers::{apply_rotary, repeat_key_value_heads, rms_norm};
 
 impl DraftModel {
     /// The layer's queries (from the blocks) and keys and values (from the
@@ -403,17 +403,4 @@ fn fused_attention_with_log_sum_exp(
         );
         (output, log_sum_exp.narrow(2, 0, queries))
     }
-}
-
-/// HF `repeat_kv`: key/value head `h` serves query heads `h·n_rep .. (h+1)·n_rep`.
-pub(super) fn repeat_key_value_heads(states: &Tensor, repeats: i64) -> Tensor {
-    if repeats == 1 {
-        return states.shallow_clone();
-    }
-    let size = states.size();
-    let (batch, kv_heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
-    states
-        .unsqueeze(2)
-        .expand([batch, kv_heads, repeats, length, head_dim], false)
-        .reshape([batch, kv_heads * repeats, length, head_dim])
 }

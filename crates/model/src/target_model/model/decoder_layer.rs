@@ -8,7 +8,7 @@
 use tch::Tensor;
 
 use super::TargetModel;
-use crate::layers::{apply_rotary, rms_norm, swiglu_mlp};
+use crate::layers::{apply_rotary, repeat_key_value_heads, rms_norm, swiglu_mlp};
 
 /// The weights of one decoder layer.
 pub(super) struct DecoderLayer {
@@ -141,18 +141,4 @@ impl TargetModel {
         let (query, key, value) = self.query_key_value(layer, hidden, cos, sin);
         self.attend(layer, &query, &key, &value, attention_allowed)
     }
-}
-
-/// HF `repeat_kv`: each key/value head serves `repeats` consecutive query
-/// heads.
-fn repeat_key_value_heads(states: &Tensor, repeats: i64) -> Tensor {
-    if repeats == 1 {
-        return states.shallow_clone();
-    }
-    let size = states.size();
-    let (batch, key_value_heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
-    states
-        .unsqueeze(2)
-        .expand([batch, key_value_heads, repeats, length, head_dim], false)
-        .reshape([batch, key_value_heads * repeats, length, head_dim])
 }
