@@ -23,17 +23,16 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use dflash_broker::model_sync::checkpoint::read_center;
 use dflash_client::BrokerClient;
 use dflash_proto::v1 as proto;
-use dflash_testkit::{wait_until, workspace_binary, BrokerProcess};
+use dflash_testkit::{
+    tiny_drafter_sample, wait_for_exit, wait_until, workspace_binary, BrokerProcess,
+};
 
-const TOKENS_PER_ITEM: usize = 16;
-/// The tiny target's hidden size times the 2 draft layers' target layers.
-const HIDDEN_WIDTH: u64 = 2 * 64;
 /// Items sent before each phase: several steps of 6 samples.
 const ITEMS_PER_PHASE: u64 = 36;
 /// Bound on each waited-for state (a debug build on a loaded 2-core machine).
@@ -44,29 +43,6 @@ const FAULT_TIMEOUT: &str = "5s";
 
 fn drafter_id(index: usize) -> String {
     format!("drafter-{index}")
-}
-
-/// A sample the tiny drafter accepts (as in `model_sync_kill.rs`).
-fn item(seq: u64) -> proto::Sample {
-    let input_ids: Vec<i64> = (0..TOKENS_PER_ITEM as u64)
-        .map(|position| 3 + (seq * 7 + position * 13) as i64 % 290)
-        .collect();
-    let loss_mask: Vec<u8> = (0..TOKENS_PER_ITEM)
-        .map(|position| u8::from(position >= TOKENS_PER_ITEM / 4))
-        .collect();
-    let hidden: Vec<u8> = (0..TOKENS_PER_ITEM as u64 * HIDDEN_WIDTH)
-        .flat_map(|index| {
-            let value = ((index * 31 + seq * 5) % 17) as f32 / 8.0 - 1.0;
-            ((value.to_bits() >> 16) as u16).to_le_bytes()
-        })
-        .collect();
-    dflash_proto::sample::encode(
-        &input_ids,
-        &loss_mask,
-        bytes::Bytes::from(hidden),
-        proto::Dtype::Bf16,
-        HIDDEN_WIDTH,
-    )
 }
 
 fn spawn_drafter(work: &Path, broker: &str, tiny: &Path, index: usize) -> Child {
@@ -175,22 +151,9 @@ fn tail(log: &str) -> String {
 async fn produce(producer: &mut dflash_client::Producer, from: u64, count: u64) {
     for seq in from..from + count {
         producer
-            .send(seq, item(seq), Default::default())
+            .send(seq, tiny_drafter_sample(seq), Default::default())
             .await
             .unwrap();
-    }
-}
-
-async fn wait_for_exit(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

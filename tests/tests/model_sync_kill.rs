@@ -10,53 +10,27 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use dflash_broker::model_sync::checkpoint::read_center;
 use dflash_client::BrokerClient;
 use dflash_proto::v1 as proto;
-use dflash_testkit::{wait_until, workspace_binary, BrokerProcess};
+use dflash_testkit::{
+    tiny_drafter_sample, wait_for_exit, wait_until, workspace_binary, BrokerProcess,
+};
 
 const DRAFTERS: usize = 3;
 const VICTIM: usize = 0;
 /// Enough work that the survivors still have many steps after the kill
 /// (4 samples a step: 30 steps for the whole run).
 const ITEMS: u64 = 120;
-const TOKENS_PER_ITEM: usize = 16;
-/// The tiny target's hidden size times the 2 draft layers' target layers.
-const HIDDEN_WIDTH: u64 = 2 * 64;
 /// Bound on each waited-for state; the run itself takes seconds to minutes
 /// in a debug build on a loaded machine.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(300);
 
 fn drafter_id(index: usize) -> String {
     format!("drafter-{index}")
-}
-
-/// A sample the tiny drafter accepts: tokens inside its vocabulary, a
-/// supervised tail, bf16 hidden states of small deterministic values.
-fn item(seq: u64) -> proto::Sample {
-    let input_ids: Vec<i64> = (0..TOKENS_PER_ITEM as u64)
-        .map(|position| 3 + (seq * 7 + position * 13) as i64 % 290)
-        .collect();
-    let loss_mask: Vec<u8> = (0..TOKENS_PER_ITEM)
-        .map(|position| u8::from(position >= TOKENS_PER_ITEM / 4))
-        .collect();
-    let hidden: Vec<u8> = (0..TOKENS_PER_ITEM as u64 * HIDDEN_WIDTH)
-        .flat_map(|index| {
-            let value = ((index * 31 + seq * 5) % 17) as f32 / 8.0 - 1.0;
-            // These values have at most 8 significant bits: bf16 is exact.
-            ((value.to_bits() >> 16) as u16).to_le_bytes()
-        })
-        .collect();
-    dflash_proto::sample::encode(
-        &input_ids,
-        &loss_mask,
-        bytes::Bytes::from(hidden),
-        proto::Dtype::Bf16,
-        HIDDEN_WIDTH,
-    )
 }
 
 fn spawn_drafter(work: &Path, broker: &str, tiny: &Path, index: usize) -> Child {
@@ -117,20 +91,6 @@ fn drafter_sync(sync: &proto::ModelSyncStatus, index: usize) -> Option<&proto::D
         .find(|drafter| drafter.drafter_id == id)
 }
 
-/// Waits (polling) for `child` to exit.
-async fn wait_for_exit(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return Some(status);
-        }
-        if Instant::now() >= deadline {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_drafter_killed_while_syncing_neither_corrupts_nor_blocks_the_center() {
     let work = tempfile::tempdir().unwrap();
@@ -186,7 +146,7 @@ async fn a_drafter_killed_while_syncing_neither_corrupts_nor_blocks_the_center()
         .unwrap();
     for seq in 0..ITEMS {
         producer
-            .send(seq, item(seq), Default::default())
+            .send(seq, tiny_drafter_sample(seq), Default::default())
             .await
             .unwrap();
     }

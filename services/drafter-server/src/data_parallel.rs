@@ -268,9 +268,6 @@ impl DataParallel {
                 match trainer.apply_reduced(step) {
                     Ok(report) => {
                         self.totals.steps_committed += 1;
-                        if excluded.is_some() {
-                            self.totals.zero_contributions += 1;
-                        }
                         StepOutcome::Committed { report, excluded }
                     }
                     Err(error) => {
@@ -338,7 +335,7 @@ impl DataParallel {
             }
         }
         if excluded.is_some() || trainer.accumulated_samples() == 0 {
-            self.totals.zero_contributions += u64::from(excluded.is_none());
+            self.totals.zero_contributions += 1;
         }
         let Contribution { gradient, sums } =
             trainer.contribution(self.rank == 0, excluded.as_ref());

@@ -489,3 +489,54 @@ impl Drop for BrokerProcess {
         }
     }
 }
+
+/// Tokens of each [`tiny_drafter_sample`].
+pub const TINY_SAMPLE_TOKENS: usize = 16;
+/// Hidden width of each [`tiny_drafter_sample`]: the `dflash init-tiny`
+/// target's hidden size times a 2-layer drafter's target layers.
+pub const TINY_SAMPLE_HIDDEN_WIDTH: u64 = 2 * 64;
+
+/// A sample a 2-layer drafter of the `dflash init-tiny` target accepts:
+/// tokens inside its vocabulary, a supervised tail, bf16 hidden states of
+/// small deterministic values (exact in bf16), different for each `seq`.
+pub fn tiny_drafter_sample(seq: u64) -> proto::Sample {
+    let tokens = TINY_SAMPLE_TOKENS;
+    let input_ids: Vec<i64> = (0..tokens as u64)
+        .map(|position| 3 + (seq * 7 + position * 13) as i64 % 290)
+        .collect();
+    let loss_mask: Vec<u8> = (0..tokens)
+        .map(|position| u8::from(position >= tokens / 4))
+        .collect();
+    let hidden: Vec<u8> = (0..tokens as u64 * TINY_SAMPLE_HIDDEN_WIDTH)
+        .flat_map(|index| {
+            let value = ((index * 31 + seq * 5) % 17) as f32 / 8.0 - 1.0;
+            // At most 8 significant bits: bf16 is exact.
+            ((value.to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect();
+    dflash_proto::sample::encode(
+        &input_ids,
+        &loss_mask,
+        Bytes::from(hidden),
+        proto::Dtype::Bf16,
+        TINY_SAMPLE_HIDDEN_WIDTH,
+    )
+}
+
+/// Waits (polling) for `child` to exit; `None` if it is still running
+/// after `timeout`.
+pub async fn wait_for_exit(
+    child: &mut std::process::Child,
+    timeout: Duration,
+) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -135,19 +135,22 @@ impl QuorumHub {
         }
     }
 
-    async fn ask(
+    /// Registers one call (`submit` files its sender and its request),
+    /// sends what that decided, and waits for the call's own answer; the
+    /// request is withdrawn if the call ends first.
+    async fn call<T>(
         &self,
-        ask: QuorumAsk,
+        drafter_id: String,
+        vote: bool,
+        submit: impl FnOnce(&mut HubInner, u64, oneshot::Sender<T>) -> Answers,
         shutdown: &tokio_util::sync::CancellationToken,
-    ) -> Result<QuorumAnswer, Status> {
+    ) -> Result<T, Status> {
         let (sender, receiver) = oneshot::channel();
-        let drafter_id = ask.drafter_id.clone();
         let call = {
             let mut inner = self.inner.lock();
             let call = inner.next_call;
             inner.next_call += 1;
-            inner.asks.insert(drafter_id.clone(), (call, sender));
-            let answers = inner.state.ask(Instant::now(), ask);
+            let answers = submit(&mut inner, call, sender);
             inner.deliver(answers);
             call
         };
@@ -155,9 +158,23 @@ impl QuorumHub {
             hub: self,
             drafter_id,
             call,
-            vote: false,
+            vote,
         };
         self.wait(receiver, shutdown).await
+    }
+
+    async fn ask(
+        &self,
+        ask: QuorumAsk,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> Result<QuorumAnswer, Status> {
+        let drafter_id = ask.drafter_id.clone();
+        let key = drafter_id.clone();
+        let submit = move |inner: &mut HubInner, call, sender| {
+            inner.asks.insert(key, (call, sender));
+            inner.state.ask(Instant::now(), ask)
+        };
+        self.call(drafter_id, false, submit, shutdown).await
     }
 
     async fn vote(
@@ -165,24 +182,13 @@ impl QuorumHub {
         vote: Vote,
         shutdown: &tokio_util::sync::CancellationToken,
     ) -> Result<Decision, Status> {
-        let (sender, receiver) = oneshot::channel();
         let drafter_id = vote.drafter_id.clone();
-        let call = {
-            let mut inner = self.inner.lock();
-            let call = inner.next_call;
-            inner.next_call += 1;
-            inner.votes.insert(drafter_id.clone(), (call, sender));
-            let answers = inner.state.vote(Instant::now(), vote);
-            inner.deliver(answers);
-            call
+        let key = drafter_id.clone();
+        let submit = move |inner: &mut HubInner, call, sender| {
+            inner.votes.insert(key, (call, sender));
+            inner.state.vote(Instant::now(), vote)
         };
-        let _withdraw = Withdraw {
-            hub: self,
-            drafter_id,
-            call,
-            vote: true,
-        };
-        self.wait(receiver, shutdown).await
+        self.call(drafter_id, true, submit, shutdown).await
     }
 }
 
