@@ -36,6 +36,7 @@ run: release
 test: setup lint check-grpcurl test-rust check-checkpoint check-dflash2 check-ops-cli check-python check-k8s check-deploy
 
 lint:
+	$(PYTHON) scripts/check-module-cycles.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets $(TEST_FEATURES) -- -D warnings

@@ -13,42 +13,32 @@ use crate::queue::{
     ProducerStats, QueueError, RunStatus, RunSummary, Snapshot, TargetSnapshot, TargetState,
 };
 
-/// The queue's payload on the wire side: the producer's item, shared so that
-/// a delivery and a redelivery never copy tensor bytes (each tensor's data
-/// is the slices of the frames it arrived in, see `payload`).
-#[derive(Debug, Clone)]
-pub struct WirePayload {
-    pub item: Arc<WireItem>,
-    pub bytes: u64,
-}
-
-impl crate::wal::DurablePayload for WirePayload {
+/// The queue's payload on the wire side is the producer's item itself,
+/// shared (`Arc<WireItem>`) so that a delivery and a redelivery never copy
+/// tensor bytes (each tensor's data is the slices of the frames it arrived
+/// in, see `payload`). Its size is [`WireItem::held_bytes`].
+impl crate::wal::DurablePayload for Arc<WireItem> {
     /// prost's encoding of the `Item` (the log's format is unchanged), as
     /// the pieces the delivery route sends: tensor data are the received
     /// frames' slices, shared rather than copied.
     fn encode_payload(&self) -> Vec<bytes::Bytes> {
-        self.item.encode_pieces().unwrap_or_else(|_| {
+        self.encode_pieces().unwrap_or_else(|_| {
             // Only an item over 4 GiB fails to encode as pieces; prost's
             // own encoding of the joined item is the (slower) same bytes.
-            vec![prost::Message::encode_to_vec(&self.item.to_proto()).into()]
+            vec![prost::Message::encode_to_vec(&self.to_proto()).into()]
         })
     }
 
     fn decode_payload(bytes: &[u8]) -> Result<Self, String> {
         let item: proto::Item =
             prost::Message::decode(bytes).map_err(|error| format!("item: {error}"))?;
-        let item = WireItem::from_proto(item);
-        let bytes = item.held_bytes();
-        Ok(WirePayload {
-            item: Arc::new(item),
-            bytes,
-        })
+        Ok(Arc::new(WireItem::from_proto(item)))
     }
 }
 
-impl Payload for WirePayload {
+impl Payload for Arc<WireItem> {
     fn size_bytes(&self) -> u64 {
-        self.bytes
+        self.held_bytes()
     }
 }
 

@@ -1,7 +1,8 @@
 //! Who may call what: credentials that carry a role (target, drafter,
 //! evaluator, operator) and optionally the one identity they stand for, the checks
 //! each RPC makes with them, and the checks on a hello's id itself
-//! ([`validate_id`], shared by the broker's and model sync's services).
+//! ([`validate_id`], shared by the broker's and model sync's services), and
+//! the answer to a hello that never came ([`no_hello_within`]).
 //!
 //! A credentials file (`--credentials FILE`) has one credential a line:
 //!
@@ -336,6 +337,12 @@ pub(crate) fn validate_id(kind: &str, id: &str) -> Result<(), tonic::Status> {
         )));
     }
     Ok(())
+}
+
+/// The answer to a stream whose hello did not come within `timeout`
+/// (`--hello-timeout`).
+pub(crate) fn no_hello_within(timeout: std::time::Duration) -> tonic::Status {
+    tonic::Status::deadline_exceeded(format!("no hello within {:?} (--hello-timeout)", timeout))
 }
 
 #[cfg(test)]

@@ -56,11 +56,16 @@ use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
 
-use crate::queue::{JournalEntry, Payload, Recovered};
+use crate::queue::{JournalEntry, Recovered};
 
+mod error;
 mod record;
 mod segment;
 mod state_dir;
+
+use error::io_error;
+pub use error::WalError;
+pub use record::DurablePayload;
 #[doc(hidden)]
 pub use segment::{encode_segment, replay_bytes};
 pub mod writer;
@@ -89,69 +94,6 @@ pub enum FsyncPolicy {
 /// file.
 const WRITE_BUFFER_BYTES: usize = 256 << 10;
 
-/// A payload the log can store.
-pub trait DurablePayload: Payload + Sized {
-    /// The payload's encoding as pieces written one after another; large
-    /// pieces are shared with the payload, not copied.
-    fn encode_payload(&self) -> Vec<bytes::Bytes>;
-    fn decode_payload(bytes: &[u8]) -> Result<Self, String>;
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum WalError {
-    #[error("state dir {path} is in use by another broker (it holds the lock on {lock}); two brokers on one state dir would interleave one log: stop the other one or give this one its own --state-dir")]
-    Locked { path: PathBuf, lock: PathBuf },
-    #[error("state dir {path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("state dir {path}: corrupt record at byte {offset}: {detail}")]
-    Corrupt {
-        path: PathBuf,
-        offset: u64,
-        detail: String,
-    },
-    #[error("state dir {path}: the log replays to a queue whose books do not add up ({detail}): records are missing or were altered; the broker refuses to start rather than run a queue that could never complete. Restore the state dir from a copy, or start a new run with a new --state-dir")]
-    Inconsistent { path: PathBuf, detail: String },
-    #[error("state dir {path}: segment format version {found}, this broker reads version {supported}; use the broker that wrote it")]
-    Version {
-        path: PathBuf,
-        found: u32,
-        supported: u32,
-    },
-    #[error("state dir {path}: the segment belongs to a run of another configuration (fingerprint {found:016x}, this state dir's is {expected:016x}): a segment copied in from another state dir?")]
-    ForeignSegment {
-        path: PathBuf,
-        found: u64,
-        expected: u64,
-    },
-    #[error("state dir {path} was written for {stored}, and this broker is configured for {configured}: the resume points would be another run's. Start the broker with the run's own --target-ids/--expected-targets, give this run a new --state-dir, or pass --adopt-state-dir to keep the log under the new configuration")]
-    ConfigMismatch {
-        path: PathBuf,
-        stored: String,
-        configured: String,
-    },
-}
-
-impl WalError {
-    /// Whether a failed write may succeed later (no space, a quota, an I/O
-    /// error the device may recover from): the writer rolls back and
-    /// retries instead of failing the log.
-    pub fn is_retryable_write(&self) -> bool {
-        match self {
-            WalError::Io { source, .. } => {
-                matches!(
-                    source.kind(),
-                    std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
-                ) || source.raw_os_error() == Some(5)
-            }
-            _ => false,
-        }
-    }
-}
-
 /// How to open a state dir.
 #[derive(Debug, Clone)]
 pub struct LogConfig {
@@ -178,13 +120,6 @@ impl LogConfig {
 pub struct LogMark {
     segment_index: u64,
     bytes: u64,
-}
-
-fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> WalError + '_ {
-    move |source| WalError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
 }
 
 /// The open log: appends go to the newest segment.

@@ -29,6 +29,7 @@ use dflash_proto::fields::{
 };
 use std::convert::Infallible;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes};
@@ -42,8 +43,7 @@ use tonic::server::NamedService;
 use tonic::Status;
 use tower::Service;
 
-use crate::convert::WirePayload;
-use crate::payload::{decode_produce_request, trace_context_len, ProduceIn};
+use crate::payload::{decode_produce_request, trace_context_len, ProduceIn, WireItem};
 use crate::queue::Delivery;
 use crate::service::{BrokerService, ConsumeOut};
 
@@ -64,8 +64,8 @@ pub fn grpc_frame(message: ConsumeOut) -> Result<Vec<Bytes>, Status> {
 
 /// prost's encoding of `ConsumeResponse { delivery }`, written field by
 /// field in field-number order, leaving out proto3 defaults as prost does.
-fn encode_delivery(delivery: &Delivery<WirePayload>) -> Result<Vec<Bytes>, Status> {
-    let item = &delivery.payload.item;
+fn encode_delivery(delivery: &Delivery<Arc<WireItem>>) -> Result<Vec<Bytes>, Status> {
+    let item = &delivery.payload;
     let target_id = delivery.target_id.as_bytes();
     let mut length = 0;
     if delivery.delivery_id != 0 {

@@ -1,7 +1,15 @@
 //! The center's fuzz bodies: [`model_sync`] (sessions against one
 //! center) and [`center_checkpoint`] (the checkpoint reader).
 
-use super::*;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use dflash_proto::v1 as proto;
+use prost::Message;
+
+use crate::model_sync::arith::{self, WireDtype};
+use crate::model_sync::center::{ModelSyncState, OuterSettings, StalenessScaling, Upload};
+use crate::model_sync::checkpoint::{self, CenterFiles};
 
 /// Drafter sessions one [`model_sync`] input can hold open at once.
 pub(super) const SESSIONS: usize = 4;

@@ -27,22 +27,14 @@
 //! - `seeds`: [`seeds`], every target's seed inputs from the broker's own
 //!   encoders.
 
-use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use bytes::Bytes;
 use dflash_proto::frames::{Direction, Rope};
-use dflash_proto::fuzzing::{
-    read_messages, rope_bytes, same_message, schema_sample, ReceivedBody, Seed,
-};
+use dflash_proto::fuzzing::{read_messages, rope_bytes, same_message, ReceivedBody};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
-use crate::convert::WirePayload;
-use crate::model_sync::arith::{self, WireDtype};
-use crate::model_sync::center::{ModelSyncState, OuterSettings, StalenessScaling, Upload};
-use crate::model_sync::checkpoint::{self, CenterFiles};
 use crate::payload::{decode_produce_request, ProduceIn, WireItem};
 use crate::queue::Delivery;
 use crate::service::ConsumeOut;
@@ -51,7 +43,6 @@ use crate::zero_copy::grpc_frame;
 mod center;
 mod seeds;
 
-use center::*;
 pub use center::{center_checkpoint, center_checkpoint_input, model_sync, model_sync_input};
 pub use seeds::seeds;
 
@@ -117,15 +108,11 @@ fn item_round_trips(item: WireItem) {
     if sample.validate().is_err() || item.check_trace_context().is_err() {
         return;
     }
-    let bytes = item.held_bytes();
     let delivery = Delivery {
         delivery_id: 7,
         target_id: Arc::from("target-0"),
         seq: item.seq,
-        payload: WirePayload {
-            item: Arc::new(item),
-            bytes,
-        },
+        payload: Arc::new(item),
         delivery_count: 1,
     };
     let Ok(pieces) = grpc_frame(ConsumeOut::Delivery(delivery)) else {
@@ -165,7 +152,7 @@ fn item_round_trips(item: WireItem) {
 /// with their CRCs intact (the fuzzer found a snapshot with an item's
 /// frame cut out), and no replay rule can tell that from a real log.
 pub fn wal_segment(data: &[u8]) {
-    let Ok((recovered, _records)) = crate::wal::replay_bytes::<WirePayload>(data) else {
+    let Ok((recovered, _records)) = crate::wal::replay_bytes::<Arc<WireItem>>(data) else {
         return;
     };
     let config = crate::BrokerConfig::for_targets(2).queue_config();
@@ -176,8 +163,11 @@ pub fn wal_segment(data: &[u8]) {
 
 #[cfg(test)]
 mod tests {
+    use super::center::run_sessions;
     use super::seeds::seed_center_files;
     use super::*;
+    use crate::model_sync::checkpoint::{self, CenterFiles};
+    use std::path::Path;
 
     /// Every seed passes its fuzz body, and the seeds reach the decoders'
     /// insides: the sessions make and update a center, the checkpoints
@@ -194,7 +184,7 @@ mod tests {
                     wal_segment(&seed.bytes);
                     // Past the header: every seed's records are read.
                     let (_, records) =
-                        crate::wal::replay_bytes::<WirePayload>(&seed.bytes).unwrap();
+                        crate::wal::replay_bytes::<Arc<WireItem>>(&seed.bytes).unwrap();
                     assert!(records >= 3, "{}: {records} records", seed.name);
                 }
                 other => panic!("a seed for {other}"),

@@ -1,6 +1,18 @@
 //! Every fuzz target's seed inputs, built from the broker's own encoders.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use dflash_proto::fuzzing::{schema_sample, ReceivedBody, Seed};
+use dflash_proto::v1 as proto;
+use prost::Message;
+
+use super::center::{center_checkpoint_input, model_sync_input, PINNED_CONFIG};
+use crate::model_sync::arith;
+use crate::model_sync::center::{ModelSyncState, OuterSettings, Upload};
+use crate::model_sync::checkpoint;
+use crate::payload::WireItem;
 
 /// A chunk of tensor `name` (`dtype`, `shape`) at `offset`.
 pub(super) fn chunk(
@@ -114,7 +126,7 @@ pub(super) fn wal_seeds() -> Vec<Seed> {
             trace_context: Default::default(),
         };
         let encoded = proto_item.encode_to_vec();
-        <WirePayload as crate::wal::DurablePayload>::decode_payload(&encoded).ok()
+        <Arc<WireItem> as crate::wal::DurablePayload>::decode_payload(&encoded).ok()
     };
     let target = |index: usize| -> Arc<str> { Arc::from(format!("target-{index}").as_str()) };
     let mut run = Vec::new();
@@ -153,7 +165,7 @@ pub(super) fn wal_seeds() -> Vec<Seed> {
     let fingerprint = config.log_config().shape.fingerprint();
     // The run's log compacted: the queue rebuilt from it, as a snapshot.
     let snapshot =
-        crate::wal::replay_bytes::<WirePayload>(&crate::wal::encode_segment(fingerprint, &run))
+        crate::wal::replay_bytes::<Arc<WireItem>>(&crate::wal::encode_segment(fingerprint, &run))
             .map(|(recovered, _)| {
                 crate::queue::Queue::recover(config.queue_config(), recovered, Instant::now())
                     .snapshot_entries()

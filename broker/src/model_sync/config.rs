@@ -6,7 +6,8 @@ use std::time::Duration;
 use clap::Args;
 
 use super::center::{OuterSettings, StalenessScaling};
-use crate::config::{parse_duration, ConfigError};
+use crate::config::ConfigError;
+use dflash_shell::parse_duration;
 
 #[derive(Debug, Clone, Args)]
 pub struct ModelSyncConfig {

@@ -224,14 +224,14 @@ impl ModelSync for ModelSyncService {
         &self,
         request: Request<proto::QuorumRequest>,
     ) -> Result<Response<proto::QuorumResponse>, Status> {
-        quorum::quorum(&self.shared, request).await
+        quorum::quorum(&self.shared.quorum, &self.shared.shutdown, request).await
     }
 
     async fn commit(
         &self,
         request: Request<proto::CommitVote>,
     ) -> Result<Response<proto::CommitDecision>, Status> {
-        quorum::commit(&self.shared, request).await
+        quorum::commit(&self.shared.quorum, &self.shared.shutdown, request).await
     }
 
     async fn session(
@@ -242,7 +242,7 @@ impl ModelSync for ModelSyncService {
         let mut inbound = request.into_inner();
         let timeout = self.shared.hello_timeout;
         let first = match tokio::time::timeout(timeout, inbound.message()).await {
-            Err(_) => return Err(crate::service::no_hello_within(timeout)),
+            Err(_) => return Err(crate::roles::no_hello_within(timeout)),
             Ok(result) => result?,
         };
         let hello = match first.and_then(|message| message.kind) {

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use super::status::RunSummary;
+use super::snapshot::RunSummary;
 use super::types::{ConnectionId, DeliveryId, RunStatus};
 
 /// One delivery for the transport to send.

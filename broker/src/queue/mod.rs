@@ -49,6 +49,8 @@ mod producers;
 #[cfg(test)]
 mod proptests;
 mod rate;
+mod recovery;
+mod snapshot;
 mod status;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -59,10 +61,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use effects::*;
-pub use journal::*;
 pub use rate::RateMeter;
-pub use status::*;
+use recovery::{AcceptedSeqs, MAX_LISTED_DEAD_LETTERS};
+pub use recovery::{JournalEntry, Recovered, RecoveredTarget, TargetBooks};
+pub use snapshot::*;
 pub use types::*;
+
+/// Disconnected drafters kept for status beyond this are forgotten, oldest first.
+const MAX_REMEMBERED_DISCONNECTED_DRAFTERS: usize = 256;
 
 /// Identifies an accepted item; increases in acceptance order.
 type ItemId = u64;
@@ -109,47 +115,6 @@ struct TargetEntry {
     held_back: bool,
 }
 
-/// A set of seqs kept as disjoint inclusive ranges: a target's seqs are
-/// nearly contiguous, so this stays a handful of entries.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct AcceptedSeqs {
-    /// start → end (inclusive); ranges neither overlap nor touch.
-    ranges: BTreeMap<u64, u64>,
-}
-
-impl AcceptedSeqs {
-    fn contains(&self, seq: u64) -> bool {
-        self.ranges
-            .range(..=seq)
-            .next_back()
-            .is_some_and(|(_, &end)| seq <= end)
-    }
-
-    fn insert(&mut self, seq: u64) {
-        if self.contains(seq) {
-            return;
-        }
-        let joins_before = self
-            .ranges
-            .range(..seq)
-            .next_back()
-            .filter(|(_, &end)| end.checked_add(1) == Some(seq))
-            .map(|(&start, _)| start);
-        let joins_after = seq
-            .checked_add(1)
-            .and_then(|next| self.ranges.get(&next).copied().map(|end| (next, end)));
-        let start = joins_before.unwrap_or(seq);
-        let end = match joins_after {
-            Some((next, end)) => {
-                self.ranges.remove(&next);
-                end
-            }
-            None => seq,
-        };
-        self.ranges.insert(start, end);
-    }
-}
-
 impl TargetEntry {
     fn is_finished(&self) -> bool {
         matches!(self.state, TargetState::Done | TargetState::Failed { .. })
@@ -173,11 +138,6 @@ struct DrafterEntry {
     /// not keep swallowing items until they are dead-lettered.
     stalled: bool,
 }
-
-/// Disconnected drafters kept for status beyond this are forgotten, oldest first.
-const MAX_REMEMBERED_DISCONNECTED_DRAFTERS: usize = 256;
-/// Dead letters listed individually in status (all are counted).
-const MAX_LISTED_DEAD_LETTERS: usize = 100;
 
 /// The shared queue, completion counter and end-of-stream rules.
 pub struct Queue<P: Payload> {

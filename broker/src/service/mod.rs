@@ -38,55 +38,24 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-use crate::convert::WirePayload;
 use crate::payload::ProduceIn;
-use crate::queue::{ConnectionId, Delivery};
+use crate::queue::ConnectionId;
 
 mod consume;
+mod consume_out;
 mod outbox;
 mod produce;
 mod shared;
 
+pub use consume_out::ConsumeOut;
 use shared::Outgoing;
 pub(crate) use shared::Shared;
 
-use outbox::{Outbox, OutboxStream};
+use outbox::OutboxStream;
 
 /// A Produce stream's messages, however they were decoded (from the
 /// received frames by the `zero_copy` route, or by tonic).
 pub type InboundProduce = Pin<Box<dyn Stream<Item = Result<ProduceIn, Status>> + Send>>;
-
-/// What a Consume stream sends: a delivery (encoded by the route with its
-/// payload passed through) or any other message.
-#[derive(Debug)]
-pub enum ConsumeOut {
-    Delivery(Delivery<WirePayload>),
-    Message(proto::ConsumeResponse),
-}
-
-impl ConsumeOut {
-    /// prost's message (the payload joined into one buffer per tensor: a
-    /// copy when it arrived in several frames). For the generated route;
-    /// the broker serves Consume through `zero_copy`.
-    pub fn into_proto(self) -> proto::ConsumeResponse {
-        match self {
-            ConsumeOut::Message(message) => message,
-            ConsumeOut::Delivery(delivery) => {
-                let item = delivery.payload.item.to_proto();
-                proto::ConsumeResponse {
-                    kind: Some(proto::consume_response::Kind::Delivery(proto::Delivery {
-                        delivery_id: delivery.delivery_id,
-                        target_id: delivery.target_id.to_string(),
-                        seq: delivery.seq,
-                        sample: item.sample,
-                        delivery_count: delivery.delivery_count,
-                        trace_context: item.trace_context,
-                    })),
-                }
-            }
-        }
-    }
-}
 
 #[derive(Clone, Copy)]
 enum StreamKind {
@@ -151,17 +120,11 @@ where
     S: Stream<Item = Result<T, Status>> + Unpin,
 {
     match tokio::time::timeout(timeout, futures::StreamExt::next(inbound)).await {
-        Err(_) => Err(no_hello_within(timeout)),
+        Err(_) => Err(crate::roles::no_hello_within(timeout)),
         Ok(Some(Err(status))) => Err(status),
         Ok(None) => Err(Status::invalid_argument("stream ended before its hello")),
         Ok(Some(Ok(message))) => Ok(message),
     }
-}
-
-/// The answer to a stream whose hello did not come within `timeout`
-/// (`--hello-timeout`).
-pub(crate) fn no_hello_within(timeout: Duration) -> Status {
-    Status::deadline_exceeded(format!("no hello within {:?} (--hello-timeout)", timeout))
 }
 
 /// The stream's next message; `Ok(None)` when it ended or the broker is

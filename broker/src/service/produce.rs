@@ -11,7 +11,7 @@ use dflash_telemetry::TRACE_TARGET;
 use tonic::Status;
 use tracing::{info, warn, Instrument};
 
-use crate::convert::{self, WirePayload};
+use crate::convert;
 use crate::payload::{ProduceIn, WireItem};
 use crate::queue::{ConnectionId, QueueError, RejectReason};
 
@@ -273,10 +273,7 @@ impl BrokerService {
             }
         };
         shared.received.record(&item);
-        let payload = WirePayload {
-            item: Arc::new(item),
-            bytes,
-        };
+        let payload = Arc::new(item);
         // Counted while this stream's reader holds the decoded item waiting
         // for room; a fenced or closed stream wakes it (see `with_queue`).
         let mut waiting = None;

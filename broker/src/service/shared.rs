@@ -17,12 +17,14 @@ use tonic::Status;
 use tracing::info;
 
 use crate::config::BrokerConfig;
-use crate::convert::{self, WirePayload};
+use crate::convert;
+use crate::payload::WireItem;
 use crate::queue::{ConnectionId, Delivery, Effect, ItemAccepted, Queue, QueueError, RunStatus};
 use crate::wal::writer::{LogWriter, Release};
 use crate::wal::{Wal, WalError};
 
-use super::{ConsumeOut, Outbox};
+use super::consume_out::ConsumeOut;
+use super::outbox::Outbox;
 
 /// Floor on the ticker's sleep, so a deadline that `tick` leaves in place
 /// cannot make it spin.
@@ -65,7 +67,7 @@ impl Outgoing {
 
 /// What is guarded by the one lock.
 pub(super) struct Locked {
-    pub(super) queue: Queue<WirePayload>,
+    pub(super) queue: Queue<Arc<WireItem>>,
     pub(super) consumer_outboxes: HashMap<ConnectionId, Outbox<ConsumeOut>>,
     pub(super) producer_outboxes: HashMap<ConnectionId, Outbox<proto::ProduceResponse>>,
     /// Set when a Produce stream's outbox is removed (the stream ended, was
@@ -76,7 +78,7 @@ pub(super) struct Locked {
     /// an earlier deadline wakes it sooner.
     pub(super) ticker_wakes_at: Option<Instant>,
     /// The write-ahead log's writer thread, with `--state-dir`.
-    pub(super) log: Option<LogWriter<WirePayload>>,
+    pub(super) log: Option<LogWriter<Arc<WireItem>>>,
     /// Messages the current operation decided, in order.
     pub(super) outgoing: Vec<Outgoing>,
 }
@@ -128,7 +130,7 @@ impl Locked {
     /// Routes effects to their streams (as [`Outgoing`]s). An
     /// end-of-stream removes its outbox from the map, so nothing can follow
     /// it.
-    pub(super) fn dispatch(&mut self, effects: Vec<Effect<WirePayload>>) {
+    pub(super) fn dispatch(&mut self, effects: Vec<Effect<Arc<WireItem>>>) {
         for effect in effects {
             match effect {
                 Effect::Deliver {
@@ -157,7 +159,7 @@ impl Locked {
 
     /// Hands one delivery to its consumer's stream (nothing when that stream
     /// is gone), inside a `deliver` span that joins the producer's trace.
-    pub(super) fn deliver(&mut self, connection: ConnectionId, delivery: Delivery<WirePayload>) {
+    pub(super) fn deliver(&mut self, connection: ConnectionId, delivery: Delivery<Arc<WireItem>>) {
         let Some(outbox) = self.consumer_outboxes.get(&connection).cloned() else {
             return;
         };
@@ -176,7 +178,7 @@ impl Locked {
             if let Some(drafter_id) = self.queue.drafter_id_of(connection) {
                 span.record("drafter_id", drafter_id);
             }
-            dflash_telemetry::set_parent_from(&span, &delivery.payload.item.trace_context);
+            dflash_telemetry::set_parent_from(&span, &delivery.payload.trace_context);
         }
         let _entered = span.enter();
         // Encoded by the stream's body, outside the lock.
@@ -213,7 +215,7 @@ impl Locked {
         &mut self,
         connection: ConnectionId,
         seq: u64,
-        payload: WirePayload,
+        payload: Arc<WireItem>,
         now: Instant,
     ) -> Result<ItemAccepted, QueueError> {
         let outcome = self.queue.accept_item(connection, seq, payload, now);

@@ -7,8 +7,15 @@
 use std::io::{Read, Write};
 use std::sync::Arc;
 
-use super::DurablePayload;
-use crate::queue::{DeadLetter, JournalEntry, TargetBooks};
+use crate::queue::{DeadLetter, JournalEntry, Payload, TargetBooks};
+
+/// A payload the log can store.
+pub trait DurablePayload: Payload + Sized {
+    /// The payload's encoding as pieces written one after another; large
+    /// pieces are shared with the payload, not copied.
+    fn encode_payload(&self) -> Vec<bytes::Bytes>;
+    fn decode_payload(bytes: &[u8]) -> Result<Self, String>;
+}
 
 /// Bytes of a frame header: the body length and its CRC-32.
 pub(super) const HEADER_BYTES: u64 = 8;

@@ -24,8 +24,9 @@ use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use super::error::{io_error, WalError};
+use super::record::DurablePayload;
 use super::record::{self, FrameError};
-use super::{io_error, DurablePayload, WalError};
 use crate::queue::Recovered;
 
 pub(super) const MAGIC: [u8; 8] = *b"DFLWAL\r\n";

@@ -9,7 +9,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 
-use super::{io_error, WalError};
+use super::error::{io_error, WalError};
 
 const RUN_ID_FILE: &str = "run-id";
 const RUN_CONFIG_FILE: &str = "run-config";

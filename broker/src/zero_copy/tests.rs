@@ -11,7 +11,7 @@ fn payload_bytes(bytes: usize) -> Bytes {
 }
 
 /// A delivery of an item whose large tensor arrived as `slices`.
-fn delivery(slices: Vec<Bytes>, delivery_id: u64, seq: u64, count: u32) -> Delivery<WirePayload> {
+fn delivery(slices: Vec<Bytes>, delivery_id: u64, seq: u64, count: u32) -> Delivery<Arc<WireItem>> {
     let mut data = Rope::new();
     for slice in slices {
         data.push(slice);
@@ -49,10 +49,7 @@ fn delivery(slices: Vec<Bytes>, delivery_id: u64, seq: u64, count: u32) -> Deliv
         delivery_id,
         target_id: Arc::from("target-3"),
         seq,
-        payload: WirePayload {
-            item: Arc::new(item),
-            bytes: large + 16,
-        },
+        payload: Arc::new(item),
         delivery_count: count,
     }
 }
@@ -65,7 +62,7 @@ fn joined(pieces: &[Bytes]) -> Vec<u8> {
 }
 
 /// prost's encoding of the same delivery, behind the gRPC prefix.
-fn prosts_frame(delivery: Delivery<WirePayload>) -> Vec<u8> {
+fn prosts_frame(delivery: Delivery<Arc<WireItem>>) -> Vec<u8> {
     let message = ConsumeOut::Delivery(delivery).into_proto();
     let mut expected = vec![0u8];
     expected.extend_from_slice(&(message.encoded_len() as u32).to_be_bytes());

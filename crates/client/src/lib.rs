@@ -31,8 +31,10 @@
 
 mod backoff;
 mod consumer;
+mod error;
 #[doc(hidden)]
 pub mod fuzzing;
+mod options;
 mod producer;
 pub mod security;
 mod wire;
@@ -48,92 +50,10 @@ use tonic::transport::Endpoint;
 
 pub use backoff::Backoff;
 pub use consumer::{Consumer, ConsumerEvent, ConsumerHandle};
+pub use error::{ClientError, RETRYABLE_CODES};
+pub use options::ClientOptions;
 pub use producer::{ProduceReport, Producer};
 pub use security::{AuthChannel, ClientSecurity, ClientSecurityArgs};
-
-/// Errors of the client, each naming what failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    #[error("invalid broker address {address:?}: {source}")]
-    InvalidAddress {
-        address: String,
-        source: tonic::transport::Error,
-    },
-    #[error("cannot connect to the broker at {address}: {source}")]
-    Connect {
-        address: String,
-        source: tonic::transport::Error,
-    },
-    #[error(transparent)]
-    Security(#[from] security::SecurityError),
-    #[error("broker call {call} failed: {status}")]
-    Call {
-        call: &'static str,
-        status: tonic::Status,
-    },
-    #[error("broker stream {stream} ended unexpectedly{}", if .detail.is_empty() { String::new() } else { format!(": {}", .detail) })]
-    StreamEnded {
-        stream: &'static str,
-        detail: String,
-    },
-    #[error("broker sent an unexpected message on {stream}: {detail}")]
-    Protocol {
-        stream: &'static str,
-        detail: String,
-    },
-    #[error("the broker closed this Produce stream ({status:?}): {reason}")]
-    ProducerClosed {
-        status: proto::RunStatus,
-        reason: String,
-    },
-    #[error("the broker serves run {current:?}, this client was in run {remembered:?}: the broker lost that run's state; what it accepted cannot be accounted for")]
-    RunChanged { remembered: String, current: String },
-}
-
-/// The statuses after which a client reconnects and tries again: the
-/// broker went away, restarted or is shutting down, or the transport failed
-/// (grpc-core reports those as UNAVAILABLE, INTERNAL, UNKNOWN, CANCELLED or
-/// DEADLINE_EXCEEDED), or a reconnecting consumer's hello came while the
-/// broker still held its old stream (ALREADY_EXISTS: it lets the id in once
-/// that stream is gone). The Python client's `RETRYABLE_CODES`
-/// (`clients/python/dflash_client/aio.py`) is the same set; a test on each
-/// side reads the other's.
-pub const RETRYABLE_CODES: [tonic::Code; 6] = [
-    tonic::Code::Unavailable,
-    tonic::Code::Internal,
-    tonic::Code::Unknown,
-    tonic::Code::Cancelled,
-    tonic::Code::DeadlineExceeded,
-    tonic::Code::AlreadyExists,
-];
-
-impl ClientError {
-    /// The gRPC status behind this error, when the broker sent one.
-    pub fn status(&self) -> Option<&tonic::Status> {
-        match self {
-            ClientError::Call { status, .. } => Some(status),
-            _ => None,
-        }
-    }
-
-    /// Whether reconnecting and trying again can help: a status in
-    /// [`RETRYABLE_CODES`], a failed connection, a stream that ended without
-    /// a status. Not what the broker refused on purpose (the run ended or
-    /// was lost, a bad value, an unknown id, a fenced stream, an item over
-    /// the limit, no credentials): retrying those only hides the reason.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            ClientError::Call { status, .. } => RETRYABLE_CODES.contains(&status.code()),
-            ClientError::InvalidAddress { .. }
-            | ClientError::Protocol { .. }
-            | ClientError::ProducerClosed { .. }
-            | ClientError::RunChanged { .. }
-            // A bad certificate, key or token file does not fix itself.
-            | ClientError::Security(_) => false,
-            ClientError::Connect { .. } | ClientError::StreamEnded { .. } => true,
-        }
-    }
-}
 
 /// What a client learned from the broker's welcomes, shared by its clones.
 #[derive(Debug, Default)]
@@ -166,36 +86,6 @@ impl Session {
 
     pub(crate) fn run_id(&self) -> String {
         self.run_id.clone().unwrap_or_default()
-    }
-}
-
-/// Transport settings. The defaults suit hidden-state payloads of up to 256 MiB.
-#[derive(Debug, Clone)]
-pub struct ClientOptions {
-    pub connect_timeout: Duration,
-    pub max_message_bytes: usize,
-    pub stream_window_bytes: u32,
-    pub connection_window_bytes: u32,
-    pub keepalive_interval: Duration,
-    pub keepalive_timeout: Duration,
-    /// Items a producer may have sent and not yet had answered.
-    pub producer_window_items: usize,
-    /// TLS and the bearer token (none by default).
-    pub security: ClientSecurity,
-}
-
-impl Default for ClientOptions {
-    fn default() -> Self {
-        ClientOptions {
-            connect_timeout: Duration::from_secs(10),
-            max_message_bytes: transport::message_limit_bytes(transport::DEFAULT_MAX_ITEM_BYTES),
-            stream_window_bytes: transport::STREAM_WINDOW_BYTES,
-            connection_window_bytes: transport::CONNECTION_WINDOW_BYTES,
-            keepalive_interval: Duration::from_secs(10),
-            keepalive_timeout: Duration::from_secs(20),
-            producer_window_items: 16,
-            security: ClientSecurity::default(),
-        }
     }
 }
 

@@ -63,14 +63,6 @@ pub struct ClientSecurityArgs {
 }
 
 impl ClientSecurityArgs {
-    /// [`ClientOptions`](crate::ClientOptions) defaults with this security.
-    pub fn client_options(&self) -> Result<crate::ClientOptions, SecurityError> {
-        Ok(crate::ClientOptions {
-            security: self.load()?,
-            ..crate::ClientOptions::default()
-        })
-    }
-
     /// Reads the files and the environment.
     pub fn load(&self) -> Result<ClientSecurity, SecurityError> {
         let identity = match (&self.tls_cert, &self.tls_key) {

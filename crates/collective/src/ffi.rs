@@ -11,6 +11,16 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::os::fd::RawFd;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// A positive timeout in whole milliseconds, as c10d takes it.
+pub(crate) fn timeout_millis(timeout: Duration) -> Result<i64, String> {
+    let millis = timeout.as_millis();
+    if millis == 0 {
+        return Err(format!("timeout {timeout:?} is under 1 ms"));
+    }
+    Ok(i64::try_from(millis).unwrap_or(i64::MAX))
+}
 
 /// Opaque `dflash_c10d_store` (a TCPStore server).
 #[repr(C)]
@@ -258,5 +268,17 @@ impl Drop for GroupHandle {
             // caller for the timeout (its threads end at their timeout).
             GROUPS_BEING_DESTROYED.fetch_sub(1, Ordering::SeqCst);
         }
+    }
+}
+
+#[cfg(test)]
+mod timeout_tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_under_a_millisecond_are_refused() {
+        assert!(timeout_millis(Duration::from_micros(999)).is_err());
+        assert_eq!(timeout_millis(Duration::from_secs(3)), Ok(3000));
+        assert_eq!(timeout_millis(Duration::MAX), Ok(i64::MAX));
     }
 }

@@ -4,9 +4,12 @@
 use std::ffi::{c_int, CString};
 use std::time::Duration;
 
+use crate::backend::Backend;
+use crate::error::CollectiveError;
 use crate::error::Operation;
+use crate::ffi::timeout_millis;
 use crate::ffi::{self, GroupHandle, RawGroupOptions};
-use crate::{timeout_millis, Backend, CollectiveError, Store};
+use crate::store::Store;
 
 /// Where and as whom to join a group.
 #[derive(Debug, Clone)]

@@ -6,8 +6,9 @@ use std::net::{IpAddr, TcpListener};
 use std::os::fd::IntoRawFd;
 use std::time::Duration;
 
+use crate::error::CollectiveError;
+use crate::ffi::timeout_millis;
 use crate::ffi::StoreHandle;
-use crate::{timeout_millis, CollectiveError};
 
 /// A c10d TCPStore *server* hosted by this process. It lives as long as this
 /// value or any [`crate::ProcessGroup`] built over it, whichever is last.

@@ -17,10 +17,11 @@
 //! [`crate::tokens::mask_token_id`].
 //!
 //! # Layout
-//! This file holds the spec, the special tokens and chat template, and the
-//! directory writer with its JSON files (`config.json`,
-//! `generation_config.json`).
-//! - `tokenizer`: the byte-level BPE tokenizer, its merges learned from
+//! This file holds the directory writer with its JSON files
+//! (`config.json`, `generation_config.json`).
+//! - `spec`: [`TinyModelSpec`], what tiny model to write, and its checks.
+//! - `tokenizer`: the special tokens and chat template, the byte-level BPE
+//!   tokenizer, its merges learned from
 //!   [`TOKENIZER_CORPUS`], and its `tokenizer.json` /
 //!   `tokenizer_config.json`.
 //! - `weights`: the seeded bf16 weights of every tensor, written as
@@ -30,117 +31,16 @@ use crate::target_model::{Architecture, ModelError};
 use serde_json::{json, Value};
 use std::path::Path;
 
+mod spec;
 mod tokenizer;
 mod weights;
 
+pub use spec::TinyModelSpec;
 use tokenizer::TinyTokenizer;
+pub use tokenizer::{
+    CHAT_TEMPLATE, END_OF_TEXT_TOKEN, IM_END_TOKEN, IM_START_TOKEN, MASK_TOKEN, TOKENIZER_CORPUS,
+};
 use weights::write_weights;
-
-/// The mask token the DFlash drafter fills its blocks with.
-pub const MASK_TOKEN: &str = "<|MASK|>";
-/// Padding / document separator.
-pub const END_OF_TEXT_TOKEN: &str = "<|endoftext|>";
-/// Opens a ChatML turn.
-pub const IM_START_TOKEN: &str = "<|im_start|>";
-/// Closes a ChatML turn; the eos token of the tiny model.
-pub const IM_END_TOKEN: &str = "<|im_end|>";
-
-/// ChatML as Qwen renders it, without tools or reasoning. Written once as
-/// the `chat_template` key and once as `chat_template.jinja`.
-pub const CHAT_TEMPLATE: &str = "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}";
-
-/// Text the tokenizer's merges are learned from (and that the demo data can
-/// draw on). Any UTF-8 text still tokenizes, byte by byte at worst.
-pub const TOKENIZER_CORPUS: &str = "user assistant system \n\
-The quick brown fox jumps over the lazy dog. A speculative decoding drafter proposes several tokens \
-at once and the target model verifies them in one forward pass. The drafter is trained on the hidden \
-states of the target, which are streamed from target servers through a broker to drafter servers. \
-What is the capital of France? The capital of France is Paris. How many legs does a spider have? \
-A spider has eight legs. Write a short poem about the sea. The sea is wide and blue, the waves are \
-white and new. Please explain what a neural network is. A neural network is a function made of layers \
-of weights that are learned from data. Thank you! You are welcome. Hello, how are you today? I am fine, \
-thank you for asking. Count from one to ten: one two three four five six seven eight nine ten. \
-0 1 2 3 4 5 6 7 8 9 10 100 2024 3.14";
-
-/// What tiny model to write.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TinyModelSpec {
-    /// Qwen3 (tied embeddings, q/k norm) or Llama (untied, llama3 RoPE).
-    pub architecture: Architecture,
-    /// Seed of every weight; the same spec always gives the same bytes.
-    pub seed: u64,
-    pub hidden_size: i64,
-    pub layers: usize,
-    pub heads: i64,
-    pub kv_heads: i64,
-    pub intermediate: i64,
-    /// Model vocabulary (embedding rows); at least the tokenizer's size,
-    /// padded like Qwen pads its vocabulary.
-    pub vocab: i64,
-}
-
-impl Default for TinyModelSpec {
-    /// A tiny Qwen3: 8 layers so that 5 DFlash draft layers read the
-    /// distinct target layers [1, 2, 3, 4, 5].
-    fn default() -> Self {
-        TinyModelSpec {
-            architecture: Architecture::Qwen3,
-            seed: 0,
-            hidden_size: 64,
-            layers: 8,
-            heads: 4,
-            kv_heads: 2,
-            intermediate: 128,
-            vocab: 512,
-        }
-    }
-}
-
-impl TinyModelSpec {
-    /// A tiny Llama-3 with llama3 RoPE scaling and untied embeddings.
-    pub fn llama() -> Self {
-        TinyModelSpec {
-            architecture: Architecture::Llama,
-            seed: 1,
-            hidden_size: 48,
-            layers: 6,
-            heads: 6,
-            kv_heads: 2,
-            intermediate: 96,
-            vocab: 512,
-        }
-    }
-
-    fn head_dim(&self) -> i64 {
-        self.hidden_size / self.heads
-    }
-
-    fn validate(&self) -> Result<(), ModelError> {
-        let invalid =
-            |message: String| ModelError::InvalidInput(format!("tiny model spec: {message}"));
-        if self.hidden_size <= 0
-            || self.heads <= 0
-            || self.kv_heads <= 0
-            || self.intermediate <= 0
-            || self.layers == 0
-        {
-            return Err(invalid(format!("sizes must be positive: {self:?}")));
-        }
-        if self.hidden_size % self.heads != 0 || self.head_dim() % 2 != 0 {
-            return Err(invalid(format!(
-                "hidden_size {} must split into {} heads of even width",
-                self.hidden_size, self.heads
-            )));
-        }
-        if self.heads % self.kv_heads != 0 {
-            return Err(invalid(format!(
-                "heads {} not a multiple of kv_heads {}",
-                self.heads, self.kv_heads
-            )));
-        }
-        Ok(())
-    }
-}
 
 /// The token ids [`random_token_sequences`] draws from: ordinary tokens of
 /// the tiny vocabulary (byte and merge tokens, no special token).

@@ -1,65 +1,20 @@
-//! The drafter-server's configuration: flags with environment-variable
-//! fallbacks (`clap`), parsed once in `main` and passed to [`crate::run`].
+//! The drafter-server's flags with environment-variable fallbacks (`clap`)
+//! and their checks: [`DrafterServerConfig::validate`] turns them into the
+//! typed parts of [`crate::settings::DrafterSettings`], once.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Duration;
 
 use clap::Args;
-use dflash_model::draft::{AttentionImplementation, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK};
 use dflash_shell::{parse_bytes, parse_duration, DeviceChoice, DtypeChoice};
-use tch::{Device, Kind};
 
-/// What trains on the deliveries.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModelMode {
-    /// The DFlash draft model, trained for real.
-    DFlash,
-    /// No model: each micro-batch "takes" `ms_per_1k_tokens` per thousand
-    /// tokens, then is acked, to load-test the pipeline without weights.
-    Synthetic { ms_per_1k_tokens: f64 },
-}
-
-impl FromStr for ModelMode {
-    type Err = String;
-
-    /// `dflash` or `synthetic:ms_per_1k_tokens=N`.
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        if text == "dflash" {
-            return Ok(ModelMode::DFlash);
-        }
-        let Some(options) = text.strip_prefix("synthetic") else {
-            return Err(format!(
-                "invalid --model {text:?}: expected dflash or synthetic:ms_per_1k_tokens=N"
-            ));
-        };
-        let mut ms_per_1k_tokens = 0.0;
-        for option in options
-            .trim_start_matches(':')
-            .split(',')
-            .filter(|option| !option.is_empty())
-        {
-            match option.split_once('=') {
-                Some(("ms_per_1k_tokens", value)) => {
-                    ms_per_1k_tokens = value
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|value| value.is_finite() && *value >= 0.0)
-                        .ok_or_else(|| {
-                            format!("invalid ms_per_1k_tokens {value:?} in --model {text:?}")
-                        })?;
-                }
-                _ => {
-                    return Err(format!(
-                        "unknown synthetic option {option:?} in --model {text:?}"
-                    ))
-                }
-            }
-        }
-        Ok(ModelMode::Synthetic { ms_per_1k_tokens })
-    }
-}
+use crate::schedule::{SyncBatchScaling, SyncLrScaling};
+pub use crate::settings::{AttentionChoice, DraftArchitecture, ModelMode};
+use crate::settings::{
+    ConfigError, Connection, DrafterSettings, EngineSettings, LoopSettings, OutputSettings,
+    PumpSettings, ScheduleSettings,
+};
 
 /// Parses a comma-separated list of layer ids.
 fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
@@ -70,49 +25,6 @@ fn parse_layer_ids(text: &str) -> Result<Vec<i64>, String> {
                 .map_err(|_| format!("invalid layer id {part:?} in {text:?}"))
         })
         .collect()
-}
-
-/// `--sync-lr-scaling`: a sharing drafter's learning rate over N, the
-/// drafters sharing the center (`crate::schedule::sync_learning_rate_scale`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum SyncLrScaling {
-    /// The schedule's learning rate, whatever N.
-    None,
-    /// Divided by N.
-    Inverse,
-    /// Divided by √N.
-    InverseSqrt,
-}
-
-/// `--sync-batch-scaling`: a sharing drafter's step size over N, the
-/// drafters sharing the center (`crate::schedule::shared_step_limits`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum SyncBatchScaling {
-    /// Every drafter's step is one drafter's (`--max-step-samples`,
-    /// `--batch-tokens` × `--grad-accumulation`), whatever N.
-    None,
-    /// Each of N drafters takes 1/N of one drafter's step: a round of N
-    /// steps trains on one drafter's step of samples.
-    Inverse,
-}
-
-/// `--draft-architecture`: which reference draft model is trained.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DraftArchitecture {
-    /// `DFlashDraftModel`.
-    Dflash,
-    /// `DFlash2DraftModel`: grouped dynamic convolutions in each layer and
-    /// the candidate selector, trained with the selector loss (speculators'
-    /// defaults: kernel 2, group 16, rank 256, top-k 16, α 1).
-    Dflash2,
-}
-
-/// `--attention`: see [`DrafterServerConfig::attention_for`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum AttentionChoice {
-    Auto,
-    Split,
-    Fused,
 }
 
 /// Every setting of a drafter-server.
@@ -365,32 +277,10 @@ pub struct DrafterServerConfig {
     pub security: dflash_client::ClientSecurityArgs,
 }
 
-/// A configuration that cannot work, naming the flag.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ConfigError {
-    #[error("--target-model is required with --model dflash")]
-    NoTargetModel,
-    #[error("--drafter-id must not be empty")]
-    EmptyDrafterId,
-    #[error("{flag} must be positive, got {value}")]
-    NotPositive { flag: &'static str, value: String },
-    #[error("--dtype {0} is not supported for training: use f32 or bf16")]
-    UnsupportedDtype(&'static str),
-    #[error("{0}")]
-    Device(String),
-    #[error("--warmup-fraction must be in [0, 1), got {0}")]
-    WarmupFraction(f64),
-    #[error("--adam-beta1 must be in [0, 1), got {0}")]
-    AdamBeta1(f64),
-    #[error("--sync-adam-beta1 must be in [0, 1], got {0}")]
-    SyncAdamBeta1(f64),
-    #[error("--grad-norm-spike-ratio must be 0 (off) or a finite ratio above 1, got {0}")]
-    GradNormSpikeRatio(f64),
-}
-
 impl DrafterServerConfig {
-    /// Checks values clap cannot.
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks values clap cannot, then splits the flags into the parts each
+    /// layer uses. The one place the flag struct is read.
+    pub fn validate(self) -> Result<DrafterSettings, ConfigError> {
         if self.drafter_id.trim().is_empty() {
             return Err(ConfigError::EmptyDrafterId);
         }
@@ -439,41 +329,70 @@ impl DrafterServerConfig {
         if self.dtype == Some(DtypeChoice::F16) {
             return Err(ConfigError::UnsupportedDtype("f16"));
         }
-        Ok(())
-    }
-
-    /// The device `--device` names, checked against what libtorch sees.
-    pub fn resolve_device(&self) -> Result<Device, ConfigError> {
-        dflash_model::device::resolve_device(self.device)
-            .map_err(|error| ConfigError::Device(error.to_string()))
-    }
-
-    /// The attention implementation `--attention` asks for on `device`.
-    pub fn attention_for(&self, device: Device) -> AttentionImplementation {
-        let fused = AttentionImplementation::Fused {
-            blocks_per_chunk: DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
-        };
-        match self.attention {
-            AttentionChoice::Split => AttentionImplementation::Split,
-            AttentionChoice::Fused => fused,
-            AttentionChoice::Auto if device == Device::Cpu => AttentionImplementation::Split,
-            AttentionChoice::Auto => fused,
-        }
-    }
-
-    /// The compute dtype: --dtype, else f32 on the CPU and bf16 on a GPU.
-    pub fn compute_kind(&self, device: Device) -> Kind {
-        dflash_model::device::kind_for(self.dtype, device)
-    }
-
-    /// Credit window in items: one step's worth plus the prefetch.
-    pub fn credit_items(&self) -> u32 {
-        u32::try_from(self.max_step_samples + self.prefetch_samples).unwrap_or(u32::MAX)
-    }
-
-    /// The stats interval, at least 10 ms (a zero interval would spin).
-    pub fn stats_period(&self) -> Duration {
-        self.stats_interval.max(Duration::from_millis(10))
+        let credit_items =
+            u32::try_from(self.max_step_samples + self.prefetch_samples).unwrap_or(u32::MAX);
+        Ok(DrafterSettings {
+            connection: Connection {
+                broker: self.broker,
+                drafter_id: self.drafter_id,
+                security: self.security,
+                reconnect_timeout: self.reconnect_timeout,
+            },
+            metrics_listen: self.metrics_listen,
+            output: OutputSettings {
+                output: self.output.clone(),
+                resume: self.resume,
+            },
+            engine: EngineSettings {
+                model: self.model,
+                target_model: self.target_model,
+                device: self.device,
+                dtype: self.dtype,
+                attention: self.attention,
+                architecture: self.draft_architecture,
+                draft_layers: self.draft_layers,
+                block_size: self.block_size,
+                mask_token_id: self.mask_token_id,
+                target_layer_ids: self.target_layer_ids,
+                seed: self.seed,
+                num_anchors: self.num_anchors,
+                loss_gamma: self.loss_gamma,
+                learning_rate: self.learning_rate,
+                weight_decay: self.weight_decay,
+                adam_beta1: self.adam_beta1,
+                warmup_fraction: self.warmup_fraction,
+                max_grad_norm: self.max_grad_norm,
+                grad_norm_spike_ratio: self.grad_norm_spike_ratio,
+            },
+            schedule: ScheduleSettings {
+                total_steps: self.total_steps,
+                fallback_total_steps: self.fallback_total_steps,
+                samples_per_step: self.max_step_samples as u64,
+                adam_beta1: self.adam_beta1,
+                sync_adam_beta1: self.sync_adam_beta1,
+                sync_lr_scaling: self.sync_lr_scaling,
+            },
+            training_loop: LoopSettings {
+                batch_tokens: self.batch_tokens,
+                grad_accumulation: self.grad_accumulation,
+                max_step_samples: self.max_step_samples,
+                sync_batch_scaling: self.sync_batch_scaling,
+                save_every: self.save_every,
+                keep_checkpoints: self.keep_checkpoints,
+                output: self.output,
+            },
+            pump: PumpSettings {
+                credit_items,
+                credit_bytes: self.credit_bytes,
+                linger: self.linger,
+                stats_period: self.stats_interval.max(Duration::from_millis(10)),
+                shutdown_timeout: self.shutdown_timeout,
+                trainer_stall_timeout: self.trainer_stall_timeout,
+                max_skipped_steps: self.max_skipped_steps,
+            },
+            model_sync: self.model_sync,
+            data_parallel: self.data_parallel,
+        })
     }
 
     /// A configuration with every default, for tests and the local launcher.
@@ -532,6 +451,8 @@ impl DrafterServerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dflash_model::draft::{AttentionImplementation, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK};
+    use tch::Device;
 
     #[test]
     fn model_modes_parse() {
@@ -581,16 +502,23 @@ mod tests {
         let fused = AttentionImplementation::Fused {
             blocks_per_chunk: DEFAULT_BLOCKS_PER_ATTENTION_CHUNK,
         };
-        let auto = parse_flags(&[]).unwrap();
+        let engine = |extra: &[&str]| {
+            let mut flags = parse_flags(extra).unwrap();
+            flags.model = ModelMode::Synthetic {
+                ms_per_1k_tokens: 0.0,
+            };
+            flags.validate().unwrap().engine
+        };
+        let auto = engine(&[]);
         assert_eq!(auto.attention, AttentionChoice::Auto);
         assert_eq!(
             auto.attention_for(Device::Cpu),
             AttentionImplementation::Split
         );
         assert_eq!(auto.attention_for(Device::Cuda(0)), fused);
-        let forced = parse_flags(&["--attention", "fused"]).unwrap();
+        let forced = engine(&["--attention", "fused"]);
         assert_eq!(forced.attention_for(Device::Cpu), fused);
-        let split = parse_flags(&["--attention", "split"]).unwrap();
+        let split = engine(&["--attention", "split"]);
         assert_eq!(
             split.attention_for(Device::Cuda(0)),
             AttentionImplementation::Split
@@ -634,46 +562,50 @@ mod tests {
         assert!(parse_flags(&["--linger", "soon"]).is_err());
     }
 
+    /// The error `validate` gives for a copy of `config`, if any.
+    fn check(config: &DrafterServerConfig) -> Result<(), ConfigError> {
+        config.clone().validate().map(|_| ())
+    }
+
     #[test]
     fn validation_names_the_flag() {
         let mut config =
             DrafterServerConfig::with_defaults("d", "http://x", PathBuf::from("/tmp/x"));
-        assert_eq!(config.validate(), Err(ConfigError::NoTargetModel));
+        assert_eq!(check(&config), Err(ConfigError::NoTargetModel));
         config.model = ModelMode::Synthetic {
             ms_per_1k_tokens: 1.0,
         };
-        assert_eq!(config.validate(), Ok(()));
+        assert_eq!(check(&config), Ok(()));
         config.grad_accumulation = 0;
-        assert!(config
-            .validate()
+        assert!(check(&config)
             .unwrap_err()
             .to_string()
             .contains("--grad-accumulation"));
         config.grad_accumulation = 1;
         config.dtype = Some(DtypeChoice::F16);
-        assert_eq!(config.validate(), Err(ConfigError::UnsupportedDtype("f16")));
+        assert_eq!(check(&config), Err(ConfigError::UnsupportedDtype("f16")));
         config.dtype = Some(DtypeChoice::Bf16);
-        assert_eq!(config.validate(), Ok(()));
-        assert_eq!(config.credit_items(), 72);
+        assert_eq!(check(&config), Ok(()));
+        assert_eq!(config.clone().validate().unwrap().pump.credit_items, 72);
         for bad in [1.0, -0.1, f64::NAN] {
             config.adam_beta1 = bad;
-            let error = config.validate().unwrap_err().to_string();
+            let error = check(&config).unwrap_err().to_string();
             assert!(
                 error.contains("--adam-beta1") && error.contains(&bad.to_string()),
                 "{error}"
             );
         }
         config.adam_beta1 = 0.0;
-        assert_eq!(config.validate(), Ok(()));
+        assert_eq!(check(&config), Ok(()));
         for bad in [1.5, -0.1, f64::NAN] {
             config.sync_adam_beta1 = bad;
-            let error = config.validate().unwrap_err().to_string();
+            let error = check(&config).unwrap_err().to_string();
             assert!(
                 error.contains("--sync-adam-beta1") && error.contains(&bad.to_string()),
                 "{error}"
             );
         }
         config.sync_adam_beta1 = 1.0;
-        assert_eq!(config.validate(), Ok(()));
+        assert_eq!(check(&config), Ok(()));
     }
 }

@@ -13,11 +13,12 @@ use dflash_model::draft::{
 use dflash_proto::v1::Sample;
 use tracing::info;
 
-use crate::config::{DrafterServerConfig, ModelMode, SyncLrScaling};
 use crate::samples::{decode_sample, SampleError, SampleExpectations};
+use crate::schedule::SyncLrScaling;
 use crate::schedule::{
     asynchronous_beta1, run_schedule_position, sync_learning_rate_scale, RunClock,
 };
+use crate::settings::{DraftArchitecture, EngineSettings, ModelMode, ScheduleSettings};
 
 /// Errors of the engine; a failing micro-batch hands its items back.
 #[derive(Debug, thiserror::Error)]
@@ -103,23 +104,23 @@ pub struct RunSchedule {
 }
 
 impl RunSchedule {
-    /// The schedule of a drafter configured by `config`, on `clock`.
-    pub fn for_config(config: &DrafterServerConfig, clock: RunClock) -> Self {
+    /// The schedule `settings` describe, on `clock`.
+    pub fn new(settings: &ScheduleSettings, clock: RunClock) -> Self {
         RunSchedule {
             clock,
-            fixed_total_steps: config.total_steps,
-            fallback_total_steps: config.fallback_total_steps,
-            assumed_samples_per_step: config.max_step_samples as u64,
-            adam_beta1: config.adam_beta1,
-            sync_adam_beta1: config.sync_adam_beta1,
-            sync_lr_scaling: config.sync_lr_scaling,
+            fixed_total_steps: settings.total_steps,
+            fallback_total_steps: settings.fallback_total_steps,
+            assumed_samples_per_step: settings.samples_per_step,
+            adam_beta1: settings.adam_beta1,
+            sync_adam_beta1: settings.sync_adam_beta1,
+            sync_lr_scaling: settings.sync_lr_scaling,
         }
     }
 }
 
 /// Builds the engine `config` asks for, resuming from `resume_from` when given.
 pub fn build_engine(
-    config: &DrafterServerConfig,
+    config: &EngineSettings,
     resume_from: Option<&Path>,
     total_steps: u64,
 ) -> Result<Box<dyn TrainingEngine>, EngineError> {
@@ -145,7 +146,7 @@ pub struct DFlashEngine {
 
 impl DFlashEngine {
     fn new(
-        config: &DrafterServerConfig,
+        config: &EngineSettings,
         resume_from: Option<&Path>,
         total_steps: u64,
     ) -> Result<Self, EngineError> {
@@ -193,7 +194,7 @@ impl DFlashEngine {
                 };
                 let mut draft_config =
                     DraftConfig::for_target(&TargetDimensions::from(&target_config), &options)?;
-                if config.draft_architecture == crate::config::DraftArchitecture::Dflash2 {
+                if config.architecture == DraftArchitecture::Dflash2 {
                     draft_config = draft_config
                         .with_dflash2(dflash_model::draft::config::Dflash2Config::default())?;
                 }

@@ -7,21 +7,28 @@
 //!
 //! # Layout
 //! The run's steps, in modules named as in `dflash-target-server`:
-//! - [`config`]: every flag (clap, with environment fallbacks) and its checks.
+//! - [`config`]: every flag (clap, with environment fallbacks) and its
+//!   checks; `validate` splits them into [`settings`].
+//! - [`settings`]: the typed parts each layer takes ([`DrafterSettings`]:
+//!   connection, engine, schedule, training loop, pump, model sync, data
+//!   parallelism); no layer below [`run()`] sees the flag struct.
 //! - [`metrics`]: the Prometheus instruments served at `--metrics-listen`.
+//! - [`error`], [`report`]: [`DrafterError`], [`DrafterReport`] and
+//!   [`RunEnd`], at the bottom: every module may use them, they use none of
+//!   the run's steps.
 //! - [`mod@run`]: [`run()`]: register the metrics, prepare `--output`, start
-//!   the trainer, consume until the end, join the trainer, report; the
-//!   error and report types and the metrics endpoint.
+//!   the trainer, consume until the end, join the trainer, report; and the
+//!   metrics endpoint.
 //! - [`threads`]: the training thread started as a
 //!   `dflash_device::DeviceWorker` (engine built behind its handshake), its
 //!   channel sizes, commands that are never dropped.
 //! - [`pump`]: the async loop: deliveries to the trainer (credit window,
-//!   finite check), lease extension, stats, the schedule estimate, the
+//!   finite check), acks and nacks from the trainer's events, lease extension, stats, the schedule estimate, the
 //!   linger flush, reconnects, the graceful stop.
 //! - [`stream`]: the Consume stream opened with backoff (reconnects), its
 //!   lease clock, the wait for our leases at the end.
-//! - [`trainer_events`]: what each trainer event does to the books: acks
-//!   after the step, nacks, totals, metrics, stats, the report.
+//! - [`books`]: what each step does to this drafter's own accounts: the
+//!   totals, metrics, stats to the broker, the report.
 //! - [`trainer_thread`]: the dedicated training thread (owns all libtorch
 //!   state), batching by token budget, steps and checkpoints; it talks to
 //!   the async side over its bounded channels only.
@@ -52,20 +59,26 @@
 //! the tests that need a hook fail with "built without feature test-hooks"
 //! otherwise.
 
+pub mod books;
 pub mod config;
 pub mod data_parallel;
 pub mod engine;
+pub mod error;
 pub mod metrics;
 pub mod model_sync;
 pub mod pump;
+pub mod report;
 pub mod run;
 pub mod samples;
 pub mod schedule;
+pub mod settings;
 pub mod stream;
 pub mod test_hooks;
 pub mod threads;
-pub mod trainer_events;
 pub mod trainer_thread;
 
-pub use config::{AttentionChoice, DrafterServerConfig, ModelMode};
-pub use run::{run, run_with_metrics_listener, DrafterError, DrafterReport, RunEnd};
+pub use config::DrafterServerConfig;
+pub use error::DrafterError;
+pub use report::{DrafterReport, RunEnd};
+pub use run::{run, run_with_metrics_listener};
+pub use settings::{AttentionChoice, ConfigError, DraftArchitecture, DrafterSettings, ModelMode};

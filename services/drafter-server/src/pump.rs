@@ -1,26 +1,25 @@
 //! The async loop of a drafter-server: deliveries to the training thread,
-//! its events to acks and nacks ([`crate::trainer_events`]), leases
+//! its events to acks and nacks (`on_event`; the counting in [`crate::books`]), leases
 //! extended while it makes progress, stats, the schedule estimate, the
 //! linger flush, reconnects and the graceful stop. All compute happens on
 //! the training thread ([`crate::trainer_thread`]); this side never blocks.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use dflash_client::{BrokerClient, ConsumerEvent};
+use dflash_client::{BrokerClient, ConsumerEvent, ConsumerHandle};
 use dflash_proto::v1::{Credit, Delivery, EndOfStream, NackDisposition, RunStatus};
 use tokio::time::{interval, sleep_until, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::config::DrafterServerConfig;
-use crate::metrics::DrafterMetrics;
-use crate::run::{DrafterError, DrafterReport, RunEnd};
+use crate::books::Books;
+use crate::error::DrafterError;
+use crate::report::{DrafterReport, RunEnd};
 use crate::schedule::{estimate_total_steps, RunClock, ScheduleInputs};
+use crate::settings::{Connection, PumpSettings, ScheduleSettings};
 use crate::stream::ConsumeStream;
 use crate::threads::{send_command, TrainerWorker, DELIVERY_SLACK};
-use crate::trainer_events::Totals;
 use crate::trainer_thread::{TrainerCommand, TrainerEvent};
 
 /// Why the main loop is stopping.
@@ -60,7 +59,11 @@ impl LoopState {
 /// The state of one server run across reconnects: the async end of the
 /// training thread, and the books of what it did.
 pub(crate) struct Pump {
-    pub(crate) config: DrafterServerConfig,
+    pub(crate) settings: PumpSettings,
+    /// Who this drafter is and how it reaches the broker.
+    pub(crate) connection: Connection,
+    /// The schedule's length settings, for the estimate from the broker.
+    pub(crate) schedule: ScheduleSettings,
     pub(crate) credit: Credit,
     /// The training thread. Its command channel has room for the credit
     /// window and then some, so a control command (Finish above all) is
@@ -72,12 +75,8 @@ pub(crate) struct Pump {
     pub(crate) held: HashSet<u64>,
     /// Bumped on every new Consume stream.
     pub(crate) generation: u64,
-    pub(crate) totals: Totals,
-    pub(crate) device: String,
-    pub(crate) steps_done: u64,
-    pub(crate) last_checkpoint: Option<PathBuf>,
-    /// Updated from the trainer's events; served by the metrics endpoint.
-    pub(crate) metrics: DrafterMetrics,
+    /// Totals, metrics and the report of this drafter's run.
+    pub(crate) books: Books,
     /// The broker's run id from the first welcome: a broker that comes back
     /// with another one lost the run, and this drafter stops instead of
     /// training on as if nothing was lost.
@@ -85,39 +84,33 @@ pub(crate) struct Pump {
     /// The run-wide schedule's clock (model sync on), which learns the run's
     /// size here; `None`: this drafter's own schedule.
     pub(crate) run_clock: Option<RunClock>,
-    /// The GPU's memory, read after every step (CUDA with NVML only).
-    pub(crate) gpu_memory: Option<dflash_device::GpuMemoryMonitor>,
 }
 
 impl Pump {
-    /// The pump of a trainer that is ready: on `device`, resumed at
-    /// `resumed_step`. Its credit window is the configuration's.
+    /// The pump of a trainer that is ready, its books opened on the
+    /// trainer's device and resumed step. Its credit window is the settings'.
     pub(crate) fn new(
-        config: DrafterServerConfig,
+        settings: PumpSettings,
+        connection: Connection,
+        schedule: ScheduleSettings,
         trainer: TrainerWorker,
-        device: String,
-        resumed_step: u64,
-        metrics: DrafterMetrics,
+        books: Books,
         run_clock: Option<RunClock>,
-        gpu_memory: Option<dflash_device::GpuMemoryMonitor>,
     ) -> Self {
         Pump {
             credit: Credit {
-                items: config.credit_items(),
-                bytes: config.credit_bytes,
+                items: settings.credit_items,
+                bytes: settings.credit_bytes,
             },
-            config,
+            settings,
+            connection,
+            schedule,
             trainer,
             held: HashSet::new(),
             generation: 0,
-            totals: Totals::default(),
-            device,
-            steps_done: resumed_step,
-            last_checkpoint: None,
-            metrics,
+            books,
             run_id: None,
             run_clock,
-            gpu_memory,
         }
     }
 
@@ -127,7 +120,7 @@ impl Pump {
         &mut self,
         shutdown: &CancellationToken,
     ) -> Result<Option<ConsumeStream>, DrafterError> {
-        ConsumeStream::open(&self.config, self.credit, &mut self.run_id, shutdown).await
+        ConsumeStream::open(&self.connection, self.credit, &mut self.run_id, shutdown).await
     }
 
     pub(crate) async fn send_command(
@@ -141,7 +134,7 @@ impl Pump {
     /// `--total-steps` is not set: this drafter's share of the run, or, on
     /// the run-wide schedule (model sync), the run's size.
     async fn refresh_total_steps(&mut self, client: &BrokerClient) {
-        if self.config.total_steps.is_some() {
+        if self.schedule.total_steps.is_some() {
             return;
         }
         let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(2), client.status()).await
@@ -163,11 +156,11 @@ impl Pump {
                 expected_items: summary.expected_items,
                 finished_items: summary.acked_items + summary.dead_letters,
                 connected_drafters: connected_drafters.max(1),
-                steps_done: self.steps_done,
-                samples_trained: self.totals.samples,
-                assumed_samples_per_step: self.config.max_step_samples as u64,
+                steps_done: self.books.steps_done,
+                samples_trained: self.books.totals.samples,
+                assumed_samples_per_step: self.schedule.samples_per_step,
             },
-            self.config.fallback_total_steps,
+            self.schedule.fallback_total_steps,
         );
         let _ = self
             .send_command(TrainerCommand::SetTotalSteps(total_steps))
@@ -185,12 +178,12 @@ impl Pump {
             return self.stop_without_stream(Stopping::Shutdown).await;
         };
         self.refresh_total_steps(&stream.client).await;
-        info!(drafter_id = %self.config.drafter_id, credit_items = self.credit.items, "consuming");
-        let mut stats_ticker = interval(self.config.stats_period());
+        info!(drafter_id = %self.connection.drafter_id, credit_items = self.credit.items, "consuming");
+        let mut stats_ticker = interval(self.settings.stats_period);
         stats_ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut loop_state = LoopState::new();
         loop {
-            let linger_at = loop_state.last_delivery_at + self.config.linger;
+            let linger_at = loop_state.last_delivery_at + self.settings.linger;
             let linger_armed = !self.held.is_empty()
                 && !loop_state.flush_requested
                 && loop_state.stopping.is_none();
@@ -208,12 +201,12 @@ impl Pump {
                     let Some(event) = event else { return Err(DrafterError::TrainerGone) };
                     loop_state.last_trainer_progress = tokio::time::Instant::now();
                     if let Some(end) = self.on_trainer_event(event, &stream, &mut loop_state).await? {
-                        return Ok(self.report(end));
+                        return Ok(self.books.report(&self.connection.drafter_id, end));
                     }
                 }
                 _ = stream.lease_ticker.tick(), if stream.open => self.extend_leases(&stream, &loop_state),
                 _ = stats_ticker.tick(), if stream.open => {
-                    self.send_stats(&stream.handle, loop_state.last_stats_at.elapsed(), true);
+                    self.books.send_stats(&stream.handle, loop_state.last_stats_at.elapsed(), true);
                     loop_state.last_stats_at = Instant::now();
                     self.refresh_total_steps(&stream.client).await;
                 }
@@ -222,7 +215,7 @@ impl Pump {
                     self.send_command(TrainerCommand::Flush).await?;
                 }
                 _ = sleep_until(loop_state.stop_deadline), if loop_state.stopping.is_some() => {
-                    return Err(DrafterError::ShutdownTimedOut(self.config.shutdown_timeout));
+                    return Err(DrafterError::ShutdownTimedOut(self.settings.shutdown_timeout));
                 }
             }
         }
@@ -237,7 +230,7 @@ impl Pump {
         step_accumulated: bool,
     ) -> Result<(), DrafterError> {
         loop_state.stopping = Some(stopping);
-        loop_state.stop_deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
+        loop_state.stop_deadline = tokio::time::Instant::now() + self.settings.shutdown_timeout;
         self.send_command(TrainerCommand::Finish { step_accumulated })
             .await
     }
@@ -257,10 +250,11 @@ impl Pump {
                 "drafter stopping".into(),
                 NackDisposition::Requeue,
             );
-            self.totals.requeued += 1;
+            self.books.totals.requeued += 1;
             return Ok(());
         }
-        self.totals
+        self.books
+            .totals
             .first_delivery_at
             .get_or_insert_with(Instant::now);
         loop_state.last_delivery_at = tokio::time::Instant::now();
@@ -299,9 +293,9 @@ impl Pump {
             stream
                 .handle
                 .nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
-            self.totals.dead_lettered += 1;
-            self.totals.non_finite_samples += 1;
-            self.metrics.rejected_items.increment();
+            self.books.totals.dead_lettered += 1;
+            self.books.totals.non_finite_samples += 1;
+            self.books.metrics.rejected_items.increment();
             return Ok(());
         }
         if self.held.is_empty() {
@@ -371,28 +365,29 @@ impl Pump {
         loop_state: &mut LoopState,
     ) -> Result<Option<RunEnd>, DrafterError> {
         let finished = self.on_event(event, &stream.handle, loop_state.last_stats_at.elapsed());
-        let max_skipped = self.config.max_skipped_steps;
-        if max_skipped > 0 && self.totals.consecutive_skipped_steps >= max_skipped {
+        let max_skipped = self.settings.max_skipped_steps;
+        if max_skipped > 0 && self.books.totals.consecutive_skipped_steps >= max_skipped {
             // The broker requeues what this drafter still holds when its
             // stream goes; nothing of the skipped steps reached the model.
             return Err(DrafterError::SkippedSteps {
-                count: self.totals.consecutive_skipped_steps,
-                last_reason: self.totals.last_skip_reason.clone(),
+                count: self.books.totals.consecutive_skipped_steps,
+                last_reason: self.books.totals.last_skip_reason.clone(),
             });
         }
         let Some((unused, checkpoint_error)) = finished else {
             return Ok(None);
         };
         if !unused.is_empty() {
-            self.totals.requeued += unused.len() as u64;
+            self.books.totals.requeued += unused.len() as u64;
             stream
                 .handle
                 .nack(unused, "drafter stopping".into(), NackDisposition::Requeue);
         }
-        self.send_stats(&stream.handle, loop_state.last_stats_at.elapsed(), true);
+        self.books
+            .send_stats(&stream.handle, loop_state.last_stats_at.elapsed(), true);
         if stream.open {
             stream
-                .wait_for_leases_released(&self.config.drafter_id)
+                .wait_for_leases_released(&self.connection.drafter_id)
                 .await;
         }
         if let Some(error) = checkpoint_error {
@@ -413,7 +408,7 @@ impl Pump {
         if self.held.is_empty() {
             return;
         }
-        if loop_state.last_trainer_progress.elapsed() < self.config.trainer_stall_timeout {
+        if loop_state.last_trainer_progress.elapsed() < self.settings.trainer_stall_timeout {
             stream.handle.extend_leases(Vec::new());
         } else {
             warn!(held = self.held.len(), stalled_for = ?loop_state.last_trainer_progress.elapsed(), "the trainer shows no progress; leases are no longer extended");
@@ -429,11 +424,11 @@ impl Pump {
             step_accumulated: false,
         })
         .await?;
-        let deadline = tokio::time::Instant::now() + self.config.shutdown_timeout;
+        let deadline = tokio::time::Instant::now() + self.settings.shutdown_timeout;
         loop {
             let event = tokio::time::timeout_at(deadline, self.trainer.next_event())
                 .await
-                .map_err(|_| DrafterError::ShutdownTimedOut(self.config.shutdown_timeout))?
+                .map_err(|_| DrafterError::ShutdownTimedOut(self.settings.shutdown_timeout))?
                 .ok_or(DrafterError::TrainerGone)?;
             if let TrainerEvent::Stopped {
                 final_checkpoint,
@@ -444,13 +439,119 @@ impl Pump {
                 if let Some(error) = checkpoint_error {
                     return Err(DrafterError::FinalCheckpoint(error));
                 }
-                self.last_checkpoint = final_checkpoint;
+                self.books.last_checkpoint = final_checkpoint;
                 let end = match stopping {
                     Stopping::Shutdown => RunEnd::Shutdown,
                     Stopping::EndOfStream(_) => RunEnd::Complete,
                 };
-                return Ok(self.report(end));
+                return Ok(self.books.report(&self.connection.drafter_id, end));
             }
         }
+    }
+
+    /// Hands deliveries of the current stream back to the queue (a failed
+    /// batch, a skipped step); ids of an older stream are the broker's
+    /// already.
+    pub(crate) fn requeue(
+        &mut self,
+        handle: &ConsumerHandle,
+        generation: u64,
+        delivery_ids: Vec<u64>,
+        reason: String,
+    ) {
+        if generation != self.generation {
+            return;
+        }
+        let current: Vec<u64> = delivery_ids
+            .into_iter()
+            .filter(|id| self.held.remove(id))
+            .collect();
+        self.books.totals.requeued += current.len() as u64;
+        handle.nack(current, reason, NackDisposition::Requeue);
+    }
+
+    /// Acks, nacks and bookkeeping for one event of the training thread.
+    /// Returns the trainer's final answer when it has stopped.
+    pub(crate) fn on_event(
+        &mut self,
+        event: TrainerEvent,
+        handle: &ConsumerHandle,
+        stats_window: Duration,
+    ) -> Option<(Vec<u64>, Option<String>)> {
+        match event {
+            TrainerEvent::Rejected {
+                generation,
+                delivery_id,
+                reason,
+            } => {
+                error!(delivery_id, %reason, "sample unusable by this model; dead-lettering it");
+                if generation == self.generation && self.held.remove(&delivery_id) {
+                    handle.nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
+                    self.books.totals.dead_lettered += 1;
+                    self.books.metrics.rejected_items.increment();
+                }
+            }
+            TrainerEvent::Stepped {
+                generation,
+                delivery_ids,
+                report,
+                busy,
+                step_compute,
+            } => {
+                self.books.totals.consecutive_skipped_steps = 0;
+                self.books.book_step(&report, busy, step_compute);
+                // Stats go out before the ack: the ack of the run's last item
+                // can end the stream, and the broker's final status should
+                // show this step.
+                self.books.send_stats(handle, stats_window, false);
+                if generation == self.generation {
+                    let current: Vec<u64> = delivery_ids
+                        .into_iter()
+                        .filter(|id| self.held.remove(id))
+                        .collect();
+                    handle.ack(current);
+                }
+            }
+            TrainerEvent::StepSkipped {
+                generation,
+                delivery_ids,
+                reason,
+            } => {
+                self.books.totals.skipped_steps += 1;
+                self.books.totals.consecutive_skipped_steps += 1;
+                self.books.metrics.skipped_steps.increment();
+                self.requeue(handle, generation, delivery_ids, reason.clone());
+                self.books.totals.last_skip_reason = reason;
+            }
+            TrainerEvent::BatchFailed {
+                generation,
+                delivery_ids,
+                reason,
+            } => self.requeue(handle, generation, delivery_ids, reason),
+            TrainerEvent::CheckpointSaved { step, path } => {
+                self.books.last_checkpoint = Some(path);
+                self.books.steps_done = self.books.steps_done.max(step);
+            }
+            TrainerEvent::Stopped {
+                generation,
+                unused_delivery_ids,
+                final_checkpoint,
+                checkpoint_error,
+            } => {
+                if let Some(path) = final_checkpoint {
+                    self.books.last_checkpoint = Some(path);
+                }
+                let unused: Vec<u64> = if generation == self.generation {
+                    unused_delivery_ids
+                        .into_iter()
+                        .filter(|id| self.held.remove(id))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                return Some((unused, checkpoint_error));
+            }
+        }
+        None
     }
 }

@@ -43,7 +43,29 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::config::{SyncBatchScaling, SyncLrScaling};
+/// `--sync-lr-scaling`: a sharing drafter's learning rate over N, the
+/// drafters sharing the center ([`sync_learning_rate_scale`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncLrScaling {
+    /// The schedule's learning rate, whatever N.
+    None,
+    /// Divided by N.
+    Inverse,
+    /// Divided by √N.
+    InverseSqrt,
+}
+
+/// `--sync-batch-scaling`: a sharing drafter's step size over N, the
+/// drafters sharing the center ([`shared_step_limits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SyncBatchScaling {
+    /// Every drafter's step is one drafter's (`--max-step-samples`,
+    /// `--batch-tokens` × `--grad-accumulation`), whatever N.
+    None,
+    /// Each of N drafters takes 1/N of one drafter's step: a round of N
+    /// steps trains on one drafter's step of samples.
+    Inverse,
+}
 
 /// The facts the estimate uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

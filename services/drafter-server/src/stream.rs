@@ -13,8 +13,8 @@ use tokio::time::{interval, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
-use crate::config::DrafterServerConfig;
-use crate::run::DrafterError;
+use crate::error::DrafterError;
+use crate::settings::Connection;
 
 /// One Consume stream (replaced by a new one after a break).
 pub(crate) struct ConsumeStream {
@@ -49,21 +49,21 @@ impl ConsumeStream {
     /// one lost the run, and the client refuses it (not retried), so this
     /// drafter stops instead of training on as if nothing was lost.
     pub(crate) async fn open(
-        config: &DrafterServerConfig,
+        connection: &Connection,
         credit: Credit,
         run_id: &mut Option<String>,
         shutdown: &CancellationToken,
     ) -> Result<Option<Self>, DrafterError> {
-        let deadline = Instant::now() + config.reconnect_timeout;
+        let deadline = Instant::now() + connection.reconnect_timeout;
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             let remembered = run_id.clone();
             let attempt = async {
-                let options = config.security.client_options()?;
-                let client = BrokerClient::connect(config.broker.clone(), options)
+                let options = connection.security.client_options()?;
+                let client = BrokerClient::connect(connection.broker.clone(), options)
                     .await?
                     .remembering_run(remembered);
-                let consumer = client.consume(&config.drafter_id, credit).await?;
+                let consumer = client.consume(&connection.drafter_id, credit).await?;
                 Ok::<_, dflash_client::ClientError>((client, consumer))
             };
             let outcome = tokio::select! {
@@ -89,8 +89,8 @@ impl ConsumeStream {
                 }
                 Err(error) => {
                     return Err(DrafterError::BrokerUnavailable {
-                        address: config.broker.clone(),
-                        seconds: config.reconnect_timeout.as_secs_f64(),
+                        address: connection.broker.clone(),
+                        seconds: connection.reconnect_timeout.as_secs_f64(),
                         detail: error.to_string(),
                     })
                 }

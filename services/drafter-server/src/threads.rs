@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use dflash_device::{DeviceWorker, WorkerChannels, WorkerError};
 
-use crate::config::DrafterServerConfig;
-use crate::engine::RunSchedule;
-use crate::engine::{build_engine, EngineError};
-use crate::run::DrafterError;
+use crate::data_parallel::DataParallelConfig;
+use crate::engine::{build_engine, EngineError, RunSchedule};
+use crate::error::DrafterError;
+use crate::model_sync::SyncConfig;
 use crate::schedule::RunClock;
-use crate::trainer_thread::{run_training_loop, LoopSettings, TrainerCommand, TrainerEvent};
+use crate::settings::{Connection, EngineSettings, LoopSettings, ModelMode, ScheduleSettings};
+use crate::trainer_thread::{run_training_loop, TrainerCommand, TrainerEvent};
 
 /// Deliveries a drafter accepts beyond its credit window before it nacks:
 /// the broker keeps within the window, so this only guards memory against
@@ -64,58 +65,74 @@ pub(crate) async fn send_command<Ready: Send + 'static, Output: Send + 'static>(
         .map_err(|_| DrafterError::TrainerGone)
 }
 
+/// What the training thread is started with: the parts of the settings
+/// it uses, borrowed where the async side keeps them too.
+pub(crate) struct TrainerParts<'a> {
+    pub(crate) connection: &'a Connection,
+    pub(crate) engine: EngineSettings,
+    pub(crate) schedule: ScheduleSettings,
+    pub(crate) training_loop: LoopSettings,
+    pub(crate) model_sync: &'a SyncConfig,
+    pub(crate) data_parallel: &'a DataParallelConfig,
+    /// The credit window in items: the command channel holds that many
+    /// deliveries and some.
+    pub(crate) credit_items: u32,
+}
+
 /// Starts the training thread: it builds the engine (the handshake says on
 /// which device, from which step), joins model sync when configured, then
 /// runs the training loop.
 pub(crate) fn start_trainer(
-    config: &DrafterServerConfig,
+    parts: TrainerParts<'_>,
     resume_from: Option<PathBuf>,
     run_clock: Option<RunClock>,
 ) -> Result<TrainerWorker, DrafterError> {
-    let loop_settings = LoopSettings {
-        batch_tokens: config.batch_tokens,
-        grad_accumulation: config.grad_accumulation,
-        max_step_samples: config.max_step_samples,
-        sync_batch_scaling: config.sync_batch_scaling,
-        save_every: config.save_every,
-        keep_checkpoints: config.keep_checkpoints,
-        output: config.output.clone(),
-    };
+    let TrainerParts {
+        connection,
+        engine: engine_settings,
+        schedule,
+        training_loop: loop_settings,
+        model_sync: sync_config,
+        data_parallel: data_parallel_config,
+        credit_items,
+    } = parts;
     let model_sync = crate::model_sync::ModelSyncLink::new(
         tokio::runtime::Handle::current(),
-        &config.broker,
-        &config.drafter_id,
-        &config.model_sync,
+        &connection.broker,
+        &connection.drafter_id,
+        sync_config,
     )
-    .map(|link| link.with_security(config.security.clone()))
+    .map(|link| link.with_security(connection.security.clone()))
     .map(|link| match &run_clock {
         Some(clock) => link.with_run_clock(clock.clone()),
         None => link,
     });
-    let data_parallel = if config.model_sync.mode()
-        == crate::model_sync::ModelSyncMode::DataParallel
-        && config.model == crate::config::ModelMode::DFlash
+    let data_parallel = if sync_config.mode() == crate::model_sync::ModelSyncMode::DataParallel
+        && engine_settings.model == ModelMode::DFlash
     {
         Some(
             crate::data_parallel::DataParallel::start(
                 tokio::runtime::Handle::current(),
-                &config.broker,
-                &config.drafter_id,
-                config.security.clone(),
-                &config.data_parallel,
+                &connection.broker,
+                &connection.drafter_id,
+                connection.security.clone(),
+                data_parallel_config,
             )
             .map_err(|error| DrafterError::DataParallel(Box::new(error)))?,
         )
     } else {
         None
     };
-    let run_schedule = run_clock.map(|clock| RunSchedule::for_config(config, clock));
-    let initial_total_steps = config.total_steps.unwrap_or(config.fallback_total_steps);
-    let engine_config = config.clone();
-    let channels = trainer_channels(config.credit_items());
-    let name = format!("trainer-{}", config.drafter_id);
+    let run_schedule = run_clock.map(|clock| RunSchedule::new(&schedule, clock));
+    let initial_total_steps = schedule.initial_total_steps();
+    let channels = trainer_channels(credit_items);
+    let name = format!("trainer-{}", connection.drafter_id);
     DeviceWorker::spawn(name, channels, move |mut side| {
-        match build_engine(&engine_config, resume_from.as_deref(), initial_total_steps) {
+        match build_engine(
+            &engine_settings,
+            resume_from.as_deref(),
+            initial_total_steps,
+        ) {
             Ok(mut engine) => {
                 if let Some(schedule) = run_schedule {
                     engine.follow_run_schedule(schedule);

@@ -37,11 +37,12 @@ use dflash_proto::v1::Delivery;
 use tokio::sync::mpsc;
 use tracing::{info, warn, Span};
 
-use crate::config::SyncBatchScaling;
 use crate::data_parallel::{DataParallel, StepOutcome};
 use crate::engine::{EngineError, PreparedSample, TrainingEngine};
 use crate::model_sync::ModelSyncLink;
+use crate::schedule::SyncBatchScaling;
 use crate::schedule::{shared_step_limits, StepLimits};
+use crate::settings::LoopSettings;
 use dflash_model::draft::step_dirs::{prune_step_checkpoints, record_latest, step_dir_name};
 use dflash_model::draft::DraftError;
 
@@ -109,20 +110,6 @@ pub enum TrainerEvent {
         final_checkpoint: Option<PathBuf>,
         checkpoint_error: Option<String>,
     },
-}
-
-/// Batching and checkpoint settings of the loop.
-#[derive(Debug, Clone)]
-pub struct LoopSettings {
-    pub batch_tokens: usize,
-    pub grad_accumulation: u64,
-    pub max_step_samples: usize,
-    /// `--sync-batch-scaling`: the three above are one drafter's step;
-    /// a drafter sharing the center may take its share of it.
-    pub sync_batch_scaling: SyncBatchScaling,
-    pub save_every: u64,
-    pub keep_checkpoints: usize,
-    pub output: PathBuf,
 }
 
 struct HeldSample {

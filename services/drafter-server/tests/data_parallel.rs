@@ -41,7 +41,8 @@ fn member_config(work: &std::path::Path, drafter_id: &str, broker: &str) -> Draf
 }
 
 fn engine(config: &DrafterServerConfig) -> Box<dyn TrainingEngine> {
-    build_engine(config, None, STEPS as u64).expect("the tiny drafter")
+    let settings = config.clone().validate().expect("a valid configuration");
+    build_engine(&settings.engine, None, STEPS as u64).expect("the tiny drafter")
 }
 
 /// Forward and backward of `samples` on `engine`, one micro-batch.

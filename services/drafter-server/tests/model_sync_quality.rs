@@ -39,10 +39,10 @@ use std::time::Instant;
 use common::*;
 use dflash_broker::model_sync::StalenessScaling;
 use dflash_broker::BrokerConfig;
-use dflash_drafter_server::config::{SyncBatchScaling, SyncLrScaling};
 use dflash_drafter_server::engine::{build_engine, RunSchedule, TrainingEngine};
 use dflash_drafter_server::model_sync::{ModelSyncLink, SyncConfig};
 use dflash_drafter_server::schedule::{shared_step_limits, RunClock, StepLimits};
+use dflash_drafter_server::schedule::{SyncBatchScaling, SyncLrScaling};
 use dflash_drafter_server::DrafterServerConfig;
 use dflash_model::draft::save_draft_checkpoint;
 use dflash_model::eval::{evaluate_with_options, EvalOptions};
@@ -336,7 +336,8 @@ fn train(
                 let steps = run.len().div_ceil(share * drafters) as u64;
                 config.total_steps = Some(steps);
                 config.learning_rate *= (drafters as f64).powf(method.inner_lr_exponent);
-                let engine = build_engine(&config, None, steps).unwrap();
+                let engine =
+                    build_engine(&config.clone().validate().unwrap().engine, None, steps).unwrap();
                 return Trainee {
                     engine,
                     link: None,
@@ -350,7 +351,12 @@ fn train(
                     // Its own schedule over its own share (what the
                     // estimate from the broker's summary gives).
                     config.total_steps = Some(steps_per_drafter);
-                    let engine = build_engine(&config, None, steps_per_drafter).unwrap();
+                    let engine = build_engine(
+                        &config.clone().validate().unwrap().engine,
+                        None,
+                        steps_per_drafter,
+                    )
+                    .unwrap();
                     Trainee {
                         engine,
                         link: None,
@@ -365,12 +371,16 @@ fn train(
                     config.sync_lr_scaling = method.lr_scaling;
                     config.sync_batch_scaling = method.batch_scaling;
                     config.sync_adam_beta1 = method.inner_beta1.unwrap_or(config.sync_adam_beta1);
-                    let mut engine = build_engine(&config, None, 1).unwrap();
+                    let mut engine =
+                        build_engine(&config.clone().validate().unwrap().engine, None, 1).unwrap();
                     // The run's size, as the async side learns it from the
                     // broker's expected items.
                     let clock = RunClock::new();
                     clock.set_run_samples_total(run.len() as u64);
-                    engine.follow_run_schedule(RunSchedule::for_config(&config, clock.clone()));
+                    engine.follow_run_schedule(RunSchedule::new(
+                        &config.clone().validate().unwrap().schedule,
+                        clock.clone(),
+                    ));
                     let mut link = ModelSyncLink::new(runtime.clone(), address, &id, &sync)
                         .unwrap()
                         .with_run_clock(clock);
@@ -530,7 +540,8 @@ fn train(
         address.as_ref().map(|address| {
             // A drafter joining now receives the center: that is the run's model.
             let observer_config = drafter_config("observer", work, setting, setting.seed + 100);
-            let observer = build_engine(&observer_config, None, 1).unwrap();
+            let observer =
+                build_engine(&observer_config.validate().unwrap().engine, None, 1).unwrap();
             let mut link = ModelSyncLink::new(runtime.clone(), address, "observer", &sync).unwrap();
             link.join(observer.draft_model().unwrap());
             assert_eq!(link.totals.failures, 0);
@@ -594,7 +605,10 @@ fn runtime() -> tokio::runtime::Runtime {
 fn untrained_tau(work: &Path, setting: &Setting, held_out: &[Vec<i64>]) -> f64 {
     let dir = work.join("untrained");
     build_engine(
-        &drafter_config("untrained", work, setting, setting.seed),
+        &drafter_config("untrained", work, setting, setting.seed)
+            .validate()
+            .unwrap()
+            .engine,
         None,
         1,
     )

@@ -14,8 +14,8 @@
 //! growing memory.
 
 use crate::batching::PlannedBatch;
-use crate::config::{NonFiniteAction, SyntheticSpec};
 use crate::metrics::TargetMetrics;
+use crate::settings::{NonFiniteAction, SyntheticSpec};
 use bytes::Bytes;
 use dflash_model::target_model::TargetModel;
 use dflash_proto::v1::{Dtype, Item};

@@ -1,12 +1,18 @@
-//! Command-line flags (with environment-variable fallbacks) and their
-//! parsing into typed values.
+//! Command-line flags (with environment-variable fallbacks), their checks,
+//! and [`TargetServerConfig::validate`], which splits them into the typed
+//! parts of [`crate::settings::TargetSettings`] once.
 
 use clap::Parser;
 use dflash_shell::parse_duration;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::time::Duration;
+
+use crate::error::TargetServerError;
+use crate::settings::{
+    ComputeSettings, Connection, InputSettings, PumpSettings, ShardRequest, TargetSettings,
+};
+pub use crate::settings::{ModelSource, NonFiniteAction, SyntheticSpec};
 
 pub const DEFAULT_BROKER: &str = "http://127.0.0.1:50051";
 pub const DEFAULT_TARGET_ID: &str = "target-0";
@@ -18,113 +24,7 @@ pub const DEFAULT_STATS_INTERVAL: &str = "5s";
 pub const DEFAULT_MAX_RECONNECTS: u32 = 10;
 pub const DEFAULT_FINISH_TIMEOUT: &str = "2m";
 
-/// Where hidden states come from.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModelSource {
-    /// A Hugging Face model directory (Qwen3 or Llama).
-    Directory(PathBuf),
-    /// No model: random hidden states of the right shape at a set rate.
-    Synthetic(SyntheticSpec),
-}
-
-/// `synthetic:hidden=4096,layers=5,tokens_per_s=20000,...`
-#[derive(Debug, Clone, PartialEq)]
-pub struct SyntheticSpec {
-    /// Hidden size of the pretend target.
-    pub hidden: usize,
-    /// Number of captured layers (the hidden_states width is layers × hidden).
-    pub layers: usize,
-    /// Production rate; 0 means as fast as possible.
-    pub tokens_per_second: f64,
-    /// Range of generated token ids.
-    pub vocab: i64,
-    /// Samples generated when no `--data` is given (over all shards).
-    pub samples: u64,
-    /// Length of generated samples.
-    pub seq_len: usize,
-    pub seed: u64,
-    /// The sample with this seq gets a NaN in its hidden states, as a bf16
-    /// overflow or a faulty device would give it (fault drills of the
-    /// non-finite guards).
-    pub nan_at_seq: Option<u64>,
-}
-
-impl Default for SyntheticSpec {
-    fn default() -> Self {
-        SyntheticSpec {
-            hidden: 4096,
-            layers: 5,
-            tokens_per_second: 20_000.0,
-            vocab: 151_936,
-            samples: 1000,
-            seq_len: 512,
-            seed: 0,
-            nan_at_seq: None,
-        }
-    }
-}
-
-impl FromStr for ModelSource {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let Some(parameters) = text.strip_prefix("synthetic") else {
-            return Ok(ModelSource::Directory(PathBuf::from(text)));
-        };
-        let parameters = match parameters.strip_prefix(':') {
-            Some(rest) => rest,
-            None if parameters.is_empty() => "",
-            // A directory that merely starts with "synthetic".
-            None => return Ok(ModelSource::Directory(PathBuf::from(text))),
-        };
-        let mut spec = SyntheticSpec::default();
-        for pair in parameters.split(',').filter(|pair| !pair.is_empty()) {
-            let (key, value) = pair
-                .split_once('=')
-                .ok_or_else(|| format!("synthetic parameter {pair:?} is not key=value"))?;
-            let invalid =
-                |error: &dyn std::fmt::Display| format!("synthetic {key}={value:?}: {error}");
-            match key {
-                "hidden" => spec.hidden = value.parse().map_err(|error| invalid(&error))?,
-                "layers" => spec.layers = value.parse().map_err(|error| invalid(&error))?,
-                "tokens_per_s" | "tokens_per_second" => {
-                    spec.tokens_per_second = value.parse().map_err(|error| invalid(&error))?
-                }
-                "vocab" => spec.vocab = value.parse().map_err(|error| invalid(&error))?,
-                "samples" => spec.samples = value.parse().map_err(|error| invalid(&error))?,
-                "seq_len" => spec.seq_len = value.parse().map_err(|error| invalid(&error))?,
-                "seed" => spec.seed = value.parse().map_err(|error| invalid(&error))?,
-                "nan_at_seq" => {
-                    spec.nan_at_seq = Some(value.parse().map_err(|error| invalid(&error))?)
-                }
-                other => {
-                    return Err(format!(
-                        "unknown synthetic parameter {other:?} (known: hidden, layers, tokens_per_s, vocab, samples, seq_len, seed, nan_at_seq)"
-                    ))
-                }
-            }
-        }
-        if spec.hidden == 0 || spec.layers == 0 || spec.seq_len == 0 || spec.vocab <= 0 {
-            return Err("synthetic hidden, layers, seq_len and vocab must be positive".to_string());
-        }
-        if !(spec.tokens_per_second >= 0.0 && spec.tokens_per_second.is_finite()) {
-            return Err("synthetic tokens_per_s must be a finite number >= 0".to_string());
-        }
-        Ok(ModelSource::Synthetic(spec))
-    }
-}
-
 pub use dflash_shell::{DeviceChoice, DtypeChoice};
-
-/// What a target does with a capture that holds a NaN or an infinity.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum NonFiniteAction {
-    /// Count and log it, send the rest (the default: a restart would meet
-    /// the same sample again).
-    Skip,
-    /// Stop the target with an error naming the sample's seq.
-    Fail,
-}
 
 /// target-server: runs a frozen target LLM on one device over its shard of a
 /// JSONL data set and streams the DFlash hidden states to the broker.
@@ -297,9 +197,75 @@ impl TargetServerConfig {
         }
     }
 
-    /// The stats interval, at least 10 ms (a zero interval would spin).
-    pub fn stats_period(&self) -> Duration {
-        self.stats_interval.max(Duration::from_millis(10))
+    /// Checks what needs no thread (flags that cannot work together, a
+    /// model directory without a config), then splits the flags into the
+    /// parts each layer uses. The one place the flag struct is read.
+    pub fn validate(self) -> Result<TargetSettings, TargetServerError> {
+        if self.data.is_none() && matches!(self.model, ModelSource::Directory(_)) {
+            return Err(TargetServerError::Config(
+                "--data is required unless --model is synthetic".into(),
+            ));
+        }
+        if self.max_length == 0 || self.max_batch_tokens == 0 || self.sort_window == 0 {
+            return Err(TargetServerError::Config(format!(
+                "--max-length ({}), --max-batch-tokens ({}) and --sort-window ({}) must be positive",
+                self.max_length, self.max_batch_tokens, self.sort_window
+            )));
+        }
+        if let ModelSource::Directory(directory) = &self.model {
+            let config_file = directory.join(dflash_model::target_model::CONFIG_FILE_NAME);
+            if !config_file.is_file() {
+                return Err(TargetServerError::Model(dflash_model::ModelError::Io {
+                    path: config_file,
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        "no such file (is --model a model directory?)",
+                    ),
+                }));
+            }
+        }
+        let (tokenizer, synthetic) = match &self.model {
+            ModelSource::Directory(directory) => {
+                (self.tokenizer.clone().or(Some(directory.clone())), None)
+            }
+            ModelSource::Synthetic(spec) => (self.tokenizer.clone(), Some(spec.clone())),
+        };
+        Ok(TargetSettings {
+            connection: Connection {
+                broker: self.broker,
+                target_id: self.target_id,
+                security: self.security,
+                max_reconnects: self.max_reconnects,
+            },
+            shard: ShardRequest {
+                shard_index: self.shard_index,
+                num_shards: self.num_shards,
+            },
+            input: InputSettings {
+                data: self.data,
+                tokenizer,
+                synthetic,
+                max_length: self.max_length,
+                sort_window: self.sort_window,
+                max_batch_tokens: self.max_batch_tokens,
+                max_bad_lines: self.max_bad_lines,
+            },
+            compute: ComputeSettings {
+                hang_compute_after_batches: self.test_hooks.hang_compute_after_batches(),
+                model: self.model,
+                device: self.device,
+                dtype: self.dtype,
+                layer_ids: self.layer_ids,
+                num_draft_layers: self.num_draft_layers,
+                on_non_finite: self.on_non_finite,
+            },
+            pump: PumpSettings {
+                stats_period: self.stats_interval.max(Duration::from_millis(10)),
+                watchdog_timeout: self.watchdog_timeout,
+                finish_timeout: self.finish_timeout,
+            },
+            metrics_listen: self.metrics_listen,
+        })
     }
 }
 

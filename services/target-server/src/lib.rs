@@ -6,12 +6,18 @@
 //!
 //! # Layout
 //! The run's steps, in modules named as in `dflash-drafter-server`:
-//! - `config`: flags with environment fallbacks ([`TargetServerConfig`]).
+//! - `config`: flags with environment fallbacks ([`TargetServerConfig`])
+//!   and their checks; `validate` splits them into `settings`.
+//! - `settings`: the typed parts each layer takes ([`TargetSettings`]:
+//!   connection, shard, input, compute, pump); no layer below [`run()`]
+//!   sees the flag struct.
 //! - `metrics`: [`TargetMetrics`], the counters and gauges served at
 //!   `/metrics` (`--metrics-listen`) through `dflash-telemetry`.
+//! - `error`, `report`: [`TargetServerError`] and [`TargetReport`], at the
+//!   bottom: every module below `run` may use them, they use none of those.
 //! - `run`: [`run()`]: check, register the metrics, start the threads,
 //!   connect and stream the shard, join every thread within
-//!   `--finish-timeout`, ReportDone; the error and report types.
+//!   `--finish-timeout`, ReportDone.
 //! - `threads`: the pipeline's threads started and joined as one: the
 //!   compute thread (a `dflash_device::DeviceWorker`, model loaded behind
 //!   its start handshake), the reader and the host-copy thread.
@@ -47,17 +53,21 @@
 pub mod batching;
 pub mod compute;
 pub mod config;
+pub mod error;
 pub mod metrics;
 pub mod pump;
 pub mod reader;
+pub mod report;
 pub mod run;
+pub mod settings;
 pub mod shard;
 pub mod stream;
 pub mod test_hooks;
 pub mod threads;
 
-pub use config::{
-    DeviceChoice, DtypeChoice, ModelSource, NonFiniteAction, SyntheticSpec, TargetServerConfig,
-};
+pub use config::{DeviceChoice, DtypeChoice, TargetServerConfig};
+pub use error::TargetServerError;
 pub use metrics::TargetMetrics;
-pub use run::{run, run_with_metrics_listener, run_with_registry, TargetReport, TargetServerError};
+pub use report::TargetReport;
+pub use run::{run, run_with_metrics_listener, run_with_registry};
+pub use settings::{ModelSource, NonFiniteAction, SyntheticSpec, TargetSettings};

@@ -4,10 +4,11 @@
 //! report. Apart from [`crate::run`] because it is the one loop of the run.
 
 use crate::compute::{PipelineCounters, ReadyItem};
-use crate::config::TargetServerConfig;
+use crate::error::TargetServerError;
 use crate::metrics::TargetMetrics;
 use crate::reader::ReaderSummary;
-use crate::run::{TargetReport, TargetServerError};
+use crate::report::TargetReport;
+use crate::settings::PumpSettings;
 use crate::shard::ShardSpec;
 use crate::stream::ResilientProducer;
 use dflash_client::{ClientError, ProduceReport};
@@ -24,7 +25,8 @@ const INTERRUPTED_FINISH_GRACE: Duration = Duration::from_secs(5);
 /// The async end of the pipeline: samples from the host-copy thread to the
 /// broker, progress stats, and the watchdog.
 pub(crate) struct Pump<'a> {
-    pub(crate) config: &'a TargetServerConfig,
+    pub(crate) settings: PumpSettings,
+    pub(crate) target_id: String,
     pub(crate) metrics: &'a TargetMetrics,
     pub(crate) producer: ResilientProducer,
     /// Items the broker held from this target when the run began (the
@@ -65,13 +67,13 @@ impl Pump<'_> {
         shutdown: &CancellationToken,
         mut ready_receiver: tokio::sync::mpsc::Receiver<Vec<ReadyItem>>,
     ) -> Result<bool, TargetServerError> {
-        let mut stats_timer = tokio::time::interval(self.config.stats_period());
+        let mut stats_timer = tokio::time::interval(self.settings.stats_period);
         stats_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // The watchdog: time since the pipeline last handed over a batch.
         // Sends (which wait on the broker's backpressure) happen in the same
         // loop, so that wait is excluded: the clock restarts after each batch
         // is sent.
-        let watchdog = self.config.watchdog_timeout;
+        let watchdog = self.settings.watchdog_timeout;
         let mut last_batch_at = Instant::now();
         let mut watchdog_timer = tokio::time::interval(
             (watchdog / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)),
@@ -197,9 +199,9 @@ impl Pump<'_> {
         // whole finish timeout, and the unanswered items are resent by the
         // next start (the broker's welcome says where it is).
         let finish_timeout = if completed {
-            self.config.finish_timeout
+            self.settings.finish_timeout
         } else {
-            self.config.finish_timeout.min(INTERRUPTED_FINISH_GRACE)
+            self.settings.finish_timeout.min(INTERRUPTED_FINISH_GRACE)
         };
         let _ = tokio::time::timeout(
             finish_timeout,
@@ -232,7 +234,7 @@ impl Pump<'_> {
             .rejected_items
             .add(produce_report.rejected.len() as u64);
         Ok(TargetReport {
-            target_id: self.config.target_id.clone(),
+            target_id: self.target_id.clone(),
             shard: self.shard,
             completed,
             layer_ids: self.layer_ids,

@@ -5,7 +5,7 @@
 //! tokenization never holds up the device.
 
 use crate::batching::{sort_window, split_into_batches, NumberedSequence, PlannedBatch};
-use crate::config::SyntheticSpec;
+use crate::settings::SyntheticSpec;
 use crate::shard::ShardSpec;
 use dflash_model::chat::{parse_line, ChatEncoder, Conversation, LineError, TokenizedSequence};
 use std::io::BufRead;

@@ -9,11 +9,11 @@ use crate::batching::PlannedBatch;
 use crate::compute::{
     run_compute_thread, Backend, BackendInfo, ComputeError, ComputedBatch, SyntheticBackend,
 };
-use crate::config::{ModelSource, TargetServerConfig};
+use crate::error::TargetServerError;
 use crate::reader::{
     generated_records, BatchReader, ReaderError, ReaderSettings, ReaderSummary, Record, ShardLines,
 };
-use crate::run::TargetServerError;
+use crate::settings::{ComputeSettings, InputSettings, ModelSource};
 use crate::shard::ShardSpec;
 use dflash_device::{join_within, DeviceWorker, WorkerChannels, WorkerError};
 use dflash_model::chat::ChatEncoder;
@@ -28,7 +28,7 @@ pub(crate) const BATCH_CHANNEL_DEPTH: usize = 2;
 
 /// Loads the backend on the compute thread (CUDA state stays on the thread
 /// that uses it) and works out the layer ids.
-fn load_backend(config: &TargetServerConfig, device: Device) -> Result<Backend, TargetServerError> {
+fn load_backend(config: &ComputeSettings, device: Device) -> Result<Backend, TargetServerError> {
     match &config.model {
         ModelSource::Synthetic(spec) => {
             if config
@@ -100,7 +100,7 @@ impl PipelineThreads {
     /// Starts the compute thread, which loads the model (CUDA state stays
     /// on the thread that uses it) while the caller talks to the broker.
     pub(crate) fn start(
-        config: &TargetServerConfig,
+        config: &ComputeSettings,
         device: Device,
         shutdown: &CancellationToken,
     ) -> Result<Self, TargetServerError> {
@@ -128,7 +128,7 @@ impl PipelineThreads {
                 batches,
                 computed,
                 compute_stop,
-                config.test_hooks.hang_compute_after_batches(),
+                config.hang_compute_after_batches,
             )
         })?;
         Ok(Self {
@@ -205,17 +205,14 @@ pub(crate) async fn blocking<T: Send + 'static>(
 /// the compute thread; the tokenizer loads first, on the blocking pool (it
 /// can take a second).
 pub(crate) async fn spawn_reader(
-    config: &TargetServerConfig,
+    input: &InputSettings,
     shard: ShardSpec,
     resume_after_seq: Option<u64>,
     info: &BackendInfo,
     threads: &mut PipelineThreads,
 ) -> Result<std::thread::JoinHandle<Result<ReaderSummary, ReaderError>>, TargetServerError> {
-    let tokenizer_directory: Option<PathBuf> = config.tokenizer.clone().or(match &config.model {
-        ModelSource::Directory(directory) => Some(directory.clone()),
-        ModelSource::Synthetic(_) => None,
-    });
-    let max_length = config.max_length;
+    let tokenizer_directory = input.tokenizer.clone();
+    let max_length = input.max_length;
     let vocab_size = Some(info.vocab_size);
     let encoder = match tokenizer_directory {
         Some(directory) => {
@@ -227,22 +224,19 @@ pub(crate) async fn spawn_reader(
         None => ChatEncoder::pre_tokenized_only(max_length, vocab_size),
     };
     let settings = ReaderSettings {
-        window_size: config.sort_window,
-        max_batch_tokens: config.max_batch_tokens,
+        window_size: input.sort_window,
+        max_batch_tokens: input.max_batch_tokens,
         resume_after_seq,
-        max_bad_lines: config.max_bad_lines,
-        data_path: config
+        max_bad_lines: input.max_bad_lines,
+        data_path: input
             .data
             .clone()
             .unwrap_or_else(|| PathBuf::from("(generated)")),
     };
     let batch_sender = threads.compute.take_command_sender()?;
     let reader_stop = threads.stop.clone();
-    let data_path = config.data.clone();
-    let synthetic_spec = match &config.model {
-        ModelSource::Synthetic(spec) => Some(spec.clone()),
-        ModelSource::Directory(_) => None,
-    };
+    let data_path = input.data.clone();
+    let synthetic_spec = input.synthetic.clone();
     Ok(spawn_named("reader", move || {
         let records: Box<dyn Iterator<Item = Result<Record, ReaderError>>> =
             match (&data_path, &synthetic_spec) {

@@ -9,7 +9,7 @@
 use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
-use super::SyncError;
+use super::error::SyncError;
 use crate::model_sync::arith::{self, WireDtype};
 
 /// What kind of exchange a drafter began.

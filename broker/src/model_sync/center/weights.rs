@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::outer::MagnitudeBounds;
-use super::{SyncError, Upload};
+use super::error::SyncError;
+use super::settings::MagnitudeBounds;
+use super::upload::Upload;
 use crate::model_sync::arith::{self, WireDtype};
 
 /// One tensor of the center, in f32, with its outer optimizer state.

@@ -5,15 +5,14 @@
 //! (the drafter died or gave up) withdraws its request.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
 use parking_lot::Mutex;
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::ModelSyncShared;
 use crate::model_sync::quorum::{
     Answers, Decision, QuorumAnswer, QuorumAsk, QuorumSettings, QuorumState, Vote,
 };
@@ -215,7 +214,8 @@ fn checked_drafter(
 
 /// `ModelSync.Quorum`.
 pub async fn quorum(
-    shared: &Arc<ModelSyncShared>,
+    hub: &QuorumHub,
+    shutdown: &CancellationToken,
     request: Request<proto::QuorumRequest>,
 ) -> Result<Response<proto::QuorumResponse>, Status> {
     let principal = crate::roles::Principal::of(request.extensions());
@@ -232,7 +232,7 @@ pub async fn quorum(
         samples_ready: request.samples_ready,
         leaving: request.leaving,
     };
-    let answer = shared.quorum.ask(ask, &shared.shutdown).await?;
+    let answer = hub.ask(ask, shutdown).await?;
     let response = match answer {
         QuorumAnswer::Formed(formed) => {
             let rank = formed.rank_of(&request.drafter_id).ok_or_else(|| {
@@ -260,7 +260,8 @@ pub async fn quorum(
 
 /// `ModelSync.Commit`.
 pub async fn commit(
-    shared: &Arc<ModelSyncShared>,
+    hub: &QuorumHub,
+    shutdown: &CancellationToken,
     request: Request<proto::CommitVote>,
 ) -> Result<Response<proto::CommitDecision>, Status> {
     let principal = crate::roles::Principal::of(request.extensions());
@@ -273,7 +274,7 @@ pub async fn commit(
         ok: request.ok,
         reason: request.reason,
     };
-    let decision = shared.quorum.vote(vote, &shared.shutdown).await?;
+    let decision = hub.vote(vote, shutdown).await?;
     Ok(Response::new(proto::CommitDecision {
         commit: decision.commit,
         reason: decision.reason,

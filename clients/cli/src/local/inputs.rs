@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
 
-use super::LocalArgs;
+use super::args::LocalArgs;
 use crate::demo::{self, DemoSpec};
 
 /// The work directory (created, made absolute) and its `logs` folder.

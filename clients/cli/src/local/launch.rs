@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _};
 use dflash_client::{BrokerClient, ClientOptions};
 
+use super::args::LocalArgs;
 use super::inputs::Inputs;
 use super::supervise::{spawn, terminate, Managed, Role};
-use super::LocalArgs;
 
 /// Drafter settings for the embedded tiny default: a small drafter that
 /// learns the tiny target's continuations in a CPU-minutes run.

@@ -5,12 +5,11 @@
 //! weights are finite. Apart from `summary`, which only reports these
 //! figures: the evaluation runs libtorch, on blocking threads.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 
 use super::inputs::Inputs;
-use super::summary::ProcessSummary;
 use crate::demo;
 
 /// The τ measurements after the pipeline.
@@ -29,7 +28,7 @@ pub(super) struct Taus {
 /// model when the drafters synced.
 pub(super) async fn measure_taus(
     inputs: &Inputs,
-    processes: &[ProcessSummary],
+    checkpoint: Option<PathBuf>,
     workdir: &Path,
 ) -> anyhow::Result<Taus> {
     let mut taus = Taus::default();
@@ -40,9 +39,6 @@ pub(super) async fn measure_taus(
     // intra-op threads cost more than they save: the same 16-prompt eval on
     // the loaded 2-core machine took 64.8 s with 2 threads, 9.2 s with 1.
     tch::set_num_threads(1);
-    let checkpoint = processes
-        .iter()
-        .find_map(|process| process.checkpoint.clone());
     if let Some(checkpoint) = checkpoint {
         let prompts = demo::read_prompts(held_out, model_dir)?;
         taus.held_out_prompts = prompts.len();

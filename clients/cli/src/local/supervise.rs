@@ -18,7 +18,7 @@ use serde::Serialize;
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
-use super::View;
+use super::args::View;
 
 /// What a child of the run is: the broker, a target-server, a
 /// drafter-server or the online evaluator.

@@ -15,10 +15,13 @@ use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
+use super::config::DraftConfig;
+use super::error::DraftError;
 use super::model::{
     add_named_variable, parameter_shapes, PREDECESSOR_CODEBOOK_NAME, SUCCESSOR_CODEBOOK_NAME,
 };
-use super::{AdamW, DraftConfig, DraftError, DraftModel, FrozenTargetHeads};
+use super::model::{DraftModel, FrozenTargetHeads};
+use super::optim::AdamW;
 
 pub const CONFIG_FILE_NAME: &str = "config.json";
 pub const MODEL_FILE_NAME: &str = "model.safetensors";

@@ -11,7 +11,7 @@
 
 use serde_json::{json, Value};
 
-use super::DraftError;
+use super::error::DraftError;
 use crate::layers::{Llama3RopeScaling, RopeParams};
 use crate::target_model::TargetConfig;
 

@@ -5,6 +5,8 @@
 //! checkpoint format.
 //!
 //! # Layout
+//! Each module depends only on the ones listed before it:
+//! - [`error`]: `DraftError`, and `SkippedStep` (why a step was skipped).
 //! - [`config`]: `DraftConfig`, derived from the target's config, and its
 //!   Hugging Face `config.json` form.
 //! - [`model`]: the network (`fc`, `hidden_norm`, `layers.{i}`, `norm`) over
@@ -37,6 +39,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod error;
 pub mod model;
 pub mod objective;
 pub mod optim;
@@ -52,6 +55,7 @@ pub use config::{
     build_target_layer_ids, Dflash2Config, DraftConfig, DraftOptions, TargetDimensions,
     DFLASH2_ARCHITECTURE, DFLASH_ARCHITECTURE,
 };
+pub use error::{DraftError, SkippedStep};
 pub use model::{
     AttentionImplementation, BlockInputs, DraftContextCache, DraftModel, FrozenTargetHeads,
     SelectorPath, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK, HIDDEN_PROJECTION_NAME,
@@ -63,41 +67,8 @@ pub use objective::{
     ObjectiveMemory, ObjectiveOutput, PackedBatch, SelectorTotals, TrainingSequence,
 };
 pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
+pub use trainer::data_parallel::{Contribution, Exclusion, ReducedStep};
 pub use trainer::{
-    Contribution, DraftTrainer, Exclusion, MicroBatchReport, ReducedStep, SelectorReport,
-    SkippedStep, StepReport, TrainerSettings, DEFAULT_GRAD_NORM_SPIKE_RATIO,
-    DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
+    DraftTrainer, MicroBatchReport, SelectorReport, StepReport, TrainerSettings,
+    DEFAULT_GRAD_NORM_SPIKE_RATIO, DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
 };
-
-use std::path::PathBuf;
-
-/// Errors of the draft model code. Messages carry the offending value.
-#[derive(Debug, thiserror::Error)]
-pub enum DraftError {
-    #[error("invalid draft config: {0}")]
-    InvalidConfig(String),
-    #[error("shape mismatch: {0}")]
-    ShapeMismatch(String),
-    #[error("draft parameter {0:?} is missing")]
-    MissingParameter(String),
-    #[error("checkpoint: {0}")]
-    Checkpoint(String),
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: invalid JSON: {source}")]
-    Json {
-        path: PathBuf,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error(transparent)]
-    Model(#[from] crate::target_model::ModelError),
-    #[error("libtorch: {0}")]
-    Torch(#[from] tch::TchError),
-    #[error("optimizer step skipped: {0}")]
-    StepSkipped(trainer::SkippedStep),
-}

@@ -18,8 +18,8 @@
 use rand::rngs::StdRng;
 use tch::{Device, Kind, Tensor};
 
+use super::error::DraftError;
 use super::model::{BlockInputs, DraftModel};
-use super::DraftError;
 
 /// Default decay γ of the per-position weights for a block size: 7 for 16,
 /// 4 for 8 (the published recipes), proportional in between.

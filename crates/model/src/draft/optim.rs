@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use tch::{Kind, Tensor};
 
-use super::DraftError;
+use super::error::DraftError;
 
 /// AdamW hyper-parameters (PyTorch's defaults apart from the learning rate).
 #[derive(Debug, Clone, PartialEq)]

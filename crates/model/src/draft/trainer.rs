@@ -16,16 +16,16 @@ use tch::{Device, Kind};
 use super::checkpoint::{
     load_draft_model, load_training_state, save_draft_checkpoint, TrainingProgress,
 };
+use super::error::{DraftError, SkippedStep};
+use super::model::{AttentionImplementation, DraftModel, FrozenTargetHeads};
+use super::objective::accuracy_ratios;
 use super::objective::{
     compute_objective_backward, overall_accuracy, pack_batch, sample_anchors, ObjectiveMemory,
     SelectorTotals, TrainingSequence,
 };
 use super::optim::{AdamW, AdamWSettings, LearningRateSchedule};
-use super::{accuracy_ratios, AttentionImplementation, DraftError, DraftModel, FrozenTargetHeads};
 
-mod data_parallel;
-
-pub use data_parallel::{Contribution, Exclusion, ReducedStep};
+pub mod data_parallel;
 
 /// Hyper-parameters of the objective and the optimizer.
 #[derive(Debug, Clone, PartialEq)]
@@ -182,42 +182,6 @@ pub struct DraftTrainer {
     recent_grad_norms: std::collections::VecDeque<f64>,
     /// Steps skipped by the guard since this trainer was made.
     skipped_steps: u64,
-}
-
-/// Why [`DraftTrainer::step`] skipped a step: weights, optimizer moments and
-/// the step count are unchanged, and the step's gradients are dropped.
-#[derive(Debug, Clone, PartialEq)]
-pub enum SkippedStep {
-    NonFiniteLoss {
-        loss: f64,
-    },
-    NonFiniteGradient {
-        grad_norm: f64,
-    },
-    GradientSpike {
-        grad_norm: f64,
-        median: f64,
-        ratio: f64,
-    },
-}
-
-impl std::fmt::Display for SkippedStep {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            SkippedStep::NonFiniteLoss { loss } => write!(formatter, "loss {loss} is not finite"),
-            SkippedStep::NonFiniteGradient { grad_norm } => {
-                write!(formatter, "gradient norm {grad_norm} is not finite")
-            }
-            SkippedStep::GradientSpike {
-                grad_norm,
-                median,
-                ratio,
-            } => write!(
-                formatter,
-                "gradient norm {grad_norm:.4e} is over {ratio} x the median {median:.4e} of the last taken steps"
-            ),
-        }
-    }
 }
 
 impl DraftTrainer {

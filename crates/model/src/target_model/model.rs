@@ -248,11 +248,11 @@ impl TargetModel {
             let eps = self.config.rms_norm_eps;
             for (index, layer) in self.layers.iter().enumerate() {
                 let normed = rms_norm(&hidden, &layer.input_layernorm, eps);
-                let (query, key, value) = self.query_key_value(layer, &normed, &cos, &sin);
+                let (query, key, value) = layer.query_key_value(&self.config, &normed, &cos, &sin);
                 cache.keys[index].narrow(2, start, length).copy_(&key);
                 cache.values[index].narrow(2, start, length).copy_(&value);
-                let attention = self.attend(
-                    layer,
+                let attention = layer.attend(
+                    &self.config,
                     &query,
                     &cache.keys[index].narrow(2, 0, total),
                     &cache.values[index].narrow(2, 0, total),
@@ -402,7 +402,13 @@ impl TargetModel {
         );
         let mut hidden = Tensor::f_embedding(&self.embed_tokens, &input_ids, -1, false, false)?;
         for (index, layer) in self.layers.iter().take(layer_count).enumerate() {
-            hidden = self.decoder_layer(layer, &hidden, attention_allowed.as_ref(), &cos, &sin);
+            hidden = layer.forward(
+                &self.config,
+                &hidden,
+                attention_allowed.as_ref(),
+                &cos,
+                &sin,
+            );
             observe(index, &hidden);
         }
         Ok(hidden)

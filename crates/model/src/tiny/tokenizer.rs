@@ -9,9 +9,31 @@
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
-use super::{
-    CHAT_TEMPLATE, END_OF_TEXT_TOKEN, IM_END_TOKEN, IM_START_TOKEN, MASK_TOKEN, TOKENIZER_CORPUS,
-};
+/// The mask token the DFlash drafter fills its blocks with.
+pub const MASK_TOKEN: &str = "<|MASK|>";
+/// Padding / document separator.
+pub const END_OF_TEXT_TOKEN: &str = "<|endoftext|>";
+/// Opens a ChatML turn.
+pub const IM_START_TOKEN: &str = "<|im_start|>";
+/// Closes a ChatML turn; the eos token of the tiny model.
+pub const IM_END_TOKEN: &str = "<|im_end|>";
+
+/// ChatML as Qwen renders it, without tools or reasoning. Written once as
+/// the `chat_template` key and once as `chat_template.jinja`.
+pub const CHAT_TEMPLATE: &str = "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}";
+
+/// Text the tokenizer's merges are learned from (and that the demo data can
+/// draw on). Any UTF-8 text still tokenizes, byte by byte at worst.
+pub const TOKENIZER_CORPUS: &str = "user assistant system \n\
+The quick brown fox jumps over the lazy dog. A speculative decoding drafter proposes several tokens \
+at once and the target model verifies them in one forward pass. The drafter is trained on the hidden \
+states of the target, which are streamed from target servers through a broker to drafter servers. \
+What is the capital of France? The capital of France is Paris. How many legs does a spider have? \
+A spider has eight legs. Write a short poem about the sea. The sea is wide and blue, the waves are \
+white and new. Please explain what a neural network is. A neural network is a function made of layers \
+of weights that are learned from data. Thank you! You are welcome. Hello, how are you today? I am fine, \
+thank you for asking. Count from one to ten: one two three four five six seven eight nine ten. \
+0 1 2 3 4 5 6 7 8 9 10 100 2024 3.14";
 
 /// Number of BPE merges learned from the built-in corpus.
 const MERGE_COUNT: usize = 200;

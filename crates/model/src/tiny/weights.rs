@@ -9,7 +9,7 @@ use safetensors::Dtype as SafeDtype;
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::TinyModelSpec;
+use super::spec::TinyModelSpec;
 use crate::target_model::{Architecture, ModelError};
 
 /// SplitMix64: tiny, portable, and good enough for test weights.

@@ -10,8 +10,8 @@ use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 use tokio::sync::mpsc;
 
+use super::error::SyncClientError;
 use super::tensors::WireTensor;
-use super::SyncClientError;
 
 use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 

@@ -6,7 +6,8 @@
 use dflash_model::draft::DraftModel;
 use tch::{Device, Kind, Tensor};
 
-use super::{SyncClientError, SyncDtype};
+use super::error::SyncClientError;
+use super::settings::SyncDtype;
 
 /// One tensor in transit: name, shape, raw little-endian bytes.
 pub(super) type WireTensor = dflash_proto::chunks::ReceivedTensor;

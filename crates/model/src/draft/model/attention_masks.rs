@@ -7,8 +7,9 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::attention::AttentionImplementation;
-use super::{DraftError, DraftModel};
+use super::attention_implementation::AttentionImplementation;
+use super::network::DraftModel;
+use crate::draft::error::DraftError;
 
 impl DraftModel {
     /// The masks of the block-over-context attention: which context

@@ -18,8 +18,10 @@
 
 use tch::{Kind, Tensor};
 
-use super::{repeat_key_value_heads, DraftLayerParameters, DraftModel};
-use crate::draft::DraftError;
+use super::network::DraftModel;
+use super::parameters::DraftLayerParameters;
+use crate::draft::error::DraftError;
+use crate::layers::repeat_key_value_heads;
 use crate::layers::{apply_rotary, rms_norm, rotary_cos_sin};
 
 /// Per draft layer, the keys and values of the context positions seen so

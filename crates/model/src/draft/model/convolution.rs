@@ -10,8 +10,8 @@
 
 use tch::Tensor;
 
+use super::network::DraftModel;
 use super::parameters::DynamicConvolution;
-use super::DraftModel;
 
 impl DraftModel {
     /// The sublayer's convolved input and the dynamic kernel its output

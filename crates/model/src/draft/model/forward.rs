@@ -8,7 +8,9 @@
 use tch::{Kind, Tensor};
 
 use super::attention_masks::AttentionMasks;
-use super::{BlockInputs, DraftError, DraftLayerParameters, DraftModel};
+use super::network::{BlockInputs, DraftModel};
+use super::parameters::DraftLayerParameters;
+use crate::draft::error::DraftError;
 use crate::layers::{rms_norm, rotary_cos_sin, swiglu_mlp};
 
 impl DraftModel {

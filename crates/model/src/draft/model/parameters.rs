@@ -12,7 +12,8 @@ use rand::Rng;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
-use super::{DraftConfig, DraftError};
+use crate::draft::config::DraftConfig;
+use crate::draft::error::DraftError;
 use crate::target_model::weights::{load_tensors, TensorRequest};
 use crate::target_model::TargetConfig;
 

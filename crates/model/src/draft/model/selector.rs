@@ -13,7 +13,8 @@
 
 use tch::{Kind, Tensor};
 
-use super::{DraftError, DraftModel};
+use super::network::DraftModel;
+use crate::draft::error::DraftError;
 
 /// A greedy walk of the selector over one block per row.
 pub struct SelectorPath {

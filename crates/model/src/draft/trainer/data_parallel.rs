@@ -26,8 +26,9 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{overall_accuracy, DraftTrainer, SkippedStep, StepReport};
-use crate::draft::{accuracy_ratios, DraftError};
+use super::{DraftTrainer, StepReport};
+use crate::draft::error::{DraftError, SkippedStep};
+use crate::draft::objective::{accuracy_ratios, overall_accuracy};
 
 /// Slots of the sums tensor before the per-position counts.
 const WEIGHT_SUM: usize = 0;

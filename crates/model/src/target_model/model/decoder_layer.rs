@@ -2,13 +2,13 @@
 //! computation (query/key/value projections with optional biases, the
 //! Qwen3 per-head norms, RoPE, grouped-query attention, the SwiGLU MLP).
 //! Apart from the two forwards of `model` because both run it: the full
-//! forward through `decoder_layer`, the cached one through
+//! forward through `DecoderLayer::forward`, the cached one through
 //! `query_key_value` and `attend` around its key/value cache.
 
 use tch::Tensor;
 
-use super::TargetModel;
 use crate::layers::{apply_rotary, repeat_key_value_heads, rms_norm, swiglu_mlp};
+use crate::target_model::config::TargetConfig;
 
 /// The weights of one decoder layer.
 pub(super) struct DecoderLayer {
@@ -31,21 +31,21 @@ pub(super) struct DecoderLayer {
     pub(super) down_proj: Tensor,
 }
 
-impl TargetModel {
-    pub(super) fn decoder_layer(
+impl DecoderLayer {
+    pub(super) fn forward(
         &self,
-        layer: &DecoderLayer,
+        config: &TargetConfig,
         hidden: &Tensor,
         attention_allowed: Option<&Tensor>,
         cos: &Tensor,
         sin: &Tensor,
     ) -> Tensor {
-        let eps = self.config.rms_norm_eps;
-        let normed = rms_norm(hidden, &layer.input_layernorm, eps);
-        let attention = self.self_attention(layer, &normed, attention_allowed, cos, sin);
+        let eps = config.rms_norm_eps;
+        let normed = rms_norm(hidden, &self.input_layernorm, eps);
+        let attention = self.self_attention(config, &normed, attention_allowed, cos, sin);
         let hidden = hidden + attention;
-        let normed = rms_norm(&hidden, &layer.post_attention_layernorm, eps);
-        let mlp = swiglu_mlp(&normed, &layer.gate_proj, &layer.up_proj, &layer.down_proj);
+        let normed = rms_norm(&hidden, &self.post_attention_layernorm, eps);
+        let mlp = swiglu_mlp(&normed, &self.gate_proj, &self.up_proj, &self.down_proj);
         hidden + mlp
     }
 
@@ -53,14 +53,13 @@ impl TargetModel {
     /// with the Qwen3 per-head norms and RoPE applied to queries and keys.
     pub(super) fn query_key_value(
         &self,
-        layer: &DecoderLayer,
+        config: &TargetConfig,
         hidden: &Tensor,
         cos: &Tensor,
         sin: &Tensor,
     ) -> (Tensor, Tensor, Tensor) {
         let size = hidden.size();
         let (batch, length) = (size[0], size[1]);
-        let config = &self.config;
         let head_dim = config.head_dim;
         let project_heads =
             |weight: &Tensor, bias: Option<&Tensor>, heads: i64, norm: Option<&Tensor>| {
@@ -74,20 +73,20 @@ impl TargetModel {
                 projected.transpose(1, 2)
             };
         let query = project_heads(
-            &layer.q_proj,
-            layer.q_bias.as_ref(),
+            &self.q_proj,
+            self.q_bias.as_ref(),
             config.num_attention_heads,
-            layer.q_norm.as_ref(),
+            self.q_norm.as_ref(),
         );
         let key = project_heads(
-            &layer.k_proj,
-            layer.k_bias.as_ref(),
+            &self.k_proj,
+            self.k_bias.as_ref(),
             config.num_key_value_heads,
-            layer.k_norm.as_ref(),
+            self.k_norm.as_ref(),
         );
         let value = project_heads(
-            &layer.v_proj,
-            layer.v_bias.as_ref(),
+            &self.v_proj,
+            self.v_bias.as_ref(),
             config.num_key_value_heads,
             None,
         );
@@ -103,7 +102,7 @@ impl TargetModel {
     /// mask the fused causal kernel runs.
     pub(super) fn attend(
         &self,
-        layer: &DecoderLayer,
+        config: &TargetConfig,
         query: &Tensor,
         key: &Tensor,
         value: &Tensor,
@@ -111,7 +110,7 @@ impl TargetModel {
     ) -> Tensor {
         let size = query.size();
         let (batch, heads, length, head_dim) = (size[0], size[1], size[2], size[3]);
-        let repeats = heads / self.config.num_key_value_heads;
+        let repeats = heads / config.num_key_value_heads;
         let key = repeat_key_value_heads(key, repeats);
         let value = repeat_key_value_heads(value, repeats);
         let attended = Tensor::scaled_dot_product_attention(
@@ -127,18 +126,18 @@ impl TargetModel {
         attended
             .transpose(1, 2)
             .reshape([batch, length, heads * head_dim])
-            .linear(&layer.o_proj, layer.o_bias.as_ref())
+            .linear(&self.o_proj, self.o_bias.as_ref())
     }
 
     fn self_attention(
         &self,
-        layer: &DecoderLayer,
+        config: &TargetConfig,
         hidden: &Tensor,
         attention_allowed: Option<&Tensor>,
         cos: &Tensor,
         sin: &Tensor,
     ) -> Tensor {
-        let (query, key, value) = self.query_key_value(layer, hidden, cos, sin);
-        self.attend(layer, &query, &key, &value, attention_allowed)
+        let (query, key, value) = self.query_key_value(config, hidden, cos, sin);
+        self.attend(config, &query, &key, &value, attention_allowed)
     }
 }

@@ -1,19 +1,18 @@
-//! The async side's answer to the training thread's events: acks after
-//! the step that used a delivery, nacks (dead letters, requeues), the
-//! totals and metrics of each step, stats to the broker, and the run's
-//! report from those totals. Apart from [`crate::pump`], which decides when
-//! things happen; this is what each event does to the books.
+//! [`Books`]: what a drafter counts of its own run: the totals of every
+//! step, the metrics served at `/metrics`, the stats sent to the broker and
+//! the run's final report. The pump (`crate::pump`) decides when things
+//! happen and acks or nacks; this is what each step does to the books.
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use dflash_client::ConsumerHandle;
 use dflash_model::draft::StepReport;
-use dflash_proto::v1::{ConsumerStats, NackDisposition};
-use tracing::{error, info};
+use dflash_proto::v1::ConsumerStats;
+use tracing::info;
 
-use crate::pump::Pump;
-use crate::run::{DrafterReport, RunEnd};
-use crate::trainer_thread::TrainerEvent;
+use crate::metrics::DrafterMetrics;
+use crate::report::{DrafterReport, RunEnd};
 
 /// Counters for stats and the report.
 #[derive(Default)]
@@ -39,7 +38,37 @@ pub(crate) struct Totals {
     pub(crate) window_busy: Duration,
 }
 
-impl Pump {
+/// The drafter's own accounts of its run.
+pub(crate) struct Books {
+    pub(crate) totals: Totals,
+    /// The device label the trainer reported.
+    pub(crate) device: String,
+    /// The trainer's step count (resumed steps included).
+    pub(crate) steps_done: u64,
+    pub(crate) last_checkpoint: Option<PathBuf>,
+    /// Updated from the trainer's events; served by the metrics endpoint.
+    pub(crate) metrics: DrafterMetrics,
+    /// The GPU's memory, read after every step (CUDA with NVML only).
+    pub(crate) gpu_memory: Option<dflash_device::GpuMemoryMonitor>,
+}
+
+impl Books {
+    pub(crate) fn new(
+        device: String,
+        resumed_step: u64,
+        metrics: DrafterMetrics,
+        gpu_memory: Option<dflash_device::GpuMemoryMonitor>,
+    ) -> Self {
+        Books {
+            totals: Totals::default(),
+            device,
+            steps_done: resumed_step,
+            last_checkpoint: None,
+            metrics,
+            gpu_memory,
+        }
+    }
+
     /// Sends stats over the window since the last reset; `reset_window`
     /// starts a new one (periodic stats do, per-step updates do not).
     pub(crate) fn send_stats(
@@ -118,120 +147,14 @@ impl Pump {
         }
     }
 
-    /// Hands deliveries of the current stream back to the queue (a failed
-    /// batch, a skipped step); ids of an older stream are the broker's
-    /// already.
-    pub(crate) fn requeue(
-        &mut self,
-        handle: &ConsumerHandle,
-        generation: u64,
-        delivery_ids: Vec<u64>,
-        reason: String,
-    ) {
-        if generation != self.generation {
-            return;
-        }
-        let current: Vec<u64> = delivery_ids
-            .into_iter()
-            .filter(|id| self.held.remove(id))
-            .collect();
-        self.totals.requeued += current.len() as u64;
-        handle.nack(current, reason, NackDisposition::Requeue);
-    }
-
-    /// Acks, nacks and bookkeeping for one event of the training thread.
-    /// Returns the trainer's final answer when it has stopped.
-    pub(crate) fn on_event(
-        &mut self,
-        event: TrainerEvent,
-        handle: &ConsumerHandle,
-        stats_window: Duration,
-    ) -> Option<(Vec<u64>, Option<String>)> {
-        match event {
-            TrainerEvent::Rejected {
-                generation,
-                delivery_id,
-                reason,
-            } => {
-                error!(delivery_id, %reason, "sample unusable by this model; dead-lettering it");
-                if generation == self.generation && self.held.remove(&delivery_id) {
-                    handle.nack(vec![delivery_id], reason, NackDisposition::DeadLetter);
-                    self.totals.dead_lettered += 1;
-                    self.metrics.rejected_items.increment();
-                }
-            }
-            TrainerEvent::Stepped {
-                generation,
-                delivery_ids,
-                report,
-                busy,
-                step_compute,
-            } => {
-                self.totals.consecutive_skipped_steps = 0;
-                self.book_step(&report, busy, step_compute);
-                // Stats go out before the ack: the ack of the run's last item
-                // can end the stream, and the broker's final status should
-                // show this step.
-                self.send_stats(handle, stats_window, false);
-                if generation == self.generation {
-                    let current: Vec<u64> = delivery_ids
-                        .into_iter()
-                        .filter(|id| self.held.remove(id))
-                        .collect();
-                    handle.ack(current);
-                }
-            }
-            TrainerEvent::StepSkipped {
-                generation,
-                delivery_ids,
-                reason,
-            } => {
-                self.totals.skipped_steps += 1;
-                self.totals.consecutive_skipped_steps += 1;
-                self.metrics.skipped_steps.increment();
-                self.requeue(handle, generation, delivery_ids, reason.clone());
-                self.totals.last_skip_reason = reason;
-            }
-            TrainerEvent::BatchFailed {
-                generation,
-                delivery_ids,
-                reason,
-            } => self.requeue(handle, generation, delivery_ids, reason),
-            TrainerEvent::CheckpointSaved { step, path } => {
-                self.last_checkpoint = Some(path);
-                self.steps_done = self.steps_done.max(step);
-            }
-            TrainerEvent::Stopped {
-                generation,
-                unused_delivery_ids,
-                final_checkpoint,
-                checkpoint_error,
-            } => {
-                if let Some(path) = final_checkpoint {
-                    self.last_checkpoint = Some(path);
-                }
-                let unused: Vec<u64> = if generation == self.generation {
-                    unused_delivery_ids
-                        .into_iter()
-                        .filter(|id| self.held.remove(id))
-                        .collect()
-                } else {
-                    Vec::new()
-                };
-                return Some((unused, checkpoint_error));
-            }
-        }
-        None
-    }
-
-    pub(crate) fn report(&self, end: RunEnd) -> DrafterReport {
+    pub(crate) fn report(&self, drafter_id: &str, end: RunEnd) -> DrafterReport {
         let wall = self
             .totals
             .first_delivery_at
             .map(|started| started.elapsed().as_secs_f64())
             .unwrap_or(0.0);
         DrafterReport {
-            drafter_id: self.config.drafter_id.clone(),
+            drafter_id: drafter_id.to_string(),
             end,
             steps: self.steps_done,
             samples_trained: self.totals.samples,
