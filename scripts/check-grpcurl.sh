@@ -65,9 +65,17 @@ grep -q "FailedPrecondition" <<<"$done_error" || fail "ReportDone without a Prod
 status="$("$grpcurl" -plaintext "127.0.0.1:$port" dflash.v1.Broker/GetStatus)" || fail "GetStatus failed"
 grep -q '"runId": "run-' <<<"$status" || fail "GetStatus has no run id: $status"
 
+# SIGTERM stops it: it exits, with status 0. The 60 s only stops a hang
+# (a broker that ignored the signal would run for ever); how soon is printed,
+# not judged: its --shutdown-timeout (10 s) bounds open streams, and none is
+# open here.
 started=$(date +%s%N)
 kill -TERM "$broker_pid"
+for _ in $(seq 1 600); do
+  kill -0 "$broker_pid" 2>/dev/null || break
+  sleep 0.1
+done
+kill -0 "$broker_pid" 2>/dev/null && fail "the broker still runs 60 s after SIGTERM"
 wait "$broker_pid" || fail "broker exited non-zero after SIGTERM"
 elapsed_ms=$(( ($(date +%s%N) - started) / 1000000 ))
-(( elapsed_ms < 15000 )) || fail "SIGTERM took ${elapsed_ms} ms"
 echo "check-grpcurl: list, describe, GetStatus, health and ReportDone ok with grpcurl 1.8.6; SIGTERM exit in ${elapsed_ms} ms"

@@ -245,7 +245,9 @@ async fn a_second_consume_hello_for_a_live_drafter_is_refused_until_the_first_is
 
     // The old stream gone (its process died): the id is free again.
     drop(first);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // Polled until the broker saw the stream end; the 60 s only stops a
+    // hang (an id taken for ever).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     let mut reopened = loop {
         match second.consume("drafter-0", credit(4)).await {
             Ok(consumer) => break consumer,

@@ -83,6 +83,22 @@ async fn five_targets_three_drafters_share_one_queue_fairly() {
             ))
         })
         .collect();
+    // Every drafter's stream is open before the first item: a drafter that
+    // connects late on a loaded machine would miss items through no fault
+    // of the round robin. The 60 s only stops a hang.
+    assert!(
+        wait_until(Duration::from_secs(60), || async {
+            let status = client.status().await.expect("status");
+            status
+                .drafters
+                .iter()
+                .filter(|drafter| drafter.connected)
+                .count()
+                == 3
+        })
+        .await,
+        "the three drafters never connected"
+    );
     let targets: Vec<_> = (0..5)
         .map(|index| {
             tokio::spawn(run_target(
@@ -128,6 +144,12 @@ async fn five_targets_three_drafters_share_one_queue_fairly() {
         all.values().all(|&count| count == 1),
         "an item was acked twice"
     );
+    // Round robin over three drafters with the same window (2) and the same
+    // work per item (2 ms) gives each a third; a drafter only loses turns
+    // while its window is full, i.e. while its task waits for a core, and
+    // all three share one runtime. Half the mean leaves it room to wait
+    // twice as long as the others, while a broker that favoured one
+    // drafter (or left one out) would give another far less.
     let mean = total as f64 / 3.0;
     for (index, log) in logs.iter().enumerate() {
         let share = log.acked.len() as f64;
@@ -566,17 +588,18 @@ async fn shutdown_is_bounded_with_open_streams_and_reports_not_serving() {
 
     let _producer = client.produce("target-0").await.unwrap();
     let mut consumer = client.consume("d", credit(1)).await.unwrap();
-    let started = Instant::now();
     broker.shutdown.cancel();
-    let result = tokio::time::timeout(Duration::from_secs(5), broker.handle).await;
-    assert!(result.is_ok(), "serve did not return within 5 s");
+    // Bounded, by the order of events rather than a clock: serve returns
+    // while this test still holds both streams open (a graceful drain
+    // without the bound would wait for them forever). The 60 s only stops
+    // such a hang; the bound's value (2 s) is no property checked here.
+    let result = tokio::time::timeout(Duration::from_secs(60), broker.handle).await;
     assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "shutdown took {:?}",
-        started.elapsed()
+        result.is_ok(),
+        "serve did not return with two streams held open"
     );
     // The drafter's stream ends with an error (reconnect), not end-of-stream.
-    let next = tokio::time::timeout(Duration::from_secs(2), consumer.next())
+    let next = tokio::time::timeout(Duration::from_secs(60), consumer.next())
         .await
         .expect("stream ended");
     assert!(next.is_err(), "expected an error, got {next:?}");

@@ -24,10 +24,11 @@ fn config(stall: Duration, load: Duration) -> BrokerConfig {
     }
 }
 
-/// Waits for the drafter's end-of-stream; how long it took.
+/// Waits for the drafter's end-of-stream, acking what comes before it. The
+/// 60 s per event only stops a hang (the timeouts under test are 2 s).
 async fn end_of_stream(consumer: &mut dflash_client::Consumer) -> proto::EndOfStream {
     loop {
-        match tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        match tokio::time::timeout(Duration::from_secs(60), consumer.next())
             .await
             .expect("end-of-stream in time")
             .expect("stream")
@@ -182,14 +183,34 @@ async fn backpressure_is_not_a_stall() {
     );
     let held = broker.status().await.accepted_items;
     assert!(held < 12, "{held} accepted: nothing held back");
-    // Then, for three stall timeouts held back, checked every 100 ms: still
-    // running, nothing more accepted (still held back, so the stall clock
-    // must not run).
-    let held_since = Instant::now();
-    while held_since.elapsed() < stall * 3 {
+    // Then the broker's own clock says the target has been silent for three
+    // stall timeouts: its `last_seen_ms_ago` (not refreshed while its
+    // reader waits for room: no message is read, and a waiter's failed
+    // attempt does not wake it). Were the stall clock running while held
+    // back, the deadline noted at its last accepted item (one stall after
+    // it) would have woken the ticker and aborted the run two stall
+    // timeouts before that. Every poll on the way sees it still running
+    // and nothing more accepted. The 60 s only stops a hang.
+    let target_silence = |status: &proto::StatusSnapshot| {
+        status
+            .targets
+            .iter()
+            .find(|target| target.target_id == "target-0")
+            .map_or(0, |target| target.last_seen_ms_ago)
+    };
+    let silent_for_three_stalls = u64::try_from((stall * 3).as_millis()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
         let status = broker.status().await;
         assert_eq!(status.state(), proto::BrokerState::Running, "{status:?}");
         assert_eq!(status.accepted_items, held, "{status:?}");
+        if target_silence(&status) >= silent_for_three_stalls {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the target's silence never reached three stall timeouts: {status:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // A drafter frees room; everything arrives.
@@ -237,7 +258,7 @@ async fn extensions_cannot_keep_a_lease_past_its_lifetime() {
         }
     });
     assert!(
-        wait_until(Duration::from_secs(10), || async {
+        wait_until(Duration::from_secs(60), || async {
             let status = broker.status().await;
             drafter_status(&status, "drafter-0").is_some_and(|drafter| drafter.expired_leases == 1)
         })
@@ -246,8 +267,9 @@ async fn extensions_cannot_keep_a_lease_past_its_lifetime() {
     );
     let taken_back = delivered.elapsed();
     // Not before the lifetime (2 s, less the 100 ms our clock may start
-    // after the broker's); the wait above (10 s) bounds the rest: extended
-    // every 100 ms, the lease would otherwise live as long as the test.
+    // after the broker's). No upper bound but the wait's 60 s, which only
+    // stops a hang: extended every 100 ms, a lease the cap missed would
+    // never expire, so any finite wait tells the two apart.
     assert!(taken_back >= Duration::from_millis(1900), "{taken_back:?}");
     assert_eq!(first.delivery_count, 1);
     extender.abort();

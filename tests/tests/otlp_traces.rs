@@ -536,10 +536,12 @@ async fn every_span_reaches_a_real_collector_and_a_dead_one_costs_no_exit_time()
     );
     // A dead collector may cost a process its bounded shutdown
     // (SHUTDOWN_TIMEOUT, 1 s) and no more; a refused connection fails at
-    // once, so in practice it costs less. One second more absorbs the
-    // scheduling of five processes on a busy 2-core machine. (Before the
-    // bound, each process waited 10 s.)
-    let allowed_extra = dflash_telemetry::SHUTDOWN_TIMEOUT + Duration::from_secs(1);
+    // once, so in practice it costs less. Without the bound each process
+    // waited the exporter's own 10 s. The allowance sits halfway between:
+    // the bound plus 4 s for the scheduling of five processes, over two
+    // separate runs, on a busy 2-core machine, and still 5 s short of the
+    // unbounded wait it exists to catch.
+    let allowed_extra = dflash_telemetry::SHUTDOWN_TIMEOUT + Duration::from_secs(4);
     assert!(
         down.drafters_exit_after_complete <= baseline.drafters_exit_after_complete + allowed_extra,
         "drafters exited {:?} after COMPLETE with the collector down, {:?} without export",

@@ -775,7 +775,15 @@ fn three_synced_drafters_on(drafters: usize, seed: u64) {
         taus.untrained
     );
     // The issue's goal at 2 to 4 drafters: at least 0.95 of one drafter
-    // trained on every sample alone.
+    // trained on every sample alone. The bound is the goal, not a fit to
+    // a measurement. Run-to-run spread on one machine: none (the test is
+    // its own scheduler, seeds fixed, libtorch on one thread: every run
+    // computes the same numbers). Margin: 0.044 on seed 0 (0.994), 0.2 on
+    // seeds 1 and 2 (1.166, 1.152): BENCHMARKS.md's figures, measured
+    // again to the digit on a 2-core AVX-512 EPYC. Across CPUs they can move
+    // (the 4-drafter test below: 0.823 against 0.752, a 0.07 shift), so
+    // seed 0 may miss the goal on some CPU: a failure there says the goal
+    // is not met on that machine, which is what it checks.
     assert!(
         taus.center >= 0.95 * taus.alone,
         "seed {seed}: center tau {} below 95 % of one drafter's {}",
@@ -849,6 +857,12 @@ fn at_one_drafters_learning_rate_inverse_scaling_keeps_the_center_above_independ
 #[test]
 fn with_shared_steps_four_drafters_center_nears_one_drafter() {
     let taus = four_drafters_at_one_drafters_rate(SyncBatchScaling::Inverse);
+    // What the bound tells apart: shared steps (0.823 on the 2-core
+    // machine, 0.752 on a 2-core AVX-512 EPYC, measured again there in
+    // issue 43's session) from the learning-rate scaling alone (0.548 and
+    // 0.545). Deterministic on one machine (no run-to-run spread); 0.65
+    // sits between the two regimes, 0.10 above the one and 0.10 below the
+    // lowest figure of the other, the CPUs' 0.07 spread inside that margin.
     assert!(
         taus.center >= 0.65 * taus.alone,
         "center tau {} below 65 % of one drafter's {}",

@@ -335,10 +335,15 @@ async fn synthetic_mode_streams_shaped_states_without_a_model() -> Result<()> {
 /// A synthetic target held to a low token rate waits, not works: its busy
 /// fraction counts the batches' making, not the holds. 20 samples of 16
 /// tokens at 400 tokens/s, batches of 32 tokens: the holds before the
-/// second to the tenth batch take (320 - 32) / 400 = 0.72 s; copying 32
-/// rows of 64 bytes takes microseconds, so even a loaded machine's
-/// scheduling delays stay far below half of the run. (It reported about 1
-/// when the hold counted as device time.)
+/// second to the tenth batch take (320 - 32) / 400 = 0.72 s, and sleeps on
+/// a loaded machine only last longer. A batch's busy time is its forward
+/// (copying 32 rows of 64 bytes: microseconds) plus the hand-off to the
+/// collector thread, which is where a loaded machine's scheduling delays
+/// land. busy / active <= busy / (busy + 0.72 s), so a correct run reaches
+/// the bound 0.8 only with 4 x 0.72 = 2.9 s of such delays over ten
+/// batches (0.29 s each). A run that counts the holds as device time
+/// counts every interval between two batches' ends: 1.0 (it reported about
+/// 1 when the hold counted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_synthetic_target_held_to_a_low_rate_is_mostly_idle() -> Result<()> {
     let (broker, report, _) = synthetic_run(
@@ -348,7 +353,7 @@ async fn a_synthetic_target_held_to_a_low_rate_is_mostly_idle() -> Result<()> {
     )
     .await?;
     ensure!(
-        report.busy_fraction > 0.0 && report.busy_fraction < 0.5,
+        report.busy_fraction > 0.0 && report.busy_fraction < 0.8,
         "busy fraction {} of a target held to 400 tokens/s",
         report.busy_fraction
     );

