@@ -4,7 +4,12 @@
 # one block's draft hidden states and greedy selector path, then loads it
 # with PyPI `dflash` 0.1.0's DFlash2DraftModel.from_pretrained (0 missing,
 # 0 unexpected keys, every tensor bit for bit) and runs that block through
-# the reference. The Python packages come from scripts/python-venv.sh.
+# the reference. Then the reference's greedy speculative decoding
+# (`spec_generate`) against this project's evaluation (`dflash eval`'s code,
+# DFlash2 through its candidate selector) with a DFlash and a DFlash2
+# drafter trained on the tiny target: the same outputs, the same accepted
+# length at every verification, the same τ (scripts/check_spec_generate.py).
+# The Python packages come from scripts/python-venv.sh.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="$(bash "$repo_root/scripts/python-venv.sh")"
@@ -13,4 +18,6 @@ trap 'rm -rf "$work"' EXIT
 cd "$repo_root"
 cargo run --quiet -p dflash-model --example dflash2_checkpoint -- "$work/checkpoint"
 "$python" "$repo_root/scripts/check_dflash_checkpoint.py" "$work/checkpoint"
+cargo run --quiet -p dflash-model --example spec_generate_check -- "$work/speculative"
+"$python" "$repo_root/scripts/check_spec_generate.py" "$work/speculative"
 echo "check-dflash2: OK"

@@ -58,6 +58,8 @@ struct EvalArgs {
     data: PathBuf,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
+    #[command(flatten)]
+    sampling: evaluate::SamplingArgs,
     /// auto (the first CUDA device when libtorch sees one, else the CPU), cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     device: dflash_shell::DeviceChoice,
@@ -135,6 +137,7 @@ async fn eval(args: EvalArgs) -> anyhow::Result<()> {
         drafter,
         data,
         max_new_tokens,
+        sampling,
         device,
         compare_untrained,
     } = args;
@@ -145,14 +148,14 @@ async fn eval(args: EvalArgs) -> anyhow::Result<()> {
     };
     let prompts = demo::read_prompts(&data, &target_model)?;
     let (report, untrained) = tokio::task::spawn_blocking(move || {
+        let options = dflash_model::eval::EvalOptions {
+            max_new_tokens,
+            stop_token_ids: dflash_model::tokens::eos_token_ids(&target_model),
+            device,
+            sampling: sampling.options(),
+        };
         let evaluate = |checkpoint: &std::path::Path| {
-            dflash_model::eval::evaluate(
-                &target_model,
-                checkpoint,
-                &prompts,
-                max_new_tokens,
-                device,
-            )
+            dflash_model::eval::evaluate_with_options(&target_model, checkpoint, &prompts, &options)
         };
         let trained = evaluate(&checkpoint)?;
         let untrained = if compare_untrained {

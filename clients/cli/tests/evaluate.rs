@@ -133,6 +133,11 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
         prompts: prompts.clone(),
         max_prompts: 0,
         max_new_tokens: MAX_NEW_TOKENS,
+        sampling: dflash_cli::evaluate::SamplingArgs {
+            temperature: 0.0,
+            top_p: 1.0,
+            sampling_seed: 0,
+        },
         every_versions: 1,
         backlog: 4,
         every: std::time::Duration::from_secs(60),

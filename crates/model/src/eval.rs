@@ -1,9 +1,13 @@
 //! Evaluation of a drafter by real speculative decoding against its
-//! target, as the reference `dflash_generate` does with greedy decoding:
-//! the drafter proposes a block from the target's hidden states, the target
-//! verifies the whole block in one forward, the longest agreeing prefix plus
-//! the target's own next token (the bonus) is kept, and the accepted
-//! length (bonus included) per verification is recorded; τ is its mean.
+//! target, as the reference `dflash_generate` does: the drafter proposes a
+//! block from the target's hidden states (a DFlash2 drafter through its
+//! candidate selector, as the reference's `propose`), the target verifies
+//! the whole block in one forward, the accepted prefix plus the target's
+//! own next token (the bonus) is kept, and the accepted length (bonus
+//! included) per verification is recorded; τ is its mean. Decoding is
+//! greedy (the longest prefix equal to the target's argmax) or sampled
+//! (temperature and top-p, speculative rejection sampling), see
+//! `decoding`.
 //!
 //! The target runs with its KV cache: the prompt is prefilled once, each
 //! verification runs only the block's positions, and the rejected part of
@@ -26,8 +30,13 @@ use crate::draft::{
     draft_model_from_tensors, load_draft_model, BlockInputs, DraftConfig, DraftContextCache,
     DraftError, DraftModel, FrozenTargetHeads,
 };
+use crate::sampling::SamplingOptions;
 use crate::target_model::{KeyValueCache, ModelError, TargetModel};
 use tch::{Device, Kind, Tensor};
+
+mod decoding;
+
+use decoding::{Decoding, Proposal};
 
 /// Errors of evaluation, naming the file or input at fault.
 #[derive(Debug, thiserror::Error)]
@@ -42,6 +51,8 @@ pub enum EvalError {
     EmptyPrompt { index: usize },
     #[error("the drafter's vocabulary ({drafter}) differs from the target's ({target})")]
     VocabularyMismatch { drafter: i64, target: i64 },
+    #[error("sampling: {0}")]
+    Sampling(ModelError),
 }
 
 /// Evaluation settings beyond the data.
@@ -51,6 +62,10 @@ pub struct EvalOptions {
     /// Generation stops after any of these tokens (e.g. the EOS token).
     pub stop_token_ids: Vec<i64>,
     pub device: Device,
+    /// Greedy ([`SamplingOptions::greedy`], what τ is usually quoted
+    /// for) or sampled decoding; prompt `i` draws from its own generator,
+    /// seeded from `seed` and `i`.
+    pub sampling: SamplingOptions,
 }
 
 /// What speculative decoding achieved over a prompt set.
@@ -123,6 +138,7 @@ pub fn evaluate(
         max_new_tokens,
         stop_token_ids: crate::tokens::eos_token_ids(target_dir),
         device,
+        sampling: SamplingOptions::greedy(),
     };
     evaluate_with_options(target_dir, drafter_checkpoint_dir, prompts, &options)
 }
@@ -217,6 +233,7 @@ fn evaluate_drafter(
             target: target.config().vocab_size,
         });
     }
+    options.sampling.validate().map_err(EvalError::Sampling)?;
     let started = Instant::now();
     let mut report = EvalReport {
         mean_acceptance_length: 0.0,
@@ -233,12 +250,13 @@ fn evaluate_drafter(
         if prompt.is_empty() {
             return Err(EvalError::EmptyPrompt { index });
         }
-        let trace = speculative_generate(
+        let trace = generate_cached(
             target,
             drafter,
             prompt,
             options.max_new_tokens,
             &options.stop_token_ids,
+            &mut Decoding::new(&options.sampling, index as u64),
         )?;
         report.generated_tokens += trace.token_ids.len() - prompt.len();
         report.target_forwards += trace.target_forwards;
@@ -263,13 +281,10 @@ fn ids_tensor(token_ids: &[i64], device: Device) -> (Tensor, Tensor) {
     (ids, mask)
 }
 
-/// Greedy next-token predictions of the target at every position of `token_ids`.
-fn target_argmax(target: &TargetModel, token_ids: &[i64]) -> Result<Vec<i64>, EvalError> {
+/// The target's logits `[positions, vocab]` after every position of `token_ids`.
+fn target_logits(target: &TargetModel, token_ids: &[i64]) -> Result<Tensor, EvalError> {
     let (ids, mask) = ids_tensor(token_ids, target.device());
-    let logits = target.logits(&ids, &mask)?;
-    Ok(Vec::<i64>::try_from(
-        &logits.get(0).argmax(-1, false).to_device(Device::Cpu),
-    )?)
+    Ok(target.logits(&ids, &mask)?.get(0))
 }
 
 /// Plain greedy decoding with the target alone (the output speculative
@@ -298,6 +313,25 @@ pub fn speculative_generate_uncached(
     max_new_tokens: usize,
     stop_token_ids: &[i64],
 ) -> Result<GenerationTrace, EvalError> {
+    generate_uncached(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens,
+        stop_token_ids,
+        &mut Decoding::Greedy,
+    )
+}
+
+/// [`speculative_generate_uncached`] with greedy or sampled `decoding`.
+fn generate_uncached(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompt: &[i64],
+    max_new_tokens: usize,
+    stop_token_ids: &[i64],
+    decoding: &mut Decoding,
+) -> Result<GenerationTrace, EvalError> {
     let _no_grad = tch::no_grad_guard();
     let device = target.device();
     let config = drafter.config();
@@ -310,8 +344,8 @@ pub fn speculative_generate_uncached(
     let mut draft_context_positions = 0;
     // Prefill: the first new token comes from the target alone.
     let mut token_ids = prompt.to_vec();
-    let predictions = target_argmax(target, &token_ids)?;
-    token_ids.push(predictions[predictions.len() - 1]);
+    let logits = target_logits(target, &token_ids)?;
+    token_ids.push(decoding.next_token(&logits.get(prompt.len() as i64 - 1))?);
     // `start` is the position of the newest token, the next block's anchor;
     // the drafter sees the target's hidden states strictly before it.
     let mut start = prompt.len();
@@ -319,23 +353,26 @@ pub fn speculative_generate_uncached(
     while start + 1 < max_length && !stopped {
         let mut block = masked_block(config, token_ids[start], max_length - start);
         let verify_size = block.len();
+        let mut proposal = Proposal::empty();
         if verify_size > 1 {
             let (context_ids, context_mask) = ids_tensor(&token_ids[..start], device);
             let context_hidden =
                 target.capture_hidden_states(&context_ids, &context_mask, &layer_ids)?;
-            let proposals = draft_block(drafter, &context_hidden, &block, start)?;
+            let draft_hidden = draft_block(drafter, &context_hidden, &block, start)?;
+            proposal = decoding.propose(drafter, &draft_hidden, block[0])?;
             draft_context_positions += start;
-            block[1..].copy_from_slice(&proposals);
+            block[1..].copy_from_slice(&proposal.tokens);
         }
-        // Verify: the target's greedy choice after each block position.
+        // Verify: the target's logits after each block position.
         let mut candidate = token_ids[..start].to_vec();
         candidate.extend_from_slice(&block);
-        let predictions = target_argmax(target, &candidate)?;
-        let posterior = &predictions[start..start + verify_size];
+        let logits = target_logits(target, &candidate)?.narrow(0, start as i64, verify_size as i64);
+        let (accepted, bonus) = decoding.verify(&proposal, &logits)?;
         let (produced, stop_token_seen) = commit_block(
             &mut token_ids,
             &block,
-            posterior,
+            accepted,
+            bonus,
             start,
             max_length,
             stop_token_ids,
@@ -372,26 +409,20 @@ fn masked_block(config: &DraftConfig, anchor_token: i64, left: usize) -> Vec<i64
     block
 }
 
-/// Commits a verified block after position `start`: the proposals the
-/// target agrees with (`posterior[k]` is its greedy token after block
-/// position `k`), then its own next token, cut at `max_length` and after
-/// the first stop token. Returns the tokens produced after `start` and
-/// whether a stop token ended the sequence; `token_ids` keeps the bonus
-/// token beyond them, which the caller drops.
+/// Commits a verified block after position `start`: the `accepted`
+/// proposals, then the target's own next token `bonus`, cut at
+/// `max_length` and after the first stop token. Returns the tokens
+/// produced after `start` and whether a stop token ended the sequence;
+/// `token_ids` keeps the bonus token beyond them, which the caller drops.
 fn commit_block(
     token_ids: &mut Vec<i64>,
     block: &[i64],
-    posterior: &[i64],
+    accepted: usize,
+    bonus: i64,
     start: usize,
     max_length: usize,
     stop_token_ids: &[i64],
 ) -> (usize, bool) {
-    let accepted = block[1..]
-        .iter()
-        .zip(posterior)
-        .take_while(|(proposed, verified)| proposed == verified)
-        .count();
-    let bonus = posterior[accepted];
     token_ids.truncate(start + 1);
     token_ids.extend_from_slice(&block[1..=accepted]);
     token_ids.push(bonus);
@@ -405,15 +436,16 @@ fn commit_block(
     }
 }
 
-/// The drafter's proposals for the block anchored at `anchor` (its first
-/// token `block[0]`, masks after it), from the target states of every
-/// position before the anchor, all projected anew (the reference).
+/// The draft hidden states `[block − 1, hidden]` of the positions after
+/// the anchor of the block anchored at `anchor` (its first token
+/// `block[0]`, masks after it), from the target states of every position
+/// before the anchor, all projected anew (the reference).
 fn draft_block(
     drafter: &DraftModel,
     context_hidden: &Tensor,
     block: &[i64],
     anchor: usize,
-) -> Result<Vec<i64>, EvalError> {
+) -> Result<Tensor, EvalError> {
     let device = context_hidden.device();
     let block_tensor = Tensor::from_slice(block)
         .view([1, 1, block.len() as i64])
@@ -426,34 +458,25 @@ fn draft_block(
         block_token_ids: &block_tensor,
         anchor_positions: &anchor,
     })?;
-    let proposals = drafter
-        .logits(
-            &draft_hidden
-                .get(0)
-                .get(0)
-                .narrow(0, 1, block.len() as i64 - 1),
-        )
-        .argmax(-1, false)
-        .to_device(Device::Cpu);
-    Ok(Vec::<i64>::try_from(&proposals)?)
+    Ok(draft_hidden
+        .get(0)
+        .get(0)
+        .narrow(0, 1, block.len() as i64 - 1))
 }
 
-/// The drafter's proposals for the block whose first token is `block[0]`
-/// (masks after it), anchored right after the cached context.
+/// The draft hidden states `[block − 1, hidden]` of the positions after
+/// the anchor of the block whose first token is `block[0]` (masks after
+/// it), anchored right after the cached context.
 fn draft_block_cached(
     drafter: &DraftModel,
     context: &DraftContextCache,
     block: &[i64],
-) -> Result<Vec<i64>, EvalError> {
+) -> Result<Tensor, EvalError> {
     let block_tensor = Tensor::from_slice(block)
         .view([1, block.len() as i64])
         .to_device(drafter.device());
     let draft_hidden = drafter.forward_block_cached(context, &block_tensor)?;
-    let proposals = drafter
-        .logits(&draft_hidden.get(0).narrow(0, 1, block.len() as i64 - 1))
-        .argmax(-1, false)
-        .to_device(Device::Cpu);
-    Ok(Vec::<i64>::try_from(&proposals)?)
+    Ok(draft_hidden.get(0).narrow(0, 1, block.len() as i64 - 1))
 }
 
 /// Speculative decoding of one prompt (greedy verification) with the
@@ -468,6 +491,48 @@ pub fn speculative_generate(
     max_new_tokens: usize,
     stop_token_ids: &[i64],
 ) -> Result<GenerationTrace, EvalError> {
+    generate_cached(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens,
+        stop_token_ids,
+        &mut Decoding::Greedy,
+    )
+}
+
+/// [`speculative_generate`] sampled at `sampling` (greedy when its
+/// temperature is 0), drawing from the generator of sequence
+/// `sequence_id`, as [`evaluate`] does for its prompt of that index.
+pub fn speculative_generate_sampled(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompt: &[i64],
+    max_new_tokens: usize,
+    stop_token_ids: &[i64],
+    sampling: &SamplingOptions,
+    sequence_id: u64,
+) -> Result<GenerationTrace, EvalError> {
+    sampling.validate().map_err(EvalError::Sampling)?;
+    generate_cached(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens,
+        stop_token_ids,
+        &mut Decoding::new(sampling, sequence_id),
+    )
+}
+
+/// [`speculative_generate`] with greedy or sampled `decoding`.
+fn generate_cached(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompt: &[i64],
+    max_new_tokens: usize,
+    stop_token_ids: &[i64],
+    decoding: &mut Decoding,
+) -> Result<GenerationTrace, EvalError> {
     let _no_grad = tch::no_grad_guard();
     let device = target.device();
     let config = drafter.config();
@@ -480,7 +545,7 @@ pub fn speculative_generate(
     let mut token_ids = prompt.to_vec();
     let capacity = (max_length + config.block_size as usize) as i64;
     let (mut cache, mut draft_context, first) =
-        prefill(target, drafter, prompt, capacity, &layer_ids)?;
+        prefill(target, drafter, prompt, capacity, &layer_ids, decoding)?;
     let mut target_forwards = 1;
     token_ids.push(first);
     // `start` is the position of the newest token, the next block's anchor;
@@ -490,26 +555,25 @@ pub fn speculative_generate(
     while start + 1 < max_length && !stopped {
         let mut block = masked_block(config, token_ids[start], max_length - start);
         let verify_size = block.len();
+        let mut proposal = Proposal::empty();
         if verify_size > 1 {
             // The block is anchored right after the drafter's context.
             debug_assert_eq!(draft_context.len(), start as i64);
-            let proposals = draft_block_cached(drafter, &draft_context, &block)?;
-            block[1..].copy_from_slice(&proposals);
+            let draft_hidden = draft_block_cached(drafter, &draft_context, &block)?;
+            proposal = decoding.propose(drafter, &draft_hidden, block[0])?;
+            block[1..].copy_from_slice(&proposal.tokens);
         }
-        // Verify: the target's greedy choice after each block position.
+        // Verify: the target's logits after each block position.
         let (block_ids, block_mask) = ids_tensor(&block, device);
         let verified = target.forward_cached(&block_ids, &block_mask, &mut cache, &layer_ids)?;
         target_forwards += 1;
-        let posterior = Vec::<i64>::try_from(
-            &target
-                .lm_head_logits(&verified.hidden.get(0))
-                .argmax(-1, false)
-                .to_device(Device::Cpu),
-        )?;
+        let logits = target.lm_head_logits(&verified.hidden.get(0));
+        let (accepted, bonus) = decoding.verify(&proposal, &logits)?;
         let (produced, stop_token_seen) = commit_block(
             &mut token_ids,
             &block,
-            &posterior,
+            accepted,
+            bonus,
             start,
             max_length,
             stop_token_ids,
@@ -544,6 +608,7 @@ fn prefill(
     prompt: &[i64],
     capacity: i64,
     layer_ids: &[usize],
+    decoding: &mut Decoding,
 ) -> Result<(KeyValueCache, DraftContextCache, i64), EvalError> {
     let mut cache = target.new_cache(1, capacity);
     let (ids, mask) = ids_tensor(prompt, target.device());
@@ -555,10 +620,8 @@ fn prefill(
     })?;
     let mut draft_context = drafter.new_context_cache(1, capacity);
     drafter.extend_context(&mut draft_context, &prompt_hidden)?;
-    let first = target
-        .lm_head_logits(&prefill.hidden.get(0).get(prompt.len() as i64 - 1))
-        .argmax(-1, false)
-        .int64_value(&[]);
+    let first = decoding
+        .next_token(&target.lm_head_logits(&prefill.hidden.get(0).get(prompt.len() as i64 - 1)))?;
     Ok((cache, draft_context, first))
 }
 

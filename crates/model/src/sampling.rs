@@ -5,6 +5,8 @@
 //! and the sequence's id, so a sequence samples the same tokens whatever it
 //! is batched with, and whichever release of `rand` is linked.
 
+use tch::{Kind, Tensor};
+
 use crate::target_model::ModelError;
 
 /// Sampling settings of a generation run.
@@ -75,7 +77,7 @@ impl SequenceSampler {
     }
 
     /// A uniform draw in [0, 1) with 53 random bits.
-    fn uniform(&mut self) -> f64 {
+    pub fn uniform(&mut self) -> f64 {
         (split_mix(&mut self.state) >> 11) as f64 / (1u64 << 53) as f64
     }
 
@@ -109,6 +111,26 @@ impl SequenceSampler {
         }
         order[kept - 1] as i64
     }
+}
+
+/// The distribution tokens are drawn from at `options` (not greedy), for
+/// each row of `logits` `[.., vocab]`: `softmax(logits / temperature)` in
+/// f32, cut to the top-p nucleus (a token is kept when the mass of the more
+/// likely ones is below `top_p`, as HF and the reference's
+/// `_sampling_probs` keep it) and renormalised. Speculative sampling needs
+/// the distributions themselves, not only a draw.
+pub fn sampling_probabilities(logits: &Tensor, options: &SamplingOptions) -> Tensor {
+    let probabilities =
+        (logits.to_kind(Kind::Float) / options.temperature).softmax(-1, Kind::Float);
+    if options.top_p >= 1.0 {
+        return probabilities;
+    }
+    let (sorted, order) = probabilities.sort(-1, true);
+    let mass_before = sorted.cumsum(-1, Kind::Float) - &sorted;
+    let kept = sorted * mass_before.lt(options.top_p).to_kind(Kind::Float);
+    let nucleus = probabilities.zeros_like().scatter(-1, &order, &kept);
+    let total = nucleus.sum_dim_intlist(-1, true, Kind::Float);
+    nucleus / total
 }
 
 #[cfg(test)]
@@ -151,6 +173,35 @@ mod tests {
         assert_eq!(draws(1, 5), draws(1, 5));
         assert_ne!(draws(1, 5), draws(1, 6));
         assert_ne!(draws(1, 5), draws(2, 5));
+    }
+
+    #[test]
+    fn sampling_probabilities_cut_the_nucleus_and_renormalise() {
+        // softmax([ln 5, ln 3, ln 1.5, ln 0.5]) = [0.5, 0.3, 0.15, 0.05].
+        let logits = Tensor::from_slice(&[5.0f32, 3.0, 1.5, 0.5]).log();
+        let all = sampling_probabilities(&logits, &options(1.0, 0));
+        let nucleus = sampling_probabilities(&logits, &options(0.8, 0));
+        let all = Vec::<f32>::try_from(&all).unwrap();
+        let nucleus = Vec::<f32>::try_from(&nucleus).unwrap();
+        // f32 softmax of O(1) values: a few ulps of 1.
+        for (got, want) in all.iter().zip([0.5f32, 0.3, 0.15, 0.05]) {
+            assert!((got - want).abs() < 1e-6, "{all:?}");
+        }
+        // Mass before id 2 is 0.8, not below top_p: ids 0 and 1 remain, 5:3.
+        for (got, want) in nucleus.iter().zip([0.625f32, 0.375, 0.0, 0.0]) {
+            assert!((got - want).abs() < 1e-6, "{nucleus:?}");
+        }
+        // Temperature 2 flattens: softmax(logits / 2) ∝ sqrt([5, 3, 1.5, 0.5]).
+        let warm = SamplingOptions {
+            temperature: 2.0,
+            ..options(1.0, 0)
+        };
+        let warm = Vec::<f32>::try_from(&sampling_probabilities(&logits, &warm)).unwrap();
+        let roots = [5.0f32, 3.0, 1.5, 0.5].map(f32::sqrt);
+        let total: f32 = roots.iter().sum();
+        for (got, root) in warm.iter().zip(roots) {
+            assert!((got - root / total).abs() < 1e-6, "{warm:?}");
+        }
     }
 
     #[test]

@@ -562,3 +562,62 @@ fn bad_dflash2_settings_are_refused_with_the_value() -> anyhow::Result<()> {
     assert!(error.to_string().contains("output_multiplier 2"), "{error}");
     Ok(())
 }
+
+#[test]
+fn a_checkpoint_whose_tensors_do_not_match_its_config_is_refused_by_name() -> anyhow::Result<()> {
+    let write = |config: DraftConfig| -> anyhow::Result<tempfile::TempDir> {
+        let model = DraftModel::new(config, frozen_heads(5), Device::Cpu, Kind::Float, 3)?;
+        let directory = tempfile::tempdir()?;
+        save_draft_checkpoint(directory.path(), &model, None)?;
+        Ok(directory)
+    };
+    let dflash2 = write(tiny_dflash2_config()?)?;
+    let dflash = write(tiny_draft_config(0.02))?;
+    let config_of = |directory: &tempfile::TempDir| -> anyhow::Result<String> {
+        Ok(std::fs::read_to_string(
+            directory.path().join(CONFIG_FILE_NAME),
+        )?)
+    };
+    let dflash2_config = config_of(&dflash2)?;
+    let dflash_config = config_of(&dflash)?;
+    // DFlash2 tensors under a DFlash config: the selector and convolutions
+    // are tensors the config does not make.
+    std::fs::write(dflash2.path().join(CONFIG_FILE_NAME), &dflash_config)?;
+    let error = load_draft_model(dflash2.path(), frozen_heads(5), Device::Cpu, Kind::Float)
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("DFlash2 tensors loaded under a DFlash config"))?;
+    let message = error.to_string();
+    assert!(
+        message.contains("candidate_selector") || message.contains("_conv."),
+        "{message}"
+    );
+    // A DFlash checkpoint under a DFlash2 config: the config's convolutions
+    // and selector are missing from the file.
+    std::fs::write(dflash.path().join(CONFIG_FILE_NAME), &dflash2_config)?;
+    let error = load_draft_model(dflash.path(), frozen_heads(5), Device::Cpu, Kind::Float)
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("a DFlash checkpoint loaded under a DFlash2 config"))?;
+    let message = error.to_string();
+    assert!(
+        message.contains("candidate_selector") || message.contains("_conv."),
+        "{message}"
+    );
+    // A selector rank the codebooks were not written with.
+    let mut json: serde_json::Value = serde_json::from_str(&dflash2_config)?;
+    json["selector_rank"] = serde_json::json!(4);
+    json["dflash_config"]["selector_rank"] = serde_json::json!(4);
+    let dflash2 = write(tiny_dflash2_config()?)?;
+    std::fs::write(
+        dflash2.path().join(CONFIG_FILE_NAME),
+        serde_json::to_string(&json)?,
+    )?;
+    let error = load_draft_model(dflash2.path(), frozen_heads(5), Device::Cpu, Kind::Float)
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("codebooks of rank 8 loaded as rank 4"))?;
+    let message = error.to_string();
+    assert!(
+        message.contains("candidate_selector") && message.contains('4') && message.contains('8'),
+        "{message}"
+    );
+    Ok(())
+}

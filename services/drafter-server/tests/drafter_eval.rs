@@ -141,6 +141,7 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
         max_new_tokens: MAX_NEW_TOKENS,
         stop_token_ids: Vec::new(),
         device: Device::Cpu,
+        sampling: dflash_model::sampling::SamplingOptions::greedy(),
     };
     let before = evaluate_with_options(target_dir, &untrained, &held_out, &eval_options).unwrap();
     let after = evaluate_with_options(target_dir, &trained, &held_out, &eval_options).unwrap();

@@ -623,6 +623,7 @@ fn tau(checkpoint: &Path, prompts: &[Vec<i64>]) -> f64 {
         max_new_tokens: MAX_NEW_TOKENS,
         stop_token_ids: Vec::new(),
         device: Device::Cpu,
+        sampling: dflash_model::sampling::SamplingOptions::greedy(),
     };
     let report = evaluate_with_options(tiny_target_dir(), checkpoint, prompts, &options).unwrap();
     assert_eq!(report.generated_tokens, prompts.len() * MAX_NEW_TOKENS);

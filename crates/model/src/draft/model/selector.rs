@@ -92,6 +92,21 @@ impl DraftModel {
         hidden: &Tensor,
         anchor_ids: &Tensor,
     ) -> Result<SelectorPath, DraftError> {
+        self.select_with(hidden, anchor_ids, |scores| Ok(scores.argmax(-1, true)))
+    }
+
+    /// The reference's `select` with the choice at each position left to
+    /// `choose`: given the `[batch, top_k]` f32 scores of the position's
+    /// candidates (after the token chosen before it), it returns the
+    /// `[batch, 1]` index of the candidate to take (the argmax when greedy,
+    /// a draw from `softmax(scores / temperature)` when sampling). The
+    /// path's `scores` are the ones `choose` saw.
+    pub fn select_with(
+        &self,
+        hidden: &Tensor,
+        anchor_ids: &Tensor,
+        mut choose: impl FnMut(&Tensor) -> Result<Tensor, DraftError>,
+    ) -> Result<SelectorPath, DraftError> {
         let top_k = self.selector_top_k().ok_or_else(|| {
             DraftError::InvalidConfig(
                 "the candidate selector exists only in DFlash2 models".to_string(),
@@ -111,8 +126,10 @@ impl DraftModel {
                 &predecessor,
                 &position_candidates,
             )?;
-            let best = position_scores.argmax(-1, true);
-            predecessor = position_candidates.gather(-1, &best, false).squeeze_dim(-1);
+            let chosen = choose(&position_scores)?;
+            predecessor = position_candidates
+                .gather(-1, &chosen.to_kind(Kind::Int64), false)
+                .squeeze_dim(-1);
             tokens.push(predecessor.shallow_clone());
             scores.push(position_scores);
         }

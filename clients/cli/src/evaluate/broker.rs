@@ -1,0 +1,225 @@
+//! The evaluator's connection to the broker: the status, `ReadCenter`
+//! (whole or header first, then the weights) and `ReportTau`, and the
+//! drafter a center's tensors make.
+
+use std::collections::HashMap;
+use std::time::SystemTime;
+
+use anyhow::{bail, Context as _};
+use dflash_client::{BrokerClient, ClientSecurityArgs};
+use dflash_model::draft::DraftConfig;
+use dflash_proto::chunks::TensorAssembler;
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::model_sync_client::ModelSyncClient;
+
+/// A center version read with `ReadCenter`: its header and every tensor
+/// (name, shape, f32 little-endian bytes).
+pub struct ReadCenter {
+    pub header: proto::CenterHeader,
+    pub tensors: Vec<(String, Vec<u64>, Vec<u8>)>,
+}
+
+/// Why a `ModelSync.ReadCenter` failed: whether another try can help
+/// depends on it.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The broker no longer keeps the version asked for
+    /// (FAILED_PRECONDITION: reported, released, or the broker restarted):
+    /// another try cannot help.
+    #[error(
+        "ModelSync.ReadCenter: the broker no longer keeps center version {version}: {message}"
+    )]
+    NotKept { version: u64, message: String },
+    /// The call failed or broke off (the broker down, restarting or
+    /// refusing): another try may succeed.
+    #[error("ModelSync.ReadCenter: {0}")]
+    Call(tonic::Status),
+    /// The broker's answer is not a center.
+    #[error("ReadCenter: {0}")]
+    Malformed(String),
+}
+
+impl ReadError {
+    /// The error of a read of `version` (`None`: the current center) that
+    /// ended with `status`.
+    pub fn from_status(status: tonic::Status, version: Option<u64>) -> ReadError {
+        match version {
+            Some(version) if status.code() == tonic::Code::FailedPrecondition => {
+                ReadError::NotKept {
+                    version,
+                    message: status.message().to_string(),
+                }
+            }
+            _ => ReadError::Call(status),
+        }
+    }
+
+    /// Whether trying the same read again may succeed.
+    pub fn may_pass_again(&self) -> bool {
+        matches!(self, ReadError::Call(_))
+    }
+}
+
+/// The evaluator's connection: status through the broker client, the
+/// center and the reports through ModelSync.
+pub struct Evaluator {
+    pub status: BrokerClient,
+    model_sync: ModelSyncClient<dflash_client::AuthChannel>,
+    pub evaluator_id: String,
+}
+
+impl Evaluator {
+    pub async fn connect(
+        broker: &str,
+        security: &ClientSecurityArgs,
+        evaluator_id: &str,
+    ) -> anyhow::Result<Self> {
+        let options = security.client_options()?;
+        let status = BrokerClient::connect(broker.to_string(), options.clone())
+            .await
+            .with_context(|| format!("connecting to the broker at {broker}"))?;
+        let channel = dflash_client::connect_channel(broker, &options)
+            .await
+            .with_context(|| format!("connecting to the broker at {broker}"))?;
+        let model_sync = ModelSyncClient::new(channel)
+            .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
+            .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES);
+        Ok(Evaluator {
+            status,
+            model_sync,
+            evaluator_id: evaluator_id.to_string(),
+        })
+    }
+
+    /// Keeps the current version at the broker until its report and
+    /// returns its header only (no weights: [`Self::read_kept`] reads them
+    /// when it is measured).
+    pub async fn keep_center(&mut self) -> Result<proto::CenterHeader, ReadError> {
+        Ok(self.read(true, None).await?.header)
+    }
+
+    /// A version the broker keeps since [`Self::keep_center`], whole:
+    /// header, then every tensor's chunks in order, then `done` (whose
+    /// count must match).
+    pub async fn read_kept(&mut self, version: u64) -> Result<ReadCenter, ReadError> {
+        let read = self.read(false, Some(version)).await?;
+        if read.header.center_version != version {
+            // A broker that predates kept reads answers the current center.
+            return Err(ReadError::Malformed(format!(
+                "asked for kept version {version}, got {} (a broker without kept reads?)",
+                read.header.center_version
+            )));
+        }
+        Ok(read)
+    }
+
+    async fn read(
+        &mut self,
+        header_only: bool,
+        center_version: Option<u64>,
+    ) -> Result<ReadCenter, ReadError> {
+        use proto::read_center_response::Kind;
+        let failed = |status| ReadError::from_status(status, center_version);
+        let mut stream = self
+            .model_sync
+            .read_center(proto::ReadCenterRequest {
+                evaluator_id: self.evaluator_id.clone(),
+                header_only,
+                center_version,
+            })
+            .await
+            .map_err(failed)?
+            .into_inner();
+        let header = match stream
+            .message()
+            .await
+            .map_err(failed)?
+            .and_then(|message| message.kind)
+        {
+            Some(Kind::Header(header)) => header,
+            other => {
+                return Err(ReadError::Malformed(format!(
+                    "expected the header first, got {other:?}"
+                )))
+            }
+        };
+        let mut tensors = TensorAssembler::default();
+        loop {
+            match stream
+                .message()
+                .await
+                .map_err(failed)?
+                .and_then(|message| message.kind)
+            {
+                Some(Kind::Chunk(chunk)) => tensors
+                    .push(chunk)
+                    .map_err(|error| ReadError::Malformed(error.to_string()))?,
+                Some(Kind::Done(done)) => {
+                    if done.center_version != header.center_version {
+                        return Err(ReadError::Malformed(format!(
+                            "the header says version {}, done says {}",
+                            header.center_version, done.center_version
+                        )));
+                    }
+                    let tensors = tensors
+                        .finish(done.tensors)
+                        .map_err(|error| ReadError::Malformed(error.to_string()))?;
+                    return Ok(ReadCenter { header, tensors });
+                }
+                other => {
+                    return Err(ReadError::Malformed(format!(
+                        "expected chunks then done, got {other:?}"
+                    )))
+                }
+            }
+        }
+    }
+
+    pub async fn report(
+        &mut self,
+        point: proto::TauPoint,
+    ) -> Result<proto::TauReportResult, tonic::Status> {
+        self.model_sync
+            .report_tau(proto::TauReport {
+                evaluator_id: self.evaluator_id.clone(),
+                point: Some(point),
+            })
+            .await
+            .map(tonic::Response::into_inner)
+    }
+}
+
+/// A center read as the evaluator measures it: its configuration (the
+/// header's `config.json`) and its parameters as f32 tensors, in memory.
+/// Each tensor's bytes are freed once copied, so the weights are held
+/// once and a half at most.
+pub fn center_model(
+    center: ReadCenter,
+) -> anyhow::Result<(DraftConfig, HashMap<String, tch::Tensor>)> {
+    let config_json: serde_json::Value = serde_json::from_str(&center.header.model_config_json)
+        .context("the center's model config is not JSON")?;
+    let config = DraftConfig::from_hf_json(&config_json)?;
+    let mut tensors = HashMap::with_capacity(center.tensors.len());
+    for (name, shape, bytes) in center.tensors {
+        let shape: Vec<i64> = shape.iter().map(|&dim| dim as i64).collect();
+        let elements: i64 = shape.iter().product();
+        if bytes.len() as i64 != 4 * elements {
+            bail!(
+                "tensor {name:?}: {} bytes, expected {} for f32 {shape:?}",
+                bytes.len(),
+                4 * elements
+            );
+        }
+        let tensor = tch::Tensor::f_from_data_size(&bytes, &shape, tch::Kind::Float)?;
+        tensors.insert(name, tensor);
+    }
+    Ok((config, tensors))
+}
+
+pub(super) fn unix_time_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |elapsed| {
+            u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+        })
+}

@@ -1,0 +1,186 @@
+//! Writes what `scripts/check_spec_generate.py` compares with the
+//! reference's `spec_generate`: the tiny target (`OUTPUT_DIR/target`), a
+//! DFlash and a DFlash2 drafter trained briefly on the target's own greedy
+//! continuations (`OUTPUT_DIR/dflash`, `OUTPUT_DIR/dflash2`, reference
+//! layout), and for each drafter `eval.json`: the held-out prompts, this
+//! crate's greedy evaluation of them (the same `eval::evaluate_with_options`
+//! that `dflash eval` and `dflash evaluate` run, the DFlash2 drafter
+//! through its candidate selector), each prompt's output and accepted
+//! length per verification, and τ.
+//!
+//!     cargo run -p dflash-model --example spec_generate_check -- OUTPUT_DIR
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use dflash_model::draft::{
+    Dflash2Config, DraftConfig, DraftModel, DraftOptions, DraftTrainer, FrozenTargetHeads,
+    TargetDimensions, TrainerSettings, TrainingSequence,
+};
+use dflash_model::eval::{evaluate_with_options, greedy_generate, EvalOptions};
+use dflash_model::sampling::SamplingOptions;
+use dflash_model::target_model::TargetModel;
+use dflash_model::tiny::{write_tiny_model, TinyModelSpec, ORDINARY_TOKEN_IDS};
+use serde_json::json;
+use tch::{Device, Kind, Tensor};
+
+const PROMPT_LENGTH: usize = 6;
+const CONTINUATION: usize = 20;
+const TRAINING_PROMPTS: usize = 160;
+const STEPS: usize = 240;
+const BLOCK_SIZE: i64 = 6;
+const MAX_NEW_TOKENS: usize = 24;
+
+/// `count` prompts from a SplitMix64 stream (no `rand` release to depend on).
+fn prompts(count: usize, seed: u64) -> Vec<Vec<i64>> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut mixed = state;
+        mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        mixed ^ (mixed >> 31)
+    };
+    let span = (ORDINARY_TOKEN_IDS.end - ORDINARY_TOKEN_IDS.start) as u64;
+    (0..count)
+        .map(|_| {
+            (0..PROMPT_LENGTH)
+                .map(|_| ORDINARY_TOKEN_IDS.start + (next() % span) as i64)
+                .collect()
+        })
+        .collect()
+}
+
+/// Prompts continued greedily by the target, with the states the drafter reads.
+fn self_generated(
+    target: &TargetModel,
+    layer_ids: &[usize],
+) -> anyhow::Result<Vec<TrainingSequence>> {
+    prompts(TRAINING_PROMPTS, 1)
+        .iter()
+        .map(|prompt| {
+            let tokens = greedy_generate(target, prompt, CONTINUATION, &[])?;
+            let ids = Tensor::from_slice(&tokens).view([1, -1]);
+            let target_hidden = target
+                .capture_hidden_states(&ids, &ids.ones_like(), layer_ids)?
+                .get(0);
+            let loss_mask = (0..tokens.len())
+                .map(|position| u8::from(position >= PROMPT_LENGTH))
+                .collect();
+            Ok(TrainingSequence {
+                input_ids: tokens,
+                loss_mask,
+                target_hidden,
+            })
+        })
+        .collect()
+}
+
+fn train_and_evaluate(
+    target_dir: &Path,
+    target: &TargetModel,
+    config: DraftConfig,
+    data: &[TrainingSequence],
+    output: &Path,
+) -> anyhow::Result<()> {
+    let frozen = FrozenTargetHeads {
+        embed_tokens: target.embed_tokens_weight().shallow_clone(),
+        lm_head: target.lm_head_weight().shallow_clone(),
+    };
+    let model = DraftModel::new(config, frozen, Device::Cpu, Kind::Float, 7)?;
+    let mut settings = TrainerSettings::recipe_defaults(BLOCK_SIZE, STEPS as u64);
+    settings.schedule.peak_learning_rate = 3e-3;
+    settings.num_anchors = 16;
+    let mut trainer = DraftTrainer::new(model, settings);
+    let mut first_loss = None;
+    let mut last_loss = 0.0;
+    for step in 0..STEPS {
+        let start = (step * 8) % data.len();
+        trainer.accumulate(&data[start..start + 8])?;
+        last_loss = trainer.step()?.loss;
+        first_loss.get_or_insert(last_loss);
+    }
+    trainer.save_checkpoint(output)?;
+    let held_out = prompts(6, 99);
+    let options = EvalOptions {
+        max_new_tokens: MAX_NEW_TOKENS,
+        stop_token_ids: dflash_model::tokens::eos_token_ids(target_dir),
+        device: Device::Cpu,
+        sampling: SamplingOptions::greedy(),
+    };
+    let report = evaluate_with_options(target_dir, output, &held_out, &options)?;
+    // Each prompt's accepted lengths, split from the run's list by the
+    // tokens it generated (every token after the prefill's is verified).
+    let mut lengths = report.acceptance_lengths.iter();
+    let mut per_prompt = Vec::new();
+    for (prompt, output_ids) in held_out.iter().zip(&report.outputs) {
+        let mut left = output_ids.len() - prompt.len() - 1;
+        let mut steps = Vec::new();
+        while left > 0 {
+            let length = *lengths
+                .next()
+                .context("fewer accepted lengths than tokens")?;
+            steps.push(length);
+            left -= length;
+        }
+        per_prompt.push(steps);
+    }
+    let eval = json!({
+        "prompts": held_out,
+        "outputs": report.outputs,
+        "acceptance_lengths": per_prompt,
+        "tau": report.mean_acceptance_length,
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "stop_token_ids": options.stop_token_ids,
+    });
+    std::fs::write(output.join("eval.json"), serde_json::to_vec_pretty(&eval)?)?;
+    println!(
+        "{}: loss {:.3} -> {:.3}, tau {:.3} over {} verifications",
+        output.display(),
+        first_loss.unwrap_or_default(),
+        last_loss,
+        report.mean_acceptance_length,
+        report.verification_steps
+    );
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let output = PathBuf::from(
+        std::env::args()
+            .nth(1)
+            .context("usage: spec_generate_check OUTPUT_DIR")?,
+    );
+    tch::set_num_threads(1);
+    tch::manual_seed(3);
+    let target_dir = output.join("target");
+    write_tiny_model(&target_dir, &TinyModelSpec::default())?;
+    let target = TargetModel::load(&target_dir, Device::Cpu, Kind::Float)?;
+    let options = DraftOptions {
+        num_draft_layers: Some(2),
+        block_size: Some(BLOCK_SIZE),
+        mask_token_id: dflash_model::tokens::mask_token_id(&target_dir)?,
+        target_layer_ids: None,
+    };
+    let dflash = DraftConfig::for_target(&TargetDimensions::from(target.config()), &options)?;
+    let dflash2 = dflash.clone().with_dflash2(Dflash2Config {
+        selector_rank: 32,
+        selector_top_k: 8,
+        ..Dflash2Config::default()
+    })?;
+    let layer_ids: Vec<usize> = dflash
+        .target_layer_ids
+        .iter()
+        .map(|&layer| layer as usize)
+        .collect();
+    let data = self_generated(&target, &layer_ids)?;
+    train_and_evaluate(&target_dir, &target, dflash, &data, &output.join("dflash"))?;
+    train_and_evaluate(
+        &target_dir,
+        &target,
+        dflash2,
+        &data,
+        &output.join("dflash2"),
+    )?;
+    Ok(())
+}
