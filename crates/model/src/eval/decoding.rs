@@ -8,7 +8,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::EvalError;
+use super::error::EvalError;
 use crate::draft::DraftModel;
 use crate::sampling::{sampling_probabilities, SamplingOptions, SequenceSampler};
 

@@ -1,0 +1,141 @@
+//! One step of the run's data-parallel trainer, as the training loop takes
+//! it (`crate::data_parallel` holds the membership and the collectives).
+
+use std::time::{Duration, Instant};
+
+use tracing::{warn, Span};
+
+use super::{TrainerEvent, TrainingLoop};
+use crate::data_parallel::StepOutcome;
+
+impl TrainingLoop {
+    /// One step of the run's data-parallel trainer with what this member
+    /// accumulated: acked when committed with its samples in it, handed
+    /// back to the queue otherwise (`crate::data_parallel`).
+    pub(super) fn run_data_parallel_step(&mut self) {
+        let (Some(data_parallel), Some(trainer)) =
+            (self.data_parallel.as_mut(), self.engine.trainer_mut())
+        else {
+            return;
+        };
+        let own_samples = trainer.accumulated_samples();
+        let own_tokens = trainer.accumulated_tokens();
+        let span = self.step_span.take().unwrap_or_else(Span::none);
+        span.record("samples", self.accumulated_ids.len());
+        let started = Instant::now();
+        let outcome = span.in_scope(|| data_parallel.step(trainer));
+        drop(span);
+        let elapsed = started.elapsed();
+        self.busy += elapsed;
+        if matches!(outcome, StepOutcome::NoQuorum) {
+            // Too few members: keep what is accumulated and try again.
+            return;
+        }
+        let step_compute = std::mem::take(&mut self.step_compute) + elapsed;
+        let delivery_ids = std::mem::take(&mut self.accumulated_ids);
+        self.accumulated_micro_batches = 0;
+        self.after_data_parallel_step(outcome, delivery_ids, own_samples, own_tokens, step_compute);
+    }
+
+    /// Nothing held: takes part in a step the others take meanwhile.
+    pub(super) fn idle(&mut self) {
+        let (Some(data_parallel), Some(trainer)) =
+            (self.data_parallel.as_mut(), self.engine.trainer_mut())
+        else {
+            return;
+        };
+        let started = Instant::now();
+        if let Some(outcome) = data_parallel.idle(trainer) {
+            let elapsed = started.elapsed();
+            self.after_data_parallel_step(outcome, Vec::new(), 0, 0, elapsed);
+        }
+    }
+
+    fn after_data_parallel_step(
+        &mut self,
+        outcome: StepOutcome,
+        delivery_ids: Vec<u64>,
+        own_samples: usize,
+        own_tokens: usize,
+        step_compute: Duration,
+    ) {
+        match outcome {
+            StepOutcome::NoQuorum => {}
+            StepOutcome::Committed {
+                mut report,
+                excluded,
+            } => {
+                let step = report.step;
+                // This drafter's own part of the run's step.
+                let (acked, handed_back) = match &excluded {
+                    None => (delivery_ids, Vec::new()),
+                    Some(_) => (Vec::new(), delivery_ids),
+                };
+                report.samples = if excluded.is_none() { own_samples } else { 0 };
+                report.tokens = if excluded.is_none() { own_tokens } else { 0 };
+                let busy = std::mem::take(&mut self.busy);
+                self.emit(TrainerEvent::Stepped {
+                    generation: self.generation,
+                    delivery_ids: acked,
+                    report,
+                    busy,
+                    step_compute,
+                });
+                match excluded {
+                    Some(dflash_model::draft::Exclusion::BadShare(skipped)) => {
+                        self.emit(TrainerEvent::StepSkipped {
+                            generation: self.generation,
+                            delivery_ids: handed_back,
+                            reason: format!("this drafter's share was left out of step {step}: {skipped}"),
+                        })
+                    }
+                    Some(dflash_model::draft::Exclusion::StaleModel) => {
+                        self.emit(TrainerEvent::BatchFailed {
+                            generation: self.generation,
+                            delivery_ids: handed_back,
+                            reason: format!("trained on a model older than step {step}'s (this drafter healed first)"),
+                        })
+                    }
+                    None => {}
+                }
+                self.after_committed_step(step);
+            }
+            StepOutcome::NotCommitted { reason, skipped } => {
+                warn!(%reason, samples = delivery_ids.len(), "data-parallel step not committed; its items go back to the queue");
+                self.engine.discard();
+                let event = match skipped {
+                    Some(_) => TrainerEvent::StepSkipped {
+                        generation: self.generation,
+                        delivery_ids,
+                        reason: format!("optimizer step skipped: {reason}"),
+                    },
+                    None => TrainerEvent::BatchFailed {
+                        generation: self.generation,
+                        delivery_ids,
+                        reason: format!("data-parallel step not committed: {reason}"),
+                    },
+                };
+                self.emit(event);
+            }
+        }
+    }
+
+    /// After a committed data-parallel step: rank 0's snapshot to the
+    /// broker every `--snapshot-every` steps, and the periodic checkpoint.
+    fn after_committed_step(&mut self, step: u64) {
+        if let (Some(data_parallel), Some(sync), Some(trainer)) =
+            (&self.data_parallel, &mut self.sync, self.engine.trainer())
+        {
+            let every = data_parallel.snapshot_every();
+            if data_parallel.is_rank_zero() && every > 0 && step.is_multiple_of(every) {
+                let samples = trainer.progress().samples_trained;
+                sync.snapshot(trainer.model(), step, samples, false);
+            }
+        }
+        if self.settings.save_every > 0 && step.is_multiple_of(self.settings.save_every) {
+            if let Err(error) = self.save_checkpoint() {
+                warn!(%error, step, "periodic checkpoint failed; training continues");
+            }
+        }
+    }
+}
