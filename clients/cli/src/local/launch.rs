@@ -367,6 +367,12 @@ fn drafter_flags(
         _ => flags.extend(["--model".into(), "synthetic:ms_per_1k_tokens=5".into()]),
     }
     let extra_flags = split_flags(&args.drafter_args);
+    if !sets_flag(&extra_flags, "--draft-architecture") {
+        flags.extend([
+            "--draft-architecture".to_string(),
+            args.draft_architecture.clone(),
+        ]);
+    }
     if inputs.embedded_model {
         flags.extend(defaults_unless_set(TINY_DRAFTER_FLAGS, &extra_flags));
     }
