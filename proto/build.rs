@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 /// Messages of the status snapshot, which derive `serde::Serialize`.
-const STATUS_MESSAGES: [&str; 12] = [
+const STATUS_MESSAGES: [&str; 13] = [
     "dflash.v1.StatusSnapshot",
     "dflash.v1.TargetStatus",
     "dflash.v1.DrafterStatus",
@@ -18,6 +18,7 @@ const STATUS_MESSAGES: [&str; 12] = [
     "dflash.v1.DrafterSyncStatus",
     "dflash.v1.TauPoint",
     "dflash.v1.DataParallelStatus",
+    "dflash.v1.TraceExportStats",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -11,6 +11,7 @@ use crate::payload::WireItem;
 use crate::queue::{
     BrokerState, ConsumerStats, Credit, DeadLetter, DrafterSnapshot, NackDisposition, Payload,
     ProducerStats, QueueError, RunStatus, RunSummary, Snapshot, TargetSnapshot, TargetState,
+    TraceExport,
 };
 
 /// The queue's payload on the wire side is the producer's item itself,
@@ -90,6 +91,25 @@ pub fn producer_stats_from_proto(stats: proto::ProducerStats) -> ProducerStats {
         samples_done: stats.samples_done,
         samples_total: stats.samples_total,
         tokens_done: stats.tokens_done,
+        trace_export: stats.trace_export.map(trace_export_from_proto),
+    }
+}
+
+fn trace_export_from_proto(stats: proto::TraceExportStats) -> TraceExport {
+    TraceExport {
+        exported_spans: stats.exported_spans,
+        dropped_spans: stats.dropped_spans,
+        failed_spans: stats.failed_spans,
+        failing: stats.failing,
+    }
+}
+
+fn trace_export_to_proto(stats: &TraceExport) -> proto::TraceExportStats {
+    proto::TraceExportStats {
+        exported_spans: stats.exported_spans,
+        dropped_spans: stats.dropped_spans,
+        failed_spans: stats.failed_spans,
+        failing: stats.failing,
     }
 }
 
@@ -101,6 +121,7 @@ fn producer_stats_to_proto(stats: &ProducerStats) -> proto::ProducerStats {
         samples_done: stats.samples_done,
         samples_total: stats.samples_total,
         tokens_done: stats.tokens_done,
+        trace_export: stats.trace_export.as_ref().map(trace_export_to_proto),
     }
 }
 
@@ -115,6 +136,7 @@ pub fn consumer_stats_from_proto(stats: proto::ConsumerStats) -> ConsumerStats {
         accuracy: stats.accuracy,
         skipped_steps: stats.skipped_steps,
         non_finite_samples: stats.non_finite_samples,
+        trace_export: stats.trace_export.map(trace_export_from_proto),
     }
 }
 
@@ -129,6 +151,7 @@ fn consumer_stats_to_proto(stats: &ConsumerStats) -> proto::ConsumerStats {
         accuracy: stats.accuracy,
         skipped_steps: stats.skipped_steps,
         non_finite_samples: stats.non_finite_samples,
+        trace_export: stats.trace_export.as_ref().map(trace_export_to_proto),
     }
 }
 
@@ -202,6 +225,7 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
         run_id: String::new(),
         // Filled in by the service from the model-sync state.
         model_sync: None,
+        trace_export: None,
     }
 }
 

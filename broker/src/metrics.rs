@@ -615,6 +615,7 @@ mod tests {
                 samples_done: 3,
                 samples_total: 10,
                 tokens_done: 1650,
+                trace_export: None,
             },
             now,
         );
@@ -633,6 +634,7 @@ mod tests {
                 accuracy: 0.25,
                 skipped_steps: 0,
                 non_finite_samples: 0,
+                trace_export: None,
             },
             now,
         );

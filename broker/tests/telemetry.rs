@@ -163,6 +163,7 @@ async fn the_metrics_endpoint_serves_the_broker_metrics() {
             samples_done: 2,
             samples_total: 2,
             tokens_done: 8,
+            trace_export: None,
         })
         .await
         .expect("stats");

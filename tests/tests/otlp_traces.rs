@@ -139,6 +139,8 @@ struct RunTimes {
     drafters_exit_after_complete: Duration,
     /// From SIGTERM to the broker's exit.
     broker_exit_after_term: Duration,
+    /// The broker's status once every child exited.
+    final_status: proto::StatusSnapshot,
 }
 
 fn command(binary: &str, work: &Path, log: &str, otlp: Option<&str>) -> std::process::Command {
@@ -286,6 +288,7 @@ async fn run_pipeline(work: &Path, otlp: Option<&str>) -> RunTimes {
         .map(|(_, at)| *at)
         .max()
         .unwrap();
+    let final_status = client.status().await.unwrap();
     let terminated = Instant::now();
     let status = std::process::Command::new("kill")
         .args(["-TERM", &broker.0.id().to_string()])
@@ -313,7 +316,38 @@ async fn run_pipeline(work: &Path, otlp: Option<&str>) -> RunTimes {
         until_complete: complete_at - started,
         drafters_exit_after_complete: last_drafter_exit.saturating_duration_since(complete_at),
         broker_exit_after_term,
+        final_status,
     }
+}
+
+/// Whether each process reported its span export to the broker (its own
+/// status for the broker, the last stats for targets and drafters), and
+/// the names of those that reported a dropped or failed span.
+fn reported_trace_export(status: &proto::StatusSnapshot) -> (Vec<String>, Vec<String>) {
+    let mut reported = Vec::new();
+    let mut losing = Vec::new();
+    let mut note = |name: &str, stats: Option<&proto::TraceExportStats>| {
+        if let Some(stats) = stats {
+            reported.push(name.to_string());
+            if stats.dropped_spans > 0 || stats.failed_spans > 0 || stats.failing {
+                losing.push(name.to_string());
+            }
+        }
+    };
+    note("broker", status.trace_export.as_ref());
+    for target in &status.targets {
+        note(
+            &target.target_id,
+            target.stats.as_ref().and_then(|s| s.trace_export.as_ref()),
+        );
+    }
+    for drafter in &status.drafters {
+        note(
+            &drafter.drafter_id,
+            drafter.stats.as_ref().and_then(|s| s.trace_export.as_ref()),
+        );
+    }
+    (reported, losing)
 }
 
 fn named<'a>(spans: &'a [Received], name: &str) -> Vec<&'a Received> {
@@ -350,6 +384,7 @@ async fn every_span_reaches_a_real_collector_and_a_dead_one_costs_no_exit_time()
     // 1. Collector up.
     let work = tempfile::tempdir().unwrap();
     let exported = run_pipeline(work.path(), Some(&endpoint)).await;
+
     // Every process has exited, so every span it will ever send was sent:
     // nothing to wait for.
     let spans = received.lock().unwrap().clone();
@@ -367,6 +402,22 @@ async fn every_span_reaches_a_real_collector_and_a_dead_one_costs_no_exit_time()
     // A drafter that took no step has no span to send.
     let drafters_that_stepped: Vec<usize> = (0..DRAFTERS).filter(|&d| steps_of(d) > 0).collect();
     assert!(!drafters_that_stepped.is_empty());
+    // Every process told the broker about its exporter (a drafter that took
+    // a step sent stats), and none lost a span to a collector that is up:
+    // what `dflash top`'s traces line sums.
+    let (reported, losing) = reported_trace_export(&exported.final_status);
+    let mut must_report = vec!["broker".to_string(), "target-0".into(), "target-1".into()];
+    must_report.extend(drafters_that_stepped.iter().map(|d| format!("drafter-{d}")));
+    for process in &must_report {
+        assert!(
+            reported.contains(process),
+            "{process} reported no span export: {reported:?}"
+        );
+    }
+    assert!(
+        losing.is_empty(),
+        "spans lost with the collector up: {losing:?}"
+    );
     let mut expected = vec![
         ("dflash-target-server".to_string(), "target-0".to_string()),
         ("dflash-target-server".to_string(), "target-1".to_string()),
@@ -523,13 +574,27 @@ async fn every_span_reaches_a_real_collector_and_a_dead_one_costs_no_exit_time()
     // 2. No export, then 3. a collector that is down (a port just closed).
     let baseline_work = tempfile::tempdir().unwrap();
     let baseline = run_pipeline(baseline_work.path(), None).await;
+    assert_eq!(
+        reported_trace_export(&baseline.final_status).0,
+        Vec::<String>::new(),
+        "no process exports spans without an endpoint"
+    );
     let closed = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", listener.local_addr().unwrap())
     };
     let down_work = tempfile::tempdir().unwrap();
     let down = run_pipeline(down_work.path(), Some(&closed)).await;
-    eprintln!("exported: {exported:?}\nno export: {baseline:?}\ncollector down: {down:?}");
+    for (name, times) in [
+        ("exported", &exported),
+        ("no export", &baseline),
+        ("collector down", &down),
+    ] {
+        eprintln!(
+            "{name}: until COMPLETE {:?}, drafters exit after {:?}, broker exit after TERM {:?}",
+            times.until_complete, times.drafters_exit_after_complete, times.broker_exit_after_term
+        );
+    }
     eprintln!(
         "start to COMPLETE: exported {:?}, no export {:?}, collector down {:?}",
         exported.until_complete, baseline.until_complete, down.until_complete

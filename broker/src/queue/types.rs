@@ -87,6 +87,16 @@ pub struct ProducerStats {
     pub samples_done: u64,
     pub samples_total: u64,
     pub tokens_done: u64,
+    pub trace_export: Option<TraceExport>,
+}
+
+/// What a process's span exporter did (its own count, passed through).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TraceExport {
+    pub exported_spans: u64,
+    pub dropped_spans: u64,
+    pub failed_spans: u64,
+    pub failing: bool,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -100,6 +110,7 @@ pub struct ConsumerStats {
     pub accuracy: f64,
     pub skipped_steps: u64,
     pub non_finite_samples: u64,
+    pub trace_export: Option<TraceExport>,
 }
 
 /// Where the run stands, as status shows it (the wire's `BrokerState`

@@ -453,6 +453,7 @@ impl Shared {
         let mut snapshot = convert::snapshot_to_proto(&snapshot);
         snapshot.model_sync = self.model_sync.get().map(|model_sync| model_sync.status());
         snapshot.run_id = self.run_id.clone();
+        snapshot.trace_export = dflash_telemetry::trace_export_stats();
         snapshot
     }
 

@@ -239,6 +239,7 @@ pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOpt
     }
     out.push_str(&guard_lines(snapshot));
     out.push_str(&model_sync_lines(snapshot));
+    out.push_str(&trace_export_line(snapshot));
     for dead in snapshot.dead_letter_items.iter().take(5) {
         let _ = writeln!(
             out,
@@ -304,6 +305,66 @@ pub fn guard_lines(snapshot: &proto::StatusSnapshot) -> String {
         );
     }
     out
+}
+
+/// Every process's span export as the broker's status last heard of it:
+/// the broker's own, and each target's and drafter's last stats.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TraceExportTotals {
+    pub exported_spans: u64,
+    pub dropped_spans: u64,
+    pub failed_spans: u64,
+    /// Processes that report an exporter.
+    pub processes: usize,
+    /// The processes that dropped or failed spans, or whose last export failed.
+    pub losing: Vec<String>,
+}
+
+/// The sum of [`TraceExportTotals`] over `snapshot`; `None` when no
+/// process exports spans.
+pub fn trace_export_totals(snapshot: &proto::StatusSnapshot) -> Option<TraceExportTotals> {
+    let targets = snapshot.targets.iter().map(|target| {
+        let stats = target.stats.as_ref().and_then(|s| s.trace_export.as_ref());
+        (target.target_id.as_str(), stats)
+    });
+    let drafters = snapshot.drafters.iter().map(|drafter| {
+        let stats = drafter.stats.as_ref().and_then(|s| s.trace_export.as_ref());
+        (drafter.drafter_id.as_str(), stats)
+    });
+    let mut totals = TraceExportTotals::default();
+    let processes = std::iter::once(("broker", snapshot.trace_export.as_ref()))
+        .chain(targets)
+        .chain(drafters);
+    for (name, stats) in processes {
+        let Some(stats) = stats else {
+            continue;
+        };
+        totals.processes += 1;
+        totals.exported_spans += stats.exported_spans;
+        totals.dropped_spans += stats.dropped_spans;
+        totals.failed_spans += stats.failed_spans;
+        if stats.failing || stats.dropped_spans > 0 || stats.failed_spans > 0 {
+            totals.losing.push(name.to_string());
+        }
+    }
+    (totals.processes > 0).then_some(totals)
+}
+
+/// The `traces` line: [`trace_export_totals`], with the processes losing
+/// spans named (nothing when no process exports spans).
+pub fn trace_export_line(snapshot: &proto::StatusSnapshot) -> String {
+    let Some(totals) = trace_export_totals(snapshot) else {
+        return String::new();
+    };
+    let trouble = if totals.losing.is_empty() {
+        String::new()
+    } else {
+        format!("  LOSING SPANS: {}", totals.losing.join(", "))
+    };
+    format!(
+        "traces {} spans exported  {} dropped  {} failed  ({} processes){trouble}\n",
+        totals.exported_spans, totals.dropped_spans, totals.failed_spans, totals.processes,
+    )
 }
 
 /// The shared draft model: the center's version and each drafter's last
@@ -572,6 +633,34 @@ mod tests {
         assert!(
             line.contains("failed 2  dropped 1  checksum mismatches 0"),
             "{line}"
+        );
+    }
+
+    #[test]
+    fn span_export_is_summed_and_the_processes_losing_spans_named() {
+        let mut status = snapshot();
+        assert_eq!(
+            trace_export_line(&status),
+            "",
+            "nothing when no process exports"
+        );
+        status.trace_export = Some(proto::TraceExportStats {
+            exported_spans: 100,
+            ..Default::default()
+        });
+        if let Some(stats) = status.targets[0].stats.as_mut() {
+            stats.trace_export = Some(proto::TraceExportStats {
+                exported_spans: 20,
+                dropped_spans: 3,
+                ..Default::default()
+            });
+        }
+        assert_eq!(
+            trace_export_line(&status),
+            "traces 120 spans exported  3 dropped  0 failed  (2 processes)  LOSING SPANS: target-0\n"
+        );
+        assert!(
+            render(&status, "b", RenderOptions { color: false }).contains("LOSING SPANS: target-0")
         );
     }
 

@@ -162,6 +162,21 @@ pub fn span_export_counts() -> Option<SpanExportCounts> {
     PROCESS_STATS.get().map(|stats| stats.counts())
 }
 
+/// This process's span export counts as the broker's status carries them
+/// (in the target's and drafter's stats, and the broker's own snapshot):
+/// `None` when it exports no spans.
+pub fn trace_export_stats() -> Option<dflash_proto::v1::TraceExportStats> {
+    PROCESS_STATS.get().map(|stats| {
+        let counts = stats.counts();
+        dflash_proto::v1::TraceExportStats {
+            exported_spans: counts.exported,
+            dropped_spans: counts.dropped,
+            failed_spans: counts.failed,
+            failing: stats.failing(),
+        }
+    })
+}
+
 /// The text of the export metrics, empty when nothing is exported.
 pub(crate) fn process_export_metrics() -> String {
     match PROCESS_STATS.get() {

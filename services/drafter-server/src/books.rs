@@ -88,6 +88,7 @@ impl Books {
             accuracy: self.totals.last_accuracy.unwrap_or(0.0),
             skipped_steps: self.totals.skipped_steps,
             non_finite_samples: self.totals.non_finite_samples,
+            trace_export: dflash_telemetry::trace_export_stats(),
         };
         if reset_window {
             // Whole intervals only: a window just begun gives wild rates.

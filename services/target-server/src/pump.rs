@@ -176,6 +176,7 @@ impl Pump<'_> {
                 samples_done: progress.samples_done,
                 samples_total: self.samples_total,
                 tokens_done: progress.tokens,
+                trace_export: dflash_telemetry::trace_export_stats(),
             })
             .await;
     }

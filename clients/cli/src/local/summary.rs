@@ -78,6 +78,10 @@ pub struct LocalSummary {
     /// The drafters' mask token id and where it came from.
     pub mask_token_id: Option<i64>,
     pub mask_token_source: Option<String>,
+    /// Every process's span export as the broker last heard of it (each
+    /// target's and drafter's last stats; spans flushed at exit come after
+    /// them); `None` when no process exported spans.
+    pub trace_export: Option<dflash_ops::top::TraceExportTotals>,
     pub workdir: PathBuf,
     pub ok: bool,
     /// Why the run is not a success (empty when `ok`).
@@ -189,6 +193,7 @@ pub(super) fn summarize(
         tokens_per_target_forward: taus.tokens_per_target_forward,
         mask_token_id: inputs.mask_token.as_ref().map(|(id, _)| *id),
         mask_token_source: inputs.mask_token.as_ref().map(|(_, source)| source.clone()),
+        trace_export: dflash_ops::top::trace_export_totals(snapshot),
         workdir: workdir.to_path_buf(),
         ok,
         failures,
@@ -403,6 +408,20 @@ pub(super) fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out
     }
     if let Some(loss) = summary.final_loss {
         println!("  final loss (mean over drafters): {loss:.4}");
+    }
+    if let Some(traces) = &summary.trace_export {
+        println!(
+            "  traces (as last reported): {} spans exported, {} dropped, {} failed by {} processes{}",
+            traces.exported_spans,
+            traces.dropped_spans,
+            traces.failed_spans,
+            traces.processes,
+            if traces.losing.is_empty() {
+                String::new()
+            } else {
+                format!("; losing spans: {}", traces.losing.join(", "))
+            }
+        );
     }
     match (summary.acceptance_length, &summary.acceptance_length_drafter) {
         (Some(tau), Some(drafter)) => println!(

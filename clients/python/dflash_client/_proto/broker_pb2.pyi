@@ -122,20 +122,34 @@ class Item(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProducerStats(_message.Message):
-    __slots__ = ("tokens_per_second", "busy_fraction", "device", "samples_done", "samples_total", "tokens_done")
+    __slots__ = ("tokens_per_second", "busy_fraction", "device", "samples_done", "samples_total", "tokens_done", "trace_export")
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_EXPORT_FIELD_NUMBER: _ClassVar[int]
     tokens_per_second: float
     busy_fraction: float
     device: str
     samples_done: int
     samples_total: int
     tokens_done: int
-    def __init__(self, tokens_per_second: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., device: _Optional[str] = ..., samples_done: _Optional[int] = ..., samples_total: _Optional[int] = ..., tokens_done: _Optional[int] = ...) -> None: ...
+    trace_export: TraceExportStats
+    def __init__(self, tokens_per_second: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., device: _Optional[str] = ..., samples_done: _Optional[int] = ..., samples_total: _Optional[int] = ..., tokens_done: _Optional[int] = ..., trace_export: _Optional[_Union[TraceExportStats, _Mapping]] = ...) -> None: ...
+
+class TraceExportStats(_message.Message):
+    __slots__ = ("exported_spans", "dropped_spans", "failed_spans", "failing")
+    EXPORTED_SPANS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SPANS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SPANS_FIELD_NUMBER: _ClassVar[int]
+    FAILING_FIELD_NUMBER: _ClassVar[int]
+    exported_spans: int
+    dropped_spans: int
+    failed_spans: int
+    failing: bool
+    def __init__(self, exported_spans: _Optional[int] = ..., dropped_spans: _Optional[int] = ..., failed_spans: _Optional[int] = ..., failing: _Optional[bool] = ...) -> None: ...
 
 class ProduceResponse(_message.Message):
     __slots__ = ("welcome", "accepted", "rejected", "closed")
@@ -264,7 +278,7 @@ class ExtendLeases(_message.Message):
     def __init__(self, delivery_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ConsumerStats(_message.Message):
-    __slots__ = ("tokens_per_second", "loss", "busy_fraction", "device", "steps", "samples_trained", "accuracy", "skipped_steps", "non_finite_samples")
+    __slots__ = ("tokens_per_second", "loss", "busy_fraction", "device", "steps", "samples_trained", "accuracy", "skipped_steps", "non_finite_samples", "trace_export")
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +288,7 @@ class ConsumerStats(_message.Message):
     ACCURACY_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     NON_FINITE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TRACE_EXPORT_FIELD_NUMBER: _ClassVar[int]
     tokens_per_second: float
     loss: float
     busy_fraction: float
@@ -283,7 +298,8 @@ class ConsumerStats(_message.Message):
     accuracy: float
     skipped_steps: int
     non_finite_samples: int
-    def __init__(self, tokens_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., device: _Optional[str] = ..., steps: _Optional[int] = ..., samples_trained: _Optional[int] = ..., accuracy: _Optional[float] = ..., skipped_steps: _Optional[int] = ..., non_finite_samples: _Optional[int] = ...) -> None: ...
+    trace_export: TraceExportStats
+    def __init__(self, tokens_per_second: _Optional[float] = ..., loss: _Optional[float] = ..., busy_fraction: _Optional[float] = ..., device: _Optional[str] = ..., steps: _Optional[int] = ..., samples_trained: _Optional[int] = ..., accuracy: _Optional[float] = ..., skipped_steps: _Optional[int] = ..., non_finite_samples: _Optional[int] = ..., trace_export: _Optional[_Union[TraceExportStats, _Mapping]] = ...) -> None: ...
 
 class ConsumeResponse(_message.Message):
     __slots__ = ("welcome", "delivery", "end_of_stream")
@@ -433,7 +449,7 @@ class DeadLetter(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., seq: _Optional[int] = ..., deliveries: _Optional[int] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatusSnapshot(_message.Message):
-    __slots__ = ("state", "expected_targets", "done_targets", "queued_items", "queued_bytes", "leased_items", "dead_letters", "targets", "drafters", "accepted_items", "accepted_bytes", "delivered_items", "acked_items", "redelivered_items", "rejected_items", "items_per_second", "bytes_per_second", "leased_bytes", "max_queue_bytes", "abort_reason", "dead_letter_items", "uptime_ms", "summary", "accepted_items_per_second", "accepted_bytes_per_second", "run_id", "model_sync")
+    __slots__ = ("state", "expected_targets", "done_targets", "queued_items", "queued_bytes", "leased_items", "dead_letters", "targets", "drafters", "accepted_items", "accepted_bytes", "delivered_items", "acked_items", "redelivered_items", "rejected_items", "items_per_second", "bytes_per_second", "leased_bytes", "max_queue_bytes", "abort_reason", "dead_letter_items", "uptime_ms", "summary", "accepted_items_per_second", "accepted_bytes_per_second", "run_id", "model_sync", "trace_export")
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     DONE_TARGETS_FIELD_NUMBER: _ClassVar[int]
@@ -461,6 +477,7 @@ class StatusSnapshot(_message.Message):
     ACCEPTED_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SYNC_FIELD_NUMBER: _ClassVar[int]
+    TRACE_EXPORT_FIELD_NUMBER: _ClassVar[int]
     state: BrokerState
     expected_targets: int
     done_targets: int
@@ -488,7 +505,8 @@ class StatusSnapshot(_message.Message):
     accepted_bytes_per_second: float
     run_id: str
     model_sync: ModelSyncStatus
-    def __init__(self, state: _Optional[_Union[BrokerState, str]] = ..., expected_targets: _Optional[int] = ..., done_targets: _Optional[int] = ..., queued_items: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., leased_items: _Optional[int] = ..., dead_letters: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., accepted_items: _Optional[int] = ..., accepted_bytes: _Optional[int] = ..., delivered_items: _Optional[int] = ..., acked_items: _Optional[int] = ..., redelivered_items: _Optional[int] = ..., rejected_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., leased_bytes: _Optional[int] = ..., max_queue_bytes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., dead_letter_items: _Optional[_Iterable[_Union[DeadLetter, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ..., accepted_items_per_second: _Optional[float] = ..., accepted_bytes_per_second: _Optional[float] = ..., run_id: _Optional[str] = ..., model_sync: _Optional[_Union[ModelSyncStatus, _Mapping]] = ...) -> None: ...
+    trace_export: TraceExportStats
+    def __init__(self, state: _Optional[_Union[BrokerState, str]] = ..., expected_targets: _Optional[int] = ..., done_targets: _Optional[int] = ..., queued_items: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., leased_items: _Optional[int] = ..., dead_letters: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., accepted_items: _Optional[int] = ..., accepted_bytes: _Optional[int] = ..., delivered_items: _Optional[int] = ..., acked_items: _Optional[int] = ..., redelivered_items: _Optional[int] = ..., rejected_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., leased_bytes: _Optional[int] = ..., max_queue_bytes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., dead_letter_items: _Optional[_Iterable[_Union[DeadLetter, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ..., accepted_items_per_second: _Optional[float] = ..., accepted_bytes_per_second: _Optional[float] = ..., run_id: _Optional[str] = ..., model_sync: _Optional[_Union[ModelSyncStatus, _Mapping]] = ..., trace_export: _Optional[_Union[TraceExportStats, _Mapping]] = ...) -> None: ...
 
 class DrafterSyncStatus(_message.Message):
     __slots__ = ("drafter_id", "connected", "last_sync_ms_ago", "base_version", "staleness", "last_update_staleness", "updates_applied", "updates_discarded", "finished", "samples")
