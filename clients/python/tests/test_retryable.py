@@ -1,5 +1,5 @@
 """The Python client retries after the same gRPC statuses as the Rust client
-(`RETRYABLE_CODES` in crates/client/src/lib.rs; the Rust side has the mirror
+(`RETRYABLE_CODES` in crates/client/src/error.rs; the Rust side has the mirror
 of this test)."""
 
 import re
@@ -9,7 +9,7 @@ from harness import PACKAGE_ROOT
 
 
 def rust_retryable_codes():
-    source = (PACKAGE_ROOT.parent.parent / "crates" / "client" / "src" / "lib.rs").read_text()
+    source = (PACKAGE_ROOT.parent.parent / "crates" / "client" / "src" / "error.rs").read_text()
     block = re.search(r"pub const RETRYABLE_CODES: \[tonic::Code; \d+\] = \[(.*?)\];", source, re.S)
     assert block, "RETRYABLE_CODES not found in the Rust client"
     names = re.findall(r"tonic::Code::(\w+)", block.group(1))

@@ -10,8 +10,12 @@
 //!     [--anchors 64,512] [--steps 5] [--seq-len 512] [--seqs 8] \
 //!     [--attention split|fused|concatenated] [--attention-chunk 8] [--logits-chunk 32|all] \
 //!     [--checkpoint-layers] [--vocab 512] [--device cpu|cuda:N] [--dtype f32|bf16] \
-//!     [--target-dir DIR]
+//!     [--target-dir DIR] [--architecture dflash|dflash2]
 //! ```
+//!
+//! `--architecture dflash2` measures a DFlash2 step (grouped dynamic
+//! convolutions and the selector loss, speculators' defaults) on the same
+//! shapes.
 //!
 //! `--target-dir` takes the target (its shape, embeddings and LM head) from
 //! a model directory instead of the tiny one: `scripts/check-gpu.sh` passes
@@ -49,6 +53,7 @@ struct Arguments {
     kind: Kind,
     /// A target model directory to draft for, instead of the tiny target.
     target_dir: Option<std::path::PathBuf>,
+    dflash2: bool,
 }
 
 fn parse_arguments() -> anyhow::Result<Arguments> {
@@ -66,6 +71,7 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
         device: Device::Cpu,
         kind: Kind::Float,
         target_dir: None,
+        dflash2: false,
     };
     let mut attention_chunk = dflash_model::draft::DEFAULT_BLOCKS_PER_ATTENTION_CHUNK;
     let mut attention_name = "split".to_string();
@@ -104,6 +110,13 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
             }
             "--vocab" => arguments.vocab = Some(number(&value)? as i64),
             "--target-dir" => arguments.target_dir = Some(value.into()),
+            "--architecture" => {
+                arguments.dflash2 = match value.as_str() {
+                    "dflash" => false,
+                    "dflash2" => true,
+                    other => bail!("--architecture {other:?}: expected dflash or dflash2"),
+                }
+            }
             "--device" => {
                 let choice: dflash_shell::DeviceChoice =
                     value.parse().map_err(anyhow::Error::msg)?;
@@ -187,13 +200,21 @@ fn main() -> anyhow::Result<()> {
         mask_token_id: mask_token_id(&target_dir)?,
         ..DraftOptions::default()
     };
-    let config = DraftConfig::for_target(&TargetDimensions::from(&target_config), &options)?;
+    let mut config = DraftConfig::for_target(&TargetDimensions::from(&target_config), &options)?;
+    if arguments.dflash2 {
+        config = config.with_dflash2(dflash_model::draft::Dflash2Config::default())?;
+    }
     let width = config.target_hidden_width();
     let block_size = config.block_size;
     println!(
-        "drafter step: target {} (hidden {}, vocab {}), {} draft layers, block {block_size}, \
+        "drafter step ({}): target {} (hidden {}, vocab {}), {} draft layers, block {block_size}, \
          {} × {} tokens per step, {} threads, {allocator}, attention {:?}, logits chunk {:?}, \
          checkpoint layers {}, device {:?} {:?}",
+        if arguments.dflash2 {
+            "DFlash2"
+        } else {
+            "DFlash"
+        },
         if arguments.target_dir.is_some() {
             target_dir.display().to_string()
         } else {
