@@ -23,9 +23,10 @@ for _ in $(seq 50); do grep -q 'otlp sink on' "$work/sink.log" && break; sleep 0
 grep -q 'otlp sink on' "$work/sink.log" || { cat "$work/sink.log" >&2; exit 1; }
 
 one_run() { # $1: label, $2: endpoint or empty
-  local label="$1" endpoint="$2" dir="$work/$label-$3" start end cpu
+  local label="$1" endpoint="$2"
+  local dir="$work/$label-$3" cpu
   mkdir -p "$dir"
-  local -a env_args=()
+  local -a env_args=(OTEL_SDK_DISABLED=false)
   [ -n "$endpoint" ] && env_args=(OTEL_EXPORTER_OTLP_ENDPOINT="$endpoint")
   TIMEFORMAT='%U %S'
   cpu=$( { time env "${env_args[@]}" "$dflash" local --workdir "$dir" --view none \
