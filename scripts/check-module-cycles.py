@@ -39,7 +39,7 @@ class Module:
     path: tuple[str, ...]
     file: str
     children: dict[str, "Module"] = field(default_factory=dict)
-    # name -> (path segments as written, line, is_glob) for `pub use` items
+    # name -> (path segments as written, line) of every name a `use` brings in
     reexports: dict[str, tuple[list[str], int]] = field(default_factory=dict)
     globs: list[tuple[list[str], int]] = field(default_factory=list)
     # (segments, line) of every path this module names
@@ -95,6 +95,19 @@ def strip_comments_and_strings(text: str) -> str:
     return "".join(out)
 
 
+def block_end(text: str, open_brace: int) -> int:
+    """The index of the `}` that closes the `{` at `open_brace` (the text's end if none)."""
+    depth = 0
+    for k in range(open_brace, len(text)):
+        if text[k] == "{":
+            depth += 1
+        elif text[k] == "}":
+            depth -= 1
+            if depth == 0:
+                return k
+    return len(text)
+
+
 def remove_cfg_test_items(text: str) -> str:
     """Blank out items under `#[cfg(test)]` (a `mod x;` line or a braced block)."""
     out = list(text)
@@ -107,15 +120,7 @@ def remove_cfg_test_items(text: str) -> str:
         if k >= len(text):
             continue
         if text[k] == "{":
-            depth = 0
-            while k < len(text):
-                if text[k] == "{":
-                    depth += 1
-                elif text[k] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                k += 1
+            k = block_end(text, k)
         for p in range(m.start(), min(k + 1, len(text))):
             if out[p] != "\n":
                 out[p] = " "
@@ -127,19 +132,7 @@ INLINE_MOD_RE = re.compile(r"\bmod\s+[A-Za-z_][A-Za-z0-9_]*\s*\{")
 
 def inline_module_spans(text: str) -> list[tuple[int, int]]:
     """(start, end) of every inline `mod name { ... }` block."""
-    spans = []
-    for m in INLINE_MOD_RE.finditer(text):
-        depth, k = 0, m.end() - 1
-        while k < len(text):
-            if text[k] == "{":
-                depth += 1
-            elif text[k] == "}":
-                depth -= 1
-                if depth == 0:
-                    break
-            k += 1
-        spans.append((m.start(), k))
-    return spans
+    return [(m.start(), block_end(text, m.end() - 1)) for m in INLINE_MOD_RE.finditer(text)]
 
 
 def strip_inline_supers(segs: list[str], pos: int, spans: list[tuple[int, int]]) -> list[str] | None:
@@ -283,9 +276,6 @@ def resolve(start: Module, segs: list[str], root: Module, depth: int = 0) -> Mod
             return None
     elif segs[0] in start.children:
         cur = start
-    elif segs[0] in start.reexports and start.reexports[segs[0]][0][0] != segs[0]:
-        # `use x::Y;` then `Y::...`: only module-level uses matter, handled by the use itself
-        return None
     else:
         return None  # an external crate, std, or a local item
     while i < len(segs):

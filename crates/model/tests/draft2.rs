@@ -4,7 +4,6 @@
 //! decayed weights), training, and the checkpoint round trip.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use dflash_model::draft::{
     checkpoint::read_safetensors, compute_objective, load_draft_model, pack_batch,
@@ -18,27 +17,10 @@ use tch::{Device, Kind, Tensor};
 
 mod common;
 
-use common::{frozen_heads, tiny_draft_config, uniform_tensor, HIDDEN, VOCAB};
-
-/// Unit roundoff of f32.
-const UNIT_ROUNDOFF: f64 = f32::EPSILON as f64 / 2.0;
-
-/// γ_n = n·u / (1 − n·u): the relative error bound of an n-term f32 sum
-/// (Higham, Accuracy and Stability of Numerical Algorithms, §3.1).
-fn gamma(terms: i64) -> f64 {
-    let n_u = terms as f64 * UNIT_ROUNDOFF;
-    n_u / (1.0 - n_u)
-}
-
-fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/draft/golden_dflash2")
-}
-
-fn take(tensors: &mut HashMap<String, Tensor>, name: &str) -> anyhow::Result<Tensor> {
-    tensors
-        .remove(name)
-        .ok_or_else(|| anyhow::anyhow!("golden.safetensors lacks {name:?}"))
-}
+use common::{
+    dflash2_fixture_dir as fixture_dir, frozen_heads, gamma, take, tiny_draft_config,
+    uniform_tensor, HIDDEN, VOCAB,
+};
 
 fn max_abs_difference(left: &Tensor, right: &Tensor) -> f64 {
     (left - right).abs().max().double_value(&[])

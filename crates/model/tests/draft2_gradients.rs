@@ -9,34 +9,15 @@
 //! two objectives are the same up to the batch's factor Σw / N, which this
 //! test applies before comparing.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-
 use dflash_model::draft::{
     checkpoint::read_safetensors, compute_objective, load_draft_model, pack_batch,
     FrozenTargetHeads, TrainingSequence,
 };
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
-/// Unit roundoff of f32.
-const UNIT_ROUNDOFF: f64 = f32::EPSILON as f64 / 2.0;
+mod common;
 
-/// γ_n = n·u / (1 − n·u): the relative error bound of an n-term f32 sum
-/// (Higham, Accuracy and Stability of Numerical Algorithms, §3.1).
-fn gamma(terms: i64) -> f64 {
-    let n_u = terms as f64 * UNIT_ROUNDOFF;
-    n_u / (1.0 - n_u)
-}
-
-fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/draft/golden_dflash2")
-}
-
-fn take(tensors: &mut HashMap<String, Tensor>, name: &str) -> anyhow::Result<Tensor> {
-    tensors
-        .remove(name)
-        .ok_or_else(|| anyhow::anyhow!("fixture lacks {name:?}"))
-}
+use common::{dflash2_fixture_dir as fixture_dir, gamma, take};
 
 #[test]
 fn dflash2_loss_and_gradients_match_speculators_objective() -> anyhow::Result<()> {

@@ -157,11 +157,6 @@ pub(crate) fn install_process_stats(stats: Arc<SpanExportStats>) {
     let _ = PROCESS_STATS.set(stats);
 }
 
-/// This process's span export counts (`None` when it exports no spans).
-pub fn span_export_counts() -> Option<SpanExportCounts> {
-    PROCESS_STATS.get().map(|stats| stats.counts())
-}
-
 /// This process's span export counts as the broker's status carries them
 /// (in the target's and drafter's stats, and the broker's own snapshot):
 /// `None` when it exports no spans.

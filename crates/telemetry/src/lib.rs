@@ -47,8 +47,7 @@ mod resource;
 mod sample_traces;
 
 pub use export::{
-    span_export_counts, trace_export_stats, CountingExporter, CountingProcessor, SpanExportCounts,
-    SpanExportStats,
+    trace_export_stats, CountingExporter, CountingProcessor, SpanExportCounts, SpanExportStats,
 };
 pub use exposition::{Exposition, Family, MetricKind};
 pub use http::{

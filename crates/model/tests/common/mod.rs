@@ -7,6 +7,9 @@ use dflash_model::draft::{DraftConfig, FrozenTargetHeads};
 use dflash_model::layers::RopeParams;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
 use tch::Tensor;
 
 pub const VOCAB: i64 = 64;
@@ -51,4 +54,27 @@ pub fn frozen_heads(seed: u64) -> FrozenTargetHeads {
         embed_tokens: uniform_tensor(&[VOCAB, HIDDEN], 1.0, &mut generator),
         lm_head: uniform_tensor(&[VOCAB, HIDDEN], 1.0, &mut generator),
     }
+}
+
+/// Unit roundoff of f32.
+pub const UNIT_ROUNDOFF: f64 = f32::EPSILON as f64 / 2.0;
+
+/// γ_n = n·u / (1 − n·u): the relative error bound of an n-term f32 sum
+/// (Higham, Accuracy and Stability of Numerical Algorithms, §3.1).
+pub fn gamma(terms: i64) -> f64 {
+    let n_u = terms as f64 * UNIT_ROUNDOFF;
+    n_u / (1.0 - n_u)
+}
+
+/// The DFlash2 golden fixtures (`scripts/golden/draft2_golden.py` and
+/// `draft2_gradient_golden.py`).
+pub fn dflash2_fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/draft/golden_dflash2")
+}
+
+/// Takes `name` out of a fixture's tensors, naming it when it is missing.
+pub fn take(tensors: &mut HashMap<String, Tensor>, name: &str) -> anyhow::Result<Tensor> {
+    tensors
+        .remove(name)
+        .ok_or_else(|| anyhow::anyhow!("the fixture lacks {name:?}"))
 }
