@@ -59,7 +59,8 @@ impl From<QueueError> for Status {
             | QueueError::TargetFailed { .. }
             | QueueError::TargetAlreadyDone { .. }
             | QueueError::DoneCountMismatch { .. }
-            | QueueError::RunEnded { .. } => Status::failed_precondition(message),
+            | QueueError::RunEnded { .. }
+            | QueueError::StepDeliveriesNotHeld { .. } => Status::failed_precondition(message),
             QueueError::QueueFull { .. } => Status::resource_exhausted(message),
             // Retryable on purpose: a restarted drafter whose old stream the
             // broker has not seen end yet gets in once it has.

@@ -37,6 +37,10 @@
 //!   write cut short at its end is cut, other damage refuses to start),
 //!   which the writer thread appends the queue's journal entries to before
 //!   anyone is answered (retried while the disk is full).
+//! - `lighthouse`: data-parallel drafters' quorum and two-phase commit,
+//!   with the run's commit record (H) as the one truth; a step's samples
+//!   are pinned in the queue at its vote and acked in the journal entry
+//!   that records its commit.
 //! - `model_sync`: the `ModelSync` service beside the queue: the run's one
 //!   shared draft model (asynchronous local SGD with a delayed Nesterov
 //!   outer step), its arithmetic on raw buffers, and its checkpoints; a
@@ -59,6 +63,7 @@ pub mod connections;
 pub mod convert;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod lighthouse;
 pub mod metrics;
 pub mod model_sync;
 pub mod payload;

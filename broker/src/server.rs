@@ -82,10 +82,17 @@ pub async fn serve_with_metrics(
     let service = BrokerService::new(shared.clone());
     let model_sync = crate::model_sync::ModelSyncShared::start(
         config.model_sync.clone(),
+        config.lighthouse.settings(),
         config.hello_timeout,
         internal.clone(),
     )?;
     shared.set_model_sync(model_sync.clone());
+    {
+        let ledger: Arc<dyn crate::lighthouse::hub::StepLedger> = shared.clone();
+        model_sync
+            .quorum
+            .connect(Arc::downgrade(&ledger), shared.commit_record());
+    }
     model_sync.set_acked_by({
         let shared = Arc::downgrade(&shared);
         move |drafter_id: &str| shared.upgrade()?.acked_or_leased_by(drafter_id)

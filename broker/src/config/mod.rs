@@ -180,6 +180,10 @@ pub struct BrokerConfig {
     #[command(flatten)]
     pub model_sync: crate::model_sync::ModelSyncConfig,
 
+    /// Data-parallel drafters' quorum and commit (the lighthouse).
+    #[command(flatten)]
+    pub lighthouse: crate::lighthouse::config::LighthouseConfig,
+
     /// TLS, mutual TLS and the bearer token (`auth`).
     #[command(flatten)]
     pub security: crate::auth::BrokerSecurity,
@@ -215,6 +219,7 @@ impl BrokerConfig {
             tls_handshake_timeout: Duration::from_secs(10),
             hello_timeout: Duration::from_secs(30),
             model_sync: crate::model_sync::ModelSyncConfig::default(),
+            lighthouse: crate::lighthouse::config::LighthouseConfig::default(),
             security: crate::auth::BrokerSecurity::none(),
         }
     }
@@ -266,6 +271,11 @@ impl BrokerConfig {
             ("--tls-handshake-timeout", self.tls_handshake_timeout),
             ("--hello-timeout", self.hello_timeout),
         ] {
+            if value.is_zero() {
+                return Err(ConfigError::NonPositiveDuration { flag, value });
+            }
+        }
+        for (flag, value) in self.lighthouse.zero_durations() {
             if value.is_zero() {
                 return Err(ConfigError::NonPositiveDuration { flag, value });
             }

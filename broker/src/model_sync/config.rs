@@ -75,17 +75,6 @@ pub struct ModelSyncConfig {
     /// drafters update the center (4.2 GB for a 1 B-parameter drafter).
     #[arg(long, env = "DFLASH_MAX_PENDING_EVALUATIONS", default_value_t = super::evaluation::DEFAULT_MAX_PENDING_READS, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_pending_evaluations: u32,
-
-    /// Data-parallel drafters: how long a step's quorum waits for a member
-    /// of the last quorum that has not asked yet (a hung or dead drafter is
-    /// dropped after it), and a step's vote for a member that has not voted
-    /// after the first vote came.
-    #[arg(long, env = "DFLASH_QUORUM_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub quorum_timeout: Duration,
-
-    /// Data-parallel drafters: the fewest members a step is taken with.
-    #[arg(long, env = "DFLASH_QUORUM_MIN_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    pub quorum_min_size: u32,
 }
 
 impl Default for ModelSyncConfig {
@@ -103,8 +92,6 @@ impl Default for ModelSyncConfig {
             outer_staleness_scaling: outer.staleness_scaling,
             model_config: None,
             max_pending_evaluations: super::evaluation::DEFAULT_MAX_PENDING_READS,
-            quorum_timeout: Duration::from_secs(30),
-            quorum_min_size: 1,
         }
     }
 }
@@ -118,14 +105,6 @@ impl ModelSyncConfig {
             max_staleness: self.sync_max_staleness,
             max_delta_norm_ratio: self.max_delta_norm_ratio,
             staleness_scaling: self.outer_staleness_scaling,
-        }
-    }
-
-    pub fn quorum_settings(&self) -> super::quorum::QuorumSettings {
-        super::quorum::QuorumSettings {
-            timeout: self.quorum_timeout,
-            min_size: self.quorum_min_size as usize,
-            idle_wait: super::quorum::QuorumSettings::default().idle_wait,
         }
     }
 
@@ -148,12 +127,6 @@ impl ModelSyncConfig {
             return Err(ConfigError::Parse(format!(
                 "--max-delta-norm-ratio must be 0 (no bound) or a finite ratio above 1, got {ratio}"
             )));
-        }
-        if self.quorum_timeout.is_zero() {
-            return Err(ConfigError::NonPositiveDuration {
-                flag: "--quorum-timeout",
-                value: self.quorum_timeout,
-            });
         }
         if self.model_final_sync_timeout.is_zero() {
             return Err(ConfigError::NonPositiveDuration {

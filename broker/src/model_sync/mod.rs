@@ -29,9 +29,6 @@
 //!   center versions kept for it between an evaluator's read
 //!   (`ReadCenter`, read-only: no session, no effect on the run) and its
 //!   report (`ReportTau`).
-//! - `quorum`: the lighthouse of data-parallel drafters (the default):
-//!   which drafters take each optimizer step and whether it commits; the
-//!   gradients never pass through the broker.
 //! - `service`: the tonic adapter (shared state, sessions, replies), with
 //!   `service::center_writer`, the background task that writes the center,
 //!   and `service::evaluation`, the evaluator's two RPCs and the write of
@@ -42,7 +39,6 @@ pub mod center;
 pub mod checkpoint;
 pub mod config;
 pub mod evaluation;
-pub mod quorum;
 pub mod service;
 
 #[cfg(test)]

@@ -11,9 +11,7 @@
 
 mod center_writer;
 mod evaluation;
-mod quorum;
 
-pub use quorum::QuorumHub;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,8 +84,8 @@ pub struct ModelSyncShared {
     /// center's write included), so two reports never race for the best.
     report_lock: tokio::sync::Mutex<()>,
     /// Data-parallel drafters' lighthouse: each step's quorum and commit
-    /// vote ([`crate::model_sync::quorum`]). Its own lock.
-    pub quorum: QuorumHub,
+    /// vote ([`crate::lighthouse`]). Its own lock.
+    pub quorum: Arc<crate::lighthouse::hub::LighthouseHub>,
 }
 
 /// Items acked by a drafter id, as the queue counts them.
@@ -98,6 +96,7 @@ impl ModelSyncShared {
     /// when a center was written there before.
     pub fn start(
         config: ModelSyncConfig,
+        lighthouse: crate::lighthouse::LighthouseSettings,
         hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
@@ -126,7 +125,7 @@ impl ModelSyncShared {
         }
         info!(method = %settings.describe(), output = ?config.model_output, "model sync ready");
         let evaluations = Evaluations::new(config.max_pending_evaluations);
-        let quorum = QuorumHub::new(config.quorum_settings());
+        let quorum = Arc::new(crate::lighthouse::hub::LighthouseHub::new(lighthouse));
         Ok(Arc::new(ModelSyncShared {
             state: Mutex::new(state),
             config,
@@ -224,14 +223,14 @@ impl ModelSync for ModelSyncService {
         &self,
         request: Request<proto::QuorumRequest>,
     ) -> Result<Response<proto::QuorumResponse>, Status> {
-        quorum::quorum(&self.shared.quorum, &self.shared.shutdown, request).await
+        crate::lighthouse::rpc::quorum(&self.shared.quorum, &self.shared.shutdown, request).await
     }
 
     async fn commit(
         &self,
         request: Request<proto::CommitVote>,
     ) -> Result<Response<proto::CommitDecision>, Status> {
-        quorum::commit(&self.shared.quorum, &self.shared.shutdown, request).await
+        crate::lighthouse::rpc::commit(&self.shared.quorum, &self.shared.shutdown, request).await
     }
 
     async fn session(

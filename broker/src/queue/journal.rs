@@ -93,6 +93,7 @@ impl<P: Payload> Queue<P> {
         queue.acked_bytes = recovered.acked_bytes;
         queue.dead_letters = recovered.dead_letters;
         queue.dead_letter_count = recovered.dead_letter_count;
+        queue.commit_record = recovered.commit_record;
         if let Some(reason) = recovered.aborted {
             queue.abort_reason = reason;
             queue.state = BrokerState::Aborted;
@@ -123,6 +124,12 @@ impl<P: Payload> Queue<P> {
                     _ => None,
                 },
             }));
+        }
+        if let Some(record) = self.commit_record {
+            entries.push(JournalEntry::StepCommitted {
+                record,
+                acked: Vec::new(),
+            });
         }
         entries.push(JournalEntry::SnapshotCounters {
             acked_items: self.acked_items,

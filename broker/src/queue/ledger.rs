@@ -289,7 +289,7 @@ impl<P: Payload> Queue<P> {
         if !all_finished {
             return;
         }
-        if self.queue.is_empty() && self.leases.is_empty() {
+        if self.queue.is_empty() && self.leases.is_empty() && self.pinned.is_empty() {
             tracing::info!(
                 accepted = self.accepted_items,
                 acked = self.acked_items,

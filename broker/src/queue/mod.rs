@@ -52,6 +52,7 @@ mod rate;
 mod recovery;
 mod snapshot;
 mod status;
+mod steps;
 #[cfg(test)]
 pub(crate) mod tests;
 mod types;
@@ -162,6 +163,11 @@ pub struct Queue<P: Payload> {
     /// look at the leases that are due, not at every lease under the lock.
     lease_deadlines: BTreeSet<(Instant, DeliveryId)>,
     leased_bytes: u64,
+    /// Items pinned to data-parallel vote rounds (`steps`), by round.
+    pinned: BTreeMap<StepRound, Vec<steps::PinnedItem>>,
+    pinned_bytes: u64,
+    /// The run's data-parallel commit record (H), committed or restored.
+    commit_record: Option<CommitRecord>,
     dead_letters: Vec<DeadLetter>,
     dead_letter_count: u64,
     accepted_items: u64,
@@ -220,12 +226,29 @@ impl<P: Payload> Queue<P> {
             accepted_rate: RateMeter::new(Duration::from_secs(10), now),
             effects: Vec::new(),
             new_deadline: None,
+            pinned: BTreeMap::new(),
+            pinned_bytes: 0,
+            commit_record: None,
             journal: None,
         }
     }
 
     pub fn state(&self) -> BrokerState {
         self.state
+    }
+
+    /// Closes a consumer stream (as [`Queue::close_consumer`]) and says
+    /// which drafter it was when that drafter has no stream left: it is no
+    /// longer live for the lighthouse.
+    pub fn close_consumer_of(&mut self, connection: ConnectionId, now: Instant) -> Option<String> {
+        let drafter_id = self.consumer_connections.get(&connection).cloned();
+        self.close_consumer(connection, now);
+        let drafter_id = drafter_id?;
+        let connected = self
+            .drafters
+            .get(&drafter_id)
+            .is_some_and(|entry| entry.connection.is_some());
+        (!connected).then_some(drafter_id)
     }
 
     /// Items `drafter_id` has acked plus those it holds leased: the bound on
@@ -253,7 +276,7 @@ impl<P: Payload> Queue<P> {
 
     /// Bytes held in memory: queued plus leased.
     pub fn held_bytes(&self) -> u64 {
-        self.queued_bytes + self.leased_bytes
+        self.queued_bytes + self.leased_bytes + self.pinned_bytes
     }
 
     /// Whether this delivery is still an open lease (not acked, expired or returned).

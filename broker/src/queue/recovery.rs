@@ -108,6 +108,14 @@ pub enum JournalEntry<P> {
     },
     /// A listed dead letter at a snapshot (status shows them).
     SnapshotDeadLetter(DeadLetter),
+    /// A data-parallel step committed: `record` is the run's H from now on
+    /// and its samples (target, seq) are acked, in one entry so that a
+    /// crash keeps both or neither. A snapshot restates the record with no
+    /// samples.
+    StepCommitted {
+        record: CommitRecord,
+        acked: Vec<(Arc<str>, u64)>,
+    },
 }
 
 /// A target's books, as a snapshot restates them.
@@ -175,6 +183,8 @@ pub struct Recovered<P> {
     pub dead_letters: Vec<DeadLetter>,
     pub dead_letter_count: u64,
     pub aborted: Option<String>,
+    /// The run's data-parallel commit record (H), if a step committed.
+    pub commit_record: Option<CommitRecord>,
     /// Inside a snapshot, `Accepted` entries restore items without
     /// counting them again (their target snapshot counted them).
     pub(super) in_snapshot: bool,
@@ -193,6 +203,7 @@ impl<P> Default for Recovered<P> {
             dead_letters: Vec::new(),
             dead_letter_count: 0,
             aborted: None,
+            commit_record: None,
             in_snapshot: false,
         }
     }
@@ -248,6 +259,13 @@ impl<P: Payload> Recovered<P> {
             .map(|(_, _, payload)| (deliveries, payload))
     }
 
+    fn apply_acked(&mut self, target_id: Arc<str>, seq: u64) {
+        if let Some((_, payload)) = self.remove_item(target_id, seq) {
+            self.acked_items += 1;
+            self.acked_bytes += payload.size_bytes();
+        }
+    }
+
     /// Folds one entry into the state.
     pub fn apply(&mut self, entry: JournalEntry<P>) {
         match entry {
@@ -263,11 +281,12 @@ impl<P: Payload> Recovered<P> {
                 seq,
                 payload,
             } => self.apply_accepted(target_id, seq, payload),
-            JournalEntry::Acked { target_id, seq } => {
-                if let Some((_, payload)) = self.remove_item(target_id, seq) {
-                    self.acked_items += 1;
-                    self.acked_bytes += payload.size_bytes();
+            JournalEntry::Acked { target_id, seq } => self.apply_acked(target_id, seq),
+            JournalEntry::StepCommitted { record, acked } => {
+                for (target_id, seq) in acked {
+                    self.apply_acked(target_id, seq);
                 }
+                self.commit_record = Some(record);
             }
             JournalEntry::DeadLettered {
                 target_id,

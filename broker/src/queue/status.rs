@@ -105,16 +105,32 @@ impl<P: Payload> Queue<P> {
     pub fn check_invariants(&self) -> Result<(), String> {
         let queued: u64 = self.queue.len() as u64;
         let leased: u64 = self.leases.len() as u64;
-        if queued + leased + self.acked_items + self.dead_letter_count != self.accepted_items {
+        let pinned = self.pinned_items() as u64;
+        if queued + leased + pinned + self.acked_items + self.dead_letter_count
+            != self.accepted_items
+        {
             return Err(format!(
-                "accounting: queued {queued} + leased {leased} + acked {} + dead {} != accepted {}",
+                "accounting: queued {queued} + leased {leased} + pinned {pinned} + acked {} + dead {} != accepted {}",
                 self.acked_items, self.dead_letter_count, self.accepted_items
             ));
         }
-        if self.items.len() as u64 != queued + leased {
+        if self.items.len() as u64 != queued + leased + pinned {
             return Err(format!(
-                "{} stored items, {queued} queued + {leased} leased",
+                "{} stored items, {queued} queued + {leased} leased + {pinned} pinned",
                 self.items.len()
+            ));
+        }
+        let pinned_bytes: u64 = self
+            .pinned
+            .values()
+            .flatten()
+            .filter_map(|pinned| self.items.get(&pinned.item_id))
+            .map(|item| item.bytes)
+            .sum();
+        if pinned_bytes != self.pinned_bytes {
+            return Err(format!(
+                "pinned bytes {} != sum {pinned_bytes}",
+                self.pinned_bytes
             ));
         }
         let queued_bytes: u64 = self
@@ -140,9 +156,10 @@ impl<P: Payload> Queue<P> {
         let mut leased_items: Vec<ItemId> =
             self.leases.values().map(|lease| lease.item_id).collect();
         leased_items.extend(self.queue.iter().copied());
+        leased_items.extend(self.pinned.values().flatten().map(|pinned| pinned.item_id));
         leased_items.sort_unstable();
         if leased_items.windows(2).any(|pair| pair[0] == pair[1]) {
-            return Err("an item is queued or leased twice".to_string());
+            return Err("an item is queued, leased or pinned twice".to_string());
         }
         for (drafter_id, entry) in &self.drafters {
             for delivery_id in &entry.leases {
@@ -156,7 +173,7 @@ impl<P: Payload> Queue<P> {
                 }
             }
         }
-        if self.state == BrokerState::Complete && (queued > 0 || leased > 0) {
+        if self.state == BrokerState::Complete && (queued > 0 || leased > 0 || pinned > 0) {
             return Err("complete with items outstanding".to_string());
         }
         let rejected_by_reason: u64 = self.rejected_by_reason.values().sum();

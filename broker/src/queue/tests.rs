@@ -29,14 +29,14 @@ pub(crate) fn config(expected_targets: u32) -> QueueConfig {
 }
 
 /// A queue for one target, `target-0`, whose Produce stream is open.
-fn one_target(now: Instant) -> (Queue<TestPayload>, ConnectionId) {
+pub(crate) fn one_target(now: Instant) -> (Queue<TestPayload>, ConnectionId) {
     let mut queue = Queue::new(config(1), now);
     let producer = queue.open_producer("target-0", now).unwrap().connection;
     (queue, producer)
 }
 
 /// Accepts items `seqs` of 10 bytes from `producer`.
-fn accept_all(
+pub(crate) fn accept_all(
     queue: &mut Queue<TestPayload>,
     producer: ConnectionId,
     seqs: std::ops::Range<u64>,
@@ -54,12 +54,12 @@ fn current_epoch(queue: &Queue<TestPayload>, target_id: &str) -> u64 {
     queue.targets.get(target_id).map_or(0, |entry| entry.epoch)
 }
 
-fn credit(items: u32) -> Credit {
+pub(crate) fn credit(items: u32) -> Credit {
     Credit { items, bytes: 0 }
 }
 
 /// Splits effects into deliveries (connection, delivery id, seq) and ended consumers.
-fn deliveries(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, DeliveryId, u64)> {
+pub(crate) fn deliveries(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, DeliveryId, u64)> {
     effects
         .iter()
         .filter_map(|effect| match effect {
@@ -72,7 +72,7 @@ fn deliveries(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, DeliveryId,
         .collect()
 }
 
-fn ended(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, RunStatus)> {
+pub(crate) fn ended(effects: &[Effect<TestPayload>]) -> Vec<(ConnectionId, RunStatus)> {
     effects
         .iter()
         .filter_map(|effect| match effect {

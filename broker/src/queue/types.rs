@@ -232,6 +232,11 @@ pub enum QueueError {
     StaleConnection { connection: ConnectionId },
     #[error("the run has ended ({state:?}): {reason}")]
     RunEnded { state: BrokerState, reason: String },
+    #[error("drafter {drafter_id:?} does not hold deliveries {delivery_ids} (their leases ended: the stream closed or they expired), so they cannot join its step's vote")]
+    StepDeliveriesNotHeld {
+        drafter_id: String,
+        delivery_ids: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -263,3 +268,39 @@ pub struct AckOutcome {
     /// ignored, so an item is never acked twice.
     pub stale: u32,
 }
+
+/// The run's commit record: the highest committed step `step` (H) and the
+/// commit that made it (the lighthouse instance and the quorum that
+/// decided it). A drafter holds H when it applied exactly that commit; two
+/// models at the same step with different records are two histories.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct CommitRecord {
+    pub step: u64,
+    pub instance: u64,
+    pub quorum_id: u64,
+}
+
+impl CommitRecord {
+    /// Step 0: every model before its first step.
+    pub const GENESIS: CommitRecord = CommitRecord {
+        step: 0,
+        instance: 0,
+        quorum_id: 0,
+    };
+}
+
+impl std::fmt::Display for CommitRecord {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == CommitRecord::GENESIS {
+            return formatter.write_str("step 0 (genesis)");
+        }
+        write!(
+            formatter,
+            "step {} (lighthouse {:016x}, quorum {})",
+            self.step, self.instance, self.quorum_id
+        )
+    }
+}
+
+/// A data-parallel step's vote round: (quorum id, step).
+pub type StepRound = (u64, u64);

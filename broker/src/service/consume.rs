@@ -183,9 +183,10 @@ impl BrokerService {
                 }
             }
         }
-        shared.with_queue(|locked, now| {
+        let gone = shared.with_queue(|locked, now| {
             locked.consumer_outboxes.remove(&connection);
-            locked.queue.close_consumer(connection, now);
+            locked.queue.close_consumer_of(connection, now)
         });
+        shared.drafter_gone(gone);
     }
 }

@@ -46,6 +46,7 @@ mod consume_out;
 mod outbox;
 mod produce;
 mod shared;
+mod steps;
 
 pub use consume_out::ConsumeOut;
 use shared::Outgoing;
@@ -74,16 +75,18 @@ struct ConnectionGuard {
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
         let connection = self.connection;
-        self.shared.with_queue(|locked, now| match self.kind {
+        let gone = self.shared.with_queue(|locked, now| match self.kind {
             StreamKind::Producer => {
                 locked.remove_producer_outbox(connection);
                 locked.queue.close_producer(connection, now);
+                None
             }
             StreamKind::Consumer => {
                 locked.consumer_outboxes.remove(&connection);
-                locked.queue.close_consumer(connection, now);
+                locked.queue.close_consumer_of(connection, now)
             }
         });
+        self.shared.drafter_gone(gone);
     }
 }
 

@@ -399,6 +399,20 @@ impl Shared {
         }
     }
 
+    /// A drafter's last Consume stream ended: the lighthouse stops waiting
+    /// for it (called outside the queue's lock: the lighthouse's lock
+    /// comes first).
+    pub(super) fn drafter_gone(&self, drafter_id: Option<String>) {
+        if let (Some(drafter_id), Some(model_sync)) = (drafter_id, self.model_sync.get()) {
+            model_sync.quorum.member_gone(&drafter_id);
+        }
+    }
+
+    /// The data-parallel commit record the write-ahead log restored.
+    pub(crate) fn commit_record(&self) -> Option<crate::queue::CommitRecord> {
+        self.locked.lock().queue.commit_record()
+    }
+
     pub(crate) fn set_model_sync(&self, model_sync: Arc<crate::model_sync::ModelSyncShared>) {
         let _ = self.model_sync.set(model_sync);
     }

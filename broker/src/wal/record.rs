@@ -7,7 +7,7 @@
 use std::io::{Read, Write};
 use std::sync::Arc;
 
-use crate::queue::{DeadLetter, JournalEntry, Payload, TargetBooks};
+use crate::queue::{CommitRecord, DeadLetter, JournalEntry, Payload, TargetBooks};
 
 /// A payload the log can store.
 pub trait DurablePayload: Payload + Sized {
@@ -35,6 +35,7 @@ const KIND_SNAPSHOT_TARGET: u8 = 10;
 const KIND_SNAPSHOT_COUNTERS: u8 = 11;
 const KIND_SNAPSHOT_DEAD_LETTER: u8 = 12;
 const KIND_DELIVERED: u8 = 13;
+const KIND_STEP_COMMITTED: u8 = 14;
 
 /// Writes one frame; the bytes written.
 pub(super) fn write_frame<P: DurablePayload>(
@@ -222,6 +223,17 @@ fn encode_entry<P: DurablePayload>(
                 body.u64(*value);
             }
         }
+        JournalEntry::StepCommitted { record, acked } => {
+            body.u8(KIND_STEP_COMMITTED);
+            for value in [record.step, record.instance, record.quorum_id] {
+                body.u64(value);
+            }
+            body.u64(acked.len() as u64);
+            for (target_id, seq) in acked {
+                body.str(target_id);
+                body.u64(*seq);
+            }
+        }
         JournalEntry::SnapshotDeadLetter(dead_letter) => {
             body.item(
                 KIND_SNAPSHOT_DEAD_LETTER,
@@ -356,6 +368,27 @@ fn decode_entry<P: DurablePayload>(body: &[u8]) -> Result<JournalEntry<P>, Strin
             reason: decoder.string()?,
             bytes: decoder.u64()?,
         }),
+        KIND_STEP_COMMITTED => {
+            let record = CommitRecord {
+                step: decoder.u64()?,
+                instance: decoder.u64()?,
+                quorum_id: decoder.u64()?,
+            };
+            let count = decoder.u64()?;
+            // Each sample takes at least 16 bytes: a count beyond that is
+            // corruption, refused before anything is allocated.
+            if count > (decoder.bytes.len() / 16) as u64 {
+                return Err(format!(
+                    "step record lists {count} samples in {} bytes",
+                    decoder.bytes.len()
+                ));
+            }
+            let mut acked = Vec::with_capacity(count as usize);
+            for _ in 0..count {
+                acked.push((decoder.target()?, decoder.u64()?));
+            }
+            JournalEntry::StepCommitted { record, acked }
+        }
         kind => return Err(format!("unknown record kind {kind}")),
     };
     if !decoder.bytes.is_empty() {

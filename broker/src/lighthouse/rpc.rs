@@ -1,0 +1,225 @@
+//! `ModelSync.Quorum` and `ModelSync.Commit`: proto ↔ lighthouse types,
+//! the caller's role, and bad input refused naming the value.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dflash_proto::v1 as proto;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use super::hub::{LighthouseHub, StepSamples};
+use super::{CommitRecord, Outcome, QuorumAnswer, QuorumAsk, Vote};
+
+/// Longest `collective_timeout_ms` an ask may carry (a day): beyond it a
+/// dead member would hold a quorum for ever.
+const MAX_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+fn checked_drafter(
+    principal: &crate::roles::Principal,
+    drafter_id: &str,
+    action: &str,
+) -> Result<(), Status> {
+    if drafter_id.is_empty() {
+        return Err(Status::invalid_argument("drafter_id is empty"));
+    }
+    crate::roles::validate_id("drafter_id", drafter_id)?;
+    principal.authorize(crate::roles::Role::Drafter, drafter_id, action)
+}
+
+fn record_from_proto(record: Option<proto::CommitRecord>) -> CommitRecord {
+    record.map_or(CommitRecord::GENESIS, |record| CommitRecord {
+        step: record.step,
+        instance: record.instance,
+        quorum_id: record.quorum_id,
+    })
+}
+
+fn record_to_proto(record: CommitRecord) -> proto::CommitRecord {
+    proto::CommitRecord {
+        step: record.step,
+        instance: record.instance,
+        quorum_id: record.quorum_id,
+    }
+}
+
+/// The ask a request makes, or why it is refused.
+fn ask_from_proto(request: proto::QuorumRequest) -> Result<QuorumAsk, Status> {
+    if !request.leaving {
+        check_store_address(&request.store_address)?;
+    }
+    let committed = record_from_proto(request.committed);
+    if committed.step != request.step {
+        return Err(Status::invalid_argument(format!(
+            "committed.step {} differs from step {}: send the commit the model last applied",
+            committed.step, request.step
+        )));
+    }
+    let collective_timeout = Duration::from_millis(request.collective_timeout_ms);
+    if !request.leaving && (collective_timeout.is_zero() || collective_timeout > MAX_COLLECTIVE_TIMEOUT) {
+        return Err(Status::invalid_argument(format!(
+            "collective_timeout_ms {} is not in 1..={}",
+            request.collective_timeout_ms,
+            MAX_COLLECTIVE_TIMEOUT.as_millis()
+        )));
+    }
+    Ok(QuorumAsk {
+        drafter_id: request.drafter_id,
+        store_address: request.store_address,
+        committed,
+        state_checksum: request.state_checksum,
+        samples_ready: request.samples_ready,
+        leaving: request.leaving,
+        collective_timeout,
+    })
+}
+
+/// `ModelSync.Quorum`.
+pub async fn quorum(
+    hub: &Arc<LighthouseHub>,
+    shutdown: &CancellationToken,
+    request: Request<proto::QuorumRequest>,
+) -> Result<Response<proto::QuorumResponse>, Status> {
+    let principal = crate::roles::Principal::of(request.extensions());
+    let request = request.into_inner();
+    checked_drafter(&principal, &request.drafter_id, "ModelSync.Quorum")?;
+    let drafter_id = request.drafter_id.clone();
+    let ask = ask_from_proto(request)?;
+    let answer = hub.ask(ask, shutdown).await?;
+    let response = match answer {
+        QuorumAnswer::Formed(formed) => {
+            let rank = formed.rank_of(&drafter_id).ok_or_else(|| {
+                Status::internal(format!(
+                    "quorum {} answered to {drafter_id} which is not one of its members",
+                    formed.quorum_id
+                ))
+            })?;
+            proto::QuorumResponse {
+                quorum_id: formed.quorum_id,
+                rank: rank as u32,
+                world_size: formed.members.len() as u32,
+                members: formed.members.clone(),
+                store_address: formed.store_address.clone(),
+                store_prefix: formed.store_prefix(),
+                step: formed.step,
+                heal: formed.heal,
+                heal_reason: formed.heal_reason.clone(),
+                instance: formed.instance,
+                nonce: formed.nonce,
+                record: Some(record_to_proto(formed.record)),
+            }
+        }
+        QuorumAnswer::Idle | QuorumAnswer::Left => proto::QuorumResponse::default(),
+    };
+    Ok(Response::new(response))
+}
+
+/// `ModelSync.Commit`: a vote, or its retry to fetch the decision.
+pub async fn commit(
+    hub: &Arc<LighthouseHub>,
+    shutdown: &CancellationToken,
+    request: Request<proto::CommitVote>,
+) -> Result<Response<proto::CommitDecision>, Status> {
+    let principal = crate::roles::Principal::of(request.extensions());
+    let request = request.into_inner();
+    checked_drafter(&principal, &request.drafter_id, "ModelSync.Commit")?;
+    let mut delivery_ids = request.delivery_ids;
+    let listed = delivery_ids.len();
+    delivery_ids.sort_unstable();
+    delivery_ids.dedup();
+    if delivery_ids.len() != listed {
+        return Err(Status::invalid_argument(format!(
+            "delivery_ids lists {} ids twice",
+            listed - delivery_ids.len()
+        )));
+    }
+    let vote = Vote {
+        drafter_id: request.drafter_id,
+        instance: request.instance,
+        quorum_id: request.quorum_id,
+        step: request.step,
+        nonce: request.nonce,
+        ok: request.ok,
+        reason: request.reason,
+    };
+    let samples = StepSamples {
+        delivery_ids,
+        charge_on_abort: request.charge_on_abort && !request.ok,
+    };
+    let decision = hub.vote(vote, samples, shutdown).await?;
+    let outcome = match decision.outcome {
+        Outcome::Commit => proto::StepOutcome::Commit,
+        Outcome::Abort => proto::StepOutcome::Abort,
+        Outcome::Unknown => proto::StepOutcome::Unknown,
+    };
+    Ok(Response::new(proto::CommitDecision {
+        commit: decision.outcome == Outcome::Commit,
+        reason: decision.reason,
+        outcome: outcome as i32,
+        record: decision.record.map(record_to_proto),
+    }))
+}
+
+/// A store address is `host:port` with a port in 1..=65535.
+fn check_store_address(address: &str) -> Result<(), Status> {
+    let bad = || {
+        Status::invalid_argument(format!(
+            "store_address {address:?} is not host:port with a port in 1..=65535"
+        ))
+    };
+    let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || host.len() > 253 {
+        return Err(bad());
+    }
+    match port.parse::<u16>() {
+        Ok(port) if port > 0 => Ok(()),
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_addresses_are_host_and_port() {
+        assert!(check_store_address("10.0.0.7:29500").is_ok());
+        assert!(check_store_address("drafter-3.dflash:1").is_ok());
+        for bad in ["", "host", ":80", "host:0", "host:65536", "host:x"] {
+            let status = check_store_address(bad).unwrap_err();
+            assert!(status.message().contains(&format!("{bad:?}")), "{status:?}");
+        }
+    }
+
+    fn request() -> proto::QuorumRequest {
+        proto::QuorumRequest {
+            drafter_id: "d0".to_string(),
+            store_address: "127.0.0.1:29500".to_string(),
+            step: 3,
+            committed: Some(proto::CommitRecord {
+                step: 3,
+                instance: 9,
+                quorum_id: 2,
+            }),
+            collective_timeout_ms: 60_000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn asks_with_bad_values_are_refused_naming_them() {
+        assert!(ask_from_proto(request()).is_ok());
+        let mismatched = proto::QuorumRequest {
+            step: 4,
+            ..request()
+        };
+        let status = ask_from_proto(mismatched).unwrap_err();
+        assert!(status.message().contains("committed.step 3 differs from step 4"), "{status:?}");
+        let no_timeout = proto::QuorumRequest {
+            collective_timeout_ms: 0,
+            ..request()
+        };
+        let status = ask_from_proto(no_timeout).unwrap_err();
+        assert!(status.message().contains("collective_timeout_ms 0"), "{status:?}");
+    }
+}
