@@ -806,6 +806,7 @@ async fn only_a_drafter_asks_for_a_quorum_or_votes_and_only_as_itself() {
         drafter_id: drafter_id.to_string(),
         store_address: "127.0.0.1:29500".to_string(),
         samples_ready: 4,
+        collective_timeout_ms: 5_000,
         ..Default::default()
     };
     let vote = |drafter_id: &str| proto::CommitVote {
@@ -869,11 +870,15 @@ async fn only_a_drafter_asks_for_a_quorum_or_votes_and_only_as_itself() {
         .commit(proto::CommitVote {
             quorum_id: formed.quorum_id,
             step: formed.step,
+            instance: formed.instance,
+            nonce: formed.nonce,
             ..vote("drafter-0")
         })
         .await
         .unwrap()
         .into_inner();
     assert!(decision.commit, "{decision:?}");
+    assert_eq!(decision.outcome(), proto::StepOutcome::Commit);
+    assert_eq!(decision.record.map(|record| record.step), Some(1));
     broker.stop().await;
 }

@@ -137,7 +137,7 @@ fn three_members_commit_steps_and_keep_one_quorum_id() {
     assert_eq!(next.step, 1);
     assert_eq!(next.quorum_id, formed.quorum_id);
     assert_ne!(next.nonce, formed.nonce, "each formation is its own round");
-    assert_ne!(next.store_prefix(), formed.store_prefix());
+    assert_eq!(next.store_prefix(), formed.store_prefix(), "the same members keep their group");
     assert_eq!(lighthouse.counters.steps_committed, 1);
 }
 

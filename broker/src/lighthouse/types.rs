@@ -90,14 +90,12 @@ pub struct Formed {
 
 impl Formed {
     /// The key prefix of this quorum's process group in rank 0's store:
-    /// unique per lighthouse instance, quorum and formation, so a group
-    /// never meets another's keys in a store that outlived a broker
-    /// restart.
+    /// unique per lighthouse instance and quorum id (a new id at every
+    /// change of members or failed step), so a group never meets another's
+    /// keys in a store that outlived a broker restart, and the same members
+    /// keep their group from step to step.
     pub fn store_prefix(&self) -> String {
-        format!(
-            "dflash/{:016x}/quorum-{}/{:016x}",
-            self.instance, self.quorum_id, self.nonce
-        )
+        format!("dflash/{:016x}/quorum-{}", self.instance, self.quorum_id)
     }
 
     pub fn rank_of(&self, drafter_id: &str) -> Option<usize> {

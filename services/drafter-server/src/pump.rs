@@ -528,6 +528,16 @@ impl Pump {
                 delivery_ids,
                 reason,
             } => self.requeue(handle, generation, delivery_ids, reason),
+            TrainerEvent::Settled {
+                generation,
+                delivery_ids,
+            } => {
+                if generation == self.generation {
+                    for delivery_id in delivery_ids {
+                        self.held.remove(&delivery_id);
+                    }
+                }
+            }
             TrainerEvent::CheckpointSaved { step, path } => {
                 self.books.last_checkpoint = Some(path);
                 self.books.steps_done = self.books.steps_done.max(step);

@@ -104,6 +104,13 @@ pub enum TrainerEvent {
         delivery_ids: Vec<u64>,
         reason: String,
     },
+    /// Data parallelism: the broker settled these deliveries with the
+    /// step's decision (acked with a commit, or returned by an abort): the
+    /// drafter lets them go without an ack or a nack.
+    Settled {
+        generation: u64,
+        delivery_ids: Vec<u64>,
+    },
     CheckpointSaved {
         step: u64,
         path: PathBuf,

@@ -105,7 +105,7 @@ fn run_member(
             accumulate(&mut engine, &share_of(samples));
         }
         let trainer = engine.trainer_mut().expect("a trainer");
-        match member.step(trainer) {
+        match member.step(trainer, &[]) {
             StepOutcome::Committed { report, excluded } => {
                 assert!(excluded.is_none(), "step {step}: left out: {excluded:?}");
                 assert_eq!(report.step, step as u64 + 1);

@@ -2,77 +2,59 @@
 //! drafter trains its share of every optimizer step, the members all-reduce
 //! their gradients over PyTorch's c10d (Gloo on CPUs; `dflash-collective`),
 //! and every member takes the same AdamW step, so weights and optimizer
-//! state are identical on every member. The broker is only the lighthouse
+//! state are identical on every member. The broker is the lighthouse
 //! (`ModelSync.Quorum`, `ModelSync.Commit`): it decides which drafters take
-//! each step, which member a new or behind one heals from, and whether the
-//! step commits. No gradient passes through it.
+//! each step, at the run's committed step H only, which member a new or
+//! behind one heals from, and whether the step commits. No gradient passes
+//! through it.
 //!
 //! One step, as [`DataParallel::step`] runs it on the training thread:
-//! 1. Ask for the quorum (samples ready, committed step, state checksum,
-//!    where this drafter's c10d store listens). An idle drafter asks too,
-//!    with no samples ([`DataParallel::idle`]), so that nobody waits for it.
-//! 2. A new quorum id: a new process group (rank 0's store, the quorum's
-//!    prefix). `heal`: every member takes rank 0's weights, moments and
-//!    counts by broadcast; a member whose state changed by it gives zeros
-//!    this step (its gradient was computed on another model).
+//! 1. Ask for the quorum (samples ready, the commit the model last applied,
+//!    its state checksum, where this drafter's c10d store listens, its
+//!    collective timeout). An idle drafter asks too, with no samples
+//!    ([`DataParallel::idle`]), so that nobody waits for it.
+//! 2. The quorum's process group (kept while its store, prefix, rank and
+//!    world size are the same). `heal`: every member takes rank 0's
+//!    weights, moments and counts by broadcast, and its commit record; a
+//!    member whose state changed by it gives zeros this step (its gradient
+//!    was computed on another model).
 //! 3. The own share's guard (non-finite, spiking: zeros and the reason);
 //!    then the all-reduce of the flat gradient and the step's sums.
-//! 4. The reduced step's guard, the same on every member; the vote.
-//! 5. Commit: every member applies it; the caller acks its samples. Not
-//!    committed: nobody applies it, and the caller hands its samples back
-//!    to the queue, so a failed step loses no sample.
+//! 4. The reduced step's guard, the same on every member; the vote, which
+//!    names the deliveries of the samples in this member's share: the
+//!    broker pins them to the step and settles them with the decision
+//!    (acked in the record of a commit, returned to the queue by an abort),
+//!    so the member acks or nacks none of them itself.
+//! 5. The decision, fetched again until the broker answers
+//!    ([`decision::verdict`]): COMMIT, every member applies the step and
+//!    holds its record; ABORT, nobody applies it; UNKNOWN, this member does
+//!    not apply it and is healed to H by its next quorum.
 //!
 //! A failed collective (a member died or hangs: c10d's timeout) is a no
-//! vote; the next quorum forms without the member that stopped asking
-//! (the broker's `--quorum-timeout`), on a new group.
+//! vote; the next quorum forms without a member whose stream is gone, on a
+//! new group.
+//!
+//! # Layout
+//! `settings` (the flags), `link` (the broker calls, bounded, the decision
+//! fetched again), `group` (the process group, heal and all-reduce),
+//! `decision` (the vote's answer as a pure verdict), and here the step.
+
+mod decision;
+mod group;
+mod link;
+mod settings;
 
 use std::time::{Duration, Instant};
 
-use clap::Args;
-use dflash_collective::{GroupOptions, ProcessGroup, Store};
+use dflash_collective::Store;
 use dflash_model::draft::{Contribution, DraftTrainer, Exclusion, SkippedStep, StepReport};
 use dflash_proto::v1 as proto;
-use dflash_proto::v1::model_sync_client::ModelSyncClient;
-use dflash_shell::parse_duration;
 use tracing::{info, warn};
 
-/// The data-parallel flags.
-#[derive(Debug, Clone, PartialEq, Args)]
-pub struct DataParallelConfig {
-    /// This drafter's address on the drafters' network (e.g. its pod IP):
-    /// its c10d store and Gloo's transport listen there and the other
-    /// drafters connect to it. Plain TCP without authentication: keep it
-    /// on a network only drafters reach (see docs/model-sync.md).
-    #[arg(long, env = "DFLASH_COLLECTIVE_HOST", default_value = "127.0.0.1")]
-    pub collective_host: String,
-
-    /// Port of this drafter's c10d store (0: any free port; it is told to
-    /// the others through the broker).
-    #[arg(long, env = "DFLASH_COLLECTIVE_PORT", default_value_t = 0)]
-    pub collective_port: u16,
-
-    /// Bound on one collective (an all-reduce, a heal): past it a member
-    /// that hangs is given up on and the step fails for everyone.
-    #[arg(long, env = "DFLASH_COLLECTIVE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
-    pub collective_timeout: Duration,
-
-    /// Rank 0 sends the trained model to the broker (the run's checkpoint
-    /// in --model-output, the online evaluator) every this many committed
-    /// steps; every member sends it when it stops. 0: only when stopping.
-    #[arg(long, env = "DFLASH_SNAPSHOT_EVERY", default_value_t = 50)]
-    pub snapshot_every: u64,
-}
-
-impl Default for DataParallelConfig {
-    fn default() -> Self {
-        DataParallelConfig {
-            collective_host: "127.0.0.1".to_string(),
-            collective_port: 0,
-            collective_timeout: Duration::from_secs(60),
-            snapshot_every: 50,
-        }
-    }
-}
+pub use decision::{verdict, Verdict};
+use group::Membership;
+use link::{LighthouseLink, CALL_MARGIN};
+pub use settings::DataParallelConfig;
 
 /// Why data parallelism could not start or a call to the broker failed.
 #[derive(Debug, thiserror::Error)]
@@ -90,22 +72,30 @@ pub enum DataParallelError {
     Status(#[from] tonic::Status),
     #[error("{what} took longer than {limit:?}")]
     Timeout { what: &'static str, limit: Duration },
+    #[error("{what} was lost")]
+    Lost { what: &'static str },
 }
 
-/// What one step came to.
+/// What one step came to. In every case but [`StepOutcome::NoQuorum`] the
+/// samples the member voted with (its share, unless `excluded`) were
+/// settled by the broker: the member neither acks nor nacks them.
 pub enum StepOutcome {
     /// Every member applied the step. With `excluded`, this member's own
-    /// samples were not in it (they go back to the queue) and why.
+    /// samples were not in it (they go back to the queue: the member nacks
+    /// them) and why.
     Committed {
         report: StepReport,
         excluded: Option<Exclusion>,
     },
-    /// Nobody applied it; `skipped` when the reduced step failed a guard.
+    /// Not applied here; `skipped` when the reduced step failed a guard;
+    /// `excluded` as for a commit.
     NotCommitted {
         reason: String,
         skipped: Option<SkippedStep>,
+        excluded: Option<Exclusion>,
     },
-    /// No quorum formed (too few members); nothing changed.
+    /// No quorum formed (too few members, or no holder of the run's
+    /// committed step asked yet); nothing changed, nothing was settled.
     NoQuorum,
 }
 
@@ -114,6 +104,8 @@ pub enum StepOutcome {
 pub struct DataParallelTotals {
     pub steps_committed: u64,
     pub steps_not_committed: u64,
+    /// Steps whose outcome this member never learned (it healed after).
+    pub steps_unknown: u64,
     pub heals: u64,
     /// Steps this member took part in with zeros (nothing held, a bad
     /// share, or a model healed just before).
@@ -126,23 +118,18 @@ pub struct DataParallelTotals {
 /// One drafter's membership in the run's data-parallel trainer; lives on
 /// the training thread.
 pub struct DataParallel {
-    runtime: tokio::runtime::Handle,
-    broker: String,
     drafter_id: String,
-    security: dflash_client::ClientSecurityArgs,
     config: DataParallelConfig,
-    client: Option<ModelSyncClient<dflash_client::AuthChannel>>,
+    link: LighthouseLink,
     store: Store,
     store_address: String,
-    /// The process group of the current quorum id.
-    group: Option<(u64, ProcessGroup)>,
+    membership: Membership,
+    /// The commit this member's model last applied (or healed to).
+    committed: proto::CommitRecord,
     rank: usize,
     world_size: usize,
     pub totals: DataParallelTotals,
 }
-
-/// Bound on a Quorum or Commit call beyond the broker's own waits.
-const CALL_MARGIN: Duration = Duration::from_secs(30);
 
 impl DataParallel {
     /// Hosts this drafter's c10d store.
@@ -166,15 +153,13 @@ impl DataParallel {
         let store_address = format!("{}:{}", config.collective_host, store.port());
         info!(store = %store_address, "data parallelism: c10d store hosted");
         Ok(DataParallel {
-            runtime,
-            broker: broker.to_string(),
             drafter_id: drafter_id.to_string(),
-            security,
             config: config.clone(),
-            client: None,
+            link: LighthouseLink::new(runtime, broker, security, config.collective_timeout),
             store,
             store_address,
-            group: None,
+            membership: Membership::default(),
+            committed: proto::CommitRecord::default(),
             rank: 0,
             world_size: 1,
             totals: DataParallelTotals::default(),
@@ -195,31 +180,36 @@ impl DataParallel {
         self.config.snapshot_every
     }
 
-    /// One step with what `trainer` accumulated (see the module doc).
-    pub fn step(&mut self, trainer: &mut DraftTrainer) -> StepOutcome {
+    /// The commit this member's model last applied.
+    pub fn committed(&self) -> proto::CommitRecord {
+        self.committed
+    }
+
+    /// One step with what `trainer` accumulated from the deliveries
+    /// `delivery_ids` (see the module doc).
+    pub fn step(&mut self, trainer: &mut DraftTrainer, delivery_ids: &[u64]) -> StepOutcome {
         let samples = trainer.accumulated_samples() as u64;
         let quorum = match self.ask(trainer, samples.max(1), false) {
             Ok(Some(quorum)) => quorum,
             Ok(None) => return StepOutcome::NoQuorum,
             Err(error) => {
-                return StepOutcome::NotCommitted {
-                    reason: format!("quorum: {error}"),
-                    skipped: None,
-                }
+                warn!(%error, "data parallelism: quorum call failed; the step's samples stay held");
+                // Do not spin against a broker that is away.
+                std::thread::sleep(Duration::from_millis(200));
+                return StepOutcome::NoQuorum;
             }
         };
-        self.take_part(trainer, &quorum)
+        self.take_part(trainer, &quorum, delivery_ids)
     }
 
     /// Nothing held: asks with no samples (the broker holds the call a
     /// moment) and takes part, with zeros, in a step that forms meanwhile.
     pub fn idle(&mut self, trainer: &mut DraftTrainer) -> Option<StepOutcome> {
         match self.ask(trainer, 0, false) {
-            Ok(Some(quorum)) => Some(self.take_part(trainer, &quorum)),
+            Ok(Some(quorum)) => Some(self.take_part(trainer, &quorum, &[])),
             Ok(None) => None,
             Err(error) => {
                 warn!(%error, "data parallelism: idle quorum call failed");
-                // Do not spin against a broker that is away.
                 std::thread::sleep(Duration::from_millis(200));
                 None
             }
@@ -230,15 +220,16 @@ impl DataParallel {
     /// for it at once.
     pub fn leave(&mut self, trainer: &DraftTrainer) {
         if let Err(error) = self.ask(trainer, 0, true) {
-            warn!(%error, "data parallelism: leaving failed; the broker drops this drafter after --quorum-timeout");
+            warn!(%error, "data parallelism: leaving failed; the broker drops this drafter when its stream ends");
         }
-        self.group = None;
+        self.membership.drop_group();
     }
 
     fn take_part(
         &mut self,
         trainer: &mut DraftTrainer,
         quorum: &proto::QuorumResponse,
+        delivery_ids: &[u64],
     ) -> StepOutcome {
         self.rank = quorum.rank as usize;
         self.world_size = quorum.world_size.max(1) as usize;
@@ -256,52 +247,86 @@ impl DataParallel {
                     excluded,
                 ),
             },
-            Err(reason) => {
-                // The group may be broken: the next quorum has a new one.
-                self.group = None;
-                (false, reason, None, None)
+            Err((reason, excluded)) => {
+                // The group may be broken: the next quorum builds one.
+                self.membership.drop_group();
+                (false, reason, None, excluded)
             }
         };
-        let decision = self.vote(quorum, vote_ok, &vote_reason);
-        match (decision, reduced) {
-            (Ok(decision), Some(Ok(step))) if decision.commit => {
-                match trainer.apply_reduced(step) {
-                    Ok(report) => {
-                        self.totals.steps_committed += 1;
-                        StepOutcome::Committed { report, excluded }
-                    }
-                    Err(error) => {
-                        // Cannot happen with the sizes checked at the reduce;
-                        // the model now differs: the next quorum heals it.
-                        self.totals.steps_not_committed += 1;
-                        trainer.discard_accumulation();
-                        StepOutcome::NotCommitted {
-                            reason: format!("applying the committed step: {error}"),
-                            skipped: None,
-                        }
+        // The samples in this member's share of the step: none when it gave
+        // zeros (it hands them back itself).
+        let voted_ids: Vec<u64> = if excluded.is_none() {
+            delivery_ids.to_vec()
+        } else {
+            Vec::new()
+        };
+        // A guard that failed on the reduced step blames the step's
+        // samples (a poison batch reaches the dead letters); a failed
+        // collective blames nobody's.
+        let charge_on_abort = matches!(reduced, Some(Err(_)));
+        let vote = proto::CommitVote {
+            drafter_id: self.drafter_id.clone(),
+            quorum_id: quorum.quorum_id,
+            step: quorum.step,
+            ok: vote_ok,
+            reason: vote_reason.clone(),
+            instance: quorum.instance,
+            nonce: quorum.nonce,
+            delivery_ids: voted_ids,
+            charge_on_abort,
+        };
+        let patience = self.config.collective_timeout + CALL_MARGIN * 10;
+        let answer = self.link.decide(vote, patience);
+        let reduced_ready = matches!(reduced, Some(Ok(_)));
+        let skipped = match &reduced {
+            Some(Err(skipped)) => Some(skipped.clone()),
+            _ => None,
+        };
+        match (verdict(reduced_ready, answer.as_ref()), reduced) {
+            (Verdict::Apply { record }, Some(Ok(step))) => match trainer.apply_reduced(step) {
+                Ok(report) => {
+                    self.committed = record;
+                    self.totals.steps_committed += 1;
+                    StepOutcome::Committed { report, excluded }
+                }
+                Err(error) => {
+                    // Cannot happen with the sizes checked at the reduce;
+                    // the model now differs: the next quorum heals it.
+                    self.totals.steps_not_committed += 1;
+                    trainer.discard_accumulation();
+                    StepOutcome::NotCommitted {
+                        reason: format!("applying the committed step: {error}"),
+                        skipped: None,
+                        excluded,
                     }
                 }
-            }
-            (decision, reduced) => {
+            },
+            (verdict, _) => {
+                let reason = match verdict {
+                    Verdict::Discard { reason, unknown } => {
+                        if unknown {
+                            self.totals.steps_unknown += 1;
+                            warn!(%reason, quorum_id = quorum.quorum_id, step = quorum.step, "data parallelism: this member does not know the step's outcome; it does not apply it and heals to the run's step next");
+                        }
+                        reason
+                    }
+                    Verdict::Apply { .. } => "COMMIT of a step this member could not apply".to_string(),
+                };
                 self.totals.steps_not_committed += 1;
                 trainer.discard_accumulation();
-                let reason = match decision {
-                    Ok(decision) if !decision.reason.is_empty() => decision.reason,
-                    Ok(_) => vote_reason,
-                    Err(error) => format!("commit vote: {error}"),
-                };
-                let skipped = match reduced {
-                    Some(Err(skipped)) => Some(skipped),
-                    _ => None,
-                };
-                StepOutcome::NotCommitted { reason, skipped }
+                let reason = if reason.is_empty() { vote_reason } else { reason };
+                StepOutcome::NotCommitted {
+                    reason,
+                    skipped,
+                    excluded,
+                }
             }
         }
     }
 
     /// Steps 2 to 4 of the module doc: the reduced step as checked here (or
     /// its guard's refusal), and why this member gave zeros, if it did; Err
-    /// when a collective failed.
+    /// when a collective failed (with the exclusion decided before it).
     #[allow(clippy::type_complexity)]
     fn collective_step(
         &mut self,
@@ -312,17 +337,33 @@ impl DataParallel {
             Result<dflash_model::draft::ReducedStep, SkippedStep>,
             Option<Exclusion>,
         ),
-        String,
+        (String, Option<Exclusion>),
     > {
         let single = self.world_size == 1;
         let mut excluded = None;
         if !single {
-            self.ensure_group(quorum)?;
+            self.membership
+                .ensure(
+                    quorum,
+                    &self.config.collective_host,
+                    self.config.collective_timeout,
+                    (&self.store, &self.store_address),
+                )
+                .map_err(|reason| (reason, None))?;
         }
-        if quorum.heal && !single {
+        if quorum.heal {
             let before = trainer.state_checksum();
-            self.heal(trainer)?;
+            if !single {
+                self.membership
+                    .heal(trainer, self.rank)
+                    .map_err(|reason| (reason, None))?;
+            }
             self.totals.heals += 1;
+            if let Some(record) = quorum.record {
+                // Rank 0 holds the run's committed step: so does every
+                // member now.
+                self.committed = record;
+            }
             if trainer.state_checksum() != before {
                 info!(reason = %quorum.heal_reason, step = quorum.step, "data parallelism: took rank 0's state");
                 excluded = Some(Exclusion::StaleModel);
@@ -342,89 +383,12 @@ impl DataParallel {
         let reduced = if single {
             Contribution { gradient, sums }
         } else {
-            self.all_reduce(gradient, sums)?
+            match self.membership.all_reduce(gradient, sums) {
+                Ok(reduced) => reduced,
+                Err(reason) => return Err((reason, excluded)),
+            }
         };
         Ok((trainer.check_reduced(reduced), excluded))
-    }
-
-    fn ensure_group(&mut self, quorum: &proto::QuorumResponse) -> Result<(), String> {
-        if self
-            .group
-            .as_ref()
-            .is_some_and(|(quorum_id, _)| *quorum_id == quorum.quorum_id)
-        {
-            return Ok(());
-        }
-        // The old group goes first (its drop does not wait on dead peers).
-        self.group = None;
-        let (host, port) = quorum
-            .store_address
-            .rsplit_once(':')
-            .and_then(|(host, port)| Some((host.to_string(), port.parse::<u16>().ok()?)))
-            .ok_or_else(|| format!("store address {:?} is not host:port", quorum.store_address))?;
-        let options = GroupOptions {
-            store_host: host,
-            store_port: port,
-            prefix: quorum.store_prefix.clone(),
-            rank: self.rank,
-            world_size: self.world_size,
-            interface_host: self.config.collective_host.clone(),
-            timeout: self.config.collective_timeout,
-            ..GroupOptions::default()
-        };
-        let local_store = (quorum.store_address == self.store_address).then_some(&self.store);
-        let group = ProcessGroup::new(&options, local_store).map_err(|error| {
-            format!(
-                "process group of quorum {} ({} members, store {}): {error}",
-                quorum.quorum_id, self.world_size, quorum.store_address
-            )
-        })?;
-        self.group = Some((quorum.quorum_id, group));
-        Ok(())
-    }
-
-    fn group(&self) -> Result<&ProcessGroup, String> {
-        self.group
-            .as_ref()
-            .map(|(_, group)| group)
-            .ok_or_else(|| "no process group".to_string())
-    }
-
-    /// Every member takes rank 0's state.
-    fn heal(&mut self, trainer: &mut DraftTrainer) -> Result<(), String> {
-        let (mut state, mut counts) = if self.rank == 0 {
-            trainer.heal_state()
-        } else {
-            trainer.empty_heal_state()
-        };
-        let group = self.group()?;
-        group
-            .broadcast(&mut state, 0)
-            .map_err(|error| format!("heal broadcast of the state: {error}"))?;
-        group
-            .broadcast(&mut counts, 0)
-            .map_err(|error| format!("heal broadcast of the counts: {error}"))?;
-        if self.rank != 0 {
-            trainer
-                .load_heal_state(&state, &counts)
-                .map_err(|error| format!("loading rank 0's state: {error}"))?;
-        }
-        Ok(())
-    }
-
-    fn all_reduce(
-        &self,
-        mut gradient: tch::Tensor,
-        mut sums: tch::Tensor,
-    ) -> Result<Contribution, String> {
-        let group = self.group()?;
-        group
-            .all_reduce_sum(&mut gradient)
-            .map_err(|error| format!("all-reduce of the gradient: {error}"))?;
-        group
-            .all_reduce_sum(&mut sums)
-            .map_err(|error| format!("all-reduce of the step's sums: {error}"))?;
-        Ok(Contribution { gradient, sums })
     }
 
     fn ask(
@@ -433,90 +397,28 @@ impl DataParallel {
         samples_ready: u64,
         leaving: bool,
     ) -> Result<Option<proto::QuorumResponse>, DataParallelError> {
+        let step = trainer.progress().step;
+        if self.committed.step != step && self.committed.instance == 0 && self.committed.quorum_id == 0 {
+            // A model that never took a step of this run (resumed from a
+            // checkpoint): its own history, which the broker heals unless
+            // the run has none yet.
+            self.committed.step = step;
+        }
         let request = proto::QuorumRequest {
             drafter_id: self.drafter_id.clone(),
             store_address: self.store_address.clone(),
-            step: trainer.progress().step,
+            step,
             state_checksum: trainer.state_checksum(),
             samples_ready,
             leaving,
+            committed: Some(self.committed),
+            collective_timeout_ms: u64::try_from(self.config.collective_timeout.as_millis())
+                .unwrap_or(u64::MAX),
         };
         let started = Instant::now();
-        let limit = self.config.collective_timeout + CALL_MARGIN;
-        let mut client = self.client()?;
-        let response = self.block_on("a quorum call", limit, async move {
-            Ok(client.quorum(request).await?.into_inner())
-        });
+        let response = self.link.quorum(request);
         self.totals.time_in_quorum += started.elapsed();
-        if response.is_err() {
-            self.client = None;
-        }
         let response = response?;
         Ok((response.quorum_id != 0).then_some(response))
-    }
-
-    fn vote(
-        &mut self,
-        quorum: &proto::QuorumResponse,
-        ok: bool,
-        reason: &str,
-    ) -> Result<proto::CommitDecision, DataParallelError> {
-        let vote = proto::CommitVote {
-            drafter_id: self.drafter_id.clone(),
-            quorum_id: quorum.quorum_id,
-            step: quorum.step,
-            ok,
-            reason: reason.to_string(),
-        };
-        let limit = self.config.collective_timeout + CALL_MARGIN;
-        let mut client = self.client()?;
-        let decision = self.block_on("a commit vote", limit, async move {
-            Ok(client.commit(vote).await?.into_inner())
-        });
-        if decision.is_err() {
-            self.client = None;
-        }
-        decision
-    }
-
-    fn client(&mut self) -> Result<ModelSyncClient<dflash_client::AuthChannel>, DataParallelError> {
-        if let Some(client) = &self.client {
-            return Ok(client.clone());
-        }
-        let broker = self.broker.clone();
-        let security = self.security.clone();
-        let client = self.block_on("connecting to the broker", CALL_MARGIN, async move {
-            let connect_error = |detail: String| DataParallelError::Connect {
-                address: broker.clone(),
-                detail,
-            };
-            let security = security
-                .load()
-                .map_err(|error| connect_error(error.to_string()))?;
-            let options = dflash_client::ClientOptions {
-                security,
-                ..dflash_client::ClientOptions::default()
-            };
-            let channel = dflash_client::connect_channel(&broker, &options)
-                .await
-                .map_err(|error| connect_error(error.to_string()))?;
-            Ok(ModelSyncClient::new(channel))
-        })?;
-        self.client = Some(client.clone());
-        Ok(client)
-    }
-
-    /// Runs `future` on the server's runtime from the training thread.
-    fn block_on<T>(
-        &self,
-        what: &'static str,
-        limit: Duration,
-        future: impl std::future::Future<Output = Result<T, DataParallelError>>,
-    ) -> Result<T, DataParallelError> {
-        self.runtime.block_on(async move {
-            tokio::time::timeout(limit, future)
-                .await
-                .map_err(|_| DataParallelError::Timeout { what, limit })?
-        })
     }
 }

@@ -23,7 +23,8 @@ impl TrainingLoop {
         let span = self.step_span.take().unwrap_or_else(Span::none);
         span.record("samples", self.accumulated_ids.len());
         let started = Instant::now();
-        let outcome = span.in_scope(|| data_parallel.step(trainer));
+        let ids = self.accumulated_ids.clone();
+        let outcome = span.in_scope(|| data_parallel.step(trainer, &ids));
         drop(span);
         let elapsed = started.elapsed();
         self.busy += elapsed;
@@ -51,6 +52,10 @@ impl TrainingLoop {
         }
     }
 
+    /// Books the step and tells the pump what became of its samples: those
+    /// this member voted with were settled by the broker (acked with a
+    /// commit, or returned by an abort), so the pump only lets them go;
+    /// those it left out (it gave zeros) it hands back itself.
     fn after_data_parallel_step(
         &mut self,
         outcome: StepOutcome,
@@ -59,6 +64,7 @@ impl TrainingLoop {
         own_tokens: usize,
         step_compute: Duration,
     ) {
+        let generation = self.generation;
         match outcome {
             StepOutcome::NoQuorum => {}
             StepOutcome::Committed {
@@ -66,56 +72,72 @@ impl TrainingLoop {
                 excluded,
             } => {
                 let step = report.step;
-                // This drafter's own part of the run's step.
-                let (acked, handed_back) = match &excluded {
-                    None => (delivery_ids, Vec::new()),
-                    Some(_) => (Vec::new(), delivery_ids),
-                };
                 report.samples = if excluded.is_none() { own_samples } else { 0 };
                 report.tokens = if excluded.is_none() { own_tokens } else { 0 };
                 let busy = std::mem::take(&mut self.busy);
                 self.emit(TrainerEvent::Stepped {
-                    generation: self.generation,
-                    delivery_ids: acked,
+                    generation,
+                    delivery_ids: Vec::new(),
                     report,
                     busy,
                     step_compute,
                 });
-                match excluded {
-                    Some(dflash_model::draft::Exclusion::BadShare(skipped)) => {
-                        self.emit(TrainerEvent::StepSkipped {
-                            generation: self.generation,
-                            delivery_ids: handed_back,
-                            reason: format!("this drafter's share was left out of step {step}: {skipped}"),
-                        })
-                    }
-                    Some(dflash_model::draft::Exclusion::StaleModel) => {
-                        self.emit(TrainerEvent::BatchFailed {
-                            generation: self.generation,
-                            delivery_ids: handed_back,
-                            reason: format!("trained on a model older than step {step}'s (this drafter healed first)"),
-                        })
-                    }
-                    None => {}
-                }
+                self.hand_back_excluded(excluded, delivery_ids, step);
                 self.after_committed_step(step);
             }
-            StepOutcome::NotCommitted { reason, skipped } => {
-                warn!(%reason, samples = delivery_ids.len(), "data-parallel step not committed; its items go back to the queue");
+            StepOutcome::NotCommitted {
+                reason,
+                skipped,
+                excluded,
+            } => {
+                warn!(%reason, samples = delivery_ids.len(), "data-parallel step not committed; the broker returned its samples to the queue");
                 self.engine.discard();
                 let event = match skipped {
                     Some(_) => TrainerEvent::StepSkipped {
-                        generation: self.generation,
-                        delivery_ids,
+                        generation,
+                        delivery_ids: Vec::new(),
                         reason: format!("optimizer step skipped: {reason}"),
                     },
                     None => TrainerEvent::BatchFailed {
-                        generation: self.generation,
-                        delivery_ids,
+                        generation,
+                        delivery_ids: Vec::new(),
                         reason: format!("data-parallel step not committed: {reason}"),
                     },
                 };
                 self.emit(event);
+                let step = self.engine.trainer().map_or(0, |trainer| trainer.progress().step);
+                self.hand_back_excluded(excluded, delivery_ids, step);
+            }
+        }
+    }
+
+    /// The step's own samples: settled by the broker when this member
+    /// voted with them, else (it gave zeros) handed back by the pump.
+    fn hand_back_excluded(
+        &mut self,
+        excluded: Option<dflash_model::draft::Exclusion>,
+        delivery_ids: Vec<u64>,
+        step: u64,
+    ) {
+        let generation = self.generation;
+        match excluded {
+            None => self.emit(TrainerEvent::Settled {
+                generation,
+                delivery_ids,
+            }),
+            Some(dflash_model::draft::Exclusion::BadShare(skipped)) => {
+                self.emit(TrainerEvent::StepSkipped {
+                    generation,
+                    delivery_ids,
+                    reason: format!("this drafter's share was left out of step {step}: {skipped}"),
+                })
+            }
+            Some(dflash_model::draft::Exclusion::StaleModel) => {
+                self.emit(TrainerEvent::BatchFailed {
+                    generation,
+                    delivery_ids,
+                    reason: format!("trained on a model older than step {step}'s (this drafter healed first)"),
+                })
             }
         }
     }

@@ -1,0 +1,144 @@
+//! The drafter's link to the broker's lighthouse (`ModelSync.Quorum`,
+//! `ModelSync.Commit`), called from the training thread: one call at a
+//! time, each bounded, the decision fetched again until the broker answers.
+
+use std::time::{Duration, Instant};
+
+use dflash_proto::v1 as proto;
+use dflash_proto::v1::model_sync_client::ModelSyncClient;
+use tracing::warn;
+
+use super::DataParallelError;
+
+/// Bound on a Quorum or Commit call beyond the broker's own waits.
+pub(super) const CALL_MARGIN: Duration = Duration::from_secs(30);
+/// The first pause between two tries of a decision fetch (doubling, at
+/// most [`MAX_RETRY_PAUSE`]).
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(100);
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
+
+pub(super) struct LighthouseLink {
+    runtime: tokio::runtime::Handle,
+    broker: String,
+    security: dflash_client::ClientSecurityArgs,
+    client: Option<ModelSyncClient<dflash_client::AuthChannel>>,
+    /// Bound on one call: the collective timeout plus [`CALL_MARGIN`].
+    call_limit: Duration,
+}
+
+impl LighthouseLink {
+    pub(super) fn new(
+        runtime: tokio::runtime::Handle,
+        broker: &str,
+        security: dflash_client::ClientSecurityArgs,
+        collective_timeout: Duration,
+    ) -> Self {
+        LighthouseLink {
+            runtime,
+            broker: broker.to_string(),
+            security,
+            client: None,
+            call_limit: collective_timeout + CALL_MARGIN,
+        }
+    }
+
+    pub(super) fn quorum(
+        &mut self,
+        request: proto::QuorumRequest,
+    ) -> Result<proto::QuorumResponse, DataParallelError> {
+        let mut client = self.client()?;
+        let response = self.block_on("a quorum call", self.call_limit, async move {
+            Ok(client.quorum(request).await?.into_inner())
+        });
+        if response.is_err() {
+            self.client = None;
+        }
+        response
+    }
+
+    /// Sends the vote, and sends it again (the broker's decision fetch is
+    /// idempotent) until the broker answers or `patience` is spent: a
+    /// member that cannot learn the decision must not guess it.
+    pub(super) fn decide(
+        &mut self,
+        vote: proto::CommitVote,
+        patience: Duration,
+    ) -> Result<proto::CommitDecision, DataParallelError> {
+        let started = Instant::now();
+        let mut pause = FIRST_RETRY_PAUSE;
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let error = match self.vote_once(vote.clone(), attempt) {
+                Ok(decision) => return Ok(decision),
+                Err(error) => error,
+            };
+            self.client = None;
+            if started.elapsed() + pause > patience {
+                return Err(error);
+            }
+            warn!(%error, attempt, quorum_id = vote.quorum_id, step = vote.step, "data parallelism: the decision did not arrive; fetching it again");
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(MAX_RETRY_PAUSE);
+        }
+    }
+
+    fn vote_once(
+        &mut self,
+        vote: proto::CommitVote,
+        attempt: u32,
+    ) -> Result<proto::CommitDecision, DataParallelError> {
+        let drafter_id = vote.drafter_id.clone();
+        let mut client = self.client()?;
+        let decision = self.block_on("a commit vote", self.call_limit, async move {
+            Ok(client.commit(vote).await?.into_inner())
+        })?;
+        if crate::test_hooks::lose_decision(&drafter_id, attempt) {
+            return Err(DataParallelError::Lost {
+                what: "the commit decision (test hook)",
+            });
+        }
+        Ok(decision)
+    }
+
+    fn client(&mut self) -> Result<ModelSyncClient<dflash_client::AuthChannel>, DataParallelError> {
+        if let Some(client) = &self.client {
+            return Ok(client.clone());
+        }
+        let broker = self.broker.clone();
+        let security = self.security.clone();
+        let client = self.block_on("connecting to the broker", CALL_MARGIN, async move {
+            let connect_error = |detail: String| DataParallelError::Connect {
+                address: broker.clone(),
+                detail,
+            };
+            let security = security
+                .load()
+                .map_err(|error| connect_error(error.to_string()))?;
+            let options = dflash_client::ClientOptions {
+                security,
+                ..dflash_client::ClientOptions::default()
+            };
+            let channel = dflash_client::connect_channel(&broker, &options)
+                .await
+                .map_err(|error| connect_error(error.to_string()))?;
+            Ok(ModelSyncClient::new(channel))
+        })?;
+        self.client = Some(client.clone());
+        Ok(client)
+    }
+
+    /// Runs `future` on the server's runtime from the training thread.
+    fn block_on<T>(
+        &self,
+        what: &'static str,
+        limit: Duration,
+        future: impl std::future::Future<Output = Result<T, DataParallelError>>,
+    ) -> Result<T, DataParallelError> {
+        self.runtime.block_on(async move {
+            tokio::time::timeout(limit, future)
+                .await
+                .map_err(|_| DataParallelError::Timeout { what, limit })?
+        })
+    }
+}
