@@ -34,13 +34,24 @@ pub trait StepLedger: Send + Sync {
     fn pin(
         &self,
         drafter_id: &str,
-        delivery_ids: &[u64],
+        samples: &[StepSample],
         round: RoundKey,
         charge_on_abort: bool,
     ) -> Result<(), String>;
+    /// A vote that reached no open round: the deliveries it names that the
+    /// drafter still holds go back to the queue, uncharged.
+    fn release(&self, drafter_id: &str, delivery_ids: &[u64]);
     /// Applies a decision to the pinned samples; the receiver resolves once
     /// what it changed is durable (at once without a state dir).
-    fn settle(&self, settlement: &Settlement) -> oneshot::Receiver<()>;
+    fn settle(&self, settlement: &Settlement) -> Settled;
+}
+
+/// What the queue did with a decision.
+pub struct Settled {
+    /// Resolves once the change is durable; never, if the log failed.
+    pub durable: oneshot::Receiver<()>,
+    /// With a commit: the (target, seq) it acked.
+    pub acked: Vec<(Arc<str>, u64)>,
 }
 
 /// The lighthouse's state and the calls waiting on it.
@@ -177,22 +188,24 @@ impl LighthouseHub {
         }
         for settlement in answers.settlements {
             let ledger = self.ledger.get().and_then(Weak::upgrade);
-            let durable = ledger.as_ref().map(|ledger| ledger.settle(&settlement));
-            let Settlement::Commit { round, .. } = settlement else {
+            let settled = ledger.as_ref().map(|ledger| ledger.settle(&settlement));
+            let Settlement::Commit { round, record } = settlement else {
                 continue;
             };
-            match durable {
+            match settled {
                 None => {
+                    log_commit(record, &[]);
                     let answers = inner.state.durable(round);
                     self.deliver(inner, answers);
                 }
-                Some(durable) => {
+                Some(Settled { durable, acked }) => {
                     let hub = Arc::downgrade(self);
                     self.tasks.spawn_on(
                         async move {
                             // A log that failed never resolves it: the run
                             // is aborted and nobody hears COMMIT.
                             if durable.await.is_ok() {
+                                log_commit(record, &acked);
                                 if let Some(hub) = hub.upgrade() {
                                     hub.made_durable(round);
                                 }
@@ -286,18 +299,25 @@ impl LighthouseHub {
         let ledger = self.ledger.get().and_then(Weak::upgrade);
         let submit = move |inner: &mut HubInner, call, sender| {
             inner.votes.insert(key, (call, sender));
-            if let (Admission::Open(round), Some(ledger)) = (inner.state.admits(&vote), ledger) {
-                if let Err(error) = ledger.pin(
-                    &vote.drafter_id,
-                    &samples.delivery_ids,
-                    round,
-                    samples.charge_on_abort,
-                ) {
-                    if vote.ok {
-                        vote.ok = false;
-                        vote.reason = format!("its samples cannot join the step: {error}");
+            match (inner.state.admits(&vote), ledger) {
+                (Admission::Open(round), Some(ledger)) => {
+                    if let Err(error) = ledger.pin(
+                        &vote.drafter_id,
+                        &samples.samples,
+                        round,
+                        samples.charge_on_abort,
+                    ) {
+                        if vote.ok {
+                            vote.ok = false;
+                            vote.reason = format!("its samples cannot join the step: {error}");
+                        }
                     }
                 }
+                (Admission::Answered, Some(ledger)) if !samples.samples.is_empty() => {
+                    let ids: Vec<u64> = samples.samples.iter().map(|sample| sample.delivery_id).collect();
+                    ledger.release(&vote.drafter_id, &ids);
+                }
+                _ => {}
             }
             inner.state.vote(Instant::now(), vote)
         };
@@ -305,10 +325,39 @@ impl LighthouseHub {
     }
 }
 
+/// The per-step record of which samples each committed step trained,
+/// logged once the commit is durable (the fault tests read it).
+fn log_commit(record: CommitRecord, acked: &[(Arc<str>, u64)]) {
+    let mut keys = String::with_capacity(acked.len() * 12);
+    for (index, (target_id, seq)) in acked.iter().enumerate() {
+        if index > 0 {
+            keys.push(',');
+        }
+        keys.push_str(target_id);
+        keys.push(':');
+        keys.push_str(&seq.to_string());
+    }
+    tracing::info!(
+        step = record.step,
+        quorum_id = record.quorum_id,
+        samples = acked.len(),
+        keys = %keys,
+        "data parallelism: step committed"
+    );
+}
+
+/// One sample of a vote's share: its delivery and what it delivered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepSample {
+    pub delivery_id: u64,
+    pub target_id: String,
+    pub seq: u64,
+}
+
 /// The samples a vote brings to its step.
 #[derive(Debug, Clone, Default)]
 pub struct StepSamples {
-    pub delivery_ids: Vec<u64>,
+    pub samples: Vec<StepSample>,
     /// The member blames its own share for a no: an abort charges them.
     pub charge_on_abort: bool,
 }

@@ -8,7 +8,7 @@ use dflash_proto::v1 as proto;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use super::hub::{LighthouseHub, StepSamples};
+use super::hub::{LighthouseHub, StepSample, StepSamples};
 use super::{CommitRecord, Outcome, QuorumAnswer, QuorumAsk, Vote};
 
 /// Longest `collective_timeout_ms` an ask may carry (a day): beyond it a
@@ -123,16 +123,7 @@ pub async fn commit(
     let principal = crate::roles::Principal::of(request.extensions());
     let request = request.into_inner();
     checked_drafter(&principal, &request.drafter_id, "ModelSync.Commit")?;
-    let mut delivery_ids = request.delivery_ids;
-    let listed = delivery_ids.len();
-    delivery_ids.sort_unstable();
-    delivery_ids.dedup();
-    if delivery_ids.len() != listed {
-        return Err(Status::invalid_argument(format!(
-            "delivery_ids lists {} ids twice",
-            listed - delivery_ids.len()
-        )));
-    }
+    let samples = step_samples(request.samples)?;
     let vote = Vote {
         drafter_id: request.drafter_id,
         instance: request.instance,
@@ -143,7 +134,7 @@ pub async fn commit(
         reason: request.reason,
     };
     let samples = StepSamples {
-        delivery_ids,
+        samples,
         charge_on_abort: request.charge_on_abort && !request.ok,
     };
     let decision = hub.vote(vote, samples, shutdown).await?;
@@ -158,6 +149,28 @@ pub async fn commit(
         outcome: outcome as i32,
         record: decision.record.map(record_to_proto),
     }))
+}
+
+/// A vote's samples, each delivery named once and with a target id.
+fn step_samples(samples: Vec<proto::StepSample>) -> Result<Vec<StepSample>, Status> {
+    let mut seen = std::collections::BTreeSet::new();
+    samples
+        .into_iter()
+        .map(|sample| {
+            if !seen.insert(sample.delivery_id) {
+                return Err(Status::invalid_argument(format!(
+                    "samples lists delivery {} twice",
+                    sample.delivery_id
+                )));
+            }
+            crate::roles::validate_id("samples.target_id", &sample.target_id)?;
+            Ok(StepSample {
+                delivery_id: sample.delivery_id,
+                target_id: sample.target_id,
+                seq: sample.seq,
+            })
+        })
+        .collect()
 }
 
 /// A store address is `host:port` with a port in 1..=65535.

@@ -21,27 +21,31 @@ pub(super) struct PinnedItem {
 
 impl<P: Payload> Queue<P> {
     /// Pins the deliveries `drafter_id`'s current stream holds to `round`,
-    /// all or none: a delivery it no longer holds (its stream closed or the
-    /// lease expired, so the item may be anywhere) refuses the whole pin
-    /// and changes nothing. The (target, seq) of each pinned item.
+    /// each given with the (target, seq) it delivered, all or none: a
+    /// delivery it no longer holds (its stream closed or the lease expired,
+    /// so the item may be anywhere), or one of another sample (a delivery
+    /// id of an earlier broker process), refuses the whole pin and changes
+    /// nothing. The (target, seq) of each pinned item.
     pub fn pin_step(
         &mut self,
         drafter_id: &str,
-        delivery_ids: &[DeliveryId],
+        samples: &[(DeliveryId, &str, u64)],
         round: StepRound,
         charge_on_abort: bool,
         now: Instant,
     ) -> Result<Vec<(Arc<str>, u64)>, QueueError> {
         let connection = self.drafters.get(drafter_id).and_then(|entry| entry.connection);
-        let not_held: Vec<String> = delivery_ids
+        let not_held: Vec<String> = samples
             .iter()
-            .filter(|delivery_id| {
-                !self
-                    .leases
-                    .get(delivery_id)
-                    .is_some_and(|lease| Some(lease.connection) == connection)
+            .filter(|(delivery_id, target_id, seq)| {
+                !self.leases.get(delivery_id).is_some_and(|lease| {
+                    Some(lease.connection) == connection
+                        && self.items.get(&lease.item_id).is_some_and(|item| {
+                            &*item.target_id == *target_id && item.seq == *seq
+                        })
+                })
             })
-            .map(u64::to_string)
+            .map(|(delivery_id, target_id, seq)| format!("{delivery_id} ({target_id}:{seq})"))
             .collect();
         if !not_held.is_empty() {
             return Err(QueueError::StepDeliveriesNotHeld {
@@ -49,9 +53,9 @@ impl<P: Payload> Queue<P> {
                 delivery_ids: not_held.join(", "),
             });
         }
-        let mut keys = Vec::with_capacity(delivery_ids.len());
+        let mut keys = Vec::with_capacity(samples.len());
         if let Some(connection) = connection {
-            for &delivery_id in delivery_ids {
+            for &(delivery_id, _, _) in samples {
                 let Some(item_id) = self.take_lease(connection, delivery_id) else {
                     continue;
                 };
@@ -135,6 +139,36 @@ impl<P: Payload> Queue<P> {
         self.return_to_head(returned, "its data-parallel step did not commit");
         self.dispatch(now);
         self.debug_check_invariants();
+    }
+
+    /// A vote that reached no open round (decided already, or another
+    /// round's): the deliveries it names that `drafter_id` still holds go
+    /// back to the head of the queue, uncharged (nobody settles them
+    /// otherwise, and the drafter lets them go). The number returned.
+    pub fn release_step_samples(
+        &mut self,
+        drafter_id: &str,
+        delivery_ids: &[DeliveryId],
+        now: Instant,
+    ) -> usize {
+        let Some(connection) = self.drafters.get(drafter_id).and_then(|entry| entry.connection)
+        else {
+            return 0;
+        };
+        let mut returned = Vec::new();
+        for &delivery_id in delivery_ids {
+            if let Some(item_id) = self.take_lease(connection, delivery_id) {
+                if let Some(item) = self.items.get_mut(&item_id) {
+                    item.deliveries = item.deliveries.saturating_sub(1);
+                }
+                returned.push(item_id);
+            }
+        }
+        let count = returned.len();
+        self.return_to_head(returned, "its vote reached no open step");
+        self.dispatch(now);
+        self.debug_check_invariants();
+        count
     }
 
     /// The run's commit record (H), as committed here or restored from the

@@ -4,7 +4,7 @@
 
 use tokio::sync::oneshot;
 
-use crate::lighthouse::hub::StepLedger;
+use crate::lighthouse::hub::{Settled, StepLedger, StepSample};
 use crate::lighthouse::{RoundKey, Settlement};
 
 use super::shared::{Outgoing, Shared};
@@ -13,53 +13,52 @@ impl StepLedger for Shared {
     fn pin(
         &self,
         drafter_id: &str,
-        delivery_ids: &[u64],
+        samples: &[StepSample],
         round: RoundKey,
         charge_on_abort: bool,
     ) -> Result<(), String> {
+        let samples: Vec<(u64, &str, u64)> = samples
+            .iter()
+            .map(|sample| (sample.delivery_id, sample.target_id.as_str(), sample.seq))
+            .collect();
         self.with_queue(|locked, now| {
             locked
                 .queue
-                .pin_step(drafter_id, delivery_ids, round, charge_on_abort, now)
+                .pin_step(drafter_id, &samples, round, charge_on_abort, now)
                 .map(|_| ())
                 .map_err(|error| error.to_string())
         })
     }
 
-    fn settle(&self, settlement: &Settlement) -> oneshot::Receiver<()> {
-        let (durable, receiver) = oneshot::channel();
-        self.with_queue(|locked, now| {
-            match settlement {
-                Settlement::Commit { round, record } => {
-                    let acked = locked.queue.commit_step(*round, *record, now);
-                    // The per-step record of which samples each committed
-                    // step trained (the fault tests read it).
-                    tracing::info!(
-                        step = record.step,
-                        quorum_id = record.quorum_id,
-                        samples = acked.len(),
-                        keys = %sample_keys(&acked),
-                        "data parallelism: step committed"
-                    );
-                }
-                Settlement::Abort { round } => locked.queue.abort_step(*round, now),
-            }
-            locked.post(Outgoing::Durable(durable));
+    fn release(&self, drafter_id: &str, delivery_ids: &[u64]) {
+        let released = self.with_queue(|locked, now| {
+            locked
+                .queue
+                .release_step_samples(drafter_id, delivery_ids, now)
         });
-        receiver
-    }
-}
-
-/// `target:seq` pairs, comma-separated.
-fn sample_keys(keys: &[(std::sync::Arc<str>, u64)]) -> String {
-    let mut text = String::with_capacity(keys.len() * 12);
-    for (index, (target_id, seq)) in keys.iter().enumerate() {
-        if index > 0 {
-            text.push(',');
+        if released > 0 {
+            tracing::info!(drafter_id, released, "data parallelism: a vote for no open step; its samples go back to the queue");
         }
-        text.push_str(target_id);
-        text.push(':');
-        text.push_str(&seq.to_string());
     }
-    text
+
+    fn settle(&self, settlement: &Settlement) -> Settled {
+        let (durable, receiver) = oneshot::channel();
+        let acked = self.with_queue(|locked, now| {
+            let acked = match settlement {
+                Settlement::Commit { round, record } => {
+                    locked.queue.commit_step(*round, *record, now)
+                }
+                Settlement::Abort { round } => {
+                    locked.queue.abort_step(*round, now);
+                    Vec::new()
+                }
+            };
+            locked.post(Outgoing::Durable(durable));
+            acked
+        });
+        Settled {
+            durable: receiver,
+            acked,
+        }
+    }
 }

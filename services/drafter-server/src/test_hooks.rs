@@ -40,29 +40,3 @@ pub fn hang_trainer_after_steps() -> Option<u64> {
     None
 }
 
-/// The environment variable of [`lose_decision`].
-#[cfg(feature = "test-hooks")]
-const LOSE_DECISIONS_VARIABLE: &str = "DFLASH_TEST_LOSE_DECISIONS";
-
-/// With `DFLASH_TEST_LOSE_DECISIONS=<drafter id>:<n>` in the environment,
-/// the first `n` tries of each commit-decision fetch of that drafter lose
-/// the broker's answer after the broker recorded the vote (as a connection
-/// cut at that moment would), so tests can check that the member fetches
-/// the decision again and ends where the others do.
-#[cfg(feature = "test-hooks")]
-pub fn lose_decision(drafter_id: &str, attempt: u32) -> bool {
-    let Ok(value) = std::env::var(LOSE_DECISIONS_VARIABLE) else {
-        return false;
-    };
-    value.split(',').any(|entry| {
-        entry.rsplit_once(':').is_some_and(|(id, count)| {
-            id == drafter_id && count.parse::<u32>().is_ok_and(|count| attempt <= count)
-        })
-    })
-}
-
-/// Decisions are never lost on purpose in a build without the feature.
-#[cfg(not(feature = "test-hooks"))]
-pub fn lose_decision(_drafter_id: &str, _attempt: u32) -> bool {
-    false
-}

@@ -145,6 +145,9 @@ struct TrainingLoop {
     pending: Vec<HeldSample>,
     /// Delivery ids of micro-batches accumulated but not yet stepped.
     accumulated_ids: Vec<u64>,
+    /// The (target, seq) of each of `accumulated_ids`, in the same order:
+    /// a data-parallel vote names both.
+    accumulated_keys: Vec<(String, u64)>,
     accumulated_micro_batches: u64,
     /// The span of the step being accumulated: opened with its first
     /// micro-batch, closed when the step is taken or its work is discarded.
@@ -183,6 +186,7 @@ pub fn run_training_loop(
         generation: 0,
         pending: Vec::new(),
         accumulated_ids: Vec::new(),
+        accumulated_keys: Vec::new(),
         accumulated_micro_batches: 0,
         step_span: None,
         step_samples: dflash_telemetry::SampleTraces::new(),
@@ -397,6 +401,10 @@ impl TrainingLoop {
         let batch = std::mem::take(&mut self.pending);
         let span = self.step_span_for(&batch);
         let delivery_ids: Vec<u64> = batch.iter().map(|held| held.delivery_id).collect();
+        let keys: Vec<(String, u64)> = batch
+            .iter()
+            .map(|held| (held.target_id.clone(), held.seq))
+            .collect();
         let started = Instant::now();
         let result = span.in_scope(|| {
             self.engine
@@ -408,11 +416,13 @@ impl TrainingLoop {
         match result {
             Ok(()) => {
                 self.accumulated_ids.extend(delivery_ids);
+                self.accumulated_keys.extend(keys);
                 self.accumulated_micro_batches += 1;
             }
             Err(error) => {
                 warn!(%error, samples = delivery_ids.len(), "micro-batch failed; its items and the unstepped ones go back to the queue");
                 let mut failed = std::mem::take(&mut self.accumulated_ids);
+                self.accumulated_keys.clear();
                 failed.extend(delivery_ids);
                 self.accumulated_micro_batches = 0;
                 self.end_step_span();
@@ -441,6 +451,7 @@ impl TrainingLoop {
         self.busy += elapsed;
         let step_compute = std::mem::take(&mut self.step_compute) + elapsed;
         let delivery_ids = std::mem::take(&mut self.accumulated_ids);
+        self.accumulated_keys.clear();
         self.accumulated_micro_batches = 0;
         match result {
             Ok(report) => {
@@ -488,6 +499,7 @@ impl TrainingLoop {
     fn discard(&mut self) {
         self.pending.clear();
         self.accumulated_ids.clear();
+        self.accumulated_keys.clear();
         self.accumulated_micro_batches = 0;
         self.end_step_span();
         self.engine.discard();
@@ -536,6 +548,7 @@ impl TrainingLoop {
         }
         unused.extend(self.pending.drain(..).map(|held| held.delivery_id));
         unused.append(&mut self.accumulated_ids);
+        self.accumulated_keys.clear();
         self.accumulated_micro_batches = 0;
         self.end_step_span();
         self.engine.discard();

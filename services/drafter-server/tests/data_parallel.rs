@@ -7,7 +7,11 @@
 //!
 //! The test is the scheduler (each member trains its fixed share of each
 //! step), so every run computes the same numbers; the drafter's own loop
-//! around the same calls is exercised by the system tests.
+//! around the same calls is exercised by the system tests. Two faults run
+//! on the same parts: a member that loses the broker's decision after the
+//! broker recorded its vote (it fetches it again and ends where the others
+//! do), and a member that asks late, past `--quorum-timeout` (it is waited
+//! for while it is live, not dropped).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -67,22 +71,36 @@ fn weights(engine: &dyn TrainingEngine) -> Vec<(String, Tensor)> {
     tensors
 }
 
+/// A member's faults: decision fetches that lose their answer, and a
+/// pause before asking for one step's quorum.
+#[derive(Debug, Clone, Copy, Default)]
+struct Faults {
+    lose_decisions: u32,
+    late_before_step: Option<(usize, Duration)>,
+}
+
 /// Member `rank` of `members`: its share of every step, through the
-/// broker's quorum and c10d. Returns its weights and state checksum.
+/// broker's quorum and c10d. Returns its weights, state checksum and the
+/// commit its model holds.
 fn run_member(
     config: DrafterServerConfig,
     runtime: tokio::runtime::Handle,
-    rank: usize,
-    members: usize,
+    (rank, members): (usize, usize),
     steps: Arc<Vec<Vec<proto::Sample>>>,
     start: Arc<Barrier>,
-) -> (Vec<(String, Tensor)>, u64) {
+    faults: Faults,
+) -> (Vec<(String, Tensor)>, u64, proto::CommitRecord) {
     let mut engine = engine(&config);
-    let parallel_config = DataParallelConfig {
+    #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
+    let mut parallel_config = DataParallelConfig {
         collective_timeout: Duration::from_secs(30),
         snapshot_every: 0,
         ..DataParallelConfig::default()
     };
+    #[cfg(feature = "test-hooks")]
+    {
+        parallel_config.lose_decisions = faults.lose_decisions;
+    }
     let mut member = DataParallel::start(
         runtime,
         &config.broker,
@@ -104,6 +122,11 @@ fn run_member(
         if step > 0 {
             accumulate(&mut engine, &share_of(samples));
         }
+        if let Some((late_step, pause)) = faults.late_before_step {
+            if late_step == step {
+                std::thread::sleep(pause);
+            }
+        }
         let trainer = engine.trainer_mut().expect("a trainer");
         match member.step(trainer, &[]) {
             StepOutcome::Committed { report, excluded } => {
@@ -119,8 +142,9 @@ fn run_member(
         assert_eq!(member.world_size(), members, "step {step}");
     }
     let checksum = engine.trainer().expect("a trainer").state_checksum();
+    let committed = member.committed();
     member.leave(engine.trainer().expect("a trainer"));
-    (weights(engine.as_ref()), checksum)
+    (weights(engine.as_ref()), checksum, committed)
 }
 
 /// `members` members against one trainer on the same samples. The bound:
@@ -130,14 +154,18 @@ fn run_member(
 /// after 4 steps at learning rate 16e-3 the weights may then differ by a
 /// small multiple of 1e-7 x the distance moved, far below 1e-3, while the
 /// steps must move the largest weight by more than ten times that.
-fn members_against_one_trainer(members: usize) {
+fn members_against_one_trainer(
+    members: usize,
+    broker_config: BrokerConfig,
+    faults: &[Faults],
+) -> proto::DataParallelStatus {
     let work = tempfile::tempdir().unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let broker = runtime.block_on(TestBroker::start(BrokerConfig::for_targets(1)));
+    let broker = runtime.block_on(TestBroker::start(broker_config));
     let sequences = random_token_sequences(STEP_SAMPLES * STEPS, 20, 5);
     let samples = target_samples(&sequences);
     let steps: Arc<Vec<Vec<proto::Sample>>> =
@@ -158,17 +186,21 @@ fn members_against_one_trainer(members: usize) {
         .map(|rank| {
             let config = member_config(work.path(), &format!("member-{rank}"), &broker.address);
             let (runtime, steps, start) = (runtime.handle().clone(), steps.clone(), start.clone());
-            std::thread::spawn(move || run_member(config, runtime, rank, members, steps, start))
+            let faults = faults.get(rank).copied().unwrap_or_default();
+            std::thread::spawn(move || {
+                run_member(config, runtime, (rank, members), steps, start, faults)
+            })
         })
         .collect();
-    let results: Vec<(Vec<(String, Tensor)>, u64)> = threads
+    let results: Vec<(Vec<(String, Tensor)>, u64, proto::CommitRecord)> = threads
         .into_iter()
         .map(|thread| thread.join().unwrap())
         .collect();
 
     let first = &results[0].0;
-    for (held_weights, checksum) in &results[1..] {
+    for (held_weights, checksum, committed) in &results[1..] {
         assert_eq!(*checksum, results[0].1, "the members' states differ");
+        assert_eq!(*committed, results[0].2, "the members hold different commits");
         for ((name, held), (_, reference)) in held_weights.iter().zip(first) {
             assert!(
                 held.equal(reference),
@@ -194,20 +226,62 @@ fn members_against_one_trainer(members: usize) {
         apart <= 1e-3,
         "the members are {apart:.3e} from one trainer's weights"
     );
+    let status = runtime.block_on(async {
+        let status = broker.client().await.status().await.unwrap();
+        status.model_sync.unwrap_or_default().data_parallel.unwrap_or_default()
+    });
+    assert_eq!(results[0].2.step, STEPS as u64, "every member holds the last commit");
+    assert_eq!(status.committed_step, STEPS as u64, "{status:?}");
+    assert_eq!(status.steps_committed, STEPS as u64, "{status:?}");
+    assert_eq!(status.checksum_mismatches, 0, "{status:?}");
+    assert_eq!(status.splits, 0, "{status:?}");
     runtime.block_on(broker.stop());
+    status
 }
 
 #[test]
 fn two_members_train_what_one_trainer_trains() {
-    members_against_one_trainer(2);
+    members_against_one_trainer(2, BrokerConfig::for_targets(1), &[]);
 }
 
 #[test]
 fn three_members_train_what_one_trainer_trains() {
-    members_against_one_trainer(3);
+    members_against_one_trainer(3, BrokerConfig::for_targets(1), &[]);
 }
 
 #[test]
 fn four_members_train_what_one_trainer_trains() {
-    members_against_one_trainer(4);
+    members_against_one_trainer(4, BrokerConfig::for_targets(1), &[]);
+}
+
+/// Member 1 loses the broker's answer twice at every step, after the broker
+/// recorded its vote: it fetches the decision again, applies exactly the
+/// steps the others apply, and nobody's state ever differs.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_member_that_loses_the_decision_fetches_it_again_and_ends_at_h() {
+    let lossy = Faults {
+        lose_decisions: 2,
+        ..Faults::default()
+    };
+    let status =
+        members_against_one_trainer(3, BrokerConfig::for_targets(1), &[Faults::default(), lossy]);
+    assert_eq!(status.steps_failed, 0, "{status:?}");
+    assert_eq!(status.unknown_decisions, 0, "{status:?}");
+}
+
+/// Member 2 asks for step 2's quorum 3 s late, past the broker's 1 s
+/// --quorum-timeout but within its own collective timeout (30 s): it is
+/// live, so it is waited for, and every step has every member.
+#[test]
+fn a_live_member_asking_past_the_quorum_timeout_is_waited_for() {
+    let mut config = BrokerConfig::for_targets(1);
+    config.lighthouse.quorum_timeout = Duration::from_secs(1);
+    let late = Faults {
+        late_before_step: Some((2, Duration::from_secs(3))),
+        ..Faults::default()
+    };
+    let status = members_against_one_trainer(3, config, &[Faults::default(), Faults::default(), late]);
+    assert_eq!(status.members_dropped, 0, "{status:?}");
+    assert_eq!(status.steps_failed, 0, "{status:?}");
 }

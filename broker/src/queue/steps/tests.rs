@@ -15,15 +15,17 @@ const RECORD: CommitRecord = CommitRecord {
 };
 
 /// One target with items 0..4 accepted, one drafter holding all four; the
-/// drafter's connection and delivery ids.
-fn leased_to_one_drafter(now: Instant) -> (Queue<TestPayload>, ConnectionId, Vec<DeliveryId>) {
+/// drafter's connection and deliveries (delivery id, target, seq).
+fn leased_to_one_drafter(
+    now: Instant,
+) -> (Queue<TestPayload>, ConnectionId, Vec<(DeliveryId, &'static str, u64)>) {
     let (mut queue, producer) = one_target(now);
     queue.enable_journal();
     accept_all(&mut queue, producer, 0..4, now);
     let consumer = queue.open_consumer("d0", credit(8), now).unwrap();
-    let delivered: Vec<DeliveryId> = deliveries(&queue.take_effects())
+    let delivered: Vec<(DeliveryId, &'static str, u64)> = deliveries(&queue.take_effects())
         .into_iter()
-        .map(|(_, delivery_id, _)| delivery_id)
+        .map(|(_, delivery_id, seq)| (delivery_id, "target-0", seq))
         .collect();
     assert_eq!(delivered.len(), 4);
     queue.take_journal();
@@ -64,9 +66,16 @@ fn a_pin_of_a_delivery_not_held_is_refused_whole_and_changes_nothing() {
     let now = Instant::now();
     let (mut queue, _consumer, delivered) = leased_to_one_drafter(now);
     let error = queue
-        .pin_step("d0", &[delivered[0], 999], ROUND, false, now)
+        .pin_step("d0", &[delivered[0], (999, "target-0", 0)], ROUND, false, now)
         .unwrap_err();
-    assert!(error.to_string().contains("999"), "{error}");
+    assert!(error.to_string().contains("999 (target-0:0)"), "{error}");
+    // A held delivery id that names another sample (an id of an earlier
+    // broker process) is refused too.
+    let (delivery_id, _, seq) = delivered[1];
+    let error = queue
+        .pin_step("d0", &[(delivery_id, "target-0", seq + 1)], ROUND, false, now)
+        .unwrap_err();
+    assert!(error.to_string().contains(&format!("{delivery_id} (target-0:{})", seq + 1)), "{error}");
     assert_eq!(queue.pinned_items(), 0);
     assert_eq!(queue.leases.len(), 4);
     let error = queue.pin_step("d1", &delivered, ROUND, false, now).unwrap_err();
@@ -115,9 +124,9 @@ fn recovery_restores_the_record_and_the_steps_acks() {
     queue.enable_journal();
     accept_all(&mut queue, producer, 0..4, now);
     let consumer = queue.open_consumer("d0", credit(8), now).unwrap();
-    let delivered: Vec<DeliveryId> = deliveries(&queue.take_effects())
+    let delivered: Vec<(DeliveryId, &str, u64)> = deliveries(&queue.take_effects())
         .into_iter()
-        .map(|(_, delivery_id, _)| delivery_id)
+        .map(|(_, delivery_id, seq)| (delivery_id, "target-0", seq))
         .collect();
     queue.pin_step("d0", &delivered[..2], ROUND, false, now).unwrap();
     queue.commit_step(ROUND, RECORD, now);
@@ -136,4 +145,18 @@ fn recovery_restores_the_record_and_the_steps_acks() {
         from_image.apply(entry);
     }
     assert_eq!(from_image.commit_record, Some(RECORD));
+}
+
+#[test]
+fn samples_of_a_vote_for_no_open_step_go_back_uncharged() {
+    let now = Instant::now();
+    let (mut queue, _consumer, delivered) = leased_to_one_drafter(now);
+    let ids: Vec<DeliveryId> = delivered.iter().map(|(id, _, _)| *id).collect();
+    assert_eq!(queue.release_step_samples("d0", &ids[..2], now), 2);
+    assert_eq!(queue.release_step_samples("d0", &ids[..2], now), 0, "once");
+    assert_eq!(queue.release_step_samples("d9", &ids[2..], now), 0, "not d9's");
+    queue.take_effects();
+    assert_eq!(queue.leases.len(), 4, "redelivered to d0, which has room");
+    assert!(queue.items.values().all(|item| item.deliveries <= 1), "uncharged");
+    queue.check_invariants().unwrap();
 }

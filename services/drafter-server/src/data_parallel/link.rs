@@ -24,6 +24,9 @@ pub(super) struct LighthouseLink {
     client: Option<ModelSyncClient<dflash_client::AuthChannel>>,
     /// Bound on one call: the collective timeout plus [`CALL_MARGIN`].
     call_limit: Duration,
+    /// Test hook: the first this many tries of each decision fetch lose
+    /// the answer (always 0 without the feature `test-hooks`).
+    lose_decisions: u32,
 }
 
 impl LighthouseLink {
@@ -31,14 +34,19 @@ impl LighthouseLink {
         runtime: tokio::runtime::Handle,
         broker: &str,
         security: dflash_client::ClientSecurityArgs,
-        collective_timeout: Duration,
+        config: &super::DataParallelConfig,
     ) -> Self {
+        #[cfg(feature = "test-hooks")]
+        let lose_decisions = config.lose_decisions;
+        #[cfg(not(feature = "test-hooks"))]
+        let lose_decisions = 0;
         LighthouseLink {
             runtime,
             broker: broker.to_string(),
             security,
             client: None,
-            call_limit: collective_timeout + CALL_MARGIN,
+            call_limit: config.collective_timeout + CALL_MARGIN,
+            lose_decisions,
         }
     }
 
@@ -88,12 +96,11 @@ impl LighthouseLink {
         vote: proto::CommitVote,
         attempt: u32,
     ) -> Result<proto::CommitDecision, DataParallelError> {
-        let drafter_id = vote.drafter_id.clone();
         let mut client = self.client()?;
         let decision = self.block_on("a commit vote", self.call_limit, async move {
             Ok(client.commit(vote).await?.into_inner())
         })?;
-        if crate::test_hooks::lose_decision(&drafter_id, attempt) {
+        if attempt <= self.lose_decisions {
             return Err(DataParallelError::Lost {
                 what: "the commit decision (test hook)",
             });

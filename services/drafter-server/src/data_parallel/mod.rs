@@ -155,7 +155,7 @@ impl DataParallel {
         Ok(DataParallel {
             drafter_id: drafter_id.to_string(),
             config: config.clone(),
-            link: LighthouseLink::new(runtime, broker, security, config.collective_timeout),
+            link: LighthouseLink::new(runtime, broker, security, config),
             store,
             store_address,
             membership: Membership::default(),
@@ -185,11 +185,11 @@ impl DataParallel {
         self.committed
     }
 
-    /// One step with what `trainer` accumulated from the deliveries
-    /// `delivery_ids` (see the module doc).
-    pub fn step(&mut self, trainer: &mut DraftTrainer, delivery_ids: &[u64]) -> StepOutcome {
-        let samples = trainer.accumulated_samples() as u64;
-        let quorum = match self.ask(trainer, samples.max(1), false) {
+    /// One step with what `trainer` accumulated from `samples` (see the
+    /// module doc).
+    pub fn step(&mut self, trainer: &mut DraftTrainer, samples: &[proto::StepSample]) -> StepOutcome {
+        let ready = trainer.accumulated_samples() as u64;
+        let quorum = match self.ask(trainer, ready.max(1), false) {
             Ok(Some(quorum)) => quorum,
             Ok(None) => return StepOutcome::NoQuorum,
             Err(error) => {
@@ -199,7 +199,7 @@ impl DataParallel {
                 return StepOutcome::NoQuorum;
             }
         };
-        self.take_part(trainer, &quorum, delivery_ids)
+        self.take_part(trainer, &quorum, samples)
     }
 
     /// Nothing held: asks with no samples (the broker holds the call a
@@ -229,7 +229,7 @@ impl DataParallel {
         &mut self,
         trainer: &mut DraftTrainer,
         quorum: &proto::QuorumResponse,
-        delivery_ids: &[u64],
+        samples: &[proto::StepSample],
     ) -> StepOutcome {
         self.rank = quorum.rank as usize;
         self.world_size = quorum.world_size.max(1) as usize;
@@ -255,8 +255,8 @@ impl DataParallel {
         };
         // The samples in this member's share of the step: none when it gave
         // zeros (it hands them back itself).
-        let voted_ids: Vec<u64> = if excluded.is_none() {
-            delivery_ids.to_vec()
+        let voted: Vec<proto::StepSample> = if excluded.is_none() {
+            samples.to_vec()
         } else {
             Vec::new()
         };
@@ -272,7 +272,7 @@ impl DataParallel {
             reason: vote_reason.clone(),
             instance: quorum.instance,
             nonce: quorum.nonce,
-            delivery_ids: voted_ids,
+            samples: voted,
             charge_on_abort,
         };
         let patience = self.config.collective_timeout + CALL_MARGIN * 10;

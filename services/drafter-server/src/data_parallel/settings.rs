@@ -30,6 +30,13 @@ pub struct DataParallelConfig {
     /// steps; every member sends it when it stops. 0: only when stopping.
     #[arg(long, env = "DFLASH_SNAPSHOT_EVERY", default_value_t = 50)]
     pub snapshot_every: u64,
+
+    /// Test hook (cargo feature `test-hooks`; no flag): the first this many
+    /// tries of every decision fetch lose the broker's answer after the
+    /// broker recorded the vote, as a connection cut at that moment would.
+    #[cfg(feature = "test-hooks")]
+    #[arg(skip)]
+    pub lose_decisions: u32,
 }
 
 impl Default for DataParallelConfig {
@@ -39,6 +46,8 @@ impl Default for DataParallelConfig {
             collective_port: 0,
             collective_timeout: Duration::from_secs(60),
             snapshot_every: 50,
+            #[cfg(feature = "test-hooks")]
+            lose_decisions: 0,
         }
     }
 }

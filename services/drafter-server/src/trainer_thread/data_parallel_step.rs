@@ -23,17 +23,36 @@ impl TrainingLoop {
         let span = self.step_span.take().unwrap_or_else(Span::none);
         span.record("samples", self.accumulated_ids.len());
         let started = Instant::now();
-        let ids = self.accumulated_ids.clone();
-        let outcome = span.in_scope(|| data_parallel.step(trainer, &ids));
-        drop(span);
+        let samples: Vec<dflash_proto::v1::StepSample> = self
+            .accumulated_ids
+            .iter()
+            .zip(&self.accumulated_keys)
+            .map(|(&delivery_id, (target_id, seq))| dflash_proto::v1::StepSample {
+                delivery_id,
+                target_id: target_id.clone(),
+                seq: *seq,
+            })
+            .collect();
+        let outcome = span.in_scope(|| data_parallel.step(trainer, &samples));
         let elapsed = started.elapsed();
         self.busy += elapsed;
-        if matches!(outcome, StepOutcome::NoQuorum) {
-            // Too few members: keep what is accumulated and try again.
-            return;
+        match &outcome {
+            StepOutcome::NoQuorum => {
+                // Too few members: keep what is accumulated (and the span
+                // that names it) and try again.
+                self.step_span = Some(span);
+                return;
+            }
+            // The committed step's span names its samples and links their
+            // batches; any other outcome's span names none (they go on to
+            // another step), and the traces are emptied either way.
+            StepOutcome::Committed { excluded: None, .. } => self.step_samples.apply(&span),
+            _ => self.step_samples.apply(&Span::none()),
         }
+        drop(span);
         let step_compute = std::mem::take(&mut self.step_compute) + elapsed;
         let delivery_ids = std::mem::take(&mut self.accumulated_ids);
+        self.accumulated_keys.clear();
         self.accumulated_micro_batches = 0;
         self.after_data_parallel_step(outcome, delivery_ids, own_samples, own_tokens, step_compute);
     }
