@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Mutation check of the queue's rules (issue 43): each named mutant below
-# breaks one rule of broker/src/queue (the end-of-stream rule, the
-# completion counter, the ack ledger, dead letters, leases, target failure,
-# what is refused after the end) with a one-line perl substitution; the
-# queue's tests (`cargo test -p dflash-broker --lib queue`: the scenario
-# tests and the property tests) must then FAIL, or the mutant survived.
+# Mutation check of the queue's and the lighthouse's rules (issues 43, 48):
+# each named mutant below breaks one rule of broker/src/queue (the
+# end-of-stream rule, the completion counter, the ack ledger, dead letters,
+# leases, target failure, what is refused after the end, a data-parallel
+# step's pinned samples) or of broker/src/lighthouse (quorums only at H with
+# a holder, the majority, commits only while H is the round's, UNKNOWN never
+# a no, commits answered once durable, the wait bound) with a one-line perl
+# substitution; their tests (`cargo test -p dflash-broker --lib -- queue
+# lighthouse`: scenario, unit and property tests) must then FAIL, or the
+# mutant survived.
 #
 # Each mutant is applied in place to the working tree and reverted from a
 # copy taken first (a trap restores every file however the script ends),
@@ -23,6 +27,7 @@ cd "$repo_root"
 cargo="${CARGO:-cargo}"
 timeout_s="${MUTANT_TIMEOUT:-600}"
 queue=broker/src/queue
+lighthouse=broker/src/lighthouse
 
 names=()
 files=()
@@ -35,9 +40,11 @@ mutant() { names+=("$1"); files+=("$2"); exprs+=("$3"); }
 mutant eos-finishes-with-one-target-running "$queue/ledger.rs" \
   's/let all_finished = self\.finished_targets\(\) >= self\.config\.expected_targets\(\);/let all_finished = self.finished_targets() + 1 >= self.config.expected_targets();/'
 mutant eos-ignores-leased-items "$queue/ledger.rs" \
-  's/if self\.queue\.is_empty\(\) && self\.leases\.is_empty\(\) \{/if self.queue.is_empty() {/'
+  's/if self\.queue\.is_empty\(\) && self\.leases\.is_empty\(\) && self\.pinned\.is_empty\(\) \{/if self.queue.is_empty() \&\& self.pinned.is_empty() {/'
 mutant eos-ignores-queued-items "$queue/ledger.rs" \
-  's/if self\.queue\.is_empty\(\) && self\.leases\.is_empty\(\) \{/if self.leases.is_empty() {/'
+  's/if self\.queue\.is_empty\(\) && self\.leases\.is_empty\(\) && self\.pinned\.is_empty\(\) \{/if self.leases.is_empty() \&\& self.pinned.is_empty() {/'
+mutant eos-ignores-pinned-items "$queue/ledger.rs" \
+  's/if self\.queue\.is_empty\(\) && self\.leases\.is_empty\(\) && self\.pinned\.is_empty\(\) \{/if self.queue.is_empty() \&\& self.leases.is_empty() {/'
 mutant eos-never-drains "$queue/ledger.rs" \
   's/\} else \{\n            self\.state = BrokerState::Draining;\n/} else {\n/'
 mutant end-allows-produce-after-the-end "$queue/producers.rs" \
@@ -95,6 +102,28 @@ mutant duplicate-queued-again "$queue/producers.rs" \
 mutant dispatch-ignores-credit "$queue/ledger.rs" \
   's/&& items < u64::from\(entry\.credit\.items\)//'
 
+# --- data-parallel steps' samples (steps.rs) --------------------------------
+mutant pin-ignores-the-sample-key "$queue/steps.rs" \
+  's/&\*item\.target_id == \*target_id && item\.seq == \*seq/true/'
+mutant abort-charges-every-sample "$queue/steps.rs" \
+  's/if !charge_on_abort \{/if false {/'
+mutant commit-journals-no-record "$queue/steps.rs" \
+  's/self\.record\(JournalEntry::StepCommitted \{\n            record,\n            acked: acked\.clone\(\),\n        \}\);//'
+
+# --- the lighthouse (state.rs, votes.rs, types.rs) --------------------------
+mutant quorum-without-a-holder-of-h "$lighthouse/state.rs" \
+  's/if self\.adopting\n            \|\| self/if true || self.adopting\n            || self/'
+mutant quorum-without-a-majority "$lighthouse/state.rs" \
+  's/asking \* 2 > live\.len\(\)/asking > 0/'
+mutant commit-ignores-h "$lighthouse/votes.rs" \
+  's/if round\.base != self\.record \{/if false {/'
+mutant unknown-reads-as-no "$lighthouse/votes.rs" \
+  's/Decision::unknown\(format!/Decision::abort(format!/g'
+mutant commit-answered-before-durable "$lighthouse/votes.rs" \
+  's/if round\.durable \{/if true {/'
+mutant wait-bound-ignores-collective-timeout "$lighthouse/types.rs" \
+  's/\.max\(collective_timeout \+ longest_step\.saturating_mul\(2\)\)//'
+
 selected=("$@")
 wanted() {
   [[ ${#selected[@]} -eq 0 ]] && return 0
@@ -122,14 +151,14 @@ cp "$regressions" "$backup/regressions"
 trap 'restore; cp "$backup/regressions" "$regressions"; rm -rf "$backup"' EXIT
 
 run_tests() {
-  timeout "$timeout_s" nice -n 10 "$cargo" test -q -p dflash-broker --lib queue >"$1" 2>&1
+  timeout "$timeout_s" nice -n 10 "$cargo" test -q -p dflash-broker --lib -- queue lighthouse >"$1" 2>&1
 }
 
 started=$SECONDS
 log="$backup/baseline.log"
 if ! run_tests "$log"; then
   tail -30 "$log"
-  echo "mutants: the unmutated queue tests fail; nothing to measure"
+  echo "mutants: the unmutated queue and lighthouse tests fail; nothing to measure"
   exit 1
 fi
 echo "mutants: baseline passes ($((SECONDS - started)) s)"
@@ -168,7 +197,7 @@ for index in "${!names[@]}"; do
       not_applied=$((not_applied + 1))
       continue
     else
-      failing="$(grep -E '^    queue::' "$log" | sed 's/^ *queue:://' | sort -u)"
+      failing="$(grep -E '^    (queue|lighthouse)::' "$log" | sed 's/^ *//' | sort -u)"
       why="$(grep -c . <<<"$failing") failing: $(paste -sd ' ' - <<<"$failing")"
     fi
     echo "mutant $name: killed [$took s] by ${why:-a failing test}"

@@ -144,6 +144,11 @@ impl LighthouseHub {
         self.deliver(&mut inner, answers);
     }
 
+    /// A drafter opened a Consume stream: live again.
+    pub fn member_back(&self, drafter_id: &str) {
+        self.inner.lock().state.member_back(drafter_id);
+    }
+
     /// The commit record, the last quorum and the counters, for status.
     pub fn status(&self) -> proto::DataParallelStatus {
         let inner = self.inner.lock();

@@ -136,7 +136,6 @@ impl Lighthouse {
         let mut answers = Answers::default();
         let drafter_id = ask.drafter_id.clone();
         self.last_decisions.remove(&drafter_id);
-        self.gone.remove(&drafter_id);
         self.departed.remove(&drafter_id);
         if ask.leaving {
             self.departed.insert(drafter_id.clone());
@@ -155,6 +154,13 @@ impl Lighthouse {
         }
         self.try_form(now, &mut answers);
         answers
+    }
+
+    /// The drafter opened a Consume stream: live again. Only a stream makes
+    /// a drafter live: an ask from a process whose stream is gone (a
+    /// trainer outliving its stream) is served, but nobody waits for it.
+    pub fn member_back(&mut self, drafter_id: &str) {
+        self.gone.remove(drafter_id);
     }
 
     /// The drafter stopped waiting (its call ended): its ask is withdrawn;
@@ -197,6 +203,18 @@ impl Lighthouse {
             return;
         };
         let waited = now.saturating_duration_since(started);
+        // Members whose stream is gone are not waited for.
+        let gone: Vec<String> = self
+            .expected
+            .keys()
+            .filter(|drafter_id| self.gone.contains(*drafter_id) && !self.waiting.contains_key(*drafter_id))
+            .cloned()
+            .collect();
+        for drafter_id in gone {
+            self.expected.remove(&drafter_id);
+            self.counters.members_dropped += 1;
+            tracing::warn!(drafter_id, "data parallelism: member's stream is gone; dropped from the membership");
+        }
         // Live members past their bound are dropped, with the reason.
         let longest = self.longest_recent_step();
         let overdue: Vec<(String, Duration)> = self

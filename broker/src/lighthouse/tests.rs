@@ -172,6 +172,7 @@ fn no_quorum_forms_below_h_without_a_holder_of_h() {
     assert_eq!(lighthouse.record(), h2);
     // The holder comes back: one quorum at H, the others healed from it.
     later += TIMEOUT;
+    lighthouse.member_back("d1");
     let askers = [("d0", h1), ("d2", h1), ("d1", h2)];
     let formed = ask_all(&mut lighthouse, later, &askers).expect("a holder asked");
     assert_eq!(formed.step, 2);
@@ -460,4 +461,24 @@ fn a_leaving_member_is_not_waited_for_and_fails_its_open_step() {
     assert!(answers.quorums.contains(&("d1".to_string(), QuorumAnswer::Left)));
     let formed = ask_all(&mut lighthouse, now, &[("d0", record)]).expect("d0 alone is every live member");
     assert_eq!(formed.members, vec!["d0".to_string()]);
+}
+
+/// Only a Consume stream makes a drafter live: a process whose stream is
+/// gone may still ask (a trainer outliving its stream), but once it stops
+/// asking nobody waits for it.
+#[test]
+fn an_ask_after_the_stream_is_gone_is_served_but_not_waited_for_after() {
+    let mut lighthouse = lighthouse();
+    let now = Instant::now();
+    let genesis = CommitRecord::GENESIS;
+    lighthouse.member_gone(now, "zombie");
+    let formed = formed_together(&mut lighthouse, now, &[("zombie", genesis), ("d1", genesis)]);
+    assert_eq!(formed.members.len(), 2, "its ask is served");
+    let record = commit_all(&mut lighthouse, now, &formed);
+    let answers = lighthouse.ask(now, ask("d1", record, 4));
+    let formed = formed_for(&answers, "d1").expect("the zombie is not waited for");
+    assert_eq!(formed.members, vec!["d1".to_string()]);
+    lighthouse.member_back("zombie");
+    lighthouse.ask(now, ask("zombie", record, 4));
+    assert!(!lighthouse.waiting_for_holder());
 }

@@ -66,6 +66,7 @@ impl BrokerService {
                 |error| warn!(drafter_id = %hello.drafter_id, %error, "Consume hello refused"),
             )?;
         info!(drafter_id = %hello.drafter_id, connection, credit_items = credit.items, "drafter connected");
+        self.shared.drafter_back(&hello.drafter_id);
         let guard = ConnectionGuard {
             shared: self.shared.clone(),
             connection,

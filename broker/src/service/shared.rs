@@ -408,6 +408,13 @@ impl Shared {
         }
     }
 
+    /// A drafter opened a Consume stream: live again for the lighthouse.
+    pub(super) fn drafter_back(&self, drafter_id: &str) {
+        if let Some(model_sync) = self.model_sync.get() {
+            model_sync.quorum.member_back(drafter_id);
+        }
+    }
+
     /// The data-parallel commit record the write-ahead log restored.
     pub(crate) fn commit_record(&self) -> Option<crate::queue::CommitRecord> {
         self.locked.lock().queue.commit_record()

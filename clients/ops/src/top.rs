@@ -437,17 +437,39 @@ pub fn data_parallel_line(sync: &proto::ModelSyncStatus) -> String {
     else {
         return String::new();
     };
-    let problems =
-        if parallel.steps_failed + parallel.checksum_mismatches + parallel.members_dropped > 0 {
-            format!(
-                "  failed {}  dropped {}  checksum mismatches {}",
-                parallel.steps_failed, parallel.members_dropped, parallel.checksum_mismatches
-            )
-        } else {
-            String::new()
-        };
+    let mut problems = if parallel.steps_failed
+        + parallel.checksum_mismatches
+        + parallel.members_dropped
+        + parallel.splits
+        + parallel.unknown_decisions
+        > 0
+    {
+        format!(
+            "  failed {}  dropped {}  checksum mismatches {}  splits {}  unknown {}",
+            parallel.steps_failed,
+            parallel.members_dropped,
+            parallel.checksum_mismatches,
+            parallel.splits,
+            parallel.unknown_decisions
+        )
+    } else {
+        String::new()
+    };
+    if parallel.rollbacks > 0 {
+        problems.push_str(&format!(
+            "  ROLLED BACK {} steps ({} rollbacks)",
+            parallel.steps_rolled_back, parallel.rollbacks
+        ));
+    }
+    if parallel.waiting_for_holder {
+        problems.push_str(&format!(
+            "  WAITING for a drafter holding step {}",
+            parallel.committed_step
+        ));
+    }
     format!(
-        "dp     quorum {} step {}  {} members ({})  {} steps committed  {} heals{problems}\n",
+        "dp     H {} quorum {} step {}  {} members ({})  {} steps committed  {} heals{problems}\n",
+        parallel.committed_step,
         parallel.quorum_id,
         parallel.step,
         parallel.members.len(),
@@ -619,21 +641,31 @@ mod tests {
             members: vec!["drafter-0".into(), "drafter-1".into()],
             steps_committed: 118,
             heals: 1,
+            committed_step: 120,
             ..Default::default()
         });
         assert_eq!(
             data_parallel_line(&sync),
-            "dp     quorum 3 step 120  2 members (drafter-0, drafter-1)  118 steps committed  1 heals\n"
+            "dp     H 120 quorum 3 step 120  2 members (drafter-0, drafter-1)  118 steps committed  1 heals\n"
         );
         if let Some(parallel) = sync.data_parallel.as_mut() {
             parallel.steps_failed = 2;
             parallel.members_dropped = 1;
+            parallel.splits = 1;
         }
         let line = data_parallel_line(&sync);
         assert!(
-            line.contains("failed 2  dropped 1  checksum mismatches 0"),
+            line.contains("failed 2  dropped 1  checksum mismatches 0  splits 1  unknown 0"),
             "{line}"
         );
+        if let Some(parallel) = sync.data_parallel.as_mut() {
+            parallel.rollbacks = 1;
+            parallel.steps_rolled_back = 7;
+            parallel.waiting_for_holder = true;
+        }
+        let line = data_parallel_line(&sync);
+        assert!(line.contains("ROLLED BACK 7 steps (1 rollbacks)"), "{line}");
+        assert!(line.contains("WAITING for a drafter holding step 120"), "{line}");
     }
 
     #[test]

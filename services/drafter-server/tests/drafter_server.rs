@@ -41,6 +41,10 @@ async fn two_drafters_train_until_the_run_completes() {
         let report = report_within(TEST_TIMEOUT, drafter).await;
         reports.push(report);
     }
+    // The commit of the run's last step acks its samples and so ends the
+    // run (the broker acks a data-parallel step's samples itself): a
+    // drafter's stats of that last step can reach the broker only after its
+    // stream ended, and are not counted. Every earlier step's are.
     let status = broker.status().await;
     assert_eq!(status.acked_items, 24);
     assert_eq!(status.dead_letters, 0);
@@ -62,7 +66,12 @@ async fn two_drafters_train_until_the_run_completes() {
         let drafter = drafter_status(&status, &report.drafter_id).expect("drafter in status");
         let stats = drafter.stats.clone().expect("stats sent");
         assert_eq!(stats.device, "cpu");
-        assert_eq!(stats.steps, report.steps);
+        assert!(
+            stats.steps + 1 >= report.steps && stats.steps <= report.steps,
+            "stats of {} steps sent, {} taken",
+            stats.steps,
+            report.steps
+        );
         assert_eq!(drafter.acked_items, report.samples_trained);
     }
     broker.stop().await;
