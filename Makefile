@@ -33,7 +33,7 @@ run: release
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker, the Python client).
-test: setup lint check-grpcurl test-rust check-checkpoint check-dflash2 check-ops-cli check-python check-k8s check-deploy
+test: setup lint check-grpcurl test-rust mutants check-checkpoint check-dflash2 check-ops-cli check-python check-k8s check-deploy
 
 lint:
 	$(PYTHON) scripts/check-module-cycles.py
@@ -84,9 +84,10 @@ check-grpcurl: setup
 check-ops-cli: setup
 	bash scripts/check-ops-cli.sh
 
-## Mutation check of the queue's rules (scripts/mutants.sh): each named
-## mutant of broker/src/queue must make its tests fail. Not in `test`: 5 min
-## on the 2-core machine (27 mutants, 8-18 s each). MUTANTS picks some.
+## Mutation check of the queue's and the lighthouse's rules
+## (scripts/mutants.sh): each named mutant of broker/src/queue and
+## broker/src/lighthouse must make their tests fail. In `test` (#48): the
+## commit rules must be seen to be tested. MUTANTS picks some.
 .PHONY: mutants
 MUTANTS ?=
 mutants:

@@ -163,18 +163,26 @@ fn assert_one_history(status: &proto::DataParallelStatus, phase: &str) {
 /// steps that trained it.
 fn committed_samples(log: &str) -> std::collections::BTreeMap<(String, u64), Vec<u64>> {
     let mut trained: std::collections::BTreeMap<(String, u64), Vec<u64>> = Default::default();
-    for line in log.lines().filter(|line| line.contains("data parallelism: step committed")) {
+    for line in log
+        .lines()
+        .filter(|line| line.contains("data parallelism: step committed"))
+    {
         let field = |name: &str| {
             line.split_whitespace()
                 .find_map(|word| word.strip_prefix(name))
                 .map(|value| value.trim_matches('"').to_string())
         };
-        let step: u64 = field("step=").and_then(|step| step.parse().ok()).unwrap_or(0);
+        let step: u64 = field("step=")
+            .and_then(|step| step.parse().ok())
+            .unwrap_or(0);
         let keys = field("keys=").unwrap_or_default();
         for key in keys.split(',').filter(|key| !key.is_empty()) {
             let (target_id, seq) = key.rsplit_once(':').expect("target:seq");
             let seq: u64 = seq.parse().expect("a seq");
-            trained.entry((target_id.to_string(), seq)).or_default().push(step);
+            trained
+                .entry((target_id.to_string(), seq))
+                .or_default()
+                .push(step);
         }
     }
     trained
@@ -373,8 +381,10 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     let missing: Vec<u64> = (0..produced)
         .filter(|seq| !trained.contains_key(&("target-0".to_string(), *seq)))
         .collect();
-    let twice: Vec<(&(String, u64), &Vec<u64>)> =
-        trained.iter().filter(|(_, steps)| steps.len() > 1).collect();
+    let twice: Vec<(&(String, u64), &Vec<u64>)> = trained
+        .iter()
+        .filter(|(_, steps)| steps.len() > 1)
+        .collect();
     let strangers: Vec<&(String, u64)> = trained
         .keys()
         .filter(|(target_id, seq)| target_id != "target-0" || *seq >= produced)
@@ -399,7 +409,12 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
         .unwrap()
         .expect("a model on disk");
     assert_eq!(model.version, parallel.committed_step, "{parallel:?}");
-    let sync = client.status().await.unwrap().model_sync.unwrap_or_default();
+    let sync = client
+        .status()
+        .await
+        .unwrap()
+        .model_sync
+        .unwrap_or_default();
     assert_eq!(
         sync.center_samples, produced,
         "the run's model trained every produced sample once: {sync:?}"

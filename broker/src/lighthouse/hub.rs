@@ -319,7 +319,11 @@ impl LighthouseHub {
                     }
                 }
                 (Admission::Answered, Some(ledger)) if !samples.samples.is_empty() => {
-                    let ids: Vec<u64> = samples.samples.iter().map(|sample| sample.delivery_id).collect();
+                    let ids: Vec<u64> = samples
+                        .samples
+                        .iter()
+                        .map(|sample| sample.delivery_id)
+                        .collect();
                     ledger.release(&vote.drafter_id, &ids);
                 }
                 _ => {}

@@ -56,7 +56,9 @@ fn ask_from_proto(request: proto::QuorumRequest) -> Result<QuorumAsk, Status> {
         )));
     }
     let collective_timeout = Duration::from_millis(request.collective_timeout_ms);
-    if !request.leaving && (collective_timeout.is_zero() || collective_timeout > MAX_COLLECTIVE_TIMEOUT) {
+    if !request.leaving
+        && (collective_timeout.is_zero() || collective_timeout > MAX_COLLECTIVE_TIMEOUT)
+    {
         return Err(Status::invalid_argument(format!(
             "collective_timeout_ms {} is not in 1..={}",
             request.collective_timeout_ms,
@@ -227,12 +229,20 @@ mod tests {
             ..request()
         };
         let status = ask_from_proto(mismatched).unwrap_err();
-        assert!(status.message().contains("committed.step 3 differs from step 4"), "{status:?}");
+        assert!(
+            status
+                .message()
+                .contains("committed.step 3 differs from step 4"),
+            "{status:?}"
+        );
         let no_timeout = proto::QuorumRequest {
             collective_timeout_ms: 0,
             ..request()
         };
         let status = ask_from_proto(no_timeout).unwrap_err();
-        assert!(status.message().contains("collective_timeout_ms 0"), "{status:?}");
+        assert!(
+            status.message().contains("collective_timeout_ms 0"),
+            "{status:?}"
+        );
     }
 }

@@ -75,7 +75,11 @@ impl Lighthouse {
     /// `instance` tells this lighthouse's quorums apart from those of an
     /// earlier broker process; `restored` is the commit record a state dir
     /// kept (None: a new run, or no state dir).
-    pub fn new(settings: LighthouseSettings, instance: u64, restored: Option<CommitRecord>) -> Self {
+    pub fn new(
+        settings: LighthouseSettings,
+        instance: u64,
+        restored: Option<CommitRecord>,
+    ) -> Self {
         Lighthouse {
             settings,
             instance,
@@ -181,7 +185,10 @@ impl Lighthouse {
         self.gone.insert(drafter_id.to_string());
         if self.expected.remove(drafter_id).is_some() {
             self.counters.members_dropped += 1;
-            tracing::warn!(drafter_id, "data parallelism: member's stream is gone; dropped from the membership");
+            tracing::warn!(
+                drafter_id,
+                "data parallelism: member's stream is gone; dropped from the membership"
+            );
         }
         self.member_lost(now, drafter_id, "its Consume stream ended", &mut answers);
         self.try_form(now, &mut answers);
@@ -207,13 +214,18 @@ impl Lighthouse {
         let gone: Vec<String> = self
             .expected
             .keys()
-            .filter(|drafter_id| self.gone.contains(*drafter_id) && !self.waiting.contains_key(*drafter_id))
+            .filter(|drafter_id| {
+                self.gone.contains(*drafter_id) && !self.waiting.contains_key(*drafter_id)
+            })
             .cloned()
             .collect();
         for drafter_id in gone {
             self.expected.remove(&drafter_id);
             self.counters.members_dropped += 1;
-            tracing::warn!(drafter_id, "data parallelism: member's stream is gone; dropped from the membership");
+            tracing::warn!(
+                drafter_id,
+                "data parallelism: member's stream is gone; dropped from the membership"
+            );
         }
         // Live members past their bound are dropped, with the reason.
         let longest = self.longest_recent_step();
@@ -370,7 +382,9 @@ impl Lighthouse {
             .and_then(|last| last.members.first().cloned());
         let source = asks
             .iter()
-            .find(|ask| Some(&ask.drafter_id) == previous_source.as_ref() && ask.committed == record)
+            .find(|ask| {
+                Some(&ask.drafter_id) == previous_source.as_ref() && ask.committed == record
+            })
             .or_else(|| asks.iter().find(|ask| ask.committed == record))
             .cloned();
         let Some(source) = source else {
@@ -504,7 +518,12 @@ impl Lighthouse {
     /// Why the quorum heals (empty: it does not): members behind H, members
     /// on another history (a split: an error), holders whose checksum
     /// differs from rank 0's (an error).
-    fn heal_reasons(&mut self, asks: &[QuorumAsk], source: &QuorumAsk, record: CommitRecord) -> Vec<String> {
+    fn heal_reasons(
+        &mut self,
+        asks: &[QuorumAsk],
+        source: &QuorumAsk,
+        record: CommitRecord,
+    ) -> Vec<String> {
         let mut reasons = Vec::new();
         for ask in asks {
             if ask.committed == record {
@@ -520,7 +539,10 @@ impl Lighthouse {
                     );
                     reasons.push(format!(
                         "{} checksum {:#018x} differs from {}'s {:#018x} at {record}",
-                        ask.drafter_id, ask.state_checksum, source.drafter_id, source.state_checksum
+                        ask.drafter_id,
+                        ask.state_checksum,
+                        source.drafter_id,
+                        source.state_checksum
                     ));
                 }
             } else if ask.committed.step >= record.step {

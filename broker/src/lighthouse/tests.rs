@@ -126,18 +126,37 @@ fn three_members_commit_steps_and_keep_one_quorum_id() {
     let mut lighthouse = lighthouse();
     let now = Instant::now();
     let genesis = CommitRecord::GENESIS;
-    let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis), ("d2", genesis)]);
+    let formed = formed_together(
+        &mut lighthouse,
+        now,
+        &[("d0", genesis), ("d1", genesis), ("d2", genesis)],
+    );
     assert_eq!(formed.step, 0);
     assert!(!formed.heal);
     let record = commit_all(&mut lighthouse, now, &formed);
-    assert_eq!(record, CommitRecord { step: 1, instance: INSTANCE, quorum_id: formed.quorum_id });
+    assert_eq!(
+        record,
+        CommitRecord {
+            step: 1,
+            instance: INSTANCE,
+            quorum_id: formed.quorum_id
+        }
+    );
     assert_eq!(lighthouse.record(), record);
-    let next = ask_all(&mut lighthouse, now, &[("d0", record), ("d1", record), ("d2", record)])
-        .expect("every member asked");
+    let next = ask_all(
+        &mut lighthouse,
+        now,
+        &[("d0", record), ("d1", record), ("d2", record)],
+    )
+    .expect("every member asked");
     assert_eq!(next.step, 1);
     assert_eq!(next.quorum_id, formed.quorum_id);
     assert_ne!(next.nonce, formed.nonce, "each formation is its own round");
-    assert_eq!(next.store_prefix(), formed.store_prefix(), "the same members keep their group");
+    assert_eq!(
+        next.store_prefix(),
+        formed.store_prefix(),
+        "the same members keep their group"
+    );
     assert_eq!(lighthouse.counters.steps_committed, 1);
 }
 
@@ -148,12 +167,17 @@ fn no_quorum_forms_below_h_without_a_holder_of_h() {
     let mut lighthouse = lighthouse();
     let now = Instant::now();
     let genesis = CommitRecord::GENESIS;
-    let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis), ("d2", genesis)]);
+    let formed = formed_together(
+        &mut lighthouse,
+        now,
+        &[("d0", genesis), ("d1", genesis), ("d2", genesis)],
+    );
     let h1 = commit_all(&mut lighthouse, now, &formed);
     // d1 asks; d0 and d2 are gone (their streams ended), so d1 forms alone.
     lighthouse.member_gone(now, "d0");
     lighthouse.member_gone(now, "d2");
-    let alone = ask_all(&mut lighthouse, now, &[("d1", h1)]).expect("d1 alone is every live member");
+    let alone =
+        ask_all(&mut lighthouse, now, &[("d1", h1)]).expect("d1 alone is every live member");
     assert_eq!(alone.members, vec!["d1".to_string()]);
     let h2 = commit_all(&mut lighthouse, now, &alone);
     assert_eq!(h2.step, 2);
@@ -166,7 +190,10 @@ fn no_quorum_forms_below_h_without_a_holder_of_h() {
         let formed = ask_all(&mut lighthouse, later, &[("d0", h1), ("d2", h1)]);
         assert_eq!(formed, None, "a quorum formed below H without a holder");
         let answers = lighthouse.tick(later + IDLE);
-        assert!(answers.quorums.iter().all(|(_, answer)| *answer == QuorumAnswer::Idle));
+        assert!(answers
+            .quorums
+            .iter()
+            .all(|(_, answer)| *answer == QuorumAnswer::Idle));
     }
     assert!(lighthouse.waiting_for_holder());
     assert_eq!(lighthouse.record(), h2);
@@ -189,7 +216,11 @@ fn a_member_on_another_history_is_a_counted_split_and_healed() {
     let genesis = CommitRecord::GENESIS;
     let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis)]);
     let h1 = commit_all(&mut lighthouse, now, &formed);
-    let other = CommitRecord { step: 1, instance: INSTANCE, quorum_id: 99 };
+    let other = CommitRecord {
+        step: 1,
+        instance: INSTANCE,
+        quorum_id: 99,
+    };
     let formed = ask_all(&mut lighthouse, now, &[("d0", h1), ("d1", other)]).expect("formed");
     assert_eq!(formed.members[0], "d0");
     assert!(formed.heal);
@@ -208,12 +239,21 @@ fn a_round_commits_only_while_h_is_the_step_it_formed_at() {
     // The round is open; fake a commit of the same step by another round
     // (as a restarted broker without a record could): the open round
     // must not commit a second step 1.
-    lighthouse.record = CommitRecord { step: 1, instance: INSTANCE, quorum_id: 42 };
+    lighthouse.record = CommitRecord {
+        step: 1,
+        instance: INSTANCE,
+        quorum_id: 42,
+    };
     let answers = lighthouse.vote(now, vote("d0", &formed, true));
     let decision = decision_for(&answers, "d0").expect("decided");
     assert_eq!(decision.outcome, Outcome::Abort, "{decision:?}");
     assert!(decision.reason.contains("moved"), "{}", decision.reason);
-    assert_eq!(answers.settlements, vec![Settlement::Abort { round: (formed.quorum_id, 0) }]);
+    assert_eq!(
+        answers.settlements,
+        vec![Settlement::Abort {
+            round: (formed.quorum_id, 0)
+        }]
+    );
 }
 
 #[test]
@@ -230,12 +270,24 @@ fn a_vote_for_an_unknown_round_is_unknown_never_no() {
         reason: String::new(),
     };
     let answers = lighthouse.vote(now, stranger.clone());
-    assert_eq!(decision_for(&answers, "d0").unwrap().outcome, Outcome::Unknown);
-    let other_instance = Vote { instance: INSTANCE + 1, ..stranger };
+    assert_eq!(
+        decision_for(&answers, "d0").unwrap().outcome,
+        Outcome::Unknown
+    );
+    let other_instance = Vote {
+        instance: INSTANCE + 1,
+        ..stranger
+    };
     let answers = lighthouse.vote(now, other_instance);
-    assert_eq!(decision_for(&answers, "d0").unwrap().outcome, Outcome::Unknown);
+    assert_eq!(
+        decision_for(&answers, "d0").unwrap().outcome,
+        Outcome::Unknown
+    );
     assert_eq!(lighthouse.counters.unknown_decisions, 2);
-    assert!(answers.settlements.is_empty(), "an unknown vote changes nothing");
+    assert!(
+        answers.settlements.is_empty(),
+        "an unknown vote changes nothing"
+    );
 }
 
 /// The decision fetch is idempotent: a retried vote gets the same answer,
@@ -249,10 +301,16 @@ fn a_retried_vote_gets_the_decision_again() {
     let record = commit_all(&mut lighthouse, now, &formed);
     let again = lighthouse.vote(now, vote("d1", &formed, true));
     assert_eq!(decision_for(&again, "d1").unwrap().record, Some(record));
-    assert!(again.settlements.is_empty(), "a retry settles nothing twice");
+    assert!(
+        again.settlements.is_empty(),
+        "a retry settles nothing twice"
+    );
     lighthouse.rounds.clear();
     let forgotten = lighthouse.vote(now, vote("d1", &formed, true));
-    assert_eq!(decision_for(&forgotten, "d1").unwrap().outcome, Outcome::Commit);
+    assert_eq!(
+        decision_for(&forgotten, "d1").unwrap().outcome,
+        Outcome::Commit
+    );
 }
 
 #[test]
@@ -261,14 +319,27 @@ fn a_commit_is_answered_only_once_durable() {
     let now = Instant::now();
     let genesis = CommitRecord::GENESIS;
     let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis)]);
-    assert!(lighthouse.vote(now, vote("d0", &formed, true)).decisions.is_empty());
+    assert!(lighthouse
+        .vote(now, vote("d0", &formed, true))
+        .decisions
+        .is_empty());
     let answers = lighthouse.vote(now, vote("d1", &formed, true));
-    assert!(answers.decisions.is_empty(), "nobody hears a commit before it is durable");
+    assert!(
+        answers.decisions.is_empty(),
+        "nobody hears a commit before it is durable"
+    );
     assert_eq!(answers.settlements.len(), 1);
     // A retry meanwhile waits as well.
-    assert!(lighthouse.vote(now, vote("d0", &formed, true)).decisions.is_empty());
+    assert!(lighthouse
+        .vote(now, vote("d0", &formed, true))
+        .decisions
+        .is_empty());
     let answers = lighthouse.durable((formed.quorum_id, formed.step));
-    let heard: BTreeSet<&str> = answers.decisions.iter().map(|(id, _)| id.as_str()).collect();
+    let heard: BTreeSet<&str> = answers
+        .decisions
+        .iter()
+        .map(|(id, _)| id.as_str())
+        .collect();
     assert_eq!(heard, BTreeSet::from(["d0", "d1"]));
 }
 
@@ -278,7 +349,11 @@ fn a_commit_is_answered_only_once_durable() {
 #[test]
 fn a_restart_restores_h_and_answers_the_commit_it_recorded() {
     let now = Instant::now();
-    let recorded = CommitRecord { step: 9, instance: 3, quorum_id: 5 };
+    let recorded = CommitRecord {
+        step: 9,
+        instance: 3,
+        quorum_id: 5,
+    };
     let mut lighthouse = Lighthouse::new(settings(), INSTANCE, Some(recorded));
     let late = Vote {
         drafter_id: "d0".to_string(),
@@ -295,14 +370,25 @@ fn a_restart_restores_h_and_answers_the_commit_it_recorded() {
     assert_eq!(decision.record, Some(recorded));
     let earlier = Vote { step: 7, ..late };
     let answers = lighthouse.vote(now, earlier);
-    assert_eq!(decision_for(&answers, "d0").unwrap().outcome, Outcome::Unknown);
+    assert_eq!(
+        decision_for(&answers, "d0").unwrap().outcome,
+        Outcome::Unknown
+    );
     // Members behind the record alone never form.
-    let behind = CommitRecord { step: 8, instance: 3, quorum_id: 5 };
+    let behind = CommitRecord {
+        step: 8,
+        instance: 3,
+        quorum_id: 5,
+    };
     lighthouse.ask(now, ask("d1", behind, 4));
     assert!(formed_for(&lighthouse.tick(now + IDLE), "d1").is_none());
-    let formed = ask_all(&mut lighthouse, now + IDLE, &[("d0", recorded), ("d1", behind)])
-        .or_else(|| formed_for(&lighthouse.tick(now + IDLE * 3), "d0"))
-        .expect("a holder asked");
+    let formed = ask_all(
+        &mut lighthouse,
+        now + IDLE,
+        &[("d0", recorded), ("d1", behind)],
+    )
+    .or_else(|| formed_for(&lighthouse.tick(now + IDLE * 3), "d0"))
+    .expect("a holder asked");
     assert_eq!(formed.step, 9);
     assert_eq!(formed.members[0], "d0");
 }
@@ -312,8 +398,16 @@ fn a_restart_restores_h_and_answers_the_commit_it_recorded() {
 fn a_broker_without_a_record_adopts_the_most_advanced_member() {
     let mut lighthouse = lighthouse();
     let now = Instant::now();
-    let old = CommitRecord { step: 30, instance: 3, quorum_id: 2 };
-    let behind = CommitRecord { step: 29, instance: 3, quorum_id: 2 };
+    let old = CommitRecord {
+        step: 30,
+        instance: 3,
+        quorum_id: 2,
+    };
+    let behind = CommitRecord {
+        step: 29,
+        instance: 3,
+        quorum_id: 2,
+    };
     let formed = formed_together(&mut lighthouse, now, &[("d1", behind), ("d0", old)]);
     assert_eq!(formed.step, 30);
     assert_eq!(formed.members[0], "d0");
@@ -326,14 +420,21 @@ fn a_live_member_is_waited_for_up_to_its_collective_timeout_plus_two_steps() {
     let mut lighthouse = lighthouse();
     let now = Instant::now();
     let genesis = CommitRecord::GENESIS;
-    let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis), ("d2", genesis)]);
+    let formed = formed_together(
+        &mut lighthouse,
+        now,
+        &[("d0", genesis), ("d1", genesis), ("d2", genesis)],
+    );
     let step_time = Duration::from_secs(6);
     let asked = now + IDLE + step_time;
     let record = commit_all(&mut lighthouse, asked, &formed);
     // Bound: max(10 s, 4 s + 2 × 6 s) = 16 s.
     assert!(ask_all(&mut lighthouse, asked, &[("d0", record), ("d1", record)]).is_none());
     let before = lighthouse.tick(asked + Duration::from_secs(15));
-    assert!(formed_for(&before, "d0").is_none(), "d2 is still within its bound");
+    assert!(
+        formed_for(&before, "d0").is_none(),
+        "d2 is still within its bound"
+    );
     let after = lighthouse.tick(asked + Duration::from_secs(16));
     let formed = formed_for(&after, "d0").expect("d2 dropped past its bound");
     assert_eq!(formed.members.len(), 2);
@@ -345,7 +446,11 @@ fn a_quorum_needs_a_majority_of_the_last_quorums_live_members() {
     let mut lighthouse = lighthouse();
     let now = Instant::now();
     let genesis = CommitRecord::GENESIS;
-    let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis), ("d2", genesis)]);
+    let formed = formed_together(
+        &mut lighthouse,
+        now,
+        &[("d0", genesis), ("d1", genesis), ("d2", genesis)],
+    );
     let record = commit_all(&mut lighthouse, now, &formed);
     // d0 alone, d1 and d2 live but silent: past every bound, still no
     // quorum of one out of three live members.
@@ -371,9 +476,17 @@ fn one_no_vote_aborts_for_everyone_and_the_next_quorum_is_new() {
     lighthouse.vote(now, vote("d0", &formed, true));
     let answers = lighthouse.vote(now, vote("d1", &formed, false));
     for member in ["d0", "d1"] {
-        assert_eq!(decision_for(&answers, member).unwrap().outcome, Outcome::Abort);
+        assert_eq!(
+            decision_for(&answers, member).unwrap().outcome,
+            Outcome::Abort
+        );
     }
-    assert_eq!(answers.settlements, vec![Settlement::Abort { round: (formed.quorum_id, 0) }]);
+    assert_eq!(
+        answers.settlements,
+        vec![Settlement::Abort {
+            round: (formed.quorum_id, 0)
+        }]
+    );
     assert_eq!(lighthouse.record(), genesis);
     let next = ask_all(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis)]).expect("formed");
     assert_ne!(next.quorum_id, formed.quorum_id);
@@ -385,7 +498,10 @@ fn a_member_whose_stream_goes_before_its_vote_aborts_the_step() {
     let now = Instant::now();
     let genesis = CommitRecord::GENESIS;
     let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis)]);
-    assert!(lighthouse.vote(now, vote("d0", &formed, true)).decisions.is_empty());
+    assert!(lighthouse
+        .vote(now, vote("d0", &formed, true))
+        .decisions
+        .is_empty());
     let answers = lighthouse.member_gone(now, "d1");
     let decision = decision_for(&answers, "d0").expect("d0 hears at once");
     assert_eq!(decision.outcome, Outcome::Abort);
@@ -402,7 +518,10 @@ fn a_vote_with_a_stale_nonce_or_from_a_stranger_changes_nothing() {
     stale.nonce ^= 1;
     assert_eq!(lighthouse.admits(&stale), Admission::Answered);
     let answers = lighthouse.vote(now, stale);
-    assert_eq!(decision_for(&answers, "d0").unwrap().outcome, Outcome::Abort);
+    assert_eq!(
+        decision_for(&answers, "d0").unwrap().outcome,
+        Outcome::Abort
+    );
     let stranger = vote("d9", &formed, true);
     assert_eq!(lighthouse.admits(&stranger), Admission::Answered);
     lighthouse.vote(now, stranger);
@@ -421,9 +540,15 @@ fn a_member_that_never_votes_aborts_the_step_past_the_vote_bound() {
     let genesis = CommitRecord::GENESIS;
     let formed = formed_together(&mut lighthouse, now, &[("d0", genesis), ("d1", genesis)]);
     lighthouse.vote(now, vote("d0", &formed, true));
-    assert!(lighthouse.tick(now + TIMEOUT - Duration::from_millis(1)).decisions.is_empty());
+    assert!(lighthouse
+        .tick(now + TIMEOUT - Duration::from_millis(1))
+        .decisions
+        .is_empty());
     let answers = lighthouse.tick(now + TIMEOUT);
-    assert_eq!(decision_for(&answers, "d0").unwrap().outcome, Outcome::Abort);
+    assert_eq!(
+        decision_for(&answers, "d0").unwrap().outcome,
+        Outcome::Abort
+    );
 }
 
 #[test]
@@ -434,10 +559,18 @@ fn rollback_is_explicit_counted_and_names_the_lost_steps() {
             ..settings()
         },
         INSTANCE,
-        Some(CommitRecord { step: 12, instance: 3, quorum_id: 1 }),
+        Some(CommitRecord {
+            step: 12,
+            instance: 3,
+            quorum_id: 1,
+        }),
     );
     let now = Instant::now();
-    let behind = CommitRecord { step: 10, instance: 3, quorum_id: 1 };
+    let behind = CommitRecord {
+        step: 10,
+        instance: 3,
+        quorum_id: 1,
+    };
     lighthouse.ask(now, ask("d0", behind, 4));
     assert!(formed_for(&lighthouse.tick(now + Duration::from_secs(59)), "d0").is_none());
     lighthouse.ask(now + Duration::from_secs(59), ask("d0", behind, 4));
@@ -458,8 +591,11 @@ fn a_leaving_member_is_not_waited_for_and_fails_its_open_step() {
     let mut leaving = ask("d1", record, 0);
     leaving.leaving = true;
     let answers = lighthouse.ask(now, leaving);
-    assert!(answers.quorums.contains(&("d1".to_string(), QuorumAnswer::Left)));
-    let formed = ask_all(&mut lighthouse, now, &[("d0", record)]).expect("d0 alone is every live member");
+    assert!(answers
+        .quorums
+        .contains(&("d1".to_string(), QuorumAnswer::Left)));
+    let formed =
+        ask_all(&mut lighthouse, now, &[("d0", record)]).expect("d0 alone is every live member");
     assert_eq!(formed.members, vec!["d0".to_string()]);
 }
 
@@ -472,7 +608,11 @@ fn an_ask_after_the_stream_is_gone_is_served_but_not_waited_for_after() {
     let now = Instant::now();
     let genesis = CommitRecord::GENESIS;
     lighthouse.member_gone(now, "zombie");
-    let formed = formed_together(&mut lighthouse, now, &[("zombie", genesis), ("d1", genesis)]);
+    let formed = formed_together(
+        &mut lighthouse,
+        now,
+        &[("zombie", genesis), ("d1", genesis)],
+    );
     assert_eq!(formed.members.len(), 2, "its ask is served");
     let record = commit_all(&mut lighthouse, now, &formed);
     let answers = lighthouse.ask(now, ask("d1", record, 4));

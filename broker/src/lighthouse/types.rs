@@ -176,7 +176,10 @@ pub type RoundKey = (u64, u64);
 #[derive(Debug, Clone, PartialEq)]
 pub enum Settlement {
     /// Ack them, in the one journal entry that records `record` as H.
-    Commit { round: RoundKey, record: CommitRecord },
+    Commit {
+        round: RoundKey,
+        record: CommitRecord,
+    },
     /// Return them to the queue without charging a delivery.
     Abort { round: RoundKey },
 }

@@ -65,7 +65,9 @@ impl Lighthouse {
             } else {
                 format!("{drafter_id} is not a member of quorum {}", vote.quorum_id)
             };
-            answers.decisions.push((drafter_id, Decision::abort(reason)));
+            answers
+                .decisions
+                .push((drafter_id, Decision::abort(reason)));
             return answers;
         }
         if let Some(decision) = &round.decision {
@@ -119,15 +121,17 @@ impl Lighthouse {
             .iter()
             .filter(|(_, round)| {
                 round.decision.is_none()
-                    && round
-                        .first_vote_at
-                        .is_some_and(|first| now.saturating_duration_since(first) >= round.wait_bound)
+                    && round.first_vote_at.is_some_and(|first| {
+                        now.saturating_duration_since(first) >= round.wait_bound
+                    })
             })
             .map(|(key, round)| {
                 let missing = round
                     .members
                     .iter()
-                    .filter(|member| !round.yes.contains(*member) && !round.no.contains_key(*member))
+                    .filter(|member| {
+                        !round.yes.contains(*member) && !round.no.contains_key(*member)
+                    })
                     .cloned()
                     .collect();
                 (*key, missing)

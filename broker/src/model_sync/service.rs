@@ -12,7 +12,6 @@
 mod center_writer;
 mod evaluation;
 
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 

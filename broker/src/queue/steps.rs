@@ -34,15 +34,19 @@ impl<P: Payload> Queue<P> {
         charge_on_abort: bool,
         now: Instant,
     ) -> Result<Vec<(Arc<str>, u64)>, QueueError> {
-        let connection = self.drafters.get(drafter_id).and_then(|entry| entry.connection);
+        let connection = self
+            .drafters
+            .get(drafter_id)
+            .and_then(|entry| entry.connection);
         let not_held: Vec<String> = samples
             .iter()
             .filter(|(delivery_id, target_id, seq)| {
                 !self.leases.get(delivery_id).is_some_and(|lease| {
                     Some(lease.connection) == connection
-                        && self.items.get(&lease.item_id).is_some_and(|item| {
-                            &*item.target_id == *target_id && item.seq == *seq
-                        })
+                        && self
+                            .items
+                            .get(&lease.item_id)
+                            .is_some_and(|item| &*item.target_id == *target_id && item.seq == *seq)
                 })
             })
             .map(|(delivery_id, target_id, seq)| format!("{delivery_id} ({target_id}:{seq})"))
@@ -71,6 +75,9 @@ impl<P: Payload> Queue<P> {
             }
             self.consumer_alive(connection, now);
         }
+        // The pinned leases left the drafter's credit window: it has room
+        // for the next items while the step is decided.
+        self.dispatch(now);
         self.debug_check_invariants();
         Ok(keys)
     }
@@ -151,7 +158,10 @@ impl<P: Payload> Queue<P> {
         delivery_ids: &[DeliveryId],
         now: Instant,
     ) -> usize {
-        let Some(connection) = self.drafters.get(drafter_id).and_then(|entry| entry.connection)
+        let Some(connection) = self
+            .drafters
+            .get(drafter_id)
+            .and_then(|entry| entry.connection)
         else {
             return 0;
         };

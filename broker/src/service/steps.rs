@@ -37,7 +37,11 @@ impl StepLedger for Shared {
                 .release_step_samples(drafter_id, delivery_ids, now)
         });
         if released > 0 {
-            tracing::info!(drafter_id, released, "data parallelism: a vote for no open step; its samples go back to the queue");
+            tracing::info!(
+                drafter_id,
+                released,
+                "data parallelism: a vote for no open step; its samples go back to the queue"
+            );
         }
     }
 

@@ -665,7 +665,10 @@ mod tests {
         }
         let line = data_parallel_line(&sync);
         assert!(line.contains("ROLLED BACK 7 steps (1 rollbacks)"), "{line}");
-        assert!(line.contains("WAITING for a drafter holding step 120"), "{line}");
+        assert!(
+            line.contains("WAITING for a drafter holding step 120"),
+            "{line}"
+        );
     }
 
     #[test]

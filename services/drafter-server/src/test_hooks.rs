@@ -39,4 +39,3 @@ pub fn hang_trainer_after_steps() -> Option<u64> {
 pub fn hang_trainer_after_steps() -> Option<u64> {
     None
 }
-

@@ -71,10 +71,17 @@ fn weights(engine: &dyn TrainingEngine) -> Vec<(String, Tensor)> {
     tensors
 }
 
+/// What a member ends with: its weights, its state checksum and the commit
+/// its model holds.
+type MemberEnd = (Vec<(String, Tensor)>, u64, proto::CommitRecord);
+
 /// A member's faults: decision fetches that lose their answer, and a
 /// pause before asking for one step's quorum.
 #[derive(Debug, Clone, Copy, Default)]
 struct Faults {
+    /// The member's decision fetches that lose their answer (needs the
+    /// feature `test-hooks`).
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     lose_decisions: u32,
     late_before_step: Option<(usize, Duration)>,
 }
@@ -89,7 +96,7 @@ fn run_member(
     steps: Arc<Vec<Vec<proto::Sample>>>,
     start: Arc<Barrier>,
     faults: Faults,
-) -> (Vec<(String, Tensor)>, u64, proto::CommitRecord) {
+) -> MemberEnd {
     let mut engine = engine(&config);
     #[cfg_attr(not(feature = "test-hooks"), allow(unused_mut))]
     let mut parallel_config = DataParallelConfig {
@@ -192,7 +199,7 @@ fn members_against_one_trainer(
             })
         })
         .collect();
-    let results: Vec<(Vec<(String, Tensor)>, u64, proto::CommitRecord)> = threads
+    let results: Vec<MemberEnd> = threads
         .into_iter()
         .map(|thread| thread.join().unwrap())
         .collect();
@@ -200,7 +207,10 @@ fn members_against_one_trainer(
     let first = &results[0].0;
     for (held_weights, checksum, committed) in &results[1..] {
         assert_eq!(*checksum, results[0].1, "the members' states differ");
-        assert_eq!(*committed, results[0].2, "the members hold different commits");
+        assert_eq!(
+            *committed, results[0].2,
+            "the members hold different commits"
+        );
         for ((name, held), (_, reference)) in held_weights.iter().zip(first) {
             assert!(
                 held.equal(reference),
@@ -228,9 +238,16 @@ fn members_against_one_trainer(
     );
     let status = runtime.block_on(async {
         let status = broker.client().await.status().await.unwrap();
-        status.model_sync.unwrap_or_default().data_parallel.unwrap_or_default()
+        status
+            .model_sync
+            .unwrap_or_default()
+            .data_parallel
+            .unwrap_or_default()
     });
-    assert_eq!(results[0].2.step, STEPS as u64, "every member holds the last commit");
+    assert_eq!(
+        results[0].2.step, STEPS as u64,
+        "every member holds the last commit"
+    );
     assert_eq!(status.committed_step, STEPS as u64, "{status:?}");
     assert_eq!(status.steps_committed, STEPS as u64, "{status:?}");
     assert_eq!(status.checksum_mismatches, 0, "{status:?}");
@@ -281,7 +298,8 @@ fn a_live_member_asking_past_the_quorum_timeout_is_waited_for() {
         late_before_step: Some((2, Duration::from_secs(3))),
         ..Faults::default()
     };
-    let status = members_against_one_trainer(3, config, &[Faults::default(), Faults::default(), late]);
+    let status =
+        members_against_one_trainer(3, config, &[Faults::default(), Faults::default(), late]);
     assert_eq!(status.members_dropped, 0, "{status:?}");
     assert_eq!(status.steps_failed, 0, "{status:?}");
 }

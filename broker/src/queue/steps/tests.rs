@@ -14,16 +14,17 @@ const RECORD: CommitRecord = CommitRecord {
     quorum_id: 3,
 };
 
+/// A delivery as a vote names it: (delivery id, target, seq).
+type Delivered = (DeliveryId, &'static str, u64);
+
 /// One target with items 0..4 accepted, one drafter holding all four; the
-/// drafter's connection and deliveries (delivery id, target, seq).
-fn leased_to_one_drafter(
-    now: Instant,
-) -> (Queue<TestPayload>, ConnectionId, Vec<(DeliveryId, &'static str, u64)>) {
+/// drafter's connection and deliveries.
+fn leased_to_one_drafter(now: Instant) -> (Queue<TestPayload>, ConnectionId, Vec<Delivered>) {
     let (mut queue, producer) = one_target(now);
     queue.enable_journal();
     accept_all(&mut queue, producer, 0..4, now);
     let consumer = queue.open_consumer("d0", credit(8), now).unwrap();
-    let delivered: Vec<(DeliveryId, &'static str, u64)> = deliveries(&queue.take_effects())
+    let delivered: Vec<Delivered> = deliveries(&queue.take_effects())
         .into_iter()
         .map(|(_, delivery_id, seq)| (delivery_id, "target-0", seq))
         .collect();
@@ -36,8 +37,15 @@ fn leased_to_one_drafter(
 fn pinned_samples_survive_their_stream_and_a_commit_acks_them_with_the_record() {
     let now = Instant::now();
     let (mut queue, consumer, delivered) = leased_to_one_drafter(now);
-    let keys = queue.pin_step("d0", &delivered[..3], ROUND, false, now).unwrap();
+    let keys = queue
+        .pin_step("d0", &delivered[..3], ROUND, false, now)
+        .unwrap();
     assert_eq!(keys.len(), 3);
+    assert_eq!(
+        queue.drafters["d0"].leases.len(),
+        1,
+        "the pinned left the credit window"
+    );
     // The drafter dies: its one unpinned lease goes back, the pinned stay.
     queue.close_consumer(consumer, now);
     assert_eq!(queue.queue.len(), 1);
@@ -66,19 +74,38 @@ fn a_pin_of_a_delivery_not_held_is_refused_whole_and_changes_nothing() {
     let now = Instant::now();
     let (mut queue, _consumer, delivered) = leased_to_one_drafter(now);
     let error = queue
-        .pin_step("d0", &[delivered[0], (999, "target-0", 0)], ROUND, false, now)
+        .pin_step(
+            "d0",
+            &[delivered[0], (999, "target-0", 0)],
+            ROUND,
+            false,
+            now,
+        )
         .unwrap_err();
     assert!(error.to_string().contains("999 (target-0:0)"), "{error}");
     // A held delivery id that names another sample (an id of an earlier
     // broker process) is refused too.
     let (delivery_id, _, seq) = delivered[1];
     let error = queue
-        .pin_step("d0", &[(delivery_id, "target-0", seq + 1)], ROUND, false, now)
+        .pin_step(
+            "d0",
+            &[(delivery_id, "target-0", seq + 1)],
+            ROUND,
+            false,
+            now,
+        )
         .unwrap_err();
-    assert!(error.to_string().contains(&format!("{delivery_id} (target-0:{})", seq + 1)), "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains(&format!("{delivery_id} (target-0:{})", seq + 1)),
+        "{error}"
+    );
     assert_eq!(queue.pinned_items(), 0);
     assert_eq!(queue.leases.len(), 4);
-    let error = queue.pin_step("d1", &delivered, ROUND, false, now).unwrap_err();
+    let error = queue
+        .pin_step("d1", &delivered, ROUND, false, now)
+        .unwrap_err();
     assert!(error.to_string().contains("\"d1\""), "{error}");
     queue.check_invariants().unwrap();
 }
@@ -87,8 +114,12 @@ fn a_pin_of_a_delivery_not_held_is_refused_whole_and_changes_nothing() {
 fn an_abort_returns_samples_to_the_head_uncharged_unless_blamed() {
     let now = Instant::now();
     let (mut queue, consumer, delivered) = leased_to_one_drafter(now);
-    queue.pin_step("d0", &delivered[..2], ROUND, false, now).unwrap();
-    queue.pin_step("d0", &delivered[2..], (4, 10), true, now).unwrap();
+    queue
+        .pin_step("d0", &delivered[..2], ROUND, false, now)
+        .unwrap();
+    queue
+        .pin_step("d0", &delivered[2..], (4, 10), true, now)
+        .unwrap();
     queue.close_consumer(consumer, now);
     queue.abort_step(ROUND, now);
     queue.abort_step((4, 10), now);
@@ -98,7 +129,11 @@ fn an_abort_returns_samples_to_the_head_uncharged_unless_blamed() {
         .map(|id| (queue.items[id].seq, queue.items[id].deliveries))
         .collect();
     charges.sort_unstable();
-    assert_eq!(charges, vec![(0, 0), (1, 0), (2, 1), (3, 1)], "all queued, blamed ones charged");
+    assert_eq!(
+        charges,
+        vec![(0, 0), (1, 0), (2, 1), (3, 1)],
+        "all queued, blamed ones charged"
+    );
     assert_eq!(queue.acked_items, 0);
     queue.check_invariants().unwrap();
 }
@@ -112,9 +147,17 @@ fn the_run_completes_only_once_no_sample_is_pinned() {
     queue.pin_step("d0", &delivered, ROUND, false, now).unwrap();
     queue.take_effects();
     assert_eq!(queue.state(), BrokerState::Draining);
+    queue.tick(now + Duration::from_secs(1));
+    assert_eq!(
+        queue.state(),
+        BrokerState::Draining,
+        "nothing queued or leased, four pinned"
+    );
     queue.commit_step(ROUND, RECORD, now);
     assert_eq!(queue.state(), BrokerState::Complete);
-    assert!(ended(&queue.take_effects()).iter().all(|(_, status)| *status == RunStatus::Complete));
+    assert!(ended(&queue.take_effects())
+        .iter()
+        .all(|(_, status)| *status == RunStatus::Complete));
 }
 
 #[test]
@@ -128,7 +171,9 @@ fn recovery_restores_the_record_and_the_steps_acks() {
         .into_iter()
         .map(|(_, delivery_id, seq)| (delivery_id, "target-0", seq))
         .collect();
-    queue.pin_step("d0", &delivered[..2], ROUND, false, now).unwrap();
+    queue
+        .pin_step("d0", &delivered[..2], ROUND, false, now)
+        .unwrap();
     queue.commit_step(ROUND, RECORD, now);
     queue.close_consumer(consumer, now);
     let mut recovered = Recovered::default();
@@ -138,7 +183,11 @@ fn recovery_restores_the_record_and_the_steps_acks() {
     let restored = Queue::recover(super::super::tests::config(1), recovered, now);
     assert_eq!(restored.commit_record(), Some(RECORD));
     assert_eq!(restored.acked_items, 2);
-    assert_eq!(restored.queue.len(), 2, "the two unpinned samples are queued again");
+    assert_eq!(
+        restored.queue.len(),
+        2,
+        "the two unpinned samples are queued again"
+    );
     // A compaction image restates the record.
     let mut from_image = Recovered::default();
     for entry in restored.snapshot_entries() {
@@ -154,9 +203,16 @@ fn samples_of_a_vote_for_no_open_step_go_back_uncharged() {
     let ids: Vec<DeliveryId> = delivered.iter().map(|(id, _, _)| *id).collect();
     assert_eq!(queue.release_step_samples("d0", &ids[..2], now), 2);
     assert_eq!(queue.release_step_samples("d0", &ids[..2], now), 0, "once");
-    assert_eq!(queue.release_step_samples("d9", &ids[2..], now), 0, "not d9's");
+    assert_eq!(
+        queue.release_step_samples("d9", &ids[2..], now),
+        0,
+        "not d9's"
+    );
     queue.take_effects();
     assert_eq!(queue.leases.len(), 4, "redelivered to d0, which has room");
-    assert!(queue.items.values().all(|item| item.deliveries <= 1), "uncharged");
+    assert!(
+        queue.items.values().all(|item| item.deliveries <= 1),
+        "uncharged"
+    );
     queue.check_invariants().unwrap();
 }

@@ -33,7 +33,8 @@ pub fn verdict<E: std::fmt::Display>(
             }
         }
     };
-    let outcome = proto::StepOutcome::try_from(decision.outcome).unwrap_or(proto::StepOutcome::Unspecified);
+    let outcome =
+        proto::StepOutcome::try_from(decision.outcome).unwrap_or(proto::StepOutcome::Unspecified);
     match outcome {
         proto::StepOutcome::Commit => match (&decision.record, reduced_ready) {
             (Some(record), true) => Verdict::Apply { record: *record },
@@ -66,7 +67,10 @@ pub fn verdict<E: std::fmt::Display>(
 mod tests {
     use super::*;
 
-    fn decision(outcome: proto::StepOutcome, record: Option<proto::CommitRecord>) -> proto::CommitDecision {
+    fn decision(
+        outcome: proto::StepOutcome,
+        record: Option<proto::CommitRecord>,
+    ) -> proto::CommitDecision {
         proto::CommitDecision {
             commit: outcome == proto::StepOutcome::Commit,
             reason: "why".to_string(),
@@ -84,17 +88,29 @@ mod tests {
     #[test]
     fn only_a_commit_with_its_record_is_applied() {
         let commit = decision(proto::StepOutcome::Commit, Some(RECORD));
-        assert_eq!(verdict::<String>(true, Ok(&commit)), Verdict::Apply { record: RECORD });
+        assert_eq!(
+            verdict::<String>(true, Ok(&commit)),
+            Verdict::Apply { record: RECORD }
+        );
         let bare = decision(proto::StepOutcome::Commit, None);
-        assert!(matches!(verdict::<String>(true, Ok(&bare)), Verdict::Discard { unknown: true, .. }));
+        assert!(matches!(
+            verdict::<String>(true, Ok(&bare)),
+            Verdict::Discard { unknown: true, .. }
+        ));
     }
 
     #[test]
     fn unknown_and_silence_are_never_read_as_no() {
         let unknown = decision(proto::StepOutcome::Unknown, None);
-        assert!(matches!(verdict::<String>(true, Ok(&unknown)), Verdict::Discard { unknown: true, .. }));
+        assert!(matches!(
+            verdict::<String>(true, Ok(&unknown)),
+            Verdict::Discard { unknown: true, .. }
+        ));
         let unspecified = decision(proto::StepOutcome::Unspecified, None);
-        assert!(matches!(verdict::<String>(true, Ok(&unspecified)), Verdict::Discard { unknown: true, .. }));
+        assert!(matches!(
+            verdict::<String>(true, Ok(&unspecified)),
+            Verdict::Discard { unknown: true, .. }
+        ));
         assert!(matches!(
             verdict(true, Err::<&proto::CommitDecision, _>("connection reset")),
             Verdict::Discard { unknown: true, .. }
@@ -102,7 +118,10 @@ mod tests {
         let abort = decision(proto::StepOutcome::Abort, None);
         assert_eq!(
             verdict::<String>(true, Ok(&abort)),
-            Verdict::Discard { reason: "why".to_string(), unknown: false }
+            Verdict::Discard {
+                reason: "why".to_string(),
+                unknown: false
+            }
         );
     }
 }

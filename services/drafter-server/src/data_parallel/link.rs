@@ -8,7 +8,8 @@ use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 use tracing::warn;
 
-use super::DataParallelError;
+use super::error::DataParallelError;
+use super::settings::DataParallelConfig;
 
 /// Bound on a Quorum or Commit call beyond the broker's own waits.
 pub(super) const CALL_MARGIN: Duration = Duration::from_secs(30);
@@ -34,7 +35,7 @@ impl LighthouseLink {
         runtime: tokio::runtime::Handle,
         broker: &str,
         security: dflash_client::ClientSecurityArgs,
-        config: &super::DataParallelConfig,
+        config: &DataParallelConfig,
     ) -> Self {
         #[cfg(feature = "test-hooks")]
         let lose_decisions = config.lose_decisions;

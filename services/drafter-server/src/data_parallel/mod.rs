@@ -35,11 +35,12 @@
 //! new group.
 //!
 //! # Layout
-//! `settings` (the flags), `link` (the broker calls, bounded, the decision
+//! `settings` (the flags), `error`, `link` (the broker calls, bounded, the decision
 //! fetched again), `group` (the process group, heal and all-reduce),
 //! `decision` (the vote's answer as a pure verdict), and here the step.
 
 mod decision;
+mod error;
 mod group;
 mod link;
 mod settings;
@@ -52,29 +53,10 @@ use dflash_proto::v1 as proto;
 use tracing::{info, warn};
 
 pub use decision::{verdict, Verdict};
+pub use error::DataParallelError;
 use group::Membership;
 use link::{LighthouseLink, CALL_MARGIN};
 pub use settings::DataParallelConfig;
-
-/// Why data parallelism could not start or a call to the broker failed.
-#[derive(Debug, thiserror::Error)]
-pub enum DataParallelError {
-    #[error("hosting the c10d store on {host}:{port}: {source}")]
-    Store {
-        host: String,
-        port: u16,
-        #[source]
-        source: dflash_collective::CollectiveError,
-    },
-    #[error("connecting to {address}: {detail}")]
-    Connect { address: String, detail: String },
-    #[error("broker: {0}")]
-    Status(#[from] tonic::Status),
-    #[error("{what} took longer than {limit:?}")]
-    Timeout { what: &'static str, limit: Duration },
-    #[error("{what} was lost")]
-    Lost { what: &'static str },
-}
 
 /// What one step came to. In every case but [`StepOutcome::NoQuorum`] the
 /// samples the member voted with (its share, unless `excluded`) were
@@ -187,7 +169,11 @@ impl DataParallel {
 
     /// One step with what `trainer` accumulated from `samples` (see the
     /// module doc).
-    pub fn step(&mut self, trainer: &mut DraftTrainer, samples: &[proto::StepSample]) -> StepOutcome {
+    pub fn step(
+        &mut self,
+        trainer: &mut DraftTrainer,
+        samples: &[proto::StepSample],
+    ) -> StepOutcome {
         let ready = trainer.accumulated_samples() as u64;
         let quorum = match self.ask(trainer, ready.max(1), false) {
             Ok(Some(quorum)) => quorum,
@@ -310,11 +296,17 @@ impl DataParallel {
                         }
                         reason
                     }
-                    Verdict::Apply { .. } => "COMMIT of a step this member could not apply".to_string(),
+                    Verdict::Apply { .. } => {
+                        "COMMIT of a step this member could not apply".to_string()
+                    }
                 };
                 self.totals.steps_not_committed += 1;
                 trainer.discard_accumulation();
-                let reason = if reason.is_empty() { vote_reason } else { reason };
+                let reason = if reason.is_empty() {
+                    vote_reason
+                } else {
+                    reason
+                };
                 StepOutcome::NotCommitted {
                     reason,
                     skipped,
@@ -398,7 +390,10 @@ impl DataParallel {
         leaving: bool,
     ) -> Result<Option<proto::QuorumResponse>, DataParallelError> {
         let step = trainer.progress().step;
-        if self.committed.step != step && self.committed.instance == 0 && self.committed.quorum_id == 0 {
+        if self.committed.step != step
+            && self.committed.instance == 0
+            && self.committed.quorum_id == 0
+        {
             // A model that never took a step of this run (resumed from a
             // checkpoint): its own history, which the broker heals unless
             // the run has none yet.

@@ -27,11 +27,13 @@ impl TrainingLoop {
             .accumulated_ids
             .iter()
             .zip(&self.accumulated_keys)
-            .map(|(&delivery_id, (target_id, seq))| dflash_proto::v1::StepSample {
-                delivery_id,
-                target_id: target_id.clone(),
-                seq: *seq,
-            })
+            .map(
+                |(&delivery_id, (target_id, seq))| dflash_proto::v1::StepSample {
+                    delivery_id,
+                    target_id: target_id.clone(),
+                    seq: *seq,
+                },
+            )
             .collect();
         let outcome = span.in_scope(|| data_parallel.step(trainer, &samples));
         let elapsed = started.elapsed();
@@ -124,7 +126,10 @@ impl TrainingLoop {
                     },
                 };
                 self.emit(event);
-                let step = self.engine.trainer().map_or(0, |trainer| trainer.progress().step);
+                let step = self
+                    .engine
+                    .trainer()
+                    .map_or(0, |trainer| trainer.progress().step);
                 self.hand_back_excluded(excluded, delivery_ids, step);
             }
         }
@@ -155,7 +160,9 @@ impl TrainingLoop {
                 self.emit(TrainerEvent::BatchFailed {
                     generation,
                     delivery_ids,
-                    reason: format!("trained on a model older than step {step}'s (this drafter healed first)"),
+                    reason: format!(
+                        "trained on a model older than step {step}'s (this drafter healed first)"
+                    ),
                 })
             }
         }
