@@ -25,11 +25,17 @@ release: setup
 	$(CARGO) build --release --workspace
 
 ## The main job: broker + targets + drafters on the embedded tiny default, on the CPU.
-## The binary `release` built is run as is: `cargo run -p dflash-cli` would
-## resolve the dependencies' features for that one package and rebuild many
-## of them (3 min 22 s on the 2-core machine).
-run: release
-	$(or $(CARGO_TARGET_DIR),target)/release/dflash local $(ARGS)
+## Built with the `local` profile (Cargo.toml: release for the dependencies,
+## a quicker build for what runs little; #51) and only the binaries (no test
+## kit), then run as is: `cargo run -p dflash-cli` would resolve the
+## dependencies' features for that one package and rebuild many of them
+## (3 min 22 s on the 2-core machine).
+.PHONY: local-build
+local-build: setup
+	$(CARGO) build --profile local --workspace --bins
+
+run: local-build
+	$(or $(CARGO_TARGET_DIR),target)/local/dflash local $(ARGS)
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker, the Python client).
