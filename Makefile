@@ -7,7 +7,7 @@ PYTHON ?= python3
 CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
-.PHONY: all setup run test test-rust lint check-grpcurl check-checkpoint check-dflash2 check-ops-cli check-python bench build release fmt clean-cache fuzz
+.PHONY: all setup run test test-build test-rust lint check-grpcurl check-checkpoint check-dflash2 check-ops-cli check-python bench build release fmt clean-cache fuzz
 .PHONY: image check-deploy check-k8s check-cuda-build study
 
 all: build
@@ -25,11 +25,17 @@ release: setup
 	$(CARGO) build --release --workspace
 
 ## The main job: broker + targets + drafters on the embedded tiny default, on the CPU.
-## The binary `release` built is run as is: `cargo run -p dflash-cli` would
-## resolve the dependencies' features for that one package and rebuild many
-## of them (3 min 22 s on the 2-core machine).
-run: release
-	$(or $(CARGO_TARGET_DIR),target)/release/dflash local $(ARGS)
+## Built with the `local` profile (Cargo.toml: release for the dependencies,
+## a quicker build for what runs little; #51) and only the binaries (no test
+## kit), then run as is: `cargo run -p dflash-cli` would resolve the
+## dependencies' features for that one package and rebuild many of them
+## (3 min 22 s on the 2-core machine).
+.PHONY: local-build
+local-build: setup
+	$(CARGO) build --profile local --workspace --bins
+
+run: local-build
+	$(or $(CARGO_TARGET_DIR),target)/local/dflash local $(ARGS)
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker, the Python client).
@@ -43,12 +49,25 @@ lint:
 
 ## The tests run the server binaries with their test hooks (a compute or
 ## training thread that hangs on purpose: cargo feature `test-hooks`, off in
-## `build` and `release`). The same features on both lines: a `cargo test`
+## `build` and `release`). The same features everywhere: a `cargo test`
 ## without them would rebuild the binaries the system tests run, hookless.
 TEST_FEATURES := --features dflash-target-server/test-hooks,dflash-drafter-server/test-hooks
 
-test-rust: setup
-	$(CARGO) build --workspace --bins $(TEST_FEATURES)
+## One debug build serves every step of `make test` (#51): the binaries, the
+## tests and the examples in one cargo invocation, so one feature
+## resolution. A build of the binaries alone resolves the dependencies'
+## features without the dev-dependencies (dflash-proto without `testing`,
+## once_cell without `default`, ...) and so rebuilds the workspace a second
+## way; a `-p` build resolves them for that one package. Every step that needs
+## binaries runs this same command (a no-op after the first) and takes them
+## from TEST_BIN_DIR; `cargo test` after it compiles nothing.
+TEST_BUILD = $(CARGO) build --workspace --bins --tests --examples $(TEST_FEATURES)
+TEST_BIN_DIR = $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)/debug
+
+test-build: setup
+	$(TEST_BUILD)
+
+test-rust: test-build
 	DFLASH_LOCAL_RUN_DIR=$(CURDIR)/runs/test-local $(CARGO) test --workspace --no-fail-fast $(TEST_FEATURES)
 
 ## The model-sync study behind the outer optimizer's defaults (not in
@@ -67,22 +86,22 @@ check-checkpoint: setup test-rust
 
 ## A trained tiny DFlash2 checkpoint loads in the reference's
 ## DFlash2DraftModel with 0 missing/unexpected keys and the same forward (#42).
-check-dflash2: setup
-	bash scripts/check-dflash2.sh
+check-dflash2: test-build
+	bash scripts/check-dflash2.sh $(TEST_BIN_DIR)
 
 ## The Python client (clients/python) against the real broker, target-server
-## and drafter-server binaries (pytest, in the venv of scripts/python-venv.sh).
-check-python: setup
-	$(CARGO) build --workspace --bins
-	bash scripts/check-python.sh $(or $(CARGO_TARGET_DIR),target)/debug
+## and drafter-server binaries (pytest, in a venv holding exactly what the
+## package declares for its tests: scripts/python-venv.sh client).
+check-python: test-build
+	bash scripts/check-python.sh $(TEST_BIN_DIR)
 
-check-grpcurl: setup
-	bash scripts/check-grpcurl.sh
+check-grpcurl: test-build
+	bash scripts/check-grpcurl.sh $(TEST_BIN_DIR)
 
 ## `dflash-ops status`/`top`/`health` (no libtorch) work
 ## against a live broker and link no libtorch.
-check-ops-cli: setup
-	bash scripts/check-ops-cli.sh
+check-ops-cli: test-build
+	bash scripts/check-ops-cli.sh $(TEST_BIN_DIR)
 
 ## Mutation check of the queue's and the lighthouse's rules
 ## (scripts/mutants.sh): each named mutant of broker/src/queue and
@@ -134,8 +153,7 @@ image: setup
 ## The compose deployment with real containers: 5 targets x 3 drafters,
 ## scale-up, SIGKILL, partition, a stopped target, TLS and the token.
 ## Skipped (with a message) where no Docker engine answers.
-check-deploy: setup
-	$(CARGO) build --workspace --bins
+check-deploy: test-build
 	bash scripts/check-deploy.sh
 
 ## The Kubernetes manifests render (kubectl kustomize) and validate strictly.

@@ -16,8 +16,21 @@ python="$(bash "$repo_root/scripts/python-venv.sh")"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cd "$repo_root"
-cargo run --quiet -p dflash-model --example dflash2_checkpoint -- "$work/checkpoint"
+# BIN_DIR (the first argument): where `make` built the binaries and examples
+# (its one test build, BIN_DIR/examples/); without it, cargo runs them.
+bin_dir="${1:-}"
+example() {
+  local name="$1"
+  shift
+  if [[ -n "$bin_dir" ]]; then
+    [[ -x "$bin_dir/examples/$name" ]] || { echo "check-dflash2: $bin_dir/examples/$name is missing (make test-build)" >&2; exit 1; }
+    "$bin_dir/examples/$name" "$@"
+  else
+    cargo run --quiet -p dflash-model --example "$name" -- "$@"
+  fi
+}
+example dflash2_checkpoint "$work/checkpoint"
 "$python" "$repo_root/scripts/check_dflash_checkpoint.py" "$work/checkpoint"
-cargo run --quiet -p dflash-model --example spec_generate_check -- "$work/speculative"
+example spec_generate_check "$work/speculative"
 "$python" "$repo_root/scripts/check_spec_generate.py" "$work/speculative"
 echo "check-dflash2: OK"

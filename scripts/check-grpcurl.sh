@@ -15,13 +15,20 @@ if [[ ! -x "$grpcurl" ]]; then
 fi
 
 cd "$repo_root"
-cargo build --quiet -p dflash-broker --bin broker
-target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+# BIN_DIR (the first argument): where `make` built the binaries (its one
+# test build); without it, the broker is built here.
+if [[ -n "${1:-}" ]]; then
+  bin_dir="$1"
+else
+  cargo build --quiet -p dflash-broker --bin broker
+  bin_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug"
+fi
+[[ -x "$bin_dir/broker" ]] || { echo "check-grpcurl: $bin_dir/broker is missing (make test-build)" >&2; exit 1; }
 log="$(mktemp)"
 ready="$(mktemp -u)"
 # Port 0: the broker holds the port the kernel gives it and writes it to its
 # ready file (no free port picked here and let go before the broker binds).
-"$target_dir/debug/broker" --listen 127.0.0.1:0 --ready-file "$ready" --expected-targets 2 >"$log" 2>&1 &
+"$bin_dir/broker" --listen 127.0.0.1:0 --ready-file "$ready" --expected-targets 2 >"$log" 2>&1 &
 broker_pid=$!
 trap 'kill "$broker_pid" 2>/dev/null || true; rm -f "$log" "$ready"' EXIT
 

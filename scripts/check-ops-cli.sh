@@ -7,10 +7,19 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo_root"
-target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
-cargo build --quiet -p dflash-ops --bin dflash-ops
-cargo build --quiet -p dflash-broker --bin broker
-ops_cli="$target_dir/debug/dflash-ops"
+# BIN_DIR (the first argument): where `make` built the binaries (its one
+# test build); without it, dflash-ops and the broker are built here.
+if [[ -n "${1:-}" ]]; then
+  bin_dir="$1"
+else
+  cargo build --quiet -p dflash-ops --bin dflash-ops
+  cargo build --quiet -p dflash-broker --bin broker
+  bin_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')/debug"
+fi
+for binary in dflash-ops broker; do
+  [[ -x "$bin_dir/$binary" ]] || { echo "check-ops-cli: $bin_dir/$binary is missing (make test-build)" >&2; exit 1; }
+done
+ops_cli="$bin_dir/dflash-ops"
 check_name=check-ops-cli
 # shellcheck source=lib/check.sh
 source "$repo_root/scripts/lib/check.sh"
@@ -21,7 +30,7 @@ check "dflash-ops depends on no libtorch crate" no_torch_in_its_dependencies
 
 # The broker binds port 0 and writes the address it got (no free-port race).
 work="$(mktemp -d)"
-"$target_dir/debug/broker" --listen "127.0.0.1:0" --ready-file "$work/address" --expected-targets 3 >"$work/log" 2>&1 &
+"$bin_dir/broker" --listen "127.0.0.1:0" --ready-file "$work/address" --expected-targets 3 >"$work/log" 2>&1 &
 broker_pid=$!
 trap 'kill "$broker_pid" 2>/dev/null || true; rm -rf "$work"' EXIT
 for _ in $(seq 1 100); do

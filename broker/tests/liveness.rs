@@ -42,32 +42,34 @@ async fn end_of_stream(consumer: &mut dflash_client::Consumer) -> proto::EndOfSt
 }
 
 /// A drafter's Consume stream and a target's Produce stream, after the
-/// target's one item was accepted.
+/// target's one item was accepted, and an instant taken before that item was
+/// sent: the broker's stall clock starts when it accepts the item, so after
+/// this instant, whatever the machine's load did to either side.
 async fn one_item_then_silence(
     broker: &TestBroker,
-) -> (dflash_client::Consumer, dflash_client::Producer) {
+) -> (dflash_client::Consumer, dflash_client::Producer, Instant) {
     let client = broker.client().await;
     let consumer = client.consume("drafter-0", credit(4)).await.unwrap();
     let mut producer = client.produce("target-0").await.unwrap();
+    let before_the_item = Instant::now();
     producer
         .send(0, sample(256, 0), HashMap::new())
         .await
         .unwrap();
     assert!(
-        wait_until(Duration::from_secs(10), || async {
+        wait_until(Duration::from_secs(60), || async {
             broker.status().await.accepted_items == 1
         })
         .await
     );
-    (consumer, producer)
+    (consumer, producer, before_the_item)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
     let stall = Duration::from_secs(2);
     let broker = TestBroker::start(config(stall, Duration::from_secs(60))).await;
-    let (mut consumer, mut producer) = one_item_then_silence(&broker).await;
-    let silent_since = Instant::now();
+    let (mut consumer, mut producer, silent_since) = one_item_then_silence(&broker).await;
     // Stats keep coming (the process is alive) but no item: not progress.
     let stats = tokio::spawn(async move {
         for _ in 0..100 {
@@ -87,11 +89,12 @@ async fn a_silent_producer_aborts_the_run_after_the_stall_timeout() {
     assert_eq!(end.status(), proto::RunStatus::Aborted, "{end:?}");
     assert!(end.reason.contains("no item accepted"), "{}", end.reason);
     assert!(end.reason.contains("target-0"), "{}", end.reason);
-    // Not before the stall timeout (the broker's clock may start up to
-    // its 100 ms tick earlier than ours). How long after is no property of
-    // the rule (the reason names the stall timeout as the cause): the bound
-    // is end_of_stream's, a liveness bound, not a timing one.
-    assert!(waited >= stall - Duration::from_millis(100), "{waited:?}");
+    // Not before the stall timeout: our clock started before the item was
+    // sent, so before the broker's (it starts on acceptance), and the
+    // broker fails the target at `accepted + stall` or later. How long
+    // after is no property of the rule (the reason names the stall timeout
+    // as the cause): the bound is end_of_stream's, a liveness bound.
+    assert!(waited >= stall, "{waited:?}");
     let status = broker.status().await;
     assert_eq!(status.state(), proto::BrokerState::Aborted);
     stats.abort();
@@ -106,9 +109,8 @@ async fn a_silent_producer_under_continue_completes_with_the_target_failed() {
         ..config(stall, Duration::from_secs(60))
     })
     .await;
-    let (mut consumer, producer) = one_item_then_silence(&broker).await;
     // The stream stays open and nothing more is sent.
-    let silent_since = Instant::now();
+    let (mut consumer, producer, silent_since) = one_item_then_silence(&broker).await;
     let end = end_of_stream(&mut consumer).await;
     let waited = silent_since.elapsed();
     assert_eq!(end.status(), proto::RunStatus::Complete, "{end:?}");
@@ -118,11 +120,12 @@ async fn a_silent_producer_under_continue_completes_with_the_target_failed() {
         vec!["target-0".to_string()],
         "{end:?}"
     );
-    // Not before the stall timeout (the broker's clock may start up to
-    // its 100 ms tick earlier than ours). How long after is no property of
-    // the rule (the reason names the stall timeout as the cause): the bound
-    // is end_of_stream's, a liveness bound, not a timing one.
-    assert!(waited >= stall - Duration::from_millis(100), "{waited:?}");
+    // Not before the stall timeout: our clock started before the item was
+    // sent, so before the broker's (it starts on acceptance), and the
+    // broker fails the target at `accepted + stall` or later. How long
+    // after is no property of the rule (the reason names the stall timeout
+    // as the cause): the bound is end_of_stream's, a liveness bound.
+    assert!(waited >= stall, "{waited:?}");
     let status = broker.status().await;
     assert_eq!(status.state(), proto::BrokerState::Complete);
     // What it sent before it went silent was delivered and acked.
@@ -137,15 +140,17 @@ async fn a_producer_that_never_sends_fails_after_the_load_timeout() {
     let broker = TestBroker::start(config(Duration::from_secs(60), load)).await;
     let client = broker.client().await;
     let mut consumer = client.consume("drafter-0", credit(4)).await.unwrap();
-    let connected = Instant::now();
+    // Before the hello: the broker's load clock starts when it reads it.
+    let before_the_hello = Instant::now();
     let _producer = client.produce("target-0").await.unwrap();
     let end = end_of_stream(&mut consumer).await;
-    let waited = connected.elapsed();
+    let waited = before_the_hello.elapsed();
     assert_eq!(end.status(), proto::RunStatus::Aborted, "{end:?}");
     assert!(end.reason.contains("no first item"), "{}", end.reason);
-    // Not before the load timeout; after it only as late as end_of_stream
-    // waits (a liveness bound: the reason names the load timeout as cause).
-    assert!(waited >= load - Duration::from_millis(100), "{waited:?}");
+    // Not before the load timeout (our clock started first); after it only
+    // as late as end_of_stream waits (a liveness bound: the reason names
+    // the load timeout as cause).
+    assert!(waited >= load, "{waited:?}");
     broker.stop().await;
 }
 
@@ -232,7 +237,7 @@ async fn backpressure_is_not_a_stall() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extensions_cannot_keep_a_lease_past_its_lifetime() {
     let broker = TestBroker::start(BrokerConfig {
-        lease_timeout: Duration::from_millis(500),
+        lease_timeout: Duration::from_secs(1),
         max_lease_lifetime: Duration::from_secs(2),
         ..BrokerConfig::for_targets(1)
     })
@@ -244,19 +249,25 @@ async fn extensions_cannot_keep_a_lease_past_its_lifetime() {
         .await
         .unwrap();
     producer.finish().await.unwrap();
+    // Before the drafter's hello: the broker leases the item (and starts
+    // the lease's lifetime) only once it has read it.
+    let before_the_lease = Instant::now();
     let mut consumer = client.consume("drafter-0", credit(1)).await.unwrap();
-    let ConsumerEvent::Delivery(first) = consumer.next().await.unwrap() else {
-        panic!("expected a delivery")
-    };
-    let delivered = Instant::now();
     let handle = consumer.handle();
-    // A stuck trainer's heartbeat: extends forever, never acks.
+    // A stuck trainer's heartbeat: extends forever, never acks. It starts
+    // before the delivery is read (an extension of "every lease of this
+    // stream" is a no-op until the lease exists), so the lease is renewed
+    // ten times per lease timeout from the start, however late this task
+    // gets to read the delivery.
     let extender = tokio::spawn(async move {
         loop {
             handle.extend_leases(Vec::new());
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
+    let ConsumerEvent::Delivery(first) = consumer.next().await.unwrap() else {
+        panic!("expected a delivery")
+    };
     assert!(
         wait_until(Duration::from_secs(60), || async {
             let status = broker.status().await;
@@ -265,12 +276,12 @@ async fn extensions_cannot_keep_a_lease_past_its_lifetime() {
         .await,
         "the lease outlived its lifetime"
     );
-    let taken_back = delivered.elapsed();
-    // Not before the lifetime (2 s, less the 100 ms our clock may start
-    // after the broker's). No upper bound but the wait's 60 s, which only
-    // stops a hang: extended every 100 ms, a lease the cap missed would
-    // never expire, so any finite wait tells the two apart.
-    assert!(taken_back >= Duration::from_millis(1900), "{taken_back:?}");
+    let taken_back = before_the_lease.elapsed();
+    // Not before the lifetime (2 s; our clock started before the lease).
+    // No upper bound but the wait's 60 s, which only stops a hang:
+    // extended every 100 ms, a lease the cap missed would never expire,
+    // so any finite wait tells the two apart.
+    assert!(taken_back >= Duration::from_secs(2), "{taken_back:?}");
     assert_eq!(first.delivery_count, 1);
     extender.abort();
     broker.stop().await;

@@ -5,7 +5,7 @@
 //! With the collector up, every span arrives, each process is told apart by
 //! its resource, and one sample's path is found from its (target, seq).
 //! With the collector down (a closed port), the run still ends COMPLETE and
-//! the processes exit as promptly as without export.
+//! no process's exit waits on the export longer than its bound.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -579,12 +579,10 @@ async fn every_span_reaches_a_real_collector_and_a_dead_one_costs_no_exit_time()
         Vec::<String>::new(),
         "no process exports spans without an endpoint"
     );
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    // Held closed (bound, never listening) until the run is over.
+    let closed = dflash_testkit::ClosedPort::bind();
     let down_work = tempfile::tempdir().unwrap();
-    let down = run_pipeline(down_work.path(), Some(&closed)).await;
+    let down = run_pipeline(down_work.path(), Some(&closed.url())).await;
     for (name, times) in [
         ("exported", &exported),
         ("no export", &baseline),
@@ -602,23 +600,37 @@ async fn every_span_reaches_a_real_collector_and_a_dead_one_costs_no_exit_time()
     // A dead collector may cost a process its bounded shutdown
     // (SHUTDOWN_TIMEOUT, 1 s) and no more; a refused connection fails at
     // once, so in practice it costs less. Without the bound each process
-    // waited the exporter's own 10 s. The allowance sits halfway between:
-    // the bound plus 4 s for the scheduling of five processes, over two
-    // separate runs, on a busy 2-core machine, and still 5 s short of the
-    // unbounded wait it exists to catch.
-    let allowed_extra = dflash_telemetry::SHUTDOWN_TIMEOUT + Duration::from_secs(4);
-    assert!(
-        down.drafters_exit_after_complete <= baseline.drafters_exit_after_complete + allowed_extra,
-        "drafters exited {:?} after COMPLETE with the collector down, {:?} without export",
-        down.drafters_exit_after_complete,
-        baseline.drafters_exit_after_complete
-    );
-    assert!(
-        down.broker_exit_after_term <= baseline.broker_exit_after_term + allowed_extra,
-        "the broker exited {:?} after SIGTERM with the collector down, {:?} without export",
-        down.broker_exit_after_term,
-        baseline.broker_exit_after_term
-    );
+    // waited the exporter's own 10 s. Each process logs, as its last line,
+    // how long its exit waited on the export, measured around that one
+    // call: the test waits for that event in every process's log and
+    // checks the figure, so neither the scheduling of the other processes
+    // nor a second run's timings enter it. The allowance sits halfway
+    // between the bound and the unbounded wait.
+    let allowed = dflash_telemetry::SHUTDOWN_TIMEOUT + Duration::from_secs(4);
+    for process in ["broker", "target-0", "target-1", "drafter-0", "drafter-1"] {
+        let log = std::fs::read_to_string(down_work.path().join(format!("{process}.log"))).unwrap();
+        let stopped: Vec<u64> = log
+            .lines()
+            .filter(|line| line.contains("span export stopped"))
+            .map(|line| {
+                let took = line.split("took_ms=").nth(1).unwrap_or_default();
+                let digits: String = took.chars().take_while(char::is_ascii_digit).collect();
+                digits
+                    .parse()
+                    .unwrap_or_else(|_| panic!("no took_ms in {line:?}"))
+            })
+            .collect();
+        assert_eq!(
+            stopped.len(),
+            1,
+            "{process}: one `span export stopped` line expected\n{log}"
+        );
+        assert!(
+            Duration::from_millis(stopped[0]) <= allowed,
+            "{process}: its exit waited {} ms on a dead collector, beyond the bound\n{log}",
+            stopped[0]
+        );
+    }
     // One warning per process, not one per batch.
     let down_logs = logs(down_work.path());
     let warnings = down_logs.matches("span export failing").count();

@@ -163,7 +163,15 @@ impl Bed {
             child,
             description: format!("relay on h{host}"),
         };
-        relay.expect("listening").await;
+        // Its own namespace: the ports are this host's to give, and the
+        // relay names the ones it bound.
+        let bound = relay.expect_value("listening").await;
+        assert_eq!(
+            bound,
+            format!("{port} {}", port + 1),
+            "{}",
+            relay.description
+        );
         (
             relay,
             format!("{address}:{port}"),

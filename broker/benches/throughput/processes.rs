@@ -1,5 +1,5 @@
 //! The processes the bench measures and how it reads them: the broker
-//! binary started on a free port (and killed on drop), and their minor page
+//! binary started on a port the kernel chose (and killed on drop), and their minor page
 //! faults, CPU time and peak RSS from `/proc`, and the broker's own payload
 //! counters from its `/metrics`.
 //!
@@ -9,8 +9,6 @@
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-use tokio::net::TcpStream;
 
 /// Linux reports CPU time in /proc in units of USER_HZ, which the kernel ABI
 /// fixes at 100 per second on every architecture Rust targets here.
@@ -85,45 +83,91 @@ impl Drop for Server {
     }
 }
 
-/// A loopback port nobody listens on right now. The bench starts its
-/// servers on such ports and retries the connection until they listen.
-pub(crate) fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-async fn wait_listening(address: SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(address).await.is_err() {
-        assert!(Instant::now() < deadline, "nothing listens on {address}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// Starts the broker binary for `targets` targets on a fresh port, with
-/// `extra` flags.
+/// Starts the broker binary for `targets` targets on a port the kernel
+/// chooses (`--listen 127.0.0.1:0`, read back from its `--ready-file`),
+/// with `extra` flags; its log goes to `log` (a temporary folder's file).
 pub(crate) async fn start_broker_with(targets: u64, extra: &[String]) -> (Server, String) {
-    let port = free_port();
+    let (server, address, _log) = start_broker_logging(targets, extra, "warn").await;
+    (server, address)
+}
+
+/// [`start_broker_with`] with `RUST_LOG` set to `log_filter`; also returns
+/// the folder holding its `broker.log` (kept while the folder lives).
+pub(crate) async fn start_broker_logging(
+    targets: u64,
+    extra: &[String],
+    log_filter: &str,
+) -> (Server, String, tempfile::TempDir) {
+    let folder = tempfile::tempdir().expect("a temporary folder");
+    let ready = folder.path().join("broker.address");
+    let log = std::fs::File::create(folder.path().join("broker.log")).expect("the broker's log");
     let child = Command::new(env!("CARGO_BIN_EXE_broker"))
         .args([
             "--listen",
-            &format!("127.0.0.1:{port}"),
+            "127.0.0.1:0",
             "--expected-targets",
             &targets.to_string(),
             "--max-queue-bytes",
             "1GiB",
         ])
+        .arg("--ready-file")
+        .arg(&ready)
         .args(extra)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", log_filter)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .spawn()
         .expect("start the broker binary");
     let pid = child.id().to_string();
-    wait_listening(SocketAddr::from(([127, 0, 0, 1], port))).await;
-    (Server { child, pid }, format!("http://127.0.0.1:{port}"))
+    let mut server = Server { child, pid };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let address = loop {
+        // Written whole (by rename) once the broker listens.
+        if let Ok(address) = std::fs::read_to_string(&ready) {
+            break address.trim().to_string();
+        }
+        if let Ok(Some(status)) = server.child.try_wait() {
+            let log = std::fs::read_to_string(folder.path().join("broker.log")).unwrap_or_default();
+            panic!("the broker exited ({status}) before it listened:\n{log}");
+        }
+        assert!(Instant::now() < deadline, "the broker never listened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    (server, format!("http://{address}"), folder)
+}
+
+/// Starts the broker with its metrics endpoint on a port the kernel
+/// chooses: the broker's address and the endpoint's, read from its log
+/// line `metrics listening address=Some(127.0.0.1:PORT)`.
+pub(crate) async fn start_broker_with_metrics(
+    targets: u64,
+    extra: &[String],
+) -> (Server, String, SocketAddr) {
+    let mut flags = vec!["--metrics-listen".to_string(), "127.0.0.1:0".to_string()];
+    flags.extend_from_slice(extra);
+    let (server, address, folder) =
+        start_broker_logging(targets, &flags, "warn,dflash_broker::server=info").await;
+    let log_path = folder.path().join("broker.log");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let metrics = loop {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let found = log
+            .lines()
+            .filter(|line| line.contains("metrics listening"))
+            .find_map(|line| {
+                let after = line.split("address=Some(").nth(1)?;
+                after.split(')').next()?.parse::<SocketAddr>().ok()
+            });
+        if let Some(metrics) = found {
+            break metrics;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the broker never said where its metrics listen:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    (server, address, metrics)
 }
 
 pub(crate) async fn start_broker(targets: u64) -> (Server, String) {

@@ -16,15 +16,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, Mutex};
 
-use crate::processes::{free_port, ProcessCounters, Received, Server};
+use crate::processes::{ProcessCounters, Received, Server};
 use crate::transfer::Transfer;
 
 /// The relay process: `--serve-relay IN_PORT OUT_PORT PRODUCERS CONSUMERS
-/// [ADDRESS]` (ADDRESS 127.0.0.1 unless given). Accepts `producers`
-/// connections on IN_PORT and `consumers` on OUT_PORT, relays
-/// length-prefixed items through one FIFO of 8, reads each 8-byte
-/// acknowledgement back, and exits when every producer has closed and every
-/// item went out. Prints `listening` once both ports are bound.
+/// [ADDRESS]` (ADDRESS 127.0.0.1 unless given; a port 0 lets the kernel
+/// choose). Accepts `producers` connections on IN_PORT and `consumers` on
+/// OUT_PORT, relays length-prefixed items through one FIFO of 8, reads each
+/// 8-byte acknowledgement back, and exits when every producer has closed and
+/// every item went out. Prints `listening IN_PORT OUT_PORT` (the bound
+/// ports) once both are bound.
 pub(crate) async fn serve_relay(
     address: IpAddr,
     inbound_port: u16,
@@ -38,7 +39,8 @@ pub(crate) async fn serve_relay(
     let outbound = TcpListener::bind((address, outbound_port))
         .await
         .expect("bind");
-    println!("listening");
+    let port = |listener: &TcpListener| listener.local_addr().expect("bound address").port();
+    println!("listening {} {}", port(&inbound), port(&outbound));
     let (frames_in, frames_out) = mpsc::channel::<Vec<u8>>(8);
     let frames_out = Arc::new(Mutex::new(frames_out));
     let relay_in = tokio::spawn(async move {
@@ -91,33 +93,27 @@ pub(crate) async fn relay_transfer(
     producers: u64,
     consumers: u64,
 ) -> Transfer {
-    let (inbound_port, outbound_port) = (free_port(), free_port());
-    let child = Command::new(std::env::current_exe().expect("this bench's path"))
+    // Port 0: the relay binds what the kernel gives it and says which (a
+    // port found free beforehand could be taken again before it binds).
+    let mut child = Command::new(std::env::current_exe().expect("this bench's path"))
         .args([
             "--serve-relay",
-            &inbound_port.to_string(),
-            &outbound_port.to_string(),
+            "0",
+            "0",
             &producers.to_string(),
             &consumers.to_string(),
         ])
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .spawn()
         .expect("start the relay");
+    let stdout = child.stdout.take().expect("the relay's stdout");
     let relay = Server {
         pid: child.id().to_string(),
         child,
     };
+    let (inbound_port, outbound_port) = read_listening_ports(stdout).await;
     let inbound_address = SocketAddr::from(([127, 0, 0, 1], inbound_port));
     let outbound_address = SocketAddr::from(([127, 0, 0, 1], outbound_port));
-    // Polling with a connection would take a producer's or consumer's slot:
-    // wait until the process has bound both ports instead.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::net::TcpListener::bind(outbound_address).is_ok()
-        || std::net::TcpListener::bind(inbound_address).is_ok()
-    {
-        assert!(Instant::now() < deadline, "the relay never listened");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let per_producer = items / producers;
 
     let mut readers = Vec::new();
@@ -162,6 +158,33 @@ pub(crate) async fn relay_transfer(
         received: Received::default(),
         second_half: None,
         peak_rss_mib: 0.0,
+    }
+}
+
+/// The relay's `listening IN_PORT OUT_PORT` line (it prints it once both
+/// ports are bound), read on a blocking thread; fails after 60 s.
+async fn read_listening_ports(stdout: std::process::ChildStdout) -> (u16, u16) {
+    let reading = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead as _;
+        let mut line = String::new();
+        std::io::BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read the relay's stdout");
+        line
+    });
+    let line = tokio::time::timeout(Duration::from_secs(60), reading)
+        .await
+        .expect("the relay never listened")
+        .expect("reader");
+    let ports: Vec<u16> = line
+        .strip_prefix("listening ")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|port| port.parse().ok())
+        .collect();
+    match ports[..] {
+        [inbound, outbound] => (inbound, outbound),
+        _ => panic!("the relay said {line:?}, not `listening IN_PORT OUT_PORT`"),
     }
 }
 

@@ -18,7 +18,7 @@ use dflash_proto::v1 as proto;
 
 use crate::drafter::{run_drafter, DrafterLoad};
 use crate::processes::{
-    free_port, peak_rss_mib, scrape_received, start_broker_with, ProcessCounters, Received,
+    peak_rss_mib, scrape_received, start_broker_with_metrics, ProcessCounters, Received,
 };
 
 pub(crate) fn sample(bytes: usize) -> proto::Sample {
@@ -111,13 +111,8 @@ pub(crate) async fn broker_transfer_with(
     consumers: u64,
     extra: &[String],
 ) -> Transfer {
-    let metrics_port = free_port();
-    let mut flags = vec![
-        "--metrics-listen".to_string(),
-        format!("127.0.0.1:{metrics_port}"),
-    ];
-    flags.extend_from_slice(extra);
-    let (broker, address) = start_broker_with(producers, &flags).await;
+    let (broker, address, metrics) = start_broker_with_metrics(producers, extra).await;
+    let metrics_port = metrics.port();
     let client = BrokerClient::connect(address, ClientOptions::default())
         .await
         .expect("connect");

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, TypeVar
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 PACKAGE_ROOT = REPO_ROOT / "clients" / "python"
@@ -43,22 +43,61 @@ def binary(name: str) -> pathlib.Path:
     return path
 
 
-def wait_until(condition: Callable[[], Optional[T]], timeout_s: float, what: str, interval_s: float = 0.02) -> T:
-    """Polls `condition` until it returns something truthy; fails naming `what`."""
+def wait_until(
+    condition: Callable[[], Optional[T]],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.02,
+    children: Sequence["Process"] = (),
+) -> T:
+    """Polls `condition` until it returns something truthy; fails naming
+    `what`. The hang guard: a child of `children` that exits with an error
+    fails the wait at once, and the timeout names every child's state; both
+    with the child's last log lines."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
         if value:
             return value
+        for child in children:
+            child.check_not_failed(what)
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+            states = "".join(child.state_and_last_lines() for child in children)
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}{states}")
         time.sleep(interval_s)
+
+
+def consume_until_end(consumer, children: Sequence["Process"], timeout_s: float, what: str) -> Iterator:
+    """The deliveries of a sync `consumer` until its end-of-stream, under the
+    hang guard of `wait_until`: one of `children` (the processes whose data
+    the test waits for) exiting with an error, or `timeout_s` passing, fails
+    the test naming each child's last log lines, instead of waiting for an
+    end-of-stream that only the broker's startup timeout would send."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        delivery = consumer.receive(timeout_s=0.5)
+        if delivery is not None:
+            yield delivery
+            continue
+        if consumer.end_of_stream is not None:
+            return
+        for child in children:
+            child.check_not_failed(what)
+        if time.monotonic() > deadline:
+            states = "".join(child.state_and_last_lines() for child in children)
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}{states}")
+
+
+# Every child this test session started, in order: the per-test hang guard
+# of conftest.py names the ones a test started, with their last log lines.
+STARTED: List["Process"] = []
 
 
 class Process:
     """A child process whose stdout and stderr go to one log file."""
 
     def __init__(self, name: str, arguments: Sequence[str], log_dir: pathlib.Path, env: Optional[Dict[str, str]] = None):
+        STARTED.append(self)
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
@@ -75,22 +114,38 @@ class Process:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def last_lines(self, count: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-count:])
+
+    def state_and_last_lines(self, count: int = 40) -> str:
+        """`name (running|exited N); its last log lines:` and those lines."""
+        code = self.popen.poll()
+        state = "running" if code is None else f"exited {code}"
+        return f"\n--- {self.name} ({state}); its last {count} log lines:\n{self.last_lines(count)}"
+
+    def check_not_failed(self, what: str) -> None:
+        """Fails, naming the child's last log lines, when it exited with an
+        error (the test waiting for `what` would otherwise wait on)."""
+        code = self.popen.poll()
+        if code is not None and code != 0:
+            raise AssertionError(f"{self.name} exited {code} while the test waited for {what}{self.state_and_last_lines()}")
+
     def wait_for_log(self, pattern: str, timeout_s: float) -> re.Match:
         regex = re.compile(pattern)
 
         def found() -> Optional[re.Match]:
             match = regex.search(self.log())
             if match is None and self.popen.poll() is not None:
-                raise AssertionError(f"{self.name} exited ({self.popen.returncode}) before logging {pattern!r}:\n{self.log()}")
+                raise AssertionError(f"{self.name} exited ({self.popen.returncode}) before logging {pattern!r}{self.state_and_last_lines()}")
             return match
 
-        return wait_until(found, timeout_s, f"{self.name} to log {pattern!r}")
+        return wait_until(found, timeout_s, f"{self.name} to log {pattern!r}", children=[self])
 
     def wait(self, timeout_s: float) -> int:
         try:
             return self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout_s:g}s:\n{self.log()[-4000:]}") from None
+            raise AssertionError(f"{self.name} did not exit within {timeout_s:g}s{self.state_and_last_lines()}") from None
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.popen.poll() is None:
@@ -105,6 +160,14 @@ class Process:
     def kill(self) -> None:
         self.popen.send_signal(signal.SIGKILL)
         self.popen.wait()
+
+
+def wait_for_exits(children: Sequence[Process], timeout_s: float) -> None:
+    """Waits until every child exited 0. The hang guard: one that exits with
+    an error fails at once (its peers would wait on it), and the timeout
+    names the ones still running; both with their last log lines."""
+    wait_until(lambda: all(child.popen.poll() == 0 for child in children), timeout_s,
+               "every child to exit 0: " + ", ".join(child.name for child in children), interval_s=0.1, children=children)
 
 
 class Broker:

@@ -22,7 +22,7 @@ from dflash_client import (
     InvalidSample,
     StreamClosed,
 )
-from harness import CuttableRelay, python_process, wait_until
+from harness import CuttableRelay, consume_until_end, python_process, wait_until
 
 from samples import synthetic_sample
 
@@ -167,7 +167,8 @@ def test_sigkilled_consumer_has_its_leases_redelivered(start_broker, tmp_path):
         child = python_process("child-consumer", [script, broker.address, str(held)], tmp_path)
         from harness import json_lines
 
-        leased = wait_until(lambda: (lambda r: r if len(r) == held else None)(json_lines(child.log())), 60, "the child to hold its credit")
+        leased = wait_until(lambda: (lambda r: r if len(r) == held else None)(json_lines(child.log())), 60, "the child to hold its credit",
+                            children=[child, broker.process])
         status = client.status()
         doomed = [drafter for drafter in status["drafters"] if drafter["drafter_id"] == "doomed-drafter"][0]
         assert doomed["leased_items"] == held and status["state"] == "BROKER_STATE_DRAINING"
@@ -176,7 +177,7 @@ def test_sigkilled_consumer_has_its_leases_redelivered(start_broker, tmp_path):
 
         redelivered, first_time = [], []
         with client.consumer("survivor", credit_items=4) as consumer:
-            for delivery in consumer:
+            for delivery in consume_until_end(consumer, [broker.process], 120, "the killed consumer's leases and end-of-stream"):
                 (redelivered if delivery.delivery_count > 1 else first_time).append(delivery.seq)
                 consumer.ack(delivery)
             end = consumer.end_of_stream

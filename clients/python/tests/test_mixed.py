@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflash_client import BrokerClient
-from harness import EXAMPLES, binary, json_lines, python_process, wait_until, Process
+from harness import EXAMPLES, binary, consume_until_end, json_lines, python_process, wait_for_exits, wait_until, Process
 
 HIDDEN, TARGET_LAYERS, DRAFT_LAYERS = 64, 8, 5
 WIDTH = DRAFT_LAYERS * HIDDEN
@@ -70,8 +70,7 @@ def test_rust_target_server_feeds_the_python_torch_drafter(start_broker, tiny, d
         tmp_path,
     )
     target = rust_target(tmp_path, broker, tiny, data, "target-0")
-    assert target.wait(180) == 0, target.log()[-4000:]
-    assert drafter.wait(180) == 0, drafter.log()[-4000:]
+    wait_for_exits([target, drafter], 300)
     summary = last_json(drafter)
     assert summary["end_of_stream"] == "RUN_STATUS_COMPLETE", summary
     assert summary["samples_trained"] == len(CONVERSATIONS)
@@ -99,7 +98,8 @@ def test_python_producer_feeds_the_rust_drafter_server(start_broker, tiny, tmp_p
     items = 12
     generator = np.random.default_rng(7)
     with BrokerClient(broker.address) as client:
-        wait_until(lambda: any(d["connected"] for d in client.status()["drafters"]), 120, "the Rust drafter to connect")
+        wait_until(lambda: any(d["connected"] for d in client.status()["drafters"]), 120, "the Rust drafter to connect",
+                   children=[drafter, broker.process])
         producer = client.producer("target-py", hidden_width=WIDTH)
         for seq in range(items):
             length = int(generator.integers(16, 40))
@@ -111,7 +111,7 @@ def test_python_producer_feeds_the_rust_drafter_server(start_broker, tiny, tmp_p
         assert producer.finish().accepted_total == items
         producer.report_done()
         producer.close()
-        assert drafter.wait(180) == 0, drafter.log()[-4000:]
+        assert drafter.wait(180) == 0, drafter.state_and_last_lines()
         status = client.status()
     assert status["state"] == "BROKER_STATE_COMPLETE", status
     assert (status["accepted_items"], status["acked_items"], status["dead_letters"]) == (items, items, 0)
@@ -150,12 +150,12 @@ def test_hf_target_hidden_states_match_the_rust_target_server(start_broker, tiny
     received = {}
     with BrokerClient(broker.address) as client:
         with client.consumer("collector", credit_items=16) as consumer:
-            for delivery in consumer:
+            for delivery in consume_until_end(consumer, [rust, python, broker.process], 300, "both targets' items and end-of-stream"):
                 received[(delivery.target_id, delivery.seq)] = {name: (tensor.shape, tensor.data) for name, tensor in delivery.tensors.items()}
                 consumer.ack(delivery)
             end = consumer.end_of_stream
-    assert rust.wait(60) == 0, rust.log()[-4000:]
-    assert python.wait(60) == 0, python.log()[-4000:]
+    assert rust.wait(60) == 0, rust.state_and_last_lines()
+    assert python.wait(60) == 0, python.state_and_last_lines()
     assert last_json(python)["accepted_total"] == len(CONVERSATIONS)
     assert end["status"] == "RUN_STATUS_COMPLETE" and end["summary"]["acked_items"] == 2 * len(CONVERSATIONS)
     assert sorted(received) == sorted((target, seq) for target in ("target-0", "target-1") for seq in range(len(CONVERSATIONS)))

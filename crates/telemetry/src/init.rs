@@ -147,8 +147,14 @@ impl Drop for TelemetryGuard {
         if let Some(provider) = self.provider.take() {
             // Bounded: the counting processor writes off (as dropped) and
             // reports whatever could not leave in time.
-            if let Err(error) = provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT) {
-                tracing::debug!(%error, "span exporter did not shut down cleanly");
+            let started = std::time::Instant::now();
+            let outcome = provider.shutdown_with_timeout(SHUTDOWN_TIMEOUT);
+            // The process's last line: how long its exit waited on the
+            // export, measured here (tests check it against the bound).
+            let took_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+            match outcome {
+                Ok(()) => tracing::info!(took_ms, "span export stopped"),
+                Err(error) => tracing::info!(took_ms, %error, "span export stopped"),
             }
         }
     }

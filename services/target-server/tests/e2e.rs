@@ -361,51 +361,88 @@ async fn a_synthetic_target_held_to_a_low_rate_is_mostly_idle() -> Result<()> {
     Ok(())
 }
 
+/// The first run is interrupted while the broker holds it back: the queue
+/// has room for a few of the 40 items and no drafter takes any yet, so the
+/// target cannot finish however fast it runs or however late the test gets
+/// to cancel it. The test waits for that state (the next item does not fit),
+/// not for a share of a work window. Interrupted while held back, the
+/// target waits its short grace for answers that cannot come and reports
+/// none (a SIGTERM with a full queue). What it had pushed into the stream's
+/// window the broker may still accept once a drafter frees room, until it
+/// reads the stream's end; so the restart waits for that event (the target
+/// shown disconnected) and must resume after exactly what the broker has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_shard() -> Result<()>
 {
-    let broker = TestBroker::for_targets(1).await;
-    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
-    // 40 samples of 16 tokens at 800 tokens/s: about 0.8 s of work.
+    let broker = TestBroker::start(dflash_broker::BrokerConfig {
+        // A synthetic item here is 1.9 KiB: room for 8.
+        max_queue_bytes: 16 << 10,
+        max_item_bytes: 8 << 10,
+        ..dflash_broker::BrokerConfig::for_targets(1)
+    })
+    .await;
     let mut config = synthetic_target(
         &broker,
-        "hidden=16,layers=2,tokens_per_s=800,samples=40,seq_len=16",
+        "hidden=16,layers=2,tokens_per_s=0,samples=40,seq_len=16",
         32,
     )?;
     config.sort_window = 8;
 
     let shutdown = CancellationToken::new();
     let first_run = tokio::spawn(run(config.clone(), shutdown.clone()));
-    let client = broker.client().await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let accepted = client.status().await?.accepted_items;
-        if accepted >= 6 {
-            break;
-        }
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "target made no progress"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // The 60 s waits only stop a hang.
+    let held_back = dflash_testkit::wait_until(Duration::from_secs(60), || async {
+        let status = broker.status().await;
+        let per_item = status.queued_bytes / status.accepted_items.max(1);
+        status.accepted_items > 0 && status.queued_bytes + per_item > status.max_queue_bytes
+    })
+    .await;
+    let status = broker.status().await;
+    ensure!(
+        held_back,
+        "the broker never held the target back: {status:?}"
+    );
+    let held = status.accepted_items;
+    ensure!(held < 40, "{held} accepted: nothing held back");
     shutdown.cancel();
     let interrupted = first_run.await??;
     ensure!(!interrupted.completed, "{interrupted:?}");
-    ensure!(
-        interrupted.total_accepted >= 6 && interrupted.total_accepted < 40,
-        "{interrupted:?}"
-    );
-    ensure!(client.status().await?.done_targets == 0);
+    // Nothing more fits until a drafter acks: no more accepted, and no
+    // ReportDone.
+    let status = broker.status().await;
+    ensure!(status.accepted_items == held, "{status:?}");
+    ensure!(status.done_targets == 0, "{status:?}");
 
+    let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
+    let target_state = |status: &proto::StatusSnapshot| {
+        status
+            .targets
+            .iter()
+            .find(|target| target.target_id == "target-0")
+            .map(|target| target.state())
+    };
+    let disconnected = dflash_testkit::wait_until(Duration::from_secs(60), || async {
+        target_state(&broker.status().await) == Some(proto::TargetState::Disconnected)
+    })
+    .await;
+    let status = broker.status().await;
+    ensure!(
+        disconnected,
+        "the first run's stream never ended at the broker: {status:?}"
+    );
+    let accepted_before_restart = status.accepted_items;
+    ensure!((held..40).contains(&accepted_before_restart), "{status:?}");
     let resumed = run(config, CancellationToken::new()).await?;
     ensure!(resumed.completed);
     ensure!(
-        resumed.resume_after_seq == Some(interrupted.total_accepted - 1),
-        "{resumed:?}"
+        resumed.resume_after_seq == Some(accepted_before_restart - 1),
+        "{accepted_before_restart} accepted before the restart: {resumed:?}"
     );
     ensure!(resumed.total_accepted == 40 && resumed.duplicates == 0);
-    ensure!(resumed.samples_sent == 40 - interrupted.total_accepted);
+    ensure!(
+        resumed.samples_sent == 40 - accepted_before_restart,
+        "{resumed:?}"
+    );
 
     let drained = drafter.await??;
     let mut seqs: Vec<u64> = drained

@@ -15,6 +15,7 @@
 //! - [`workspace_binary`]: a binary of this workspace beside the running test;
 //!   [`require_test_hooks`]: fails the test unless a server binary has the
 //!   test hooks (cargo feature `test-hooks`, on in `make test`).
+//! - [`ClosedPort`]: a loopback port that refuses connections while held.
 //! - [`BrokerProcess`]: the real `broker` binary as a child process on a
 //!   fixed loopback port, killable with SIGKILL and restartable on the same
 //!   port and flags.
@@ -279,6 +280,38 @@ pub fn parse_metrics(answer: &str) -> HashMap<String, f64> {
             Some((series.to_string(), value.parse().ok()?))
         })
         .collect()
+}
+
+/// A loopback port that refuses connections for as long as this value
+/// lives: a socket bound to it that never listens (the kernel answers a
+/// connection attempt with a reset). A port found by binding a listener and
+/// dropping it is free for anyone to take again: another test's listener,
+/// or a client's own ephemeral source port (a loopback connection to itself
+/// then succeeds), and the "closed" port answers.
+pub struct ClosedPort {
+    /// Bound, never listening; held so no one else can bind the port.
+    socket: tokio::net::TcpSocket,
+}
+
+impl ClosedPort {
+    /// Binds `127.0.0.1:0` without listening. Needs no runtime.
+    pub fn bind() -> ClosedPort {
+        let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+        socket
+            .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .expect("bind 127.0.0.1:0");
+        ClosedPort { socket }
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn address(&self) -> SocketAddr {
+        self.socket.local_addr().expect("the bound address")
+    }
+
+    /// `http://127.0.0.1:PORT`, an endpoint nothing answers.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.address())
+    }
 }
 
 /// A binary of this workspace in the same target folder as the running
