@@ -37,13 +37,13 @@
 //!   write cut short at its end is cut, other damage refuses to start),
 //!   which the writer thread appends the queue's journal entries to before
 //!   anyone is answered (retried while the disk is full).
-//! - `model_sync`: the `ModelSync` service beside the queue: the run's one
-//!   shared draft model (asynchronous local SGD with a delayed Nesterov
-//!   outer step), its arithmetic on raw buffers, and its checkpoints; a
-//!   delta that is not finite or far over the recent norms never reaches it.
+//! - `model_sync`: the `ModelSync` service beside the queue: the
+//!   data-parallel drafters' lighthouse (each step's quorum and commit
+//!   vote), and the run's one draft model as rank 0 last sent it (its
+//!   checkpoints, served to the online evaluator with its τ curve).
 //! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
-//!   untrusted bytes (Produce bodies, ModelSync sessions against the
-//!   center, the center checkpoint reader, write-ahead log segments) and
+//!   untrusted bytes (Produce bodies, ModelSync snapshot sessions, the
+//!   center checkpoint reader, write-ahead log segments) and
 //!   their seeds; run by
 //!   `tests/fuzz` and, over the committed corpus, by `tests/fuzz_corpus.rs`.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).

@@ -1,12 +1,6 @@
-//! The center's arithmetic on raw little-endian buffers, without libtorch.
-//!
-//! The center is kept in f32 whatever the drafters send: deltas arrive as
-//! bf16 or f32 bytes and are decoded element by element inside the loop
-//! that applies them, so no decoded copy of a delta is ever allocated. Each
-//! loop is a plain zip over fixed-size chunks (no bounds checks, no
-//! branches in the body), which the compiler vectorises in optimised builds
-//! (checked: packed `mulps`/`addps` in the bf16 and f32 loop bodies at
-//! opt-level 2; debug builds of this crate are not optimised).
+//! The run's model on the wire, without libtorch: its tensors arrive as
+//! f32 or bf16 little-endian bytes and are decoded into f32 buffers, and go
+//! out to a reader encoded again.
 
 /// Element type of tensors on the sync wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,21 +67,6 @@ fn check_length(values: usize, bytes: &[u8], dtype: WireDtype) -> Result<(), Len
     Ok(())
 }
 
-/// `Σ decode(bytes)[i]²` in f64: NaN or infinity when any value is not
-/// finite, so one number tells both the norm and whether the delta is sane.
-pub fn squared_sum(bytes: &[u8], dtype: WireDtype) -> f64 {
-    match dtype {
-        WireDtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|raw| f64::from(f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]])).powi(2))
-            .sum(),
-        WireDtype::Bf16 => bytes
-            .chunks_exact(2)
-            .map(|raw| f64::from(bf16_to_f32(u16::from_le_bytes([raw[0], raw[1]]))).powi(2))
-            .sum(),
-    }
-}
-
 /// `values[i] = decode(bytes)[i]`.
 pub fn decode_into(
     values: &mut [f32],
@@ -108,92 +87,6 @@ pub fn decode_into(
         }
     }
     Ok(())
-}
-
-/// `values[i] += scale * decode(bytes)[i]`, and when `sum` is given also
-/// `sum[i] += sum_scale * decode(bytes)[i]` in the same pass (the
-/// delayed-momentum accumulator).
-pub fn add_scaled(
-    values: &mut [f32],
-    sum: Option<&mut [f32]>,
-    bytes: &[u8],
-    dtype: WireDtype,
-    scale: f32,
-    sum_scale: f32,
-) -> Result<(), LengthMismatch> {
-    check_length(values.len(), bytes, dtype)?;
-    if let Some(sum) = &sum {
-        assert_eq!(sum.len(), values.len(), "accumulator of another tensor");
-    }
-    match (dtype, sum) {
-        (WireDtype::F32, None) => {
-            for (value, raw) in values.iter_mut().zip(bytes.chunks_exact(4)) {
-                *value += scale * f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
-            }
-        }
-        (WireDtype::F32, Some(sum)) => {
-            for ((value, total), raw) in values
-                .iter_mut()
-                .zip(sum.iter_mut())
-                .zip(bytes.chunks_exact(4))
-            {
-                let delta = f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
-                *value += scale * delta;
-                *total += sum_scale * delta;
-            }
-        }
-        (WireDtype::Bf16, None) => {
-            for (value, raw) in values.iter_mut().zip(bytes.chunks_exact(2)) {
-                *value += scale * bf16_to_f32(u16::from_le_bytes([raw[0], raw[1]]));
-            }
-        }
-        (WireDtype::Bf16, Some(sum)) => {
-            for ((value, total), raw) in values
-                .iter_mut()
-                .zip(sum.iter_mut())
-                .zip(bytes.chunks_exact(2))
-            {
-                let delta = bf16_to_f32(u16::from_le_bytes([raw[0], raw[1]]));
-                *value += scale * delta;
-                *total += sum_scale * delta;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// The delayed Nesterov step over the deltas summed since the last one:
-/// `velocity = momentum * velocity + sum / count`,
-/// `values += learning_rate * momentum * velocity`, `sum = 0`.
-///
-/// Written for deltas (local minus base, the negative of DiLoCo's
-/// pseudo-gradient), so every sign is a `+`. Together with the immediate
-/// `values += learning_rate * delta` of each update this is Nesterov
-/// momentum (`θ −= lr·(g + μ·m)`, `m = μ·m + g`) applied to the mean of
-/// every `count` deltas; with `count = 1` it is exactly DiLoCo's outer step.
-pub fn delayed_nesterov_step(
-    values: &mut [f32],
-    velocity: &mut [f32],
-    sum: &mut [f32],
-    count: u32,
-    learning_rate: f32,
-    momentum: f32,
-) {
-    assert!(
-        velocity.len() == values.len() && sum.len() == values.len(),
-        "optimizer state of another tensor"
-    );
-    let mean_scale = 1.0 / count.max(1) as f32;
-    let push = learning_rate * momentum;
-    for ((value, speed), total) in values
-        .iter_mut()
-        .zip(velocity.iter_mut())
-        .zip(sum.iter_mut())
-    {
-        *speed = momentum * *speed + *total * mean_scale;
-        *value += push * *speed;
-        *total = 0.0;
-    }
 }
 
 /// The little-endian bytes of `values` as `dtype`.
@@ -217,13 +110,6 @@ pub fn encode(values: &[f32], dtype: WireDtype) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn f32_bytes(values: &[f32]) -> Vec<u8> {
-        values
-            .iter()
-            .flat_map(|value| value.to_le_bytes())
-            .collect()
-    }
 
     fn bf16_bytes(bits: &[u16]) -> Vec<u8> {
         bits.iter().flat_map(|value| value.to_le_bytes()).collect()
@@ -252,44 +138,22 @@ mod tests {
     }
 
     #[test]
-    fn f32_deltas_add_exactly_on_dyadic_values() {
-        // Every value and product here is a dyadic rational with few bits,
-        // so f32 arithmetic is exact and equality is the right check.
-        let mut values = vec![1.0f32, -2.0, 0.5, 8.0];
-        let delta = f32_bytes(&[0.25, 0.5, -1.0, 0.0]);
-        let mut sum = vec![0.0f32; 4];
-        add_scaled(
-            &mut values,
-            Some(&mut sum),
-            &delta,
-            WireDtype::F32,
-            0.5,
-            1.0,
+    fn bf16_values_are_decoded_exactly_into_f32() {
+        // 0x3F80 = 1.0, 0xBF00 = -0.5, 0x3C00 = 2^-7.
+        let mut decoded = vec![0.0f32; 3];
+        decode_into(
+            &mut decoded,
+            &bf16_bytes(&[0x3F80, 0xBF00, 0x3C00]),
+            WireDtype::Bf16,
         )
         .unwrap();
-        assert_eq!(values, vec![1.125, -1.75, 0.0, 8.0]);
-        assert_eq!(sum, vec![0.25, 0.5, -1.0, 0.0]);
-        add_scaled(&mut values, None, &delta, WireDtype::F32, 1.0, 1.0).unwrap();
-        assert_eq!(values, vec![1.375, -1.25, -1.0, 8.0]);
-    }
-
-    #[test]
-    fn bf16_deltas_are_decoded_exactly_and_accumulated_in_f32() {
-        // 0x3F80 = 1.0, 0xBF00 = -0.5, 0x3C00 = 2^-7: a delta far below
-        // bf16 resolution at 256 is kept because the center is f32.
-        let mut values = vec![256.0f32, 0.0, 256.0];
-        let delta = bf16_bytes(&[0x3F80, 0xBF00, 0x3C00]);
-        add_scaled(&mut values, None, &delta, WireDtype::Bf16, 1.0, 1.0).unwrap();
-        assert_eq!(values, vec![257.0, -0.5, 256.0 + 1.0 / 128.0]);
-        let mut decoded = vec![0.0f32; 3];
-        decode_into(&mut decoded, &delta, WireDtype::Bf16).unwrap();
         assert_eq!(decoded, vec![1.0, -0.5, 1.0 / 128.0]);
     }
 
     #[test]
     fn lengths_that_do_not_match_are_refused_and_change_nothing() {
         let mut values = vec![1.0f32, 2.0];
-        let error = add_scaled(&mut values, None, &[0u8; 6], WireDtype::F32, 1.0, 1.0).unwrap_err();
+        let error = decode_into(&mut values, &[0u8; 6], WireDtype::F32).unwrap_err();
         assert_eq!(error.expected, 8);
         assert_eq!(error.bytes, 6);
         assert_eq!(values, vec![1.0, 2.0]);
@@ -313,56 +177,5 @@ mod tests {
             // of the magnitude.
             assert!((original - rounded).abs() <= original.abs() / 256.0);
         }
-    }
-
-    #[test]
-    fn delayed_nesterov_with_one_update_is_the_nesterov_step() {
-        // Two updates with the same delta d, count 1, lr 1, μ 0.5:
-        // step 1: immediate +d, velocity = d, push μ·d → θ = d + 0.5d = 1.5d
-        // step 2: immediate +d, velocity = 0.5d + d = 1.5d, push 0.75d
-        //         → θ = 1.5d + d + 0.75d = 3.25d
-        let delta = f32_bytes(&[2.0, -4.0]);
-        let mut values = vec![0.0f32; 2];
-        let mut velocity = vec![0.0f32; 2];
-        let mut sum = vec![0.0f32; 2];
-        for _ in 0..2 {
-            add_scaled(
-                &mut values,
-                Some(&mut sum),
-                &delta,
-                WireDtype::F32,
-                1.0,
-                1.0,
-            )
-            .unwrap();
-            delayed_nesterov_step(&mut values, &mut velocity, &mut sum, 1, 1.0, 0.5);
-        }
-        assert_eq!(values, vec![6.5, -13.0]);
-        assert_eq!(velocity, vec![3.0, -6.0]);
-        assert_eq!(sum, vec![0.0, 0.0]);
-    }
-
-    #[test]
-    fn delayed_nesterov_uses_the_mean_of_the_delayed_deltas() {
-        // Deltas 1 and 3 (mean 2), lr 0.5, μ 0.5, count 2:
-        // immediate: 0.5·1 + 0.5·3 = 2; velocity = 2; push 0.25·2 = 0.5.
-        let mut values = vec![0.0f32];
-        let mut velocity = vec![0.0f32];
-        let mut sum = vec![0.0f32];
-        for delta in [1.0f32, 3.0] {
-            add_scaled(
-                &mut values,
-                Some(&mut sum),
-                &f32_bytes(&[delta]),
-                WireDtype::F32,
-                0.5,
-                1.0,
-            )
-            .unwrap();
-        }
-        assert_eq!(values, vec![2.0]);
-        delayed_nesterov_step(&mut values, &mut velocity, &mut sum, 2, 0.5, 0.5);
-        assert_eq!(values, vec![2.5]);
-        assert_eq!(velocity, vec![2.0]);
     }
 }

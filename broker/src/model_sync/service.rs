@@ -1,13 +1,13 @@
 //! The gRPC adapter of the `dflash.v1.ModelSync` service: the state its
-//! sessions share, and each drafter's session (hello, then exchanges of
-//! begin, chunks and commit, each answered with its result and the
-//! center). All rules live in [`super::center`]; the task that writes the
-//! center to disk is [`center_writer`].
+//! sessions share, and each drafter's session (hello, then snapshots of
+//! begin, chunks and commit, each answered with its result). All rules
+//! live in [`super::center`]; the task that writes the center to disk is
+//! [`center_writer`].
 //!
 //! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
-//! per session without it; a commit takes it once to apply the delta and
-//! encode the reply, so every reply is one center version. Checkpoints copy
-//! the center under the lock and write it on a blocking thread.
+//! per session without it, and decoded under it at the commit. Checkpoints
+//! copy the center's pointers under the lock and write it on a blocking
+//! thread.
 
 mod center_writer;
 mod evaluation;
@@ -39,9 +39,7 @@ pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 impl From<SyncError> for Status {
     fn from(error: SyncError) -> Self {
         match error {
-            SyncError::NoCenter | SyncError::FutureBase { .. } => {
-                Status::failed_precondition(error.to_string())
-            }
+            SyncError::NoCenter => Status::failed_precondition(error.to_string()),
             SyncError::BadTensor { .. }
             | SyncError::UnknownTensor(_)
             | SyncError::ShapeMismatch { .. }
@@ -50,11 +48,10 @@ impl From<SyncError> for Status {
             | SyncError::DuplicateTensor(_)
             | SyncError::Dtype(_)
             | SyncError::Kind(_)
+            | SyncError::RemovedKind(_)
             | SyncError::Config(_)
             | SyncError::GradientStepRemoved => Status::invalid_argument(error.to_string()),
-            SyncError::ConfigMismatch { .. } | SyncError::MixedMethods(_) => {
-                Status::failed_precondition(error.to_string())
-            }
+            SyncError::ConfigMismatch { .. } => Status::failed_precondition(error.to_string()),
         }
     }
 }
@@ -72,15 +69,12 @@ pub struct ModelSyncShared {
     /// write, so a caller that stops waiting (an aborted task) does not let
     /// a second write start while the first is still renaming files.
     save_lock: Arc<tokio::sync::Mutex<()>>,
-    /// Woken when an exchange commits or a session closes: the center
+    /// Woken when a snapshot commits or a session closes: the center
     /// writer re-checks what it waits for.
     sync_changed: Notify,
-    /// What the queue saw each drafter ack (set once the queue exists): the
-    /// bound on the samples a drafter's exchanges are credited with.
-    acked_by: std::sync::OnceLock<AckedBy>,
     /// Online evaluation: the τ history, the best report and the versions
     /// served to an evaluator ([`super::evaluation`]). Its own lock, never
-    /// held with the state's: an evaluator never delays an exchange.
+    /// held with the state's: an evaluator never delays a snapshot.
     evaluations: Mutex<Evaluations>,
     /// One report at a time, from its checks to its record (the best
     /// center's write included), so two reports never race for the best.
@@ -90,9 +84,6 @@ pub struct ModelSyncShared {
     pub quorum: QuorumHub,
 }
 
-/// Items acked by a drafter id, as the queue counts them.
-type AckedBy = Box<dyn Fn(&str) -> Option<u64> + Send + Sync>;
-
 impl ModelSyncShared {
     /// The service state, with the center resumed from `--model-output`
     /// when a center was written there before.
@@ -101,12 +92,11 @@ impl ModelSyncShared {
         hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
-        let settings = config.outer_settings();
         let resumed = match &config.model_output {
-            Some(dir) => read_center(dir, settings.momentum > 0.0)?,
+            Some(dir) => read_center(dir, false)?,
             None => None,
         };
-        let mut state = ModelSyncState::new(settings, resumed);
+        let mut state = ModelSyncState::new(resumed);
         if let Some(path) = &config.model_config {
             let text = std::fs::read_to_string(path).map_err(|source| CheckpointError::Io {
                 path: path.clone(),
@@ -124,7 +114,7 @@ impl ModelSyncShared {
             state.saved_version = Some(center.version);
             state.saved_path = dir.display().to_string();
         }
-        info!(method = %settings.describe(), output = ?config.model_output, "model sync ready");
+        info!(output = ?config.model_output, "model sync ready");
         let evaluations = Evaluations::new(config.max_pending_evaluations);
         let quorum = QuorumHub::new(config.quorum_settings());
         Ok(Arc::new(ModelSyncShared {
@@ -135,17 +125,10 @@ impl ModelSyncShared {
             tasks: TaskTracker::new(),
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
             sync_changed: Notify::new(),
-            acked_by: std::sync::OnceLock::new(),
             evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
             quorum,
         }))
-    }
-
-    /// Where the queue's per-drafter ack counts come from (see
-    /// `Upload::acked_by_drafter`); without it claims are credited as sent.
-    pub fn set_acked_by(&self, acked_by: impl Fn(&str) -> Option<u64> + Send + Sync + 'static) {
-        let _ = self.acked_by.set(Box::new(acked_by));
     }
 
     pub fn status(&self) -> proto::ModelSyncStatus {
@@ -272,7 +255,7 @@ impl ModelSync for ModelSyncService {
             proto::SyncWelcome {
                 has_center: state.center().is_some(),
                 center_version: state.version().unwrap_or(0),
-                method: state.settings().describe(),
+                ..proto::SyncWelcome::default()
             }
         };
         let guard = SessionGuard {
@@ -292,8 +275,8 @@ impl ModelSync for ModelSyncService {
     }
 }
 
-/// Reads one session's exchanges until it ends, the broker stops, or an
-/// exchange is refused (the error ends the session; nothing was applied).
+/// Reads one session's snapshots until it ends, the broker stops, or one
+/// is refused (the error ends the session; nothing was applied).
 async fn run_session(
     shared: Arc<ModelSyncShared>,
     guard: SessionGuard,
@@ -329,7 +312,7 @@ async fn run_session(
         )
         .await;
         if let Err(status) = outcome {
-            warn!(drafter_id, %status, "model sync exchange refused; nothing applied");
+            warn!(drafter_id, %status, "model snapshot refused; nothing applied");
             let _ = outbox.send(Err(status)).await;
             break;
         }
@@ -337,14 +320,14 @@ async fn run_session(
     if upload.is_some() {
         info!(
             drafter_id,
-            "model sync session ended mid-exchange; its partial upload is dropped"
+            "model sync session ended mid-snapshot; its partial upload is dropped"
         );
     }
     drop(guard);
 }
 
-/// Handles one message of an open session: `Begin` opens an exchange,
-/// `Chunk` adds to it, `Commit` applies it ([`commit_exchange`]); anything
+/// Handles one message of an open session: `Begin` opens a snapshot,
+/// `Chunk` adds to it, `Commit` applies it ([`commit_snapshot`]); anything
 /// else is refused.
 async fn handle_request(
     shared: &ModelSyncShared,
@@ -359,7 +342,7 @@ async fn handle_request(
         Some(Kind::Begin(begin)) => {
             if upload.is_some() {
                 return Err(Status::failed_precondition(
-                    "begin while an exchange is open: commit it first",
+                    "begin while a snapshot is open: commit it first",
                 ));
             }
             *upload = Some(Upload::new(&begin)?);
@@ -368,15 +351,15 @@ async fn handle_request(
         Some(Kind::Chunk(chunk)) => {
             let open = upload
                 .as_mut()
-                .ok_or_else(|| Status::failed_precondition("chunk outside an exchange"))?;
+                .ok_or_else(|| Status::failed_precondition("chunk outside a snapshot"))?;
             open.add_chunk(chunk)?;
             Ok(())
         }
         Some(Kind::Commit(commit)) => {
             let open = upload
                 .take()
-                .ok_or_else(|| Status::failed_precondition("commit outside an exchange"))?;
-            commit_exchange(
+                .ok_or_else(|| Status::failed_precondition("commit outside a snapshot"))?;
+            commit_snapshot(
                 shared,
                 drafter_id,
                 model_config_json,
@@ -392,11 +375,9 @@ async fn handle_request(
     }
 }
 
-/// Commits a complete exchange: applies it to the center under the lock
-/// (taking the center to send back in the same lock, so the reply is one
-/// version), logs it, and sends the result, then the center when the
-/// exchange asks for it.
-async fn commit_exchange(
+/// Commits a complete snapshot: applies it to the center under the lock,
+/// logs it, and sends the result.
+async fn commit_snapshot(
     shared: &ModelSyncShared,
     drafter_id: &str,
     model_config_json: &str,
@@ -404,83 +385,37 @@ async fn commit_exchange(
     declared_tensors: u32,
     outbox: &Outbox,
 ) -> Result<(), Status> {
-    let reply_dtype = open.reply_dtype;
     let kind = open.kind;
-    let mut open = open;
-    // One pass over the delta, before the lock: its norm (NaN when any
-    // value is not finite) decides whether it may touch the center.
-    open.measure_norm();
-    open.acked_by_drafter = shared
-        .acked_by
-        .get()
-        .and_then(|acked_by| acked_by(drafter_id));
-    let (outcome, snapshot) = {
-        let mut state = shared.state.lock();
-        let outcome = state.commit(
-            drafter_id,
-            open,
-            declared_tensors,
-            model_config_json,
-            Instant::now(),
-        )?;
-        // The reply's version: its buffers shared, encoded after the lock.
-        let snapshot = if outcome.send_center {
-            state.center_snapshot()
-        } else {
-            None
-        };
-        (outcome, snapshot)
-    };
+    let outcome = shared.state.lock().commit(
+        drafter_id,
+        open,
+        declared_tensors,
+        model_config_json,
+        Instant::now(),
+    )?;
     shared.sync_changed.notify_one();
-    let center = snapshot.map(|snapshot| snapshot.encode(reply_dtype));
     debug!(
         drafter_id,
         ?kind,
         version = outcome.center_version,
-        staleness = outcome.staleness,
         applied = outcome.applied,
-        "model sync exchange"
+        "model snapshot"
     );
     if outcome.initialised {
-        info!(drafter_id, "center initialised from this drafter's weights");
+        info!(
+            drafter_id,
+            "center initialised from this drafter's snapshot"
+        );
     }
     let result = proto::SyncResult {
         center_version: outcome.center_version,
-        staleness: outcome.staleness,
         applied: outcome.applied,
         reason: outcome.reason,
         initialised: outcome.initialised,
-        weights_follow: center.is_some(),
         center_samples: outcome.center_samples,
+        ..proto::SyncResult::default()
     };
-    send(outbox, proto::sync_response::Kind::Result(result)).await?;
-    if let Some((version, tensors)) = center {
-        send_center(outbox, reply_dtype, version, tensors).await?;
-    }
-    Ok(())
-}
-
-/// Sends the center (encoded as `reply_dtype`) tensor by tensor in chunks
-/// of at most [`CHUNK_BYTES`] ([`center_chunks`]), then the `Done` that
-/// names its version and tensor count.
-async fn send_center(
-    outbox: &Outbox,
-    reply_dtype: WireDtype,
-    version: u64,
-    tensors: Vec<EncodedTensor>,
-) -> Result<(), Status> {
-    let count = tensors.len() as u32;
-    for chunk in center_chunks(reply_dtype, tensors) {
-        send(outbox, proto::sync_response::Kind::Chunk(chunk)).await?;
-    }
-    send(
-        outbox,
-        proto::sync_response::Kind::Done(proto::SyncDone {
-            center_version: version,
-            tensors: count,
-        }),
-    )
-    .await
+    send(outbox, proto::sync_response::Kind::Result(result)).await
 }
 
 /// The center's tensors as the chunks that carry them, in order: each

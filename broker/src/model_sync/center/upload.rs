@@ -1,4 +1,4 @@
-//! One exchange as a session receives it: the [`Upload`] staged chunk by
+//! One snapshot as a session receives it: the [`Upload`] staged chunk by
 //! chunk (each chunk checked to continue its tensor exactly), and the wire
 //! enums it is declared with.
 //!
@@ -12,26 +12,29 @@ use dflash_proto::v1 as proto;
 use super::error::SyncError;
 use crate::model_sync::arith::{self, WireDtype};
 
-/// What kind of exchange a drafter began.
+/// What kind of snapshot a drafter began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ExchangeKind {
-    Join,
-    Update,
-    Final,
-    /// Data parallelism: the trained model's weights, replacing the center.
+pub enum SnapshotKind {
+    /// The trained model's weights, replacing the center.
     Snapshot,
-    /// A snapshot that is also the drafter's final exchange.
+    /// A snapshot that is also the drafter's last (it stops).
     FinalSnapshot,
 }
 
-impl ExchangeKind {
+impl SnapshotKind {
+    /// The kind `value` names; the kinds of asynchronous local SGD (JOIN 1,
+    /// UPDATE 2, FINAL 3, numbers kept reserved on the wire) are refused by
+    /// name.
     pub fn from_proto(value: i32) -> Result<Self, SyncError> {
+        match value {
+            1 => return Err(SyncError::RemovedKind("SYNC_KIND_JOIN")),
+            2 => return Err(SyncError::RemovedKind("SYNC_KIND_UPDATE")),
+            3 => return Err(SyncError::RemovedKind("SYNC_KIND_FINAL")),
+            _ => {}
+        }
         match proto::SyncKind::try_from(value) {
-            Ok(proto::SyncKind::Join) => Ok(ExchangeKind::Join),
-            Ok(proto::SyncKind::Update) => Ok(ExchangeKind::Update),
-            Ok(proto::SyncKind::Final) => Ok(ExchangeKind::Final),
-            Ok(proto::SyncKind::Snapshot) => Ok(ExchangeKind::Snapshot),
-            Ok(proto::SyncKind::FinalSnapshot) => Ok(ExchangeKind::FinalSnapshot),
+            Ok(proto::SyncKind::Snapshot) => Ok(SnapshotKind::Snapshot),
+            Ok(proto::SyncKind::FinalSnapshot) => Ok(SnapshotKind::FinalSnapshot),
             _ => Err(SyncError::Kind(value)),
         }
     }
@@ -52,7 +55,7 @@ pub fn dtype_to_proto(dtype: WireDtype) -> proto::Dtype {
     }
 }
 
-/// One tensor of an exchange being received: its chunks, unchanged.
+/// One tensor of a snapshot being received: its chunks, unchanged.
 #[derive(Debug)]
 pub struct UploadedTensor {
     pub name: String,
@@ -153,66 +156,30 @@ fn bad_chunk(chunk: &proto::TensorChunk, detail: String) -> SyncError {
     }
 }
 
-/// An exchange being received on one session.
+/// A snapshot being received on one session.
 #[derive(Debug)]
 pub struct Upload {
-    pub kind: ExchangeKind,
-    pub base_version: u64,
+    pub kind: SnapshotKind,
+    /// Committed optimizer steps the weights are trained for.
     pub steps: u64,
+    /// Samples those steps trained on (every member's).
     pub samples: u64,
-    pub reply_dtype: WireDtype,
     pub tensors: Vec<UploadedTensor>,
-    /// [`Upload::norm`], when taken before the commit (outside the lock).
-    pub measured_norm: Option<f64>,
-    /// Items the broker has seen this drafter ack or lease (its in-flight
-    /// acks), when known: the samples it may be credited with in all (a
-    /// claim beyond is cut to it).
-    pub acked_by_drafter: Option<u64>,
 }
 
 impl Upload {
-    /// Takes [`Upload::norm`] now, so the commit under the lock need not.
-    pub fn measure_norm(&mut self) {
-        self.measured_norm = Some(self.norm());
-    }
-
-    /// The L2 norm of every tensor's values together (NaN or infinity when
-    /// any value is not finite); computed outside the center's lock.
-    pub fn norm(&self) -> f64 {
-        self.tensors
-            .iter()
-            .flat_map(|tensor| {
-                tensor
-                    .chunks
-                    .iter()
-                    .map(|chunk| arith::squared_sum(chunk, tensor.dtype))
-            })
-            .sum::<f64>()
-            .sqrt()
-    }
-}
-
-impl Upload {
-    /// The exchange `begin` opens, checked; a begin that sets the removed
+    /// The snapshot `begin` opens, checked; a begin that sets the removed
     /// `gradient_step` (a drafter of the broker's AdamW) is refused.
     pub fn new(begin: &proto::SyncBegin) -> Result<Self, SyncError> {
         if begin.gradient_step.is_some() {
             return Err(SyncError::GradientStepRemoved);
         }
-        let reply_dtype = match begin.reply_dtype {
-            0 => WireDtype::F32,
-            other => dtype_from_proto(other)?,
-        };
-        let kind = ExchangeKind::from_proto(begin.kind)?;
+        let kind = SnapshotKind::from_proto(begin.kind)?;
         Ok(Upload {
             kind,
-            base_version: begin.base_version,
             steps: begin.steps,
             samples: begin.samples,
-            reply_dtype,
             tensors: Vec::new(),
-            measured_norm: None,
-            acked_by_drafter: None,
         })
     }
 
@@ -321,7 +288,7 @@ impl Upload {
     }
 }
 
-/// Decodes a tensor of a JOIN (the center-to-be) into `values`, in f32.
+/// Decodes a tensor of a snapshot (the center-to-be) into `values`, in f32.
 pub(super) fn decode_chunks(
     values: &mut [f32],
     uploaded: &UploadedTensor,

@@ -1,7 +1,7 @@
 //! The background writer of the center: when to write it to
 //! `--model-output` (periodically while it changes, and once more as the
-//! final center after the run is COMPLETE and every open session's FINAL
-//! exchange arrived, or its bound passed), the write itself on a blocking
+//! final center after the run is COMPLETE and every open session's
+//! FINAL_SNAPSHOT arrived, or its bound passed), the write itself on a blocking
 //! thread, and the back-off of a failed write.
 //!
 //! Apart from the sessions in [`super`] because it runs on its own task,
@@ -27,7 +27,7 @@ impl ModelSyncShared {
             return Ok(None);
         };
         let writing = self.save_lock.clone().lock_owned().await;
-        let (center, method) = {
+        let center = {
             let state = self.state.lock();
             let Some(center) = state.center() else {
                 return Ok(None);
@@ -36,13 +36,13 @@ impl ModelSyncShared {
             if unchanged && (!final_center || state.final_saved) {
                 return Ok(None);
             }
-            (center.clone(), state.settings().describe())
+            center.clone()
         };
         let version = center.version;
         let started = Instant::now();
         let target = dir.clone();
         tokio::task::spawn_blocking(move || {
-            let outcome = write_center(&target, &center, &method);
+            let outcome = write_center(&target, &center);
             drop(writing);
             outcome
         })
@@ -62,11 +62,11 @@ impl ModelSyncShared {
     }
 
     /// Writes the center periodically and, once the run is COMPLETE, waits
-    /// (bounded by --model-final-sync-timeout) for the final sync of every
+    /// (bounded by --model-final-sync-timeout) for the final snapshot of every
     /// drafter with an open session, then writes the final center.
     ///
     /// It sleeps until something it waits for can have happened: the run
-    /// state changed, an exchange committed or a session closed
+    /// state changed, a snapshot committed or a session closed
     /// (`sync_changed`), the periodic save of a changed center is due, the
     /// final-sync bound passed, or a failed save's retry is due. An idle
     /// broker does not wake it.
@@ -99,7 +99,7 @@ impl ModelSyncShared {
                 let ready = awaiting.is_empty() || now >= deadline;
                 if ready && retry_due {
                     if !awaiting.is_empty() && !warned_final {
-                        warn!(?awaiting, timeout = ?self.config.model_final_sync_timeout, "writing the final center without these drafters' final sync");
+                        warn!(?awaiting, timeout = ?self.config.model_final_sync_timeout, "writing the final center without these drafters' final snapshot");
                         warned_final = true;
                     }
                     match self.save(true).await {
