@@ -37,10 +37,12 @@
 //!   write cut short at its end is cut, other damage refuses to start),
 //!   which the writer thread appends the queue's journal entries to before
 //!   anyone is answered (retried while the disk is full).
-//! - `model_sync`: the `ModelSync` service beside the queue: the
+//! - `run_model`: the run's one draft model as rank 0 last sent it (the
+//!   store, its checkpoints, the online evaluator's τ curve and registry),
+//!   synchronous, with its own settings.
+//! - `model_sync`: the `ModelSync` service beside the queue: its flags, the
 //!   data-parallel drafters' lighthouse (each step's quorum and commit
-//!   vote), and the run's one draft model as rank 0 last sent it (its
-//!   checkpoints, served to the online evaluator with its τ curve).
+//!   vote), and the gRPC adapter that serves the run's model.
 //! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
 //!   untrusted bytes (Produce bodies, ModelSync snapshot sessions, the
 //!   center checkpoint reader, write-ahead log segments) and
@@ -64,6 +66,7 @@ pub mod model_sync;
 pub mod payload;
 pub mod queue;
 pub mod roles;
+pub mod run_model;
 pub mod server;
 pub mod service;
 pub mod wal;

@@ -653,12 +653,12 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
     // Six versions read, none reported: the last ones the broker keeps.
     assert_eq!(
         read_status.evaluations_pending.len(),
-        dflash_broker::model_sync::evaluation::DEFAULT_MAX_PENDING_READS as usize,
+        dflash_broker::run_model::evaluation::DEFAULT_MAX_PENDING_READS as usize,
         "the last versions read are kept for their reports"
     );
     assert_eq!(
         read_status.max_pending_evaluations,
-        dflash_broker::model_sync::evaluation::DEFAULT_MAX_PENDING_READS
+        dflash_broker::run_model::evaluation::DEFAULT_MAX_PENDING_READS
     );
     assert_eq!(training_status(read_status), training_status(alone_status));
 }

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
-use crate::model_sync::arith::{self, WireDtype};
-use crate::model_sync::center::{ModelSyncState, Upload};
-use crate::model_sync::checkpoint::{self, CenterFiles};
+use crate::run_model::arith::{self, WireDtype};
+use crate::run_model::center::{ModelSyncState, Upload};
+use crate::run_model::checkpoint::{self, CenterFiles};
 
 /// Drafter sessions one [`model_sync`] input can hold open at once.
 pub(super) const SESSIONS: usize = 4;

@@ -167,7 +167,7 @@ mod tests {
     use super::center::run_sessions;
     use super::seeds::seed_center_files;
     use super::*;
-    use crate::model_sync::checkpoint::{self, CenterFiles};
+    use crate::run_model::checkpoint::{self, CenterFiles};
     use std::path::Path;
 
     /// Every seed passes its fuzz body, and the seeds reach the decoders'

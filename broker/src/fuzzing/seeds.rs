@@ -9,10 +9,10 @@ use dflash_proto::v1 as proto;
 use prost::Message;
 
 use super::center::{center_checkpoint_input, model_sync_input, PINNED_CONFIG};
-use crate::model_sync::arith;
-use crate::model_sync::center::{ModelSyncState, Upload};
-use crate::model_sync::checkpoint;
 use crate::payload::WireItem;
+use crate::run_model::arith;
+use crate::run_model::center::{ModelSyncState, Upload};
+use crate::run_model::checkpoint;
 
 /// A chunk of tensor `name` (`dtype`, `shape`) at `offset`.
 pub(super) fn chunk(

@@ -1,4 +1,6 @@
-//! Flags of the model-sync service (flattened into the broker's flags).
+//! Flags of the model-sync service (flattened into the broker's flags):
+//! the run's model's ([`crate::run_model::RunModelSettings`]) and the
+//! lighthouse's (`super::quorum::QuorumSettings`).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -38,7 +40,7 @@ pub struct ModelSyncConfig {
     /// that measures slower than it reads (a busy CPU) queues this many;
     /// each kept version may cost one f32 copy of the weights once a newer
     /// snapshot replaced it (4.2 GB for a 1 B-parameter drafter).
-    #[arg(long, env = "DFLASH_MAX_PENDING_EVALUATIONS", default_value_t = super::evaluation::DEFAULT_MAX_PENDING_READS, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    #[arg(long, env = "DFLASH_MAX_PENDING_EVALUATIONS", default_value_t = crate::run_model::evaluation::DEFAULT_MAX_PENDING_READS, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub max_pending_evaluations: u32,
 
     /// Data-parallel drafters: how long a step's quorum waits for a member
@@ -60,7 +62,7 @@ impl Default for ModelSyncConfig {
             model_save_every: Duration::from_secs(300),
             model_final_sync_timeout: Duration::from_secs(120),
             model_config: None,
-            max_pending_evaluations: super::evaluation::DEFAULT_MAX_PENDING_READS,
+            max_pending_evaluations: crate::run_model::evaluation::DEFAULT_MAX_PENDING_READS,
             quorum_timeout: Duration::from_secs(30),
             quorum_min_size: 1,
         }
@@ -68,6 +70,17 @@ impl Default for ModelSyncConfig {
 }
 
 impl ModelSyncConfig {
+    /// What the run's model takes of these flags.
+    pub fn run_model_settings(&self) -> crate::run_model::RunModelSettings {
+        crate::run_model::RunModelSettings {
+            model_output: self.model_output.clone(),
+            save_every: self.model_save_every,
+            final_snapshot_timeout: self.model_final_sync_timeout,
+            model_config: self.model_config.clone(),
+            max_pending_evaluations: self.max_pending_evaluations,
+        }
+    }
+
     pub fn quorum_settings(&self) -> super::quorum::QuorumSettings {
         super::quorum::QuorumSettings {
             timeout: self.quorum_timeout,

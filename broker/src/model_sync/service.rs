@@ -1,7 +1,7 @@
 //! The gRPC adapter of the `dflash.v1.ModelSync` service: the state its
 //! sessions share, and each drafter's session (hello, then snapshots of
 //! begin, chunks and commit, each answered with its result). All rules
-//! live in [`super::center`]; the task that writes the center to disk is
+//! live in [`crate::run_model`]; the task that writes the center to disk is
 //! [`center_writer`].
 //!
 //! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
@@ -28,11 +28,12 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-use super::arith::WireDtype;
-use super::center::{dtype_to_proto, EncodedTensor, ModelSyncState, SyncError, Upload};
-use super::checkpoint::{read_center, CheckpointError};
 use super::config::ModelSyncConfig;
-use super::evaluation::Evaluations;
+use crate::run_model::arith::WireDtype;
+use crate::run_model::center::{dtype_to_proto, EncodedTensor, ModelSyncState, SyncError, Upload};
+use crate::run_model::checkpoint::CheckpointError;
+use crate::run_model::evaluation::Evaluations;
+use crate::run_model::RunModelSettings;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 
@@ -59,7 +60,8 @@ impl From<SyncError> for Status {
 /// State shared by the sessions and the background task.
 pub struct ModelSyncShared {
     state: Mutex<ModelSyncState>,
-    config: ModelSyncConfig,
+    /// The run model's part of the flags.
+    settings: RunModelSettings,
     /// `--hello-timeout`: how long a new Session may take to send its hello.
     hello_timeout: Duration,
     /// Cancelled on broker shutdown: sessions end with UNAVAILABLE.
@@ -73,7 +75,7 @@ pub struct ModelSyncShared {
     /// writer re-checks what it waits for.
     sync_changed: Notify,
     /// Online evaluation: the τ history, the best report and the versions
-    /// served to an evaluator ([`super::evaluation`]). Its own lock, never
+    /// served to an evaluator ([`crate::run_model::evaluation`]). Its own lock, never
     /// held with the state's: an evaluator never delays a snapshot.
     evaluations: Mutex<Evaluations>,
     /// One report at a time, from its checks to its record (the best
@@ -92,34 +94,14 @@ impl ModelSyncShared {
         hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
-        let resumed = match &config.model_output {
-            Some(dir) => read_center(dir, false)?,
-            None => None,
-        };
-        let mut state = ModelSyncState::new(resumed);
-        if let Some(path) = &config.model_config {
-            let text = std::fs::read_to_string(path).map_err(|source| CheckpointError::Io {
-                path: path.clone(),
-                source,
-            })?;
-            state
-                .pin_config(&text)
-                .map_err(|error| CheckpointError::Format {
-                    path: path.clone(),
-                    detail: format!("--model-config: {error}"),
-                })?;
-        }
-        if let (Some(center), Some(dir)) = (state.center(), &config.model_output) {
-            info!(path = %dir.display(), version = center.version, parameters = center.parameters(), "center resumed from its last checkpoint");
-            state.saved_version = Some(center.version);
-            state.saved_path = dir.display().to_string();
-        }
-        info!(output = ?config.model_output, "model sync ready");
-        let evaluations = Evaluations::new(config.max_pending_evaluations);
+        let settings = config.run_model_settings();
+        let state = crate::run_model::resume(&settings)?;
+        info!(output = ?settings.model_output, "model sync ready");
+        let evaluations = Evaluations::new(settings.max_pending_evaluations);
         let quorum = QuorumHub::new(config.quorum_settings());
         Ok(Arc::new(ModelSyncShared {
             state: Mutex::new(state),
-            config,
+            settings,
             hello_timeout,
             shutdown,
             tasks: TaskTracker::new(),
@@ -139,7 +121,7 @@ impl ModelSyncShared {
     }
 
     /// Online evaluation's series for `/metrics`.
-    pub fn tau_gauges(&self) -> super::evaluation::TauGauges {
+    pub fn tau_gauges(&self) -> crate::run_model::evaluation::TauGauges {
         self.evaluations.lock().gauges()
     }
 
@@ -255,7 +237,6 @@ impl ModelSync for ModelSyncService {
             proto::SyncWelcome {
                 has_center: state.center().is_some(),
                 center_version: state.version().unwrap_or(0),
-                ..proto::SyncWelcome::default()
             }
         };
         let guard = SessionGuard {
@@ -413,7 +394,6 @@ async fn commit_snapshot(
         reason: outcome.reason,
         initialised: outcome.initialised,
         center_samples: outcome.center_samples,
-        ..proto::SyncResult::default()
     };
     send(outbox, proto::sync_response::Kind::Result(result)).await
 }

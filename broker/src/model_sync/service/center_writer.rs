@@ -15,15 +15,15 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::ModelSyncShared;
-use crate::model_sync::checkpoint::{write_center, CheckpointError};
 use crate::queue::BrokerState;
+use crate::run_model::checkpoint::{write_center, CheckpointError};
 
 impl ModelSyncShared {
     /// Writes the center to `--model-output` when it changed since the last
     /// write (or when `final_center` and the final one is not written yet).
     /// `None` when nothing was written.
     pub async fn save(&self, final_center: bool) -> Result<Option<PathBuf>, CheckpointError> {
-        let Some(dir) = self.config.model_output.clone() else {
+        let Some(dir) = self.settings.model_output.clone() else {
             return Ok(None);
         };
         let writing = self.save_lock.clone().lock_owned().await;
@@ -95,11 +95,11 @@ impl ModelSyncShared {
             if complete && final_pending {
                 let since = *complete_since.get_or_insert(now);
                 let awaiting = self.state.lock().awaiting_final();
-                let deadline = since + self.config.model_final_sync_timeout;
+                let deadline = since + self.settings.final_snapshot_timeout;
                 let ready = awaiting.is_empty() || now >= deadline;
                 if ready && retry_due {
                     if !awaiting.is_empty() && !warned_final {
-                        warn!(?awaiting, timeout = ?self.config.model_final_sync_timeout, "writing the final center without these drafters' final snapshot");
+                        warn!(?awaiting, timeout = ?self.settings.final_snapshot_timeout, "writing the final center without these drafters' final snapshot");
                         warned_final = true;
                     }
                     match self.save(true).await {
@@ -115,10 +115,10 @@ impl ModelSyncShared {
                 }
                 wake_at = if ready { retry.due } else { Some(deadline) };
             } else if center_changed
-                && self.config.model_output.is_some()
-                && !self.config.model_save_every.is_zero()
+                && self.settings.model_output.is_some()
+                && !self.settings.save_every.is_zero()
             {
-                let due = last_periodic + self.config.model_save_every;
+                let due = last_periodic + self.settings.save_every;
                 if now >= due && retry_due {
                     last_periodic = now;
                     match self.save(false).await {

@@ -1,10 +1,10 @@
 //! The evaluator's two RPCs: `ReadCenter` (the center's weights, read-only;
 //! also how a starting drafter reads the run's model) and `ReportTau` (a
-//! version's τ; the best one is written to the best center's directory). The rules are [`crate::model_sync::evaluation`]'s;
+//! version's τ; the best one is written to the best center's directory). The rules are [`crate::run_model::evaluation`]'s;
 //! this is the adapter: authorization, the locks, the stream, the write.
 //!
 //! `ReadCenter` takes the state's lock once, to copy the center's pointers
-//! (a clone of the [`Center`](crate::model_sync::center::Center), its buffers shared), and touches nothing else of it: no session opens,
+//! (a clone of the [`Center`](crate::run_model::center::Center), its buffers shared), and touches nothing else of it: no session opens,
 //! no drafter record, no counter. The weights are encoded after the lock.
 
 use std::path::{Path, PathBuf};
@@ -18,10 +18,10 @@ use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
 use super::{center_chunks, ModelSyncShared};
-use crate::model_sync::arith::WireDtype;
-use crate::model_sync::checkpoint::write_center;
-use crate::model_sync::evaluation::ReportError;
 use crate::roles::{validate_id, Principal, Role};
+use crate::run_model::arith::WireDtype;
+use crate::run_model::checkpoint::write_center;
+use crate::run_model::evaluation::ReportError;
 
 impl From<ReportError> for Status {
     fn from(error: ReportError) -> Self {
@@ -136,7 +136,7 @@ pub(super) async fn read_center(
     };
     let count = weights.len() as u32;
     let version = served.version;
-    let tensors = crate::model_sync::center::CenterSnapshot {
+    let tensors = crate::run_model::center::CenterSnapshot {
         version,
         tensors: weights
             .into_iter()
@@ -197,7 +197,7 @@ pub(super) async fn report_tau(
     let tau = checked.point.tau;
     let mut written = None;
     if checked.best {
-        if let Some(model_output) = &shared.config.model_output {
+        if let Some(model_output) = &shared.settings.model_output {
             let dir = best_center_dir(model_output);
             let center = checked.center.clone();
             let started = Instant::now();

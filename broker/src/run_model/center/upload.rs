@@ -10,7 +10,7 @@ use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
 use super::error::SyncError;
-use crate::model_sync::arith::{self, WireDtype};
+use crate::run_model::arith::{self, WireDtype};
 
 /// What kind of snapshot a drafter began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -12,7 +12,7 @@ use bytes::Bytes;
 
 use super::error::SyncError;
 use super::upload::Upload;
-use crate::model_sync::arith::{self, WireDtype};
+use crate::run_model::arith::{self, WireDtype};
 
 /// One tensor of the center, in f32.
 ///

@@ -271,7 +271,7 @@ fn block_size(config_json: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model_sync::center::CenterTensor;
+    use crate::run_model::center::CenterTensor;
     use std::sync::Arc;
 
     fn center(version: u64, samples: u64, value: f32) -> Center {

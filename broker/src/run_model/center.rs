@@ -266,7 +266,7 @@ impl ModelSyncState {
             final_saved: self.final_saved,
             drafters,
             // Online evaluation's fields: the service fills them from its
-            // own book (`model_sync::evaluation`), not the center's state.
+            // own book (`run_model::evaluation`), not the center's state.
             ..proto::ModelSyncStatus::default()
         }
     }
