@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
-use crate::run_model::arith::{self, WireDtype};
-use crate::run_model::center::{ModelSyncState, Upload};
+use crate::run_model::center::{first_non_finite, ModelSyncState, Upload};
 use crate::run_model::checkpoint::{self, CenterFiles};
 
 /// Drafter sessions one [`model_sync`] input can hold open at once.
@@ -46,10 +45,10 @@ pub fn model_sync_input(settings: u8, records: &[(u8, proto::SyncRequest)]) -> V
 /// first (drafter id and config checked), then begin, chunks and commit;
 /// an error ends the session.
 ///
-/// Checks after every message: the center is finite; a refused snapshot,
-/// and one that was not applied, left the center as it was; an applied one
-/// moved the version forward; the reply's encoding of the center decodes
-/// back to it exactly.
+/// Checks after every message: the center is finite and each tensor
+/// holds its shape's bytes; a refused snapshot, and one that was not
+/// applied, left the center as it was; an applied one moved the version
+/// forward.
 pub fn model_sync(data: &[u8]) {
     let _ = run_sessions(data);
 }
@@ -132,15 +131,15 @@ pub(super) fn open_session(
     })
 }
 
-/// The center's weights as bits, and its version.
-pub(super) type CenterImage = Option<(u64, Vec<Vec<u32>>)>;
+/// The center's weights as bytes, and its version.
+pub(super) type CenterImage = Option<(u64, Vec<Vec<u8>>)>;
 
 pub(super) fn center_image(state: &ModelSyncState) -> CenterImage {
     state.center().map(|center| {
         let buffers = center
             .tensors
             .iter()
-            .map(|tensor| tensor.values.iter().map(|value| value.to_bits()).collect())
+            .map(|tensor| tensor.data.concat())
             .collect();
         (center.version, buffers)
     })
@@ -169,6 +168,8 @@ pub(super) fn handle_request(
         }
         Some(Kind::Commit(commit)) => {
             let open = session.upload.take().ok_or(())?;
+            // As the service: the finite check before the lock.
+            let open = open.into_finite().map_err(drop)?;
             let before = center_image(state);
             let outcome = state.commit(
                 &session.drafter_id,
@@ -197,36 +198,21 @@ pub(super) fn handle_request(
     }
 }
 
-/// The center is finite, and its f32 encoding (what `ReadCenter` sends)
-/// decodes back to it exactly.
+/// The center is finite, and each tensor holds exactly its shape's f32
+/// bytes.
 pub(super) fn check_center(state: &ModelSyncState) {
     let Some(center) = state.center() else {
         return;
     };
     for tensor in &center.tensors {
-        let values = &tensor.values;
-        if let Some(index) = values.iter().position(|value| !value.is_finite()) {
+        if let Some((index, value)) = first_non_finite(&tensor.data) {
             panic!(
-                "the center's weights of {:?} are not finite: {} at {index}",
-                tensor.name, values[index]
+                "the center's weights of {:?} are not finite: {value} at {index}",
+                tensor.name
             );
         }
-    }
-    let Some((_, encoded)) = state.encode_center(WireDtype::F32) else {
-        return;
-    };
-    for ((name, shape, bytes), tensor) in encoded.iter().zip(&center.tensors) {
-        assert_eq!((name, shape), (&tensor.name, &tensor.shape));
-        let mut back = vec![0.0f32; tensor.values.len()];
-        if let Err(error) = arith::decode_into(&mut back, bytes, WireDtype::F32) {
-            panic!("the center's reply encoding: {error}");
-        }
-        assert!(
-            back.iter()
-                .map(|value| value.to_bits())
-                .eq(tensor.values.iter().map(|value| value.to_bits())),
-            "the center's f32 reply differs from it"
-        );
+        let expected = tensor.shape.iter().product::<u64>() * 4;
+        assert_eq!(tensor.byte_len(), expected, "{}", tensor.name);
     }
 }
 
@@ -274,9 +260,10 @@ pub fn center_checkpoint(data: &[u8]) {
         Some(Ok(text)) => Some(text),
         None => None,
     };
+    let model = bytes::Bytes::copy_from_slice(model);
     let files = CenterFiles {
         config_json,
-        model,
+        model: &model,
         state_json,
     };
     let dir = Path::new("center");
@@ -284,7 +271,7 @@ pub fn center_checkpoint(data: &[u8]) {
         return;
     };
     for tensor in &center.tensors {
-        assert!(tensor.values.iter().all(|value| value.is_finite()));
+        assert!(first_non_finite(&tensor.data).is_none());
     }
     let written = match checkpoint::encode_center_files(&center) {
         Ok(written) => written,
@@ -298,11 +285,13 @@ pub fn center_checkpoint(data: &[u8]) {
     };
     let config_again = file(checkpoint::CONFIG_FILE_NAME).map(String::from_utf8_lossy);
     let state_again = file(checkpoint::STATE_FILE_NAME).map(String::from_utf8_lossy);
+    let model_again =
+        bytes::Bytes::copy_from_slice(file(checkpoint::MODEL_FILE_NAME).unwrap_or_default());
     let again = checkpoint::decode_center(
         dir,
         CenterFiles {
             config_json: config_again.as_deref().unwrap_or_default(),
-            model: file(checkpoint::MODEL_FILE_NAME).unwrap_or_default(),
+            model: &model_again,
             state_json: state_again.as_deref(),
         },
     );
@@ -318,10 +307,7 @@ pub fn center_checkpoint(data: &[u8]) {
     for (left, right) in again.tensors.iter().zip(&center.tensors) {
         assert_eq!((&left.name, &left.shape), (&right.name, &right.shape));
         assert!(
-            left.values
-                .iter()
-                .map(|value| value.to_bits())
-                .eq(right.values.iter().map(|value| value.to_bits())),
+            left.data.concat() == right.data.concat(),
             "a center tensor changed in its round trip"
         );
     }

@@ -228,11 +228,12 @@ mod tests {
         let config =
             String::from_utf8(file(checkpoint::CONFIG_FILE_NAME).unwrap().to_vec()).unwrap();
         let state = String::from_utf8(file(checkpoint::STATE_FILE_NAME).unwrap().to_vec()).unwrap();
+        let model = bytes::Bytes::copy_from_slice(file(checkpoint::MODEL_FILE_NAME).unwrap());
         let center = checkpoint::decode_center(
             Path::new("center"),
             CenterFiles {
                 config_json: &config,
-                model: file(checkpoint::MODEL_FILE_NAME).unwrap(),
+                model: &model,
                 state_json: Some(&state),
             },
         )

@@ -10,7 +10,6 @@ use prost::Message;
 
 use super::center::{center_checkpoint_input, model_sync_input, PINNED_CONFIG};
 use crate::payload::WireItem;
-use crate::run_model::arith;
 use crate::run_model::center::{ModelSyncState, Upload};
 use crate::run_model::checkpoint;
 
@@ -66,10 +65,11 @@ pub(super) fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
     values.into_iter().flat_map(f32::to_le_bytes).collect()
 }
 
+/// bf16 bytes (truncated): what the broker refuses in a snapshot.
 pub(super) fn bf16_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
     values
         .into_iter()
-        .flat_map(|value| arith::f32_to_bf16(value).to_le_bytes())
+        .flat_map(|value| ((value.to_bits() >> 16) as u16).to_le_bytes())
         .collect()
 }
 
@@ -104,9 +104,9 @@ pub(super) fn snapshot_messages(
 
 /// Seed inputs for the broker's fuzz bodies, from its own encoders and
 /// prost's (the drafter's encoder of sync messages): Produce bodies of real
-/// items cut several ways; sessions that send snapshots (f32 and bf16, a
-/// later and an older step) and final snapshots, and ones that are refused;
-/// checkpoints written by the center's writer.
+/// items cut several ways; sessions that send snapshots (a later and an
+/// older step) and final snapshots, and ones that are refused (a bf16
+/// snapshot among them); checkpoints written by the center's writer.
 /// Seed segments for [`wal_segment`]: what a run's log holds (epochs,
 /// accepted items, deliveries, acks, a dead letter, done), a snapshot, and
 /// an aborted run.
@@ -239,7 +239,7 @@ pub fn seeds() -> Vec<Seed> {
     );
     snapshots.push((1, hello("drafter-1", config)));
     snapshots.extend(
-        snapshot_messages(SyncKind::Snapshot, 2, Dtype::Bf16, 0.5, 4)
+        snapshot_messages(SyncKind::Snapshot, 2, Dtype::F32, 0.5, 4)
             .into_iter()
             .map(|message| (0, message)),
     );
@@ -250,7 +250,7 @@ pub fn seeds() -> Vec<Seed> {
             .map(|message| (1, message)),
     );
     snapshots.extend(
-        snapshot_messages(SyncKind::FinalSnapshot, 3, Dtype::Bf16, 0.125, 3)
+        snapshot_messages(SyncKind::FinalSnapshot, 3, Dtype::F32, 0.125, 3)
             .into_iter()
             .map(|message| (0, message)),
     );
@@ -264,9 +264,16 @@ pub fn seeds() -> Vec<Seed> {
     }
     let mut refused = vec![(2, hello("drafter-2", config))];
     refused.extend(
-        snapshot_messages(SyncKind::Snapshot, 0, Dtype::Bf16, 1.0, 6)
+        snapshot_messages(SyncKind::Snapshot, 0, Dtype::F32, 1.0, 6)
             .into_iter()
             .map(|message| (2, message)),
+    );
+    // A bf16 snapshot (refused: a snapshot is the f32 master weights).
+    refused.push((0, hello("drafter-0", config)));
+    refused.extend(
+        snapshot_messages(SyncKind::Snapshot, 4, Dtype::Bf16, 1.0, 6)
+            .into_iter()
+            .map(|message| (0, message)),
     );
     // A snapshot of another shape, then a retired kind (JOIN, 1).
     refused.push((2, begin(SyncKind::Snapshot, 1, 8)));
@@ -327,15 +334,12 @@ pub fn seeds() -> Vec<Seed> {
 /// bf16: 16 KiB and more).
 pub(super) const LARGE_WIDTH: usize = 4200;
 
-/// A center made by a snapshot of step 0 and one of `steps` (bf16)
-/// through the state machine, as its checkpoint writer encodes it.
+/// A center made by a snapshot of step 0 and one of `steps` through the
+/// state machine, as its checkpoint writer encodes it.
 pub(super) fn seed_center_files(steps: u64) -> Option<Vec<(&'static str, Vec<u8>)>> {
     let mut state = ModelSyncState::new(None);
     let now = Instant::now();
-    for (steps, dtype, scale) in [
-        (0, proto::Dtype::F32, 1.0),
-        (steps, proto::Dtype::Bf16, 0.5),
-    ] {
+    for (steps, dtype, scale) in [(0, proto::Dtype::F32, 1.0), (steps, proto::Dtype::F32, 0.5)] {
         let messages = snapshot_messages(proto::SyncKind::Snapshot, steps, dtype, scale, 4);
         let mut upload = None;
         for message in messages {
@@ -348,7 +352,7 @@ pub(super) fn seed_center_files(steps: u64) -> Option<Vec<(&'static str, Vec<u8>
                     state
                         .commit(
                             "drafter-0",
-                            upload.take()?,
+                            upload.take()?.into_finite().ok()?,
                             commit.tensors,
                             PINNED_CONFIG,
                             now,

@@ -29,8 +29,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
 use super::config::ModelSyncConfig;
-use crate::run_model::arith::WireDtype;
-use crate::run_model::center::{dtype_to_proto, EncodedTensor, ModelSyncState, SyncError, Upload};
+use crate::run_model::center::{CenterTensor, ModelSyncState, SyncError, Upload};
 use crate::run_model::checkpoint::CheckpointError;
 use crate::run_model::evaluation::Evaluations;
 use crate::run_model::RunModelSettings;
@@ -356,8 +355,10 @@ async fn handle_request(
     }
 }
 
-/// Commits a complete snapshot: applies it to the center under the lock,
-/// logs it, and sends the result.
+/// Commits a complete snapshot: checks every value finite on a blocking
+/// thread (a read-only pass over the bytes, before the lock), applies it to
+/// the center under the lock (its chunks moved in, nothing copied), logs
+/// it, and sends the result.
 async fn commit_snapshot(
     shared: &ModelSyncShared,
     drafter_id: &str,
@@ -367,6 +368,9 @@ async fn commit_snapshot(
     outbox: &Outbox,
 ) -> Result<(), Status> {
     let kind = open.kind;
+    let open = tokio::task::spawn_blocking(move || open.into_finite())
+        .await
+        .map_err(|join_error| Status::internal(format!("checking the snapshot: {join_error}")))??;
     let outcome = shared.state.lock().commit(
         drafter_id,
         open,
@@ -399,22 +403,35 @@ async fn commit_snapshot(
 }
 
 /// The center's tensors as the chunks that carry them, in order: each
-/// tensor in chunks of at most [`CHUNK_BYTES`] (an empty tensor as one
-/// empty chunk), each chunk a slice of the encoded buffer (no copy).
-fn center_chunks(
-    reply_dtype: WireDtype,
-    tensors: Vec<EncodedTensor>,
-) -> impl Iterator<Item = proto::TensorChunk> {
-    let dtype = dtype_to_proto(reply_dtype) as i32;
-    tensors.into_iter().flat_map(move |(name, shape, bytes)| {
-        let starts = (0..bytes.len().max(1)).step_by(CHUNK_BYTES);
-        starts.map(move |offset| proto::TensorChunk {
-            name: name.clone(),
-            dtype,
-            shape: shape.clone(),
-            offset: offset as u64,
-            data: bytes.slice(offset..(offset + CHUNK_BYTES).min(bytes.len())),
-        })
+/// stored chunk cut to at most [`CHUNK_BYTES`] (an empty tensor as one
+/// empty chunk), each a slice of the stored bytes (no copy, no encoding).
+fn center_chunks(tensors: Vec<CenterTensor>) -> impl Iterator<Item = proto::TensorChunk> {
+    let dtype = proto::Dtype::F32 as i32;
+    tensors.into_iter().flat_map(move |tensor| {
+        let CenterTensor { name, shape, data } = tensor;
+        let mut pieces = Vec::new();
+        let mut offset = 0u64;
+        for chunk in data {
+            let starts = (0..chunk.len()).step_by(CHUNK_BYTES);
+            for start in starts {
+                let piece = chunk.slice(start..(start + CHUNK_BYTES).min(chunk.len()));
+                let length = piece.len() as u64;
+                pieces.push((offset, piece));
+                offset += length;
+            }
+        }
+        if pieces.is_empty() {
+            pieces.push((0, bytes::Bytes::new()));
+        }
+        pieces
+            .into_iter()
+            .map(move |(offset, data)| proto::TensorChunk {
+                name: name.clone(),
+                dtype,
+                shape: shape.clone(),
+                offset,
+                data,
+            })
     })
 }
 

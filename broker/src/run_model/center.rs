@@ -9,7 +9,8 @@
 //! an [`Upload`] that belongs to the session, not to the center; only
 //! [`ModelSyncState::commit`] touches the center, all at once and after
 //! every check passed. A drafter that dies mid-upload therefore leaves the
-//! center exactly as it was.
+//! center exactly as it was. The center keeps the snapshot's bytes as they
+//! arrived (f32, never decoded): the commit moves the chunks' handles in.
 //!
 //! - `upload`: the [`Upload`] a session stages, and the wire enums.
 //! - `weights`: the [`Center`]'s tensors, their snapshots, and the checks
@@ -20,18 +21,16 @@ mod upload;
 mod weights;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
 
-use super::arith::WireDtype;
-use upload::decode_chunks;
-
 pub use error::SyncError;
-pub use upload::{dtype_from_proto, dtype_to_proto, SnapshotKind, Upload, UploadedTensor};
+pub use upload::{
+    check_finite, first_non_finite, FiniteUpload, SnapshotKind, Upload, UploadedTensor,
+};
 use weights::check_upload_against_center;
-pub use weights::{Center, CenterSnapshot, CenterTensor, EncodedTensor};
+pub use weights::{Center, CenterTensor};
 
 /// What a committed snapshot did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,15 +150,18 @@ impl ModelSyncState {
             .collect()
     }
 
-    /// Applies a complete snapshot. Nothing changes when it is refused.
+    /// Applies a complete snapshot whose values were checked finite
+    /// ([`Upload::into_finite`], before the lock). Nothing changes when it
+    /// is refused; nothing is copied when it is applied.
     pub fn commit(
         &mut self,
         drafter_id: &str,
-        upload: Upload,
+        upload: FiniteUpload,
         declared_tensors: u32,
         model_config_json: &str,
         now: Instant,
     ) -> Result<CommitOutcome, SyncError> {
+        let upload = upload.into_inner();
         upload.check_complete(declared_tensors)?;
         let kind = upload.kind;
         let outcome = self.snapshot(upload, model_config_json)?;
@@ -198,7 +200,7 @@ impl ModelSyncState {
         } else if upload.tensors.is_empty() {
             return Err(SyncError::NoCenter);
         }
-        let tensors = decode_center_tensors(upload.tensors)?;
+        let tensors = center_tensors(upload.tensors);
         let mut center = Center::new(model_config_json.to_string(), tensors, upload.steps)?;
         center.samples = upload.samples;
         let outcome = CommitOutcome {
@@ -210,34 +212,6 @@ impl ModelSyncState {
         };
         self.center = Some(center);
         Ok(outcome)
-    }
-
-    /// The center encoded as `dtype`, one buffer per tensor (name, shape,
-    /// bytes), in checkpoint order. Taken under the lock so a reply is one
-    /// version, never torn between two.
-    pub fn encode_center(&self, dtype: WireDtype) -> Option<(u64, Vec<EncodedTensor>)> {
-        self.center_snapshot()
-            .map(|snapshot| snapshot.encode(dtype))
-    }
-
-    /// The center's weights at this version, sharing their buffers: taken
-    /// under the lock (cheap), encoded after it ([`CenterSnapshot::encode`]).
-    pub fn center_snapshot(&self) -> Option<CenterSnapshot> {
-        let center = self.center.as_ref()?;
-        Some(CenterSnapshot {
-            version: center.version,
-            tensors: center
-                .tensors
-                .iter()
-                .map(|tensor| {
-                    (
-                        tensor.name.clone(),
-                        tensor.shape.clone(),
-                        tensor.values.clone(),
-                    )
-                })
-                .collect(),
-        })
     }
 
     /// The status for `GetStatus`.
@@ -272,20 +246,16 @@ impl ModelSyncState {
     }
 }
 
-/// The center's tensors from a complete snapshot.
-fn decode_center_tensors(uploaded: Vec<UploadedTensor>) -> Result<Vec<CenterTensor>, SyncError> {
-    let mut tensors = Vec::with_capacity(uploaded.len());
-    for uploaded in uploaded {
-        let elements = uploaded.shape.iter().product::<u64>() as usize;
-        let mut values = vec![0.0f32; elements];
-        decode_chunks(&mut values, &uploaded)?;
-        tensors.push(CenterTensor {
+/// The center's tensors from a complete snapshot: its chunks, moved.
+fn center_tensors(uploaded: Vec<UploadedTensor>) -> Vec<CenterTensor> {
+    uploaded
+        .into_iter()
+        .map(|uploaded| CenterTensor {
             name: uploaded.name,
             shape: uploaded.shape,
-            values: Arc::new(values),
-        });
-    }
-    Ok(tensors)
+            data: uploaded.chunks,
+        })
+        .collect()
 }
 
 fn millis(duration: Duration) -> u64 {

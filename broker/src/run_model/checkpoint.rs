@@ -8,22 +8,20 @@
 //! temporary sibling directory that is renamed into place: a reader sees the
 //! whole previous center or the whole new one.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::TensorView;
+use bytes::Bytes;
+use safetensors::tensor::View;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use super::arith::{self, WireDtype};
-use super::center::{Center, CenterTensor};
+use super::center::{first_non_finite, Center, CenterTensor};
 
 pub const CONFIG_FILE_NAME: &str = "config.json";
 pub const MODEL_FILE_NAME: &str = "model.safetensors";
 pub const STATE_FILE_NAME: &str = "center_state.json";
-
-/// A tensor read back: name, shape, values.
-pub type NamedValues = (String, Vec<u64>, Vec<f32>);
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -70,12 +68,12 @@ pub fn write_center(dir: &Path, center: &Center) -> Result<(), CheckpointError> 
     // Never written unless finite: a saved center is what every later
     // resume and every user of the run trusts.
     for tensor in &center.tensors {
-        if let Some(index) = tensor.values.iter().position(|value| !value.is_finite()) {
+        if let Some((index, value)) = first_non_finite(&tensor.data) {
             return Err(CheckpointError::Format {
                 path: dir.to_path_buf(),
                 detail: format!(
-                    "tensor {:?} is not finite ({} at element {index}); the center is not written",
-                    tensor.name, tensor.values[index]
+                    "tensor {:?} is not finite ({value} at element {index}); the center is not written",
+                    tensor.name
                 ),
             });
         }
@@ -89,9 +87,8 @@ fn write_center_files(staging: &Path, center: &Center) -> Result<(), CheckpointE
     let config_path = staging.join(CONFIG_FILE_NAME);
     write_text(&config_path, &config_text(&config_path, center)?)?;
     let model_path = staging.join(MODEL_FILE_NAME);
-    let weights = weight_buffers(center);
     safetensors::serialize_to_file(
-        f32_views(&model_path, &weights)?,
+        f32_views(&model_path, center)?,
         Some(safetensors_metadata()),
         &model_path,
     )
@@ -115,11 +112,8 @@ pub fn encode_center_files(
         ),
         (
             MODEL_FILE_NAME,
-            safetensors::serialize(
-                f32_views(model_path, &weight_buffers(center))?,
-                Some(safetensors_metadata()),
-            )
-            .map_err(|error| format_error(model_path, error.to_string()))?,
+            safetensors::serialize(f32_views(model_path, center)?, Some(safetensors_metadata()))
+                .map_err(|error| format_error(model_path, error.to_string()))?,
         ),
     ];
     let state_path = Path::new(STATE_FILE_NAME);
@@ -155,41 +149,68 @@ fn state_text(state_path: &Path, center: &Center) -> Result<String, CheckpointEr
     Ok(pretty(&state_json))
 }
 
-/// A tensor to write: its name in the file, its shape, its f32 bytes.
-type TensorBuffer = (String, Vec<usize>, Vec<u8>);
-
-/// The weights, encoded for `model.safetensors`.
-fn weight_buffers(center: &Center) -> Vec<TensorBuffer> {
-    center
-        .tensors
-        .iter()
-        .map(|tensor| tensor_buffer(tensor.name.clone(), tensor, &tensor.values))
-        .collect()
+/// A center tensor as safetensors writes it: its f32 bytes as they are,
+/// borrowed when they are one chunk, joined (one tensor at a time, never
+/// under the center's lock) when they arrived in several.
+struct ChunkedF32<'a> {
+    shape: Vec<usize>,
+    data: &'a [Bytes],
+    length: usize,
 }
 
-fn tensor_buffer(name: String, tensor: &CenterTensor, values: &[f32]) -> TensorBuffer {
-    (
-        name,
-        tensor.shape.iter().map(|&dim| dim as usize).collect(),
-        arith::encode(values, WireDtype::F32),
-    )
+impl View for ChunkedF32<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self.data {
+            [one] => Cow::Borrowed(one),
+            chunks => Cow::Owned(chunks.concat()),
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.length
+    }
 }
 
 fn safetensors_metadata() -> HashMap<String, String> {
     HashMap::from([("format".to_string(), "pt".to_string())])
 }
 
-/// The safetensors views of `buffers` (f32), each checked against its shape.
+/// The safetensors views of the center's tensors (f32), each checked
+/// against its shape.
 fn f32_views<'a>(
     path: &Path,
-    buffers: &'a [TensorBuffer],
-) -> Result<Vec<(String, TensorView<'a>)>, CheckpointError> {
-    buffers
+    center: &'a Center,
+) -> Result<Vec<(String, ChunkedF32<'a>)>, CheckpointError> {
+    center
+        .tensors
         .iter()
-        .map(|(name, shape, bytes)| {
-            TensorView::new(Dtype::F32, shape.clone(), bytes)
-                .map(|view| (name.clone(), view))
-                .map_err(|error| format_error(path, format!("tensor {name:?}: {error}")))
+        .map(|tensor| {
+            let shape: Vec<usize> = tensor.shape.iter().map(|&dim| dim as usize).collect();
+            let length = tensor.byte_len() as usize;
+            let expected = shape.iter().product::<usize>() * 4;
+            if length != expected {
+                return Err(format_error(
+                    path,
+                    format!(
+                        "tensor {:?}: {length} bytes, expected {expected} for f32 {shape:?}",
+                        tensor.name
+                    ),
+                ));
+            }
+            let view = ChunkedF32 {
+                shape,
+                data: &tensor.data,
+                length,
+            };
+            Ok((tensor.name.clone(), view))
         })
         .collect()
 }
@@ -199,15 +220,65 @@ fn f32_views<'a>(
 #[derive(Debug, Clone, Copy)]
 pub struct CenterFiles<'a> {
     pub config_json: &'a str,
-    pub model: &'a [u8],
+    /// `model.safetensors`: the center's tensors are slices of it.
+    pub model: &'a Bytes,
     pub state_json: Option<&'a str>,
 }
 
-/// Reads a center written by [`write_center`]; `None` when `dir` holds no
-/// center yet. `_outer_state` is ignored: it asked for local SGD's outer
-/// optimizer state, which is gone; the argument stays until the callers
-/// that still pass it (the data-parallel fault test) drop it.
-pub fn read_center(dir: &Path, _outer_state: bool) -> Result<Option<Center>, CheckpointError> {
+/// One tensor of a checkpoint decoded to f32 (for tests and tools; the
+/// broker itself never decodes the weights).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodedTensor {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub values: Vec<f32>,
+}
+
+/// A center checkpoint decoded to f32: [`read_center`]'s answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodedCenter {
+    pub version: u64,
+    pub samples: u64,
+    pub tensors: Vec<DecodedTensor>,
+}
+
+/// Reads a center written by [`write_center`] and decodes its weights to
+/// f32, for tests and tools; `None` when `dir` holds no center yet.
+/// `_outer_state` is ignored: it asked for local SGD's outer optimizer
+/// state, which is gone; the argument stays until the callers that still
+/// pass it (the data-parallel fault test) drop it.
+pub fn read_center(
+    dir: &Path,
+    _outer_state: bool,
+) -> Result<Option<DecodedCenter>, CheckpointError> {
+    let Some(center) = read_stored_center(dir)? else {
+        return Ok(None);
+    };
+    let tensors = center
+        .tensors
+        .into_iter()
+        .map(|tensor| DecodedTensor {
+            values: tensor
+                .data
+                .iter()
+                .flat_map(|chunk| chunk.chunks_exact(4))
+                .map(|raw| f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
+                .collect(),
+            name: tensor.name,
+            shape: tensor.shape,
+        })
+        .collect();
+    Ok(Some(DecodedCenter {
+        version: center.version,
+        samples: center.samples,
+        tensors,
+    }))
+}
+
+/// Reads a center written by [`write_center`] as the broker keeps it (each
+/// tensor a slice of the file's bytes, nothing decoded); `None` when `dir`
+/// holds no center yet.
+pub fn read_stored_center(dir: &Path) -> Result<Option<Center>, CheckpointError> {
     let model_path = dir.join(MODEL_FILE_NAME);
     if !model_path.is_file() {
         return Ok(None);
@@ -225,7 +296,7 @@ pub fn read_center(dir: &Path, _outer_state: bool) -> Result<Option<Center>, Che
             })
         }
     };
-    let model = std::fs::read(&model_path).map_err(io_error(&model_path))?;
+    let model = Bytes::from(std::fs::read(&model_path).map_err(io_error(&model_path))?);
     let files = CenterFiles {
         config_json: &config_json,
         model: &model,
@@ -235,20 +306,12 @@ pub fn read_center(dir: &Path, _outer_state: bool) -> Result<Option<Center>, Che
 }
 
 /// The center in `files` (read from `dir`, which errors name): the
-/// counters and the weights. Every length in the files is checked before
-/// anything is allocated from it (the fuzz target `center_checkpoint`
-/// feeds it any bytes).
+/// counters and the weights, each tensor a slice of the file's bytes,
+/// checked finite. Every length in the files is checked before anything is
+/// taken from it (the fuzz target `center_checkpoint` feeds it any bytes).
 pub fn decode_center(dir: &Path, files: CenterFiles<'_>) -> Result<Center, CheckpointError> {
     let state = decode_state(&dir.join(STATE_FILE_NAME), files.state_json)?;
-    let tensors: Vec<CenterTensor> =
-        decode_f32_safetensors(&dir.join(MODEL_FILE_NAME), files.model)?
-            .into_iter()
-            .map(|(name, shape, values)| CenterTensor {
-                name,
-                shape,
-                values: std::sync::Arc::new(values),
-            })
-            .collect();
+    let tensors = f32_tensors(&dir.join(MODEL_FILE_NAME), files.model)?;
     let mut center = Center::new(files.config_json.to_string(), tensors, state.version)
         .map_err(|error| format_error(dir, error.to_string()))?;
     center.samples = state.samples;
@@ -269,33 +332,30 @@ fn decode_state(state_path: &Path, text: Option<&str>) -> Result<CenterState, Ch
     }
 }
 
-/// Every tensor of a safetensors file's bytes as f32 (bf16 and f32 files
-/// are read). safetensors checks the header against the data (offsets,
-/// and shapes against byte lengths, without overflow) before any values
-/// are allocated.
-pub fn decode_f32_safetensors(
-    path: &Path,
-    bytes: &[u8],
-) -> Result<Vec<NamedValues>, CheckpointError> {
+/// Every tensor of a safetensors file as a slice of `bytes` (f32 tensors
+/// only: the reference format's master weights), each checked finite.
+/// safetensors checks the header against the data (offsets, and shapes
+/// against byte lengths, without overflow) before any slice is taken.
+fn f32_tensors(path: &Path, bytes: &Bytes) -> Result<Vec<CenterTensor>, CheckpointError> {
     let file =
         SafeTensors::deserialize(bytes).map_err(|error| format_error(path, error.to_string()))?;
     let mut tensors = Vec::new();
     for (name, view) in file.tensors() {
-        let dtype = match view.dtype() {
-            Dtype::F32 => WireDtype::F32,
-            Dtype::BF16 => WireDtype::Bf16,
-            other => {
-                return Err(format_error(
-                    path,
-                    format!("tensor {name:?} has dtype {other:?}, expected F32 or BF16"),
-                ))
-            }
-        };
+        if view.dtype() != Dtype::F32 {
+            return Err(format_error(
+                path,
+                format!("tensor {name:?} has dtype {:?}, expected F32", view.dtype()),
+            ));
+        }
+        let data = bytes.slice_ref(view.data());
+        super::center::check_finite(&name, std::slice::from_ref(&data))
+            .map_err(|error| format_error(path, error.to_string()))?;
         let shape: Vec<u64> = view.shape().iter().map(|&dim| dim as u64).collect();
-        let mut values = vec![0.0f32; view.data().len() / dtype.element_bytes()];
-        arith::decode_into(&mut values, view.data(), dtype)
-            .map_err(|error| format_error(path, format!("tensor {name:?}: {error}")))?;
-        tensors.push((name, shape, values));
+        tensors.push(CenterTensor {
+            name,
+            shape,
+            data: vec![data],
+        });
     }
     Ok(tensors)
 }

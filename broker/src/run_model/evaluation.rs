@@ -5,8 +5,8 @@
 //! from the drafters' sessions: it opens no session, so the final center
 //! never waits for it) and later reports that version's τ with
 //! `ReportTau`. Between the two the broker keeps the version it served as a
-//! [`Center`] whose weight buffers are the center's own `Arc`s (a pointer
-//! copy under the lock; a newer snapshot replaces the center's buffers and
+//! [`Center`] whose chunks are the center's own `Bytes` (handles cloned
+//! under the lock; a newer snapshot replaces the center's chunks and
 //! leaves these alone), so a best τ writes exactly the weights that were
 //! evaluated, whatever the center did meanwhile. At most
 //! `--max-pending-evaluations` versions are kept (default
@@ -272,13 +272,17 @@ fn block_size(config_json: &str) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::run_model::center::CenterTensor;
-    use std::sync::Arc;
 
     fn center(version: u64, samples: u64, value: f32) -> Center {
         let tensor = CenterTensor {
             name: "fc.weight".to_string(),
             shape: vec![2],
-            values: Arc::new(vec![value, -value]),
+            data: vec![bytes::Bytes::from(
+                [value, -value]
+                    .iter()
+                    .flat_map(|value| value.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            )],
         };
         let mut center =
             Center::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();

@@ -13,12 +13,12 @@
 //! # Layout
 //! - `settings`: [`RunModelSettings`], the typed part of the broker's flags
 //!   this room takes.
-//! - `arith`: the f32 and bf16 wire encodings of tensors.
 //! - `center`: [`ModelSyncState`], the synchronous state machine (the
 //!   center, the snapshot sessions' drafters, status) with no I/O or
 //!   clock. Beneath it: `center::upload` (a snapshot as a session stages
-//!   it, chunk by chunk), `center::weights` (the center's f32 tensors,
-//!   their shared copies, the checks against them), `center::error`.
+//!   it, chunk by chunk), `center::weights` (the center's tensors: the f32
+//!   bytes as they arrived, shared, never decoded; the checks against
+//!   them), `center::error`.
 //! - `checkpoint`: the center on disk in the reference dflash format
 //!   (safetensors, no libtorch), and reading it back on restart.
 //! - `evaluation`: online evaluation's τ curve, the best report, and the
@@ -27,7 +27,6 @@
 //!
 //! Must not depend on: `crate::model_sync`, `crate::config`; no gRPC.
 
-pub mod arith;
 pub mod center;
 pub mod checkpoint;
 pub mod evaluation;
@@ -44,7 +43,7 @@ pub use settings::RunModelSettings;
 /// when given (a resumed center of another model is refused).
 pub fn resume(settings: &RunModelSettings) -> Result<ModelSyncState, checkpoint::CheckpointError> {
     let resumed = match &settings.model_output {
-        Some(dir) => checkpoint::read_center(dir, false)?,
+        Some(dir) => checkpoint::read_stored_center(dir)?,
         None => None,
     };
     let mut state = ModelSyncState::new(resumed);

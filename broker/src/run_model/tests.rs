@@ -7,8 +7,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
-use super::arith::{self, WireDtype};
-use super::center::{CommitOutcome, ModelSyncState, SyncError, Upload};
+use super::center::{CommitOutcome, FiniteUpload, ModelSyncState, SyncError, Upload};
 
 const CONFIG: &str = r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 4}"#;
 
@@ -26,23 +25,29 @@ fn begin(kind: proto::SyncKind, steps: u64, samples: u64) -> proto::SyncBegin {
     }
 }
 
-/// An upload of `tensors` as `dtype` opened by `begin`, each split into
-/// chunks of at most `chunk_elements` elements (so offsets are exercised).
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|value| value.to_le_bytes())
+        .collect()
+}
+
+/// An upload of `tensors` in f32 opened by `begin`, each split into chunks
+/// of at most `chunk_elements` elements (so offsets are exercised).
 fn upload_of(
     begin: &proto::SyncBegin,
     tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
-    dtype: WireDtype,
     chunk_elements: usize,
 ) -> Upload {
     let mut upload = Upload::new(begin).unwrap();
     for (name, shape, values) in tensors {
-        let bytes = arith::encode(values, dtype);
-        let chunk_bytes = chunk_elements * dtype.element_bytes();
+        let bytes = f32_bytes(values);
+        let chunk_bytes = chunk_elements * 4;
         for (index, piece) in bytes.chunks(chunk_bytes).enumerate() {
             upload
                 .add_chunk(proto::TensorChunk {
                     name: name.to_string(),
-                    dtype: super::center::dtype_to_proto(dtype) as i32,
+                    dtype: proto::Dtype::F32 as i32,
                     shape: shape.clone(),
                     offset: (index * chunk_bytes) as u64,
                     data: Bytes::copy_from_slice(piece),
@@ -60,8 +65,10 @@ fn snapshot_upload(
     steps: u64,
     samples: u64,
     tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
-) -> Upload {
-    upload_of(&begin(kind, steps, samples), tensors, WireDtype::F32, 3)
+) -> FiniteUpload {
+    upload_of(&begin(kind, steps, samples), tensors, 3)
+        .into_finite()
+        .unwrap()
 }
 
 fn commit_snapshot(
@@ -83,7 +90,11 @@ fn commit_snapshot(
 
 fn center_values(state: &ModelSyncState, name: &str) -> Vec<f32> {
     let center = state.center().unwrap();
-    center.tensors[center.by_name[name]].values.to_vec()
+    let joined = center.tensors[center.by_name[name]].data.concat();
+    joined
+        .chunks_exact(4)
+        .map(|raw| f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
+        .collect()
 }
 
 /// A state whose center is `d0`'s snapshot of step 0.
@@ -97,7 +108,7 @@ fn initialised_state() -> ModelSyncState {
 }
 
 #[test]
-fn the_first_snapshot_makes_the_center_and_bf16_is_decoded_to_f32() {
+fn the_first_snapshot_makes_the_center_of_its_bytes_and_bf16_is_refused() {
     let mut state = ModelSyncState::new(None);
     // An empty snapshot cannot make a center.
     let error = state
@@ -110,20 +121,41 @@ fn the_first_snapshot_makes_the_center_and_bf16_is_decoded_to_f32() {
         )
         .unwrap_err();
     assert_eq!(error, SyncError::NoCenter);
+    // A snapshot is the f32 master weights: a bf16 chunk is refused.
+    let mut bf16 = Upload::new(&begin(proto::SyncKind::Snapshot, 3, 24)).unwrap();
+    let error = bf16
+        .add_chunk(proto::TensorChunk {
+            name: "a".into(),
+            dtype: proto::Dtype::Bf16 as i32,
+            shape: vec![2],
+            offset: 0,
+            data: Bytes::from(vec![0u8; 4]),
+        })
+        .unwrap_err();
+    assert_eq!(error, SyncError::Dtype(proto::Dtype::Bf16 as i32));
     let initial = weights([1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 8.0]);
-    let upload = upload_of(
-        &begin(proto::SyncKind::Snapshot, 3, 24),
-        &initial,
-        WireDtype::Bf16,
-        2,
-    );
     let outcome = state
-        .commit("d0", upload, 2, CONFIG, Instant::now())
+        .commit(
+            "d0",
+            snapshot_upload(proto::SyncKind::Snapshot, 3, 24, &initial),
+            2,
+            CONFIG,
+            Instant::now(),
+        )
         .unwrap();
     assert!(outcome.initialised);
     assert_eq!((outcome.center_version, outcome.center_samples), (3, 24));
     assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
     assert_eq!(center_values(&state, "b"), vec![0.5, -0.5, 8.0]);
+    // The center holds the bytes as they arrived: the chunks of three
+    // elements, not a copy.
+    let center = state.center().unwrap();
+    let chunk_lengths: Vec<usize> = center.tensors[center.by_name["a"]]
+        .data
+        .iter()
+        .map(|chunk| chunk.len())
+        .collect();
+    assert_eq!(chunk_lengths, vec![12, 4]);
 }
 
 #[test]
@@ -166,15 +198,13 @@ fn a_snapshot_of_a_later_step_becomes_the_center_and_an_older_one_changes_nothin
 fn a_snapshot_with_a_non_finite_weight_or_a_missing_tensor_is_refused() {
     let mut state = initialised_state();
     let broken = weights([1.0, f32::NAN, 3.0, 4.0], [0.5, -0.5, 8.0]);
-    assert!(state
-        .commit(
-            "d0",
-            snapshot_upload(proto::SyncKind::Snapshot, 3, 8, &broken),
-            2,
-            CONFIG,
-            Instant::now(),
-        )
-        .is_err());
+    let error = upload_of(&begin(proto::SyncKind::Snapshot, 3, 8), &broken, 3)
+        .into_finite()
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("\"a\"") && error.to_string().contains("NaN at element 1"),
+        "{error}"
+    );
     let partial = vec![("a", vec![2, 2], vec![1.0, 2.0, 3.0, 4.0])];
     let error = state
         .commit(
@@ -204,7 +234,7 @@ fn torn_or_inconsistent_uploads_change_nothing() {
         dtype: proto::Dtype::F32 as i32,
         shape: vec![2, 2],
         offset: 0,
-        data: Bytes::from(arith::encode(&[100.0, 100.0], WireDtype::F32)),
+        data: Bytes::from(f32_bytes(&[100.0, 100.0])),
     };
     let mut torn = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
     torn.add_chunk(half()).unwrap();
@@ -212,7 +242,9 @@ fn torn_or_inconsistent_uploads_change_nothing() {
     // A commit whose tensor is incomplete is refused.
     let mut short = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
     short.add_chunk(half()).unwrap();
-    let error = state.commit("d0", short, 1, CONFIG, now).unwrap_err();
+    let error = state
+        .commit("d0", short.into_finite().unwrap(), 1, CONFIG, now)
+        .unwrap_err();
     assert!(error.to_string().contains("8 of 16 bytes"), "{error}");
     // The commit's count must match what was sent.
     let all = weights([1.0; 4], [1.0; 3]);
@@ -289,7 +321,7 @@ fn chunks_out_of_order_or_too_long_are_refused() {
 fn a_shape_whose_bytes_overflow_is_refused_at_its_first_chunk() {
     for (dtype, shape) in [
         (proto::Dtype::F32, vec![1u64 << 62]),
-        (proto::Dtype::Bf16, vec![1u64 << 32, 1 << 31]),
+        (proto::Dtype::F32, vec![1u64 << 32, 1 << 31]),
         (proto::Dtype::F32, vec![u64::MAX, 2]),
     ] {
         let mut upload = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();

@@ -5,7 +5,8 @@
 //!
 //! `ReadCenter` takes the state's lock once, to copy the center's pointers
 //! (a clone of the [`Center`](crate::run_model::center::Center), its buffers shared), and touches nothing else of it: no session opens,
-//! no drafter record, no counter. The weights are encoded after the lock.
+//! no drafter record, no counter. The weights go out as slices of the
+//! stored bytes, after the lock.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -19,7 +20,6 @@ use tracing::{info, warn};
 
 use super::{center_chunks, ModelSyncShared};
 use crate::roles::{validate_id, Principal, Role};
-use crate::run_model::arith::WireDtype;
 use crate::run_model::checkpoint::write_center;
 use crate::run_model::evaluation::ReportError;
 
@@ -136,22 +136,13 @@ pub(super) async fn read_center(
     };
     let count = weights.len() as u32;
     let version = served.version;
-    let tensors = crate::run_model::center::CenterSnapshot {
-        version,
-        tensors: weights
-            .into_iter()
-            .map(|tensor| (tensor.name, tensor.shape, tensor.values))
-            .collect(),
-    };
     let (outbox, receiver) = mpsc::channel(16);
     let shutdown = shared.shutdown.clone();
     shared.tasks.spawn(async move {
         use proto::read_center_response::Kind;
         let message = |kind| Ok(proto::ReadCenterResponse { kind: Some(kind) });
-        // Encoded here, after the lock, on the session tasks' runtime.
-        let (_, encoded) = tensors.encode(WireDtype::F32);
         let messages = std::iter::once(Kind::Header(header))
-            .chain(center_chunks(WireDtype::F32, encoded).map(Kind::Chunk))
+            .chain(center_chunks(weights).map(Kind::Chunk))
             .chain(std::iter::once(Kind::Done(proto::SyncDone {
                 center_version: version,
                 tensors: count,

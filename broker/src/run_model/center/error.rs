@@ -21,7 +21,7 @@ pub enum SyncError {
     MissingTensor(String),
     #[error("tensor {0:?} was sent twice in one snapshot")]
     DuplicateTensor(String),
-    #[error("unsupported dtype {0} (expected DTYPE_BF16 or DTYPE_F32)")]
+    #[error("unsupported dtype {0} (expected DTYPE_F32: a snapshot is the f32 master weights)")]
     Dtype(i32),
     #[error("sync kind {0} is not SNAPSHOT or FINAL_SNAPSHOT")]
     Kind(i32),

@@ -1,6 +1,8 @@
 //! One snapshot as a session receives it: the [`Upload`] staged chunk by
 //! chunk (each chunk checked to continue its tensor exactly), and the wire
-//! enums it is declared with.
+//! enums it is declared with, and the finite check on f32 bytes in place
+//! ([`check_finite`]). The chunks are kept as they arrived: they become
+//! the center's bytes as they are.
 //!
 //! Apart from [`super::ModelSyncState`] because an upload belongs to the
 //! session, not to the center: it is built without the center's lock, and
@@ -10,7 +12,6 @@ use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
 use super::error::SyncError;
-use crate::run_model::arith::{self, WireDtype};
 
 /// What kind of snapshot a drafter began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,18 +41,14 @@ impl SnapshotKind {
     }
 }
 
-pub fn dtype_from_proto(value: i32) -> Result<WireDtype, SyncError> {
-    match proto::Dtype::try_from(value) {
-        Ok(proto::Dtype::F32) => Ok(WireDtype::F32),
-        Ok(proto::Dtype::Bf16) => Ok(WireDtype::Bf16),
-        _ => Err(SyncError::Dtype(value)),
-    }
-}
+/// Bytes of one element: a snapshot is the f32 master weights.
+const ELEMENT_BYTES: u64 = 4;
 
-pub fn dtype_to_proto(dtype: WireDtype) -> proto::Dtype {
-    match dtype {
-        WireDtype::F32 => proto::Dtype::F32,
-        WireDtype::Bf16 => proto::Dtype::Bf16,
+/// A chunk's dtype, checked: DTYPE_F32 alone.
+fn check_dtype(value: i32) -> Result<(), SyncError> {
+    match proto::Dtype::try_from(value) {
+        Ok(proto::Dtype::F32) => Ok(()),
+        _ => Err(SyncError::Dtype(value)),
     }
 }
 
@@ -59,7 +56,6 @@ pub fn dtype_to_proto(dtype: WireDtype) -> proto::Dtype {
 #[derive(Debug)]
 pub struct UploadedTensor {
     pub name: String,
-    pub dtype: WireDtype,
     pub shape: Vec<u64>,
     /// Chunks in offset order; together exactly the tensor's bytes at commit.
     pub chunks: Vec<Bytes>,
@@ -68,47 +64,19 @@ pub struct UploadedTensor {
 
 impl UploadedTensor {
     fn expected_bytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * self.dtype.element_bytes() as u64
+        self.shape.iter().product::<u64>() * ELEMENT_BYTES
     }
 
-    /// Calls `apply` on each chunk, in order, with the range of the
-    /// tensor's elements it holds; an error `apply` returns names this
-    /// tensor.
-    pub(super) fn for_each_chunk(
-        &self,
-        mut apply: impl FnMut(std::ops::Range<usize>, &Bytes) -> Result<(), arith::LengthMismatch>,
-    ) -> Result<(), SyncError> {
-        let mut element_offset = 0usize;
-        for chunk in &self.chunks {
-            let elements = chunk.len() / self.dtype.element_bytes();
-            apply(element_offset..element_offset + elements, chunk).map_err(|error| {
-                SyncError::BadTensor {
-                    name: self.name.clone(),
-                    detail: error.to_string(),
-                }
-            })?;
-            element_offset += elements;
-        }
-        Ok(())
-    }
-
-    /// Checks that `chunk` continues this tensor exactly: the same dtype and
-    /// shape as its first chunk, at the next offset, whole elements, and not
-    /// past the tensor's end.
-    fn check_continued_by(
-        &self,
-        chunk: &proto::TensorChunk,
-        dtype: WireDtype,
-    ) -> Result<(), SyncError> {
-        if self.dtype != dtype || self.shape != chunk.shape {
+    /// Checks that `chunk` continues this tensor exactly: the same shape as
+    /// its first chunk, at the next offset, whole elements, and not past the
+    /// tensor's end.
+    fn check_continued_by(&self, chunk: &proto::TensorChunk) -> Result<(), SyncError> {
+        if self.shape != chunk.shape {
             return Err(bad_chunk(
                 chunk,
                 format!(
-                    "chunk says {} {:?}, the tensor's first chunk said {} {:?}",
-                    dtype.name(),
-                    chunk.shape,
-                    self.dtype.name(),
-                    self.shape
+                    "chunk says {:?}, the tensor's first chunk said {:?}",
+                    chunk.shape, self.shape
                 ),
             ));
         }
@@ -121,25 +89,20 @@ impl UploadedTensor {
                 ),
             ));
         }
-        let element_bytes = dtype.element_bytes() as u64;
         let length = chunk.data.len() as u64;
-        if !length.is_multiple_of(element_bytes) {
+        if !length.is_multiple_of(ELEMENT_BYTES) {
             return Err(bad_chunk(
                 chunk,
-                format!(
-                    "chunk of {length} bytes is not a whole number of {} elements",
-                    dtype.name()
-                ),
+                format!("chunk of {length} bytes is not a whole number of f32 elements"),
             ));
         }
         if self.received_bytes + length > self.expected_bytes() {
             return Err(bad_chunk(
                 chunk,
                 format!(
-                    "{} bytes received, more than the {} of {} {:?}",
+                    "{} bytes received, more than the {} of f32 {:?}",
                     self.received_bytes + length,
                     self.expected_bytes(),
-                    dtype.name(),
                     self.shape
                 ),
             ));
@@ -185,18 +148,18 @@ impl Upload {
 
     /// Adds one chunk after checking it continues its tensor exactly.
     pub fn add_chunk(&mut self, chunk: proto::TensorChunk) -> Result<(), SyncError> {
-        let dtype = dtype_from_proto(chunk.dtype)?;
+        check_dtype(chunk.dtype)?;
         let continues_last = self
             .tensors
             .last()
             .is_some_and(|last| last.name == chunk.name);
         if !continues_last {
-            self.begin_tensor(&chunk, dtype)?;
+            self.begin_tensor(&chunk)?;
         }
         let Some(tensor) = self.tensors.last_mut() else {
             return Err(bad_chunk(&chunk, "no tensor".to_string()));
         };
-        tensor.check_continued_by(&chunk, dtype)?;
+        tensor.check_continued_by(&chunk)?;
         tensor.received_bytes += chunk.data.len() as u64;
         tensor.chunks.push(chunk.data);
         Ok(())
@@ -205,11 +168,7 @@ impl Upload {
     /// Starts a new tensor with `chunk`, its first: the chunk is at offset 0,
     /// the name is new, the tensor before it is complete, and the shape is
     /// valid.
-    fn begin_tensor(
-        &mut self,
-        chunk: &proto::TensorChunk,
-        dtype: WireDtype,
-    ) -> Result<(), SyncError> {
+    fn begin_tensor(&mut self, chunk: &proto::TensorChunk) -> Result<(), SyncError> {
         if chunk.offset != 0 {
             return Err(bad_chunk(
                 chunk,
@@ -238,9 +197,7 @@ impl Upload {
         let bytes = chunk
             .shape
             .iter()
-            .try_fold(dtype.element_bytes() as u64, |product, &dim| {
-                product.checked_mul(dim)
-            });
+            .try_fold(ELEMENT_BYTES, |product, &dim| product.checked_mul(dim));
         if chunk.shape.is_empty() {
             return Err(bad_chunk(chunk, "invalid shape []".to_string()));
         }
@@ -248,15 +205,13 @@ impl Upload {
             return Err(bad_chunk(
                 chunk,
                 format!(
-                    "invalid shape {:?}: its bytes as {} overflow a u64",
-                    chunk.shape,
-                    dtype.name()
+                    "invalid shape {:?}: its bytes as f32 overflow a u64",
+                    chunk.shape
                 ),
             ));
         }
         self.tensors.push(UploadedTensor {
             name: chunk.name.clone(),
-            dtype,
             shape: chunk.shape.clone(),
             chunks: Vec::new(),
             received_bytes: 0,
@@ -288,12 +243,54 @@ impl Upload {
     }
 }
 
-/// Decodes a tensor of a snapshot (the center-to-be) into `values`, in f32.
-pub(super) fn decode_chunks(
-    values: &mut [f32],
-    uploaded: &UploadedTensor,
-) -> Result<(), SyncError> {
-    uploaded.for_each_chunk(|range, chunk| {
-        arith::decode_into(&mut values[range], chunk, uploaded.dtype)
-    })
+/// An [`Upload`] whose every value is finite: the only kind the center
+/// takes, so the check (a pass over 4 bytes a parameter) runs before the
+/// center's lock, never under it.
+#[derive(Debug)]
+pub struct FiniteUpload(Upload);
+
+impl FiniteUpload {
+    pub(super) fn into_inner(self) -> Upload {
+        self.0
+    }
+}
+
+impl Upload {
+    /// Refuses a snapshot with a value that is not finite, naming the
+    /// tensor and the value: one read-only pass over its bytes.
+    pub fn into_finite(self) -> Result<FiniteUpload, SyncError> {
+        for tensor in &self.tensors {
+            check_finite(&tensor.name, &tensor.chunks)?;
+        }
+        Ok(FiniteUpload(self))
+    }
+}
+
+/// The first value of `data` (f32 little-endian, in chunks) that is not
+/// finite, and its element index; read in place, nothing copied.
+pub fn first_non_finite(data: &[Bytes]) -> Option<(usize, f32)> {
+    let mut index = 0usize;
+    for chunk in data {
+        for raw in chunk.chunks_exact(4) {
+            let value = f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+            if !value.is_finite() {
+                return Some((index, value));
+            }
+            index += 1;
+        }
+    }
+    None
+}
+
+/// Refuses a tensor with a value that is not finite as the run's model.
+pub fn check_finite(name: &str, data: &[Bytes]) -> Result<(), SyncError> {
+    match first_non_finite(data) {
+        None => Ok(()),
+        Some((index, value)) => Err(SyncError::BadTensor {
+            name: name.to_string(),
+            detail: format!(
+                "weights are not finite ({value} at element {index}): refused as the run's model"
+            ),
+        }),
+    }
 }

@@ -1,29 +1,37 @@
-//! The center's weights: each tensor in f32, shared snapshots of them for
-//! replies and checkpoints, and the checks a snapshot must pass against
-//! them (every tensor once, each with the center's shape).
+//! The center's weights: each tensor's f32 little-endian bytes as the
+//! snapshot's sender sent them (never decoded), shared copies of them for
+//! reads and checkpoints, and the checks a snapshot must pass against them
+//! (every tensor once, each with the center's shape; the finite check is
+//! the upload's, before the lock).
 //!
 //! Apart from [`super::ModelSyncState`] because the checkpoint reads and
 //! writes these types too, with no drafters or sessions involved.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use bytes::Bytes;
 
 use super::error::SyncError;
 use super::upload::Upload;
-use crate::run_model::arith::{self, WireDtype};
 
-/// One tensor of the center, in f32.
+/// One tensor of the center: its f32 little-endian bytes, in the chunks
+/// they arrived in (or the one slice a checkpoint was read into).
 ///
-/// The buffer is shared (`Arc`): a snapshot for a save or a reply clones
-/// the pointer under the lock, not the values (4.2 GB for a 1B-parameter
-/// drafter); a newer snapshot replaces the whole center.
+/// The chunks are shared (`Bytes`): a read or a save clones their handles
+/// under the lock, never the bytes (4.2 GB for a 1B-parameter drafter),
+/// and a newer snapshot replaces the whole center without touching them.
 #[derive(Debug, Clone)]
 pub struct CenterTensor {
     pub name: String,
     pub shape: Vec<u64>,
-    pub values: Arc<Vec<f32>>,
+    pub data: Vec<Bytes>,
+}
+
+impl CenterTensor {
+    /// Bytes the tensor holds.
+    pub fn byte_len(&self) -> u64 {
+        self.data.iter().map(|chunk| chunk.len() as u64).sum()
+    }
 }
 
 /// The run's shared weights.
@@ -41,6 +49,10 @@ pub struct Center {
 }
 
 impl Center {
+    /// A center of `tensors`, whose values the caller checked finite (an
+    /// upload before the lock, a checkpoint when read): the run's one model
+    /// is finite by construction, and this pass over 4 bytes a parameter
+    /// stays out of the lock.
     pub fn new(
         config_json: String,
         mut tensors: Vec<CenterTensor>,
@@ -49,20 +61,6 @@ impl Center {
         serde_json::from_str::<serde_json::Value>(&config_json)
             .map_err(|error| SyncError::Config(error.to_string()))?;
         tensors.sort_by(|left, right| left.name.cmp(&right.name));
-        // The run's one model is finite by construction: no snapshot and no
-        // checkpoint may make it otherwise.
-        for tensor in &tensors {
-            let values = &tensor.values;
-            if let Some(index) = values.iter().position(|value| !value.is_finite()) {
-                return Err(SyncError::BadTensor {
-                    name: tensor.name.clone(),
-                    detail: format!(
-                        "weights are not finite ({} at element {index}): refused as the run's model",
-                        values[index]
-                    ),
-                });
-            }
-        }
         let mut by_name = HashMap::new();
         for (index, tensor) in tensors.iter().enumerate() {
             if by_name.insert(tensor.name.clone(), index).is_some() {
@@ -81,36 +79,13 @@ impl Center {
     pub fn parameters(&self) -> u64 {
         self.tensors
             .iter()
-            .map(|tensor| tensor.values.len() as u64)
+            .map(|tensor| tensor.shape.iter().product::<u64>())
             .sum()
     }
 
     /// Bytes the weights hold.
     pub fn memory_bytes(&self) -> u64 {
-        4 * self.parameters()
-    }
-}
-
-/// One center tensor encoded for the wire: name, shape, bytes.
-pub type EncodedTensor = (String, Vec<u64>, Bytes);
-
-/// One version of the center's weights (name, shape, shared values), in
-/// checkpoint order; see
-/// [`ModelSyncState::center_snapshot`](super::ModelSyncState::center_snapshot).
-pub struct CenterSnapshot {
-    pub version: u64,
-    pub tensors: Vec<(String, Vec<u64>, Arc<Vec<f32>>)>,
-}
-
-impl CenterSnapshot {
-    /// The weights encoded as `dtype`, one buffer per tensor.
-    pub fn encode(self, dtype: WireDtype) -> (u64, Vec<EncodedTensor>) {
-        let tensors = self
-            .tensors
-            .into_iter()
-            .map(|(name, shape, values)| (name, shape, Bytes::from(arith::encode(&values, dtype))))
-            .collect();
-        (self.version, tensors)
+        self.tensors.iter().map(CenterTensor::byte_len).sum()
     }
 }
 
