@@ -8,7 +8,7 @@ CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
 .PHONY: all setup run test test-build test-rust lint check-grpcurl check-checkpoint check-dflash2 check-ops-cli check-python bench build release fmt clean-cache fuzz
-.PHONY: image check-deploy check-k8s check-cuda-build study
+.PHONY: image check-deploy check-k8s check-cuda-build
 
 all: build
 
@@ -69,13 +69,6 @@ test-build: setup
 
 test-rust: test-build
 	DFLASH_LOCAL_RUN_DIR=$(CURDIR)/runs/test-local $(CARGO) test --workspace --no-fail-fast $(TEST_FEATURES)
-
-## The model-sync study behind the outer optimizer's defaults (not in
-## `make test`: minutes per seed): N synced drafters against one drafter on
-## the same samples, per N and seed. Knobs: see the header of
-## services/drafter-server/tests/model_sync_quality.rs.
-study: setup
-	$(CARGO) test -p dflash-drafter-server --test model_sync_quality -- --ignored --exact study --nocapture
 
 ## The drafter checkpoints of the system test's `dflash local` run load in the
 ## reference `dflash` package (installed once into a venv in the cache). It

@@ -41,13 +41,15 @@
 //!   with the run's commit record (H) as the one truth; a step's samples
 //!   are pinned in the queue at its vote and acked in the journal entry
 //!   that records its commit.
-//! - `model_sync`: the `ModelSync` service beside the queue: the run's one
-//!   shared draft model (asynchronous local SGD with a delayed Nesterov
-//!   outer step), its arithmetic on raw buffers, and its checkpoints; a
-//!   delta that is not finite or far over the recent norms never reaches it.
+//! - `run_model`: the run's one draft model as rank 0 last sent it (the
+//!   store, its checkpoints, the online evaluator's τ curve and registry),
+//!   synchronous, with its own settings.
+//! - `model_sync`: the `ModelSync` service beside the queue: its flags and
+//!   the gRPC adapter that serves the run's model (the lighthouse's two
+//!   RPCs are `lighthouse::rpc`).
 //! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
-//!   untrusted bytes (Produce bodies, ModelSync sessions against the
-//!   center, the center checkpoint reader, write-ahead log segments) and
+//!   untrusted bytes (Produce bodies, ModelSync snapshot sessions, the
+//!   center checkpoint reader, write-ahead log segments) and
 //!   their seeds; run by
 //!   `tests/fuzz` and, over the committed corpus, by `tests/fuzz_corpus.rs`.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).
@@ -69,6 +71,7 @@ pub mod model_sync;
 pub mod payload;
 pub mod queue;
 pub mod roles;
+pub mod run_model;
 pub mod server;
 pub mod service;
 pub mod wal;

@@ -10,9 +10,9 @@
 
 use dflash_telemetry::{Exposition, MetricKind};
 
-use crate::model_sync::evaluation::TauGauges;
 use crate::payload::ReceivedCounts;
 use crate::queue::{BrokerState, DrafterSnapshot, Snapshot, TargetSnapshot, TargetState};
+use crate::run_model::evaluation::TauGauges;
 use crate::wal::writer::WriterCounts;
 
 /// Every metric name starts with this.

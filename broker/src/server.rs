@@ -93,10 +93,6 @@ pub async fn serve_with_metrics(
             .quorum
             .connect(Arc::downgrade(&ledger), shared.commit_record());
     }
-    model_sync.set_acked_by({
-        let shared = Arc::downgrade(&shared);
-        move |drafter_id: &str| shared.upgrade()?.acked_or_leased_by(drafter_id)
-    });
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     report_serving(&health_reporter).await;

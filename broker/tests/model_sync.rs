@@ -1,6 +1,7 @@
 //! The ModelSync service over real gRPC: an in-process broker on
-//! 127.0.0.1:0 and raw sync sessions acting as drafters (the drafter-server
-//! side is tested with the real trainer in dflash-drafter-server).
+//! 127.0.0.1:0 and raw sync sessions acting as data-parallel drafters that
+//! send snapshots (the drafter-server side is tested with the real trainer
+//! in dflash-drafter-server), and evaluators.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -19,6 +20,9 @@ const CONFIG_JSON: &str =
 /// Bytes per chunk the test drafters send: small, so every tensor is split.
 const TEST_CHUNK_BYTES: usize = 8;
 
+/// Samples a snapshot of `steps` steps says it trained on.
+const SAMPLES_PER_STEP: u64 = 12;
+
 type Named = Vec<(&'static str, Vec<u64>, Vec<f32>)>;
 
 fn initial() -> Named {
@@ -28,10 +32,20 @@ fn initial() -> Named {
     ]
 }
 
-fn scaled(by: f32) -> Named {
+/// The initial weights, each moved by `by`: what a drafter holds after
+/// training.
+fn shifted(by: f32) -> Named {
     initial()
         .into_iter()
-        .map(|(name, shape, values)| (name, shape, values.iter().map(|_| by).collect()))
+        .map(|(name, shape, values)| (name, shape, values.iter().map(|value| value + by).collect()))
+        .collect()
+}
+
+/// `tensors` as (name, values), as a read returns them.
+fn as_read(tensors: &Named) -> Vec<(String, Vec<f32>)> {
+    tensors
+        .iter()
+        .map(|(name, _, values)| (name.to_string(), values.clone()))
         .collect()
 }
 
@@ -67,15 +81,13 @@ fn chunks_of(tensors: &Named) -> Vec<proto::SyncRequest> {
     messages
 }
 
-fn begin(kind: proto::SyncKind, base_version: u64) -> proto::SyncBegin {
+fn begin(kind: proto::SyncKind, steps: u64) -> proto::SyncBegin {
     proto::SyncBegin {
         kind: kind as i32,
-        base_version,
-        steps: 3,
-        samples: 12,
-        tokens: 120,
-        reply_dtype: proto::Dtype::F32 as i32,
-        gradient_step: None,
+        steps,
+        samples: SAMPLES_PER_STEP * steps,
+        tokens: 10 * SAMPLES_PER_STEP * steps,
+        ..proto::SyncBegin::default()
     }
 }
 
@@ -110,19 +122,18 @@ impl TestDrafter {
         }
     }
 
-    /// Opens an exchange (its chunks and commit to follow).
-    async fn begin(&self, kind: proto::SyncKind, base_version: u64) {
+    /// Opens a snapshot (its chunks and commit to follow).
+    async fn begin(&self, kind: proto::SyncKind, steps: u64) {
         self.requests
             .send(request(proto::sync_request::Kind::Begin(begin(
-                kind,
-                base_version,
+                kind, steps,
             ))))
             .await
             .unwrap();
     }
 
-    /// Sends one whole exchange: `begin`, the chunks, the commit.
-    async fn send_exchange(&self, begin: proto::SyncBegin, tensors: &Named) {
+    /// Sends one whole snapshot: `begin`, the chunks, the commit.
+    async fn send_snapshot(&self, begin: proto::SyncBegin, tensors: &Named) {
         self.requests
             .send(request(proto::sync_request::Kind::Begin(begin)))
             .await
@@ -140,71 +151,19 @@ impl TestDrafter {
             .unwrap();
     }
 
-    /// One whole exchange; the center (name → values) when it comes back.
-    async fn exchange(
+    /// One whole snapshot of `steps` committed steps, and its result.
+    async fn snapshot(
         &mut self,
         kind: proto::SyncKind,
-        base_version: u64,
+        steps: u64,
         tensors: &Named,
-    ) -> (proto::SyncResult, Option<Vec<(String, Vec<f32>)>>) {
-        self.send_exchange(begin(kind, base_version), tensors).await;
-        self.reply().await
-    }
-
-    /// The answer to an exchange sent: its result, and the center
-    /// (name → values) when it comes back.
-    async fn reply(&mut self) -> (proto::SyncResult, Option<Vec<(String, Vec<f32>)>>) {
-        let result = match self.responses.message().await.unwrap().unwrap().kind {
+    ) -> proto::SyncResult {
+        self.send_snapshot(begin(kind, steps), tensors).await;
+        match self.responses.message().await.unwrap().unwrap().kind {
             Some(proto::sync_response::Kind::Result(result)) => result,
             other => panic!("expected a result, got {other:?}"),
-        };
-        if !result.weights_follow {
-            return (result, None);
         }
-        let mut center: Vec<(String, Vec<u8>)> = Vec::new();
-        loop {
-            match self.responses.message().await.unwrap().unwrap().kind {
-                Some(proto::sync_response::Kind::Chunk(chunk)) => {
-                    assert_eq!(chunk.dtype, proto::Dtype::F32 as i32);
-                    match center.last_mut() {
-                        Some((name, bytes)) if *name == chunk.name => {
-                            assert_eq!(chunk.offset, bytes.len() as u64);
-                            bytes.extend_from_slice(&chunk.data);
-                        }
-                        _ => {
-                            assert_eq!(chunk.offset, 0);
-                            center.push((chunk.name, chunk.data.to_vec()));
-                        }
-                    }
-                }
-                Some(proto::sync_response::Kind::Done(done)) => {
-                    assert_eq!(done.tensors as usize, center.len());
-                    assert_eq!(done.center_version, result.center_version);
-                    break;
-                }
-                other => panic!("expected chunks, got {other:?}"),
-            }
-        }
-        let decoded = center
-            .into_iter()
-            .map(|(name, bytes)| {
-                let values = bytes
-                    .chunks_exact(4)
-                    .map(|raw| f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
-                    .collect();
-                (name, values)
-            })
-            .collect();
-        (result, Some(decoded))
     }
-}
-
-/// Plain asynchronous local SGD (outer lr 1, no momentum): the center is
-/// the sum of the deltas, exact on these values.
-fn plain_config() -> BrokerConfig {
-    let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.outer_momentum = 0.0;
-    config
 }
 
 fn values(center: &[(String, Vec<f32>)], name: &str) -> Vec<f32> {
@@ -226,37 +185,59 @@ async fn model_sync_status(broker: &TestBroker) -> proto::ModelSyncStatus {
         .expect("status carries the model sync")
 }
 
+/// The run's model as a starting drafter reads it (`ReadCenter` with its
+/// `drafter_id`: nothing kept).
+async fn read_as_drafter(
+    address: &str,
+    drafter_id: &str,
+) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    read_center_with(
+        address,
+        proto::ReadCenterRequest {
+            drafter_id: drafter_id.to_string(),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
 #[tokio::test]
-async fn drafters_share_one_center_and_stale_deltas_still_count() {
-    let broker = TestBroker::start(plain_config()).await;
+async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_reads_it() {
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let refused = read_as_drafter(&broker.address, "drafter-a")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
     assert!(!first.welcome.has_center);
-    assert!(first.welcome.method.contains("async local SGD"));
-    let (result, center) = first.exchange(proto::SyncKind::Join, 0, &initial()).await;
-    assert!(result.initialised);
-    assert!(center.is_none());
+    let result = first
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
+    assert!(result.initialised && result.applied);
 
-    // A second drafter joins: it starts from the center, not its own weights.
+    // A second drafter starts from the run's model, not its own weights.
     let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
     assert!(second.welcome.has_center);
-    let (result, center) = second.exchange(proto::SyncKind::Join, 0, &vec![]).await;
-    assert!(!result.initialised);
-    let center = center.expect("the center comes back");
-    assert_eq!(values(&center, "fc.weight"), initial()[0].2);
+    let (header, model) = read_as_drafter(&broker.address, "drafter-b").await.unwrap();
+    assert_eq!((header.center_version, header.center_samples), (0, 0));
+    assert_eq!(header.model_config_json, CONFIG_JSON);
+    assert_eq!(model, as_read(&initial()));
 
-    // Both trained from version 0; a syncs first, b's delta is one update
-    // stale and still applied (outer lr 1: the center is the sum).
-    let (result, _) = first
-        .exchange(proto::SyncKind::Update, 0, &scaled(0.5))
+    // Rank 0's snapshot of step 2 replaces it; a member behind (step 1)
+    // changes nothing.
+    let result = first
+        .snapshot(proto::SyncKind::Snapshot, 2, &shifted(0.75))
         .await;
-    assert_eq!((result.center_version, result.staleness), (1, 0));
-    let (result, center) = second
-        .exchange(proto::SyncKind::Update, 0, &scaled(0.25))
-        .await;
-    assert_eq!((result.center_version, result.staleness), (2, 1));
     assert!(result.applied);
+    assert_eq!((result.center_version, result.center_samples), (2, 24));
+    let result = second
+        .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.25))
+        .await;
+    assert!(!result.applied);
+    assert!(result.reason.contains("step 2"), "{}", result.reason);
+    let (_, model) = read_as_drafter(&broker.address, "drafter-c").await.unwrap();
     assert_eq!(
-        values(&center.unwrap(), "fc.weight"),
+        values(&model, "fc.weight"),
         vec![1.75, 2.75, 3.75, 4.75, 5.75, 6.75]
     );
 
@@ -265,41 +246,35 @@ async fn drafters_share_one_center_and_stale_deltas_still_count() {
     assert_eq!(status.center_version, 2);
     assert_eq!(status.parameters, 8);
     assert_eq!(status.center_samples, 24);
-    let a = status
-        .drafters
-        .iter()
-        .find(|drafter| drafter.drafter_id == "drafter-a")
-        .unwrap();
-    assert!(a.connected);
-    assert_eq!((a.base_version, a.staleness), (1, 1));
-    let b = status
-        .drafters
-        .iter()
-        .find(|drafter| drafter.drafter_id == "drafter-b")
-        .unwrap();
-    assert_eq!(
-        (b.base_version, b.staleness, b.last_update_staleness),
-        (2, 0, 1)
+    assert!(
+        status.evaluations_pending.is_empty(),
+        "a drafter's read keeps nothing"
     );
+    let ids: Vec<&str> = status
+        .drafters
+        .iter()
+        .map(|drafter| drafter.drafter_id.as_str())
+        .collect();
+    assert_eq!(ids, vec!["drafter-a", "drafter-b"]);
+    assert!(status.drafters.iter().all(|drafter| drafter.connected));
     broker.stop().await;
 }
 
 #[tokio::test]
 async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
-    let broker = TestBroker::start(plain_config()).await;
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
     let mut survivor = TestDrafter::open(&broker.address, "survivor").await;
     survivor
-        .exchange(proto::SyncKind::Join, 0, &initial())
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
 
-    // The victim joins, then dies halfway through uploading a huge delta.
+    // The victim dies halfway through uploading a snapshot of a later step.
     let address = broker.address.clone();
     let (half_sent, half_sent_receiver) = tokio::sync::oneshot::channel();
     let victim = tokio::spawn(async move {
-        let mut drafter = TestDrafter::open(&address, "victim").await;
-        drafter.exchange(proto::SyncKind::Join, 0, &vec![]).await;
-        drafter.begin(proto::SyncKind::Update, 0).await;
-        let chunks = chunks_of(&scaled(1000.0));
+        let drafter = TestDrafter::open(&address, "victim").await;
+        drafter.begin(proto::SyncKind::Snapshot, 9).await;
+        let chunks = chunks_of(&shifted(1000.0));
         for message in &chunks[..chunks.len() / 2] {
             drafter.requests.send(message.clone()).await.unwrap();
         }
@@ -308,15 +283,14 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
         std::future::pending::<()>().await;
     });
     half_sent_receiver.await.unwrap();
-    // While the victim is mid-upload, the survivor's exchange goes through.
-    let (result, center) = tokio::time::timeout(
+    // While the victim is mid-upload, the survivor's snapshot goes through.
+    let result = tokio::time::timeout(
         Duration::from_secs(10),
-        survivor.exchange(proto::SyncKind::Update, 0, &scaled(1.0)),
+        survivor.snapshot(proto::SyncKind::Snapshot, 1, &shifted(1.0)),
     )
     .await
     .expect("a half-finished upload blocks nobody");
     assert_eq!(result.center_version, 1);
-    assert_eq!(values(&center.unwrap(), "norm.weight"), vec![2.0, 2.0]);
 
     // Kill it: the task and its connection go away without a word.
     victim.abort();
@@ -332,41 +306,30 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
         .await,
         "the victim's session is seen closed"
     );
-    // The center is exactly the survivor's result: nothing of the victim.
+    // The center is exactly the survivor's snapshot: nothing of the victim.
     let status = model_sync_status(&broker).await;
     assert_eq!(status.center_version, 1);
-    let mut late = TestDrafter::open(&broker.address, "late").await;
-    let (_, center) = late.exchange(proto::SyncKind::Join, 0, &vec![]).await;
-    let center = center.unwrap();
-    assert_eq!(
-        values(&center, "fc.weight"),
-        vec![2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
-    );
-    assert_eq!(values(&center, "norm.weight"), vec![2.0, 2.0]);
+    let (_, center) = read_as_drafter(&broker.address, "late").await.unwrap();
+    assert_eq!(center, as_read(&shifted(1.0)));
     broker.stop().await;
 }
 
 #[tokio::test]
-async fn a_refused_exchange_names_the_problem_and_changes_nothing() {
-    let broker = TestBroker::start(plain_config()).await;
+async fn a_refused_snapshot_names_the_problem_and_changes_nothing() {
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
     let mut drafter = TestDrafter::open(&broker.address, "d").await;
-    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
-    let mut wrong = TestDrafter::open(&broker.address, "wrong").await;
+    drafter
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
+    let wrong = TestDrafter::open(&broker.address, "wrong").await;
     let other_shape: Named = vec![
         ("fc.weight", vec![3, 2], vec![0.0; 6]),
         ("norm.weight", vec![2], vec![0.0; 2]),
     ];
-    wrong.begin(proto::SyncKind::Update, 0).await;
-    for message in chunks_of(&other_shape) {
-        wrong.requests.send(message).await.unwrap();
-    }
+    let mut wrong = wrong;
     wrong
-        .requests
-        .send(request(proto::sync_request::Kind::Commit(
-            proto::SyncCommit { tensors: 2 },
-        )))
-        .await
-        .unwrap();
+        .send_snapshot(begin(proto::SyncKind::Snapshot, 1), &other_shape)
+        .await;
     let status = wrong.responses.message().await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(
@@ -378,19 +341,70 @@ async fn a_refused_exchange_names_the_problem_and_changes_nothing() {
     broker.stop().await;
 }
 
+/// Asynchronous local SGD was retired: a drafter of it (JOIN, UPDATE,
+/// FINAL) or of the broker's AdamW (`gradient_step`) is refused on the
+/// wire, naming what it sent, and the run goes on as before.
+#[tokio::test]
+async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() {
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
+    let mut drafter = TestDrafter::open(&broker.address, "d").await;
+    drafter
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
+    let gradient = proto::SyncBegin {
+        gradient_step: Some(proto::GradientStep {
+            learning_rate: 0.01,
+            ..proto::GradientStep::default()
+        }),
+        ..begin(proto::SyncKind::Snapshot, 1)
+    };
+    let retired = |kind: i32| proto::SyncBegin {
+        kind,
+        ..begin(proto::SyncKind::Snapshot, 1)
+    };
+    for (refused_begin, name) in [
+        (retired(1), "SYNC_KIND_JOIN"),
+        (retired(2), "SYNC_KIND_UPDATE"),
+        (retired(3), "SYNC_KIND_FINAL"),
+        (gradient, "gradient_step"),
+    ] {
+        let mut old = TestDrafter::open(&broker.address, "old").await;
+        // The begin alone: the broker ends the session at it.
+        old.requests
+            .send(request(proto::sync_request::Kind::Begin(refused_begin)))
+            .await
+            .unwrap();
+        let status = old.responses.message().await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument);
+        assert!(
+            status.message().starts_with(name),
+            "{name}: {}",
+            status.message()
+        );
+    }
+    assert_eq!(model_sync_status(&broker).await.center_version, 0);
+    let result = drafter
+        .snapshot(proto::SyncKind::Snapshot, 1, &shifted(1.0))
+        .await;
+    assert!(result.applied);
+    broker.stop().await;
+}
+
 #[tokio::test]
 async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart() {
     let work = tempfile::tempdir().unwrap();
     let output = work.path().join("center");
-    let mut config = plain_config();
+    let mut config = BrokerConfig::for_targets(1);
     config.model_sync.model_output = Some(output.clone());
     config.model_sync.model_save_every = Duration::ZERO;
     config.model_sync.model_final_sync_timeout = Duration::from_secs(60);
     let broker = TestBroker::start(config.clone()).await;
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
-    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
-    // A drafter that dies without its final sync must not hold the final
-    // center for the whole timeout.
+    drafter
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
+    // A drafter that dies without its final snapshot must not hold the
+    // final center for the whole timeout.
     let killed = TestDrafter::open(&broker.address, "killed").await;
     drop(killed);
 
@@ -405,18 +419,17 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
         })
         .await
     );
-    // The final delta arrives after COMPLETE; the final center includes it.
-    let (result, center) = drafter
-        .exchange(proto::SyncKind::Final, 0, &scaled(0.5))
+    // The final snapshot arrives after COMPLETE; the final center is it.
+    let result = drafter
+        .snapshot(proto::SyncKind::FinalSnapshot, 1, &shifted(0.5))
         .await;
     assert!(result.applied);
-    assert!(center.is_none());
     assert!(
         wait_until(Duration::from_secs(10), || async {
             model_sync_status(&broker).await.final_saved
         })
         .await,
-        "the final center is written once the connected drafter's final sync is in"
+        "the final center is written once the connected drafter's final snapshot is in"
     );
     let status = model_sync_status(&broker).await;
     assert_eq!((status.saved_version, status.center_version), (1, 1));
@@ -449,11 +462,13 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
     let status = model_sync_status(&restarted).await;
     assert!(status.has_center);
     assert_eq!((status.center_version, status.center_samples), (1, 12));
-    let mut rejoined = TestDrafter::open(&restarted.address, "drafter-0").await;
+    let rejoined = TestDrafter::open(&restarted.address, "drafter-0").await;
     assert!(rejoined.welcome.has_center);
-    let (_, center) = rejoined.exchange(proto::SyncKind::Join, 0, &vec![]).await;
+    let (_, center) = read_as_drafter(&restarted.address, "drafter-0")
+        .await
+        .unwrap();
     assert_eq!(
-        values(&center.unwrap(), "fc.weight"),
+        values(&center, "fc.weight"),
         vec![1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
     );
     restarted.stop().await;
@@ -573,20 +588,18 @@ fn training_status(mut status: proto::ModelSyncStatus) -> proto::ModelSyncStatus
     status
 }
 
-/// Two drafters' exchanges (delayed Nesterov momentum on, so the open
-/// sessions' count N matters), with or without an evaluator reading the
-/// center between every two of them; the final center's values.
+/// Two drafters' snapshots of six steps, with or without an evaluator
+/// reading the center between every two of them; the final center's
+/// values and the status.
 async fn train_with_optional_reads(
     evaluator_reads: bool,
 ) -> (Vec<(String, Vec<f32>)>, proto::ModelSyncStatus) {
-    let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.outer_momentum = 0.9;
-    let broker = TestBroker::start(config).await;
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
     let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
-    first.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    first
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
     let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
-    second.exchange(proto::SyncKind::Join, 0, &vec![]).await;
-    let mut center = Vec::new();
     for step in 0..6u64 {
         if evaluator_reads {
             let (header, read) = read_center(&broker.address, "evaluator").await.unwrap();
@@ -595,25 +608,27 @@ async fn train_with_optional_reads(
                 "a read sees the center as it is"
             );
             assert_eq!(header.model_config_json, CONFIG_JSON);
-            if !center.is_empty() {
-                assert_eq!(read, center, "a read returns the center's exact values");
-            }
+            assert_eq!(
+                read,
+                as_read(&shifted(0.125 * step as f32)),
+                "a read returns the center's exact values"
+            );
         }
         let drafter = if step % 2 == 0 {
             &mut first
         } else {
             &mut second
         };
-        let (result, returned) = drafter
-            .exchange(
-                proto::SyncKind::Update,
-                step.saturating_sub(1),
-                &scaled(0.125),
+        let result = drafter
+            .snapshot(
+                proto::SyncKind::Snapshot,
+                step + 1,
+                &shifted(0.125 * (step + 1) as f32),
             )
             .await;
         assert!(result.applied);
-        center = returned.expect("the center comes back");
     }
+    let (_, center) = read_as_drafter(&broker.address, "drafter-c").await.unwrap();
     let status = model_sync_status(&broker).await;
     broker.stop().await;
     (center, status)
@@ -638,12 +653,12 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
     // Six versions read, none reported: the last ones the broker keeps.
     assert_eq!(
         read_status.evaluations_pending.len(),
-        dflash_broker::model_sync::evaluation::DEFAULT_MAX_PENDING_READS as usize,
+        dflash_broker::run_model::evaluation::DEFAULT_MAX_PENDING_READS as usize,
         "the last versions read are kept for their reports"
     );
     assert_eq!(
         read_status.max_pending_evaluations,
-        dflash_broker::model_sync::evaluation::DEFAULT_MAX_PENDING_READS
+        dflash_broker::run_model::evaluation::DEFAULT_MAX_PENDING_READS
     );
     assert_eq!(training_status(read_status), training_status(alone_status));
 }
@@ -651,14 +666,16 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
 #[tokio::test]
 async fn the_final_center_does_not_wait_for_an_evaluator() {
     let work = tempfile::tempdir().unwrap();
-    let mut config = plain_config();
+    let mut config = BrokerConfig::for_targets(1);
     config.model_sync.model_output = Some(work.path().join("center"));
     config.model_sync.model_save_every = Duration::ZERO;
     // Were the evaluator waited for, the final center would take an hour.
     config.model_sync.model_final_sync_timeout = Duration::from_secs(3600);
     let broker = TestBroker::start(config).await;
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
-    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    drafter
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
     // A read whose stream the evaluator keeps open and never drains.
     let mut client = ModelSyncClient::connect(broker.address.clone())
         .await
@@ -689,14 +706,14 @@ async fn the_final_center_does_not_wait_for_an_evaluator() {
         .unwrap();
     queue.report_done("target-0", 0).await.unwrap();
     drafter
-        .exchange(proto::SyncKind::Final, 0, &scaled(0.5))
+        .snapshot(proto::SyncKind::FinalSnapshot, 1, &shifted(0.5))
         .await;
     assert!(
         wait_until(Duration::from_secs(20), || async {
             model_sync_status(&broker).await.final_saved
         })
         .await,
-        "the final center is written once the drafter's final sync is in"
+        "the final center is written once the drafter's final snapshot is in"
     );
     broker.stop().await;
 }
@@ -731,17 +748,20 @@ fn checkpoint_version(dir: &std::path::Path) -> u64 {
 /// a version not kept is refused, naming the versions kept.
 #[tokio::test]
 async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
-    let broker = TestBroker::start(plain_config()).await;
+    let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
-    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    drafter
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
     let (_, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
     drafter
-        .exchange(proto::SyncKind::Update, 0, &scaled(0.5))
+        .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
     let request = |header_only, center_version| proto::ReadCenterRequest {
         evaluator_id: "evaluator".to_string(),
         header_only,
         center_version,
+        ..Default::default()
     };
 
     let (header, weights) = read_center_with(&broker.address, request(true, None))
@@ -755,7 +775,7 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     );
 
     drafter
-        .exchange(proto::SyncKind::Update, 1, &scaled(0.25))
+        .snapshot(proto::SyncKind::Snapshot, 2, &shifted(0.75))
         .await;
     let (header, version_1) = read_center_with(&broker.address, request(false, Some(1)))
         .await
@@ -799,21 +819,23 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
 #[tokio::test]
 async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces_it() {
     let work = tempfile::tempdir().unwrap();
-    let mut config = plain_config();
+    let mut config = BrokerConfig::for_targets(1);
     config.model_sync.model_output = Some(work.path().join("center"));
     let broker = TestBroker::start(config).await;
     let best_dir = work.path().join("center-best");
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
-    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    drafter
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
 
     // Version 0 is read, then the center moves on twice before its report.
     let (header, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
     assert_eq!((header.center_version, header.center_samples), (0, 0));
     drafter
-        .exchange(proto::SyncKind::Update, 0, &scaled(0.5))
+        .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
     drafter
-        .exchange(proto::SyncKind::Update, 1, &scaled(0.25))
+        .snapshot(proto::SyncKind::Snapshot, 2, &shifted(0.75))
         .await;
     let result = report_tau(&broker.address, "evaluator", Some(tau_point(0, 0, 1.5)))
         .await
@@ -833,7 +855,6 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
         config_json,
         serde_json::from_str::<serde_json::Value>(CONFIG_JSON).unwrap()
     );
-    assert!(!best_dir.join("outer_optimizer.safetensors").exists());
     let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
 
     // A worse τ of a later version leaves the best center as it was.
@@ -854,12 +875,12 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
 
     // A better one replaces it with its own version.
     drafter
-        .exchange(proto::SyncKind::Update, 2, &scaled(1.0))
+        .snapshot(proto::SyncKind::Snapshot, 3, &shifted(1.75))
         .await;
     let (header, version_3) = read_center(&broker.address, "evaluator").await.unwrap();
     assert_eq!(header.center_version, 3);
     drafter
-        .exchange(proto::SyncKind::Update, 3, &scaled(1.0))
+        .snapshot(proto::SyncKind::Snapshot, 4, &shifted(2.75))
         .await;
     let result = report_tau(&broker.address, "evaluator", Some(tau_point(3, 36, 2.0)))
         .await
@@ -892,7 +913,7 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
 #[tokio::test]
 async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     let work = tempfile::tempdir().unwrap();
-    let mut config = plain_config();
+    let mut config = BrokerConfig::for_targets(1);
     config.model_sync.model_output = Some(work.path().join("center"));
     let broker = TestBroker::start(config).await;
     let best_dir = work.path().join("center-best");
@@ -908,13 +929,15 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     );
 
     let mut drafter = TestDrafter::open(&address, "drafter-0").await;
-    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
+    drafter
+        .snapshot(proto::SyncKind::Snapshot, 0, &initial())
+        .await;
     read_center(&address, "evaluator").await.unwrap();
     report_tau(&address, "evaluator", Some(tau_point(0, 0, 1.5)))
         .await
         .unwrap();
     drafter
-        .exchange(proto::SyncKind::Update, 0, &scaled(0.5))
+        .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
     read_center(&address, "evaluator").await.unwrap();
     let before = model_sync_status(&broker).await;
@@ -1016,50 +1039,5 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
         .await
         .unwrap();
     assert!(result.best);
-    broker.stop().await;
-}
-
-/// A drafter of the removed `--sync-gradients` (its begin sets the
-/// deprecated `gradient_step`) is refused on the wire, naming the field,
-/// and the run goes on as before: the center unchanged, a delta applied.
-#[tokio::test]
-async fn a_gradient_exchange_of_the_removed_broker_adamw_is_refused() {
-    let broker = TestBroker::start(plain_config()).await;
-    let mut drafter = TestDrafter::open(&broker.address, "d").await;
-    drafter.exchange(proto::SyncKind::Join, 0, &initial()).await;
-    let mut old = TestDrafter::open(&broker.address, "old").await;
-    old.exchange(proto::SyncKind::Join, 0, &vec![]).await;
-    let gradient = proto::SyncBegin {
-        gradient_step: Some(proto::GradientStep {
-            learning_rate: 0.01,
-            max_grad_norm: 0.0,
-            beta1: 0.9,
-            beta2: 0.999,
-            epsilon: 1e-8,
-            weight_decay: 0.0,
-            step_samples: 24,
-        }),
-        ..begin(proto::SyncKind::Update, 0)
-    };
-    // The begin alone: the broker ends the session at it.
-    old.requests
-        .send(request(proto::sync_request::Kind::Begin(gradient)))
-        .await
-        .unwrap();
-    let status = old.responses.message().await.unwrap_err();
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
-    assert!(
-        status.message().starts_with("gradient_step: ")
-            && status.message().contains("--sync-gradients"),
-        "{}",
-        status.message()
-    );
-    let after = model_sync_status(&broker).await;
-    assert_eq!((after.center_version, after.updates_applied), (0, 0));
-    let (result, center) = drafter
-        .exchange(proto::SyncKind::Update, 0, &scaled(1.0))
-        .await;
-    assert!(result.applied);
-    assert_eq!(values(&center.unwrap(), "norm.weight"), vec![2.0, 2.0]);
     broker.stop().await;
 }

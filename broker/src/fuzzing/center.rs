@@ -7,13 +7,12 @@ use std::time::{Duration, Instant};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
-use crate::model_sync::arith::{self, WireDtype};
-use crate::model_sync::center::{ModelSyncState, OuterSettings, StalenessScaling, Upload};
-use crate::model_sync::checkpoint::{self, CenterFiles};
+use crate::run_model::center::{first_non_finite, ModelSyncState, Upload};
+use crate::run_model::checkpoint::{self, CenterFiles};
 
 /// Drafter sessions one [`model_sync`] input can hold open at once.
 pub(super) const SESSIONS: usize = 4;
-/// The config every fuzzed JOIN is pinned to when the settings pin one.
+/// The config every fuzzed snapshot is pinned to when the settings pin one.
 pub(super) const PINNED_CONFIG: &str = r#"{"model_type": "dflash", "hidden_size": 4}"#;
 
 /// One open session: what `model_sync::service` keeps per stream.
@@ -27,10 +26,9 @@ pub(super) struct FuzzSession {
 /// `[session byte] [length: u16 little-endian] [SyncRequest bytes]` (the
 /// length cut to what remains). The session byte's low two bits pick the
 /// session; with bit 7 set that session's stream ends instead (its message
-/// is ignored). The settings byte: bit 0 momentum 0.7 (else 0), bit 1 a
-/// momentum delay of 2 (else the open sessions), bit 2 a staleness bound
-/// of 1, bit 3 a pinned model config, bit 4 acks that credit at most 3
-/// samples, bits 5–6 the outer learning rate (1, 0.5, 2, 0.1).
+/// is ignored). The settings byte: bit 3 a pinned model config; the other
+/// bits chose local SGD's outer settings and are ignored since it was
+/// retired (the corpus keeps them).
 pub fn model_sync_input(settings: u8, records: &[(u8, proto::SyncRequest)]) -> Vec<u8> {
     let mut input = vec![settings];
     for (session, request) in records {
@@ -47,11 +45,10 @@ pub fn model_sync_input(settings: u8, records: &[(u8, proto::SyncRequest)]) -> V
 /// first (drafter id and config checked), then begin, chunks and commit;
 /// an error ends the session.
 ///
-/// Checks after every message: the center is finite (weights and the
-/// outer optimizer's buffers); a refused exchange, and one that applied no
-/// delta, left the center as it was; the version moves by one exactly when
-/// a delta was applied; the reply's encoding of the center decodes back to
-/// it (exactly in f32).
+/// Checks after every message: the center is finite and each tensor
+/// holds its shape's bytes; a refused snapshot, and one that was not
+/// applied, left the center as it was; an applied one moved the version
+/// forward.
 pub fn model_sync(data: &[u8]) {
     let _ = run_sessions(data);
 }
@@ -59,23 +56,10 @@ pub fn model_sync(data: &[u8]) {
 /// [`model_sync`]'s work; the state it left (the seeds' test reads it).
 pub(super) fn run_sessions(data: &[u8]) -> Option<ModelSyncState> {
     let (&settings_byte, mut rest) = data.split_first()?;
-    let settings = OuterSettings {
-        learning_rate: [1.0, 0.5, 2.0, 0.1][usize::from(settings_byte >> 5 & 3)],
-        momentum: if settings_byte & 1 != 0 { 0.7 } else { 0.0 },
-        momentum_delay: if settings_byte & 2 != 0 { 2 } else { 0 },
-        max_staleness: u64::from(settings_byte >> 2 & 1),
-        staleness_scaling: if settings_byte & 128 != 0 {
-            StalenessScaling::Inverse
-        } else {
-            StalenessScaling::None
-        },
-        ..OuterSettings::default()
-    };
-    let mut state = ModelSyncState::new(settings, None);
+    let mut state = ModelSyncState::new(None);
     if settings_byte & 8 != 0 && state.pin_config(PINNED_CONFIG).is_err() {
         panic!("the pinned config is valid JSON");
     }
-    let acked_by_drafter = (settings_byte & 16 != 0).then_some(3);
     let mut sessions: [Option<FuzzSession>; SESSIONS] = Default::default();
     let start = Instant::now();
     let mut clock = 0u64;
@@ -106,9 +90,7 @@ pub(super) fn run_sessions(data: &[u8]) -> Option<ModelSyncState> {
                 *slot = open_session(&mut state, request);
                 false
             }
-            Some(session) => {
-                handle_request(&mut state, session, request, acked_by_drafter, now).is_err()
-            }
+            Some(session) => handle_request(&mut state, session, request, now).is_err(),
         };
         if refused {
             if let Some(session) = slot.take() {
@@ -149,28 +131,26 @@ pub(super) fn open_session(
     })
 }
 
-/// The center's weights and optimizer buffers as bits, and its version.
-pub(super) type CenterImage = Option<(u64, Vec<Vec<u32>>)>;
+/// The center's weights as bytes, and its version.
+pub(super) type CenterImage = Option<(u64, Vec<Vec<u8>>)>;
 
 pub(super) fn center_image(state: &ModelSyncState) -> CenterImage {
     state.center().map(|center| {
         let buffers = center
             .tensors
             .iter()
-            .flat_map(|tensor| [&tensor.values, &tensor.velocity, &tensor.delta_sum])
-            .map(|values| values.iter().map(|value| value.to_bits()).collect())
+            .map(|tensor| tensor.data.concat())
             .collect();
         (center.version, buffers)
     })
 }
 
 /// One message of an open session, as `model_sync::service::handle_request`
-/// and `commit_exchange` handle it.
+/// and `commit_snapshot` handle it.
 pub(super) fn handle_request(
     state: &mut ModelSyncState,
     session: &mut FuzzSession,
     request: proto::SyncRequest,
-    acked_by_drafter: Option<u64>,
     now: Instant,
 ) -> Result<(), ()> {
     use proto::sync_request::Kind;
@@ -187,10 +167,9 @@ pub(super) fn handle_request(
             open.add_chunk(chunk).map_err(drop)
         }
         Some(Kind::Commit(commit)) => {
-            let mut open = session.upload.take().ok_or(())?;
-            let reply_dtype = open.reply_dtype;
-            open.measure_norm();
-            open.acked_by_drafter = acked_by_drafter;
+            let open = session.upload.take().ok_or(())?;
+            // As the service: the finite check before the lock.
+            let open = open.into_finite().map_err(drop)?;
             let before = center_image(state);
             let outcome = state.commit(
                 &session.drafter_id,
@@ -199,21 +178,18 @@ pub(super) fn handle_request(
                 &session.model_config_json,
                 now,
             );
-            check_center(state, reply_dtype);
+            check_center(state);
             let after = center_image(state);
             let before_version = before.as_ref().map(|(version, _)| *version);
             match &outcome {
-                Err(_) => assert!(before == after, "a refused exchange changed the center"),
-                Ok(outcome) if outcome.applied => {
-                    assert_eq!(
-                        before_version.map(|version| version + 1),
-                        Some(outcome.center_version)
-                    );
-                }
+                Err(_) => assert!(before == after, "a refused snapshot changed the center"),
                 Ok(outcome) if outcome.initialised => assert_eq!(before_version, None),
+                Ok(outcome) if outcome.applied => {
+                    assert!(before_version.is_some_and(|version| version < outcome.center_version));
+                }
                 Ok(_) => assert!(
                     before == after,
-                    "an exchange that applied nothing changed the center"
+                    "a snapshot that was not applied changed the center"
                 ),
             }
             outcome.map(drop).map_err(drop)
@@ -222,65 +198,31 @@ pub(super) fn handle_request(
     }
 }
 
-/// The center is finite, and its reply encoding decodes back to it.
-pub(super) fn check_center(state: &ModelSyncState, reply_dtype: WireDtype) {
+/// The center is finite, and each tensor holds exactly its shape's f32
+/// bytes.
+pub(super) fn check_center(state: &ModelSyncState) {
     let Some(center) = state.center() else {
         return;
     };
     for tensor in &center.tensors {
-        for (what, values) in [
-            ("weights", &tensor.values),
-            ("velocity", &tensor.velocity),
-            ("delta sum", &tensor.delta_sum),
-        ] {
-            if let Some(index) = values.iter().position(|value| !value.is_finite()) {
-                panic!(
-                    "the center's {what} of {:?} are not finite: {} at {index}",
-                    tensor.name, values[index]
-                );
-            }
-        }
-    }
-    // The bounds the center carries cover its buffers (up to f32's
-    // rounding of the steps they were carried through).
-    let measured = center.measure_magnitudes();
-    for (what, measured, bound) in [
-        ("weights", measured.values, center.magnitudes.values),
-        ("velocity", measured.velocity, center.magnitudes.velocity),
-        ("delta sum", measured.delta_sum, center.magnitudes.delta_sum),
-    ] {
-        assert!(
-            measured <= bound * (1.0 + 1e-4),
-            "the center's {what} reach {measured:e}, over their bound {bound:e}"
-        );
-    }
-    let Some((_, encoded)) = state.encode_center(reply_dtype) else {
-        return;
-    };
-    for ((name, shape, bytes), tensor) in encoded.iter().zip(&center.tensors) {
-        assert_eq!((name, shape), (&tensor.name, &tensor.shape));
-        let mut back = vec![0.0f32; tensor.values.len()];
-        if let Err(error) = arith::decode_into(&mut back, bytes, reply_dtype) {
-            panic!("the center's reply encoding: {error}");
-        }
-        if reply_dtype == WireDtype::F32 {
-            assert!(
-                back.iter()
-                    .map(|value| value.to_bits())
-                    .eq(tensor.values.iter().map(|value| value.to_bits())),
-                "the center's f32 reply differs from it"
+        if let Some((index, value)) = first_non_finite(&tensor.data) {
+            panic!(
+                "the center's weights of {:?} are not finite: {value} at {index}",
+                tensor.name
             );
         }
+        let expected = tensor.shape.iter().product::<u64>() * 4;
+        assert_eq!(tensor.byte_len(), expected, "{}", tensor.name);
     }
 }
 
 /// The input layout of [`center_checkpoint`]: `[flags]` then the files
-/// `config.json`, `model.safetensors`, `center_state.json` and
-/// `outer_optimizer.safetensors`, each as `[length: u32 little-endian]
-/// [bytes]` (the length cut to what remains); a file the input ends before
-/// is absent. Flags bit 0: read with momentum.
-pub fn center_checkpoint_input(momentum: bool, files: &[&[u8]]) -> Vec<u8> {
-    let mut input = vec![u8::from(momentum)];
+/// `config.json`, `model.safetensors` and `center_state.json`, each as
+/// `[length: u32 little-endian] [bytes]` (the length cut to what remains);
+/// a file the input ends before is absent. The flags and a fourth file (local
+/// SGD's outer optimizer, retired) are ignored; the corpus keeps them.
+pub fn center_checkpoint_input(files: &[&[u8]]) -> Vec<u8> {
+    let mut input = vec![0];
     for file in files {
         input.extend_from_slice(&(file.len() as u32).to_le_bytes());
         input.extend_from_slice(file);
@@ -292,22 +234,20 @@ pub fn center_checkpoint_input(momentum: bool, files: &[&[u8]]) -> Vec<u8> {
 /// [`center_checkpoint_input`]) through [`checkpoint::decode_center`], the
 /// reader of a restarted broker.
 ///
-/// Checks: a center read is finite with its optimizer buffers as long as
-/// its weights (or empty without momentum), and written again by the
-/// checkpoint's encoders it reads back the same, bit for bit.
+/// Checks: a center read is finite, and written again by the checkpoint's
+/// encoders it reads back the same, bit for bit.
 pub fn center_checkpoint(data: &[u8]) {
-    let Some((&flags, mut rest)) = data.split_first() else {
+    let Some((_, mut rest)) = data.split_first() else {
         return;
     };
-    let momentum = flags & 1 != 0;
     let mut files: Vec<&[u8]> = Vec::new();
-    while rest.len() >= 4 && files.len() < 4 {
+    while rest.len() >= 4 && files.len() < 3 {
         let declared = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
         let length = declared.min(rest.len() - 4);
         files.push(&rest[4..4 + length]);
         rest = &rest[4 + length..];
     }
-    let [config, model, state, optimizer] = [0, 1, 2, 3].map(|index| files.get(index).copied());
+    let [config, model, state] = [0, 1, 2].map(|index| files.get(index).copied());
     let (Some(config), Some(model)) = (config, model) else {
         return;
     };
@@ -320,23 +260,20 @@ pub fn center_checkpoint(data: &[u8]) {
         Some(Ok(text)) => Some(text),
         None => None,
     };
+    let model = bytes::Bytes::copy_from_slice(model);
     let files = CenterFiles {
         config_json,
-        model,
+        model: &model,
         state_json,
-        optimizer: optimizer.filter(|_| momentum),
     };
     let dir = Path::new("center");
-    let Ok(center) = checkpoint::decode_center(dir, files, momentum) else {
+    let Ok(center) = checkpoint::decode_center(dir, files) else {
         return;
     };
     for tensor in &center.tensors {
-        assert!(tensor.values.iter().all(|value| value.is_finite()));
-        let optimizer_len = if momentum { tensor.values.len() } else { 0 };
-        assert_eq!(tensor.velocity.len(), optimizer_len);
-        assert_eq!(tensor.delta_sum.len(), optimizer_len);
+        assert!(first_non_finite(&tensor.data).is_none());
     }
-    let written = match checkpoint::encode_center_files(&center, "fuzz") {
+    let written = match checkpoint::encode_center_files(&center) {
         Ok(written) => written,
         Err(error) => panic!("a center read could not be written again: {error}"),
     };
@@ -348,38 +285,30 @@ pub fn center_checkpoint(data: &[u8]) {
     };
     let config_again = file(checkpoint::CONFIG_FILE_NAME).map(String::from_utf8_lossy);
     let state_again = file(checkpoint::STATE_FILE_NAME).map(String::from_utf8_lossy);
+    let model_again =
+        bytes::Bytes::copy_from_slice(file(checkpoint::MODEL_FILE_NAME).unwrap_or_default());
     let again = checkpoint::decode_center(
         dir,
         CenterFiles {
             config_json: config_again.as_deref().unwrap_or_default(),
-            model: file(checkpoint::MODEL_FILE_NAME).unwrap_or_default(),
+            model: &model_again,
             state_json: state_again.as_deref(),
-            optimizer: file(checkpoint::OPTIMIZER_FILE_NAME),
         },
-        momentum,
     );
     let again = match again {
         Ok(again) => again,
         Err(error) => panic!("a center written again did not read back: {error}"),
     };
     assert_eq!(
-        (again.version, again.samples, again.pending_deltas),
-        (center.version, center.samples, center.pending_deltas)
+        (again.version, again.samples),
+        (center.version, center.samples)
     );
     assert_eq!(again.tensors.len(), center.tensors.len());
     for (left, right) in again.tensors.iter().zip(&center.tensors) {
         assert_eq!((&left.name, &left.shape), (&right.name, &right.shape));
-        for (left, right) in [
-            (&left.values, &right.values),
-            (&left.velocity, &right.velocity),
-            (&left.delta_sum, &right.delta_sum),
-        ] {
-            assert!(
-                left.iter()
-                    .map(|value| value.to_bits())
-                    .eq(right.iter().map(|value| value.to_bits())),
-                "a center tensor changed in its round trip"
-            );
-        }
+        assert!(
+            left.data.concat() == right.data.concat(),
+            "a center tensor changed in its round trip"
+        );
     }
 }

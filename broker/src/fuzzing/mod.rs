@@ -12,8 +12,9 @@
 //!   the Produce route reads it (`zero_copy`: the gRPC prefix reader, then
 //!   [`decode_produce_request`]), each item checked as the service checks
 //!   it and sent on as a delivery.
-//! - [`model_sync`]: ModelSync sessions' messages, interleaved, against one
-//!   center, as the session adapter (`model_sync::service`) applies them.
+//! - [`model_sync`]: ModelSync snapshot sessions' messages, interleaved,
+//!   against one center, as the session adapter (`model_sync::service`)
+//!   applies them.
 //! - [`center_checkpoint`]: a center checkpoint's files through the reader
 //!   a restarted broker resumes the center with.
 //! - [`wal_segment`]: a write-ahead log segment (header and frames)
@@ -166,11 +167,11 @@ mod tests {
     use super::center::run_sessions;
     use super::seeds::seed_center_files;
     use super::*;
-    use crate::model_sync::checkpoint::{self, CenterFiles};
+    use crate::run_model::checkpoint::{self, CenterFiles};
     use std::path::Path;
 
     /// Every seed passes its fuzz body, and the seeds reach the decoders'
-    /// insides: the sessions make and update a center, the checkpoints
+    /// insides: the sessions make and replace a center, the checkpoints
     /// read back.
     #[test]
     fn every_seed_passes_and_reaches_past_the_first_checks() {
@@ -198,15 +199,15 @@ mod tests {
                 count("center_checkpoint"),
                 count("wal_segment")
             ),
-            (5, 5, 3, 3)
+            (5, 3, 3, 3)
         );
         for seed in seeds.iter().filter(|seed| seed.target == "model_sync") {
             let state = run_sessions(&seed.bytes).unwrap();
             let status = state.status(Instant::now());
             if seed.name == "sessions-refused" {
-                // The JOIN made the center; the bad update and the other
-                // model's JOIN changed nothing.
-                assert_eq!((status.center_version, status.updates_applied), (0, 0));
+                // The first snapshot made the center; the other shape, the
+                // retired kind and the other model changed nothing.
+                assert_eq!((status.center_version, status.has_center), (0, true));
                 continue;
             }
             assert_eq!(status.center_version, 3, "{}", seed.name);
@@ -216,10 +217,10 @@ mod tests {
                 seed.name
             );
         }
-        assert!(seed_center_files(true).is_some_and(|files| files.len() == 4));
-        let momentum = seed_center_files(true).unwrap();
+        let files = seed_center_files(7).unwrap();
+        assert_eq!(files.len(), 3);
         let file = |name: &str| {
-            momentum
+            files
                 .iter()
                 .find(|(file_name, _)| *file_name == name)
                 .map(|(_, bytes)| bytes.as_slice())
@@ -227,17 +228,16 @@ mod tests {
         let config =
             String::from_utf8(file(checkpoint::CONFIG_FILE_NAME).unwrap().to_vec()).unwrap();
         let state = String::from_utf8(file(checkpoint::STATE_FILE_NAME).unwrap().to_vec()).unwrap();
+        let model = bytes::Bytes::copy_from_slice(file(checkpoint::MODEL_FILE_NAME).unwrap());
         let center = checkpoint::decode_center(
             Path::new("center"),
             CenterFiles {
                 config_json: &config,
-                model: file(checkpoint::MODEL_FILE_NAME).unwrap(),
+                model: &model,
                 state_json: Some(&state),
-                optimizer: file(checkpoint::OPTIMIZER_FILE_NAME),
             },
-            true,
         )
         .unwrap();
-        assert_eq!((center.version, center.tensors.len()), (1, 2));
+        assert_eq!((center.version, center.tensors.len()), (7, 2));
     }
 }

@@ -9,10 +9,9 @@ use dflash_proto::v1 as proto;
 use prost::Message;
 
 use super::center::{center_checkpoint_input, model_sync_input, PINNED_CONFIG};
-use crate::model_sync::arith;
-use crate::model_sync::center::{ModelSyncState, OuterSettings, Upload};
-use crate::model_sync::checkpoint;
 use crate::payload::WireItem;
+use crate::run_model::center::{ModelSyncState, Upload};
+use crate::run_model::checkpoint;
 
 /// A chunk of tensor `name` (`dtype`, `shape`) at `offset`.
 pub(super) fn chunk(
@@ -42,21 +41,14 @@ pub(super) fn hello(drafter_id: &str, config: &str) -> proto::SyncRequest {
     }
 }
 
-pub(super) fn begin(
-    kind: proto::SyncKind,
-    base_version: u64,
-    samples: u64,
-    reply: proto::Dtype,
-) -> proto::SyncRequest {
+pub(super) fn begin(kind: proto::SyncKind, steps: u64, samples: u64) -> proto::SyncRequest {
     proto::SyncRequest {
         kind: Some(proto::sync_request::Kind::Begin(proto::SyncBegin {
             kind: kind as i32,
-            base_version,
-            steps: 4,
+            steps,
             samples,
             tokens: samples * 16,
-            reply_dtype: reply as i32,
-            gradient_step: None,
+            ..proto::SyncBegin::default()
         })),
     }
 }
@@ -73,23 +65,24 @@ pub(super) fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
     values.into_iter().flat_map(f32::to_le_bytes).collect()
 }
 
+/// bf16 bytes (truncated): what the broker refuses in a snapshot.
 pub(super) fn bf16_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
     values
         .into_iter()
-        .flat_map(|value| arith::f32_to_bf16(value).to_le_bytes())
+        .flat_map(|value| ((value.to_bits() >> 16) as u16).to_le_bytes())
         .collect()
 }
 
-/// An exchange's messages: begin, each tensor of the model (`weight` [2, 3]
-/// and `bias` [3]) in chunks of `chunk_elements`, commit.
-pub(super) fn exchange(
+/// A snapshot's messages: begin (of `steps`), each tensor of the model
+/// (`weight` [2, 3] and `bias` [3]) in chunks of `chunk_elements`, commit.
+pub(super) fn snapshot_messages(
     kind: proto::SyncKind,
-    base_version: u64,
+    steps: u64,
     dtype: proto::Dtype,
     scale: f32,
     chunk_elements: usize,
 ) -> Vec<proto::SyncRequest> {
-    let mut messages = vec![begin(kind, base_version, 2, proto::Dtype::Bf16)];
+    let mut messages = vec![begin(kind, steps, 8 * steps)];
     for (name, shape) in [("bias", vec![3u64]), ("weight", vec![2, 3])] {
         let elements = shape.iter().product::<u64>() as usize;
         let values: Vec<f32> = (0..elements)
@@ -111,9 +104,9 @@ pub(super) fn exchange(
 
 /// Seed inputs for the broker's fuzz bodies, from its own encoders and
 /// prost's (the drafter's encoder of sync messages): Produce bodies of real
-/// items cut several ways; sessions that join, update (f32 and bf16
-/// deltas, stale ones, with momentum), finish, and one that is refused;
-/// checkpoints written by the center's writer, with and without momentum.
+/// items cut several ways; sessions that send snapshots (a later and an
+/// older step) and final snapshots, and ones that are refused (a bf16
+/// snapshot among them); checkpoints written by the center's writer.
 /// Seed segments for [`wal_segment`]: what a run's log holds (epochs,
 /// accepted items, deliveries, acks, a dead letter, done), a snapshot, and
 /// an aborted run.
@@ -238,72 +231,81 @@ pub fn seeds() -> Vec<Seed> {
 
     use proto::{Dtype, SyncKind};
     let config = PINNED_CONFIG;
-    let mut join_update_final = vec![(0, hello("drafter-0", config))];
-    join_update_final.extend(
-        exchange(SyncKind::Join, 0, Dtype::F32, 1.0, 2)
+    let mut snapshots = vec![(0, hello("drafter-0", config))];
+    snapshots.extend(
+        snapshot_messages(SyncKind::Snapshot, 0, Dtype::F32, 1.0, 2)
             .into_iter()
             .map(|message| (0, message)),
     );
-    join_update_final.push((1, hello("drafter-1", config)));
-    join_update_final.push((1, begin(SyncKind::Join, 0, 0, Dtype::F32)));
-    join_update_final.push((1, commit(0)));
-    join_update_final.extend(
-        exchange(SyncKind::Update, 0, Dtype::Bf16, 0.01, 4)
+    snapshots.push((1, hello("drafter-1", config)));
+    snapshots.extend(
+        snapshot_messages(SyncKind::Snapshot, 2, Dtype::F32, 0.5, 4)
             .into_iter()
             .map(|message| (0, message)),
     );
-    join_update_final.extend(
-        exchange(SyncKind::Update, 0, Dtype::F32, -0.02, 9)
+    // A member behind the others: not applied.
+    snapshots.extend(
+        snapshot_messages(SyncKind::FinalSnapshot, 1, Dtype::F32, -0.25, 9)
             .into_iter()
             .map(|message| (1, message)),
     );
-    join_update_final.extend(
-        exchange(SyncKind::Final, 1, Dtype::Bf16, 0.005, 3)
+    snapshots.extend(
+        snapshot_messages(SyncKind::FinalSnapshot, 3, Dtype::F32, 0.125, 3)
             .into_iter()
             .map(|message| (0, message)),
     );
-    join_update_final.push((1, begin(SyncKind::Final, 2, 0, Dtype::F32)));
-    join_update_final.push((1, commit(0)));
-    join_update_final.push((0x80, commit(0)));
-    for (name, settings) in [
-        ("sessions-plain", 0u8),
-        ("sessions-momentum", 1),
-        ("sessions-momentum-delay-staleness", 1 | 2 | 4),
-        ("sessions-pinned-acked-lr-half", 8 | 16 | 32),
-    ] {
+    snapshots.push((0x80, commit(0)));
+    for (name, settings) in [("sessions-snapshots", 0u8), ("sessions-pinned", 8)] {
         seeds.push(Seed {
             target: "model_sync",
             name: name.to_string(),
-            bytes: model_sync_input(settings, &join_update_final),
+            bytes: model_sync_input(settings, &snapshots),
         });
     }
     let mut refused = vec![(2, hello("drafter-2", config))];
     refused.extend(
-        exchange(SyncKind::Join, 0, Dtype::Bf16, 1.0, 6)
+        snapshot_messages(SyncKind::Snapshot, 0, Dtype::F32, 1.0, 6)
             .into_iter()
             .map(|message| (2, message)),
     );
-    refused.push((2, begin(SyncKind::Update, 0, 1, Dtype::F32)));
+    // A bf16 snapshot (refused: a snapshot is the f32 master weights).
+    refused.push((0, hello("drafter-0", config)));
+    refused.extend(
+        snapshot_messages(SyncKind::Snapshot, 4, Dtype::Bf16, 1.0, 6)
+            .into_iter()
+            .map(|message| (0, message)),
+    );
+    // A snapshot of another shape, then a retired kind (JOIN, 1).
+    refused.push((2, begin(SyncKind::Snapshot, 1, 8)));
     refused.push((
         2,
         chunk("bias", Dtype::F32, &[4], 0, f32_bytes([1.0, 2.0, 3.0, 4.0])),
     ));
     refused.push((2, commit(1)));
-    refused.push((3, hello("drafter-3", r#"{"model_type": "other"}"#)));
-    refused.push((3, begin(SyncKind::Join, 0, 0, Dtype::F32)));
-    refused.push((3, commit(0)));
+    refused.push((3, hello("drafter-3", config)));
+    let mut retired = begin(SyncKind::Snapshot, 1, 8);
+    if let Some(proto::sync_request::Kind::Begin(begin)) = &mut retired.kind {
+        begin.kind = 1;
+    }
+    refused.push((3, retired));
+    refused.push((1, hello("drafter-1", r#"{"model_type": "other"}"#)));
+    refused.extend(
+        snapshot_messages(SyncKind::Snapshot, 5, Dtype::F32, 1.0, 6)
+            .into_iter()
+            .map(|message| (1, message)),
+    );
     seeds.push(Seed {
         target: "model_sync",
         name: "sessions-refused".to_string(),
         bytes: model_sync_input(8, &refused),
     });
 
-    for (name, momentum, with_state) in [
-        ("center-plain", false, true),
-        ("center-momentum", true, true),
-        ("center-without-state", false, false),
+    for (name, steps, with_state) in [
+        ("center-plain", 1, true),
+        ("center-later-step", 7, true),
+        ("center-without-state", 1, false),
     ] {
-        let Some(files) = seed_center_files(momentum) else {
+        let Some(files) = seed_center_files(steps) else {
             continue;
         };
         let file = |wanted: &str| {
@@ -318,14 +320,11 @@ pub fn seeds() -> Vec<Seed> {
         ];
         if with_state {
             parts.push(file(checkpoint::STATE_FILE_NAME));
-            if momentum {
-                parts.push(file(checkpoint::OPTIMIZER_FILE_NAME));
-            }
         }
         seeds.push(Seed {
             target: "center_checkpoint",
             name: name.to_string(),
-            bytes: center_checkpoint_input(momentum, &parts),
+            bytes: center_checkpoint_input(&parts),
         });
     }
     seeds
@@ -335,20 +334,13 @@ pub fn seeds() -> Vec<Seed> {
 /// bf16: 16 KiB and more).
 pub(super) const LARGE_WIDTH: usize = 4200;
 
-/// A center made by a JOIN and an update through the state machine, as
-/// its checkpoint writer encodes it.
-pub(super) fn seed_center_files(momentum: bool) -> Option<Vec<(&'static str, Vec<u8>)>> {
-    let settings = OuterSettings {
-        momentum: if momentum { 0.7 } else { 0.0 },
-        ..OuterSettings::default()
-    };
-    let mut state = ModelSyncState::new(settings, None);
+/// A center made by a snapshot of step 0 and one of `steps` through the
+/// state machine, as its checkpoint writer encodes it.
+pub(super) fn seed_center_files(steps: u64) -> Option<Vec<(&'static str, Vec<u8>)>> {
+    let mut state = ModelSyncState::new(None);
     let now = Instant::now();
-    for (kind, dtype, scale) in [
-        (proto::SyncKind::Join, proto::Dtype::F32, 1.0),
-        (proto::SyncKind::Update, proto::Dtype::Bf16, 0.01),
-    ] {
-        let messages = exchange(kind, 0, dtype, scale, 4);
+    for (steps, dtype, scale) in [(0, proto::Dtype::F32, 1.0), (steps, proto::Dtype::F32, 0.5)] {
+        let messages = snapshot_messages(proto::SyncKind::Snapshot, steps, dtype, scale, 4);
         let mut upload = None;
         for message in messages {
             match message.kind {
@@ -360,7 +352,7 @@ pub(super) fn seed_center_files(momentum: bool) -> Option<Vec<(&'static str, Vec
                     state
                         .commit(
                             "drafter-0",
-                            upload.take()?,
+                            upload.take()?.into_finite().ok()?,
                             commit.tensors,
                             PINNED_CONFIG,
                             now,
@@ -372,5 +364,5 @@ pub(super) fn seed_center_files(momentum: bool) -> Option<Vec<(&'static str, Vec
         }
     }
     let center = state.center()?;
-    checkpoint::encode_center_files(center, &settings.describe()).ok()
+    checkpoint::encode_center_files(center).ok()
 }

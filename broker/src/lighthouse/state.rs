@@ -515,9 +515,10 @@ impl Lighthouse {
         id
     }
 
-    /// Why the quorum heals (empty: it does not): members behind H, members
-    /// on another history (a split: an error), holders whose checksum
-    /// differs from rank 0's (an error).
+    /// Why the quorum heals (empty: it does not): members behind H or new
+    /// (a model from a snapshot or checkpoint holds no commit), members on
+    /// another history (a split: an error), holders whose checksum differs
+    /// from rank 0's (an error).
     fn heal_reasons(
         &mut self,
         asks: &[QuorumAsk],
@@ -545,7 +546,9 @@ impl Lighthouse {
                         source.state_checksum
                     ));
                 }
-            } else if ask.committed.step >= record.step {
+            } else if ask.committed.step >= record.step
+                && (ask.committed.instance, ask.committed.quorum_id) != (0, 0)
+            {
                 self.counters.splits += 1;
                 tracing::error!(
                     drafter_id = %ask.drafter_id,

@@ -226,6 +226,23 @@ fn a_member_on_another_history_is_a_counted_split_and_healed() {
     assert!(formed.heal);
     assert!(formed.heal_reason.contains("d1"), "{}", formed.heal_reason);
     assert_eq!(lighthouse.counters.splits, 1);
+    // A model read from the run's snapshot at H holds no commit: it is
+    // new, healed, and no split.
+    let record = commit_all(&mut lighthouse, now, &formed);
+    let from_snapshot = CommitRecord {
+        step: record.step,
+        instance: 0,
+        quorum_id: 0,
+    };
+    let formed = ask_all(
+        &mut lighthouse,
+        now,
+        &[("d2", from_snapshot), ("d0", record), ("d1", record)],
+    )
+    .or_else(|| formed_for(&lighthouse.tick(now + TIMEOUT * 10), "d0"))
+    .expect("formed");
+    assert!(formed.heal);
+    assert_eq!(lighthouse.counters.splits, 1, "no second split");
 }
 
 /// Two quorums at the same H (the later one formed after the first's

@@ -1,13 +1,13 @@
 //! The gRPC adapter of the `dflash.v1.ModelSync` service: the state its
-//! sessions share, and each drafter's session (hello, then exchanges of
-//! begin, chunks and commit, each answered with its result and the
-//! center). All rules live in [`super::center`]; the task that writes the
-//! center to disk is [`center_writer`].
+//! sessions share, and each drafter's session (hello, then snapshots of
+//! begin, chunks and commit, each answered with its result). All rules
+//! live in [`crate::run_model`]; the task that writes the center to disk is
+//! [`center_writer`].
 //!
 //! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
-//! per session without it; a commit takes it once to apply the delta and
-//! encode the reply, so every reply is one center version. Checkpoints copy
-//! the center under the lock and write it on a blocking thread.
+//! per session without it, and decoded under it at the commit. Checkpoints
+//! copy the center's pointers under the lock and write it on a blocking
+//! thread.
 
 mod center_writer;
 mod evaluation;
@@ -25,20 +25,18 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-use super::arith::WireDtype;
-use super::center::{dtype_to_proto, EncodedTensor, ModelSyncState, SyncError, Upload};
-use super::checkpoint::{read_center, CheckpointError};
 use super::config::ModelSyncConfig;
-use super::evaluation::Evaluations;
+use crate::run_model::center::{CenterTensor, ModelSyncState, SyncError, Upload};
+use crate::run_model::checkpoint::CheckpointError;
+use crate::run_model::evaluation::Evaluations;
+use crate::run_model::RunModelSettings;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 
 impl From<SyncError> for Status {
     fn from(error: SyncError) -> Self {
         match error {
-            SyncError::NoCenter | SyncError::FutureBase { .. } => {
-                Status::failed_precondition(error.to_string())
-            }
+            SyncError::NoCenter => Status::failed_precondition(error.to_string()),
             SyncError::BadTensor { .. }
             | SyncError::UnknownTensor(_)
             | SyncError::ShapeMismatch { .. }
@@ -47,11 +45,10 @@ impl From<SyncError> for Status {
             | SyncError::DuplicateTensor(_)
             | SyncError::Dtype(_)
             | SyncError::Kind(_)
+            | SyncError::RemovedKind(_)
             | SyncError::Config(_)
             | SyncError::GradientStepRemoved => Status::invalid_argument(error.to_string()),
-            SyncError::ConfigMismatch { .. } | SyncError::MixedMethods(_) => {
-                Status::failed_precondition(error.to_string())
-            }
+            SyncError::ConfigMismatch { .. } => Status::failed_precondition(error.to_string()),
         }
     }
 }
@@ -59,7 +56,8 @@ impl From<SyncError> for Status {
 /// State shared by the sessions and the background task.
 pub struct ModelSyncShared {
     state: Mutex<ModelSyncState>,
-    config: ModelSyncConfig,
+    /// The run model's part of the flags.
+    settings: RunModelSettings,
     /// `--hello-timeout`: how long a new Session may take to send its hello.
     hello_timeout: Duration,
     /// Cancelled on broker shutdown: sessions end with UNAVAILABLE.
@@ -69,15 +67,12 @@ pub struct ModelSyncShared {
     /// write, so a caller that stops waiting (an aborted task) does not let
     /// a second write start while the first is still renaming files.
     save_lock: Arc<tokio::sync::Mutex<()>>,
-    /// Woken when an exchange commits or a session closes: the center
+    /// Woken when a snapshot commits or a session closes: the center
     /// writer re-checks what it waits for.
     sync_changed: Notify,
-    /// What the queue saw each drafter ack (set once the queue exists): the
-    /// bound on the samples a drafter's exchanges are credited with.
-    acked_by: std::sync::OnceLock<AckedBy>,
     /// Online evaluation: the τ history, the best report and the versions
-    /// served to an evaluator ([`super::evaluation`]). Its own lock, never
-    /// held with the state's: an evaluator never delays an exchange.
+    /// served to an evaluator ([`crate::run_model::evaluation`]). Its own lock, never
+    /// held with the state's: an evaluator never delays a snapshot.
     evaluations: Mutex<Evaluations>,
     /// One report at a time, from its checks to its record (the best
     /// center's write included), so two reports never race for the best.
@@ -86,9 +81,6 @@ pub struct ModelSyncShared {
     /// vote ([`crate::lighthouse`]). Its own lock.
     pub quorum: Arc<crate::lighthouse::hub::LighthouseHub>,
 }
-
-/// Items acked by a drafter id, as the queue counts them.
-type AckedBy = Box<dyn Fn(&str) -> Option<u64> + Send + Sync>;
 
 impl ModelSyncShared {
     /// The service state, with the center resumed from `--model-output`
@@ -99,51 +91,23 @@ impl ModelSyncShared {
         hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
-        let settings = config.outer_settings();
-        let resumed = match &config.model_output {
-            Some(dir) => read_center(dir, settings.momentum > 0.0)?,
-            None => None,
-        };
-        let mut state = ModelSyncState::new(settings, resumed);
-        if let Some(path) = &config.model_config {
-            let text = std::fs::read_to_string(path).map_err(|source| CheckpointError::Io {
-                path: path.clone(),
-                source,
-            })?;
-            state
-                .pin_config(&text)
-                .map_err(|error| CheckpointError::Format {
-                    path: path.clone(),
-                    detail: format!("--model-config: {error}"),
-                })?;
-        }
-        if let (Some(center), Some(dir)) = (state.center(), &config.model_output) {
-            info!(path = %dir.display(), version = center.version, parameters = center.parameters(), "center resumed from its last checkpoint");
-            state.saved_version = Some(center.version);
-            state.saved_path = dir.display().to_string();
-        }
-        info!(method = %settings.describe(), output = ?config.model_output, "model sync ready");
-        let evaluations = Evaluations::new(config.max_pending_evaluations);
+        let settings = config.run_model_settings();
+        let state = crate::run_model::resume(&settings)?;
+        info!(output = ?settings.model_output, "model sync ready");
+        let evaluations = Evaluations::new(settings.max_pending_evaluations);
         let quorum = Arc::new(crate::lighthouse::hub::LighthouseHub::new(lighthouse));
         Ok(Arc::new(ModelSyncShared {
             state: Mutex::new(state),
-            config,
+            settings,
             hello_timeout,
             shutdown,
             tasks: TaskTracker::new(),
             save_lock: Arc::new(tokio::sync::Mutex::new(())),
             sync_changed: Notify::new(),
-            acked_by: std::sync::OnceLock::new(),
             evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
             quorum,
         }))
-    }
-
-    /// Where the queue's per-drafter ack counts come from (see
-    /// `Upload::acked_by_drafter`); without it claims are credited as sent.
-    pub fn set_acked_by(&self, acked_by: impl Fn(&str) -> Option<u64> + Send + Sync + 'static) {
-        let _ = self.acked_by.set(Box::new(acked_by));
     }
 
     pub fn status(&self) -> proto::ModelSyncStatus {
@@ -154,7 +118,7 @@ impl ModelSyncShared {
     }
 
     /// Online evaluation's series for `/metrics`.
-    pub fn tau_gauges(&self) -> super::evaluation::TauGauges {
+    pub fn tau_gauges(&self) -> crate::run_model::evaluation::TauGauges {
         self.evaluations.lock().gauges()
     }
 
@@ -270,7 +234,6 @@ impl ModelSync for ModelSyncService {
             proto::SyncWelcome {
                 has_center: state.center().is_some(),
                 center_version: state.version().unwrap_or(0),
-                method: state.settings().describe(),
             }
         };
         let guard = SessionGuard {
@@ -290,8 +253,8 @@ impl ModelSync for ModelSyncService {
     }
 }
 
-/// Reads one session's exchanges until it ends, the broker stops, or an
-/// exchange is refused (the error ends the session; nothing was applied).
+/// Reads one session's snapshots until it ends, the broker stops, or one
+/// is refused (the error ends the session; nothing was applied).
 async fn run_session(
     shared: Arc<ModelSyncShared>,
     guard: SessionGuard,
@@ -327,7 +290,7 @@ async fn run_session(
         )
         .await;
         if let Err(status) = outcome {
-            warn!(drafter_id, %status, "model sync exchange refused; nothing applied");
+            warn!(drafter_id, %status, "model snapshot refused; nothing applied");
             let _ = outbox.send(Err(status)).await;
             break;
         }
@@ -335,14 +298,14 @@ async fn run_session(
     if upload.is_some() {
         info!(
             drafter_id,
-            "model sync session ended mid-exchange; its partial upload is dropped"
+            "model sync session ended mid-snapshot; its partial upload is dropped"
         );
     }
     drop(guard);
 }
 
-/// Handles one message of an open session: `Begin` opens an exchange,
-/// `Chunk` adds to it, `Commit` applies it ([`commit_exchange`]); anything
+/// Handles one message of an open session: `Begin` opens a snapshot,
+/// `Chunk` adds to it, `Commit` applies it ([`commit_snapshot`]); anything
 /// else is refused.
 async fn handle_request(
     shared: &ModelSyncShared,
@@ -357,7 +320,7 @@ async fn handle_request(
         Some(Kind::Begin(begin)) => {
             if upload.is_some() {
                 return Err(Status::failed_precondition(
-                    "begin while an exchange is open: commit it first",
+                    "begin while a snapshot is open: commit it first",
                 ));
             }
             *upload = Some(Upload::new(&begin)?);
@@ -366,15 +329,15 @@ async fn handle_request(
         Some(Kind::Chunk(chunk)) => {
             let open = upload
                 .as_mut()
-                .ok_or_else(|| Status::failed_precondition("chunk outside an exchange"))?;
+                .ok_or_else(|| Status::failed_precondition("chunk outside a snapshot"))?;
             open.add_chunk(chunk)?;
             Ok(())
         }
         Some(Kind::Commit(commit)) => {
             let open = upload
                 .take()
-                .ok_or_else(|| Status::failed_precondition("commit outside an exchange"))?;
-            commit_exchange(
+                .ok_or_else(|| Status::failed_precondition("commit outside a snapshot"))?;
+            commit_snapshot(
                 shared,
                 drafter_id,
                 model_config_json,
@@ -390,11 +353,11 @@ async fn handle_request(
     }
 }
 
-/// Commits a complete exchange: applies it to the center under the lock
-/// (taking the center to send back in the same lock, so the reply is one
-/// version), logs it, and sends the result, then the center when the
-/// exchange asks for it.
-async fn commit_exchange(
+/// Commits a complete snapshot: checks every value finite on a blocking
+/// thread (a read-only pass over the bytes, before the lock), applies it to
+/// the center under the lock (its chunks moved in, nothing copied), logs
+/// it, and sends the result.
+async fn commit_snapshot(
     shared: &ModelSyncShared,
     drafter_id: &str,
     model_config_json: &str,
@@ -402,102 +365,71 @@ async fn commit_exchange(
     declared_tensors: u32,
     outbox: &Outbox,
 ) -> Result<(), Status> {
-    let reply_dtype = open.reply_dtype;
     let kind = open.kind;
-    let mut open = open;
-    // One pass over the delta, before the lock: its norm (NaN when any
-    // value is not finite) decides whether it may touch the center.
-    open.measure_norm();
-    open.acked_by_drafter = shared
-        .acked_by
-        .get()
-        .and_then(|acked_by| acked_by(drafter_id));
-    let (outcome, snapshot) = {
-        let mut state = shared.state.lock();
-        let outcome = state.commit(
-            drafter_id,
-            open,
-            declared_tensors,
-            model_config_json,
-            Instant::now(),
-        )?;
-        // The reply's version: its buffers shared, encoded after the lock.
-        let snapshot = if outcome.send_center {
-            state.center_snapshot()
-        } else {
-            None
-        };
-        (outcome, snapshot)
-    };
+    let open = tokio::task::spawn_blocking(move || open.into_finite())
+        .await
+        .map_err(|join_error| Status::internal(format!("checking the snapshot: {join_error}")))??;
+    let outcome = shared.state.lock().commit(
+        drafter_id,
+        open,
+        declared_tensors,
+        model_config_json,
+        Instant::now(),
+    )?;
     shared.sync_changed.notify_one();
-    let center = snapshot.map(|snapshot| snapshot.encode(reply_dtype));
     debug!(
         drafter_id,
         ?kind,
         version = outcome.center_version,
-        staleness = outcome.staleness,
         applied = outcome.applied,
-        "model sync exchange"
+        "model snapshot"
     );
     if outcome.initialised {
-        info!(drafter_id, "center initialised from this drafter's weights");
+        info!(
+            drafter_id,
+            "center initialised from this drafter's snapshot"
+        );
     }
     let result = proto::SyncResult {
         center_version: outcome.center_version,
-        staleness: outcome.staleness,
         applied: outcome.applied,
         reason: outcome.reason,
         initialised: outcome.initialised,
-        weights_follow: center.is_some(),
         center_samples: outcome.center_samples,
     };
-    send(outbox, proto::sync_response::Kind::Result(result)).await?;
-    if let Some((version, tensors)) = center {
-        send_center(outbox, reply_dtype, version, tensors).await?;
-    }
-    Ok(())
-}
-
-/// Sends the center (encoded as `reply_dtype`) tensor by tensor in chunks
-/// of at most [`CHUNK_BYTES`] ([`center_chunks`]), then the `Done` that
-/// names its version and tensor count.
-async fn send_center(
-    outbox: &Outbox,
-    reply_dtype: WireDtype,
-    version: u64,
-    tensors: Vec<EncodedTensor>,
-) -> Result<(), Status> {
-    let count = tensors.len() as u32;
-    for chunk in center_chunks(reply_dtype, tensors) {
-        send(outbox, proto::sync_response::Kind::Chunk(chunk)).await?;
-    }
-    send(
-        outbox,
-        proto::sync_response::Kind::Done(proto::SyncDone {
-            center_version: version,
-            tensors: count,
-        }),
-    )
-    .await
+    send(outbox, proto::sync_response::Kind::Result(result)).await
 }
 
 /// The center's tensors as the chunks that carry them, in order: each
-/// tensor in chunks of at most [`CHUNK_BYTES`] (an empty tensor as one
-/// empty chunk), each chunk a slice of the encoded buffer (no copy).
-fn center_chunks(
-    reply_dtype: WireDtype,
-    tensors: Vec<EncodedTensor>,
-) -> impl Iterator<Item = proto::TensorChunk> {
-    let dtype = dtype_to_proto(reply_dtype) as i32;
-    tensors.into_iter().flat_map(move |(name, shape, bytes)| {
-        let starts = (0..bytes.len().max(1)).step_by(CHUNK_BYTES);
-        starts.map(move |offset| proto::TensorChunk {
-            name: name.clone(),
-            dtype,
-            shape: shape.clone(),
-            offset: offset as u64,
-            data: bytes.slice(offset..(offset + CHUNK_BYTES).min(bytes.len())),
-        })
+/// stored chunk cut to at most [`CHUNK_BYTES`] (an empty tensor as one
+/// empty chunk), each a slice of the stored bytes (no copy, no encoding).
+fn center_chunks(tensors: Vec<CenterTensor>) -> impl Iterator<Item = proto::TensorChunk> {
+    let dtype = proto::Dtype::F32 as i32;
+    tensors.into_iter().flat_map(move |tensor| {
+        let CenterTensor { name, shape, data } = tensor;
+        let mut pieces = Vec::new();
+        let mut offset = 0u64;
+        for chunk in data {
+            let starts = (0..chunk.len()).step_by(CHUNK_BYTES);
+            for start in starts {
+                let piece = chunk.slice(start..(start + CHUNK_BYTES).min(chunk.len()));
+                let length = piece.len() as u64;
+                pieces.push((offset, piece));
+                offset += length;
+            }
+        }
+        if pieces.is_empty() {
+            pieces.push((0, bytes::Bytes::new()));
+        }
+        pieces
+            .into_iter()
+            .map(move |(offset, data)| proto::TensorChunk {
+                name: name.clone(),
+                dtype,
+                shape: shape.clone(),
+                offset,
+                data,
+            })
     })
 }
 

@@ -251,17 +251,6 @@ impl<P: Payload> Queue<P> {
         (!connected).then_some(drafter_id)
     }
 
-    /// Items `drafter_id` has acked plus those it holds leased: the bound on
-    /// the samples it may claim at model sync. The leased ones count because
-    /// a drafter syncs right after a step whose acks may still be on their
-    /// way on its Consume stream (no order across streams); they are items it
-    /// really holds, at most its credit window. `None` for an unknown drafter.
-    pub fn acked_or_leased_by(&self, drafter_id: &str) -> Option<u64> {
-        self.drafters
-            .get(drafter_id)
-            .map(|entry| entry.acked_items + entry.leases.len() as u64)
-    }
-
     /// The drafter whose stream `connection` is, for logs and traces.
     pub fn drafter_id_of(&self, connection: ConnectionId) -> Option<&str> {
         self.consumer_connections

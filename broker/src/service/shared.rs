@@ -558,11 +558,6 @@ impl Shared {
         self.locked.lock().queue.state()
     }
 
-    /// Items `drafter_id` has acked or holds leased (see the queue's).
-    pub(crate) fn acked_or_leased_by(&self, drafter_id: &str) -> Option<u64> {
-        self.locked.lock().queue.acked_or_leased_by(drafter_id)
-    }
-
     /// The run state as it changes.
     pub(crate) fn watch_run_state(
         &self,

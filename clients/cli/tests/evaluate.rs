@@ -24,8 +24,9 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
     proto::SyncRequest { kind: Some(kind) }
 }
 
-/// Initialises the broker's center from a drafter checkpoint with one JOIN.
-async fn join_with(address: &str, checkpoint: &Path) {
+/// Initialises the broker's center from a drafter checkpoint with one
+/// snapshot of step 0, as a data-parallel drafter's first one.
+async fn snapshot_from(address: &str, checkpoint: &Path) {
     let config_json = std::fs::read_to_string(checkpoint.join("config.json")).unwrap();
     let tensors = tch::Tensor::read_safetensors(checkpoint.join("model.safetensors")).unwrap();
     let mut messages = vec![
@@ -34,8 +35,7 @@ async fn join_with(address: &str, checkpoint: &Path) {
             model_config_json: config_json,
         })),
         request(proto::sync_request::Kind::Begin(proto::SyncBegin {
-            kind: proto::SyncKind::Join as i32,
-            reply_dtype: proto::Dtype::F32 as i32,
+            kind: proto::SyncKind::Snapshot as i32,
             ..Default::default()
         })),
     ];
@@ -78,7 +78,7 @@ async fn join_with(address: &str, checkpoint: &Path) {
                 return;
             }
             Some(proto::sync_response::Kind::Welcome(_)) => {}
-            other => panic!("expected the JOIN's result, got {other:?}"),
+            other => panic!("expected the snapshot's result, got {other:?}"),
         }
     }
 }
@@ -124,7 +124,7 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
     let mut broker_config = dflash_broker::BrokerConfig::for_targets(1);
     broker_config.model_sync.model_output = Some(work.path().join("center"));
     let broker = TestBroker::start(broker_config).await;
-    join_with(&broker.address, &initial).await;
+    snapshot_from(&broker.address, &initial).await;
 
     let args = EvaluateArgs {
         broker: broker.address.clone(),

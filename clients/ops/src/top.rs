@@ -367,8 +367,9 @@ pub fn trace_export_line(snapshot: &proto::StatusSnapshot) -> String {
     )
 }
 
-/// The shared draft model: the center's version and each drafter's last
-/// sync and staleness (nothing when no drafter has synced).
+/// The run's draft model: its step (the center's version), where it is
+/// written, τ, the last quorum, and each drafter's last snapshot (nothing
+/// before the first snapshot).
 pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
     let mut out = String::new();
     let Some(sync) = snapshot.model_sync.as_ref().filter(|sync| sync.has_center) else {
@@ -384,23 +385,13 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
             sync.saved_path
         )
     };
-    let refused = if sync.non_finite_deltas + sync.outlier_deltas > 0 {
-        format!(
-            " ({} not finite, {} over the norm bound)",
-            sync.non_finite_deltas, sync.outlier_deltas
-        )
-    } else {
-        String::new()
-    };
     let _ = writeln!(
         out,
-        "model  center v{}  {} parameters ({} held)  {} samples  {} deltas applied, {} discarded{refused}  {saved}",
+        "model  center v{}  {} parameters ({} held)  {} samples  {saved}",
         sync.center_version,
         human_count(sync.parameters as f64),
         human_bytes(sync.center_bytes as f64),
         sync.center_samples,
-        sync.updates_applied,
-        sync.updates_discarded,
     );
     out.push_str(&tau_line(sync));
     out.push_str(&data_parallel_line(sync));
@@ -408,20 +399,16 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
         let state = if drafter.finished {
             "finished"
         } else if drafter.connected {
-            "syncing"
+            "connected"
         } else {
             "gone"
         };
         let _ = writeln!(
             out,
-            "  sync {:<14} {:<8} base v{:<6} staleness {:<4} last sync {:>7} ago  deltas {} (last {} stale)",
+            "  snapshot {:<14} {:<9} last {:>7} ago",
             drafter.drafter_id,
             state,
-            drafter.base_version,
-            drafter.staleness,
             human_duration(Duration::from_millis(drafter.last_sync_ms_ago)),
-            drafter.updates_applied,
-            drafter.last_update_staleness,
         );
     }
     out
@@ -533,7 +520,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn skipped_steps_non_finite_samples_and_refused_deltas_are_shown() {
+    fn skipped_steps_and_non_finite_samples_are_shown() {
         let mut snapshot = snapshot();
         let plain = render(&snapshot, "b", RenderOptions { color: false });
         assert!(!plain.contains("GUARD"), "{plain}");
@@ -541,21 +528,10 @@ mod tests {
             stats.skipped_steps = 3;
             stats.non_finite_samples = 1;
         }
-        snapshot.model_sync = Some(proto::ModelSyncStatus {
-            has_center: true,
-            updates_discarded: 2,
-            non_finite_deltas: 1,
-            outlier_deltas: 1,
-            ..Default::default()
-        });
         let text = render(&snapshot, "b", RenderOptions { color: false });
         assert!(
             text.contains("GUARD  drafter-0: 3 optimizer steps skipped")
                 && text.contains("1 non-finite samples dead-lettered"),
-            "{text}"
-        );
-        assert!(
-            text.contains("2 discarded (1 not finite, 1 over the norm bound)"),
             "{text}"
         );
     }
@@ -593,7 +569,7 @@ mod tests {
     }
 
     #[test]
-    fn the_center_and_each_drafters_staleness_are_shown() {
+    fn the_runs_model_and_each_drafters_last_snapshot_are_shown() {
         let mut snapshot = snapshot();
         assert!(!render(&snapshot, "b", RenderOptions { color: false }).contains("center v"));
         snapshot.model_sync = Some(proto::ModelSyncStatus {
@@ -601,15 +577,10 @@ mod tests {
             center_version: 42,
             parameters: 1_500_000,
             center_samples: 640,
-            updates_applied: 41,
             drafters: vec![proto::DrafterSyncStatus {
                 drafter_id: "drafter-1".into(),
                 connected: true,
-                base_version: 39,
-                staleness: 3,
                 last_sync_ms_ago: 2_000,
-                updates_applied: 20,
-                last_update_staleness: 1,
                 ..Default::default()
             }],
             ..Default::default()
@@ -619,13 +590,12 @@ mod tests {
         assert!(text.contains("640 samples"), "{text}");
         let line = text
             .lines()
-            .find(|line| line.contains("sync drafter-1"))
+            .find(|line| line.contains("snapshot drafter-1"))
             .unwrap();
         assert!(
-            line.contains("base v39") && line.contains("staleness 3"),
+            line.contains("connected") && line.contains("2.0s ago"),
             "{line}"
         );
-        assert!(line.contains("syncing"), "{line}");
     }
 
     #[test]

@@ -9,7 +9,6 @@ use std::time::Duration;
 use clap::Args;
 use dflash_shell::{parse_bytes, parse_duration, DeviceChoice, DtypeChoice};
 
-use crate::schedule::{SyncBatchScaling, SyncLrScaling};
 pub use crate::settings::{AttentionChoice, DraftArchitecture, ModelMode};
 use crate::settings::{
     ConfigError, Connection, DrafterSettings, EngineSettings, LoopSettings, OutputSettings,
@@ -117,46 +116,9 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_WEIGHT_DECAY", default_value_t = 0.0)]
     pub weight_decay: f64,
 
-    /// AdamW's first-moment decay β1 (PyTorch's 0.9). With model sync each
-    /// drafter uses β1^N, N the drafters sharing the center (measured from
-    /// its exchanges' staleness), so the shared model's momentum stays β1.
+    /// AdamW's first-moment decay β1 (PyTorch's 0.9).
     #[arg(long, env = "DFLASH_ADAM_BETA1", default_value_t = 0.9)]
     pub adam_beta1: f64,
-
-    /// The largest AdamW β1 of a drafter that shares the center with
-    /// others (N > 1 measured): it uses min(β1^N, this). 0 (the default):
-    /// no first moment while sharing, since asynchrony itself acts as
-    /// momentum (the model-sync study in BENCHMARKS.md: at 2 and 3 drafters
-    /// the center reached 0.93-1.04 and 0.75-0.94 of one drafter's τ,
-    /// against 0.73-0.78 and 0.66-0.75 with β1^N and outer momentum 0.7).
-    /// 1 keeps β1^N.
-    #[arg(long, env = "DFLASH_SYNC_ADAM_BETA1", default_value_t = 0.0)]
-    pub sync_adam_beta1: f64,
-
-    /// How a drafter that shares the center with others (N > 1 measured,
-    /// as for β1) scales its learning rate: `none` (the default) keeps
-    /// `--learning-rate`'s schedule; `inverse` divides it by N,
-    /// `inverse-sqrt` by √N. Near one drafter's best learning rate,
-    /// `inverse` raised the center at every drafter count measured and kept
-    /// it above what one drafter reaches on its share of the samples in 11
-    /// of 12 cases; below one drafter's best rate it slows the center (the
-    /// model-sync study in BENCHMARKS.md, "Scaling the learning rate by the
-    /// drafters sharing").
-    #[arg(long, env = "DFLASH_SYNC_LR_SCALING", value_enum, default_value_t = SyncLrScaling::None)]
-    pub sync_lr_scaling: SyncLrScaling,
-
-    /// How a drafter that shares the center with others (N > 1 measured,
-    /// as for β1) sizes its optimizer steps: `none` (the default) takes
-    /// one drafter's step (`--max-step-samples`, `--batch-tokens` ×
-    /// `--grad-accumulation`); `inverse` takes 1/N of it, so the N
-    /// drafters' steps together train on one drafter's step of samples
-    /// (data parallelism's fixed global batch) and the center takes as
-    /// many steps over the run as one drafter would. With
-    /// `--sync-lr-scaling inverse` it is what the model-sync study
-    /// measured closest to one drafter (BENCHMARKS.md, "Sharing one
-    /// drafter's step").
-    #[arg(long, env = "DFLASH_SYNC_BATCH_SCALING", value_enum, default_value_t = SyncBatchScaling::None)]
-    pub sync_batch_scaling: SyncBatchScaling,
 
     /// Fraction of the schedule spent in linear warmup before the cosine decay.
     #[arg(long, env = "DFLASH_WARMUP_FRACTION", default_value_t = 0.04)]
@@ -175,9 +137,10 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_BATCH_TOKENS", default_value_t = 16384)]
     pub batch_tokens: usize,
 
-    /// Most samples in one optimizer step; a step is taken when this many are
-    /// held even if the token budget is not reached, so the credit window
-    /// can never stall.
+    /// Most samples in one optimizer step of the run; a step is taken when
+    /// this many are held even if the token budget is not reached, so the
+    /// credit window can never stall. Data-parallel members each train
+    /// their share (this over the members of the step).
     #[arg(long, env = "DFLASH_MAX_STEP_SAMPLES", default_value_t = 64)]
     pub max_step_samples: usize,
 
@@ -264,7 +227,7 @@ pub struct DrafterServerConfig {
     #[arg(long, env = "DFLASH_REPORT_FILE")]
     pub report_file: Option<PathBuf>,
 
-    /// The exchange with the broker's shared draft model.
+    /// The link to the broker's copy of the run's model.
     #[command(flatten)]
     pub model_sync: crate::model_sync::SyncConfig,
 
@@ -319,9 +282,6 @@ impl DrafterServerConfig {
         if !(0.0..1.0).contains(&self.adam_beta1) {
             return Err(ConfigError::AdamBeta1(self.adam_beta1));
         }
-        if !(0.0..=1.0).contains(&self.sync_adam_beta1) {
-            return Err(ConfigError::SyncAdamBeta1(self.sync_adam_beta1));
-        }
         let spike = self.grad_norm_spike_ratio;
         if !(spike == 0.0 || (spike.is_finite() && spike > 1.0)) {
             return Err(ConfigError::GradNormSpikeRatio(spike));
@@ -368,15 +328,11 @@ impl DrafterServerConfig {
                 total_steps: self.total_steps,
                 fallback_total_steps: self.fallback_total_steps,
                 samples_per_step: self.max_step_samples as u64,
-                adam_beta1: self.adam_beta1,
-                sync_adam_beta1: self.sync_adam_beta1,
-                sync_lr_scaling: self.sync_lr_scaling,
             },
             training_loop: LoopSettings {
                 batch_tokens: self.batch_tokens,
                 grad_accumulation: self.grad_accumulation,
                 max_step_samples: self.max_step_samples,
-                sync_batch_scaling: self.sync_batch_scaling,
                 save_every: self.save_every,
                 keep_checkpoints: self.keep_checkpoints,
                 output: self.output,
@@ -416,9 +372,6 @@ impl DrafterServerConfig {
             learning_rate: 6e-4,
             weight_decay: 0.0,
             adam_beta1: 0.9,
-            sync_adam_beta1: 0.0,
-            sync_lr_scaling: SyncLrScaling::None,
-            sync_batch_scaling: SyncBatchScaling::None,
             warmup_fraction: 0.04,
             max_grad_norm: 1.0,
             grad_accumulation: 1,
@@ -557,8 +510,19 @@ mod tests {
         ] {
             assert!(parse_flags(&[old, "250"]).is_err(), "{old} still parses");
         }
-        // The broker's AdamW over drafters' gradients went (issue 37).
-        assert!(parse_flags(&["--sync-gradients"]).is_err());
+        // The broker's AdamW over drafters' gradients went (issue 37), and
+        // asynchronous local SGD with its flags (issue 49).
+        for retired in [
+            "--sync-gradients",
+            "--sync-every=10",
+            "--sync-dtype=f32",
+            "--sync-adam-beta1=0",
+            "--sync-lr-scaling=none",
+            "--sync-batch-scaling=none",
+            "--model-sync=local-sgd",
+        ] {
+            assert!(parse_flags(&[retired]).is_err(), "{retired} still parses");
+        }
         assert!(parse_flags(&["--linger", "soon"]).is_err());
     }
 
@@ -596,16 +560,6 @@ mod tests {
             );
         }
         config.adam_beta1 = 0.0;
-        assert_eq!(check(&config), Ok(()));
-        for bad in [1.5, -0.1, f64::NAN] {
-            config.sync_adam_beta1 = bad;
-            let error = check(&config).unwrap_err().to_string();
-            assert!(
-                error.contains("--sync-adam-beta1") && error.contains(&bad.to_string()),
-                "{error}"
-            );
-        }
-        config.sync_adam_beta1 = 1.0;
         assert_eq!(check(&config), Ok(()));
     }
 }

@@ -14,11 +14,7 @@ use dflash_proto::v1::Sample;
 use tracing::info;
 
 use crate::samples::{decode_sample, SampleError, SampleExpectations};
-use crate::schedule::SyncLrScaling;
-use crate::schedule::{
-    asynchronous_beta1, run_schedule_position, sync_learning_rate_scale, RunClock,
-};
-use crate::settings::{DraftArchitecture, EngineSettings, ModelMode, ScheduleSettings};
+use crate::settings::{DraftArchitecture, EngineSettings, ModelMode};
 
 /// Errors of the engine; a failing micro-batch hands its items back.
 #[derive(Debug, thiserror::Error)]
@@ -63,14 +59,11 @@ pub trait TrainingEngine {
     fn save_checkpoint(&self, dir: &Path) -> Result<(), EngineError>;
     /// The device, as reported in stats.
     fn device_name(&self) -> String;
-    /// The draft model whose weights the model sync exchanges (`None`:
-    /// nothing to sync, as in synthetic mode).
+    /// The draft model whose weights the model sync sends and loads
+    /// (`None`: nothing to sync, as in synthetic mode).
     fn draft_model(&self) -> Option<&DraftModel> {
         None
     }
-    /// From now on, each step's learning rate comes from the run's position
-    /// (model sync), not from this engine's own step count.
-    fn follow_run_schedule(&mut self, _schedule: RunSchedule) {}
     /// The trainer, for data parallelism (`None`: nothing to train as one
     /// model, as in synthetic mode).
     fn trainer_mut(&mut self) -> Option<&mut DraftTrainer> {
@@ -78,43 +71,6 @@ pub trait TrainingEngine {
     }
     fn trainer(&self) -> Option<&DraftTrainer> {
         None
-    }
-}
-
-/// The run-wide learning-rate schedule a drafter follows when it trains one
-/// model with others (`--sync-every` > 0); see [`crate::schedule`].
-#[derive(Debug, Clone)]
-pub struct RunSchedule {
-    /// The run's counts, kept current by the sync link and the async side.
-    pub clock: RunClock,
-    /// `--total-steps`: the run's schedule length, when given.
-    pub fixed_total_steps: Option<u64>,
-    /// `--fallback-total-steps`: while the run's size is unknown.
-    pub fallback_total_steps: u64,
-    /// Samples per step assumed before this drafter took a step
-    /// (`--max-step-samples`).
-    pub assumed_samples_per_step: u64,
-    /// `--adam-beta1`: one drafter's β1; each of N syncing drafters uses
-    /// [`asynchronous_beta1`] of it, at most `sync_adam_beta1`.
-    pub adam_beta1: f64,
-    /// `--sync-adam-beta1`: the cap on β1 while N > 1 drafters share.
-    pub sync_adam_beta1: f64,
-    /// `--sync-lr-scaling`: the learning rate over N while N > 1 share.
-    pub sync_lr_scaling: SyncLrScaling,
-}
-
-impl RunSchedule {
-    /// The schedule `settings` describe, on `clock`.
-    pub fn new(settings: &ScheduleSettings, clock: RunClock) -> Self {
-        RunSchedule {
-            clock,
-            fixed_total_steps: settings.total_steps,
-            fallback_total_steps: settings.fallback_total_steps,
-            assumed_samples_per_step: settings.samples_per_step,
-            adam_beta1: settings.adam_beta1,
-            sync_adam_beta1: settings.sync_adam_beta1,
-            sync_lr_scaling: settings.sync_lr_scaling,
-        }
     }
 }
 
@@ -140,8 +96,6 @@ pub fn build_engine(
 pub struct DFlashEngine {
     trainer: DraftTrainer,
     expectations: SampleExpectations,
-    /// The run-wide schedule (model sync); `None`: this drafter's own.
-    run_schedule: Option<RunSchedule>,
 }
 
 impl DFlashEngine {
@@ -222,7 +176,6 @@ impl DFlashEngine {
         Ok(DFlashEngine {
             trainer,
             expectations,
-            run_schedule: None,
         })
     }
 }
@@ -246,44 +199,11 @@ impl TrainingEngine for DFlashEngine {
     }
 
     fn step(&mut self) -> Result<StepReport, EngineError> {
-        if let Some(schedule) = &self.run_schedule {
-            // The run's samples over this drafter's batch: its mean samples
-            // per step so far, the configured batch before its first step.
-            let progress = self.trainer.progress();
-            let samples_per_step = if progress.step > 0 && progress.samples_trained > 0 {
-                progress.samples_trained as f64 / progress.step as f64
-            } else {
-                schedule.assumed_samples_per_step as f64
-            };
-            let clock = schedule.clock.state();
-            let position = run_schedule_position(
-                clock,
-                samples_per_step,
-                schedule.fixed_total_steps,
-                schedule.fallback_total_steps,
-            );
-            self.trainer
-                .set_schedule_position(position.step, position.total_steps);
-            self.trainer.set_adam_beta1(asynchronous_beta1(
-                schedule.adam_beta1,
-                clock.drafters_sharing,
-                schedule.sync_adam_beta1,
-            ));
-            self.trainer
-                .set_learning_rate_scale(sync_learning_rate_scale(
-                    clock.drafters_sharing,
-                    schedule.sync_lr_scaling,
-                ));
-        }
         Ok(self.trainer.step()?)
     }
 
     fn discard(&mut self) {
         self.trainer.discard_accumulation();
-    }
-
-    fn follow_run_schedule(&mut self, schedule: RunSchedule) {
-        self.run_schedule = Some(schedule);
     }
 
     fn set_total_steps(&mut self, total_steps: u64) {

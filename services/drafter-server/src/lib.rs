@@ -35,16 +35,15 @@
 //! - [`engine`]: the DFlash trainer and the synthetic stand-in behind one trait.
 //! - [`samples`]: wire sample → training sequence, with the checks that
 //!   decide dead-lettering.
-//! - [`schedule`]: where a step is in its learning-rate schedule: the
-//!   run-wide schedule of model sync ([`schedule::RunClock`]), or an
-//!   independent drafter's length estimate from the broker's run summary.
+//! - [`schedule`]: the schedule's length estimate from the broker's run
+//!   summary, and a data-parallel member's share of the run's step.
 //! - [`data_parallel`]: the default way N drafters train one model: this
 //!   drafter's membership in the run's data-parallel trainer (the broker's
 //!   quorum and commit vote, gradients all-reduced over c10d).
-//! - [`model_sync`]: the exchange with the broker's shared draft model
-//!   (asynchronous local SGD: join from the center, a delta every
-//!   `--sync-every` steps, a final delta), run from the training thread;
-//!   its wire session and tensor conversion are submodules.
+//! - [`model_sync`]: the link to the broker's copy of the run's model (the
+//!   read a starting drafter continues from, rank 0's snapshots, every
+//!   member's final one), run from the training thread; its wire streams
+//!   and tensor conversion are submodules.
 //! - [`test_hooks`]: test-only behaviour, compiled in only with the cargo
 //!   feature `test-hooks` (below).
 //!

@@ -16,7 +16,7 @@ use tracing::{error, info, warn};
 use crate::books::Books;
 use crate::error::DrafterError;
 use crate::report::{DrafterReport, RunEnd};
-use crate::schedule::{estimate_total_steps, RunClock, ScheduleInputs};
+use crate::schedule::{estimate_total_steps, ScheduleInputs};
 use crate::settings::{Connection, PumpSettings, ScheduleSettings};
 use crate::stream::ConsumeStream;
 use crate::threads::{send_command, TrainerWorker, DELIVERY_SLACK};
@@ -81,9 +81,6 @@ pub(crate) struct Pump {
     /// with another one lost the run, and this drafter stops instead of
     /// training on as if nothing was lost.
     pub(crate) run_id: Option<String>,
-    /// The run-wide schedule's clock (model sync on), which learns the run's
-    /// size here; `None`: this drafter's own schedule.
-    pub(crate) run_clock: Option<RunClock>,
 }
 
 impl Pump {
@@ -95,7 +92,6 @@ impl Pump {
         schedule: ScheduleSettings,
         trainer: TrainerWorker,
         books: Books,
-        run_clock: Option<RunClock>,
     ) -> Self {
         Pump {
             credit: Credit {
@@ -110,7 +106,6 @@ impl Pump {
             generation: 0,
             books,
             run_id: None,
-            run_clock,
         }
     }
 
@@ -131,8 +126,7 @@ impl Pump {
     }
 
     /// Re-estimates the schedule from the broker's status when
-    /// `--total-steps` is not set: this drafter's share of the run, or, on
-    /// the run-wide schedule (model sync), the run's size.
+    /// `--total-steps` is not set: this drafter's share of the run.
     async fn refresh_total_steps(&mut self, client: &BrokerClient) {
         if self.schedule.total_steps.is_some() {
             return;
@@ -142,10 +136,6 @@ impl Pump {
             return;
         };
         let summary = status.summary.unwrap_or_default();
-        if let Some(clock) = &self.run_clock {
-            clock.set_run_samples_total(summary.expected_items);
-            return;
-        }
         let connected_drafters = status
             .drafters
             .iter()

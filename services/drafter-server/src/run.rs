@@ -19,7 +19,6 @@ use crate::error::DrafterError;
 use crate::metrics::DrafterMetrics;
 use crate::pump::Pump;
 use crate::report::DrafterReport;
-use crate::schedule::RunClock;
 use crate::settings::{DrafterSettings, ModelMode, OutputSettings};
 use crate::threads::{start_trainer, TrainerParts, TRAINER_JOIN_BOUND};
 
@@ -95,11 +94,6 @@ async fn run_to_end(
     };
     let metrics = DrafterMetrics::register(registry, &connection.drafter_id, &device_label)?;
     let resume_from = prepare_output(&output)?;
-    // With local SGD the schedule is the run's: the link keeps the clock
-    // current with the center, this side with the run's size. A
-    // data-parallel member's steps are the run's steps already.
-    let run_clock =
-        (model_sync.mode() == crate::model_sync::ModelSyncMode::LocalSgd).then(RunClock::new);
     let mut trainer = start_trainer(
         TrainerParts {
             connection: &connection,
@@ -111,7 +105,6 @@ async fn run_to_end(
             credit_items: pump.credit_items,
         },
         resume_from,
-        run_clock.clone(),
     )?;
     let (device, resumed_step) = trainer
         .ready()
@@ -124,7 +117,6 @@ async fn run_to_end(
         schedule,
         trainer,
         Books::new(device, resumed_step, metrics, gpu_memory),
-        run_clock,
     );
     let result = pump.run(&shutdown).await;
     // Closing the command channel ends the training loop if it is still running.

@@ -16,7 +16,6 @@ use tch::{Device, Kind};
 
 use crate::data_parallel::DataParallelConfig;
 use crate::model_sync::SyncConfig;
-use crate::schedule::{SyncBatchScaling, SyncLrScaling};
 
 /// What trains on the deliveries.
 #[derive(Debug, Clone, PartialEq)]
@@ -104,8 +103,6 @@ pub enum ConfigError {
     WarmupFraction(f64),
     #[error("--adam-beta1 must be in [0, 1), got {0}")]
     AdamBeta1(f64),
-    #[error("--sync-adam-beta1 must be in [0, 1], got {0}")]
-    SyncAdamBeta1(f64),
     #[error("--grad-norm-spike-ratio must be 0 (off) or a finite ratio above 1, got {0}")]
     GradNormSpikeRatio(f64),
 }
@@ -196,7 +193,7 @@ impl EngineSettings {
     }
 }
 
-/// How long the learning-rate schedule is, and how sharing drafters scale it.
+/// How long the learning-rate schedule is.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScheduleSettings {
     /// `--total-steps`: fixed; `None` estimates it from the broker's summary.
@@ -205,9 +202,6 @@ pub struct ScheduleSettings {
     pub fallback_total_steps: u64,
     /// `--max-step-samples`: the samples one step assumes.
     pub samples_per_step: u64,
-    pub adam_beta1: f64,
-    pub sync_adam_beta1: f64,
-    pub sync_lr_scaling: SyncLrScaling,
 }
 
 impl ScheduleSettings {
@@ -222,10 +216,8 @@ impl ScheduleSettings {
 pub struct LoopSettings {
     pub batch_tokens: usize,
     pub grad_accumulation: u64,
+    /// The run's step: a data-parallel member trains its share of it.
     pub max_step_samples: usize,
-    /// `--sync-batch-scaling`: the three above are one drafter's step;
-    /// a drafter sharing the center may take its share of it.
-    pub sync_batch_scaling: SyncBatchScaling,
     pub save_every: u64,
     pub keep_checkpoints: usize,
     pub output: PathBuf,

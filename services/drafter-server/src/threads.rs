@@ -10,10 +10,9 @@ use std::time::Duration;
 use dflash_device::{DeviceWorker, WorkerChannels, WorkerError};
 
 use crate::data_parallel::DataParallelConfig;
-use crate::engine::{build_engine, EngineError, RunSchedule};
+use crate::engine::{build_engine, EngineError};
 use crate::error::DrafterError;
 use crate::model_sync::SyncConfig;
-use crate::schedule::RunClock;
 use crate::settings::{Connection, EngineSettings, LoopSettings, ModelMode, ScheduleSettings};
 use crate::trainer_thread::{run_training_loop, TrainerCommand, TrainerEvent};
 
@@ -85,7 +84,6 @@ pub(crate) struct TrainerParts<'a> {
 pub(crate) fn start_trainer(
     parts: TrainerParts<'_>,
     resume_from: Option<PathBuf>,
-    run_clock: Option<RunClock>,
 ) -> Result<TrainerWorker, DrafterError> {
     let TrainerParts {
         connection,
@@ -102,11 +100,7 @@ pub(crate) fn start_trainer(
         &connection.drafter_id,
         sync_config,
     )
-    .map(|link| link.with_security(connection.security.clone()))
-    .map(|link| match &run_clock {
-        Some(clock) => link.with_run_clock(clock.clone()),
-        None => link,
-    });
+    .map(|link| link.with_security(connection.security.clone()));
     let data_parallel = if sync_config.mode() == crate::model_sync::ModelSyncMode::DataParallel
         && engine_settings.model == ModelMode::DFlash
     {
@@ -123,7 +117,6 @@ pub(crate) fn start_trainer(
     } else {
         None
     };
-    let run_schedule = run_clock.map(|clock| RunSchedule::new(&schedule, clock));
     let initial_total_steps = schedule.initial_total_steps();
     let channels = trainer_channels(credit_items);
     let name = format!("trainer-{}", connection.drafter_id);
@@ -133,10 +126,7 @@ pub(crate) fn start_trainer(
             resume_from.as_deref(),
             initial_total_steps,
         ) {
-            Ok(mut engine) => {
-                if let Some(schedule) = run_schedule {
-                    engine.follow_run_schedule(schedule);
-                }
+            Ok(engine) => {
                 side.ready(Ok((engine.device_name(), engine.steps_done())));
                 let (commands, events) = side.into_channels();
                 run_training_loop(

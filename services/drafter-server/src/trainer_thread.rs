@@ -11,9 +11,9 @@
 //! `Stepped` event carries exactly those delivery ids.
 //!
 //! A step's limits (`--batch-tokens`, `--grad-accumulation`,
-//! `--max-step-samples`) are one drafter's; with `--sync-batch-scaling
-//! inverse` a drafter sharing the center takes its share of them, N as its
-//! sync link's run clock measures it ([`crate::schedule::shared_step_limits`]).
+//! `--max-step-samples`) are the run's step; a data-parallel member trains
+//! its share of them, N the members of its last quorum
+//! ([`crate::schedule::share_of_step`]).
 //!
 //! Each step runs in a `drafter.step` trace span (target
 //! [`dflash_telemetry::TRACE_TARGET`], so it is disabled and nearly free
@@ -43,8 +43,7 @@ use tracing::{info, warn, Span};
 use crate::data_parallel::DataParallel;
 use crate::engine::{EngineError, PreparedSample, TrainingEngine};
 use crate::model_sync::ModelSyncLink;
-use crate::schedule::SyncBatchScaling;
-use crate::schedule::{shared_step_limits, StepLimits};
+use crate::schedule::{share_of_step, StepLimits};
 use crate::settings::LoopSettings;
 use dflash_model::draft::step_dirs::{prune_step_checkpoints, record_latest, step_dir_name};
 use dflash_model::draft::DraftError;
@@ -161,11 +160,11 @@ struct TrainingLoop {
     /// Step of the newest checkpoint written, so the final one is not
     /// written twice.
     last_checkpoint_step: Option<u64>,
-    /// The exchange with the broker's shared model (`None`: independent):
-    /// local SGD's deltas, or data parallelism's join and snapshots.
+    /// The link to the broker's copy of the run's model (`None`:
+    /// independent): data parallelism's join and snapshots.
     sync: Option<ModelSyncLink>,
-    /// Membership in the run's data-parallel trainer (`None`: local SGD or
-    /// an independent drafter).
+    /// Membership in the run's data-parallel trainer (`None`: an
+    /// independent drafter, or a synthetic engine with no model).
     data_parallel: Option<DataParallel>,
     started: Instant,
 }
@@ -250,22 +249,18 @@ pub fn run_training_loop(
 }
 
 impl TrainingLoop {
-    /// Starts from the run's model: local SGD's join, or data
-    /// parallelism's (the broker's model, continuing its step count).
+    /// Starts from the run's model: the broker's, continuing its step
+    /// count, or this drafter's own weights as the run's first.
     fn join(&mut self) {
-        let Some(sync) = &mut self.sync else {
+        let (Some(sync), Some(_)) = (&mut self.sync, &self.data_parallel) else {
             return;
         };
-        if self.data_parallel.is_some() {
-            let Some(model) = self.engine.draft_model() else {
-                return;
-            };
-            let (step, samples) = sync.join_run(model);
-            if let Some(trainer) = self.engine.trainer_mut() {
-                trainer.continue_run(step, samples);
-            }
-        } else if let Some(model) = self.engine.draft_model() {
-            sync.join(model);
+        let Some(model) = self.engine.draft_model() else {
+            return;
+        };
+        let (step, samples) = sync.join_run(model);
+        if let Some(trainer) = self.engine.trainer_mut() {
+            trainer.continue_run(step, samples);
         }
     }
 
@@ -321,25 +316,18 @@ impl TrainingLoop {
             * samples.len()
     }
 
-    /// This step's limits: one drafter's, or its share of them while it
-    /// shares the center (`--sync-batch-scaling`, N as its exchanges
-    /// measure it).
+    /// This step's limits: the run's step, or a data-parallel member's
+    /// share of it.
     fn step_limits(&self) -> StepLimits {
         let one = StepLimits {
             batch_tokens: self.settings.batch_tokens,
             grad_accumulation: self.settings.grad_accumulation,
             max_step_samples: self.settings.max_step_samples,
         };
-        if let Some(data_parallel) = &self.data_parallel {
-            // The step's size is the run's: each member trains its share.
-            let members = data_parallel.world_size() as f64;
-            return shared_step_limits(one, members, SyncBatchScaling::Inverse);
+        match &self.data_parallel {
+            Some(data_parallel) => share_of_step(one, data_parallel.world_size() as f64),
+            None => one,
         }
-        let drafters_sharing = self
-            .sync
-            .as_ref()
-            .map_or(0.0, |sync| sync.run_clock().state().drafters_sharing);
-        shared_step_limits(one, drafters_sharing, self.settings.sync_batch_scaling)
     }
 
     fn train_what_is_ready(&mut self) {
@@ -456,7 +444,6 @@ impl TrainingLoop {
         match result {
             Ok(report) => {
                 let step = report.step;
-                let (samples, tokens) = (report.samples, report.tokens);
                 let busy = std::mem::take(&mut self.busy);
                 self.emit(TrainerEvent::Stepped {
                     generation: self.generation,
@@ -465,11 +452,6 @@ impl TrainingLoop {
                     busy,
                     step_compute,
                 });
-                // After the step's acks are on their way: an exchange with
-                // the center every --sync-every steps.
-                if let (Some(sync), Some(model)) = (&mut self.sync, self.engine.draft_model()) {
-                    sync.after_step(model, samples, tokens);
-                }
                 if self.settings.save_every > 0 && step % self.settings.save_every == 0 {
                     if let Err(error) = self.save_checkpoint() {
                         warn!(%error, step, "periodic checkpoint failed; training continues");
@@ -578,11 +560,9 @@ impl TrainingLoop {
                 progress.samples_trained,
                 true,
             );
-        } else if let (Some(sync), Some(model)) = (&mut self.sync, self.engine.draft_model()) {
-            sync.finish(model);
             let wall = self.started.elapsed().as_secs_f64().max(1e-9);
             info!(
-                exchanges = sync.totals.exchanges,
+                snapshots = sync.totals.snapshots,
                 failures = sync.totals.failures,
                 center_version = sync.totals.center_version,
                 seconds_in_sync = sync.totals.time_in_sync.as_secs_f64(),
@@ -607,36 +587,16 @@ impl TrainingLoop {
 mod tests {
     use super::*;
     use crate::engine::SyntheticEngine;
-    use crate::model_sync::SyncConfig;
-    use crate::schedule::RunClock;
 
     /// The samples of each step a loop takes over `deliveries` deliveries
-    /// when its sync link has measured `staleness` (None: no exchange yet).
-    fn step_sizes(
-        scaling: SyncBatchScaling,
-        staleness: Option<u64>,
-        deliveries: u64,
-    ) -> Vec<usize> {
-        let runtime = tokio::runtime::Runtime::new().unwrap();
+    /// with `max_step_samples` (no data parallelism: one drafter's steps),
+    /// and the deliveries it hands back unused when it stops.
+    fn step_sizes(max_step_samples: usize, deliveries: u64) -> (Vec<usize>, usize) {
         let output = tempfile::tempdir().unwrap();
-        let clock = RunClock::new();
-        if let Some(staleness) = staleness {
-            clock.staleness_observed(staleness);
-        }
-        let sync = SyncConfig {
-            model_sync: crate::model_sync::ModelSyncMode::LocalSgd,
-            sync_every: 1,
-            ..SyncConfig::default()
-        };
-        // Never dialled: the synthetic engine has no model to exchange.
-        let link = ModelSyncLink::new(runtime.handle().clone(), "http://127.0.0.1:1", "d", &sync)
-            .unwrap()
-            .with_run_clock(clock);
         let settings = LoopSettings {
             batch_tokens: usize::MAX,
             grad_accumulation: 1,
-            max_step_samples: 16,
-            sync_batch_scaling: scaling,
+            max_step_samples,
             save_every: 0,
             keep_checkpoints: 1,
             output: output.path().to_path_buf(),
@@ -667,29 +627,30 @@ mod tests {
             settings,
             receiver,
             events,
-            Some(link),
+            None,
             None,
         );
         let mut sizes = Vec::new();
+        let mut unused = 0;
         while let Ok(event) = reports.try_recv() {
             match event {
                 TrainerEvent::Stepped { delivery_ids, .. } => sizes.push(delivery_ids.len()),
+                TrainerEvent::Stopped {
+                    unused_delivery_ids,
+                    ..
+                } => unused = unused_delivery_ids.len(),
                 TrainerEvent::Rejected { reason, .. } => panic!("rejected: {reason}"),
                 _ => {}
             }
         }
-        sizes
+        (sizes, unused)
     }
 
     #[test]
-    fn a_drafter_sharing_the_center_takes_its_share_of_one_drafters_step() {
-        // Four drafters measured: a quarter of the 16 samples per step.
-        assert_eq!(
-            step_sizes(SyncBatchScaling::Inverse, Some(3), 16),
-            vec![4; 4]
-        );
-        // Without the scaling, or before any exchange: one drafter's step.
-        assert_eq!(step_sizes(SyncBatchScaling::None, Some(3), 32), vec![16; 2]);
-        assert_eq!(step_sizes(SyncBatchScaling::Inverse, None, 32), vec![16; 2]);
+    fn an_independent_drafter_steps_at_max_step_samples_and_hands_back_the_rest() {
+        assert_eq!(step_sizes(16, 32), (vec![16, 16], 0));
+        // Four held, never micro-batched (the token budget is unbounded):
+        // back to the queue when the drafter stops.
+        assert_eq!(step_sizes(16, 20), (vec![16], 4));
     }
 }

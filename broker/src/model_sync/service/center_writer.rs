@@ -1,7 +1,7 @@
 //! The background writer of the center: when to write it to
 //! `--model-output` (periodically while it changes, and once more as the
-//! final center after the run is COMPLETE and every open session's FINAL
-//! exchange arrived, or its bound passed), the write itself on a blocking
+//! final center after the run is COMPLETE and every open session's
+//! FINAL_SNAPSHOT arrived, or its bound passed), the write itself on a blocking
 //! thread, and the back-off of a failed write.
 //!
 //! Apart from the sessions in [`super`] because it runs on its own task,
@@ -15,19 +15,19 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::ModelSyncShared;
-use crate::model_sync::checkpoint::{write_center, CheckpointError};
 use crate::queue::BrokerState;
+use crate::run_model::checkpoint::{write_center, CheckpointError};
 
 impl ModelSyncShared {
     /// Writes the center to `--model-output` when it changed since the last
     /// write (or when `final_center` and the final one is not written yet).
     /// `None` when nothing was written.
     pub async fn save(&self, final_center: bool) -> Result<Option<PathBuf>, CheckpointError> {
-        let Some(dir) = self.config.model_output.clone() else {
+        let Some(dir) = self.settings.model_output.clone() else {
             return Ok(None);
         };
         let writing = self.save_lock.clone().lock_owned().await;
-        let (center, method) = {
+        let center = {
             let state = self.state.lock();
             let Some(center) = state.center() else {
                 return Ok(None);
@@ -36,13 +36,13 @@ impl ModelSyncShared {
             if unchanged && (!final_center || state.final_saved) {
                 return Ok(None);
             }
-            (center.clone(), state.settings().describe())
+            center.clone()
         };
         let version = center.version;
         let started = Instant::now();
         let target = dir.clone();
         tokio::task::spawn_blocking(move || {
-            let outcome = write_center(&target, &center, &method);
+            let outcome = write_center(&target, &center);
             drop(writing);
             outcome
         })
@@ -62,11 +62,11 @@ impl ModelSyncShared {
     }
 
     /// Writes the center periodically and, once the run is COMPLETE, waits
-    /// (bounded by --model-final-sync-timeout) for the final sync of every
+    /// (bounded by --model-final-sync-timeout) for the final snapshot of every
     /// drafter with an open session, then writes the final center.
     ///
     /// It sleeps until something it waits for can have happened: the run
-    /// state changed, an exchange committed or a session closed
+    /// state changed, a snapshot committed or a session closed
     /// (`sync_changed`), the periodic save of a changed center is due, the
     /// final-sync bound passed, or a failed save's retry is due. An idle
     /// broker does not wake it.
@@ -95,11 +95,11 @@ impl ModelSyncShared {
             if complete && final_pending {
                 let since = *complete_since.get_or_insert(now);
                 let awaiting = self.state.lock().awaiting_final();
-                let deadline = since + self.config.model_final_sync_timeout;
+                let deadline = since + self.settings.final_snapshot_timeout;
                 let ready = awaiting.is_empty() || now >= deadline;
                 if ready && retry_due {
                     if !awaiting.is_empty() && !warned_final {
-                        warn!(?awaiting, timeout = ?self.config.model_final_sync_timeout, "writing the final center without these drafters' final sync");
+                        warn!(?awaiting, timeout = ?self.settings.final_snapshot_timeout, "writing the final center without these drafters' final snapshot");
                         warned_final = true;
                     }
                     match self.save(true).await {
@@ -115,10 +115,10 @@ impl ModelSyncShared {
                 }
                 wake_at = if ready { retry.due } else { Some(deadline) };
             } else if center_changed
-                && self.config.model_output.is_some()
-                && !self.config.model_save_every.is_zero()
+                && self.settings.model_output.is_some()
+                && !self.settings.save_every.is_zero()
             {
-                let due = last_periodic + self.config.model_save_every;
+                let due = last_periodic + self.settings.save_every;
                 if now >= due && retry_due {
                     last_periodic = now;
                     match self.save(false).await {

@@ -1,11 +1,12 @@
-//! The evaluator's two RPCs: `ReadCenter` (the center's weights, read-only)
-//! and `ReportTau` (a version's τ; the best one is written to the best
-//! center's directory). The rules are [`crate::model_sync::evaluation`]'s;
+//! The evaluator's two RPCs: `ReadCenter` (the center's weights, read-only;
+//! also how a starting drafter reads the run's model) and `ReportTau` (a
+//! version's τ; the best one is written to the best center's directory). The rules are [`crate::run_model::evaluation`]'s;
 //! this is the adapter: authorization, the locks, the stream, the write.
 //!
 //! `ReadCenter` takes the state's lock once, to copy the center's pointers
-//! ([`weights_only`]), and touches nothing else of it: no session opens,
-//! no drafter record, no counter. The weights are encoded after the lock.
+//! (a clone of the [`Center`](crate::run_model::center::Center), its buffers shared), and touches nothing else of it: no session opens,
+//! no drafter record, no counter. The weights go out as slices of the
+//! stored bytes, after the lock.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,10 +19,9 @@ use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
 use super::{center_chunks, ModelSyncShared};
-use crate::model_sync::arith::WireDtype;
-use crate::model_sync::checkpoint::write_center;
-use crate::model_sync::evaluation::{weights_only, ReportError};
 use crate::roles::{validate_id, Principal, Role};
+use crate::run_model::checkpoint::write_center;
+use crate::run_model::evaluation::ReportError;
 
 impl From<ReportError> for Status {
     fn from(error: ReportError) -> Self {
@@ -59,16 +59,38 @@ fn authorize(principal: &Principal, evaluator_id: &str, action: &str) -> Result<
     principal.authorize(Role::Evaluator, evaluator_id, action)
 }
 
+/// Checks a starting drafter's read: its id and credential (the drafter
+/// role, for that id), and nothing of an evaluator's read in it.
+fn authorize_drafter(
+    principal: &Principal,
+    request: &proto::ReadCenterRequest,
+) -> Result<(), Status> {
+    if !request.evaluator_id.is_empty() || request.center_version.is_some() {
+        return Err(Status::invalid_argument(
+            "a drafter's ReadCenter names drafter_id alone (no evaluator_id, no center_version)",
+        ));
+    }
+    validate_id("drafter_id", &request.drafter_id)?;
+    principal.authorize(Role::Drafter, &request.drafter_id, "ModelSync.ReadCenter")
+}
+
 /// `ReadCenter`: the header, the weights in f32 chunks (none with
 /// `header_only`), then `done`; of the current center, kept until its
 /// report, or of a version kept since an earlier read (`center_version`).
+/// A drafter's read (`drafter_id`) gets the current center and keeps
+/// nothing.
 pub(super) async fn read_center(
     shared: &Arc<ModelSyncShared>,
     request: Request<proto::ReadCenterRequest>,
 ) -> Result<Response<ReceiverStream<Result<proto::ReadCenterResponse, Status>>>, Status> {
     let principal = Principal::of(request.extensions());
     let request = request.into_inner();
-    authorize(&principal, &request.evaluator_id, "ModelSync.ReadCenter")?;
+    let for_drafter = !request.drafter_id.is_empty();
+    if for_drafter {
+        authorize_drafter(&principal, &request)?;
+    } else {
+        authorize(&principal, &request.evaluator_id, "ModelSync.ReadCenter")?;
+    }
     let served = match request.center_version {
         Some(version) => {
             let evaluations = shared.evaluations.lock();
@@ -83,21 +105,24 @@ pub(super) async fn read_center(
             let served = {
                 let state = shared.state.lock();
                 let center = state.center().ok_or_else(|| {
-                    Status::failed_precondition("no center yet: no drafter has joined the run")
+                    Status::failed_precondition("no center yet: no drafter has sent a snapshot")
                 })?;
-                weights_only(center)
+                center.clone()
             };
-            shared.evaluations.lock().served(served.clone());
+            if !for_drafter {
+                shared.evaluations.lock().served(served.clone());
+            }
             served
         }
     };
     info!(
         evaluator_id = %request.evaluator_id,
+        drafter_id = %request.drafter_id,
         version = served.version,
         samples = served.samples,
         kept_version = request.center_version.is_some(),
         header_only = request.header_only,
-        "center read by an evaluator"
+        "center read"
     );
     let header = proto::CenterHeader {
         center_version: served.version,
@@ -111,22 +136,13 @@ pub(super) async fn read_center(
     };
     let count = weights.len() as u32;
     let version = served.version;
-    let tensors = crate::model_sync::center::CenterSnapshot {
-        version,
-        tensors: weights
-            .into_iter()
-            .map(|tensor| (tensor.name, tensor.shape, tensor.values))
-            .collect(),
-    };
     let (outbox, receiver) = mpsc::channel(16);
     let shutdown = shared.shutdown.clone();
     shared.tasks.spawn(async move {
         use proto::read_center_response::Kind;
         let message = |kind| Ok(proto::ReadCenterResponse { kind: Some(kind) });
-        // Encoded here, after the lock, on the session tasks' runtime.
-        let (_, encoded) = tensors.encode(WireDtype::F32);
         let messages = std::iter::once(Kind::Header(header))
-            .chain(center_chunks(WireDtype::F32, encoded).map(Kind::Chunk))
+            .chain(center_chunks(weights).map(Kind::Chunk))
             .chain(std::iter::once(Kind::Done(proto::SyncDone {
                 center_version: version,
                 tensors: count,
@@ -172,13 +188,12 @@ pub(super) async fn report_tau(
     let tau = checked.point.tau;
     let mut written = None;
     if checked.best {
-        if let Some(model_output) = &shared.config.model_output {
+        if let Some(model_output) = &shared.settings.model_output {
             let dir = best_center_dir(model_output);
             let center = checked.center.clone();
-            let method = shared.state.lock().settings().describe();
             let started = Instant::now();
             let target = dir.clone();
-            tokio::task::spawn_blocking(move || write_center(&target, &center, &method))
+            tokio::task::spawn_blocking(move || write_center(&target, &center))
                 .await
                 .map_err(|join_error| {
                     Status::internal(format!("writing the best center: {join_error}"))

@@ -126,6 +126,7 @@ impl Evaluator {
                 evaluator_id: self.evaluator_id.clone(),
                 header_only,
                 center_version,
+                ..Default::default()
             })
             .await
             .map_err(failed)?

@@ -90,9 +90,8 @@ pub struct LocalArgs {
     pub target_args: String,
 
     /// Extra flags for every drafter-server (one string, split on spaces).
-    /// A flag here replaces the tiny default's (`--learning-rate 12e-3
-    /// --sync-lr-scaling inverse --sync-batch-scaling inverse`: N drafters
-    /// share one drafter's steps).
+    /// A flag here replaces the tiny default's (`--learning-rate 6e-3
+    /// --max-step-samples 32`).
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub drafter_args: String,
 

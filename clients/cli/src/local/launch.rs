@@ -391,17 +391,17 @@ mod tests {
 
     #[test]
     fn a_flag_is_set_by_its_exact_name_or_name_equals() {
-        let flags = split_flags("--model synthetic:hidden=64 --model-output x --sync-every=1");
+        let flags = split_flags("--model synthetic:hidden=64 --model-output x --snapshot-every=1");
         assert!(sets_flag(&flags, "--model"));
-        assert!(sets_flag(&flags, "--sync-every"));
+        assert!(sets_flag(&flags, "--snapshot-every"));
         assert!(!sets_flag(&flags, "--model-out"));
-        assert!(!sets_flag(&flags, "--sync"));
+        assert!(!sets_flag(&flags, "--snapshot"));
         assert!(!sets_flag(&split_flags("--model-output x"), "--model"));
     }
 
     #[test]
     fn the_tiny_defaults_give_way_to_the_users_flags() {
-        let extra = split_flags("--learning-rate=16e-3 --sync-lr-scaling inverse --block-size 4");
+        let extra = split_flags("--learning-rate=16e-3 --collective-timeout 30s --block-size 4");
         let kept = defaults_unless_set(TINY_DRAFTER_FLAGS, &extra);
         assert_eq!(
             kept,

@@ -1,19 +1,19 @@
-//! [`SyncClientError`]: why a model-sync exchange failed.
+//! [`SyncClientError`]: why a call to the broker's model sync failed.
 
 use std::time::Duration;
 
-/// Why an exchange failed (training continues).
+/// Why a read or a snapshot failed (training continues).
 #[derive(Debug, thiserror::Error)]
 pub enum SyncClientError {
     #[error("connecting to {address}: {detail}")]
     Connect { address: String, detail: String },
     #[error("broker: {0}")]
     Status(#[from] tonic::Status),
-    #[error("the sync session closed mid-exchange")]
+    #[error("the sync session closed mid-snapshot")]
     Closed,
     #[error("unexpected reply: {0}")]
     Protocol(String),
-    #[error("exchange took longer than {0:?}")]
+    #[error("the call took longer than {0:?}")]
     Timeout(Duration),
     #[error("tensor {name:?}: {detail}")]
     Tensor { name: String, detail: String },

@@ -1,7 +1,8 @@
-//! The `dflash.v1.ModelSync` `Session` stream on the wire: the hello and
-//! the broker's welcome, one exchange (BEGIN, the tensors in chunks of at
-//! most `MODEL_SYNC_CHUNK_BYTES`, COMMIT; the result; the center in chunks
-//! until DONE). Async, driven on the server's runtime by
+//! The `dflash.v1.ModelSync` streams on the wire: the `Session` (the hello
+//! and the broker's welcome, then snapshots: BEGIN, the tensors in chunks
+//! of at most `MODEL_SYNC_CHUNK_BYTES`, COMMIT; the result) and the read of
+//! the run's model (`ReadCenter` as a drafter: the header, the tensors in
+//! chunks until DONE). Async, driven on the server's runtime by
 //! [`super::ModelSyncLink`]; apart from it so the link reads as the
 //! training thread's decisions and this as the protocol.
 
@@ -19,16 +20,25 @@ use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 pub(super) struct Session {
     requests: mpsc::Sender<proto::SyncRequest>,
     responses: tonic::Streaming<proto::SyncResponse>,
-    pub(super) welcome: proto::SyncWelcome,
 }
 
-pub(super) async fn open(
-    broker: String,
-    hello: proto::SyncHello,
+/// The run's model as the broker holds it.
+pub(super) struct RunModel {
+    /// Committed steps it is trained for.
+    pub(super) step: u64,
+    /// Samples those steps trained on.
+    pub(super) samples: u64,
+    pub(super) tensors: Vec<WireTensor>,
+}
+
+/// A ModelSync client on the broker, with the transport settings and the
+/// security of every other stream of the drafter.
+async fn connect(
+    broker: &str,
     security: dflash_client::ClientSecurityArgs,
-) -> Result<Session, SyncClientError> {
+) -> Result<ModelSyncClient<dflash_client::AuthChannel>, SyncClientError> {
     let connect_error = |detail: String| SyncClientError::Connect {
-        address: broker.clone(),
+        address: broker.to_string(),
         detail,
     };
     let security = security
@@ -40,12 +50,20 @@ pub(super) async fn open(
         security,
         ..dflash_client::ClientOptions::default()
     };
-    let channel = dflash_client::connect_channel(&broker, &options)
+    let channel = dflash_client::connect_channel(broker, &options)
         .await
         .map_err(|error| connect_error(error.to_string()))?;
-    let mut client = ModelSyncClient::new(channel)
+    Ok(ModelSyncClient::new(channel)
         .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
-        .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES);
+        .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES))
+}
+
+pub(super) async fn open(
+    broker: String,
+    hello: proto::SyncHello,
+    security: dflash_client::ClientSecurityArgs,
+) -> Result<Session, SyncClientError> {
+    let mut client = connect(&broker, security).await?;
     let (requests, receiver) = mpsc::channel(4);
     requests
         .send(request(proto::sync_request::Kind::Hello(hello)))
@@ -56,10 +74,9 @@ pub(super) async fn open(
         .await?
         .into_inner();
     match responses.message().await?.and_then(|message| message.kind) {
-        Some(proto::sync_response::Kind::Welcome(welcome)) => Ok(Session {
+        Some(proto::sync_response::Kind::Welcome(_)) => Ok(Session {
             requests,
             responses,
-            welcome,
         }),
         other => Err(SyncClientError::Protocol(format!(
             "expected a welcome, got {other:?}"
@@ -71,37 +88,35 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
     proto::SyncRequest { kind: Some(kind) }
 }
 
-/// One exchange on an open session: the upload (BEGIN, chunks, COMMIT),
-/// the broker's result, then the center when it follows.
-pub(super) async fn exchange(
+/// One snapshot on an open session: the upload (BEGIN, chunks, COMMIT)
+/// and the broker's result.
+pub(super) async fn snapshot(
     session: &mut Session,
     begin: proto::SyncBegin,
     tensors: Vec<WireTensor>,
-) -> Result<(proto::SyncResult, Option<Vec<WireTensor>>), SyncClientError> {
+) -> Result<proto::SyncResult, SyncClientError> {
     upload(session, begin, tensors).await?;
-    let result = match next(session).await? {
-        proto::sync_response::Kind::Result(result) => result,
-        other => {
-            return Err(SyncClientError::Protocol(format!(
-                "expected a result, got {other:?}"
-            )))
-        }
-    };
-    if !result.weights_follow {
-        return Ok((result, None));
+    let next = session
+        .responses
+        .message()
+        .await?
+        .and_then(|message| message.kind)
+        .ok_or(SyncClientError::Closed)?;
+    match next {
+        proto::sync_response::Kind::Result(result) => Ok(result),
+        other => Err(SyncClientError::Protocol(format!(
+            "expected a result, got {other:?}"
+        ))),
     }
-    let center = receive_center(session).await?;
-    Ok((result, Some(center)))
 }
 
-/// Sends BEGIN, every tensor in chunks of at most `CHUNK_BYTES`, then
-/// COMMIT with the tensor count.
+/// Sends BEGIN, every tensor (f32) in chunks of at most `CHUNK_BYTES`,
+/// then COMMIT with the tensor count.
 async fn upload(
     session: &Session,
     begin: proto::SyncBegin,
     tensors: Vec<WireTensor>,
 ) -> Result<(), SyncClientError> {
-    let dtype = begin.reply_dtype;
     let send = |kind| {
         let requests = session.requests.clone();
         async move {
@@ -120,7 +135,7 @@ async fn upload(
             let end = (offset + CHUNK_BYTES).min(bytes.len());
             send(proto::sync_request::Kind::Chunk(proto::TensorChunk {
                 name: name.clone(),
-                dtype,
+                dtype: proto::Dtype::F32 as i32,
                 shape: shape.clone(),
                 offset: offset as u64,
                 data: bytes.slice(offset..end),
@@ -138,34 +153,56 @@ async fn upload(
     .await
 }
 
-/// The center's tensors, chunk by chunk in order, until DONE (whose count
-/// must match).
-async fn receive_center(session: &mut Session) -> Result<Vec<WireTensor>, SyncClientError> {
-    let mut center = TensorAssembler::default();
+/// Reads the run's model as a starting drafter (`ReadCenter` with its
+/// `drafter_id`: the broker keeps nothing for it); `None` when the broker
+/// holds none yet.
+pub(super) async fn read_model(
+    broker: String,
+    drafter_id: String,
+    security: dflash_client::ClientSecurityArgs,
+) -> Result<Option<RunModel>, SyncClientError> {
+    use proto::read_center_response::Kind;
+    let mut client = connect(&broker, security).await?;
+    let read = client
+        .read_center(proto::ReadCenterRequest {
+            drafter_id,
+            ..proto::ReadCenterRequest::default()
+        })
+        .await;
+    let mut stream = match read {
+        Ok(response) => response.into_inner(),
+        Err(status) if status.code() == tonic::Code::FailedPrecondition => return Ok(None),
+        Err(status) => return Err(status.into()),
+    };
+    let header = match stream.message().await?.and_then(|message| message.kind) {
+        Some(Kind::Header(header)) => header,
+        other => {
+            return Err(SyncClientError::Protocol(format!(
+                "expected the run model's header, got {other:?}"
+            )))
+        }
+    };
+    let mut tensors = TensorAssembler::default();
     loop {
-        match next(session).await? {
-            proto::sync_response::Kind::Chunk(chunk) => center
+        match stream.message().await?.and_then(|message| message.kind) {
+            Some(Kind::Chunk(chunk)) => tensors
                 .push(chunk)
                 .map_err(|error| SyncClientError::Protocol(error.to_string()))?,
-            proto::sync_response::Kind::Done(done) => {
-                return center
+            Some(Kind::Done(done)) => {
+                let tensors = tensors
                     .finish(done.tensors)
-                    .map_err(|error| SyncClientError::Protocol(error.to_string()))
+                    .map_err(|error| SyncClientError::Protocol(error.to_string()))?;
+                return Ok(Some(RunModel {
+                    step: header.center_version,
+                    samples: header.center_samples,
+                    tensors,
+                }));
             }
             other => {
                 return Err(SyncClientError::Protocol(format!(
-                    "expected center chunks, got {other:?}"
+                    "expected the run model's chunks, got {other:?}"
                 )))
             }
         }
     }
-}
-
-async fn next(session: &mut Session) -> Result<proto::sync_response::Kind, SyncClientError> {
-    session
-        .responses
-        .message()
-        .await?
-        .and_then(|message| message.kind)
-        .ok_or(SyncClientError::Closed)
 }

@@ -1,6 +1,8 @@
-//! One exchange as a session receives it: the [`Upload`] staged chunk by
+//! One snapshot as a session receives it: the [`Upload`] staged chunk by
 //! chunk (each chunk checked to continue its tensor exactly), and the wire
-//! enums it is declared with.
+//! enums it is declared with, and the finite check on f32 bytes in place
+//! ([`check_finite`]). The chunks are kept as they arrived: they become
+//! the center's bytes as they are.
 //!
 //! Apart from [`super::ModelSyncState`] because an upload belongs to the
 //! session, not to the center: it is built without the center's lock, and
@@ -10,53 +12,50 @@ use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
 use super::error::SyncError;
-use crate::model_sync::arith::{self, WireDtype};
 
-/// What kind of exchange a drafter began.
+/// What kind of snapshot a drafter began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ExchangeKind {
-    Join,
-    Update,
-    Final,
-    /// Data parallelism: the trained model's weights, replacing the center.
+pub enum SnapshotKind {
+    /// The trained model's weights, replacing the center.
     Snapshot,
-    /// A snapshot that is also the drafter's final exchange.
+    /// A snapshot that is also the drafter's last (it stops).
     FinalSnapshot,
 }
 
-impl ExchangeKind {
+impl SnapshotKind {
+    /// The kind `value` names; the kinds of asynchronous local SGD (JOIN 1,
+    /// UPDATE 2, FINAL 3, numbers kept reserved on the wire) are refused by
+    /// name.
     pub fn from_proto(value: i32) -> Result<Self, SyncError> {
+        match value {
+            1 => return Err(SyncError::RemovedKind("SYNC_KIND_JOIN")),
+            2 => return Err(SyncError::RemovedKind("SYNC_KIND_UPDATE")),
+            3 => return Err(SyncError::RemovedKind("SYNC_KIND_FINAL")),
+            _ => {}
+        }
         match proto::SyncKind::try_from(value) {
-            Ok(proto::SyncKind::Join) => Ok(ExchangeKind::Join),
-            Ok(proto::SyncKind::Update) => Ok(ExchangeKind::Update),
-            Ok(proto::SyncKind::Final) => Ok(ExchangeKind::Final),
-            Ok(proto::SyncKind::Snapshot) => Ok(ExchangeKind::Snapshot),
-            Ok(proto::SyncKind::FinalSnapshot) => Ok(ExchangeKind::FinalSnapshot),
+            Ok(proto::SyncKind::Snapshot) => Ok(SnapshotKind::Snapshot),
+            Ok(proto::SyncKind::FinalSnapshot) => Ok(SnapshotKind::FinalSnapshot),
             _ => Err(SyncError::Kind(value)),
         }
     }
 }
 
-pub fn dtype_from_proto(value: i32) -> Result<WireDtype, SyncError> {
+/// Bytes of one element: a snapshot is the f32 master weights.
+const ELEMENT_BYTES: u64 = 4;
+
+/// A chunk's dtype, checked: DTYPE_F32 alone.
+fn check_dtype(value: i32) -> Result<(), SyncError> {
     match proto::Dtype::try_from(value) {
-        Ok(proto::Dtype::F32) => Ok(WireDtype::F32),
-        Ok(proto::Dtype::Bf16) => Ok(WireDtype::Bf16),
+        Ok(proto::Dtype::F32) => Ok(()),
         _ => Err(SyncError::Dtype(value)),
     }
 }
 
-pub fn dtype_to_proto(dtype: WireDtype) -> proto::Dtype {
-    match dtype {
-        WireDtype::F32 => proto::Dtype::F32,
-        WireDtype::Bf16 => proto::Dtype::Bf16,
-    }
-}
-
-/// One tensor of an exchange being received: its chunks, unchanged.
+/// One tensor of a snapshot being received: its chunks, unchanged.
 #[derive(Debug)]
 pub struct UploadedTensor {
     pub name: String,
-    pub dtype: WireDtype,
     pub shape: Vec<u64>,
     /// Chunks in offset order; together exactly the tensor's bytes at commit.
     pub chunks: Vec<Bytes>,
@@ -65,47 +64,19 @@ pub struct UploadedTensor {
 
 impl UploadedTensor {
     fn expected_bytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * self.dtype.element_bytes() as u64
+        self.shape.iter().product::<u64>() * ELEMENT_BYTES
     }
 
-    /// Calls `apply` on each chunk, in order, with the range of the
-    /// tensor's elements it holds; an error `apply` returns names this
-    /// tensor.
-    pub(super) fn for_each_chunk(
-        &self,
-        mut apply: impl FnMut(std::ops::Range<usize>, &Bytes) -> Result<(), arith::LengthMismatch>,
-    ) -> Result<(), SyncError> {
-        let mut element_offset = 0usize;
-        for chunk in &self.chunks {
-            let elements = chunk.len() / self.dtype.element_bytes();
-            apply(element_offset..element_offset + elements, chunk).map_err(|error| {
-                SyncError::BadTensor {
-                    name: self.name.clone(),
-                    detail: error.to_string(),
-                }
-            })?;
-            element_offset += elements;
-        }
-        Ok(())
-    }
-
-    /// Checks that `chunk` continues this tensor exactly: the same dtype and
-    /// shape as its first chunk, at the next offset, whole elements, and not
-    /// past the tensor's end.
-    fn check_continued_by(
-        &self,
-        chunk: &proto::TensorChunk,
-        dtype: WireDtype,
-    ) -> Result<(), SyncError> {
-        if self.dtype != dtype || self.shape != chunk.shape {
+    /// Checks that `chunk` continues this tensor exactly: the same shape as
+    /// its first chunk, at the next offset, whole elements, and not past the
+    /// tensor's end.
+    fn check_continued_by(&self, chunk: &proto::TensorChunk) -> Result<(), SyncError> {
+        if self.shape != chunk.shape {
             return Err(bad_chunk(
                 chunk,
                 format!(
-                    "chunk says {} {:?}, the tensor's first chunk said {} {:?}",
-                    dtype.name(),
-                    chunk.shape,
-                    self.dtype.name(),
-                    self.shape
+                    "chunk says {:?}, the tensor's first chunk said {:?}",
+                    chunk.shape, self.shape
                 ),
             ));
         }
@@ -118,25 +89,20 @@ impl UploadedTensor {
                 ),
             ));
         }
-        let element_bytes = dtype.element_bytes() as u64;
         let length = chunk.data.len() as u64;
-        if !length.is_multiple_of(element_bytes) {
+        if !length.is_multiple_of(ELEMENT_BYTES) {
             return Err(bad_chunk(
                 chunk,
-                format!(
-                    "chunk of {length} bytes is not a whole number of {} elements",
-                    dtype.name()
-                ),
+                format!("chunk of {length} bytes is not a whole number of f32 elements"),
             ));
         }
         if self.received_bytes + length > self.expected_bytes() {
             return Err(bad_chunk(
                 chunk,
                 format!(
-                    "{} bytes received, more than the {} of {} {:?}",
+                    "{} bytes received, more than the {} of f32 {:?}",
                     self.received_bytes + length,
                     self.expected_bytes(),
-                    dtype.name(),
                     self.shape
                 ),
             ));
@@ -153,83 +119,47 @@ fn bad_chunk(chunk: &proto::TensorChunk, detail: String) -> SyncError {
     }
 }
 
-/// An exchange being received on one session.
+/// A snapshot being received on one session.
 #[derive(Debug)]
 pub struct Upload {
-    pub kind: ExchangeKind,
-    pub base_version: u64,
+    pub kind: SnapshotKind,
+    /// Committed optimizer steps the weights are trained for.
     pub steps: u64,
+    /// Samples those steps trained on (every member's).
     pub samples: u64,
-    pub reply_dtype: WireDtype,
     pub tensors: Vec<UploadedTensor>,
-    /// [`Upload::norm`], when taken before the commit (outside the lock).
-    pub measured_norm: Option<f64>,
-    /// Items the broker has seen this drafter ack or lease (its in-flight
-    /// acks), when known: the samples it may be credited with in all (a
-    /// claim beyond is cut to it).
-    pub acked_by_drafter: Option<u64>,
 }
 
 impl Upload {
-    /// Takes [`Upload::norm`] now, so the commit under the lock need not.
-    pub fn measure_norm(&mut self) {
-        self.measured_norm = Some(self.norm());
-    }
-
-    /// The L2 norm of every tensor's values together (NaN or infinity when
-    /// any value is not finite); computed outside the center's lock.
-    pub fn norm(&self) -> f64 {
-        self.tensors
-            .iter()
-            .flat_map(|tensor| {
-                tensor
-                    .chunks
-                    .iter()
-                    .map(|chunk| arith::squared_sum(chunk, tensor.dtype))
-            })
-            .sum::<f64>()
-            .sqrt()
-    }
-}
-
-impl Upload {
-    /// The exchange `begin` opens, checked; a begin that sets the removed
+    /// The snapshot `begin` opens, checked; a begin that sets the removed
     /// `gradient_step` (a drafter of the broker's AdamW) is refused.
     pub fn new(begin: &proto::SyncBegin) -> Result<Self, SyncError> {
         if begin.gradient_step.is_some() {
             return Err(SyncError::GradientStepRemoved);
         }
-        let reply_dtype = match begin.reply_dtype {
-            0 => WireDtype::F32,
-            other => dtype_from_proto(other)?,
-        };
-        let kind = ExchangeKind::from_proto(begin.kind)?;
+        let kind = SnapshotKind::from_proto(begin.kind)?;
         Ok(Upload {
             kind,
-            base_version: begin.base_version,
             steps: begin.steps,
             samples: begin.samples,
-            reply_dtype,
             tensors: Vec::new(),
-            measured_norm: None,
-            acked_by_drafter: None,
         })
     }
 
     /// Adds one chunk after checking it continues its tensor exactly.
     pub fn add_chunk(&mut self, chunk: proto::TensorChunk) -> Result<(), SyncError> {
-        let dtype = dtype_from_proto(chunk.dtype)?;
+        check_dtype(chunk.dtype)?;
         let continues_last = self
             .tensors
             .last()
             .is_some_and(|last| last.name == chunk.name);
         if !continues_last {
-            self.begin_tensor(&chunk, dtype)?;
+            self.begin_tensor(&chunk)?;
         }
         let Some(tensor) = self.tensors.last_mut() else {
             return Err(bad_chunk(&chunk, "no tensor".to_string()));
         };
-        tensor.check_continued_by(&chunk, dtype)?;
+        tensor.check_continued_by(&chunk)?;
         tensor.received_bytes += chunk.data.len() as u64;
         tensor.chunks.push(chunk.data);
         Ok(())
@@ -238,11 +168,7 @@ impl Upload {
     /// Starts a new tensor with `chunk`, its first: the chunk is at offset 0,
     /// the name is new, the tensor before it is complete, and the shape is
     /// valid.
-    fn begin_tensor(
-        &mut self,
-        chunk: &proto::TensorChunk,
-        dtype: WireDtype,
-    ) -> Result<(), SyncError> {
+    fn begin_tensor(&mut self, chunk: &proto::TensorChunk) -> Result<(), SyncError> {
         if chunk.offset != 0 {
             return Err(bad_chunk(
                 chunk,
@@ -271,9 +197,7 @@ impl Upload {
         let bytes = chunk
             .shape
             .iter()
-            .try_fold(dtype.element_bytes() as u64, |product, &dim| {
-                product.checked_mul(dim)
-            });
+            .try_fold(ELEMENT_BYTES, |product, &dim| product.checked_mul(dim));
         if chunk.shape.is_empty() {
             return Err(bad_chunk(chunk, "invalid shape []".to_string()));
         }
@@ -281,15 +205,13 @@ impl Upload {
             return Err(bad_chunk(
                 chunk,
                 format!(
-                    "invalid shape {:?}: its bytes as {} overflow a u64",
-                    chunk.shape,
-                    dtype.name()
+                    "invalid shape {:?}: its bytes as f32 overflow a u64",
+                    chunk.shape
                 ),
             ));
         }
         self.tensors.push(UploadedTensor {
             name: chunk.name.clone(),
-            dtype,
             shape: chunk.shape.clone(),
             chunks: Vec::new(),
             received_bytes: 0,
@@ -321,12 +243,54 @@ impl Upload {
     }
 }
 
-/// Decodes a tensor of a JOIN (the center-to-be) into `values`, in f32.
-pub(super) fn decode_chunks(
-    values: &mut [f32],
-    uploaded: &UploadedTensor,
-) -> Result<(), SyncError> {
-    uploaded.for_each_chunk(|range, chunk| {
-        arith::decode_into(&mut values[range], chunk, uploaded.dtype)
-    })
+/// An [`Upload`] whose every value is finite: the only kind the center
+/// takes, so the check (a pass over 4 bytes a parameter) runs before the
+/// center's lock, never under it.
+#[derive(Debug)]
+pub struct FiniteUpload(Upload);
+
+impl FiniteUpload {
+    pub(super) fn into_inner(self) -> Upload {
+        self.0
+    }
+}
+
+impl Upload {
+    /// Refuses a snapshot with a value that is not finite, naming the
+    /// tensor and the value: one read-only pass over its bytes.
+    pub fn into_finite(self) -> Result<FiniteUpload, SyncError> {
+        for tensor in &self.tensors {
+            check_finite(&tensor.name, &tensor.chunks)?;
+        }
+        Ok(FiniteUpload(self))
+    }
+}
+
+/// The first value of `data` (f32 little-endian, in chunks) that is not
+/// finite, and its element index; read in place, nothing copied.
+pub fn first_non_finite(data: &[Bytes]) -> Option<(usize, f32)> {
+    let mut index = 0usize;
+    for chunk in data {
+        for raw in chunk.chunks_exact(4) {
+            let value = f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
+            if !value.is_finite() {
+                return Some((index, value));
+            }
+            index += 1;
+        }
+    }
+    None
+}
+
+/// Refuses a tensor with a value that is not finite as the run's model.
+pub fn check_finite(name: &str, data: &[Bytes]) -> Result<(), SyncError> {
+    match first_non_finite(data) {
+        None => Ok(()),
+        Some((index, value)) => Err(SyncError::BadTensor {
+            name: name.to_string(),
+            detail: format!(
+                "weights are not finite ({value} at element {index}): refused as the run's model"
+            ),
+        }),
+    }
 }

@@ -2,29 +2,27 @@
 //! machine (no gRPC, no tokio, no clock of its own).
 //!
 //! An evaluator reads the center with `ReadCenter` (a read-only RPC apart
-//! from the drafters' sessions: it opens no session, so it is never one of
-//! the N of the delayed Nesterov step and the final center never waits for
-//! it) and later reports that version's τ with `ReportTau`. Between the two
-//! the broker keeps the version it served as a [`Center`] whose weight
-//! buffers are the center's own `Arc`s (a pointer copy under the lock; an
-//! update copies a buffer only while such a snapshot holds it), so a best τ
-//! writes exactly the weights that were evaluated, whatever the center did
-//! meanwhile. At most `--max-pending-evaluations` versions are kept (default
+//! from the drafters' sessions: it opens no session, so the final center
+//! never waits for it) and later reports that version's τ with
+//! `ReportTau`. Between the two the broker keeps the version it served as a
+//! [`Center`] whose chunks are the center's own `Bytes` (handles cloned
+//! under the lock; a newer snapshot replaces the center's chunks and
+//! leaves these alone), so a best τ writes exactly the weights that were
+//! evaluated, whatever the center did meanwhile. At most
+//! `--max-pending-evaluations` versions are kept (default
 //! [`DEFAULT_MAX_PENDING_READS`]): an evaluator on a busy CPU reads versions
 //! when they are due and measures them later, in order, and each kept
-//! version may cost one copy of the weights while drafters update the
-//! center.
+//! version holds its own copy of the weights once the center moved on.
 //!
 //! A report is checked before anything changes ([`Evaluations::check`]):
 //! a refused report leaves the history, the best and the kept versions as
 //! they were.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
 use dflash_proto::v1 as proto;
 
-use super::center::{Center, CenterTensor};
+use super::center::Center;
 
 /// Reports kept in memory (and in the status): the last 1,024.
 pub const TAU_HISTORY: usize = 1024;
@@ -104,7 +102,7 @@ impl Evaluations {
     }
 
     /// Keeps `center` (a weights-only copy sharing the buffers, see
-    /// [`weights_only`]) as served to an evaluator.
+    /// [`Center::clone`], buffers shared) as served to an evaluator.
     pub fn served(&mut self, center: Center) {
         if self
             .pending
@@ -260,27 +258,6 @@ pub struct TauGauges {
     pub reports: u64,
 }
 
-/// The center's weights at its version, sharing their buffers (a pointer
-/// copy: taken under the state's lock), without the outer optimizer's
-/// state, which an evaluation does not need and a best center does not
-/// keep (its directory is the reference dflash format plus its counters).
-pub fn weights_only(center: &Center) -> Center {
-    let empty = Arc::new(Vec::new());
-    let mut copy = center.clone();
-    copy.tensors = center
-        .tensors
-        .iter()
-        .map(|tensor| CenterTensor {
-            name: tensor.name.clone(),
-            shape: tensor.shape.clone(),
-            values: tensor.values.clone(),
-            velocity: empty.clone(),
-            delta_sum: empty.clone(),
-        })
-        .collect();
-    copy
-}
-
 /// The draft model's block size from its `config.json` (the largest τ
 /// possible), when it states one.
 fn block_size(config_json: &str) -> Option<u64> {
@@ -294,14 +271,18 @@ fn block_size(config_json: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::run_model::center::CenterTensor;
 
     fn center(version: u64, samples: u64, value: f32) -> Center {
         let tensor = CenterTensor {
             name: "fc.weight".to_string(),
             shape: vec![2],
-            values: Arc::new(vec![value, -value]),
-            velocity: Arc::new(vec![0.0, 0.0]),
-            delta_sum: Arc::new(vec![0.0, 0.0]),
+            data: vec![bytes::Bytes::from(
+                [value, -value]
+                    .iter()
+                    .flat_map(|value| value.to_le_bytes())
+                    .collect::<Vec<u8>>(),
+            )],
         };
         let mut center =
             Center::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();
@@ -332,30 +313,17 @@ mod tests {
     }
 
     #[test]
-    fn a_weights_only_copy_shares_the_values_and_drops_the_optimizer() {
-        let original = center(3, 30, 1.5);
-        let copy = weights_only(&original);
-        assert!(Arc::ptr_eq(
-            &original.tensors[0].values,
-            &copy.tensors[0].values
-        ));
-        assert!(copy.tensors[0].velocity.is_empty());
-        assert!(copy.tensors[0].delta_sum.is_empty());
-        assert_eq!((copy.version, copy.samples), (3, 30));
-    }
-
-    #[test]
     fn only_a_strictly_better_tau_becomes_the_best() {
         let mut book = Evaluations::default();
         for (version, samples) in [(1, 10), (2, 20)] {
-            book.served(weights_only(&center(version, samples, 1.0)));
+            book.served(center(version, samples, 1.0));
         }
         assert_eq!(report(&mut book, point(1, 10, 2.0)), Ok(true));
         assert_eq!(report(&mut book, point(2, 20, 1.5)), Ok(false));
         assert_eq!(book.best().map(|best| best.center_version), Some(1));
-        book.served(weights_only(&center(3, 30, 1.0)));
+        book.served(center(3, 30, 1.0));
         assert_eq!(report(&mut book, point(3, 30, 2.0)), Ok(false), "a tie");
-        book.served(weights_only(&center(4, 40, 1.0)));
+        book.served(center(4, 40, 1.0));
         assert_eq!(report(&mut book, point(4, 40, 2.5)), Ok(true));
         let mut status = proto::ModelSyncStatus::default();
         book.fill_status(&mut status);
@@ -373,9 +341,9 @@ mod tests {
     #[test]
     fn bad_reports_are_refused_naming_the_value_and_change_nothing() {
         let mut book = Evaluations::default();
-        book.served(weights_only(&center(5, 50, 1.0)));
+        book.served(center(5, 50, 1.0));
         assert_eq!(report(&mut book, point(5, 50, 2.0)), Ok(true));
-        book.served(weights_only(&center(6, 60, 1.0)));
+        book.served(center(6, 60, 1.0));
         let mut no_prompts = point(6, 60, 3.0);
         no_prompts.prompts = 0;
         let mut bad_seconds = point(6, 60, 3.0);
@@ -414,7 +382,7 @@ mod tests {
     fn history_and_kept_versions_are_bounded() {
         let mut book = Evaluations::default();
         for version in 0..(TAU_HISTORY as u64 + 10) {
-            book.served(weights_only(&center(version, version, 1.0)));
+            book.served(center(version, version, 1.0));
             report(
                 &mut book,
                 point(version, version, 1.0 + version as f64 / 1e4),
@@ -427,7 +395,7 @@ mod tests {
         assert_eq!(status.tau_history[0].center_version, 10);
         assert_eq!(book.reports(), TAU_HISTORY as u64 + 10);
         for version in 0..6 {
-            book.served(weights_only(&center(10_000 + version, 0, 1.0)));
+            book.served(center(10_000 + version, 0, 1.0));
         }
         assert_eq!(
             book.pending_versions(),
@@ -436,7 +404,7 @@ mod tests {
         );
         let mut one = Evaluations::new(1);
         for version in 0..3 {
-            one.served(weights_only(&center(version, 0, 1.0)));
+            one.served(center(version, 0, 1.0));
         }
         assert_eq!(one.pending_versions(), vec![2]);
         let error = book.check(Some(&point(10_000, 0, 2.0))).unwrap_err();

@@ -1,9 +1,9 @@
-//! [`SyncError`]: why an exchange or a chunk was refused.
+//! [`SyncError`]: why a snapshot or a chunk was refused.
 
-/// Why an exchange or a chunk was refused. Messages name the bad value.
+/// Why a snapshot or a chunk was refused. Messages name the bad value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SyncError {
-    #[error("no center yet: the first JOIN must carry the drafter's weights")]
+    #[error("no center yet: the first snapshot must carry the model's weights")]
     NoCenter,
     #[error("tensor {name:?}: {detail}")]
     BadTensor { name: String, detail: String },
@@ -15,18 +15,19 @@ pub enum SyncError {
         got: Vec<u64>,
         center: Vec<u64>,
     },
-    #[error("the exchange sent {sent} tensors, the commit says {declared}")]
+    #[error("the snapshot sent {sent} tensors, the commit says {declared}")]
     CountMismatch { sent: usize, declared: u32 },
-    #[error("the exchange lacks tensor {0:?}")]
+    #[error("the snapshot lacks tensor {0:?}")]
     MissingTensor(String),
-    #[error("tensor {0:?} was sent twice in one exchange")]
+    #[error("tensor {0:?} was sent twice in one snapshot")]
     DuplicateTensor(String),
-    #[error("base version {base} is newer than the center's version {center}")]
-    FutureBase { base: u64, center: u64 },
-    #[error("unsupported dtype {0} (expected DTYPE_BF16 or DTYPE_F32)")]
+    #[error("unsupported dtype {0} (expected DTYPE_F32: a snapshot is the f32 master weights)")]
     Dtype(i32),
-    #[error("sync kind {0} is not JOIN, UPDATE, FINAL, SNAPSHOT or FINAL_SNAPSHOT")]
+    #[error("sync kind {0} is not SNAPSHOT or FINAL_SNAPSHOT")]
     Kind(i32),
+    /// A kind of asynchronous local SGD: the method was retired.
+    #[error("{0}: asynchronous local SGD was removed; drafters are data-parallel and send SNAPSHOT or FINAL_SNAPSHOT")]
+    RemovedKind(&'static str),
     #[error("model config is not valid JSON: {0}")]
     Config(String),
     #[error("model config {got} is not the run's {expected} (--model-config)")]
@@ -35,6 +36,4 @@ pub enum SyncError {
     /// its number is never reused): the mode that sent it is gone.
     #[error("gradient_step: the broker's AdamW (--sync-gradients) was removed; drafters are data-parallel by default")]
     GradientStepRemoved,
-    #[error("{0}")]
-    MixedMethods(String),
 }

@@ -1,0 +1,263 @@
+//! The run's model and the drafters' snapshot sessions, as a synchronous
+//! state machine: no gRPC, no tokio, no clock of its own (time comes in as
+//! an argument).
+//!
+//! Rank 0 of the data-parallel drafters sends the trained model's weights
+//! (a snapshot) every `--snapshot-every` committed steps and every member
+//! sends its own when it stops; the center becomes the snapshot of the
+//! latest step, with no arithmetic. A snapshot is staged chunk by chunk in
+//! an [`Upload`] that belongs to the session, not to the center; only
+//! [`ModelSyncState::commit`] touches the center, all at once and after
+//! every check passed. A drafter that dies mid-upload therefore leaves the
+//! center exactly as it was. The center keeps the snapshot's bytes as they
+//! arrived (f32, never decoded): the commit moves the chunks' handles in.
+//!
+//! - `upload`: the [`Upload`] a session stages, and the wire enums.
+//! - `weights`: the [`Center`]'s tensors, their snapshots, and the checks
+//!   an upload must pass against them; `error`: [`SyncError`].
+
+mod error;
+mod upload;
+mod weights;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use dflash_proto::v1 as proto;
+
+pub use error::SyncError;
+pub use upload::{
+    check_finite, first_non_finite, FiniteUpload, SnapshotKind, Upload, UploadedTensor,
+};
+use weights::check_upload_against_center;
+pub use weights::{Center, CenterTensor};
+
+/// What a committed snapshot did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitOutcome {
+    pub center_version: u64,
+    /// The snapshot became the center (false: it holds that step or a
+    /// later one already).
+    pub applied: bool,
+    /// Why a snapshot was not applied ("" when it was).
+    pub reason: String,
+    /// This snapshot made the first center.
+    pub initialised: bool,
+    pub center_samples: u64,
+}
+
+/// One drafter as the center knows it (by drafter id, across sessions).
+#[derive(Debug, Clone, Default)]
+pub struct DrafterRecord {
+    pub open_sessions: u32,
+    pub last_sync: Option<Instant>,
+    /// Its FINAL_SNAPSHOT arrived.
+    pub finished: bool,
+}
+
+/// The center (once a snapshot made it) and the drafters that sent them.
+#[derive(Debug, Default)]
+pub struct ModelSyncState {
+    center: Option<Center>,
+    /// `--model-config`: the one `config.json` every snapshot must carry.
+    pinned_config: Option<serde_json::Value>,
+    drafters: BTreeMap<String, DrafterRecord>,
+    /// The newest version written to disk, where, and whether as final.
+    pub saved_version: Option<u64>,
+    pub saved_path: String,
+    pub final_saved: bool,
+}
+
+impl ModelSyncState {
+    pub fn new(center: Option<Center>) -> Self {
+        ModelSyncState {
+            center,
+            ..ModelSyncState::default()
+        }
+    }
+
+    /// Fixes the run's model: every snapshot (the first one, which defines
+    /// an empty center, included) must carry this `config.json` (compared
+    /// as JSON values), so no drafter can make the center another model.
+    pub fn pin_config(&mut self, config_json: &str) -> Result<(), SyncError> {
+        let value = serde_json::from_str::<serde_json::Value>(config_json)
+            .map_err(|error| SyncError::Config(error.to_string()))?;
+        self.pinned_config = Some(value);
+        // A center resumed from --model-output must be that model too.
+        match &self.center {
+            Some(center) => {
+                let resumed = center.config_json.clone();
+                self.check_pinned_config(&resumed)
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn check_pinned_config(&self, model_config_json: &str) -> Result<(), SyncError> {
+        let Some(expected) = &self.pinned_config else {
+            return Ok(());
+        };
+        let got = serde_json::from_str::<serde_json::Value>(model_config_json)
+            .map_err(|error| SyncError::Config(error.to_string()))?;
+        if &got == expected {
+            return Ok(());
+        }
+        let short = |value: &serde_json::Value| {
+            let text = value.to_string();
+            match text.char_indices().nth(300) {
+                Some((end, _)) => format!("{}...", &text[..end]),
+                None => text,
+            }
+        };
+        Err(SyncError::ConfigMismatch {
+            expected: short(expected),
+            got: short(&got),
+        })
+    }
+
+    pub fn center(&self) -> Option<&Center> {
+        self.center.as_ref()
+    }
+
+    pub fn version(&self) -> Option<u64> {
+        self.center.as_ref().map(|center| center.version)
+    }
+
+    pub fn drafter(&self, drafter_id: &str) -> Option<&DrafterRecord> {
+        self.drafters.get(drafter_id)
+    }
+
+    pub fn open_session(&mut self, drafter_id: &str) {
+        self.drafters
+            .entry(drafter_id.to_string())
+            .or_default()
+            .open_sessions += 1;
+    }
+
+    pub fn close_session(&mut self, drafter_id: &str) {
+        if let Some(record) = self.drafters.get_mut(drafter_id) {
+            record.open_sessions = record.open_sessions.saturating_sub(1);
+        }
+    }
+
+    /// Drafters with an open session that have not sent their
+    /// FINAL_SNAPSHOT: the final center waits for them (bounded).
+    pub fn awaiting_final(&self) -> Vec<String> {
+        self.drafters
+            .iter()
+            .filter(|(_, record)| record.open_sessions > 0 && !record.finished)
+            .map(|(drafter_id, _)| drafter_id.clone())
+            .collect()
+    }
+
+    /// Applies a complete snapshot whose values were checked finite
+    /// ([`Upload::into_finite`], before the lock). Nothing changes when it
+    /// is refused; nothing is copied when it is applied.
+    pub fn commit(
+        &mut self,
+        drafter_id: &str,
+        upload: FiniteUpload,
+        declared_tensors: u32,
+        model_config_json: &str,
+        now: Instant,
+    ) -> Result<CommitOutcome, SyncError> {
+        let upload = upload.into_inner();
+        upload.check_complete(declared_tensors)?;
+        let kind = upload.kind;
+        let outcome = self.snapshot(upload, model_config_json)?;
+        let record = self.drafters.entry(drafter_id.to_string()).or_default();
+        record.last_sync = Some(now);
+        if kind == SnapshotKind::FinalSnapshot {
+            record.finished = true;
+        }
+        Ok(outcome)
+    }
+
+    /// The trained model's weights after `upload.steps` committed steps
+    /// become the center, unless it already holds that step or a later one
+    /// (a member behind the others, or a repeat). The center's version is
+    /// the step; no arithmetic.
+    fn snapshot(
+        &mut self,
+        upload: Upload,
+        model_config_json: &str,
+    ) -> Result<CommitOutcome, SyncError> {
+        self.check_pinned_config(model_config_json)?;
+        if let Some(center) = &self.center {
+            check_upload_against_center(center, &upload)?;
+            if upload.steps <= center.version {
+                return Ok(CommitOutcome {
+                    center_version: center.version,
+                    applied: false,
+                    reason: format!(
+                        "the center holds step {} already; this snapshot is of step {}",
+                        center.version, upload.steps
+                    ),
+                    initialised: false,
+                    center_samples: center.samples,
+                });
+            }
+        } else if upload.tensors.is_empty() {
+            return Err(SyncError::NoCenter);
+        }
+        let tensors = center_tensors(upload.tensors);
+        let mut center = Center::new(model_config_json.to_string(), tensors, upload.steps)?;
+        center.samples = upload.samples;
+        let outcome = CommitOutcome {
+            center_version: center.version,
+            applied: true,
+            reason: String::new(),
+            initialised: self.center.is_none(),
+            center_samples: center.samples,
+        };
+        self.center = Some(center);
+        Ok(outcome)
+    }
+
+    /// The status for `GetStatus`.
+    pub fn status(&self, now: Instant) -> proto::ModelSyncStatus {
+        let drafters = self
+            .drafters
+            .iter()
+            .map(|(drafter_id, record)| proto::DrafterSyncStatus {
+                drafter_id: drafter_id.clone(),
+                connected: record.open_sessions > 0,
+                last_sync_ms_ago: record
+                    .last_sync
+                    .map_or(0, |at| millis(now.saturating_duration_since(at))),
+                finished: record.finished,
+                ..proto::DrafterSyncStatus::default()
+            })
+            .collect();
+        proto::ModelSyncStatus {
+            has_center: self.center.is_some(),
+            center_version: self.version().unwrap_or(0),
+            center_bytes: self.center.as_ref().map_or(0, Center::memory_bytes),
+            parameters: self.center.as_ref().map_or(0, Center::parameters),
+            center_samples: self.center.as_ref().map_or(0, |center| center.samples),
+            saved_version: self.saved_version.unwrap_or(0),
+            saved_path: self.saved_path.clone(),
+            final_saved: self.final_saved,
+            drafters,
+            // Online evaluation's fields: the service fills them from its
+            // own book (`run_model::evaluation`), not the center's state.
+            ..proto::ModelSyncStatus::default()
+        }
+    }
+}
+
+/// The center's tensors from a complete snapshot: its chunks, moved.
+fn center_tensors(uploaded: Vec<UploadedTensor>) -> Vec<CenterTensor> {
+    uploaded
+        .into_iter()
+        .map(|uploaded| CenterTensor {
+            name: uploaded.name,
+            shape: uploaded.shape,
+            data: uploaded.chunks,
+        })
+        .collect()
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}

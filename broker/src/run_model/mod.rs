@@ -1,0 +1,69 @@
+//! The run's one draft model as the broker keeps it, apart from how it
+//! travels (`crate::model_sync` serves it) and from the lighthouse that
+//! decides the steps (`model_sync::quorum`).
+//!
+//! The drafters are one data-parallel trainer: rank 0 sends the trained
+//! weights every `--snapshot-every` committed steps and every member sends
+//! its own when it stops; the broker keeps the latest step's (the
+//! "center"), writes it to `--model-output`, serves it to the online
+//! evaluator and to drafters that start, and keeps the evaluator's τ curve.
+//! Everything here is synchronous and does no gRPC (the checkpoint's files
+//! are its only I/O).
+//!
+//! # Layout
+//! - `settings`: [`RunModelSettings`], the typed part of the broker's flags
+//!   this room takes.
+//! - `center`: [`ModelSyncState`], the synchronous state machine (the
+//!   center, the snapshot sessions' drafters, status) with no I/O or
+//!   clock. Beneath it: `center::upload` (a snapshot as a session stages
+//!   it, chunk by chunk), `center::weights` (the center's tensors: the f32
+//!   bytes as they arrived, shared, never decoded; the checks against
+//!   them), `center::error`.
+//! - `checkpoint`: the center on disk in the reference dflash format
+//!   (safetensors, no libtorch), and reading it back on restart.
+//! - `evaluation`: online evaluation's τ curve, the best report, and the
+//!   registry of the versions kept for the evaluator between its read
+//!   (`ReadCenter`) and its report (`ReportTau`).
+//!
+//! Must not depend on: `crate::model_sync`, `crate::config`; no gRPC.
+
+pub mod center;
+pub mod checkpoint;
+pub mod evaluation;
+pub mod settings;
+
+#[cfg(test)]
+mod tests;
+
+pub use center::{ModelSyncState, SyncError};
+pub use settings::RunModelSettings;
+
+/// The state a broker starts with: the center resumed from
+/// `--model-output` when one was written there, pinned to `--model-config`
+/// when given (a resumed center of another model is refused).
+pub fn resume(settings: &RunModelSettings) -> Result<ModelSyncState, checkpoint::CheckpointError> {
+    let resumed = match &settings.model_output {
+        Some(dir) => checkpoint::read_stored_center(dir)?,
+        None => None,
+    };
+    let mut state = ModelSyncState::new(resumed);
+    if let Some(path) = &settings.model_config {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| checkpoint::CheckpointError::Io {
+                path: path.clone(),
+                source,
+            })?;
+        state
+            .pin_config(&text)
+            .map_err(|error| checkpoint::CheckpointError::Format {
+                path: path.clone(),
+                detail: format!("--model-config: {error}"),
+            })?;
+    }
+    if let (Some(center), Some(dir)) = (state.center(), &settings.model_output) {
+        tracing::info!(path = %dir.display(), version = center.version, parameters = center.parameters(), "center resumed from its last checkpoint");
+        state.saved_version = Some(center.version);
+        state.saved_path = dir.display().to_string();
+    }
+    Ok(state)
+}
