@@ -252,6 +252,7 @@ fn main() -> anyhow::Result<()> {
         .map(|_| {
             (0..arguments.sequences_per_step)
                 .map(|_| TrainingSequence {
+                    target_last_hidden: None,
                     input_ids: (0..arguments.sequence_length)
                         .map(|_| generator.random_range(3..vocab_for_tokens))
                         .collect(),

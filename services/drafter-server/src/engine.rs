@@ -374,6 +374,7 @@ impl TrainingEngine for SyntheticEngine {
             samples: self.pending_samples as usize,
             tokens: self.pending_tokens as usize,
             selector: None,
+            dspark: None,
         };
         self.pending_samples = 0;
         self.pending_tokens = 0;

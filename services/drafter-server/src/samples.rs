@@ -69,6 +69,7 @@ pub fn decode_sample(
     let target_hidden = Tensor::f_from_data_size(&decoded.hidden_states.data, &shape, kind)
         .map_err(|error| SampleError::Tensor(error.to_string()))?;
     Ok(TrainingSequence {
+        target_last_hidden: None,
         input_ids: decoded.input_ids,
         loss_mask: decoded.loss_mask,
         target_hidden,

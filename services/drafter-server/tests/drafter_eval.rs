@@ -82,6 +82,7 @@ fn self_generated_sequences(
                 .map(|position| u8::from(position >= PROMPT_LENGTH))
                 .collect();
             Ok(TrainingSequence {
+                target_last_hidden: None,
                 input_ids: tokens,
                 loss_mask,
                 target_hidden: hidden,

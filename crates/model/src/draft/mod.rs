@@ -7,8 +7,11 @@
 //! # Layout
 //! Each module depends only on the ones listed before it:
 //! - [`error`]: `DraftError`, and `SkippedStep` (why a step was skipped).
+//! - [`dspark_config`]: DSpark's keys (`DsparkConfig`, `MarkovHeadType`),
+//!   as speculators 0.9.0 names them.
 //! - [`config`]: `DraftConfig`, derived from the target's config, and its
-//!   Hugging Face `config.json` form.
+//!   `config.json` forms: the reference `dflash` one for DFlash and
+//!   DFlash2, speculators' (`speculators_model_type: dspark`) for DSpark.
 //! - [`model`]: the network (`fc`, `hidden_norm`, `layers.{i}`, `norm`) over
 //!   a `VarStore` named like the reference `state_dict`, with the target's
 //!   frozen embedding and LM head. Its children: `model::parameters` (the
@@ -39,6 +42,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod dspark_config;
 pub mod error;
 pub mod model;
 pub mod objective;
@@ -53,22 +57,24 @@ pub use checkpoint::{
 };
 pub use config::{
     build_target_layer_ids, Dflash2Config, DraftConfig, DraftOptions, TargetDimensions,
-    DFLASH2_ARCHITECTURE, DFLASH_ARCHITECTURE,
+    DFLASH2_ARCHITECTURE, DFLASH_ARCHITECTURE, DSPARK_ARCHITECTURE,
 };
+pub use dspark_config::{DsparkConfig, MarkovHeadType};
 pub use error::{DraftError, SkippedStep};
 pub use model::{
-    AttentionImplementation, BlockInputs, DraftContextCache, DraftModel, FrozenTargetHeads,
-    SelectorPath, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK, HIDDEN_PROJECTION_NAME,
-    PREDECESSOR_CODEBOOK_NAME, SUCCESSOR_CODEBOOK_NAME,
+    AttentionImplementation, BlockInputs, DraftContextCache, DraftModel, DsparkBlockHeads,
+    DsparkPositionHeads, FrozenTargetHeads, MarkovState, SelectorPath,
+    DEFAULT_BLOCKS_PER_ATTENTION_CHUNK, HIDDEN_PROJECTION_NAME, PREDECESSOR_CODEBOOK_NAME,
+    SUCCESSOR_CODEBOOK_NAME,
 };
 pub use objective::{
     accuracy_ratios, compute_objective, compute_objective_backward, default_loss_decay_gamma,
     overall_accuracy, pack_batch, sample_anchors, selector_training_candidates, BackwardOutput,
-    ObjectiveMemory, ObjectiveOutput, PackedBatch, SelectorTotals, TrainingSequence,
+    DsparkTotals, ObjectiveMemory, ObjectiveOutput, PackedBatch, SelectorTotals, TrainingSequence,
 };
 pub use optim::{AdamW, AdamWSettings, LearningRateSchedule};
 pub use trainer::data_parallel::{Contribution, Exclusion, ReducedStep};
 pub use trainer::{
-    DraftTrainer, MicroBatchReport, SelectorReport, StepReport, TrainerSettings,
+    DraftTrainer, DsparkReport, MicroBatchReport, SelectorReport, StepReport, TrainerSettings,
     DEFAULT_GRAD_NORM_SPIKE_RATIO, DEFAULT_LOGITS_CHUNK_BLOCKS, GRAD_NORM_WARMUP, GRAD_NORM_WINDOW,
 };
