@@ -13,7 +13,7 @@ use dflash_model::draft::{
 use dflash_proto::v1::Sample;
 use tracing::info;
 
-use crate::samples::{decode_sample, SampleError, SampleExpectations};
+use crate::samples::{decode_sample, require_last_hidden, SampleError, SampleExpectations};
 use crate::schedule::SyncLrScaling;
 use crate::schedule::{
     asynchronous_beta1, run_schedule_position, sync_learning_rate_scale, RunClock,
@@ -194,9 +194,16 @@ impl DFlashEngine {
                 };
                 let mut draft_config =
                     DraftConfig::for_target(&TargetDimensions::from(&target_config), &options)?;
-                if config.architecture == DraftArchitecture::Dflash2 {
-                    draft_config = draft_config
-                        .with_dflash2(dflash_model::draft::config::Dflash2Config::default())?;
+                match config.architecture {
+                    DraftArchitecture::Dflash => {}
+                    DraftArchitecture::Dflash2 => {
+                        draft_config = draft_config
+                            .with_dflash2(dflash_model::draft::config::Dflash2Config::default())?;
+                    }
+                    DraftArchitecture::Dspark => {
+                        draft_config = draft_config
+                            .with_dspark(dflash_model::draft::DsparkConfig::default())?;
+                    }
                 }
                 let model =
                     DraftModel::new(draft_config, frozen, device, compute_kind, config.seed)?;
@@ -230,6 +237,9 @@ impl DFlashEngine {
 impl TrainingEngine for DFlashEngine {
     fn prepare(&self, sample: &Sample) -> Result<PreparedSample, SampleError> {
         let sequence = decode_sample(sample, self.expectations)?;
+        if self.trainer.model().is_dspark() {
+            require_last_hidden(&sequence, self.trainer.model().config().hidden_size)?;
+        }
         Ok(PreparedSample {
             tokens: sequence.len(),
             sequence: Some(sequence),
