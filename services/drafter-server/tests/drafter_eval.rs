@@ -143,6 +143,7 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
         stop_token_ids: Vec::new(),
         device: Device::Cpu,
         sampling: dflash_model::sampling::SamplingOptions::greedy(),
+        confidence_threshold: None,
     };
     let before = evaluate_with_options(target_dir, &untrained, &held_out, &eval_options).unwrap();
     let after = evaluate_with_options(target_dir, &trained, &held_out, &eval_options).unwrap();

@@ -624,6 +624,7 @@ fn tau(checkpoint: &Path, prompts: &[Vec<i64>]) -> f64 {
         stop_token_ids: Vec::new(),
         device: Device::Cpu,
         sampling: dflash_model::sampling::SamplingOptions::greedy(),
+        confidence_threshold: None,
     };
     let report = evaluate_with_options(tiny_target_dir(), checkpoint, prompts, &options).unwrap();
     assert_eq!(report.generated_tokens, prompts.len() * MAX_NEW_TOKENS);
