@@ -215,7 +215,7 @@ fn two_micro_batches_step_like_one_batch_of_both() -> anyhow::Result<()> {
 }
 
 #[test]
-fn a_batch_without_the_last_hidden_state_is_refused() -> anyhow::Result<()> {
+fn a_batch_without_the_last_hidden_state_is_refused_and_bf16_states_train() -> anyhow::Result<()> {
     let model = DraftModel::new(
         dspark_config(MarkovHeadType::Vanilla)?,
         frozen_heads(1),
@@ -231,6 +231,29 @@ fn a_batch_without_the_last_hidden_state_is_refused() -> anyhow::Result<()> {
         .map(|error| error.to_string())
         .unwrap_or_default();
     assert!(error.contains("last hidden state"), "{error}");
+    // The wire's bf16 states (tapped and last) train like f32 ones, within
+    // bf16's rounding.
+    let f32_sequence = sequence(1, 12);
+    let bf16_sequence = TrainingSequence {
+        input_ids: f32_sequence.input_ids.clone(),
+        loss_mask: f32_sequence.loss_mask.clone(),
+        target_hidden: f32_sequence.target_hidden.to_kind(Kind::BFloat16),
+        target_last_hidden: f32_sequence
+            .target_last_hidden
+            .as_ref()
+            .map(|last| last.to_kind(Kind::BFloat16)),
+    };
+    let f32_loss = tch::no_grad(|| {
+        compute_objective(&model, &pack_batch(&[f32_sequence], &[vec![2, 5]])?, 4.0)
+    })?
+    .loss
+    .double_value(&[]);
+    let bf16_loss = tch::no_grad(|| {
+        compute_objective(&model, &pack_batch(&[bf16_sequence], &[vec![2, 5]])?, 4.0)
+    })?
+    .loss
+    .double_value(&[]);
+    assert!((f32_loss - bf16_loss).abs() < 0.05 * f32_loss, "{f32_loss} vs {bf16_loss}");
     let mut short = sequence(1, 12);
     short.target_last_hidden = Some(Tensor::zeros([11, HIDDEN], (Kind::Float, Device::Cpu)));
     let error = pack_batch(&[short], &[vec![2]])

@@ -162,7 +162,8 @@ pub(super) fn dspark_targets(
         slot_mask * in_range.to_kind(Kind::Float) * anchor_valid.unsqueeze(-1).to_kind(Kind::Float);
     let decay = (offsets.to_kind(Kind::Float) * (-1.0 / gamma)).exp();
     let weights = &supervised * decay;
-    let last_hidden = last_hidden.to_device(device);
+    // The wire's bf16 (or any float kind) in the kind the LM head computes in.
+    let last_hidden = last_hidden.to_device(device).to_kind(model.compute_kind());
     let teacher_hidden = last_hidden
         .gather(
             1,
