@@ -253,7 +253,10 @@ fn a_batch_without_the_last_hidden_state_is_refused_and_bf16_states_train() -> a
     })?
     .loss
     .double_value(&[]);
-    assert!((f32_loss - bf16_loss).abs() < 0.05 * f32_loss, "{f32_loss} vs {bf16_loss}");
+    assert!(
+        (f32_loss - bf16_loss).abs() < 0.05 * f32_loss,
+        "{f32_loss} vs {bf16_loss}"
+    );
     let mut short = sequence(1, 12);
     short.target_last_hidden = Some(Tensor::zeros([11, HIDDEN], (Kind::Float, Device::Cpu)));
     let error = pack_batch(&[short], &[vec![2]])

@@ -1,7 +1,10 @@
 //! The DFlash draft model (arXiv 2602.06036) and its DFlash2 variant
 //! (`dflash` 0.1.0's `DFlash2DraftModel`: grouped dynamic convolutions in
 //! every layer and a candidate selector, switched on by
-//! `DraftConfig::dflash2`), their training objective, optimizer and
+//! `DraftConfig::dflash2`) and DSpark variant (speculators 0.9.0's
+//! `DSparkDraftModel`: a Markov logit-bias head and a confidence head,
+//! trained by distillation from the target's distribution, switched on by
+//! `DraftConfig::dspark`), their training objective, optimizer and
 //! checkpoint format.
 //!
 //! # Layout
@@ -18,11 +21,13 @@
 //!   checkpoint names and shapes, seeded initialisation, the frozen heads),
 //!   `model::forward` (the training forward, plain and checkpointed),
 //!   `model::attention` (the three interchangeable attention kernels),
-//!   `model::attention_masks` (what each query sees, per kernel) and
+//!   `model::attention_masks` (what each query sees, per kernel),
 //!   `model::context_cache` (`DraftContextCache`, the per-layer context keys
-//!   and values speculative decoding reuses block after block).
+//!   and values speculative decoding reuses block after block) and
+//!   `model::markov` (DSpark's Markov and confidence heads).
 //! - [`objective`]: anchor sampling, block packing, the decayed masked
-//!   cross-entropy and per-position accuracy; `compute_objective_backward`
+//!   cross-entropy and per-position accuracy (DSpark: distillation and the
+//!   confidence BCE, `objective::dspark`); `compute_objective_backward`
 //!   runs forward and backward with chunked logits and optional layer
 //!   checkpointing (`ObjectiveMemory`).
 //! - [`optim`]: AdamW, warmup + cosine schedule, gradient clipping, with
@@ -32,7 +37,8 @@
 //!   child `trainer::data_parallel` packs one member's share of a
 //!   data-parallel step and applies the reduced one.
 //! - [`checkpoint`]: atomic save / load of `model.safetensors`,
-//!   `config.json` (loadable by `dflash`'s `DFlashDraftModel.from_pretrained`)
+//!   `config.json` (loadable by `dflash`'s `DFlashDraftModel.from_pretrained`,
+//!   DSpark's by speculators' `DSparkDraftModel.from_pretrained`)
 //!   and the optimizer/trainer state for resuming.
 //! - [`step_dirs`]: a drafter's output folder: `step_N` directories, the
 //!   `latest` pointer, pruning.
