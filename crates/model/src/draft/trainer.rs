@@ -114,8 +114,9 @@ pub struct StepReport {
     pub tokens: usize,
     /// DFlash2's selector figures; `None` for DFlash.
     pub selector: Option<SelectorReport>,
-    /// DSpark's figures; `None` for DFlash and DFlash2.
-    pub dspark: Option<DsparkReport>,
+    /// DSpark's figures; `None` for DFlash and DFlash2 (boxed: a step
+    /// report travels in events whose other variants are small).
+    pub dspark: Option<Box<DsparkReport>>,
 }
 
 /// DSpark's part of a step report (speculators 0.9.0's metrics).
@@ -483,7 +484,10 @@ impl DraftTrainer {
                 .selector
                 .as_ref()
                 .map(|totals| SelectorReport::from_totals(totals, accumulation.weight_sum)),
-            dspark: accumulation.dspark.as_ref().map(DsparkReport::from_totals),
+            dspark: accumulation
+                .dspark
+                .as_ref()
+                .map(|totals| Box::new(DsparkReport::from_totals(totals))),
         })
     }
 
