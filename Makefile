@@ -7,7 +7,7 @@ PYTHON ?= python3
 CACHE_DIR ?= $(or $(DFLASH_CACHE_DIR),$(HOME)/.cache/dflash)
 export DFLASH_CACHE_DIR := $(CACHE_DIR)
 
-.PHONY: all setup run test test-build test-rust lint check-grpcurl check-checkpoint check-dflash2 check-ops-cli check-python bench build release fmt clean-cache fuzz
+.PHONY: all setup run test test-build test-rust lint check-grpcurl check-checkpoint check-dflash2 check-dspark check-ops-cli check-python bench build release fmt clean-cache fuzz
 .PHONY: image check-deploy check-k8s check-cuda-build
 
 all: build
@@ -39,7 +39,7 @@ run: local-build
 
 ## Every test: Rust unit, property, gRPC and system tests, then the checks
 ## that use external clients (grpcurl against a live broker, the Python client).
-test: setup lint check-grpcurl test-rust mutants check-checkpoint check-dflash2 check-ops-cli check-python check-k8s check-deploy
+test: setup lint check-grpcurl test-rust mutants check-checkpoint check-dflash2 check-dspark check-ops-cli check-python check-k8s check-deploy
 
 lint:
 	$(PYTHON) scripts/check-module-cycles.py
@@ -81,6 +81,12 @@ check-checkpoint: setup test-rust
 ## DFlash2DraftModel with 0 missing/unexpected keys and the same forward (#42).
 check-dflash2: test-build
 	bash scripts/check-dflash2.sh $(TEST_BIN_DIR)
+
+## A trained tiny DSpark checkpoint (each Markov head variant) loads in
+## speculators 0.9.0's DSparkDraftModel with 0 missing/unexpected keys and
+## gives the same loss and metrics on a held-out sequence (#50).
+check-dspark: test-build
+	bash scripts/check-dspark.sh $(TEST_BIN_DIR)
 
 ## The Python client (clients/python) against the real broker, target-server
 ## and drafter-server binaries (pytest, in a venv holding exactly what the

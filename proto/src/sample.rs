@@ -7,6 +7,12 @@
 //! | `input_ids` | int32 (int64 accepted) | `[T]` |
 //! | `loss_mask` | uint8 (bool, int32 accepted) | `[T]` |
 //! | `hidden_states` | bf16 (f16, f32 accepted) | `[T, n_layers · hidden]` |
+//! | `last_hidden_states` (optional) | bf16 (f16, f32 accepted) | `[T, hidden]` |
+//!
+//! `last_hidden_states` is the target's last hidden state after its final
+//! norm (its LM head's input), sent only by a target asked for it
+//! (`--capture-last-hidden-state`): a DSpark drafter makes the target's
+//! distribution from it with the LM head it holds.
 //!
 //! Pure functions on bytes; no libtorch.
 
@@ -21,6 +27,8 @@ pub const INPUT_IDS: &str = "input_ids";
 pub const LOSS_MASK: &str = "loss_mask";
 /// The target's hidden states at the DFlash layers, concatenated per token.
 pub const HIDDEN_STATES: &str = "hidden_states";
+/// The target's last hidden state after its final norm, per token (optional).
+pub const LAST_HIDDEN_STATES: &str = "last_hidden_states";
 
 /// Why a sample does not follow the schema; the message names the tensor.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,6 +60,29 @@ pub struct DecodedSample<'a> {
     pub hidden_dtype: Dtype,
     pub tokens: u64,
     pub width: u64,
+    /// `last_hidden_states` (`[tokens, last_width]` of its dtype) when the
+    /// sample carries it.
+    pub last_hidden_states: Option<LastHiddenStates<'a>>,
+}
+
+/// A sample's `last_hidden_states`, schema-checked, bytes still the wire's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LastHiddenStates<'a> {
+    pub tensor: &'a Tensor,
+    pub dtype: Dtype,
+    pub width: u64,
+}
+
+/// Adds `last_hidden_states` (`[T, width]` of `dtype`, the bytes shared) to
+/// an encoded sample.
+pub fn push_last_hidden_states(sample: &mut Sample, data: Bytes, dtype: Dtype, width: u64) {
+    let tokens = token_count(sample);
+    sample.tensors.push(Tensor::from_parts(
+        LAST_HIDDEN_STATES,
+        dtype,
+        vec![tokens, width],
+        data,
+    ));
 }
 
 /// Encodes a sample: `input_ids` as int32, `loss_mask` as uint8 and the
@@ -132,17 +163,29 @@ pub fn decode(sample: &Sample) -> Result<DecodedSample<'_>, SampleError> {
             })
         }
     };
-    let hidden_dtype = match hidden_states.checked_dtype()? {
-        dtype @ (Dtype::Bf16 | Dtype::F16 | Dtype::F32) => dtype,
-        other => {
-            return Err(SampleError::Dtype {
-                name: HIDDEN_STATES,
-                dtype: other.short_name(),
-                expected: "bf16, f16, f32",
+    let hidden_dtype = float_dtype(hidden_states, HIDDEN_STATES)?;
+    let last_hidden_states = match sample.tensor(LAST_HIDDEN_STATES) {
+        Err(_) => None,
+        Ok(last) => {
+            let width = match last.shape.as_slice() {
+                [rows, width] if *rows == tokens => *width,
+                other => {
+                    return Err(SampleError::Shape {
+                        name: LAST_HIDDEN_STATES,
+                        shape: other.to_vec(),
+                        expected: format!("[{tokens}, hidden]"),
+                    })
+                }
+            };
+            Some(LastHiddenStates {
+                tensor: last,
+                dtype: float_dtype(last, LAST_HIDDEN_STATES)?,
+                width,
             })
         }
     };
     Ok(DecodedSample {
+        last_hidden_states,
         input_ids: decode_token_ids(input_ids)?,
         loss_mask: decode_loss_mask(loss_mask)?,
         hidden_states,
@@ -150,6 +193,18 @@ pub fn decode(sample: &Sample) -> Result<DecodedSample<'_>, SampleError> {
         tokens,
         width,
     })
+}
+
+/// A hidden-state tensor's dtype, one of the float ones.
+fn float_dtype(tensor: &Tensor, name: &'static str) -> Result<Dtype, SampleError> {
+    match tensor.checked_dtype()? {
+        dtype @ (Dtype::Bf16 | Dtype::F16 | Dtype::F32) => Ok(dtype),
+        other => Err(SampleError::Dtype {
+            name,
+            dtype: other.short_name(),
+            expected: "bf16, f16, f32",
+        }),
+    }
 }
 
 /// The non-finite values (NaN, +inf, -inf) of a floating-point tensor's
@@ -347,6 +402,41 @@ mod tests {
 
     fn hidden(tokens: usize, width: usize) -> Bytes {
         Bytes::from(vec![0u8; tokens * width * 2])
+    }
+
+    #[test]
+    fn the_last_hidden_states_are_optional_and_checked_by_name() {
+        let mut sample = encode(&[5, 6, 7], &[0, 1, 1], hidden(3, 4), Dtype::Bf16, 4);
+        assert_eq!(decode(&sample).unwrap().last_hidden_states, None);
+        push_last_hidden_states(&mut sample, hidden(3, 2), Dtype::Bf16, 2);
+        let decoded = decode(&sample).unwrap();
+        let last = decoded.last_hidden_states.unwrap();
+        assert_eq!((last.width, last.dtype), (2, Dtype::Bf16));
+        assert_eq!(last.tensor.data.len(), 12);
+        let mut short = encode(&[5, 6, 7], &[0, 1, 1], hidden(3, 4), Dtype::Bf16, 4);
+        short.tensors.push(Tensor::from_parts(
+            LAST_HIDDEN_STATES,
+            Dtype::Bf16,
+            vec![2, 2],
+            hidden(2, 2),
+        ));
+        let error = decode(&short).unwrap_err().to_string();
+        assert!(
+            error.contains("\"last_hidden_states\": shape [2, 2], expected [3, hidden]"),
+            "{error}"
+        );
+        let mut integer = encode(&[5, 6, 7], &[0, 1, 1], hidden(3, 4), Dtype::Bf16, 4);
+        integer.tensors.push(Tensor::from_parts(
+            LAST_HIDDEN_STATES,
+            Dtype::I32,
+            vec![3, 1],
+            Bytes::from(vec![0u8; 12]),
+        ));
+        let error = decode(&integer).unwrap_err().to_string();
+        assert!(
+            error.contains("\"last_hidden_states\": dtype int32"),
+            "{error}"
+        );
     }
 
     #[test]

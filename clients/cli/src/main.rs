@@ -153,6 +153,7 @@ async fn eval(args: EvalArgs) -> anyhow::Result<()> {
             stop_token_ids: dflash_model::tokens::eos_token_ids(&target_model),
             device,
             sampling: sampling.options(),
+            confidence_threshold: sampling.confidence_threshold,
         };
         let evaluate = |checkpoint: &std::path::Path| {
             dflash_model::eval::evaluate_with_options(&target_model, checkpoint, &prompts, &options)
@@ -173,12 +174,13 @@ async fn eval(args: EvalArgs) -> anyhow::Result<()> {
     })
     .await??;
     println!(
-        "τ (mean acceptance length) {:.3} over {} prompts, {} verification steps, {} tokens generated, {:.2} tokens per target forward, block size {}, {:.1}s",
+        "τ (mean acceptance length) {:.3} over {} prompts, {} verification steps, {} tokens generated, {:.2} tokens per target forward, {:.2} tokens proposed per verification, block size {}, {:.1}s",
         report.mean_acceptance_length,
         report.prompts,
         report.verification_steps,
         report.generated_tokens,
         report.tokens_per_target_forward(),
+        report.proposed_tokens as f64 / report.verification_steps.max(1) as f64,
         report.block_size,
         report.seconds
     );

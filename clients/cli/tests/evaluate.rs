@@ -137,6 +137,7 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
             temperature: 0.0,
             top_p: 1.0,
             sampling_seed: 0,
+            confidence_threshold: None,
         },
         every_versions: 1,
         backlog: 4,

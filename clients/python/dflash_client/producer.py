@@ -112,7 +112,7 @@ class AsyncProducer:
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.close()
 
-    def prepare(self, seq: int, input_ids: Any, loss_mask: Any, hidden_states: Any, trace_context: Optional[Mapping[str, str]] = None) -> pb.ProduceRequest:
+    def prepare(self, seq: int, input_ids: Any, loss_mask: Any, hidden_states: Any, trace_context: Optional[Mapping[str, str]] = None, last_hidden_states: Any = None) -> pb.ProduceRequest:
         """Validates and encodes one item without sending it (raises
         InvalidSample). `send` calls it; the sync client calls it on the
         caller's thread."""
@@ -120,16 +120,16 @@ class AsyncProducer:
             raise InvalidSample(f"seq {seq!r} is not an integer in [0, 2^64)")
         if self._last_seq is not None and seq <= self._last_seq:
             raise InvalidSample(f"seq {seq} does not increase (the last seq sent was {self._last_seq})")
-        sample = make_sample(input_ids, loss_mask, hidden_states, self.hidden_width)
+        sample = make_sample(input_ids, loss_mask, hidden_states, self.hidden_width, last_hidden_states)
         trace = check_trace_context(trace_context)
         return pb.ProduceRequest(item=pb.Item(seq=seq, sample=sample, trace_context=trace))
 
-    async def send(self, seq: int, input_ids: Any, loss_mask: Any, hidden_states: Any, trace_context: Optional[Mapping[str, str]] = None) -> None:
+    async def send(self, seq: int, input_ids: Any, loss_mask: Any, hidden_states: Any, trace_context: Optional[Mapping[str, str]] = None, last_hidden_states: Any = None) -> None:
         """Validates (InvalidSample before anything is sent), then sends one
         item; waits while the window of unanswered items is full (and while
         HTTP/2 flow control holds the stream back because the broker's queue
         is full)."""
-        await self.send_prepared(self.prepare(seq, input_ids, loss_mask, hidden_states, trace_context))
+        await self.send_prepared(self.prepare(seq, input_ids, loss_mask, hidden_states, trace_context, last_hidden_states))
 
     async def send_prepared(self, request: pb.ProduceRequest) -> None:
         seq = request.item.seq

@@ -148,8 +148,8 @@ class Producer:
     def report(self) -> ProduceReport:
         return self._producer.report
 
-    def send(self, seq: int, input_ids: Any, loss_mask: Any, hidden_states: Any, trace_context: Optional[Mapping[str, str]] = None) -> None:
-        request = self._producer.prepare(seq, input_ids, loss_mask, hidden_states, trace_context)
+    def send(self, seq: int, input_ids: Any, loss_mask: Any, hidden_states: Any, trace_context: Optional[Mapping[str, str]] = None, last_hidden_states: Any = None) -> None:
+        request = self._producer.prepare(seq, input_ids, loss_mask, hidden_states, trace_context, last_hidden_states)
         self._loop.run(self._producer.send_prepared(request))
 
     def send_stats(self, **fields: Any) -> None:

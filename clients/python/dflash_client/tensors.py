@@ -4,7 +4,9 @@ zero-copy views of what a consumer receives.
 The rules are those of `proto/src/tensor.rs` (the broker applies the same):
 a tensor has a name, a known dtype and exactly product(shape) × element-size
 little-endian bytes. A DFlash sample holds `input_ids` int32 [T], `loss_mask`
-uint8 [T] and `hidden_states` bf16 [T, n_layers × hidden].
+uint8 [T] and `hidden_states` bf16 [T, n_layers × hidden]; for a DSpark run
+also `last_hidden_states` bf16 [T, hidden] (the target's last hidden state
+after its final norm, the LM head's input).
 
 numpy has no bfloat16: bf16 goes in as a torch tensor, an ml_dtypes
 bfloat16 array, raw little-endian bytes, or float32 through
@@ -28,6 +30,7 @@ from .errors import InvalidSample, ProtocolError
 INPUT_IDS = "input_ids"
 LOSS_MASK = "loss_mask"
 HIDDEN_STATES = "hidden_states"
+LAST_HIDDEN_STATES = "last_hidden_states"
 
 #: Wire dtype → (short name as the Rust side prints it, element bytes, numpy dtype of a view).
 DTYPES: Dict[int, Tuple[str, int, Any]] = {
@@ -165,19 +168,26 @@ def make_sample(
     loss_mask: Any,
     hidden_states: Any,
     hidden_width: Optional[int] = None,
+    last_hidden_states: Any = None,
 ) -> pb.Sample:
-    """Validates one DFlash sample and encodes it; raises InvalidSample."""
+    """Validates one DFlash sample and encodes it; raises InvalidSample.
+    `last_hidden_states` (bf16 [T, hidden], optional) is what a DSpark
+    drafter distils the target's distribution from."""
     ids = _integer_tokens(INPUT_IDS, input_ids)
     length = int(ids.shape[0])
     mask = _mask(LOSS_MASK, loss_mask, length)
     hidden, width = _bf16_bytes(HIDDEN_STATES, hidden_states, length, hidden_width)
-    sample = pb.Sample(
-        tensors=[
-            pb.Tensor(name=INPUT_IDS, dtype=pb.DTYPE_I32, shape=[length], data=ids.tobytes()),
-            pb.Tensor(name=LOSS_MASK, dtype=pb.DTYPE_U8, shape=[length], data=mask.tobytes()),
-            pb.Tensor(name=HIDDEN_STATES, dtype=pb.DTYPE_BF16, shape=[length, width], data=hidden),
-        ]
-    )
+    tensors = [
+        pb.Tensor(name=INPUT_IDS, dtype=pb.DTYPE_I32, shape=[length], data=ids.tobytes()),
+        pb.Tensor(name=LOSS_MASK, dtype=pb.DTYPE_U8, shape=[length], data=mask.tobytes()),
+        pb.Tensor(name=HIDDEN_STATES, dtype=pb.DTYPE_BF16, shape=[length, width], data=hidden),
+    ]
+    if last_hidden_states is not None:
+        last, last_width = _bf16_bytes(LAST_HIDDEN_STATES, last_hidden_states, length, None)
+        tensors.append(
+            pb.Tensor(name=LAST_HIDDEN_STATES, dtype=pb.DTYPE_BF16, shape=[length, last_width], data=last)
+        )
+    sample = pb.Sample(tensors=tensors)
     validate_sample(sample, error=InvalidSample)
     return sample
 

@@ -101,3 +101,16 @@ def test_received_tensors_enforce_the_byte_length_rule():
     unknown = pb.Sample(tensors=[pb.Tensor(name="a", dtype=99, shape=[1], data=b"\x01")])
     with pytest.raises(Exception, match="dtype 99 is not a known element type"):
         validate_sample(unknown)
+
+
+def test_a_dspark_sample_carries_the_last_hidden_states():
+    hidden = torch.randn(5, 8).to(torch.bfloat16)
+    last = torch.randn(5, 4).to(torch.bfloat16)
+    sample = make_sample([1, 2, 3, 4, 5], [0, 1, 1, 1, 1], hidden, 8, last_hidden_states=last)
+    names = [tensor.name for tensor in sample.tensors]
+    assert names == ["input_ids", "loss_mask", "hidden_states", "last_hidden_states"]
+    assert list(sample.tensors[3].shape) == [5, 4]
+    assert sample.tensors[3].dtype == pb.DTYPE_BF16
+    assert make_sample([1, 2], [1, 1], hidden[:2], 8).tensors[-1].name == "hidden_states"
+    with pytest.raises(InvalidSample, match="'last_hidden_states': 4 rows, expected 5"):
+        make_sample([1, 2, 3, 4, 5], [0, 1, 1, 1, 1], hidden, 8, last_hidden_states=last[:4])

@@ -68,6 +68,7 @@ fn main() -> anyhow::Result<()> {
     let mut trainer = DraftTrainer::new(model, settings);
     let input_ids: Vec<i64> = (0..LENGTH).map(|position| (position * 7) % 11).collect();
     let sequence = || TrainingSequence {
+        target_last_hidden: None,
         input_ids: input_ids.clone(),
         loss_mask: vec![1; LENGTH as usize],
         target_hidden: Tensor::randn([LENGTH, width], (Kind::Float, Device::Cpu)),

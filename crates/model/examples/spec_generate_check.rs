@@ -68,6 +68,7 @@ fn self_generated(
                 .map(|position| u8::from(position >= PROMPT_LENGTH))
                 .collect();
             Ok(TrainingSequence {
+                target_last_hidden: None,
                 input_ids: tokens,
                 loss_mask,
                 target_hidden,
@@ -107,6 +108,7 @@ fn train_and_evaluate(
         stop_token_ids: dflash_model::tokens::eos_token_ids(target_dir),
         device: Device::Cpu,
         sampling: SamplingOptions::greedy(),
+        confidence_threshold: None,
     };
     let report = evaluate_with_options(target_dir, output, &held_out, &options)?;
     // Each prompt's accepted lengths, split from the run's list by the

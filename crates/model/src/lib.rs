@@ -23,14 +23,16 @@
 //! - `tiny`: writes a small seeded Qwen3/Llama model directory (config,
 //!   weights, byte-level BPE tokenizer, ChatML template) for tests and
 //!   `dflash init-tiny`, so nothing is ever downloaded.
-//! - `draft`: the DFlash draft model, its training loss, its checkpoint
-//!   format and the step directories of a drafter's output folder
-//!   (`draft::step_dirs`).
+//! - `draft`: the DFlash draft model and its DFlash2 and DSpark variants,
+//!   their training losses, their checkpoint formats (the reference
+//!   `dflash` one, speculators' for DSpark) and the step directories of a
+//!   drafter's output folder (`draft::step_dirs`).
 //! - `chat`: one JSONL line → token ids and the assistant-only loss mask
 //!   (pre-tokenized, OpenAI messages, ShareGPT), rendered with the model's
 //!   own chat template (minijinja) and tokenizer (`tokenizers`).
 //! - `eval`: speculative decoding with a drafter and the target (lossless
-//!   against greedy), τ, the untrained baseline.
+//!   against greedy; DSpark's Markov-biased walk and confidence-scheduled
+//!   verify length), τ, the untrained baseline.
 //! - `tokens`: the drafter's mask token id (the tokenizer's `mask_token`,
 //!   else the DFlash reserved id past the vocabulary) and the target's EOS
 //!   ids, read from a model directory.

@@ -71,6 +71,7 @@ fn dflash2_forward_selector_and_loss_match_the_reference() -> anyhow::Result<()>
             &format!("seq{index}.anchors"),
         )?)?);
         sequences.push(TrainingSequence {
+            target_last_hidden: None,
             input_ids,
             loss_mask,
             target_hidden: take(&mut golden, &format!("seq{index}.target_hidden"))?,
@@ -271,6 +272,7 @@ fn successor_sequences(count: usize, length: usize, seed: u64) -> Vec<TrainingSe
                 })
                 .collect();
             TrainingSequence {
+                target_last_hidden: None,
                 input_ids,
                 loss_mask: (0..length)
                     .map(|position| u8::from(position >= 4))

@@ -36,6 +36,7 @@ fn dflash2_loss_and_gradients_match_speculators_objective() -> anyhow::Result<()
             &format!("seq{index}.anchors"),
         )?)?);
         sequences.push(TrainingSequence {
+            target_last_hidden: None,
             input_ids: Vec::<i64>::try_from(&take(&mut golden, &format!("seq{index}.input_ids"))?)?,
             loss_mask: Vec::<u8>::try_from(&take(&mut golden, &format!("seq{index}.loss_mask"))?)?,
             target_hidden: take(&mut golden, &format!("seq{index}.target_hidden"))?,

@@ -52,6 +52,7 @@ fn batch() -> anyhow::Result<PackedBatch> {
     let sequences: Vec<TrainingSequence> = lengths
         .iter()
         .map(|&length| TrainingSequence {
+            target_last_hidden: None,
             input_ids: (0..length)
                 .map(|_| generator.random_range(0..VOCAB - 1))
                 .collect(),
@@ -193,6 +194,7 @@ fn a_wrong_mask_would_be_seen() -> anyhow::Result<()> {
     let shifted = PackedBatch {
         anchors: &batch.anchors + 1,
         target_hidden: batch.target_hidden.shallow_clone(),
+        target_last_hidden: None,
         input_ids: batch.input_ids.shallow_clone(),
         loss_mask: batch.loss_mask.shallow_clone(),
         anchor_valid: batch.anchor_valid.shallow_clone(),

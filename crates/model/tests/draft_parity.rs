@@ -52,6 +52,7 @@ fn draft_forward_and_loss_match_the_reference() -> anyhow::Result<()> {
             &format!("seq{index}.anchors"),
         )?)?);
         sequences.push(TrainingSequence {
+            target_last_hidden: None,
             input_ids,
             loss_mask,
             target_hidden: take(&mut golden, &format!("seq{index}.target_hidden"))?,

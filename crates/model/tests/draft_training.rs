@@ -42,6 +42,7 @@ fn successor_sequences(count: usize, length: usize, seed: u64) -> Vec<TrainingSe
                 .collect();
             let target_hidden = uniform_tensor(&[length as i64, 2 * HIDDEN], 1.0, &mut generator);
             TrainingSequence {
+                target_last_hidden: None,
                 input_ids,
                 loss_mask,
                 target_hidden,
@@ -70,6 +71,7 @@ fn clone_sequences(sequences: &[TrainingSequence]) -> Vec<TrainingSequence> {
     sequences
         .iter()
         .map(|sequence| TrainingSequence {
+            target_last_hidden: None,
             input_ids: sequence.input_ids.clone(),
             loss_mask: sequence.loss_mask.clone(),
             target_hidden: sequence.target_hidden.copy(),

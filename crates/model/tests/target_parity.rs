@@ -99,6 +99,25 @@ fn check_parity(name: &str) -> Result<()> {
         "{name}: logits differ by {difference}"
     );
 
+    // DSpark's teacher: the same tapped states, and the last hidden state
+    // after the final norm, whose LM head output is transformers' logits.
+    let (captured_with_last, last_hidden) =
+        model.capture_hidden_states_and_last(input_ids, attention_mask, &layer_ids)?;
+    ensure!(
+        captured_with_last.equal(&captured),
+        "{name}: tapped states differ when the last hidden state is captured too"
+    );
+    let teacher_logits = model.lm_head_logits(&last_hidden);
+    let difference = max_abs_difference_on_valid(
+        &teacher_logits,
+        golden_tensor(&golden, "logits")?,
+        attention_mask,
+    )?;
+    ensure!(
+        difference < TOLERANCE,
+        "{name}: logits of the captured last hidden state differ by {difference}"
+    );
+
     // Padding invariance on our side too: each row alone, unpadded.
     let lengths = Vec::<i64>::try_from(attention_mask.sum_dim_intlist(-1, false, Kind::Int64))?;
     for (row, &length) in lengths.iter().enumerate() {

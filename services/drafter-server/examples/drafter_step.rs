@@ -10,12 +10,14 @@
 //!     [--anchors 64,512] [--steps 5] [--seq-len 512] [--seqs 8] \
 //!     [--attention split|fused|concatenated] [--attention-chunk 8] [--logits-chunk 32|all] \
 //!     [--checkpoint-layers] [--vocab 512] [--device cpu|cuda:N] [--dtype f32|bf16] \
-//!     [--target-dir DIR] [--architecture dflash|dflash2]
+//!     [--target-dir DIR] [--architecture dflash|dflash2|dspark]
 //! ```
 //!
 //! `--architecture dflash2` measures a DFlash2 step (grouped dynamic
 //! convolutions and the selector loss, speculators' defaults) on the same
-//! shapes.
+//! shapes; `--architecture dspark` a DSpark step (Markov and confidence
+//! heads, distillation from random bf16 last hidden states, speculators'
+//! defaults).
 //!
 //! `--target-dir` takes the target (its shape, embeddings and LM head) from
 //! a model directory instead of the tiny one: `scripts/check-gpu.sh` passes
@@ -54,6 +56,7 @@ struct Arguments {
     /// A target model directory to draft for, instead of the tiny target.
     target_dir: Option<std::path::PathBuf>,
     dflash2: bool,
+    dspark: bool,
 }
 
 fn parse_arguments() -> anyhow::Result<Arguments> {
@@ -72,6 +75,7 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
         kind: Kind::Float,
         target_dir: None,
         dflash2: false,
+        dspark: false,
     };
     let mut attention_chunk = dflash_model::draft::DEFAULT_BLOCKS_PER_ATTENTION_CHUNK;
     let mut attention_name = "split".to_string();
@@ -111,10 +115,11 @@ fn parse_arguments() -> anyhow::Result<Arguments> {
             "--vocab" => arguments.vocab = Some(number(&value)? as i64),
             "--target-dir" => arguments.target_dir = Some(value.into()),
             "--architecture" => {
-                arguments.dflash2 = match value.as_str() {
-                    "dflash" => false,
-                    "dflash2" => true,
-                    other => bail!("--architecture {other:?}: expected dflash or dflash2"),
+                (arguments.dflash2, arguments.dspark) = match value.as_str() {
+                    "dflash" => (false, false),
+                    "dflash2" => (true, false),
+                    "dspark" => (false, true),
+                    other => bail!("--architecture {other:?}: expected dflash, dflash2 or dspark"),
                 }
             }
             "--device" => {
@@ -204,7 +209,11 @@ fn main() -> anyhow::Result<()> {
     if arguments.dflash2 {
         config = config.with_dflash2(dflash_model::draft::Dflash2Config::default())?;
     }
+    if arguments.dspark {
+        config = config.with_dspark(dflash_model::draft::DsparkConfig::default())?;
+    }
     let width = config.target_hidden_width();
+    let hidden_size = config.hidden_size;
     let block_size = config.block_size;
     println!(
         "drafter step ({}): target {} (hidden {}, vocab {}), {} draft layers, block {block_size}, \
@@ -212,6 +221,8 @@ fn main() -> anyhow::Result<()> {
          checkpoint layers {}, device {:?} {:?}",
         if arguments.dflash2 {
             "DFlash2"
+        } else if arguments.dspark {
+            "DSpark"
         } else {
             "DFlash"
         },
@@ -252,6 +263,12 @@ fn main() -> anyhow::Result<()> {
         .map(|_| {
             (0..arguments.sequences_per_step)
                 .map(|_| TrainingSequence {
+                    target_last_hidden: arguments.dspark.then(|| {
+                        Tensor::randn(
+                            [arguments.sequence_length as i64, hidden_size],
+                            (Kind::BFloat16, Device::Cpu),
+                        )
+                    }),
                     input_ids: (0..arguments.sequence_length)
                         .map(|_| generator.random_range(3..vocab_for_tokens))
                         .collect(),

@@ -46,6 +46,7 @@ fn main() -> anyhow::Result<()> {
         .map(|_| {
             (0..sequences_per_step)
                 .map(|_| TrainingSequence {
+                    target_last_hidden: None,
                     input_ids: (0..sequence_length)
                         .map(|_| generator.random_range(3..500))
                         .collect(),

@@ -13,7 +13,7 @@ use dflash_model::draft::{
 use dflash_proto::v1::Sample;
 use tracing::info;
 
-use crate::samples::{decode_sample, SampleError, SampleExpectations};
+use crate::samples::{decode_sample, require_last_hidden, SampleError, SampleExpectations};
 use crate::settings::{DraftArchitecture, EngineSettings, ModelMode};
 
 /// Errors of the engine; a failing micro-batch hands its items back.
@@ -148,9 +148,16 @@ impl DFlashEngine {
                 };
                 let mut draft_config =
                     DraftConfig::for_target(&TargetDimensions::from(&target_config), &options)?;
-                if config.architecture == DraftArchitecture::Dflash2 {
-                    draft_config = draft_config
-                        .with_dflash2(dflash_model::draft::config::Dflash2Config::default())?;
+                match config.architecture {
+                    DraftArchitecture::Dflash => {}
+                    DraftArchitecture::Dflash2 => {
+                        draft_config = draft_config
+                            .with_dflash2(dflash_model::draft::config::Dflash2Config::default())?;
+                    }
+                    DraftArchitecture::Dspark => {
+                        draft_config = draft_config
+                            .with_dspark(dflash_model::draft::DsparkConfig::default())?;
+                    }
                 }
                 let model =
                     DraftModel::new(draft_config, frozen, device, compute_kind, config.seed)?;
@@ -183,6 +190,9 @@ impl DFlashEngine {
 impl TrainingEngine for DFlashEngine {
     fn prepare(&self, sample: &Sample) -> Result<PreparedSample, SampleError> {
         let sequence = decode_sample(sample, self.expectations)?;
+        if self.trainer.model().is_dspark() {
+            require_last_hidden(&sequence, self.trainer.model().config().hidden_size)?;
+        }
         Ok(PreparedSample {
             tokens: sequence.len(),
             sequence: Some(sequence),
@@ -294,6 +304,7 @@ impl TrainingEngine for SyntheticEngine {
             samples: self.pending_samples as usize,
             tokens: self.pending_tokens as usize,
             selector: None,
+            dspark: None,
         };
         self.pending_samples = 0;
         self.pending_tokens = 0;

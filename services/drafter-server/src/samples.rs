@@ -32,6 +32,12 @@ pub enum SampleError {
     Tensor(String),
     #[error("tensor \"hidden_states\": {count} non-finite values (NaN or infinity), the first at token {token}, column {column}: never trained on (a bf16 overflow or a fault in the target that made it)")]
     NonFinite { count: u64, token: u64, column: u64 },
+    #[error("tensor \"last_hidden_states\": {count} non-finite values (NaN or infinity), the first at token {token}, column {column}: never trained on")]
+    LastHiddenNonFinite { count: u64, token: u64, column: u64 },
+    #[error("sample has no tensor \"last_hidden_states\": a DSpark drafter trains on the target's last hidden state (run the target-server with --capture-last-hidden-state)")]
+    MissingLastHidden,
+    #[error("tensor \"last_hidden_states\": width {actual}, the drafter expects the target's hidden size {expected}")]
+    LastHiddenWidth { actual: i64, expected: i64 },
 }
 
 /// Checks and converts a sample; tensors are copied out of the wire bytes
@@ -60,19 +66,57 @@ pub fn decode_sample(
             vocab_size: expectations.vocab_size,
         });
     }
-    let kind = match decoded.hidden_dtype {
-        Dtype::F16 => Kind::Half,
-        Dtype::F32 => Kind::Float,
-        _ => Kind::BFloat16,
-    };
+    let kind = kind_of(decoded.hidden_dtype);
     let shape = [decoded.tokens as i64, expectations.hidden_width];
     let target_hidden = Tensor::f_from_data_size(&decoded.hidden_states.data, &shape, kind)
         .map_err(|error| SampleError::Tensor(error.to_string()))?;
+    let target_last_hidden = match &decoded.last_hidden_states {
+        None => None,
+        Some(last) => {
+            let shape = [decoded.tokens as i64, last.width as i64];
+            Some(
+                Tensor::f_from_data_size(&last.tensor.data, &shape, kind_of(last.dtype))
+                    .map_err(|error| SampleError::Tensor(error.to_string()))?,
+            )
+        }
+    };
     Ok(TrainingSequence {
+        target_last_hidden,
         input_ids: decoded.input_ids,
         loss_mask: decoded.loss_mask,
         target_hidden,
     })
+}
+
+/// The libtorch kind of a float wire dtype (bf16 for anything else, which
+/// the schema has refused already).
+fn kind_of(dtype: Dtype) -> Kind {
+    match dtype {
+        Dtype::F16 => Kind::Half,
+        Dtype::F32 => Kind::Float,
+        _ => Kind::BFloat16,
+    }
+}
+
+/// What a DSpark drafter requires of a decoded sequence beyond
+/// [`decode_sample`]'s checks: the target's last hidden state, `hidden_size`
+/// wide.
+pub fn require_last_hidden(
+    sequence: &TrainingSequence,
+    hidden_size: i64,
+) -> Result<(), SampleError> {
+    let last = sequence
+        .target_last_hidden
+        .as_ref()
+        .ok_or(SampleError::MissingLastHidden)?;
+    let width = last.size().get(1).copied().unwrap_or(0);
+    if width != hidden_size {
+        return Err(SampleError::LastHiddenWidth {
+            actual: width,
+            expected: hidden_size,
+        });
+    }
+    Ok(())
 }
 
 /// Refuses a sample whose hidden states hold a NaN or an infinity: one such
@@ -89,9 +133,23 @@ pub fn check_finite(sample: &Sample) -> Result<(), SampleError> {
         return Ok(());
     };
     let width = hidden.shape.get(1).copied().unwrap_or(1).max(1);
-    match schema::non_finite_values(&hidden.data, dtype) {
+    if let Some(non_finite) = schema::non_finite_values(&hidden.data, dtype) {
+        return Err(SampleError::NonFinite {
+            count: non_finite.count,
+            token: non_finite.first_index / width,
+            column: non_finite.first_index % width,
+        });
+    }
+    let Ok(last) = sample.tensor(schema::LAST_HIDDEN_STATES) else {
+        return Ok(());
+    };
+    let Ok(dtype) = last.checked_dtype() else {
+        return Ok(());
+    };
+    let width = last.shape.get(1).copied().unwrap_or(1).max(1);
+    match schema::non_finite_values(&last.data, dtype) {
         None => Ok(()),
-        Some(non_finite) => Err(SampleError::NonFinite {
+        Some(non_finite) => Err(SampleError::LastHiddenNonFinite {
             count: non_finite.count,
             token: non_finite.first_index / width,
             column: non_finite.first_index % width,
@@ -159,6 +217,40 @@ mod tests {
             }
         );
         assert!(error.to_string().contains("2 non-finite values"), "{error}");
+    }
+
+    #[test]
+    fn the_last_hidden_state_decodes_and_a_dspark_drafter_requires_it() {
+        let plain = decode_sample(&sample(&[1, 2, 3], 4), EXPECT).unwrap();
+        assert_eq!(
+            require_last_hidden(&plain, 2).unwrap_err(),
+            SampleError::MissingLastHidden
+        );
+        let mut with_last = sample(&[1, 2, 3], 4);
+        let mut last = vec![0u8; 3 * 2 * 2];
+        // bf16 +inf (0x7F80) at token 1, column 0.
+        last[4..6].copy_from_slice(&0x7F80u16.to_le_bytes());
+        schema::push_last_hidden_states(&mut with_last, last.into(), Dtype::Bf16, 2);
+        assert_eq!(
+            check_finite(&with_last).unwrap_err(),
+            SampleError::LastHiddenNonFinite {
+                count: 1,
+                token: 1,
+                column: 0
+            }
+        );
+        let sequence = decode_sample(&with_last, EXPECT).unwrap();
+        let decoded = sequence.target_last_hidden.as_ref().unwrap();
+        assert_eq!(decoded.size(), vec![3, 2]);
+        assert_eq!(decoded.kind(), Kind::BFloat16);
+        require_last_hidden(&sequence, 2).unwrap();
+        let error = require_last_hidden(&sequence, 8).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("width 2, the drafter expects the target's hidden size 8"),
+            "{error}"
+        );
     }
 
     #[test]

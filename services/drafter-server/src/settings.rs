@@ -76,6 +76,11 @@ pub enum DraftArchitecture {
     /// the candidate selector, trained with the selector loss (speculators'
     /// defaults: kernel 2, group 16, rank 256, top-k 16, α 1).
     Dflash2,
+    /// speculators' `DSparkDraftModel`: the Markov and confidence heads,
+    /// trained by distillation from the target's distribution (needs the
+    /// targets' `--capture-last-hidden-state`; speculators' defaults: rank
+    /// 256, vanilla head, confidence head on `[h, W1[prev]]`, α 1).
+    Dspark,
 }
 
 /// `--attention`: see [`EngineSettings::attention_for`].

@@ -82,6 +82,7 @@ fn self_generated_sequences(
                 .map(|position| u8::from(position >= PROMPT_LENGTH))
                 .collect();
             Ok(TrainingSequence {
+                target_last_hidden: None,
                 input_ids: tokens,
                 loss_mask,
                 target_hidden: hidden,
@@ -142,6 +143,7 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
         stop_token_ids: Vec::new(),
         device: Device::Cpu,
         sampling: dflash_model::sampling::SamplingOptions::greedy(),
+        confidence_threshold: None,
     };
     let before = evaluate_with_options(target_dir, &untrained, &held_out, &eval_options).unwrap();
     let after = evaluate_with_options(target_dir, &trained, &held_out, &eval_options).unwrap();

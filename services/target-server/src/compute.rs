@@ -44,6 +44,9 @@ pub enum Backend {
     Target {
         model: Box<TargetModel>,
         layer_ids: Vec<usize>,
+        /// `--capture-last-hidden-state`: also the last hidden state after
+        /// the final norm, sent as `last_hidden_states`.
+        capture_last_hidden_state: bool,
     },
     Synthetic(SyntheticBackend),
 }
@@ -62,7 +65,9 @@ pub struct BackendInfo {
 impl Backend {
     pub fn info(&self) -> BackendInfo {
         match self {
-            Backend::Target { model, layer_ids } => BackendInfo {
+            Backend::Target {
+                model, layer_ids, ..
+            } => BackendInfo {
                 hidden_width: layer_ids.len() * model.config().hidden_size as usize,
                 layer_ids: layer_ids.clone(),
                 vocab_size: model.config().vocab_size,
@@ -208,6 +213,9 @@ pub enum HiddenStates {
 pub struct ComputedBatch {
     pub batch: PlannedBatch,
     pub hidden: HiddenStates,
+    /// `[B, T, hidden]` bf16 last hidden states after the final norm, when
+    /// the backend captures them (`--capture-last-hidden-state`).
+    pub last_hidden: Option<Tensor>,
     /// When the forward started (for the busy-time estimate).
     pub forward_started: Instant,
     /// The batch's trace span: it ends when the batch reaches host memory.
@@ -281,18 +289,27 @@ pub fn run_compute_thread(
             synthetic.hold_rate(&stop);
         }
         let forward_started = Instant::now();
-        let hidden = {
+        let (hidden, last_hidden) = {
             let _entered = span.enter();
             match &mut backend {
-                Backend::Target { model, layer_ids } => {
-                    HiddenStates::Batched(forward(model, layer_ids, &batch)?)
+                Backend::Target {
+                    model,
+                    layer_ids,
+                    capture_last_hidden_state,
+                } => {
+                    let (hidden, last_hidden) =
+                        forward(model, layer_ids, *capture_last_hidden_state, &batch)?;
+                    (HiddenStates::Batched(hidden), last_hidden)
                 }
-                Backend::Synthetic(synthetic) => HiddenStates::PerSample(synthetic.produce(&batch)),
+                Backend::Synthetic(synthetic) => {
+                    (HiddenStates::PerSample(synthetic.produce(&batch)), None)
+                }
             }
         };
         let item = ComputedBatch {
             batch,
             hidden,
+            last_hidden,
             forward_started,
             span,
             trace_context,
@@ -305,12 +322,14 @@ pub fn run_compute_thread(
 }
 
 /// Pads a batch, runs the capture and returns bf16 `[B, T, width]` on the
-/// device. Padding uses token id 0 with mask 0.
+/// device, and with `capture_last` the last hidden states `[B, T, hidden]`.
+/// Padding uses token id 0 with mask 0.
 fn forward(
     model: &TargetModel,
     layer_ids: &[usize],
+    capture_last: bool,
     batch: &PlannedBatch,
-) -> Result<Tensor, ComputeError> {
+) -> Result<(Tensor, Option<Tensor>), ComputeError> {
     let rows = batch.samples.len();
     let length = batch.padded_length();
     let mut ids = vec![0i64; rows * length];
@@ -327,8 +346,16 @@ fn forward(
     let attention_mask = Tensor::from_slice(&mask)
         .view(shape)
         .to_device(model.device());
+    if capture_last {
+        let (hidden, last) =
+            model.capture_hidden_states_and_last(&input_ids, &attention_mask, layer_ids)?;
+        return Ok((
+            hidden.f_to_kind(Kind::BFloat16)?,
+            Some(last.f_to_kind(Kind::BFloat16)?),
+        ));
+    }
     let hidden = model.capture_hidden_states(&input_ids, &attention_mask, layer_ids)?;
-    Ok(hidden.f_to_kind(Kind::BFloat16)?)
+    Ok((hidden.f_to_kind(Kind::BFloat16)?, None))
 }
 
 /// Copies finished batches to host memory, cuts them into samples and hands
@@ -351,6 +378,7 @@ pub fn run_host_copy_thread(
         let ComputedBatch {
             batch,
             hidden,
+            last_hidden,
             forward_started,
             span,
             trace_context,
@@ -358,6 +386,10 @@ pub fn run_host_copy_thread(
         let payloads = match hidden {
             HiddenStates::PerSample(payloads) => payloads,
             HiddenStates::Batched(tensor) => split_batch(&tensor, &batch)?,
+        };
+        let mut last_payloads = match &last_hidden {
+            Some(tensor) => Some(split_batch(tensor, &batch)?.into_iter()),
+            None => None,
         };
         let done = Instant::now();
         let busy_from =
@@ -380,12 +412,17 @@ pub fn run_host_copy_thread(
         }
         let mut samples = Vec::with_capacity(batch.samples.len());
         for (sequenced, hidden_payload) in batch.samples.into_iter().zip(payloads) {
+            let last_payload = last_payloads.as_mut().and_then(Iterator::next);
             // The fault shows at its source: a NaN or an infinity (a bf16
             // overflow, a faulty device) is never sent to the drafters.
-            let Some(non_finite) =
-                dflash_proto::sample::non_finite_values(&hidden_payload, Dtype::Bf16)
-            else {
-                samples.push((sequenced, hidden_payload));
+            let non_finite = dflash_proto::sample::non_finite_values(&hidden_payload, Dtype::Bf16)
+                .or_else(|| {
+                    last_payload.as_ref().and_then(|payload| {
+                        dflash_proto::sample::non_finite_values(payload, Dtype::Bf16)
+                    })
+                });
+            let Some(non_finite) = non_finite else {
+                samples.push((sequenced, hidden_payload, last_payload));
                 continue;
             };
             metrics.non_finite_samples.increment();
@@ -405,19 +442,29 @@ pub fn run_host_copy_thread(
         }
         let items: Vec<ReadyItem> = samples
             .into_iter()
-            .map(|(sequenced, hidden_payload)| {
+            .map(|(sequenced, hidden_payload, last_payload)| {
                 let tokens = sequenced.sequence.input_ids.len();
                 let width = (hidden_payload.len() / 2).checked_div(tokens).unwrap_or(0);
+                let mut sample = dflash_proto::sample::encode(
+                    &sequenced.sequence.input_ids,
+                    &sequenced.sequence.loss_mask,
+                    hidden_payload,
+                    Dtype::Bf16,
+                    width as u64,
+                );
+                if let Some(last_payload) = last_payload {
+                    let last_width = (last_payload.len() / 2).checked_div(tokens).unwrap_or(0);
+                    dflash_proto::sample::push_last_hidden_states(
+                        &mut sample,
+                        last_payload,
+                        Dtype::Bf16,
+                        last_width as u64,
+                    );
+                }
                 ReadyItem {
                     item: Item {
                         seq: sequenced.seq,
-                        sample: Some(dflash_proto::sample::encode(
-                            &sequenced.sequence.input_ids,
-                            &sequenced.sequence.loss_mask,
-                            hidden_payload,
-                            Dtype::Bf16,
-                            width as u64,
-                        )),
+                        sample: Some(sample),
                         trace_context: trace_context.clone(),
                     },
                     tokens: tokens as u64,

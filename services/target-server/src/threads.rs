@@ -31,6 +31,11 @@ pub(crate) const BATCH_CHANNEL_DEPTH: usize = 2;
 fn load_backend(config: &ComputeSettings, device: Device) -> Result<Backend, TargetServerError> {
     match &config.model {
         ModelSource::Synthetic(spec) => {
+            if config.capture_last_hidden_state {
+                return Err(TargetServerError::Config(
+                    "--capture-last-hidden-state needs a model directory: a synthetic model has no last hidden state".to_string(),
+                ));
+            }
             if config
                 .layer_ids
                 .as_ref()
@@ -64,6 +69,7 @@ fn load_backend(config: &ComputeSettings, device: Device) -> Result<Backend, Tar
             Ok(Backend::Target {
                 model: Box::new(model),
                 layer_ids,
+                capture_last_hidden_state: config.capture_last_hidden_state,
             })
         }
     }

@@ -456,3 +456,65 @@ async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_s
     broker.stop().await;
     Ok(())
 }
+
+/// `--capture-last-hidden-state` (DSpark's teacher): every sample also
+/// carries `last_hidden_states` `[T, hidden]` bf16, the final-normed last
+/// hidden state, whose LM head output is the target's own logits; without
+/// the flag no sample carries it (DFlash runs do not pay its bytes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_hidden_state_is_sent_only_when_asked_and_gives_the_target_logits() -> Result<()> {
+    let scratch = tempfile::tempdir()?;
+    let model = write_model(scratch.path())?;
+    let lines: Vec<String> = mixed_data_lines().into_iter().take(4).collect();
+    let data = scratch.path().join("train.jsonl");
+    write_lines(&data, &lines)?;
+    let reference = TargetModel::load(&model, tch::Device::Cpu, tch::Kind::Float)?;
+    for capture in [true, false] {
+        let broker = TestBroker::for_targets(1).await;
+        let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
+        let mut config = target_config(&broker.address, "target-0", &model, &data);
+        config.capture_last_hidden_state = capture;
+        let report = run(config, CancellationToken::new()).await?;
+        ensure!(report.completed, "{report:?}");
+        let drained = drafter.await??;
+        ensure!(drained.deliveries.len() == lines.len());
+        for delivery in &drained.deliveries {
+            let sample = delivery
+                .sample
+                .as_ref()
+                .context("delivery without sample")?;
+            let tokens = check_shapes(sample, 5 * 64)?;
+            let decoded = dflash_proto::sample::decode(sample)?;
+            let Some(last) = decoded.last_hidden_states else {
+                ensure!(!capture, "seq {}: no last_hidden_states", delivery.seq);
+                continue;
+            };
+            ensure!(
+                capture,
+                "seq {}: last_hidden_states without the flag",
+                delivery.seq
+            );
+            ensure!(last.width == 64 && last.dtype == proto::Dtype::Bf16);
+            let ids = input_ids_of(sample)?;
+            let input = tch::Tensor::from_slice(&ids).view([1, tokens as i64]);
+            let expected_logits = reference.logits(&input, &input.ones_like())?.get(0);
+            let sent = tch::Tensor::from_slice(&bf16_values(last.tensor)).view([tokens as i64, 64]);
+            let logits = reference.lm_head_logits(&sent);
+            // bf16 keeps 8 bits of mantissa: the argmax of the logits made
+            // from the sent state is the target's at nearly every token.
+            let agreeing = logits
+                .argmax(-1, false)
+                .eq_tensor(&expected_logits.argmax(-1, false))
+                .to_kind(tch::Kind::Float)
+                .mean(tch::Kind::Float)
+                .double_value(&[]);
+            ensure!(
+                agreeing > 0.95,
+                "seq {}: argmax agrees at {agreeing}",
+                delivery.seq
+            );
+        }
+        broker.stop().await;
+    }
+    Ok(())
+}

@@ -75,6 +75,12 @@ pub struct SamplingArgs {
     /// Seed of the sampling (each prompt draws from its own generator).
     #[arg(long, default_value_t = 0)]
     pub sampling_seed: u64,
+    /// DSpark drafters: propose each block only while the cumulative product
+    /// of the confidence head's acceptance probabilities stays at or above
+    /// this (in [0, 1]; at least one token); unset proposes whole blocks.
+    /// Other drafters ignore it.
+    #[arg(long)]
+    pub confidence_threshold: Option<f64>,
 }
 
 impl SamplingArgs {

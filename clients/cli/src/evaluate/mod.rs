@@ -91,6 +91,7 @@ pub async fn run(
             stop_token_ids: dflash_model::tokens::eos_token_ids(&args.target),
             device,
             sampling: args.sampling.options(),
+            confidence_threshold: args.sampling.confidence_threshold,
         },
         prompts: Arc::new(prompts),
     };

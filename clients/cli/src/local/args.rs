@@ -32,10 +32,12 @@ pub struct LocalArgs {
     #[arg(long, default_value_t = 2)]
     pub drafters: u32,
 
-    /// The draft model the drafters train: `dflash`, or `dflash2` (grouped
-    /// dynamic convolutions and the path selector; docs/dflash2.md). τ is
-    /// measured the way each decodes.
-    #[arg(long, default_value = "dflash", value_parser = ["dflash", "dflash2"])]
+    /// The draft model the drafters train: `dflash`, `dflash2` (grouped
+    /// dynamic convolutions and the path selector; docs/dflash2.md) or
+    /// `dspark` (Markov and confidence heads, distilled from the target's
+    /// distribution: the targets then send their last hidden state;
+    /// docs/dspark.md). τ is measured the way each decodes.
+    #[arg(long, default_value = "dflash", value_parser = ["dflash", "dflash2", "dspark"])]
     pub draft_architecture: String,
 
     /// Target model directory (Hugging Face layout). Default: the tiny model

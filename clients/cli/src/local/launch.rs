@@ -211,7 +211,16 @@ pub(super) fn start_targets(
         // tiny default's shape) feeding real drafters.
         match (&inputs.model_dir, args.synthetic) {
             _ if sets_flag(&extra_flags, "--model") => {}
-            (Some(model), false) => flags.extend(["--model".into(), model.display().to_string()]),
+            (Some(model), false) => {
+                flags.extend(["--model".into(), model.display().to_string()]);
+                // A DSpark drafter distils the target's distribution from
+                // its last hidden state; other drafters do not pay its bytes.
+                if args.draft_architecture == "dspark"
+                    && !sets_flag(&extra_flags, "--capture-last-hidden-state")
+                {
+                    flags.push("--capture-last-hidden-state".into());
+                }
+            }
             _ => flags.extend([
                 "--model".into(),
                 "synthetic:hidden=256,layers=2,tokens_per_s=20000,samples=200,seq_len=128".into(),

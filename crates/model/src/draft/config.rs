@@ -11,6 +11,7 @@
 
 use serde_json::{json, Value};
 
+use super::dspark_config::DsparkConfig;
 use super::error::DraftError;
 use crate::layers::{Llama3RopeScaling, RopeParams};
 use crate::target_model::TargetConfig;
@@ -55,6 +56,10 @@ pub struct DraftConfig {
     /// DFlash2's additions (grouped dynamic convolutions in every layer and
     /// the candidate selector); `None` is plain DFlash.
     pub dflash2: Option<Dflash2Config>,
+    /// DSpark's additions (Markov head, confidence head, distillation from
+    /// the target's distribution); `None` is plain DFlash. Exclusive with
+    /// `dflash2`. A DSpark checkpoint is written in speculators' format.
+    pub dspark: Option<DsparkConfig>,
 }
 
 /// The keys `dflash`'s `DFlash2DraftModel` reads on top of DFlash's, plus
@@ -92,6 +97,9 @@ impl Default for Dflash2Config {
 /// Architecture names of the two draft models in `config.json`.
 pub const DFLASH_ARCHITECTURE: &str = "DFlashDraftModel";
 pub const DFLASH2_ARCHITECTURE: &str = "DFlash2DraftModel";
+/// speculators' class of DSpark checkpoints (`speculators_model_type`
+/// `dspark`).
+pub const DSPARK_ARCHITECTURE: &str = "DSparkDraftModel";
 
 /// The target-side facts a draft configuration is derived from.
 #[derive(Debug, Clone, PartialEq)]
@@ -178,6 +186,17 @@ impl DraftConfig {
             mask_token_id: options.mask_token_id,
             initializer_range: 0.02,
             dflash2: None,
+            dspark: None,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// This configuration with DSpark's additions switched on (validated).
+    pub fn with_dspark(self, dspark: DsparkConfig) -> Result<Self, DraftError> {
+        let config = DraftConfig {
+            dspark: Some(dspark),
+            ..self
         };
         config.validate()?;
         Ok(config)
@@ -197,6 +216,8 @@ impl DraftConfig {
     pub fn architecture(&self) -> &'static str {
         if self.dflash2.is_some() {
             DFLASH2_ARCHITECTURE
+        } else if self.dspark.is_some() {
+            DSPARK_ARCHITECTURE
         } else {
             DFLASH_ARCHITECTURE
         }
@@ -262,6 +283,12 @@ impl DraftConfig {
         if let Some(dflash2) = &self.dflash2 {
             dflash2.validate(self)?;
         }
+        if let Some(dspark) = &self.dspark {
+            if self.dflash2.is_some() {
+                return invalid("a draft config cannot be both DFlash2 and DSpark".to_string());
+            }
+            dspark.validate()?;
+        }
         Ok(())
     }
 
@@ -270,6 +297,9 @@ impl DraftConfig {
     /// DFlash keys both at the top level (older readers) and in
     /// `dflash_config` (read first by `dflash` 0.1.0).
     pub fn to_hf_json(&self, torch_dtype: &str) -> Value {
+        if let Some(dspark) = &self.dspark {
+            return self.to_speculators_json(dspark, torch_dtype);
+        }
         let mut rope_parameters = json!({ "rope_type": "default", "rope_theta": self.rope.theta });
         let mut rope_scaling = Value::Null;
         if let Some(scaling) = &self.rope.scaling {
@@ -338,6 +368,14 @@ impl DraftConfig {
     /// Reads a checkpoint's `config.json`, looking up the DFlash keys in
     /// `dflash_config` first and at the top level second, like the reference.
     pub fn from_hf_json(value: &Value) -> Result<Self, DraftError> {
+        if let Some(model_type) = value.get("speculators_model_type") {
+            return match model_type.as_str() {
+                Some("dspark") => Self::from_speculators_json(value),
+                _ => Err(DraftError::InvalidConfig(format!(
+                    "config.json: speculators_model_type {model_type} is not supported (only \"dspark\" is read in speculators' format)"
+                ))),
+            };
+        }
         let integer = |name: &str| -> Result<i64, DraftError> {
             dflash_value(value, name)
                 .and_then(Value::as_i64)
@@ -403,10 +441,133 @@ impl DraftConfig {
                 .and_then(Value::as_f64)
                 .unwrap_or(0.02),
             dflash2: dflash2_from_json(value)?,
+            dspark: None,
         };
         reject_unimplemented_transforms(value)?;
         config.validate()?;
         Ok(config)
+    }
+}
+
+/// Keys of the DFlash `config.json` that speculators keeps outside its
+/// `transformer_layer_config` (or names otherwise).
+const DFLASH_ONLY_KEYS: [&str; 6] = [
+    "architectures",
+    "block_size",
+    "num_target_layers",
+    "mask_token_id",
+    "target_layer_ids",
+    "dflash_config",
+];
+
+impl DraftConfig {
+    /// speculators 0.9.0's `config.json` of a DSpark drafter
+    /// (`DSparkSpeculatorConfig`): the Qwen3 layer configuration under
+    /// `transformer_layer_config`, the DFlash keys under speculators' names
+    /// (`aux_hidden_state_layer_ids`, `draft_vocab_size`), DSpark's keys at
+    /// the top level, and `speculators_config` (greedy proposals of
+    /// `block_size` tokens: with `sample_from_anchor` every slot drafts).
+    /// The target's depth is kept as `num_target_layers` (speculators' config
+    /// allows extra keys), so the file reads back into this configuration.
+    fn to_speculators_json(&self, dspark: &DsparkConfig, torch_dtype: &str) -> Value {
+        let dflash = DraftConfig {
+            dspark: None,
+            ..self.clone()
+        };
+        let mut layer = dflash.to_hf_json(torch_dtype);
+        if let Some(keys) = layer.as_object_mut() {
+            for key in DFLASH_ONLY_KEYS {
+                keys.remove(key);
+            }
+        }
+        let mut config = json!({
+            "architectures": [DSPARK_ARCHITECTURE],
+            "speculators_model_type": "dspark",
+            "speculators_version": "0.9.0",
+            "speculators_config": {
+                "algorithm": "dspark",
+                "proposal_methods": [{
+                    "proposal_type": "greedy",
+                    "speculative_tokens": self.block_size,
+                }],
+                "default_proposal_method": "greedy",
+                "verifier": { "name_or_path": null, "architectures": [] },
+            },
+            "transformer_layer_config": layer,
+            "draft_vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "target_hidden_size": null,
+            "aux_hidden_state_layer_ids": self.target_layer_ids,
+            "mask_token_id": self.mask_token_id,
+            "sliding_window_non_causal": false,
+            "num_target_layers": self.num_target_layers,
+            "torch_dtype": torch_dtype,
+            "dtype": torch_dtype,
+        });
+        for (name, value) in dspark.json_keys() {
+            config[name] = value;
+        }
+        config
+    }
+
+    /// Reads speculators' DSpark `config.json` (see
+    /// [`DraftConfig::to_speculators_json`]). A reduced draft vocabulary
+    /// (`draft_vocab_size` other than the target's) is refused by value.
+    fn from_speculators_json(value: &Value) -> Result<Self, DraftError> {
+        let missing = |name: &str| {
+            DraftError::InvalidConfig(format!(
+                "config.json (speculators dspark): missing or invalid {name:?}"
+            ))
+        };
+        let mut layer = value
+            .get("transformer_layer_config")
+            .filter(|layer| layer.is_object())
+            .cloned()
+            .ok_or_else(|| missing("transformer_layer_config"))?;
+        let vocab_size = layer
+            .get("vocab_size")
+            .and_then(Value::as_i64)
+            .ok_or_else(|| missing("transformer_layer_config.vocab_size"))?;
+        if let Some(draft_vocab) = value
+            .get("draft_vocab_size")
+            .filter(|found| !found.is_null())
+        {
+            if draft_vocab.as_i64() != Some(vocab_size) {
+                return Err(DraftError::InvalidConfig(format!(
+                    "config.json: draft_vocab_size {draft_vocab} differs from the vocabulary of {vocab_size} tokens (a reduced draft vocabulary is not implemented)"
+                )));
+            }
+        }
+        let target_layer_ids = value
+            .get("aux_hidden_state_layer_ids")
+            .filter(|ids| ids.is_array())
+            .ok_or_else(|| missing("aux_hidden_state_layer_ids"))?;
+        let ids = target_layer_ids.as_array().map(Vec::len).unwrap_or(0) as i64;
+        let max_id = target_layer_ids
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_i64)
+            .max()
+            .unwrap_or(0);
+        let num_target_layers = match value.get("num_target_layers").filter(|n| !n.is_null()) {
+            Some(found) => found.clone(),
+            // Written by speculators itself: the target's depth is not
+            // stored; the largest tapped layer bounds it from below.
+            None => json!((max_id + 1).max(ids)),
+        };
+        for (name, found) in [
+            ("block_size", value.get("block_size").cloned()),
+            ("mask_token_id", value.get("mask_token_id").cloned()),
+        ] {
+            layer[name] = found
+                .filter(|found| !found.is_null())
+                .ok_or_else(|| missing(name))?;
+        }
+        layer["target_layer_ids"] = target_layer_ids.clone();
+        layer["num_target_layers"] = num_target_layers;
+        let dflash = DraftConfig::from_hf_json(&layer)?;
+        dflash.with_dspark(DsparkConfig::from_json(value)?)
     }
 }
 
@@ -609,6 +770,56 @@ mod tests {
         assert_eq!(json["dflash_config"]["mask_token_id"], 99);
         assert_eq!(json["architectures"][0], "DFlashDraftModel");
         assert_eq!(DraftConfig::from_hf_json(&json).unwrap(), config);
+    }
+
+    #[test]
+    fn dspark_config_json_is_speculators_format_and_round_trips() {
+        use crate::draft::dspark_config::{DsparkConfig, MarkovHeadType};
+        let options = DraftOptions {
+            num_draft_layers: Some(2),
+            block_size: Some(4),
+            mask_token_id: 99,
+            target_layer_ids: None,
+        };
+        let dspark = DsparkConfig {
+            markov_rank: 16,
+            markov_head_type: MarkovHeadType::Gated,
+            confidence_head_alpha: 0.5,
+            ..DsparkConfig::default()
+        };
+        let config = DraftConfig::for_target(&tiny_target(), &options)
+            .unwrap()
+            .with_dspark(dspark)
+            .unwrap();
+        let json = config.to_hf_json("float32");
+        assert_eq!(json["speculators_model_type"], "dspark");
+        assert_eq!(json["architectures"][0], DSPARK_ARCHITECTURE);
+        assert_eq!(json["aux_hidden_state_layer_ids"], json!([1, 5]));
+        assert_eq!(json["markov_head_type"], "gated");
+        assert_eq!(json["transformer_layer_config"]["num_hidden_layers"], 2);
+        assert!(json["transformer_layer_config"]
+            .get("dflash_config")
+            .is_none());
+        assert_eq!(
+            json["speculators_config"]["proposal_methods"][0]["speculative_tokens"],
+            4
+        );
+        assert_eq!(DraftConfig::from_hf_json(&json).unwrap(), config);
+
+        let mut reduced = json.clone();
+        reduced["draft_vocab_size"] = json!(50);
+        let error = DraftConfig::from_hf_json(&reduced).unwrap_err().to_string();
+        assert!(error.contains("draft_vocab_size 50"), "{error}");
+        let mut other = json;
+        other["speculators_model_type"] = json!("eagle3");
+        let error = DraftConfig::from_hf_json(&other).unwrap_err().to_string();
+        assert!(error.contains("\"eagle3\""), "{error}");
+        let both = DraftConfig {
+            dflash2: Some(Dflash2Config::default()),
+            ..config
+        };
+        let error = both.validate().unwrap_err().to_string();
+        assert!(error.contains("both DFlash2 and DSpark"), "{error}");
     }
 
     #[test]

@@ -41,6 +41,9 @@
 //!   form each kernel wants (boolean, or additive per chunk of blocks).
 //! - `context_cache`: [`DraftContextCache`] and the cached one-block forward
 //!   of speculative decoding.
+//! - `markov`: DSpark's Markov and confidence heads over the final draft
+//!   hidden states, over whole blocks (training) or one position at a time
+//!   (decoding, [`MarkovState`]).
 
 mod attention;
 mod attention_implementation;
@@ -48,6 +51,7 @@ mod attention_masks;
 mod context_cache;
 mod convolution;
 mod forward;
+mod markov;
 mod network;
 mod parameters;
 mod selector;
@@ -55,6 +59,7 @@ mod selector;
 pub use attention_implementation::{AttentionImplementation, DEFAULT_BLOCKS_PER_ATTENTION_CHUNK};
 pub use context_cache::DraftContextCache;
 pub(crate) use forward::backward_with_gradient;
+pub use markov::{DsparkBlockHeads, DsparkPositionHeads, MarkovState};
 pub use network::{BlockInputs, DraftModel};
 pub(crate) use parameters::add_named_variable;
 pub use parameters::{

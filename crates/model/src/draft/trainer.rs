@@ -20,8 +20,8 @@ use super::error::{DraftError, SkippedStep};
 use super::model::{AttentionImplementation, DraftModel, FrozenTargetHeads};
 use super::objective::accuracy_ratios;
 use super::objective::{
-    compute_objective_backward, overall_accuracy, pack_batch, sample_anchors, ObjectiveMemory,
-    SelectorTotals, TrainingSequence,
+    compute_objective_backward, overall_accuracy, pack_batch, sample_anchors, DsparkTotals,
+    ObjectiveMemory, SelectorTotals, TrainingSequence,
 };
 use super::optim::{AdamW, AdamWSettings, LearningRateSchedule};
 
@@ -104,7 +104,8 @@ pub struct StepReport {
     /// `α` × selector, see [`SelectorReport`]).
     pub loss: f64,
     pub accuracy: f64,
-    /// Accuracy at block positions 1..B−1.
+    /// Accuracy at block positions 1..B−1 (DSpark: slots 0..B−1, the
+    /// drafter's argmax against the target's).
     pub accuracy_per_position: Vec<f64>,
     pub learning_rate: f64,
     /// Gradient norm before clipping.
@@ -113,6 +114,67 @@ pub struct StepReport {
     pub tokens: usize,
     /// DFlash2's selector figures; `None` for DFlash.
     pub selector: Option<SelectorReport>,
+    /// DSpark's figures; `None` for DFlash and DFlash2 (boxed: a step
+    /// report travels in events whose other variants are small).
+    pub dspark: Option<Box<DsparkReport>>,
+}
+
+/// DSpark's part of a step report (speculators 0.9.0's metrics).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DsparkReport {
+    /// `Σ w·KL(target ‖ drafter) / Σ w`.
+    pub distillation_loss: f64,
+    /// `Σ w·BCE(confidence, 1 − TV) / Σ w`; `None` without a confidence head.
+    pub confidence_loss: Option<f64>,
+    /// Mean analytical acceptance rate `1 − TV(q, p)` over supervised slots.
+    pub accept_rate: f64,
+    /// Expected accepted length per block under rejection sampling (the
+    /// cumulative product of the acceptance rates, plus the bonus token).
+    pub accept_length: f64,
+    /// Accepted length per block at temperature 0 (leading run of argmax
+    /// matches, plus the bonus token): comparable across the DFlash family.
+    pub greedy_accept_length: f64,
+    /// Mean `|σ(confidence) − (1 − TV)|`; `None` without a confidence head.
+    pub confidence_absolute_error: Option<f64>,
+    /// Mean predicted acceptance `σ(confidence)`; `None` without one.
+    pub confidence_mean_prediction: Option<f64>,
+    /// Mean signed error of the cumulative confidence product against the
+    /// cumulative acceptance product (what the verify-length schedule
+    /// reads); `None` without a confidence head.
+    pub confidence_cumulative_bias: Option<f64>,
+}
+
+impl DsparkReport {
+    /// The report of a step's summed DSpark totals.
+    pub fn from_totals(totals: &DsparkTotals) -> Self {
+        let mean = |sum: f64, count: f64| {
+            if count > 0.0 {
+                sum / count
+            } else {
+                f64::NAN
+            }
+        };
+        let confidence = |value: f64| totals.has_confidence_head.then_some(value);
+        DsparkReport {
+            distillation_loss: mean(totals.weighted_distillation, totals.weight_sum),
+            confidence_loss: confidence(mean(totals.weighted_confidence, totals.weight_sum)),
+            accept_rate: mean(totals.accept_rate_sum, totals.supervised),
+            accept_length: mean(totals.accept_length_sum, totals.valid_blocks),
+            greedy_accept_length: mean(totals.greedy_accept_length_sum, totals.valid_blocks),
+            confidence_absolute_error: confidence(mean(
+                totals.confidence_absolute_error_sum,
+                totals.supervised,
+            )),
+            confidence_mean_prediction: confidence(mean(
+                totals.confidence_prediction_sum,
+                totals.supervised,
+            )),
+            confidence_cumulative_bias: confidence(mean(
+                totals.confidence_cumulative_bias_sum,
+                totals.supervised,
+            )),
+        }
+    }
 }
 
 /// DFlash2's part of a step report (speculators' metrics).
@@ -162,6 +224,8 @@ struct Accumulation {
     micro_batches: u64,
     /// DFlash2's selector sums.
     selector: Option<SelectorTotals>,
+    /// DSpark's sums.
+    dspark: Option<DsparkTotals>,
 }
 
 /// The draft model with its optimizer, schedule and progress.
@@ -335,6 +399,12 @@ impl DraftTrainer {
                 .get_or_insert_with(SelectorTotals::default)
                 .add(totals);
         }
+        if let Some(totals) = &output.dspark {
+            accumulation
+                .dspark
+                .get_or_insert_with(DsparkTotals::default)
+                .add(totals);
+        }
         accumulation.samples += sequences.len();
         accumulation.tokens += batch.num_tokens;
         accumulation.micro_batches += 1;
@@ -414,6 +484,10 @@ impl DraftTrainer {
                 .selector
                 .as_ref()
                 .map(|totals| SelectorReport::from_totals(totals, accumulation.weight_sum)),
+            dspark: accumulation
+                .dspark
+                .as_ref()
+                .map(|totals| Box::new(DsparkReport::from_totals(totals))),
         })
     }
 

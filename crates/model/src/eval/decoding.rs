@@ -5,6 +5,16 @@
 //! verdict on them (the longest prefix equal to its greedy choices, or
 //! speculative rejection sampling, which keeps the output distributed as
 //! the target's own sampling), plus its bonus token.
+//!
+//! A DSpark drafter (speculators' `DSparkDraftModel`, `sample_from_anchor`)
+//! drafts every slot of its block, the anchor's included: slot `k`
+//! proposes the token after position `anchor + k`, semi-autoregressively:
+//! the backbone ran once for the block, then slot by slot the Markov bias of
+//! the token drafted before it (the anchor for slot 0) is added to the
+//! slot's logits before its token is chosen (argmax or a draw). With a
+//! confidence threshold the block is cut where the cumulative product of
+//! the confidence head's acceptance probabilities falls below it (at least
+//! one token is proposed).
 
 use tch::{Device, Kind, Tensor};
 
@@ -56,14 +66,26 @@ impl Decoding {
     }
 
     /// The drafter's proposals for the block positions after the anchor,
-    /// from their draft hidden states `[positions, hidden]`.
+    /// from their draft hidden states `[positions, hidden]` (DSpark: every
+    /// slot's, the anchor's first; at most `max_proposals` are drafted, cut
+    /// further by `confidence_threshold`).
     pub(super) fn propose(
         &mut self,
         drafter: &DraftModel,
         draft_hidden: &Tensor,
         anchor_token: i64,
+        max_proposals: usize,
+        confidence_threshold: Option<f64>,
     ) -> Result<Proposal, EvalError> {
-        if drafter.is_dflash2() {
+        if drafter.is_dspark() {
+            self.propose_dspark(
+                drafter,
+                draft_hidden,
+                anchor_token,
+                max_proposals,
+                confidence_threshold,
+            )
+        } else if drafter.is_dflash2() {
             self.propose_with_selector(drafter, draft_hidden, anchor_token)
         } else {
             let logits = drafter.logits(draft_hidden);
@@ -89,6 +111,64 @@ impl Decoding {
                 }
             }
         }
+    }
+
+    /// DSpark: slot by slot, the backbone's logits plus the Markov bias of
+    /// the token drafted before (the anchor first), then argmax or a draw
+    /// from the sampling distribution of those biased logits.
+    fn propose_dspark(
+        &mut self,
+        drafter: &DraftModel,
+        draft_hidden: &Tensor,
+        anchor_token: i64,
+        max_proposals: usize,
+        confidence_threshold: Option<f64>,
+    ) -> Result<Proposal, EvalError> {
+        let device = drafter.device();
+        let slots = (draft_hidden.size()[0].max(0) as usize).min(max_proposals);
+        let mut state = drafter.markov_start();
+        let mut previous = anchor_token;
+        let mut cumulative_confidence = 1.0f64;
+        let mut tokens = Vec::with_capacity(slots);
+        let mut distributions = Vec::new();
+        for slot in 0..slots {
+            let hidden = draft_hidden.narrow(0, slot as i64, 1);
+            let previous_token = Tensor::from_slice(&[previous]).to_device(device);
+            let heads = drafter.dspark_position(&mut state, &hidden, &previous_token)?;
+            if let Some(confidence_logit) = &heads.confidence_logits {
+                let confidence = confidence_logit.sigmoid().double_value(&[0]);
+                cumulative_confidence *= confidence;
+                if let Some(threshold) = confidence_threshold {
+                    if slot > 0 && cumulative_confidence < threshold {
+                        break;
+                    }
+                }
+            }
+            let unbiased = drafter.logits(&hidden);
+            let logits = match &heads.markov_bias {
+                Some(bias) => unbiased + bias,
+                None => unbiased,
+            };
+            let token = match self {
+                Decoding::Greedy => logits.argmax(-1, false).int64_value(&[0]),
+                Decoding::Sampled { options, sampler } => {
+                    let row =
+                        probability_rows(&sampling_probabilities(&logits, options))?.remove(0);
+                    let token = sampler.sample(&row);
+                    distributions.push(DraftDistribution {
+                        candidates: None,
+                        probabilities: row,
+                    });
+                    token
+                }
+            };
+            tokens.push(token);
+            previous = token;
+        }
+        Ok(Proposal {
+            tokens,
+            distributions,
+        })
     }
 
     /// DFlash2: the candidate selector's walk from the anchor, each

@@ -33,6 +33,7 @@ pub fn evaluate(
         stop_token_ids: crate::tokens::eos_token_ids(target_dir),
         device,
         sampling: SamplingOptions::greedy(),
+        confidence_threshold: None,
     };
     evaluate_with_options(target_dir, drafter_checkpoint_dir, prompts, &options)
 }
@@ -128,6 +129,7 @@ fn evaluate_drafter(
         });
     }
     options.sampling.validate().map_err(EvalError::Sampling)?;
+    super::generation::validate_confidence_threshold(options.confidence_threshold)?;
     let started = Instant::now();
     let mut report = EvalReport {
         mean_acceptance_length: 0.0,
@@ -138,6 +140,7 @@ fn evaluate_drafter(
         block_size: drafter.config().block_size,
         seconds: 0.0,
         target_forwards: 0,
+        proposed_tokens: 0,
         outputs: Vec::with_capacity(prompts.len()),
     };
     for (index, prompt) in prompts.iter().enumerate() {
@@ -151,7 +154,9 @@ fn evaluate_drafter(
             options.max_new_tokens,
             &options.stop_token_ids,
             &mut Decoding::new(&options.sampling, index as u64),
+            options.confidence_threshold,
         )?;
+        report.proposed_tokens += trace.proposed_tokens.iter().map(Vec::len).sum::<usize>();
         report.generated_tokens += trace.token_ids.len() - prompt.len();
         report.target_forwards += trace.target_forwards;
         report.acceptance_lengths.extend(&trace.acceptance_lengths);

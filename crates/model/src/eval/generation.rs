@@ -57,6 +57,7 @@ pub fn speculative_generate_uncached(
         max_new_tokens,
         stop_token_ids,
         &mut Decoding::Greedy,
+        None,
     )
 }
 
@@ -68,6 +69,7 @@ fn generate_uncached(
     max_new_tokens: usize,
     stop_token_ids: &[i64],
     decoding: &mut Decoding,
+    confidence_threshold: Option<f64>,
 ) -> Result<GenerationTrace, EvalError> {
     let _no_grad = tch::no_grad_guard();
     let device = target.device();
@@ -78,6 +80,7 @@ fn generate_uncached(
         return Ok(GenerationTrace::prompt_only(prompt));
     }
     let mut acceptance_lengths = Vec::new();
+    let mut proposed_tokens = Vec::new();
     let mut draft_context_positions = 0;
     // Prefill: the first new token comes from the target alone.
     let mut token_ids = prompt.to_vec();
@@ -88,19 +91,27 @@ fn generate_uncached(
     let mut start = prompt.len();
     let mut stopped = stop_token_ids.contains(&token_ids[start]);
     while start + 1 < max_length && !stopped {
-        let mut block = masked_block(config, token_ids[start], max_length - start);
-        let verify_size = block.len();
+        let (draft, max_proposals) =
+            draft_block_and_proposals(drafter, token_ids[start], max_length - start);
         let mut proposal = Proposal::empty();
-        if verify_size > 1 {
+        if max_proposals > 0 {
             let (context_ids, context_mask) = ids_tensor(&token_ids[..start], device);
             let context_hidden =
                 target.capture_hidden_states(&context_ids, &context_mask, &layer_ids)?;
-            let draft_hidden = draft_block(drafter, &context_hidden, &block, start)?;
-            proposal = decoding.propose(drafter, &draft_hidden, block[0])?;
+            let draft_hidden = draft_block(drafter, &context_hidden, &draft, start)?;
+            proposal = decoding.propose(
+                drafter,
+                &draft_hidden,
+                draft[0],
+                max_proposals,
+                confidence_threshold,
+            )?;
             draft_context_positions += start;
-            block[1..].copy_from_slice(&proposal.tokens);
         }
-        // Verify: the target's logits after each block position.
+        // Verify: the target's logits after the anchor and each proposal.
+        let block = [&draft[..1], proposal.tokens.as_slice()].concat();
+        let verify_size = block.len();
+        proposed_tokens.push(proposal.tokens.clone());
         let mut candidate = token_ids[..start].to_vec();
         candidate.extend_from_slice(&block);
         let logits = target_logits(target, &candidate)?.narrow(0, start as i64, verify_size as i64);
@@ -124,6 +135,7 @@ fn generate_uncached(
     Ok(GenerationTrace {
         token_ids,
         acceptance_lengths,
+        proposed_tokens,
         target_forwards,
         draft_context_positions,
     })
@@ -195,10 +207,45 @@ fn draft_block(
         block_token_ids: &block_tensor,
         anchor_positions: &anchor,
     })?;
+    let first = first_drafting_slot(drafter);
     Ok(draft_hidden
         .get(0)
         .get(0)
-        .narrow(0, 1, block.len() as i64 - 1))
+        .narrow(0, first, block.len() as i64 - first))
+}
+
+/// The first block slot that drafts a token: 1 for DFlash and DFlash2 (the
+/// anchor slot predicts nothing), 0 for DSpark (`sample_from_anchor`: slot
+/// `k` predicts the token after `anchor + k`).
+fn first_drafting_slot(drafter: &DraftModel) -> i64 {
+    if drafter.is_dspark() {
+        0
+    } else {
+        1
+    }
+}
+
+/// The block the drafter reads at `start` (`anchor_token`, then masks) and
+/// how many tokens it may propose there, `left` positions remaining. DFlash
+/// and DFlash2 draft a block cut to what is left (its slots after the
+/// anchor propose); DSpark always drafts its whole block (its training
+/// shape) and proposes from its first slots, one per position left after
+/// the anchor.
+fn draft_block_and_proposals(
+    drafter: &DraftModel,
+    anchor_token: i64,
+    left: usize,
+) -> (Vec<i64>, usize) {
+    let config = drafter.config();
+    if drafter.is_dspark() {
+        let block = masked_block(config, anchor_token, config.block_size as usize);
+        let proposals = (config.block_size as usize).min(left.saturating_sub(1));
+        (block, proposals)
+    } else {
+        let block = masked_block(config, anchor_token, left);
+        let proposals = block.len() - 1;
+        (block, proposals)
+    }
 }
 
 /// The draft hidden states `[block − 1, hidden]` of the positions after
@@ -213,7 +260,10 @@ fn draft_block_cached(
         .view([1, block.len() as i64])
         .to_device(drafter.device());
     let draft_hidden = drafter.forward_block_cached(context, &block_tensor)?;
-    Ok(draft_hidden.get(0).narrow(0, 1, block.len() as i64 - 1))
+    let first = first_drafting_slot(drafter);
+    Ok(draft_hidden
+        .get(0)
+        .narrow(0, first, block.len() as i64 - first))
 }
 
 /// Speculative decoding of one prompt (greedy verification) with the
@@ -235,6 +285,7 @@ pub fn speculative_generate(
         max_new_tokens,
         stop_token_ids,
         &mut Decoding::Greedy,
+        None,
     )
 }
 
@@ -258,10 +309,53 @@ pub fn speculative_generate_sampled(
         max_new_tokens,
         stop_token_ids,
         &mut Decoding::new(sampling, sequence_id),
+        None,
     )
 }
 
-/// [`speculative_generate`] with greedy or sampled `decoding`.
+/// [`speculative_generate_sampled`] of a DSpark drafter whose verify length
+/// is scheduled by its confidence head: each block's proposals stop where
+/// the cumulative product of the predicted acceptance probabilities falls
+/// below `confidence_threshold` (at least one is proposed). Other drafters
+/// ignore the threshold.
+#[allow(clippy::too_many_arguments)]
+pub fn speculative_generate_scheduled(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompt: &[i64],
+    max_new_tokens: usize,
+    stop_token_ids: &[i64],
+    sampling: &SamplingOptions,
+    sequence_id: u64,
+    confidence_threshold: f64,
+) -> Result<GenerationTrace, EvalError> {
+    sampling.validate().map_err(EvalError::Sampling)?;
+    validate_confidence_threshold(Some(confidence_threshold))?;
+    generate_cached(
+        target,
+        drafter,
+        prompt,
+        max_new_tokens,
+        stop_token_ids,
+        &mut Decoding::new(sampling, sequence_id),
+        Some(confidence_threshold),
+    )
+}
+
+/// A confidence threshold is a probability: in `[0, 1]`.
+pub(super) fn validate_confidence_threshold(threshold: Option<f64>) -> Result<(), EvalError> {
+    match threshold {
+        Some(value) if !(0.0..=1.0).contains(&value) => {
+            Err(EvalError::Sampling(ModelError::InvalidInput(format!(
+                "confidence threshold must lie in [0, 1], got {value}"
+            ))))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// [`speculative_generate`] with greedy or sampled `decoding`, and for a
+/// DSpark drafter the confidence-scheduled verify length.
 pub(super) fn generate_cached(
     target: &TargetModel,
     drafter: &DraftModel,
@@ -269,6 +363,7 @@ pub(super) fn generate_cached(
     max_new_tokens: usize,
     stop_token_ids: &[i64],
     decoding: &mut Decoding,
+    confidence_threshold: Option<f64>,
 ) -> Result<GenerationTrace, EvalError> {
     let _no_grad = tch::no_grad_guard();
     let device = target.device();
@@ -279,8 +374,10 @@ pub(super) fn generate_cached(
         return Ok(GenerationTrace::prompt_only(prompt));
     }
     let mut acceptance_lengths = Vec::new();
+    let mut proposed_tokens = Vec::new();
     let mut token_ids = prompt.to_vec();
-    let capacity = (max_length + config.block_size as usize) as i64;
+    // A DSpark verification holds the anchor and a whole block of proposals.
+    let capacity = (max_length + config.block_size as usize + 1) as i64;
     let (mut cache, mut draft_context, first) =
         prefill(target, drafter, prompt, capacity, &layer_ids, decoding)?;
     let mut target_forwards = 1;
@@ -290,17 +387,24 @@ pub(super) fn generate_cached(
     let mut start = prompt.len();
     let mut stopped = stop_token_ids.contains(&first);
     while start + 1 < max_length && !stopped {
-        let mut block = masked_block(config, token_ids[start], max_length - start);
-        let verify_size = block.len();
+        let (draft, max_proposals) =
+            draft_block_and_proposals(drafter, token_ids[start], max_length - start);
         let mut proposal = Proposal::empty();
-        if verify_size > 1 {
+        if max_proposals > 0 {
             // The block is anchored right after the drafter's context.
             debug_assert_eq!(draft_context.len(), start as i64);
-            let draft_hidden = draft_block_cached(drafter, &draft_context, &block)?;
-            proposal = decoding.propose(drafter, &draft_hidden, block[0])?;
-            block[1..].copy_from_slice(&proposal.tokens);
+            let draft_hidden = draft_block_cached(drafter, &draft_context, &draft)?;
+            proposal = decoding.propose(
+                drafter,
+                &draft_hidden,
+                draft[0],
+                max_proposals,
+                confidence_threshold,
+            )?;
         }
-        // Verify: the target's logits after each block position.
+        // Verify: the target's logits after the anchor and each proposal.
+        let block = [&draft[..1], proposal.tokens.as_slice()].concat();
+        proposed_tokens.push(proposal.tokens.clone());
         let (block_ids, block_mask) = ids_tensor(&block, device);
         let verified = target.forward_cached(&block_ids, &block_mask, &mut cache, &layer_ids)?;
         target_forwards += 1;
@@ -330,6 +434,7 @@ pub(super) fn generate_cached(
     Ok(GenerationTrace {
         token_ids,
         acceptance_lengths,
+        proposed_tokens,
         target_forwards,
         draft_context_positions: draft_context.len() as usize,
     })

@@ -26,7 +26,8 @@
 //! - `error`: [`EvalError`].
 //! - `report`: [`EvalOptions`], [`EvalReport`], [`GenerationTrace`].
 //! - `decoding`: how one verification step chooses tokens (greedy or
-//!   sampled; the selector's path for DFlash2).
+//!   sampled; the selector's path for DFlash2; for DSpark the Markov-biased
+//!   semi-autoregressive walk and the confidence-scheduled verify length).
 //! - `generation`: the generation loops, cached and uncached.
 //! - `evaluate`: the entry points over prompts, and the untrained baseline.
 
@@ -43,6 +44,6 @@ pub use evaluate::{
 };
 pub use generation::{
     greedy_generate, speculative_generate, speculative_generate_sampled,
-    speculative_generate_uncached,
+    speculative_generate_scheduled, speculative_generate_uncached,
 };
 pub use report::{EvalOptions, EvalReport, GenerationTrace};

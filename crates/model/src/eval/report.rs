@@ -15,6 +15,11 @@ pub struct EvalOptions {
     /// for) or sampled decoding; prompt `i` draws from its own generator,
     /// seeded from `seed` and `i`.
     pub sampling: SamplingOptions,
+    /// DSpark drafters: propose each block only as far as the cumulative
+    /// product of the confidence head's acceptance probabilities stays at
+    /// or above this (at least one token); `None` proposes the whole block.
+    /// Other drafters ignore it.
+    pub confidence_threshold: Option<f64>,
 }
 
 /// What speculative decoding achieved over a prompt set.
@@ -31,6 +36,9 @@ pub struct EvalReport {
     pub seconds: f64,
     /// Target forwards run: one prefill per prompt plus one per verification.
     pub target_forwards: usize,
+    /// Tokens proposed for verification in all (what the verify forwards
+    /// checked beyond their anchors).
+    pub proposed_tokens: usize,
     /// Each prompt followed by its generated tokens.
     pub outputs: Vec<Vec<i64>>,
 }
@@ -41,6 +49,8 @@ pub struct GenerationTrace {
     /// Prompt plus generated tokens.
     pub token_ids: Vec<i64>,
     pub acceptance_lengths: Vec<usize>,
+    /// Each verification's proposed tokens (after the anchor), in order.
+    pub proposed_tokens: Vec<Vec<i64>>,
     /// Target forwards run (prefill and verifications).
     pub target_forwards: usize,
     /// Context positions the drafter projected into its layers' keys and
@@ -55,6 +65,7 @@ impl GenerationTrace {
         GenerationTrace {
             token_ids: prompt.to_vec(),
             acceptance_lengths: Vec::new(),
+            proposed_tokens: Vec::new(),
             target_forwards: 0,
             draft_context_positions: 0,
         }

@@ -102,6 +102,34 @@ impl TargetModel {
         attention_mask: &Tensor,
         layer_ids: &[usize],
     ) -> Result<Tensor, ModelError> {
+        Ok(self.capture(input_ids, attention_mask, layer_ids, false)?.0)
+    }
+
+    /// [`TargetModel::capture_hidden_states`] and the last hidden state
+    /// after the final norm (the LM head's input, HF's `last_hidden_state`)
+    /// `[B, T, hidden]`: DSpark's teacher, from which a drafter makes the
+    /// target's distribution with the LM head it already holds. Runs every
+    /// layer.
+    pub fn capture_hidden_states_and_last(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        layer_ids: &[usize],
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let (captured, last) = self.capture(input_ids, attention_mask, layer_ids, true)?;
+        let last = last.ok_or_else(|| {
+            ModelError::InvalidInput("the last hidden state was not captured".into())
+        })?;
+        Ok((captured, last))
+    }
+
+    fn capture(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        layer_ids: &[usize],
+        with_last: bool,
+    ) -> Result<(Tensor, Option<Tensor>), ModelError> {
         let deepest = layer_ids
             .iter()
             .copied()
@@ -114,14 +142,19 @@ impl TargetModel {
                 self.config.num_hidden_layers - 1
             )));
         }
+        let layer_count = if with_last {
+            self.layers.len()
+        } else {
+            deepest + 1
+        };
         tch::no_grad(|| {
             let last_layer = self.layers.len() - 1;
             let mut captured: Vec<Option<Tensor>> = (0..self.layers.len()).map(|_| None).collect();
             let wanted: Vec<bool> = (0..self.layers.len())
                 .map(|layer| layer_ids.contains(&layer))
                 .collect();
-            let _deepest_output =
-                self.run_layers(input_ids, attention_mask, deepest + 1, |layer, hidden| {
+            let output =
+                self.run_layers(input_ids, attention_mask, layer_count, |layer, hidden| {
                     if wanted[layer] {
                         // HF replaces hidden_states[-1] by the final-normed
                         // last_hidden_state; reproduce that for the last layer.
@@ -137,7 +170,9 @@ impl TargetModel {
                 .iter()
                 .filter_map(|&layer| captured[layer].as_ref())
                 .collect();
-            Ok(Tensor::f_cat(&selected, -1)?)
+            let last =
+                with_last.then(|| rms_norm(&output, &self.final_norm, self.config.rms_norm_eps));
+            Ok((Tensor::f_cat(&selected, -1)?, last))
         })
     }
 

@@ -35,6 +35,7 @@ pub fn tiny_draft_config(initializer_range: f64) -> DraftConfig {
         mask_token_id: VOCAB - 1,
         initializer_range,
         dflash2: None,
+        dspark: None,
     }
 }
 

@@ -9,8 +9,9 @@ use tch::{Device, Kind, Tensor};
 use super::attention_implementation::AttentionImplementation;
 use super::parameters::{
     add_named_variable, check_frozen_shapes, initialisation_of, parameter_shapes, seeded_normal,
-    DraftLayerParameters, DynamicConvolution, FrozenTargetHeads, Initialisation, LayerConvolutions,
-    SelectorParameters, HIDDEN_PROJECTION_NAME, PREDECESSOR_CODEBOOK_NAME, SUCCESSOR_CODEBOOK_NAME,
+    DraftLayerParameters, DsparkHeads, DynamicConvolution, FrozenTargetHeads, Initialisation,
+    LayerConvolutions, SelectorParameters, HIDDEN_PROJECTION_NAME, PREDECESSOR_CODEBOOK_NAME,
+    SUCCESSOR_CODEBOOK_NAME,
 };
 use crate::draft::config::DraftConfig;
 use crate::draft::error::DraftError;
@@ -37,6 +38,8 @@ pub struct DraftModel {
     pub(super) norm: Tensor,
     /// DFlash2's candidate selector; `None` for DFlash.
     pub(super) selector: Option<SelectorParameters>,
+    /// DSpark's Markov and confidence heads; `None` for DFlash and DFlash2.
+    pub(super) dspark_heads: Option<DsparkHeads>,
     pub(super) frozen: FrozenTargetHeads,
     /// Kind the forward computes in: f32 on the CPU, bf16 on a GPU. The
     /// master weights in the `VarStore` stay f32 either way.
@@ -66,6 +69,9 @@ impl DraftModel {
             let initial = match initialisation_of(&name) {
                 Initialisation::Ones => Tensor::ones(shape.as_slice(), options),
                 Initialisation::Normal => seeded_normal(&shape, standard_deviation, &mut generator),
+                Initialisation::NormalWithStandardDeviation(deviation) => {
+                    seeded_normal(&shape, deviation, &mut generator)
+                }
                 Initialisation::Zeros => Tensor::zeros(shape.as_slice(), options),
                 Initialisation::IdentityConvolution => {
                     let kernel = Tensor::zeros(shape.as_slice(), options);
@@ -140,6 +146,10 @@ impl DraftModel {
                 hidden_projection: fetch(HIDDEN_PROJECTION_NAME.to_string())?,
             }),
         };
+        let dspark_heads = match &config.dspark {
+            None => None,
+            Some(dspark) => Some(DsparkHeads::fetch(dspark, &fetch)?),
+        };
         let frozen = FrozenTargetHeads {
             embed_tokens: frozen
                 .embed_tokens
@@ -158,6 +168,7 @@ impl DraftModel {
             norm: fetch("norm.weight".to_string())?,
             layers,
             selector,
+            dspark_heads,
             config,
             var_store,
             frozen,

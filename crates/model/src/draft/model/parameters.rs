@@ -13,6 +13,7 @@ use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
 use crate::draft::config::DraftConfig;
+use crate::draft::dspark_config::{DsparkConfig, MarkovHeadType};
 use crate::draft::error::DraftError;
 use crate::target_model::weights::{load_tensors, TensorRequest};
 use crate::target_model::TargetConfig;
@@ -60,6 +61,79 @@ pub(super) struct SelectorParameters {
     pub(super) hidden_projection: Tensor,
 }
 
+/// Handles on DSpark's head parameters (shallow clones of the `VarStore`'s).
+pub(super) struct DsparkHeads {
+    pub(super) markov: Option<MarkovParameters>,
+    pub(super) confidence: Option<ConfidenceParameters>,
+    /// The confidence head reads the previous token's `W1` row too.
+    pub(super) confidence_with_markov: bool,
+}
+
+pub(super) struct MarkovParameters {
+    pub(super) head_type: MarkovHeadType,
+    pub(super) rank: i64,
+    /// `[vocab, rank]`.
+    pub(super) w1: Tensor,
+    /// `[vocab, rank]` (a `Linear(rank → vocab)`).
+    pub(super) w2: Tensor,
+    /// Gated: `[rank, hidden + rank]` and `[rank]`.
+    pub(super) gate: Option<(Tensor, Tensor)>,
+    /// Rnn: `[3·rank, 2·rank + hidden]` and `[3·rank]`.
+    pub(super) joint: Option<(Tensor, Tensor)>,
+}
+
+pub(super) struct ConfidenceParameters {
+    /// `[1, hidden (+ rank)]`.
+    pub(super) weight: Tensor,
+    /// `[1]`.
+    pub(super) bias: Tensor,
+}
+
+impl DsparkHeads {
+    /// The handles of a model whose store holds every DSpark parameter.
+    pub(super) fn fetch(
+        config: &DsparkConfig,
+        fetch: &dyn Fn(String) -> Result<Tensor, DraftError>,
+    ) -> Result<Self, DraftError> {
+        let pair = |weight: &str, bias: &str| -> Result<(Tensor, Tensor), DraftError> {
+            Ok((fetch(weight.to_string())?, fetch(bias.to_string())?))
+        };
+        let markov = if config.has_markov_head() {
+            Some(MarkovParameters {
+                head_type: config.markov_head_type,
+                rank: config.markov_rank,
+                w1: fetch(MARKOV_W1_NAME.to_string())?,
+                w2: fetch(MARKOV_W2_NAME.to_string())?,
+                gate: match config.markov_head_type {
+                    MarkovHeadType::Gated => {
+                        Some(pair(MARKOV_GATE_WEIGHT_NAME, MARKOV_GATE_BIAS_NAME)?)
+                    }
+                    _ => None,
+                },
+                joint: match config.markov_head_type {
+                    MarkovHeadType::Rnn => {
+                        Some(pair(MARKOV_JOINT_WEIGHT_NAME, MARKOV_JOINT_BIAS_NAME)?)
+                    }
+                    _ => None,
+                },
+            })
+        } else {
+            None
+        };
+        let confidence = if config.enable_confidence_head {
+            let (weight, bias) = pair(CONFIDENCE_WEIGHT_NAME, CONFIDENCE_BIAS_NAME)?;
+            Some(ConfidenceParameters { weight, bias })
+        } else {
+            None
+        };
+        Ok(DsparkHeads {
+            markov,
+            confidence,
+            confidence_with_markov: config.confidence_head_with_markov,
+        })
+    }
+}
+
 /// How [`crate::draft::DraftModel::new`] initialises a parameter: like the
 /// reference's `_init_weights` (norms at one, linear weights normal) and,
 /// for DFlash2, speculators' `reset_parameters` (each convolution the
@@ -67,6 +141,9 @@ pub(super) struct SelectorParameters {
 pub(super) enum Initialisation {
     Ones,
     Normal,
+    /// Normal with this standard deviation instead of `initializer_range`
+    /// (speculators draws DSpark's `markov_w1` with 0.01).
+    NormalWithStandardDeviation(f64),
     Zeros,
     IdentityConvolution,
 }
@@ -77,8 +154,10 @@ pub(super) fn initialisation_of(name: &str) -> Initialisation {
         Initialisation::Ones
     } else if name.ends_with("_conv.base_kernel") {
         Initialisation::IdentityConvolution
-    } else if name.ends_with("_conv.kernel_projection.weight") {
+    } else if name.ends_with("_conv.kernel_projection.weight") || name.ends_with(".bias") {
         Initialisation::Zeros
+    } else if name == MARKOV_W1_NAME {
+        Initialisation::NormalWithStandardDeviation(0.01)
     } else {
         Initialisation::Normal
     }
@@ -148,6 +227,20 @@ const LM_HEAD_NAME: &str = "lm_head.weight";
 pub const PREDECESSOR_CODEBOOK_NAME: &str = "candidate_selector.predecessor_codebook";
 pub const SUCCESSOR_CODEBOOK_NAME: &str = "candidate_selector.successor_codebook";
 pub const HIDDEN_PROJECTION_NAME: &str = "candidate_selector.hidden_projection.weight";
+
+/// Checkpoint names of DSpark's heads, as speculators' `DSparkDraftModel`
+/// names its modules: the Markov head's `W1` (an embedding of the previous
+/// token, `[vocab, rank]`) and `W2` (rank → vocabulary, `[vocab, rank]`),
+/// the gated variant's `gate_proj`, the recurrent variant's `joint_proj`,
+/// and the confidence head's `proj` (`[1, width]` and its bias).
+pub const MARKOV_W1_NAME: &str = "markov_head.markov_w1.weight";
+pub const MARKOV_W2_NAME: &str = "markov_head.markov_w2.weight";
+pub const MARKOV_GATE_WEIGHT_NAME: &str = "markov_head.gate_proj.weight";
+pub const MARKOV_GATE_BIAS_NAME: &str = "markov_head.gate_proj.bias";
+pub const MARKOV_JOINT_WEIGHT_NAME: &str = "markov_head.joint_proj.weight";
+pub const MARKOV_JOINT_BIAS_NAME: &str = "markov_head.joint_proj.bias";
+pub const CONFIDENCE_WEIGHT_NAME: &str = "confidence_head.proj.weight";
+pub const CONFIDENCE_BIAS_NAME: &str = "confidence_head.proj.bias";
 
 /// Every parameter name of the reference `DFlashDraftModel.state_dict()`
 /// (for DFlash2 `DFlash2DraftModel`'s, codebooks as the checkpoint names
@@ -238,6 +331,41 @@ pub fn parameter_shapes(config: &DraftConfig) -> Vec<(String, Vec<i64>)> {
             ),
             (HIDDEN_PROJECTION_NAME.to_string(), vec![rank, hidden]),
         ]);
+    }
+    if let Some(dspark) = &config.dspark {
+        let rank = dspark.markov_rank;
+        if dspark.has_markov_head() {
+            shapes.extend([
+                (MARKOV_W1_NAME.to_string(), vec![config.vocab_size, rank]),
+                (MARKOV_W2_NAME.to_string(), vec![config.vocab_size, rank]),
+            ]);
+            match dspark.markov_head_type {
+                MarkovHeadType::Vanilla => {}
+                MarkovHeadType::Gated => shapes.extend([
+                    (
+                        MARKOV_GATE_WEIGHT_NAME.to_string(),
+                        vec![rank, hidden + rank],
+                    ),
+                    (MARKOV_GATE_BIAS_NAME.to_string(), vec![rank]),
+                ]),
+                MarkovHeadType::Rnn => shapes.extend([
+                    (
+                        MARKOV_JOINT_WEIGHT_NAME.to_string(),
+                        vec![3 * rank, 2 * rank + hidden],
+                    ),
+                    (MARKOV_JOINT_BIAS_NAME.to_string(), vec![3 * rank]),
+                ]),
+            }
+        }
+        if dspark.enable_confidence_head {
+            shapes.extend([
+                (
+                    CONFIDENCE_WEIGHT_NAME.to_string(),
+                    vec![1, dspark.confidence_input_width(hidden)],
+                ),
+                (CONFIDENCE_BIAS_NAME.to_string(), vec![1]),
+            ]);
+        }
     }
     shapes
 }

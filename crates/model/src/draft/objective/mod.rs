@@ -15,16 +15,21 @@
 //! at position 1), and the cross-entropy of the gold's rank gets the same
 //! weights `w`. The loss is `(Σ w·CE + α·Σ w·CE_selector) / Σ w`.
 //!
-//! Anchor sampling and block packing (`packing`) come first; this module
-//! computes the loss over a packed batch.
+//! DSpark (`dspark`) replaces the cross-entropy by distillation from the
+//! target's distribution plus the confidence BCE (see that module).
+//!
+//! Anchor sampling and block packing (`packing`) come first, then DSpark's
+//! loss (`dspark`); this module computes the loss over a packed batch.
 
 use tch::{Device, Kind, Tensor};
 
 use super::error::DraftError;
 use super::model::{BlockInputs, DraftModel};
 
+mod dspark;
 mod packing;
 
+pub use dspark::DsparkTotals;
 pub use packing::{
     anchor_candidates, default_loss_decay_gamma, pack_batch, sample_anchors, PackedBatch,
     TrainingSequence,
@@ -46,6 +51,10 @@ pub struct ObjectiveOutput {
     pub supervised_per_position: Vec<f64>,
     /// DFlash2's selector terms; `None` for DFlash.
     pub selector: Option<SelectorTotals>,
+    /// DSpark's terms and metrics; `None` for DFlash and DFlash2. With
+    /// DSpark the per-position counts cover slots `0..B−1` and count the
+    /// drafter's argmax against the teacher's.
+    pub dspark: Option<DsparkTotals>,
 }
 
 /// DFlash2's selector loss and metrics over a batch, as sums so that
@@ -211,6 +220,9 @@ pub fn compute_objective(
     batch: &PackedBatch,
     gamma: f64,
 ) -> Result<ObjectiveOutput, DraftError> {
+    if model.is_dspark() {
+        return dspark_objective(model, batch, gamma);
+    }
     let block_size = model.config().block_size;
     let targets = block_targets(model, batch, gamma)?;
     let draft_hidden = model.forward_blocks(&BlockInputs {
@@ -265,7 +277,41 @@ pub fn compute_objective(
         correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
         supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
         selector,
+        dspark: None,
     })
+}
+
+/// [`compute_objective`] of a DSpark model: one differentiable loss over
+/// every block.
+fn dspark_objective(
+    model: &DraftModel,
+    batch: &PackedBatch,
+    gamma: f64,
+) -> Result<ObjectiveOutput, DraftError> {
+    let targets = dspark::dspark_targets(model, batch, gamma)?;
+    let draft_hidden = model.forward_blocks(&BlockInputs {
+        target_hidden: &batch.target_hidden,
+        block_token_ids: &targets.block_token_ids,
+        anchor_positions: &targets.anchors,
+    })?;
+    let num_blocks = draft_hidden.size()[1];
+    let chunk = dspark::dspark_chunk(model, &draft_hidden, &targets, 0, num_blocks)?;
+    let weight_sum = chunk.totals.weight_sum;
+    let correct = chunk.greedy_correct * &targets.supervised;
+    Ok(ObjectiveOutput {
+        loss: chunk.weighted_loss / weight_sum.max(1e-12),
+        draft_hidden,
+        weight_sum,
+        correct_per_position: per_position(&correct)?,
+        supervised_per_position: per_position(&targets.supervised)?,
+        selector: None,
+        dspark: Some(chunk.totals),
+    })
+}
+
+/// `[batch, blocks, positions]` summed to `[positions]`.
+fn per_position(values: &Tensor) -> Result<Vec<f64>, DraftError> {
+    tensor_to_f64_vec(&values.sum_dim_intlist([0i64, 1].as_slice(), false, Kind::Float))
 }
 
 /// The unary top-k `candidate_ids` `[.., K]` (sorted, best first) made into
@@ -398,6 +444,8 @@ pub struct BackwardOutput {
     pub supervised_per_position: Vec<f64>,
     /// DFlash2's selector terms; `None` for DFlash.
     pub selector: Option<SelectorTotals>,
+    /// DSpark's terms and metrics; `None` for DFlash and DFlash2.
+    pub dspark: Option<DsparkTotals>,
 }
 
 /// Forward and backward of the objective in one go: back-propagates the
@@ -414,6 +462,9 @@ pub fn compute_objective_backward(
         return Err(DraftError::InvalidConfig(format!(
             "logits chunk of {chunk} blocks, expected at least 1"
         )));
+    }
+    if model.is_dspark() {
+        return dspark_objective_backward(model, batch, gamma, memory);
     }
     let targets = block_targets(model, batch, gamma)?;
     let weight_sum = targets.weights.sum(Kind::Float).double_value(&[]);
@@ -459,6 +510,57 @@ pub fn compute_objective_backward(
         correct_per_position: tensor_to_f64_vec(&correct_per_position)?,
         supervised_per_position: tensor_to_f64_vec(&supervised_per_position)?,
         selector,
+        dspark: None,
+    })
+}
+
+/// [`compute_objective_backward`] of a DSpark model.
+fn dspark_objective_backward(
+    model: &DraftModel,
+    batch: &PackedBatch,
+    gamma: f64,
+    memory: ObjectiveMemory,
+) -> Result<BackwardOutput, DraftError> {
+    let targets = dspark::dspark_targets(model, batch, gamma)?;
+    let weight_sum = targets.weights.sum(Kind::Float).double_value(&[]);
+    let train = weight_sum > 0.0;
+    let inputs = BlockInputs {
+        target_hidden: &batch.target_hidden,
+        block_token_ids: &targets.block_token_ids,
+        anchor_positions: &targets.anchors,
+    };
+    let head = |draft_hidden: &Tensor| {
+        dspark::dspark_chunked_loss(
+            model,
+            &targets,
+            draft_hidden,
+            memory.logits_chunk_blocks,
+            train,
+        )
+    };
+    let (weighted_loss, correct, totals) = if memory.checkpoint_layers && train {
+        model.forward_backward_checkpointed(&inputs, head)?
+    } else {
+        let draft_hidden = model.forward_blocks(&inputs)?;
+        let leaf = draft_hidden.detach().set_requires_grad(train);
+        let result = head(&leaf)?;
+        if train {
+            super::model::backward_with_gradient(&draft_hidden, &leaf.grad());
+        }
+        result
+    };
+    let correct = correct * &targets.supervised;
+    Ok(BackwardOutput {
+        loss: if train {
+            weighted_loss / weight_sum
+        } else {
+            0.0
+        },
+        weight_sum,
+        correct_per_position: per_position(&correct)?,
+        supervised_per_position: per_position(&targets.supervised)?,
+        selector: None,
+        dspark: Some(totals),
     })
 }
 

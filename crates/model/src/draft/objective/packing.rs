@@ -25,6 +25,10 @@ pub struct TrainingSequence {
     pub loss_mask: Vec<u8>,
     /// `[T, n·hidden]` tapped target hidden states (any float kind, CPU).
     pub target_hidden: Tensor,
+    /// `[T, hidden]` the target's last hidden state (after its final norm,
+    /// the LM head's input): DSpark's teacher. `None` where the run does not
+    /// capture it (DFlash, DFlash2).
+    pub target_last_hidden: Option<Tensor>,
 }
 
 impl TrainingSequence {
@@ -65,6 +69,9 @@ pub fn sample_anchors(loss_mask: &[u8], num_anchors: usize, generator: &mut StdR
 pub struct PackedBatch {
     /// `[batch, max_len, n·hidden]`, zero beyond each sequence's end.
     pub target_hidden: Tensor,
+    /// `[batch, max_len, hidden]` the target's last hidden states, zero
+    /// beyond each sequence's end; `None` unless every sequence has them.
+    pub target_last_hidden: Option<Tensor>,
     /// `[batch, max_len]` token ids, zero-padded.
     pub input_ids: Tensor,
     /// `[batch, max_len]` f32 loss mask, zero-padded.
@@ -97,6 +104,7 @@ pub fn pack_batch(
         .unwrap_or(0) as i64;
     let max_anchors = anchors.iter().map(Vec::len).max().unwrap_or(0).max(1) as i64;
     let mut hidden_rows = Vec::with_capacity(sequences.len());
+    let mut last_hidden_rows = Vec::with_capacity(sequences.len());
     let mut ids = Vec::with_capacity(sequences.len() * max_len as usize);
     let mut mask = Vec::with_capacity(sequences.len() * max_len as usize);
     let mut anchor_values = Vec::with_capacity(sequences.len() * max_anchors as usize);
@@ -123,6 +131,15 @@ pub fn pack_batch(
         }
         let padding = max_len - length;
         hidden_rows.push(sequence.target_hidden.constant_pad_nd([0, 0, 0, padding]));
+        if let Some(last_hidden) = &sequence.target_last_hidden {
+            let last_size = last_hidden.size();
+            if last_size.len() != 2 || last_size[0] != length {
+                return Err(DraftError::ShapeMismatch(format!(
+                    "sequence of {length} tokens with target last hidden states {last_size:?}"
+                )));
+            }
+            last_hidden_rows.push(last_hidden.constant_pad_nd([0, 0, 0, padding]));
+        }
         ids.extend(sequence.input_ids.iter().copied());
         ids.extend(std::iter::repeat_n(0, padding as usize));
         mask.extend(
@@ -141,6 +158,11 @@ pub fn pack_batch(
     let batch = sequences.len() as i64;
     Ok(PackedBatch {
         target_hidden: Tensor::stack(&hidden_rows, 0),
+        target_last_hidden: if last_hidden_rows.len() == sequences.len() {
+            Some(Tensor::stack(&last_hidden_rows, 0))
+        } else {
+            None
+        },
         input_ids: Tensor::from_slice(&ids).view([batch, max_len]),
         loss_mask: Tensor::from_slice(&mask).view([batch, max_len]),
         anchors: Tensor::from_slice(&anchor_values).view([batch, max_anchors]),

@@ -249,8 +249,10 @@ impl DraftTrainer {
             grad_norm,
             samples,
             tokens,
-            // DFlash2's selector figures are not reduced over the members.
+            // DFlash2's selector and DSpark's figures are not reduced over
+            // the members.
             selector: None,
+            dspark: None,
         })
     }
 
