@@ -102,10 +102,12 @@ async fn main() {
     let (cpu_before, peak_before) = cost(&child);
     let (sender, receiver) = tokio::sync::mpsc::channel(64);
     sender
-        .send(request(proto::sync_request::Kind::Hello(proto::SyncHello {
-            drafter_id: "rank-0".to_string(),
-            model_config_json: CONFIG_JSON.to_string(),
-        })))
+        .send(request(proto::sync_request::Kind::Hello(
+            proto::SyncHello {
+                drafter_id: "rank-0".to_string(),
+                model_config_json: CONFIG_JSON.to_string(),
+            },
+        )))
         .await
         .unwrap();
     let mut responses = client
