@@ -64,11 +64,14 @@ fn zero_timeout_and_nul_bytes_are_refused() {
 
 #[test]
 fn unreachable_store_fails_within_its_timeout() {
-    // A port that was just free: nothing listens there.
-    let closed_port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("a free port")
-        .port();
+    // A port bound and never listening, held for the test: it refuses
+    // every connection (a port bound and dropped could be taken again,
+    // even by the client's own source port, which then connects to itself).
+    let closed = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    closed
+        .bind(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .expect("bind 127.0.0.1:0");
+    let closed_port = closed.local_addr().expect("its address").port();
     let unreachable = GroupOptions {
         timeout: Duration::from_secs(1),
         ..options(closed_port, "nobody", 1, 2)
