@@ -116,7 +116,10 @@ def test_python_producer_feeds_the_rust_drafter_server(start_broker, tiny, tmp_p
     assert status["state"] == "BROKER_STATE_COMPLETE", status
     assert (status["accepted_items"], status["acked_items"], status["dead_letters"]) == (items, items, 0)
     [rust] = [d for d in status["drafters"] if d["drafter_id"] == "drafter-rs"]
-    assert rust["acked_items"] == items and rust["stats"]["samples_trained"] == items
+    # The broker acks a data-parallel step's samples with its commit, and the
+    # commit of the last step completes the run: the drafter's stats of that
+    # step (at most --max-step-samples 4 samples) come after its stream ended.
+    assert rust["acked_items"] == items and items - 4 <= rust["stats"]["samples_trained"] <= items
     latest = (output / "latest").read_text().strip()
     assert (output / latest / "model.safetensors").is_file()
 

@@ -579,7 +579,7 @@ class ModelSyncStatus(_message.Message):
     def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ..., data_parallel: _Optional[_Union[DataParallelStatus, _Mapping]] = ...) -> None: ...
 
 class DataParallelStatus(_message.Message):
-    __slots__ = ("quorum_id", "step", "members", "quorums_formed", "steps_committed", "steps_failed", "heals", "checksum_mismatches", "members_dropped")
+    __slots__ = ("quorum_id", "step", "members", "quorums_formed", "steps_committed", "steps_failed", "heals", "checksum_mismatches", "members_dropped", "committed_step", "committed_by_quorum", "splits", "unknown_decisions", "rollbacks", "steps_rolled_back", "waiting_for_holder")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -589,6 +589,13 @@ class DataParallelStatus(_message.Message):
     HEALS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BY_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    SPLITS_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_ROLLED_BACK_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_HOLDER_FIELD_NUMBER: _ClassVar[int]
     quorum_id: int
     step: int
     members: _containers.RepeatedScalarFieldContainer[str]
@@ -598,7 +605,14 @@ class DataParallelStatus(_message.Message):
     heals: int
     checksum_mismatches: int
     members_dropped: int
-    def __init__(self, quorum_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., quorums_formed: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_failed: _Optional[int] = ..., heals: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., members_dropped: _Optional[int] = ...) -> None: ...
+    committed_step: int
+    committed_by_quorum: int
+    splits: int
+    unknown_decisions: int
+    rollbacks: int
+    steps_rolled_back: int
+    waiting_for_holder: bool
+    def __init__(self, quorum_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., quorums_formed: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_failed: _Optional[int] = ..., heals: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., members_dropped: _Optional[int] = ..., committed_step: _Optional[int] = ..., committed_by_quorum: _Optional[int] = ..., splits: _Optional[int] = ..., unknown_decisions: _Optional[int] = ..., rollbacks: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., waiting_for_holder: _Optional[bool] = ...) -> None: ...
 
 class TauPoint(_message.Message):
     __slots__ = ("center_version", "center_samples", "tau", "prompts", "generated_tokens", "verification_steps", "eval_seconds", "unix_time_ms", "evaluator_id", "read_unix_time_ms")
