@@ -44,14 +44,14 @@ impl Lighthouse {
         let key = (vote.quorum_id, vote.step);
         let drafter_id = vote.drafter_id.clone();
         if vote.instance != self.instance {
-            let decision = self.decision_of_another_instance(&vote);
+            let decision = self.decision_of_unknown_round(&vote);
             self.answer(&drafter_id, decision, &mut answers);
             return answers;
         }
         let Some(round) = self.rounds.get_mut(&key) else {
             let decision = match self.last_decisions.get(&drafter_id) {
                 Some((decided, decision)) if *decided == key => decision.clone(),
-                _ => self.decision_of_forgotten_round(&vote),
+                _ => self.decision_of_unknown_round(&vote),
             };
             self.answer(&drafter_id, decision, &mut answers);
             return answers;
@@ -266,9 +266,10 @@ impl Lighthouse {
         answers.decisions.push((drafter_id.to_string(), decision));
     }
 
-    /// A vote of an earlier broker process: committed if the record says
-    /// so (it is durable before any commit is answered), else unknown.
-    fn decision_of_another_instance(&self, vote: &Vote) -> Decision {
+    /// A vote for a round not kept (of an earlier broker process, or of
+    /// this one and forgotten): committed if it made the record, which is
+    /// durable before any commit is answered; else unknown, never a no.
+    fn decision_of_unknown_round(&self, vote: &Vote) -> Decision {
         let record = CommitRecord {
             step: vote.step + 1,
             instance: vote.instance,
@@ -281,29 +282,16 @@ impl Lighthouse {
                 record: Some(record),
             };
         }
-        Decision::unknown(format!(
-            "quorum {} step {} is of lighthouse {:016x}, not this one ({:016x}); the run is at {}: heal to it",
-            vote.quorum_id, vote.step, vote.instance, self.instance, self.record
-        ))
-    }
-
-    /// A round of this instance no longer kept: committed if it made the
-    /// record, else unknown.
-    fn decision_of_forgotten_round(&self, vote: &Vote) -> Decision {
-        let record = CommitRecord {
-            step: vote.step + 1,
-            instance: self.instance,
-            quorum_id: vote.quorum_id,
+        let whose = if vote.instance == self.instance {
+            "is not known (forgotten or never formed)".to_string()
+        } else {
+            format!(
+                "is of lighthouse {:016x}, not this one ({:016x})",
+                vote.instance, self.instance
+            )
         };
-        if record == self.record {
-            return Decision {
-                outcome: Outcome::Commit,
-                reason: String::new(),
-                record: Some(record),
-            };
-        }
         Decision::unknown(format!(
-            "quorum {} step {} is not known (forgotten or never formed); the run is at {}: heal to it",
+            "quorum {} step {} {whose}; the run is at {}: heal to it",
             vote.quorum_id, vote.step, self.record
         ))
     }
