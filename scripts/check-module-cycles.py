@@ -16,7 +16,13 @@ parent is an edge to the child, not to the parent. Declaring a module
 depend on what they test by design and nothing depends on them.
 
 A cycle is a strongly connected component of two or more modules; each is
-printed with one file:line per edge, and the exit status is 1. This is a
+printed with one file:line per edge, and the exit status is 1.
+
+Folders too: among the children of each module, child A depends on child B
+when any module inside A (A itself or below) names any module inside B. A
+circle there (`config/` needs `model_sync/` and `model_sync/config.rs` needs
+`config::error`) is a cycle between the folders even when no two single
+modules form one, and is reported the same way. This is a
 lexical analysis (no macro expansion, no type inference): a path built by a
 macro is not seen. That is the price of a check that runs in a second without
 compiling anything; `cargo-modules` would see more but needs rust-analyzer's
@@ -373,7 +379,7 @@ def check_root(root_file: str, show_graph: bool) -> list[str]:
         for a in sorted(edges):
             for b in sorted(edges[a]):
                 print(f"{rel}: {'::'.join(a)} -> {'::'.join(b)}")
-    problems = []
+    problems = folder_cycles(root_file, modules, edges)
     for comp in tarjan([m.path for m in modules], edges):
         if len(comp) < 2:
             continue
@@ -384,6 +390,49 @@ def check_root(root_file: str, show_graph: bool) -> list[str]:
                 if b in members:
                     lines.append(f"  {'::'.join(a)} -> {'::'.join(b)}  ({os.path.relpath(file, ROOT)}:{line})")
         problems.append("\n".join(lines))
+    return problems
+
+
+def folder_cycles(root_file: str, modules: list[Module], edges) -> list[str]:
+    """Circles among the children of each module, a child standing for its
+    whole subtree (see the module doc)."""
+    problems = []
+    rel = os.path.relpath(root_file, ROOT)
+    for parent in modules:
+        if len(parent.children) < 2:
+            continue
+        depth = len(parent.path)
+        children = {child.path for child in parent.children.values()}
+
+        def child_of(path: tuple) -> tuple | None:
+            if len(path) <= depth or path[:depth] != parent.path:
+                return None
+            head = path[: depth + 1]
+            return head if head in children else None
+
+        folder_edges: dict[tuple, dict[tuple, tuple[str, int]]] = {}
+        for a, targets in edges.items():
+            source = child_of(a)
+            if source is None:
+                continue
+            for b, where in targets.items():
+                target = child_of(b)
+                if target is None or target == source:
+                    continue
+                folder_edges.setdefault(source, {}).setdefault(target, (where[0], where[1], a, b))
+        for comp in tarjan(sorted(children), folder_edges):
+            if len(comp) < 2:
+                continue
+            members = set(comp)
+            lines = [f"folder cycle in {rel}: " + ", ".join(sorted("::".join(p) for p in comp))]
+            for a in sorted(comp):
+                for b, (file, line, inner_a, inner_b) in sorted(folder_edges.get(a, {}).items()):
+                    if b in members:
+                        lines.append(
+                            f"  {'::'.join(a)} -> {'::'.join(b)}: {'::'.join(inner_a)} -> {'::'.join(inner_b)}"
+                            f"  ({os.path.relpath(file, ROOT)}:{line})"
+                        )
+            problems.append("\n".join(lines))
     return problems
 
 

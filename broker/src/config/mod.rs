@@ -9,8 +9,10 @@ pub use crate::queue::FailurePolicy;
 use crate::queue::QueueConfig;
 
 mod error;
+mod model_sync;
 
 pub use error::ConfigError;
+pub use model_sync::ModelSyncConfig;
 
 /// `--on-target-failure` takes the queue's [`FailurePolicy`] itself (one
 /// name for the concept): `abort` or `continue`.
@@ -178,7 +180,7 @@ pub struct BrokerConfig {
 
     /// The shared draft model (`ModelSync` service).
     #[command(flatten)]
-    pub model_sync: crate::model_sync::ModelSyncConfig,
+    pub model_sync: ModelSyncConfig,
 
     /// Data-parallel drafters' quorum and commit (the lighthouse).
     #[command(flatten)]
@@ -218,7 +220,7 @@ impl BrokerConfig {
             max_connections_per_peer: 0,
             tls_handshake_timeout: Duration::from_secs(10),
             hello_timeout: Duration::from_secs(30),
-            model_sync: crate::model_sync::ModelSyncConfig::default(),
+            model_sync: ModelSyncConfig::default(),
             lighthouse: crate::lighthouse::config::LighthouseConfig::default(),
             security: crate::auth::BrokerSecurity::none(),
         }

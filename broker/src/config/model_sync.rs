@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::ConfigError;
+use super::ConfigError;
 use dflash_shell::parse_duration;
 
 #[derive(Debug, Clone, Args)]

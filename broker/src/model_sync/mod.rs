@@ -5,14 +5,14 @@
 //! itself (the store, the checkpoint, the τ curve) is [`crate::run_model`]'s;
 //! this module is the flags and the gRPC adapter that serves both.
 //!
-//! - `config`: the flags ([`ModelSyncConfig`]), the run model's typed
-//!   settings; the lighthouse's flags are `crate::lighthouse::config`.
+//! - its flags are [`crate::config::ModelSyncConfig`] (the run model's;
+//!   the lighthouse's are `crate::lighthouse::config`), in `config/` with
+//!   every other flag, so that `config/` needs no module of this one.
 //! - `service`: the tonic adapter (shared state, snapshot sessions), with
 //!   `service::center_writer`, the background task that writes the center,
 //!   `service::evaluation`, the evaluator's two RPCs and the write of the
 //!   best center; the lighthouse's two RPCs are `crate::lighthouse::rpc`.
 
-pub mod config;
 pub mod service;
 
 /// The center's checkpoint, at the path the data-parallel fault test
@@ -20,5 +20,5 @@ pub mod service;
 /// [`crate::run_model::checkpoint`].
 pub use crate::run_model::checkpoint;
 
-pub use config::ModelSyncConfig;
+pub use crate::config::ModelSyncConfig;
 pub use service::{ModelSyncService, ModelSyncShared, CHUNK_BYTES};

@@ -25,7 +25,7 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-use super::config::ModelSyncConfig;
+use crate::config::ModelSyncConfig;
 use crate::run_model::center::{CenterTensor, ModelSyncState, SyncError, Upload};
 use crate::run_model::checkpoint::CheckpointError;
 use crate::run_model::evaluation::Evaluations;

@@ -1,5 +1,5 @@
 //! [`RunModelSettings`]: what the run's model takes of the broker's flags
-//! (`crate::model_sync::ModelSyncConfig` parses and checks them).
+//! (`crate::config::ModelSyncConfig` parses and checks them).
 
 use std::path::PathBuf;
 use std::time::Duration;
