@@ -4,8 +4,9 @@
 //! or gradient is not finite (or spikes) is skipped without a trace.
 
 use dflash_model::draft::{
-    load_draft_model, save_draft_checkpoint, DraftConfig, DraftError, DraftModel, DraftTrainer,
-    SkippedStep, TrainerSettings, TrainingSequence, GRAD_NORM_WARMUP, MODEL_FILE_NAME,
+    load_draft_model, save_draft_checkpoint, AdamWSettings, Contribution, DraftConfig, DraftError,
+    DraftModel, DraftTrainer, SkippedStep, TrainerSettings, TrainingSequence, GRAD_NORM_WARMUP,
+    MODEL_FILE_NAME,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -326,6 +327,86 @@ fn bf16_compute_tracks_f32_and_trains_f32_master_weights() -> anyhow::Result<()>
 }
 
 /// Every trainable tensor, copied.
+/// Two data-parallel members whose flags differ (clipping bound, AdamW's
+/// hyper-parameters, learning rate) take one identical step: rank 0's. The
+/// reduction is done here by hand (the sum c10d's all-reduce computes), and
+/// both members are given the same reduced tensors, as an all-reduce gives
+/// every member the same bits; so their states must be bit-identical, and
+/// the step taken must be rank 0's (its learning rate, its clipping).
+#[test]
+fn data_parallel_members_take_rank_zeros_step_whatever_their_flags() -> anyhow::Result<()> {
+    let data = successor_sequences(4, 16, 21);
+    let mut rank_zero = new_trainer(10, 1e-3)?;
+    let mut other = {
+        let model = DraftModel::new(tiny_config(), frozen_heads(5), Device::Cpu, Kind::Float, 3)?;
+        let mut flags = settings(40, 5e-2);
+        flags.max_grad_norm = 1e3;
+        flags.adamw = AdamWSettings {
+            beta1: 0.5,
+            beta2: 0.9,
+            epsilon: 1e-3,
+            weight_decay: 0.1,
+        };
+        DraftTrainer::new(model, flags)
+    };
+    assert_same_weights(&weights_of(&rank_zero), &weights_of(&other));
+    rank_zero.accumulate(&data[..2])?;
+    other.accumulate(&data[2..])?;
+    let reduce = |left: &Contribution, right: &Contribution| Contribution {
+        gradient: &left.gradient + &right.gradient,
+        sums: &left.sums + &right.sums,
+    };
+    let mine = rank_zero.contribution(true, None);
+    let theirs = other.contribution(false, None);
+    let step_zero = rank_zero.check_reduced(reduce(&mine, &theirs));
+    let step_other = other.check_reduced(reduce(&mine, &theirs));
+    let (Ok(step_zero), Ok(step_other)) = (step_zero, step_other) else {
+        anyhow::bail!("a guard refused the reduced step");
+    };
+    let grad_norm = step_zero.grad_norm();
+    // The tiny model's first gradient norm is far above 1e-3, so rank 0's
+    // bound clips and the other's (1e3) would not: a member using its own
+    // flag would take another step.
+    assert!(grad_norm > 1e-2, "gradient norm {grad_norm} would not be clipped");
+    let scheduled = rank_zero.scheduled_learning_rate();
+    let report_zero = rank_zero.apply_reduced(step_zero)?;
+    let report_other = other.apply_reduced(step_other)?;
+    assert_eq!(report_zero.learning_rate, scheduled);
+    assert_eq!(report_other.learning_rate, scheduled);
+    assert_eq!(report_other.samples, 4);
+    assert_same_weights(&weights_of(&rank_zero), &weights_of(&other));
+    assert_eq!(rank_zero.state_checksum(), other.state_checksum());
+    Ok(())
+}
+
+/// Rank 0's hyper-parameters summed twice (two members that both think they
+/// are rank 0) are refused, never applied.
+#[test]
+fn a_reduction_with_two_rank_zeros_is_refused() -> anyhow::Result<()> {
+    let data = successor_sequences(2, 16, 22);
+    let mut first = new_trainer(10, 1e-3)?;
+    let mut second = new_trainer(10, 1e-3)?;
+    first.accumulate(&data[..1])?;
+    second.accumulate(&data[1..])?;
+    let (mine, theirs) = (
+        first.contribution(true, None),
+        second.contribution(true, None),
+    );
+    let reduced = Contribution {
+        gradient: &mine.gradient + &theirs.gradient,
+        sums: &mine.sums + &theirs.sums,
+    };
+    match first.check_reduced(reduced) {
+        Err(SkippedStep::InconsistentReduction { what }) => {
+            // AdamW's β1 0.9 summed twice is 1.8: named in the reason.
+            assert!(what.contains("1.8"), "{what}");
+        }
+        Err(other) => anyhow::bail!("refused for another reason: {other}"),
+        Ok(_) => anyhow::bail!("a reduction with two rank 0s was accepted"),
+    }
+    Ok(())
+}
+
 fn weights_of(trainer: &DraftTrainer) -> Vec<(String, Tensor)> {
     let mut weights: Vec<(String, Tensor)> = trainer
         .model()

@@ -289,6 +289,10 @@ impl DrafterServerConfig {
         if self.dtype == Some(DtypeChoice::F16) {
             return Err(ConfigError::UnsupportedDtype("f16"));
         }
+        if self.resume && self.model_sync.mode() == crate::model_sync::ModelSyncMode::DataParallel
+        {
+            return Err(ConfigError::ResumeInDataParallel);
+        }
         let credit_items =
             u32::try_from(self.max_step_samples + self.prefetch_samples).unwrap_or(u32::MAX);
         Ok(DrafterSettings {
@@ -560,6 +564,14 @@ mod tests {
             );
         }
         config.adam_beta1 = 0.0;
+        assert_eq!(check(&config), Ok(()));
+        config.resume = true;
+        let error = check(&config).unwrap_err().to_string();
+        assert!(
+            error.contains("--resume") && error.contains("data-parallel"),
+            "{error}"
+        );
+        config.model_sync.model_sync = crate::model_sync::ModelSyncMode::Off;
         assert_eq!(check(&config), Ok(()));
     }
 }

@@ -110,6 +110,14 @@ pub enum ConfigError {
     AdamBeta1(f64),
     #[error("--grad-norm-spike-ratio must be 0 (off) or a finite ratio above 1, got {0}")]
     GradNormSpikeRatio(f64),
+    #[error(
+        "--resume continues this drafter's own checkpoint, but with --model-sync data-parallel \
+         the drafter trains the run's model (read from the broker, its state from rank 0 at \
+         the first quorum): its own weights and moments would be mixed with the run's. \
+         Resume a run by restarting the broker on its --state-dir; --resume is for \
+         --model-sync off"
+    )]
+    ResumeInDataParallel,
 }
 
 /// Every part of a checked configuration.

@@ -49,6 +49,12 @@ pub enum SkippedStep {
         median: f64,
         ratio: f64,
     },
+    /// A data-parallel step's reduced sums that no group of members gives
+    /// (the wrong length, or rank 0's hyper-parameters summed twice or
+    /// missing): the members do not agree on the model or on who is rank 0.
+    InconsistentReduction {
+        what: String,
+    },
 }
 
 impl std::fmt::Display for SkippedStep {
@@ -66,6 +72,9 @@ impl std::fmt::Display for SkippedStep {
                 formatter,
                 "gradient norm {grad_norm:.4e} is over {ratio} x the median {median:.4e} of the last taken steps"
             ),
+            SkippedStep::InconsistentReduction { what } => {
+                write!(formatter, "the reduced step is inconsistent: {what}")
+            }
         }
     }
 }

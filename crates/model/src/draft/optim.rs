@@ -78,13 +78,6 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// Changes β1 from the next step on (the moments are kept). Drafters
-    /// that train one model set it from the number of drafters sharing the
-    /// center (`dflash-drafter-server`'s model sync).
-    pub fn set_beta1(&mut self, beta1: f64) {
-        self.settings.beta1 = beta1;
-    }
-
     /// An optimizer over `parameters` (name, tensor requiring grad).
     pub fn new(
         parameters: impl IntoIterator<Item = (String, Tensor)>,
@@ -107,6 +100,11 @@ impl AdamW {
 
     pub fn steps_taken(&self) -> u64 {
         self.steps_taken
+    }
+
+    /// The hyper-parameters this optimizer was made with.
+    pub fn settings(&self) -> &AdamWSettings {
+        &self.settings
     }
 
     /// Sets every parameter's gradient to zero (or leaves it undefined).
@@ -176,20 +174,27 @@ impl AdamW {
 
     /// One AdamW update at `learning_rate` (PyTorch `AdamW` semantics).
     pub fn step(&mut self, learning_rate: f64) {
-        self.step_with(learning_rate, |parameter, _| {
+        let settings = self.settings.clone();
+        self.step_with(learning_rate, &settings, |parameter, _| {
             let gradient = parameter.grad();
             gradient.defined().then_some(gradient)
         });
     }
 
-    /// One AdamW update at `learning_rate` whose gradient is `flat`, laid
-    /// out as [`AdamW::flat_gradients`] lays it out (a data-parallel
-    /// trainer's reduced gradient); the parameters' own gradients are not
-    /// read.
-    pub fn step_flat(&mut self, learning_rate: f64, flat: &Tensor) -> Result<(), DraftError> {
+    /// One AdamW update at `learning_rate` with `settings` (not this
+    /// optimizer's own: a data-parallel step's are rank 0's, the same on
+    /// every member) whose gradient is `flat`, laid out as
+    /// [`AdamW::flat_gradients`] lays it out (a data-parallel trainer's
+    /// reduced gradient); the parameters' own gradients are not read.
+    pub fn step_flat(
+        &mut self,
+        learning_rate: f64,
+        settings: &AdamWSettings,
+        flat: &Tensor,
+    ) -> Result<(), DraftError> {
         self.check_flat("gradient", flat, self.parameter_elements())?;
         let mut offset = 0i64;
-        self.step_with(learning_rate, |parameter, _| {
+        self.step_with(learning_rate, settings, |parameter, _| {
             let elements = parameter.numel() as i64;
             let gradient = flat
                 .narrow(0, offset, elements)
@@ -203,11 +208,11 @@ impl AdamW {
     fn step_with(
         &mut self,
         learning_rate: f64,
+        settings: &AdamWSettings,
         mut gradient_of: impl FnMut(&Tensor, &str) -> Option<Tensor>,
     ) {
         let _no_grad = tch::no_grad_guard();
         self.steps_taken += 1;
-        let settings = &self.settings;
         let bias_correction1 = 1.0 - settings.beta1.powi(self.steps_taken as i32);
         let bias_correction2_sqrt = (1.0 - settings.beta2.powi(self.steps_taken as i32)).sqrt();
         for (name, (parameter, first_moment, second_moment)) in self.states.iter_mut() {
@@ -306,8 +311,11 @@ impl AdamW {
         Ok(())
     }
 
-    /// A checksum of the weights, moments and step count: the integer sum
-    /// of each tensor's f32 bit patterns, mixed with its place. Members of a
+    /// A checksum of the weights, moments and step count: for each tensor,
+    /// the integer sum of its f32 bit patterns each times a weight of its
+    /// position (so two values swapped change it, as does any one value),
+    /// mixed with the tensor's place. Integer sums wrap, so the result does
+    /// not depend on the order the device adds in. Members of a
     /// data-parallel trainer compare it at each quorum.
     pub fn state_checksum(&self) -> u64 {
         let _no_grad = tch::no_grad_guard();
@@ -317,13 +325,7 @@ impl AdamW {
                 .into_iter()
                 .enumerate()
             {
-                let bits = tensor
-                    .detach()
-                    .to_kind(Kind::Float)
-                    .view_dtype(Kind::Int)
-                    .to_kind(Kind::Int64)
-                    .sum(Kind::Int64)
-                    .int64_value(&[]) as u64;
+                let bits = positional_bit_sum(tensor);
                 checksum = splitmix(checksum ^ bits ^ ((index as u64) << 2 | which as u64));
             }
         }
@@ -384,6 +386,24 @@ impl AdamW {
 }
 
 /// SplitMix64's finaliser: mixes a checksum's parts.
+/// Σ bits(x_i) · (1 + i mod 65521) over a tensor's f32 values, wrapping.
+/// Each product is below 2^47, and a swap of x_i and x_j changes the sum by
+/// (bits_i − bits_j)(w_i − w_j), which is not 0 unless the values' bits or
+/// the weights are equal.
+fn positional_bit_sum(tensor: &Tensor) -> u64 {
+    const WEIGHT_PERIOD: i64 = 65_521;
+    let bits = tensor
+        .detach()
+        .to_kind(Kind::Float)
+        .flatten(0, -1)
+        .view_dtype(Kind::Int)
+        .to_kind(Kind::Int64);
+    let weights = Tensor::arange(bits.numel() as i64, (Kind::Int64, bits.device()))
+        .remainder(WEIGHT_PERIOD)
+        + 1;
+    (bits * weights).sum(Kind::Int64).int64_value(&[]) as u64
+}
+
 fn splitmix(mut value: u64) -> u64 {
     value = value.wrapping_add(0x9E37_79B9_7F4A_7C15);
     value = (value ^ (value >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -439,5 +459,26 @@ mod tests {
         assert!((norm - 5.0).abs() < 1e-6);
         let clipped = parameter.grad().norm().double_value(&[]);
         assert!((clipped - 1.0).abs() < 1e-4, "{clipped}");
+    }
+
+    fn checksum_of(values: &[f32]) -> u64 {
+        let parameter = Tensor::from_slice(values).view([2, values.len() as i64 / 2]);
+        AdamW::new([("w".to_string(), parameter)], AdamWSettings::default()).state_checksum()
+    }
+
+    #[test]
+    fn checksum_sees_a_swap_and_any_one_bit() {
+        let values = [1.0f32, -2.0, 0.5, 3.25];
+        let reference = checksum_of(&values);
+        assert_eq!(checksum_of(&values), reference, "the same state, the same checksum");
+        let mut swapped = values;
+        swapped.swap(0, 3);
+        assert_ne!(checksum_of(&swapped), reference, "two values swapped");
+        let mut transposed = values;
+        transposed.swap(1, 2);
+        assert_ne!(checksum_of(&transposed), reference, "a transposed matrix");
+        let mut flipped = values;
+        flipped[2] = f32::from_bits(flipped[2].to_bits() ^ 1);
+        assert_ne!(checksum_of(&flipped), reference, "the last bit of one value");
     }
 }

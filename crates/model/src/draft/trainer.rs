@@ -235,13 +235,6 @@ pub struct DraftTrainer {
     settings: TrainerSettings,
     progress: TrainingProgress,
     accumulation: Accumulation,
-    /// The schedule step of the next optimizer step when it is not this
-    /// trainer's own step count (a drafter on the run-wide schedule of
-    /// model sync); taken by that step.
-    next_schedule_step: Option<u64>,
-    /// Multiplies the scheduled learning rate (1 unless a drafter sharing
-    /// the center scales it down: `--sync-lr-scaling`).
-    learning_rate_scale: f64,
     /// Gradient norms of the last taken steps (the spike bound's median).
     recent_grad_norms: std::collections::VecDeque<f64>,
     /// Steps skipped by the guard since this trainer was made.
@@ -267,8 +260,6 @@ impl DraftTrainer {
             settings,
             progress,
             accumulation: Accumulation::default(),
-            next_schedule_step: None,
-            learning_rate_scale: 1.0,
             recent_grad_norms: std::collections::VecDeque::with_capacity(GRAD_NORM_WINDOW),
             skipped_steps: 0,
         }
@@ -321,31 +312,6 @@ impl DraftTrainer {
     pub fn set_total_steps(&mut self, total_steps: u64) {
         self.settings.total_steps = total_steps.max(1);
         self.progress.total_steps = self.settings.total_steps;
-    }
-
-    /// AdamW's β1 from the next step on (moments kept; see
-    /// [`AdamW::set_beta1`]).
-    pub fn set_adam_beta1(&mut self, beta1: f64) {
-        self.settings.adamw.beta1 = beta1;
-        self.optimizer.set_beta1(beta1);
-    }
-
-    /// Places the next optimizer step at `step` of a `total_steps` schedule
-    /// instead of at this trainer's own step count: drafters that train one
-    /// model follow the run's schedule, not their own.
-    pub fn set_schedule_position(&mut self, step: u64, total_steps: u64) {
-        self.set_total_steps(total_steps);
-        self.next_schedule_step = Some(step);
-    }
-
-    /// Multiplies the scheduled learning rate from the next step on (a
-    /// finite factor > 0; anything else is taken as 1).
-    pub fn set_learning_rate_scale(&mut self, scale: f64) {
-        self.learning_rate_scale = if scale.is_finite() && scale > 0.0 {
-            scale
-        } else {
-            1.0
-        };
     }
 
     /// Micro-batches accumulated since the last step.
@@ -431,12 +397,10 @@ impl DraftTrainer {
                 "optimizer step without any micro-batch".to_string(),
             ));
         }
-        let schedule_step = self.next_schedule_step.take().unwrap_or(self.progress.step);
         let learning_rate = self
             .settings
             .schedule
-            .learning_rate(schedule_step, self.settings.total_steps)
-            * self.learning_rate_scale;
+            .learning_rate(self.progress.step, self.settings.total_steps);
         let loss = if accumulation.weight_sum > 0.0 {
             accumulation.weighted_cross_entropy / accumulation.weight_sum
         } else {
@@ -451,7 +415,6 @@ impl DraftTrainer {
                 // Nothing of this step reaches the weights or the moments.
                 self.optimizer.zero_grad();
                 self.skipped_steps += 1;
-                self.next_schedule_step = None;
                 return Err(DraftError::StepSkipped(skipped));
             }
             self.optimizer

@@ -403,7 +403,7 @@ impl DataParallel {
             drafter_id: self.drafter_id.clone(),
             store_address: self.store_address.clone(),
             step,
-            state_checksum: trainer.state_checksum(),
+            state_checksum: checksum_with_history(trainer.state_checksum(), &self.committed),
             samples_ready,
             leaving,
             committed: Some(self.committed),
@@ -415,5 +415,38 @@ impl DataParallel {
         self.totals.time_in_quorum += started.elapsed();
         let response = response?;
         Ok((response.quorum_id != 0).then_some(response))
+    }
+}
+
+/// The checksum a member asks with: its state's (weights, moments, step,
+/// in order) mixed with the commit that made that state, so two members at
+/// one step with equal weights but different histories differ too.
+fn checksum_with_history(state: u64, committed: &proto::CommitRecord) -> u64 {
+    [committed.instance, committed.quorum_id, committed.step]
+        .into_iter()
+        .fold(state, |checksum, part| {
+            (checksum ^ part)
+                .wrapping_mul(0x0000_0100_0000_01B3)
+                .rotate_left(29)
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_checksum_covers_the_history() {
+        let record = |instance, quorum_id, step| proto::CommitRecord {
+            step,
+            instance,
+            quorum_id,
+        };
+        let base = checksum_with_history(42, &record(1, 2, 3));
+        assert_eq!(base, checksum_with_history(42, &record(1, 2, 3)));
+        for other in [record(2, 2, 3), record(1, 3, 3), record(1, 2, 4), record(2, 1, 3)] {
+            assert_ne!(base, checksum_with_history(42, &other), "{other:?}");
+        }
+        assert_ne!(base, checksum_with_history(43, &record(1, 2, 3)));
     }
 }

@@ -20,14 +20,18 @@
 //!    same on every member, so weights and moments stay identical;
 //!    otherwise [`DraftTrainer::discard_accumulation`].
 //!
-//! The learning rate is rank 0's: it travels in the sums (the other members
-//! put 0 in its slot), so members whose schedule lengths differ still step
-//! alike.
+//! What a member decides alone must not differ between members, or their
+//! weights drift apart while every vote says yes: the learning rate, the
+//! clipping bound and AdamW's hyper-parameters are rank 0's. They travel in
+//! the sums (the other members put 0 in their slots), so members whose
+//! schedule lengths or flags differ still take the same step; the clip
+//! coefficient is computed from the reduced norm, the same on every member.
 
 use tch::{Device, Kind, Tensor};
 
 use super::{DraftTrainer, StepReport};
 use crate::draft::error::{DraftError, SkippedStep};
+use crate::draft::optim::AdamWSettings;
 use crate::draft::objective::{accuracy_ratios, overall_accuracy};
 
 /// Slots of the sums tensor before the per-position counts.
@@ -38,7 +42,13 @@ const TOKENS: usize = 3;
 const LEARNING_RATE: usize = 4;
 /// Members that contributed zeros for a reason (a bad share, a stale model).
 const EXCLUDED: usize = 5;
-const FIXED_SLOTS: usize = 6;
+/// Rank 0's `--max-grad-norm` and AdamW hyper-parameters.
+const MAX_GRAD_NORM: usize = 6;
+const BETA1: usize = 7;
+const BETA2: usize = 8;
+const EPSILON: usize = 9;
+const WEIGHT_DECAY: usize = 10;
+const FIXED_SLOTS: usize = 11;
 
 /// Why a member gives zeros instead of its share.
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +74,9 @@ pub struct ReducedStep {
     grad_norm: f64,
     loss: f64,
     learning_rate: f64,
+    /// Rank 0's clipping bound and AdamW hyper-parameters.
+    max_grad_norm: f64,
+    adamw: AdamWSettings,
     samples: usize,
     tokens: usize,
     correct_per_position: Vec<f64>,
@@ -98,11 +111,9 @@ impl DraftTrainer {
 
     /// The learning rate this trainer's next step is scheduled at.
     pub fn scheduled_learning_rate(&self) -> f64 {
-        let step = self.next_schedule_step.unwrap_or(self.progress.step);
         self.settings
             .schedule
-            .learning_rate(step, self.settings.total_steps)
-            * self.learning_rate_scale
+            .learning_rate(self.progress.step, self.settings.total_steps)
     }
 
     /// Samples accumulated for the step in progress.
@@ -163,6 +174,12 @@ impl DraftTrainer {
         }
         if rank_zero {
             sums[LEARNING_RATE] = self.scheduled_learning_rate();
+            sums[MAX_GRAD_NORM] = self.settings.max_grad_norm;
+            let adamw = self.optimizer.settings();
+            sums[BETA1] = adamw.beta1;
+            sums[BETA2] = adamw.beta2;
+            sums[EPSILON] = adamw.epsilon;
+            sums[WEIGHT_DECAY] = adamw.weight_decay;
         }
         Contribution {
             gradient,
@@ -181,7 +198,9 @@ impl DraftTrainer {
         let _no_grad = tch::no_grad_guard();
         let sums: Vec<f64> = Vec::try_from(&reduced.sums.to_kind(Kind::Double)).unwrap_or_default();
         if sums.len() != self.sums_len() {
-            return Err(SkippedStep::NonFiniteLoss { loss: f64::NAN });
+            return Err(SkippedStep::InconsistentReduction {
+                what: format!("{} sums, this model has {}", sums.len(), self.sums_len()),
+            });
         }
         let weight_sum = sums[WEIGHT_SUM];
         let loss = if weight_sum > 0.0 {
@@ -198,12 +217,37 @@ impl DraftTrainer {
         if let Some(skipped) = self.step_guard(loss, grad_norm) {
             return Err(skipped);
         }
+        let adamw = AdamWSettings {
+            beta1: sums[BETA1],
+            beta2: sums[BETA2],
+            epsilon: sums[EPSILON],
+            weight_decay: sums[WEIGHT_DECAY],
+        };
+        let max_grad_norm = sums[MAX_GRAD_NORM];
+        let one_rank_zero = sums[EXCLUDED..FIXED_SLOTS]
+            .iter()
+            .all(|value| value.is_finite())
+            && max_grad_norm > 0.0
+            && (0.0..1.0).contains(&adamw.beta1)
+            && (0.0..1.0).contains(&adamw.beta2)
+            && adamw.epsilon > 0.0;
+        if !one_rank_zero {
+            // Two members of rank 0 (or none) in one group: the slots hold
+            // a sum, not one member's values.
+            return Err(SkippedStep::InconsistentReduction {
+                what: format!(
+                    "rank 0's hyper-parameters read max-grad-norm {max_grad_norm}, {adamw:?}"
+                ),
+            });
+        }
         let positions = self.positions();
         Ok(ReducedStep {
             gradient,
             grad_norm,
             loss,
             learning_rate: sums[LEARNING_RATE],
+            max_grad_norm,
+            adamw,
             samples: sums[SAMPLES].round() as usize,
             tokens: sums[TOKENS].round() as usize,
             correct_per_position: sums[FIXED_SLOTS..FIXED_SLOTS + positions].to_vec(),
@@ -211,29 +255,29 @@ impl DraftTrainer {
         })
     }
 
-    /// Takes a committed reduced step: clips the gradient to the global
-    /// norm bound, one AdamW step at rank 0's learning rate, and forgets
-    /// this member's accumulation.
+    /// Takes a committed reduced step: clips the gradient to rank 0's
+    /// global norm bound, one AdamW step with rank 0's learning rate and
+    /// hyper-parameters, and forgets this member's accumulation.
     pub fn apply_reduced(&mut self, step: ReducedStep) -> Result<StepReport, DraftError> {
         let ReducedStep {
             mut gradient,
             grad_norm,
             loss,
             learning_rate,
+            max_grad_norm,
+            adamw,
             samples,
             tokens,
             correct_per_position,
             supervised_per_position,
         } = step;
-        let max_norm = self.settings.max_grad_norm;
-        let clip_coefficient = (max_norm / (grad_norm + 1e-6)).min(1.0);
+        let clip_coefficient = (max_grad_norm / (grad_norm + 1e-6)).min(1.0);
         if clip_coefficient < 1.0 {
             let _no_grad = tch::no_grad_guard();
             let _ = gradient.g_mul_scalar_(clip_coefficient);
         }
-        self.optimizer.step_flat(learning_rate, &gradient)?;
+        self.optimizer.step_flat(learning_rate, &adamw, &gradient)?;
         self.discard_accumulation();
-        self.next_schedule_step = None;
         self.remember_grad_norm(grad_norm);
         self.progress.step += 1;
         self.progress.samples_trained += samples as u64;
@@ -297,7 +341,6 @@ impl DraftTrainer {
         self.progress.step = step as u64;
         self.progress.samples_trained = samples as u64;
         self.progress.tokens_trained = tokens as u64;
-        self.next_schedule_step = None;
         Ok(())
     }
 
