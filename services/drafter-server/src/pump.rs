@@ -379,6 +379,13 @@ impl Pump {
             stream
                 .wait_for_leases_released(&self.connection.drafter_id)
                 .await;
+        } else {
+            // The end of the stream came with the last commit (data
+            // parallelism acks a step's samples with it): the stats of that
+            // step go after it.
+            stream
+                .wait_for_final_stats(&self.connection.drafter_id, self.books.steps_done)
+                .await;
         }
         if let Some(error) = checkpoint_error {
             return Err(DrafterError::FinalCheckpoint(error));

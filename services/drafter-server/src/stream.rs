@@ -103,6 +103,40 @@ impl ConsumeStream {
     /// cannot race them; the broker would requeue the leases anyway, this
     /// only avoids needless redeliveries.
     pub(crate) async fn wait_for_leases_released(&self, drafter_id: &str) {
+        self.wait_for_broker(|status| {
+            status
+                .drafters
+                .iter()
+                .find(|drafter| drafter.drafter_id == drafter_id && drafter.connected)
+                .map_or(0, |drafter| drafter.leased_items)
+                == 0
+        })
+        .await;
+    }
+
+    /// Waits (bounded) until the broker shows the final stats this drafter
+    /// sent (`steps` of them): after the end of the stream the request
+    /// side is still read, but dropping the stream at once could lose them,
+    /// and the run's figures (`dflash status`) would miss the last step.
+    pub(crate) async fn wait_for_final_stats(&self, drafter_id: &str, steps: u64) {
+        self.wait_for_broker(|status| {
+            status
+                .drafters
+                .iter()
+                .find(|drafter| drafter.drafter_id == drafter_id)
+                .is_none_or(|drafter| {
+                    drafter
+                        .stats
+                        .as_ref()
+                        .is_some_and(|stats| stats.steps >= steps)
+                })
+        })
+        .await;
+    }
+
+    /// Polls the broker's status until `done` holds, for at most 5 s (a
+    /// broker that does not answer ends the wait at once).
+    async fn wait_for_broker(&self, done: impl Fn(&dflash_proto::v1::StatusSnapshot) -> bool) {
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
             let Ok(Ok(status)) =
@@ -110,12 +144,7 @@ impl ConsumeStream {
             else {
                 return;
             };
-            let leased = status
-                .drafters
-                .iter()
-                .find(|drafter| drafter.drafter_id == drafter_id && drafter.connected)
-                .map_or(0, |drafter| drafter.leased_items);
-            if leased == 0 {
+            if done(&status) {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
