@@ -37,7 +37,8 @@ use dflash_broker::model_sync::checkpoint::read_center;
 use dflash_client::BrokerClient;
 use dflash_proto::v1 as proto;
 use dflash_testkit::{
-    tiny_drafter_sample, wait_for_exit, wait_until, workspace_binary, BrokerProcess,
+    committed_samples, tiny_drafter_sample, wait_for_exit, wait_until, workspace_binary,
+    BrokerProcess,
 };
 
 /// Items sent before each phase: several steps of 6 samples.
@@ -156,36 +157,6 @@ fn assert_one_history(status: &proto::DataParallelStatus, phase: &str) {
     assert_eq!(status.checksum_mismatches, 0, "{phase}: {status:?}");
     assert_eq!(status.splits, 0, "{phase}: {status:?}");
     assert_eq!(status.rollbacks, 0, "{phase}: {status:?}");
-}
-
-/// The samples of each committed step, from the broker's per-step record
-/// (the log line of each durable commit): every (target, seq) with the
-/// steps that trained it.
-fn committed_samples(log: &str) -> std::collections::BTreeMap<(String, u64), Vec<u64>> {
-    let mut trained: std::collections::BTreeMap<(String, u64), Vec<u64>> = Default::default();
-    for line in log
-        .lines()
-        .filter(|line| line.contains("data parallelism: step committed"))
-    {
-        let field = |name: &str| {
-            line.split_whitespace()
-                .find_map(|word| word.strip_prefix(name))
-                .map(|value| value.trim_matches('"').to_string())
-        };
-        let step: u64 = field("step=")
-            .and_then(|step| step.parse().ok())
-            .unwrap_or(0);
-        let keys = field("keys=").unwrap_or_default();
-        for key in keys.split(',').filter(|key| !key.is_empty()) {
-            let (target_id, seq) = key.rsplit_once(':').expect("target:seq");
-            let seq: u64 = seq.parse().expect("a seq");
-            trained
-                .entry((target_id.to_string(), seq))
-                .or_default()
-                .push(step);
-        }
-    }
-    trained
 }
 
 fn tail(log: &str) -> String {

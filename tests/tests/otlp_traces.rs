@@ -6,6 +6,11 @@
 //! its resource, and one sample's path is found from its (target, seq).
 //! With the collector down (a closed port), the run still ends COMPLETE and
 //! no process's exit waits on the export longer than its bound.
+//!
+//! With real data-parallel drafters (draft models of the tiny target,
+//! gradients all-reduced over Gloo), each produced (target, seq) is named by
+//! exactly one `drafter.step` span, of the step the broker's commit record
+//! names for it, and that span links the sample's trace.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -17,7 +22,9 @@ use std::time::{Duration, Instant};
 use dflash_client::{BrokerClient, ClientOptions};
 use dflash_proto::v1 as proto;
 use dflash_shell::Exit;
-use dflash_testkit::{wait_until, workspace_binary};
+use dflash_testkit::{
+    committed_samples, tiny_drafter_sample, wait_for_exit, wait_until, workspace_binary,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -639,4 +646,154 @@ async fn every_span_reaches_a_real_collector_and_a_dead_one_costs_no_exit_time()
         "{warnings} warnings\n{down_logs}"
     );
     shutdown.cancel();
+}
+
+/// The W3C trace context the test's producer gives item `seq`: a trace of
+/// its own per sample, so a step span's links can be checked sample by
+/// sample.
+fn sample_trace(seq: u64) -> (String, HashMap<String, String>) {
+    let trace_id = format!("{:032x}", 0x5eed_0000_0000_0000_0000_u128 + u128::from(seq));
+    let traceparent = format!("00-{trace_id}-{:016x}-01", 0x1000 + seq);
+    (
+        trace_id,
+        HashMap::from([("traceparent".to_string(), traceparent)]),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
+    const ITEMS: u64 = 30;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let (endpoint, received) = start_collector(shutdown.clone()).await;
+    let work = tempfile::tempdir().unwrap();
+    let tiny = work.path().join("tiny");
+    let init = std::process::Command::new(workspace_binary("dflash"))
+        .arg("init-tiny")
+        .arg(&tiny)
+        .output()
+        .unwrap();
+    assert!(init.status.success(), "{init:?}");
+    let ready = work.path().join("broker.address");
+    let _broker = Child(
+        command("broker", work.path(), "broker.log", Some(&endpoint))
+            .args(["--listen", "127.0.0.1:0", "--expected-targets", "1"])
+            .arg("--ready-file")
+            .arg(&ready)
+            .spawn()
+            .unwrap(),
+    );
+    assert!(
+        wait_until(Duration::from_secs(60), || async { ready.exists() }).await,
+        "the broker wrote no ready file\n{}",
+        logs(work.path())
+    );
+    let address = format!("http://{}", std::fs::read_to_string(&ready).unwrap().trim());
+    let mut drafters: Vec<Child> = (0..DRAFTERS)
+        .map(|drafter| {
+            Child(
+                command(
+                    "drafter-server",
+                    work.path(),
+                    &format!("drafter-{drafter}.log"),
+                    Some(&endpoint),
+                )
+                .args(["--broker", &address, "--drafter-id"])
+                .arg(format!("drafter-{drafter}"))
+                .arg("--target-model")
+                .arg(&tiny)
+                .arg("--output")
+                .arg(work.path().join(format!("checkpoints-{drafter}")))
+                .args(["--device", "cpu", "--draft-layers", "2", "--block-size", "4"])
+                .args(["--num-anchors", "8", "--batch-tokens", "256"])
+                .args(["--max-step-samples", "6", "--prefetch-samples", "2"])
+                .args(["--linger", "200ms", "--save-every", "0"])
+                .env("OMP_NUM_THREADS", "1")
+                .env("TORCH_CPP_LOG_LEVEL", "ERROR")
+                .spawn()
+                .unwrap(),
+            )
+        })
+        .collect();
+    let client = BrokerClient::connect(address.clone(), ClientOptions::default())
+        .await
+        .unwrap();
+    let connected = wait_until(RUN_DEADLINE, || async {
+        client.status().await.is_ok_and(|status| {
+            status.drafters.iter().filter(|drafter| drafter.connected).count() == DRAFTERS
+        })
+    })
+    .await;
+    assert!(connected, "the drafters connected\n{}", logs(work.path()));
+    let mut producer = client.produce("target-0").await.unwrap();
+    for seq in 0..ITEMS {
+        producer
+            .send(seq, tiny_drafter_sample(seq), sample_trace(seq).1)
+            .await
+            .unwrap();
+    }
+    assert_eq!(producer.finish().await.unwrap().accepted, ITEMS);
+    client.report_done("target-0", ITEMS).await.unwrap();
+    for (drafter, child) in drafters.iter_mut().enumerate() {
+        let exit = wait_for_exit(&mut child.0, RUN_DEADLINE).await;
+        assert!(
+            exit.is_some_and(|status| status.success()),
+            "drafter-{drafter} exited {exit:?}\n{}",
+            logs(work.path())
+        );
+    }
+    let status = client.status().await.unwrap();
+    assert_eq!(status.state(), proto::BrokerState::Complete, "{status:?}");
+    let parallel = status
+        .model_sync
+        .and_then(|sync| sync.data_parallel)
+        .unwrap_or_default();
+    assert!(parallel.steps_committed > 1, "{parallel:?}");
+
+    // Every drafter has exited, so every span it will send was sent.
+    let spans = received.lock().unwrap().clone();
+    let mut named_by: HashMap<u64, Vec<&Received>> = HashMap::new();
+    for step in named(&spans, "drafter.step") {
+        for key in attribute(step, "dflash.sample_keys")
+            .unwrap_or_default()
+            .lines()
+        {
+            let (target_id, seq) = key.rsplit_once(':').expect("target:seq");
+            assert_eq!(target_id, "target-0", "{key}");
+            named_by.entry(seq.parse().unwrap()).or_default().push(step);
+        }
+    }
+    let committed = committed_samples(&std::fs::read_to_string(work.path().join("broker.log")).unwrap());
+    for seq in 0..ITEMS {
+        let steps = named_by.get(&seq).map(Vec::as_slice).unwrap_or_default();
+        let [step] = steps else {
+            panic!(
+                "target-0:{seq} is named by {} step spans, not one",
+                steps.len()
+            );
+        };
+        let committed_in = committed
+            .get(&("target-0".to_string(), seq))
+            .unwrap_or_else(|| panic!("target-0:{seq} in no committed step of the broker's record"));
+        assert_eq!(committed_in.len(), 1, "target-0:{seq} committed in {committed_in:?}");
+        assert_eq!(
+            attribute(step, "step").as_deref(),
+            Some(committed_in[0].to_string().as_str()),
+            "target-0:{seq}: the span's step and the broker's record"
+        );
+        let trace_id = hex_bytes(&sample_trace(seq).0);
+        assert!(
+            step.span.trace_id == trace_id
+                || step.span.links.iter().any(|link| link.trace_id == trace_id),
+            "the step that trained target-0:{seq} neither joins nor links its trace"
+        );
+    }
+    assert_eq!(named_by.len() as u64, ITEMS, "step spans name only produced samples");
+    shutdown.cancel();
+}
+
+fn hex_bytes(hex: &str) -> Vec<u8> {
+    (0..hex.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(&hex[at..at + 2], 16).unwrap())
+        .collect()
 }

@@ -10,8 +10,9 @@
 //! around the same calls is exercised by the system tests. Two faults run
 //! on the same parts: a member that loses the broker's decision after the
 //! broker recorded its vote (it fetches it again and ends where the others
-//! do), and a member that asks late, past `--quorum-timeout` (it is waited
-//! for while it is live, not dropped).
+//! do), a member that asks late, past `--quorum-timeout` (it is waited
+//! for while it is live, not dropped), and the broker restarting on its
+//! state dir between the members' votes and their fetch of the decision.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -161,10 +162,15 @@ fn run_member(
 /// after 4 steps at learning rate 16e-3 the weights may then differ by a
 /// small multiple of 1e-7 x the distance moved, far below 1e-3, while the
 /// steps must move the largest weight by more than ten times that.
+///
+/// `restart_at_commit`: once the broker shows that step committed, it is
+/// stopped and started again on its state dir (which `broker_config` must
+/// name), while the members are still fetching that step's decision.
 fn members_against_one_trainer(
     members: usize,
     broker_config: BrokerConfig,
     faults: &[Faults],
+    restart_at_commit: Option<u64>,
 ) -> proto::DataParallelStatus {
     let work = tempfile::tempdir().unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -172,7 +178,7 @@ fn members_against_one_trainer(
         .enable_all()
         .build()
         .unwrap();
-    let broker = runtime.block_on(TestBroker::start(broker_config));
+    let mut broker = runtime.block_on(TestBroker::start(broker_config.clone()));
     let sequences = random_token_sequences(STEP_SAMPLES * STEPS, 20, 5);
     let samples = target_samples(&sequences);
     let steps: Arc<Vec<Vec<proto::Sample>>> =
@@ -199,6 +205,22 @@ fn members_against_one_trainer(
             })
         })
         .collect();
+    if let Some(step) = restart_at_commit {
+        broker = runtime.block_on(async {
+            let client = broker.client().await;
+            let committed = wait_until(Duration::from_secs(120), || async {
+                parallel_status(&client).await.committed_step >= step
+            })
+            .await;
+            let status = parallel_status(&client).await;
+            assert!(committed, "step {step} committed: {status:?}");
+            // Every member is still fetching this step's decision (their
+            // hook loses the answers of the first tries): the next step
+            // cannot have formed.
+            assert_eq!(status.committed_step, step, "{status:?}");
+            broker.restart(broker_config).await
+        });
+    }
     let results: Vec<MemberEnd> = threads
         .into_iter()
         .map(|thread| thread.join().unwrap())
@@ -236,39 +258,44 @@ fn members_against_one_trainer(
         apart <= 1e-3,
         "the members are {apart:.3e} from one trainer's weights"
     );
-    let status = runtime.block_on(async {
-        let status = broker.client().await.status().await.unwrap();
-        status
-            .model_sync
-            .unwrap_or_default()
-            .data_parallel
-            .unwrap_or_default()
-    });
+    let status = runtime.block_on(async { parallel_status(&broker.client().await).await });
     assert_eq!(
         results[0].2.step, STEPS as u64,
         "every member holds the last commit"
     );
     assert_eq!(status.committed_step, STEPS as u64, "{status:?}");
-    assert_eq!(status.steps_committed, STEPS as u64, "{status:?}");
+    // Counted by this broker process: a restarted one committed the rest.
+    let committed_here = STEPS as u64 - restart_at_commit.unwrap_or(0);
+    assert_eq!(status.steps_committed, committed_here, "{status:?}");
     assert_eq!(status.checksum_mismatches, 0, "{status:?}");
     assert_eq!(status.splits, 0, "{status:?}");
     runtime.block_on(broker.stop());
     status
 }
 
+async fn parallel_status(client: &dflash_client::BrokerClient) -> proto::DataParallelStatus {
+    client
+        .status()
+        .await
+        .ok()
+        .and_then(|status| status.model_sync)
+        .and_then(|sync| sync.data_parallel)
+        .unwrap_or_default()
+}
+
 #[test]
 fn two_members_train_what_one_trainer_trains() {
-    members_against_one_trainer(2, BrokerConfig::for_targets(1), &[]);
+    members_against_one_trainer(2, BrokerConfig::for_targets(1), &[], None);
 }
 
 #[test]
 fn three_members_train_what_one_trainer_trains() {
-    members_against_one_trainer(3, BrokerConfig::for_targets(1), &[]);
+    members_against_one_trainer(3, BrokerConfig::for_targets(1), &[], None);
 }
 
 #[test]
 fn four_members_train_what_one_trainer_trains() {
-    members_against_one_trainer(4, BrokerConfig::for_targets(1), &[]);
+    members_against_one_trainer(4, BrokerConfig::for_targets(1), &[], None);
 }
 
 /// Member 1 loses the broker's answer twice at every step, after the broker
@@ -281,10 +308,42 @@ fn a_member_that_loses_the_decision_fetches_it_again_and_ends_at_h() {
         lose_decisions: 2,
         ..Faults::default()
     };
-    let status =
-        members_against_one_trainer(3, BrokerConfig::for_targets(1), &[Faults::default(), lossy]);
+    let status = members_against_one_trainer(
+        3,
+        BrokerConfig::for_targets(1),
+        &[Faults::default(), lossy],
+        None,
+    );
     assert_eq!(status.steps_failed, 0, "{status:?}");
     assert_eq!(status.unknown_decisions, 0, "{status:?}");
+}
+
+/// The broker stops after it committed step 2 and before any member learned
+/// it, and starts again on its state dir: each member's next try reaches the
+/// new broker, which answers COMMIT for the old instance's vote of the step
+/// that made H; every member applies it, the run goes on at H on the new
+/// broker, and every member ends at the last step with the same state.
+///
+/// Each member loses the answers of its first 6 tries of every decision
+/// (6.3 s of pauses, 0.1 s doubling): the restart (well under a second
+/// in-process) falls inside them, and the members, whose pauses run in step
+/// since they voted together, ask the new broker for the next quorum within
+/// its 500 ms gathering wait of each other (a new broker knows no last
+/// quorum to wait for).
+#[cfg(feature = "test-hooks")]
+#[test]
+fn the_broker_restarting_between_vote_and_decision_loses_no_step() {
+    let state = tempfile::tempdir().unwrap();
+    let mut config = BrokerConfig::for_targets(1);
+    config.state_dir = Some(state.path().to_path_buf());
+    let lossy = Faults {
+        lose_decisions: 6,
+        ..Faults::default()
+    };
+    let status = members_against_one_trainer(3, config, &[lossy; 3], Some(2));
+    assert_eq!(status.steps_failed, 0, "{status:?}");
+    assert_eq!(status.unknown_decisions, 0, "{status:?}");
+    assert_eq!(status.heals, 0, "no member was behind H: {status:?}");
 }
 
 /// Member 2 asks for step 2's quorum 3 s late, past the broker's 1 s
@@ -298,8 +357,12 @@ fn a_live_member_asking_past_the_quorum_timeout_is_waited_for() {
         late_before_step: Some((2, Duration::from_secs(3))),
         ..Faults::default()
     };
-    let status =
-        members_against_one_trainer(3, config, &[Faults::default(), Faults::default(), late]);
+    let status = members_against_one_trainer(
+        3,
+        config,
+        &[Faults::default(), Faults::default(), late],
+        None,
+    );
     assert_eq!(status.members_dropped, 0, "{status:?}");
     assert_eq!(status.steps_failed, 0, "{status:?}");
 }

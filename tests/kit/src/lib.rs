@@ -72,10 +72,36 @@ impl TestBroker {
         Self::serve(config, true).await
     }
 
+    /// Stops this broker (gracefully: what it accepted is in its state
+    /// dir, if `config` names one) and starts a new one with `config` on
+    /// the same address, so its clients reconnect to it. A port still held
+    /// by the old listener's last moments is tried again for up to 60 s.
+    pub async fn restart(self, config: BrokerConfig) -> TestBroker {
+        let address = self.address.clone();
+        self.stop_checked().await.expect("the broker stopped cleanly");
+        let bound = address.trim_start_matches("http://").to_string();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let listener = loop {
+            match TcpListener::bind(&bound).await {
+                Ok(listener) => break listener,
+                Err(error) if Instant::now() < deadline => {
+                    eprintln!("rebinding {bound}: {error}; trying again");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(error) => panic!("rebinding {bound}: {error}"),
+            }
+        };
+        Self::serve_on(listener, config, false).await
+    }
+
     async fn serve(config: BrokerConfig, with_metrics: bool) -> TestBroker {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind loopback");
+        Self::serve_on(listener, config, with_metrics).await
+    }
+
+    async fn serve_on(listener: TcpListener, config: BrokerConfig, with_metrics: bool) -> TestBroker {
         let address = format!("http://{}", listener.local_addr().expect("local address"));
         let metrics_listener = if with_metrics {
             Some(
@@ -554,6 +580,37 @@ pub fn tiny_drafter_sample(seq: u64) -> proto::Sample {
         proto::Dtype::Bf16,
         TINY_SAMPLE_HIDDEN_WIDTH,
     )
+}
+
+/// The samples of each committed data-parallel step, from the broker's
+/// per-step record (its log line of each durable commit, `data
+/// parallelism: step committed ... step=N ... keys=target:seq,...`): every
+/// (target, seq) with the steps that trained it.
+pub fn committed_samples(log: &str) -> std::collections::BTreeMap<(String, u64), Vec<u64>> {
+    let mut trained: std::collections::BTreeMap<(String, u64), Vec<u64>> = Default::default();
+    for line in log
+        .lines()
+        .filter(|line| line.contains("data parallelism: step committed"))
+    {
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|word| word.strip_prefix(name))
+                .map(|value| value.trim_matches('"').to_string())
+        };
+        let step: u64 = field("step=")
+            .and_then(|step| step.parse().ok())
+            .unwrap_or(0);
+        let keys = field("keys=").unwrap_or_default();
+        for key in keys.split(',').filter(|key| !key.is_empty()) {
+            let (target_id, seq) = key.rsplit_once(':').expect("target:seq");
+            let seq: u64 = seq.parse().expect("a seq");
+            trained
+                .entry((target_id.to_string(), seq))
+                .or_default()
+                .push(step);
+        }
+    }
+    trained
 }
 
 /// Waits (polling) for `child` to exit; `None` if it is still running

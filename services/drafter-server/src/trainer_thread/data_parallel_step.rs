@@ -48,7 +48,15 @@ impl TrainingLoop {
             // The committed step's span names its samples and links their
             // batches; any other outcome's span names none (they go on to
             // another step), and the traces are emptied either way.
-            StepOutcome::Committed { excluded: None, .. } => self.step_samples.apply(&span),
+            StepOutcome::Committed {
+                excluded: None,
+                report,
+            } => {
+                // The run's step, which a heal may have moved since the
+                // span opened.
+                span.record("step", report.step);
+                self.step_samples.apply(&span)
+            }
             _ => self.step_samples.apply(&Span::none()),
         }
         drop(span);
