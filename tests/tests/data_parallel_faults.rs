@@ -29,7 +29,7 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -37,8 +37,8 @@ use dflash_broker::model_sync::checkpoint::read_center;
 use dflash_client::BrokerClient;
 use dflash_proto::v1 as proto;
 use dflash_testkit::{
-    committed_samples, tiny_drafter_sample, wait_for_exit, wait_until, workspace_binary,
-    BrokerProcess,
+    committed_samples, data_parallel_status, init_tiny, tiny_drafter_sample, wait_for_exit,
+    wait_until, workspace_binary, BrokerProcess,
 };
 
 /// Items sent before each phase: several steps of 6 samples.
@@ -87,16 +87,6 @@ fn drafter_log(work: &Path, index: usize) -> String {
     std::fs::read_to_string(work.join(format!("{}.log", drafter_id(index)))).unwrap_or_default()
 }
 
-async fn parallel_status(client: &BrokerClient) -> proto::DataParallelStatus {
-    client
-        .status()
-        .await
-        .ok()
-        .and_then(|status| status.model_sync)
-        .and_then(|sync| sync.data_parallel)
-        .unwrap_or_default()
-}
-
 fn members_are(status: &proto::DataParallelStatus, indices: &[usize]) -> bool {
     let mut members = status.members.clone();
     members.sort();
@@ -115,11 +105,11 @@ async fn wait_for_quorum(
     what: &str,
 ) -> proto::DataParallelStatus {
     let reached = wait_until(PHASE_TIMEOUT, || async {
-        let status = parallel_status(client).await;
+        let status = data_parallel_status(client).await;
         members_are(&status, indices) && status.steps_committed > after + 1
     })
     .await;
-    let status = parallel_status(client).await;
+    let status = data_parallel_status(client).await;
     assert!(
         reached,
         "{what}: {status:?}; drafter-0 log tail: {}",
@@ -186,13 +176,7 @@ fn signal(child: &Child, signal: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     let work = tempfile::tempdir().unwrap();
-    let tiny: PathBuf = work.path().join("tiny");
-    let init = Command::new(workspace_binary("dflash"))
-        .arg("init-tiny")
-        .arg(&tiny)
-        .output()
-        .unwrap();
-    assert!(init.status.success(), "{init:?}");
+    let tiny = init_tiny(work.path());
     let model_dir = work.path().join("model");
     let model_arg = model_dir.to_str().unwrap().to_string();
     let state_arg = work.path().join("state").to_str().unwrap().to_string();
@@ -276,7 +260,7 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     // dropped at once, and it alone.
     produce(&mut producer, produced, ITEMS_PER_PHASE).await;
     produced += ITEMS_PER_PHASE;
-    let dropped_before = parallel_status(&client).await.members_dropped;
+    let dropped_before = data_parallel_status(&client).await.members_dropped;
     drafters[0].kill().unwrap();
     drafters[0].wait().unwrap();
     produce(&mut producer, produced, ITEMS_PER_PHASE).await;

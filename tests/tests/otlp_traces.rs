@@ -23,7 +23,8 @@ use dflash_client::{BrokerClient, ClientOptions};
 use dflash_proto::v1 as proto;
 use dflash_shell::Exit;
 use dflash_testkit::{
-    committed_samples, tiny_drafter_sample, wait_for_exit, wait_until, workspace_binary,
+    committed_samples, data_parallel_status, init_tiny, tiny_drafter_sample, wait_for_exit,
+    wait_until, workspace_binary,
 };
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -184,15 +185,14 @@ fn logs(work: &Path) -> String {
     all
 }
 
-/// A whole run: broker, targets, drafters; waits for COMPLETE and for every
-/// process to exit 0 (the broker after SIGTERM).
-async fn run_pipeline(work: &Path, otlp: Option<&str>) -> RunTimes {
-    let started = Instant::now();
+/// The broker for `targets` targets, exporting to `otlp`, and its address
+/// once it listens (from its ready file).
+async fn start_broker(work: &Path, otlp: Option<&str>, targets: usize) -> (Child, String) {
     let ready = work.join("broker.address");
-    let mut broker = Child(
+    let broker = Child(
         command("broker", work, "broker.log", otlp)
             .args(["--listen", "127.0.0.1:0", "--expected-targets"])
-            .arg(TARGETS.to_string())
+            .arg(targets.to_string())
             .arg("--ready-file")
             .arg(&ready)
             .spawn()
@@ -204,6 +204,14 @@ async fn run_pipeline(work: &Path, otlp: Option<&str>) -> RunTimes {
         logs(work)
     );
     let address = format!("http://{}", std::fs::read_to_string(&ready).unwrap().trim());
+    (broker, address)
+}
+
+/// A whole run: broker, targets, drafters; waits for COMPLETE and for every
+/// process to exit 0 (the broker after SIGTERM).
+async fn run_pipeline(work: &Path, otlp: Option<&str>) -> RunTimes {
+    let started = Instant::now();
+    let (mut broker, address) = start_broker(work, otlp, TARGETS).await;
     let mut children = Vec::new();
     for target in 0..TARGETS {
         let model =
@@ -666,28 +674,8 @@ async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
     let shutdown = tokio_util::sync::CancellationToken::new();
     let (endpoint, received) = start_collector(shutdown.clone()).await;
     let work = tempfile::tempdir().unwrap();
-    let tiny = work.path().join("tiny");
-    let init = std::process::Command::new(workspace_binary("dflash"))
-        .arg("init-tiny")
-        .arg(&tiny)
-        .output()
-        .unwrap();
-    assert!(init.status.success(), "{init:?}");
-    let ready = work.path().join("broker.address");
-    let _broker = Child(
-        command("broker", work.path(), "broker.log", Some(&endpoint))
-            .args(["--listen", "127.0.0.1:0", "--expected-targets", "1"])
-            .arg("--ready-file")
-            .arg(&ready)
-            .spawn()
-            .unwrap(),
-    );
-    assert!(
-        wait_until(Duration::from_secs(60), || async { ready.exists() }).await,
-        "the broker wrote no ready file\n{}",
-        logs(work.path())
-    );
-    let address = format!("http://{}", std::fs::read_to_string(&ready).unwrap().trim());
+    let tiny = init_tiny(work.path());
+    let (_broker, address) = start_broker(work.path(), Some(&endpoint), 1).await;
     let mut drafters: Vec<Child> = (0..DRAFTERS)
         .map(|drafter| {
             Child(
@@ -743,10 +731,7 @@ async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
     }
     let status = client.status().await.unwrap();
     assert_eq!(status.state(), proto::BrokerState::Complete, "{status:?}");
-    let parallel = status
-        .model_sync
-        .and_then(|sync| sync.data_parallel)
-        .unwrap_or_default();
+    let parallel = data_parallel_status(&client).await;
     assert!(parallel.steps_committed > 1, "{parallel:?}");
 
     // Every drafter has exited, so every span it will send was sent.

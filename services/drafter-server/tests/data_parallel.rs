@@ -209,10 +209,10 @@ fn members_against_one_trainer(
         broker = runtime.block_on(async {
             let client = broker.client().await;
             let committed = wait_until(Duration::from_secs(120), || async {
-                parallel_status(&client).await.committed_step >= step
+                dflash_testkit::data_parallel_status(&client).await.committed_step >= step
             })
             .await;
-            let status = parallel_status(&client).await;
+            let status = dflash_testkit::data_parallel_status(&client).await;
             assert!(committed, "step {step} committed: {status:?}");
             // Every member is still fetching this step's decision (their
             // hook loses the answers of the first tries): the next step
@@ -258,7 +258,7 @@ fn members_against_one_trainer(
         apart <= 1e-3,
         "the members are {apart:.3e} from one trainer's weights"
     );
-    let status = runtime.block_on(async { parallel_status(&broker.client().await).await });
+    let status = runtime.block_on(async { dflash_testkit::data_parallel_status(&broker.client().await).await });
     assert_eq!(
         results[0].2.step, STEPS as u64,
         "every member holds the last commit"
@@ -271,16 +271,6 @@ fn members_against_one_trainer(
     assert_eq!(status.splits, 0, "{status:?}");
     runtime.block_on(broker.stop());
     status
-}
-
-async fn parallel_status(client: &dflash_client::BrokerClient) -> proto::DataParallelStatus {
-    client
-        .status()
-        .await
-        .ok()
-        .and_then(|status| status.model_sync)
-        .and_then(|sync| sync.data_parallel)
-        .unwrap_or_default()
 }
 
 #[test]

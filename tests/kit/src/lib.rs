@@ -582,6 +582,30 @@ pub fn tiny_drafter_sample(seq: u64) -> proto::Sample {
     )
 }
 
+/// The tiny target `dflash init-tiny` writes, in `work/tiny`.
+pub fn init_tiny(work: &Path) -> PathBuf {
+    let tiny = work.join("tiny");
+    let init = std::process::Command::new(workspace_binary("dflash"))
+        .arg("init-tiny")
+        .arg(&tiny)
+        .output()
+        .expect("run dflash init-tiny");
+    assert!(init.status.success(), "{init:?}");
+    tiny
+}
+
+/// The broker's data-parallel status (the default when it cannot be read,
+/// so a poll goes on).
+pub async fn data_parallel_status(client: &BrokerClient) -> proto::DataParallelStatus {
+    client
+        .status()
+        .await
+        .ok()
+        .and_then(|status| status.model_sync)
+        .and_then(|sync| sync.data_parallel)
+        .unwrap_or_default()
+}
+
 /// The samples of each committed data-parallel step, from the broker's
 /// per-step record (its log line of each durable commit, `data
 /// parallelism: step committed ... step=N ... keys=target:seq,...`): every
