@@ -691,7 +691,14 @@ async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
                 .arg(&tiny)
                 .arg("--output")
                 .arg(work.path().join(format!("checkpoints-{drafter}")))
-                .args(["--device", "cpu", "--draft-layers", "2", "--block-size", "4"])
+                .args([
+                    "--device",
+                    "cpu",
+                    "--draft-layers",
+                    "2",
+                    "--block-size",
+                    "4",
+                ])
                 .args(["--num-anchors", "8", "--batch-tokens", "256"])
                 .args(["--max-step-samples", "6", "--prefetch-samples", "2"])
                 .args(["--linger", "200ms", "--save-every", "0"])
@@ -707,7 +714,12 @@ async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
         .unwrap();
     let connected = wait_until(RUN_DEADLINE, || async {
         client.status().await.is_ok_and(|status| {
-            status.drafters.iter().filter(|drafter| drafter.connected).count() == DRAFTERS
+            status
+                .drafters
+                .iter()
+                .filter(|drafter| drafter.connected)
+                .count()
+                == DRAFTERS
         })
     })
     .await;
@@ -747,7 +759,8 @@ async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
             named_by.entry(seq.parse().unwrap()).or_default().push(step);
         }
     }
-    let committed = committed_samples(&std::fs::read_to_string(work.path().join("broker.log")).unwrap());
+    let committed =
+        committed_samples(&std::fs::read_to_string(work.path().join("broker.log")).unwrap());
     for seq in 0..ITEMS {
         let steps = named_by.get(&seq).map(Vec::as_slice).unwrap_or_default();
         let [step] = steps else {
@@ -758,8 +771,14 @@ async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
         };
         let committed_in = committed
             .get(&("target-0".to_string(), seq))
-            .unwrap_or_else(|| panic!("target-0:{seq} in no committed step of the broker's record"));
-        assert_eq!(committed_in.len(), 1, "target-0:{seq} committed in {committed_in:?}");
+            .unwrap_or_else(|| {
+                panic!("target-0:{seq} in no committed step of the broker's record")
+            });
+        assert_eq!(
+            committed_in.len(),
+            1,
+            "target-0:{seq} committed in {committed_in:?}"
+        );
         assert_eq!(
             attribute(step, "step").as_deref(),
             Some(committed_in[0].to_string().as_str()),
@@ -772,7 +791,11 @@ async fn data_parallel_step_spans_name_each_sample_in_its_committed_step() {
             "the step that trained target-0:{seq} neither joins nor links its trace"
         );
     }
-    assert_eq!(named_by.len() as u64, ITEMS, "step spans name only produced samples");
+    assert_eq!(
+        named_by.len() as u64,
+        ITEMS,
+        "step spans name only produced samples"
+    );
     shutdown.cancel();
 }
 

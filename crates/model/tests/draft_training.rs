@@ -367,7 +367,10 @@ fn data_parallel_members_take_rank_zeros_step_whatever_their_flags() -> anyhow::
     // The tiny model's first gradient norm is far above 1e-3, so rank 0's
     // bound clips and the other's (1e3) would not: a member using its own
     // flag would take another step.
-    assert!(grad_norm > 1e-2, "gradient norm {grad_norm} would not be clipped");
+    assert!(
+        grad_norm > 1e-2,
+        "gradient norm {grad_norm} would not be clipped"
+    );
     let scheduled = rank_zero.scheduled_learning_rate();
     let report_zero = rank_zero.apply_reduced(step_zero)?;
     let report_other = other.apply_reduced(step_other)?;

@@ -289,8 +289,7 @@ impl DrafterServerConfig {
         if self.dtype == Some(DtypeChoice::F16) {
             return Err(ConfigError::UnsupportedDtype("f16"));
         }
-        if self.resume && self.model_sync.mode() == crate::model_sync::ModelSyncMode::DataParallel
-        {
+        if self.resume && self.model_sync.mode() == crate::model_sync::ModelSyncMode::DataParallel {
             return Err(ConfigError::ResumeInDataParallel);
         }
         let credit_items =

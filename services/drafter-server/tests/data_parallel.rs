@@ -209,7 +209,10 @@ fn members_against_one_trainer(
         broker = runtime.block_on(async {
             let client = broker.client().await;
             let committed = wait_until(Duration::from_secs(120), || async {
-                dflash_testkit::data_parallel_status(&client).await.committed_step >= step
+                dflash_testkit::data_parallel_status(&client)
+                    .await
+                    .committed_step
+                    >= step
             })
             .await;
             let status = dflash_testkit::data_parallel_status(&client).await;
@@ -258,7 +261,8 @@ fn members_against_one_trainer(
         apart <= 1e-3,
         "the members are {apart:.3e} from one trainer's weights"
     );
-    let status = runtime.block_on(async { dflash_testkit::data_parallel_status(&broker.client().await).await });
+    let status = runtime
+        .block_on(async { dflash_testkit::data_parallel_status(&broker.client().await).await });
     assert_eq!(
         results[0].2.step, STEPS as u64,
         "every member holds the last commit"

@@ -78,7 +78,9 @@ impl TestBroker {
     /// by the old listener's last moments is tried again for up to 60 s.
     pub async fn restart(self, config: BrokerConfig) -> TestBroker {
         let address = self.address.clone();
-        self.stop_checked().await.expect("the broker stopped cleanly");
+        self.stop_checked()
+            .await
+            .expect("the broker stopped cleanly");
         let bound = address.trim_start_matches("http://").to_string();
         let deadline = Instant::now() + Duration::from_secs(60);
         let listener = loop {
@@ -101,7 +103,11 @@ impl TestBroker {
         Self::serve_on(listener, config, with_metrics).await
     }
 
-    async fn serve_on(listener: TcpListener, config: BrokerConfig, with_metrics: bool) -> TestBroker {
+    async fn serve_on(
+        listener: TcpListener,
+        config: BrokerConfig,
+        with_metrics: bool,
+    ) -> TestBroker {
         let address = format!("http://{}", listener.local_addr().expect("local address"));
         let metrics_listener = if with_metrics {
             Some(

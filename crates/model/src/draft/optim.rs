@@ -470,7 +470,11 @@ mod tests {
     fn checksum_sees_a_swap_and_any_one_bit() {
         let values = [1.0f32, -2.0, 0.5, 3.25];
         let reference = checksum_of(&values);
-        assert_eq!(checksum_of(&values), reference, "the same state, the same checksum");
+        assert_eq!(
+            checksum_of(&values),
+            reference,
+            "the same state, the same checksum"
+        );
         let mut swapped = values;
         swapped.swap(0, 3);
         assert_ne!(checksum_of(&swapped), reference, "two values swapped");
@@ -479,6 +483,10 @@ mod tests {
         assert_ne!(checksum_of(&transposed), reference, "a transposed matrix");
         let mut flipped = values;
         flipped[2] = f32::from_bits(flipped[2].to_bits() ^ 1);
-        assert_ne!(checksum_of(&flipped), reference, "the last bit of one value");
+        assert_ne!(
+            checksum_of(&flipped),
+            reference,
+            "the last bit of one value"
+        );
     }
 }

@@ -444,7 +444,12 @@ mod tests {
         };
         let base = checksum_with_history(42, &record(1, 2, 3));
         assert_eq!(base, checksum_with_history(42, &record(1, 2, 3)));
-        for other in [record(2, 2, 3), record(1, 3, 3), record(1, 2, 4), record(2, 1, 3)] {
+        for other in [
+            record(2, 2, 3),
+            record(1, 3, 3),
+            record(1, 2, 4),
+            record(2, 1, 3),
+        ] {
             assert_ne!(base, checksum_with_history(42, &other), "{other:?}");
         }
         assert_ne!(base, checksum_with_history(43, &record(1, 2, 3)));

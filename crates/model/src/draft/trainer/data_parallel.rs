@@ -31,8 +31,8 @@ use tch::{Device, Kind, Tensor};
 
 use super::{DraftTrainer, StepReport};
 use crate::draft::error::{DraftError, SkippedStep};
-use crate::draft::optim::AdamWSettings;
 use crate::draft::objective::{accuracy_ratios, overall_accuracy};
+use crate::draft::optim::AdamWSettings;
 
 /// Slots of the sums tensor before the per-position counts.
 const WEIGHT_SUM: usize = 0;
