@@ -20,6 +20,7 @@ use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use tracing::warn;
 
 use crate::roles::{principal_of_certificate, Credentials, CredentialsError, Principal};
+use crate::rpc_error::RpcError;
 
 /// A configured security value that cannot be used, naming the flag and file.
 #[derive(Debug, thiserror::Error)]
@@ -217,13 +218,11 @@ impl Interceptor for TokenCheck {
             }
             (Some(_), None) => {
                 warn!(peer = ?request.remote_addr(), "refused a call with a wrong token");
-                Err(tonic::Status::unauthenticated("wrong bearer token"))
+                Err(RpcError::WrongToken.into())
             }
             (None, None) => {
                 warn!(peer = ?request.remote_addr(), "refused a call without a bearer token");
-                Err(tonic::Status::unauthenticated(
-                    "missing bearer token (authorization: Bearer <token>)",
-                ))
+                Err(RpcError::MissingToken.into())
             }
         }
     }

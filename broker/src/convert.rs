@@ -1,17 +1,15 @@
-//! Conversions between the queue's domain types and the `dflash.v1` messages,
-//! and the one mapping of queue errors to gRPC status codes.
+//! Conversions between the queue's domain types and the `dflash.v1` messages
+//! (queue errors become statuses in [`crate::rpc_error`]).
 
 use std::sync::Arc;
 
 use dflash_proto::v1 as proto;
-use tonic::Status;
 
 use crate::payload::WireItem;
 
 use crate::queue::{
     BrokerState, ConsumerStats, Credit, DeadLetter, DrafterSnapshot, NackDisposition, Payload,
-    ProducerStats, QueueError, RunStatus, RunSummary, Snapshot, TargetSnapshot, TargetState,
-    TraceExport,
+    ProducerStats, RunStatus, RunSummary, Snapshot, TargetSnapshot, TargetState, TraceExport,
 };
 
 /// The queue's payload on the wire side is the producer's item itself,
@@ -40,33 +38,6 @@ impl crate::wal::DurablePayload for Arc<WireItem> {
 impl Payload for Arc<WireItem> {
     fn size_bytes(&self) -> u64 {
         self.held_bytes()
-    }
-}
-
-impl From<QueueError> for Status {
-    fn from(error: QueueError) -> Status {
-        let message = error.to_string();
-        match error {
-            QueueError::EmptyTargetId
-            | QueueError::EmptyDrafterId
-            | QueueError::ZeroCredit
-            | QueueError::OutOfOrderSeq { .. } => Status::invalid_argument(message),
-            QueueError::UnknownTarget { .. } => Status::not_found(message),
-            // A newer stream fenced the caller: a concurrency conflict, so
-            // ABORTED (the fenced process must not retry; its successor reports).
-            QueueError::StaleEpoch { .. } => Status::aborted(message),
-            QueueError::NoProduceStream { .. }
-            | QueueError::TargetFailed { .. }
-            | QueueError::TargetAlreadyDone { .. }
-            | QueueError::DoneCountMismatch { .. }
-            | QueueError::RunEnded { .. }
-            | QueueError::StepDeliveriesNotHeld { .. } => Status::failed_precondition(message),
-            QueueError::QueueFull { .. } => Status::resource_exhausted(message),
-            // Retryable on purpose: a restarted drafter whose old stream the
-            // broker has not seen end yet gets in once it has.
-            QueueError::DrafterAlreadyConnected { .. } => Status::already_exists(message),
-            QueueError::StaleConnection { .. } => Status::aborted(message),
-        }
     }
 }
 

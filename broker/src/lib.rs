@@ -12,9 +12,13 @@
 //! - `config`: flags with environment fallbacks, and their validation.
 //! - `auth`: TLS (optionally mutual) and the bearer token checked on every
 //!   RPC, from files or the environment; the token is never printed.
+//! - `rpc_error`: [`rpc_error::RpcError`], everything an RPC refuses (the
+//!   queue's, the run model's and the τ reports' errors folded in), and
+//!   the one table of its gRPC codes and messages: no other code of the
+//!   crate builds a `tonic::Status`.
 //! - `roles`: credentials with a role (target, drafter, operator) and an
 //!   optional identity (`--credentials`), and the check each RPC makes.
-//! - `convert`: queue types ↔ `dflash.v1` messages; queue errors → status codes.
+//! - `convert`: queue types ↔ `dflash.v1` messages.
 //! - `service`: the tonic `Broker` implementation, a thin adapter that runs
 //!   queue operations under one lock and routes effects to streams.
 //! - `server`: [`serve`], which adds health and reflection, the optional
@@ -71,6 +75,7 @@ pub mod model_sync;
 pub mod payload;
 pub mod queue;
 pub mod roles;
+pub mod rpc_error;
 pub mod run_model;
 pub mod server;
 pub mod service;

@@ -430,15 +430,6 @@ pub enum DecodeFailure {
     },
 }
 
-impl DecodeFailure {
-    /// The status a producer gets: INVALID_ARGUMENT naming the message.
-    pub fn into_status(self, message_number: u64) -> Status {
-        Status::invalid_argument(format!(
-            "Produce message {message_number} is not a valid ProduceRequest: {self}"
-        ))
-    }
-}
-
 /// A length-delimited field's body: its declared length checked against
 /// what remains, then cut out (no copy).
 fn delimited(

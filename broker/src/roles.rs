@@ -1,8 +1,8 @@
 //! Who may call what: credentials that carry a role (target, drafter,
 //! evaluator, operator) and optionally the one identity they stand for, the checks
 //! each RPC makes with them, and the checks on a hello's id itself
-//! ([`validate_id`], shared by the broker's and model sync's services), and
-//! the answer to a hello that never came ([`no_hello_within`]).
+//! ([`validate_id`], shared by the broker's and model sync's services).
+//! Their refusals are [`RpcError`]s.
 //!
 //! A credentials file (`--credentials FILE`) has one credential a line:
 //!
@@ -44,6 +44,8 @@
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
+
+use crate::rpc_error::RpcError;
 
 /// What a credential lets its holder do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,22 +101,29 @@ impl Principal {
 
     /// Whether this caller may act as `role` for `identity` (`action` names
     /// the RPC in the refusal).
-    pub fn authorize(&self, role: Role, identity: &str, action: &str) -> Result<(), tonic::Status> {
+    pub fn authorize(
+        &self,
+        role: Role,
+        identity: &str,
+        action: &'static str,
+    ) -> Result<(), RpcError> {
         if self.role == Role::Any {
             return Ok(());
         }
         if self.role != role {
-            return Err(tonic::Status::permission_denied(format!(
-                "{action} needs a {} credential; this one is a {} credential",
-                role.name(),
-                self.role.name()
-            )));
+            return Err(RpcError::WrongRole {
+                action,
+                needed: role.name(),
+                held: self.role.name(),
+            });
         }
         match &self.identity {
-            Some(own) if own != identity => Err(tonic::Status::permission_denied(format!(
-                "{action}: this credential stands for {} {own:?}, not {identity:?}",
-                role.name()
-            ))),
+            Some(own) if own != identity => Err(RpcError::OtherIdentity {
+                action,
+                role: role.name(),
+                own: own.clone(),
+                identity: identity.to_string(),
+            }),
             _ => Ok(()),
         }
     }
@@ -324,25 +333,21 @@ pub(crate) const MAX_ID_LENGTH: usize = 256;
 /// service, before anything is looked up: at most [`MAX_ID_LENGTH`] bytes,
 /// no control characters (an id ends up in logs, metrics labels and
 /// file names). Emptiness is the caller's rule (the queue names it).
-pub(crate) fn validate_id(kind: &str, id: &str) -> Result<(), tonic::Status> {
+pub(crate) fn validate_id(field: &'static str, id: &str) -> Result<(), RpcError> {
     if id.len() > MAX_ID_LENGTH {
-        return Err(tonic::Status::invalid_argument(format!(
-            "{kind} is {} bytes long, the limit is {MAX_ID_LENGTH}",
-            id.len()
-        )));
+        return Err(RpcError::IdTooLong {
+            field,
+            length: id.len(),
+            limit: MAX_ID_LENGTH,
+        });
     }
     if id.chars().any(char::is_control) {
-        return Err(tonic::Status::invalid_argument(format!(
-            "{kind} {id:?} contains control characters"
-        )));
+        return Err(RpcError::IdHasControlCharacters {
+            field,
+            id: id.to_string(),
+        });
     }
     Ok(())
-}
-
-/// The answer to a stream whose hello did not come within `timeout`
-/// (`--hello-timeout`).
-pub(crate) fn no_hello_within(timeout: std::time::Duration) -> tonic::Status {
-    tonic::Status::deadline_exceeded(format!("no hello within {:?} (--hello-timeout)", timeout))
 }
 
 #[cfg(test)]
@@ -447,6 +452,7 @@ operator *         token-of-the-operator
         let other = target_zero
             .authorize(Role::Target, "target-1", "ReportDone")
             .unwrap_err();
+        let other = tonic::Status::from(other);
         assert_eq!(other.code(), tonic::Code::PermissionDenied);
         assert!(
             other.message().contains("\"target-0\""),
@@ -463,7 +469,10 @@ operator *         token-of-the-operator
         let refused = drafter
             .authorize(Role::Target, "target-0", "ReportDone")
             .unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert_eq!(
+            tonic::Status::from(refused).code(),
+            tonic::Code::PermissionDenied
+        );
         assert!(Principal::unrestricted()
             .authorize(Role::Target, "target-3", "Produce")
             .is_ok());

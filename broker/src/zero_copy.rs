@@ -23,6 +23,7 @@
 //! to the generated server unchanged.
 
 use crate::roles::Principal;
+use crate::rpc_error::RpcError;
 use dflash_proto::fields::{
     CONSUME_RESPONSE_DELIVERY, DELIVERY_COUNT, DELIVERY_ID, DELIVERY_SAMPLE, DELIVERY_SEQ,
     DELIVERY_TARGET_ID, DELIVERY_TRACE_CONTEXT,
@@ -155,11 +156,11 @@ fn grpc_response(body: Body) -> http::Response<Body> {
 
 /// Refuses a compressed request stream the way tonic's generated server
 /// does when it accepts no compression: UNIMPLEMENTED, naming the encoding.
-fn refuse_compression(headers: &http::HeaderMap) -> Result<(), Status> {
+fn refuse_compression(headers: &http::HeaderMap) -> Result<(), RpcError> {
     match headers.get("grpc-encoding") {
-        Some(encoding) if encoding != "identity" => Err(Status::unimplemented(format!(
-            "the request stream is compressed with {encoding:?}; this broker accepts uncompressed streams only"
-        ))),
+        Some(encoding) if encoding != "identity" => Err(RpcError::CompressedStream {
+            encoding: encoding.clone(),
+        }),
         _ => Ok(()),
     }
 }
@@ -170,8 +171,8 @@ impl BrokerRoutes {
         let message_limit = self.message_limit;
         Box::pin(async move {
             let (parts, body) = request.into_parts();
-            if let Err(status) = refuse_compression(&parts.headers) {
-                return Ok(status.into_http());
+            if let Err(error) = refuse_compression(&parts.headers) {
+                return Ok(Status::from(error).into_http());
             }
             let principal = Principal::of(&parts.extensions);
             let mut decoded = 0u64;
@@ -180,7 +181,12 @@ impl BrokerRoutes {
                 move |message| {
                     let message = message?;
                     decoded += 1;
-                    decode_produce_request(message).map_err(|error| error.into_status(decoded))
+                    decode_produce_request(message).map_err(|failure| {
+                        Status::from(RpcError::InvalidProduceMessage {
+                            message_number: decoded,
+                            failure,
+                        })
+                    })
                 },
             );
             let inbound: Pin<Box<dyn futures::Stream<Item = Result<ProduceIn, Status>> + Send>> =
@@ -199,8 +205,8 @@ impl BrokerRoutes {
         let service = self.service.clone();
         Box::pin(async move {
             let (parts, body) = request.into_parts();
-            if let Err(status) = refuse_compression(&parts.headers) {
-                return Ok(status.into_http());
+            if let Err(error) = refuse_compression(&parts.headers) {
+                return Ok(Status::from(error).into_http());
             }
             let principal = Principal::of(&parts.extensions);
             // A drafter sends only control messages (acks, nacks, credit,

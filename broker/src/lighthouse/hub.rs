@@ -18,6 +18,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::Status;
 
+use crate::rpc_error::RpcError;
+
 use super::{
     Admission, Answers, CommitRecord, Decision, Lighthouse, LighthouseSettings, QuorumAnswer,
     QuorumAsk, RoundKey, Settlement, Vote,
@@ -237,9 +239,9 @@ impl LighthouseHub {
         loop {
             tokio::select! {
                 answer = &mut receiver => {
-                    return answer.map_err(|_| Status::aborted("a newer call of the same drafter replaced this one"));
+                    return answer.map_err(|_| RpcError::ReplacedByNewerCall.into());
                 }
-                _ = shutdown.cancelled() => return Err(Status::unavailable("broker is shutting down")),
+                _ = shutdown.cancelled() => return Err(RpcError::ShuttingDown.into()),
                 _ = tokio::time::sleep(TICK) => {
                     let mut inner = self.inner.lock();
                     let answers = inner.state.tick(Instant::now());

@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 
 use super::hub::{LighthouseHub, StepSample, StepSamples};
 use super::{CommitRecord, Outcome, QuorumAnswer, QuorumAsk, Vote};
+use crate::rpc_error::RpcError;
 
 /// Longest `collective_timeout_ms` an ask may carry (a day): beyond it a
 /// dead member would hold a quorum for ever.
@@ -18,10 +19,12 @@ const MAX_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 fn checked_drafter(
     principal: &crate::roles::Principal,
     drafter_id: &str,
-    action: &str,
-) -> Result<(), Status> {
+    action: &'static str,
+) -> Result<(), RpcError> {
     if drafter_id.is_empty() {
-        return Err(Status::invalid_argument("drafter_id is empty"));
+        return Err(RpcError::EmptyId {
+            field: "drafter_id",
+        });
     }
     crate::roles::validate_id("drafter_id", drafter_id)?;
     principal.authorize(crate::roles::Role::Drafter, drafter_id, action)
@@ -44,26 +47,25 @@ fn record_to_proto(record: CommitRecord) -> proto::CommitRecord {
 }
 
 /// The ask a request makes, or why it is refused.
-fn ask_from_proto(request: proto::QuorumRequest) -> Result<QuorumAsk, Status> {
+fn ask_from_proto(request: proto::QuorumRequest) -> Result<QuorumAsk, RpcError> {
     if !request.leaving {
         check_store_address(&request.store_address)?;
     }
     let committed = record_from_proto(request.committed);
     if committed.step != request.step {
-        return Err(Status::invalid_argument(format!(
-            "committed.step {} differs from step {}: send the commit the model last applied",
-            committed.step, request.step
-        )));
+        return Err(RpcError::CommittedStepDiffers {
+            committed: committed.step,
+            step: request.step,
+        });
     }
     let collective_timeout = Duration::from_millis(request.collective_timeout_ms);
     if !request.leaving
         && (collective_timeout.is_zero() || collective_timeout > MAX_COLLECTIVE_TIMEOUT)
     {
-        return Err(Status::invalid_argument(format!(
-            "collective_timeout_ms {} is not in 1..={}",
-            request.collective_timeout_ms,
-            MAX_COLLECTIVE_TIMEOUT.as_millis()
-        )));
+        return Err(RpcError::CollectiveTimeoutOutOfRange {
+            collective_timeout_ms: request.collective_timeout_ms,
+            limit_ms: MAX_COLLECTIVE_TIMEOUT.as_millis(),
+        });
     }
     Ok(QuorumAsk {
         drafter_id: request.drafter_id,
@@ -90,12 +92,13 @@ pub async fn quorum(
     let answer = hub.ask(ask, shutdown).await?;
     let response = match answer {
         QuorumAnswer::Formed(formed) => {
-            let rank = formed.rank_of(&drafter_id).ok_or_else(|| {
-                Status::internal(format!(
-                    "quorum {} answered to {drafter_id} which is not one of its members",
-                    formed.quorum_id
-                ))
-            })?;
+            let rank =
+                formed
+                    .rank_of(&drafter_id)
+                    .ok_or_else(|| RpcError::AnsweredToNonMember {
+                        quorum_id: formed.quorum_id,
+                        drafter_id: drafter_id.clone(),
+                    })?;
             proto::QuorumResponse {
                 quorum_id: formed.quorum_id,
                 rank: rank as u32,
@@ -154,16 +157,13 @@ pub async fn commit(
 }
 
 /// A vote's samples, each delivery named once and with a target id.
-fn step_samples(samples: Vec<proto::StepSample>) -> Result<Vec<StepSample>, Status> {
+fn step_samples(samples: Vec<proto::StepSample>) -> Result<Vec<StepSample>, RpcError> {
     let mut seen = std::collections::BTreeSet::new();
     samples
         .into_iter()
         .map(|sample| {
             if !seen.insert(sample.delivery_id) {
-                return Err(Status::invalid_argument(format!(
-                    "samples lists delivery {} twice",
-                    sample.delivery_id
-                )));
+                return Err(RpcError::DeliveryListedTwice(sample.delivery_id));
             }
             crate::roles::validate_id("samples.target_id", &sample.target_id)?;
             Ok(StepSample {
@@ -176,12 +176,8 @@ fn step_samples(samples: Vec<proto::StepSample>) -> Result<Vec<StepSample>, Stat
 }
 
 /// A store address is `host:port` with a port in 1..=65535.
-fn check_store_address(address: &str) -> Result<(), Status> {
-    let bad = || {
-        Status::invalid_argument(format!(
-            "store_address {address:?} is not host:port with a port in 1..=65535"
-        ))
-    };
+fn check_store_address(address: &str) -> Result<(), RpcError> {
+    let bad = || RpcError::BadStoreAddress(address.to_string());
     let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
     if host.is_empty() || host.len() > 253 {
         return Err(bad());
@@ -201,7 +197,7 @@ mod tests {
         assert!(check_store_address("10.0.0.7:29500").is_ok());
         assert!(check_store_address("drafter-3.dflash:1").is_ok());
         for bad in ["", "host", ":80", "host:0", "host:65536", "host:x"] {
-            let status = check_store_address(bad).unwrap_err();
+            let status = Status::from(check_store_address(bad).unwrap_err());
             assert!(status.message().contains(&format!("{bad:?}")), "{status:?}");
         }
     }
@@ -228,7 +224,7 @@ mod tests {
             step: 4,
             ..request()
         };
-        let status = ask_from_proto(mismatched).unwrap_err();
+        let status = Status::from(ask_from_proto(mismatched).unwrap_err());
         assert!(
             status
                 .message()
@@ -239,7 +235,7 @@ mod tests {
             collective_timeout_ms: 0,
             ..request()
         };
-        let status = ask_from_proto(no_timeout).unwrap_err();
+        let status = Status::from(ask_from_proto(no_timeout).unwrap_err());
         assert!(
             status.message().contains("collective_timeout_ms 0"),
             "{status:?}"

@@ -26,32 +26,13 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
 use crate::config::ModelSyncConfig;
-use crate::run_model::center::{CenterTensor, ModelSyncState, SyncError, Upload};
+use crate::rpc_error::RpcError;
+use crate::run_model::center::{CenterTensor, ModelSyncState, Upload};
 use crate::run_model::checkpoint::CheckpointError;
 use crate::run_model::evaluation::Evaluations;
 use crate::run_model::RunModelSettings;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
-
-impl From<SyncError> for Status {
-    fn from(error: SyncError) -> Self {
-        match error {
-            SyncError::NoCenter => Status::failed_precondition(error.to_string()),
-            SyncError::BadTensor { .. }
-            | SyncError::UnknownTensor(_)
-            | SyncError::ShapeMismatch { .. }
-            | SyncError::CountMismatch { .. }
-            | SyncError::MissingTensor(_)
-            | SyncError::DuplicateTensor(_)
-            | SyncError::Dtype(_)
-            | SyncError::Kind(_)
-            | SyncError::RemovedKind(_)
-            | SyncError::Config(_)
-            | SyncError::GradientStepRemoved => Status::invalid_argument(error.to_string()),
-            SyncError::ConfigMismatch { .. } => Status::failed_precondition(error.to_string()),
-        }
-    }
-}
 
 /// State shared by the sessions and the background task.
 pub struct ModelSyncShared {
@@ -204,19 +185,24 @@ impl ModelSync for ModelSyncService {
         let mut inbound = request.into_inner();
         let timeout = self.shared.hello_timeout;
         let first = match tokio::time::timeout(timeout, inbound.message()).await {
-            Err(_) => return Err(crate::roles::no_hello_within(timeout)),
+            Err(_) => return Err(RpcError::NoHello(timeout).into()),
             Ok(result) => result?,
         };
         let hello = match first.and_then(|message| message.kind) {
             Some(proto::sync_request::Kind::Hello(hello)) => hello,
             _ => {
-                return Err(Status::invalid_argument(
-                    "the first Session message must be a hello with drafter_id",
-                ))
+                return Err(RpcError::FirstMessageNotHello {
+                    stream: "Session",
+                    id_field: "drafter_id",
+                }
+                .into())
             }
         };
         if hello.drafter_id.is_empty() {
-            return Err(Status::invalid_argument("drafter_id is empty"));
+            return Err(RpcError::EmptyId {
+                field: "drafter_id",
+            }
+            .into());
         }
         crate::roles::validate_id("drafter_id", &hello.drafter_id)?;
         principal.authorize(
@@ -224,9 +210,8 @@ impl ModelSync for ModelSyncService {
             &hello.drafter_id,
             "ModelSync.Session",
         )?;
-        serde_json::from_str::<serde_json::Value>(&hello.model_config_json).map_err(|error| {
-            Status::invalid_argument(format!("model_config_json is not valid JSON: {error}"))
-        })?;
+        serde_json::from_str::<serde_json::Value>(&hello.model_config_json)
+            .map_err(RpcError::ModelConfigNotJson)?;
         let (outbox, receiver) = mpsc::channel(16);
         let welcome = {
             let mut state = self.shared.state.lock();
@@ -267,7 +252,7 @@ async fn run_session(
     loop {
         let message = tokio::select! {
             _ = shared.shutdown.cancelled() => {
-                let _ = outbox.try_send(Err(Status::unavailable("broker is shutting down")));
+                let _ = outbox.try_send(Err(RpcError::ShuttingDown.into()));
                 break;
             }
             message = inbound.message() => message,
@@ -319,9 +304,7 @@ async fn handle_request(
     match request.kind {
         Some(Kind::Begin(begin)) => {
             if upload.is_some() {
-                return Err(Status::failed_precondition(
-                    "begin while a snapshot is open: commit it first",
-                ));
+                return Err(RpcError::BeginWhileSnapshotOpen.into());
             }
             *upload = Some(Upload::new(&begin)?);
             Ok(())
@@ -329,14 +312,14 @@ async fn handle_request(
         Some(Kind::Chunk(chunk)) => {
             let open = upload
                 .as_mut()
-                .ok_or_else(|| Status::failed_precondition("chunk outside a snapshot"))?;
+                .ok_or(RpcError::OutsideSnapshot { what: "chunk" })?;
             open.add_chunk(chunk)?;
             Ok(())
         }
         Some(Kind::Commit(commit)) => {
             let open = upload
                 .take()
-                .ok_or_else(|| Status::failed_precondition("commit outside a snapshot"))?;
+                .ok_or(RpcError::OutsideSnapshot { what: "commit" })?;
             commit_snapshot(
                 shared,
                 drafter_id,
@@ -347,9 +330,7 @@ async fn handle_request(
             )
             .await
         }
-        Some(Kind::Hello(_)) | None => Err(Status::invalid_argument(
-            "unexpected message: hello was already sent, expected begin, chunk or commit",
-        )),
+        Some(Kind::Hello(_)) | None => Err(RpcError::UnexpectedSessionMessage.into()),
     }
 }
 
@@ -368,7 +349,10 @@ async fn commit_snapshot(
     let kind = open.kind;
     let open = tokio::task::spawn_blocking(move || open.into_finite())
         .await
-        .map_err(|join_error| Status::internal(format!("checking the snapshot: {join_error}")))??;
+        .map_err(|join_error| RpcError::TaskFailed {
+            what: "checking the snapshot",
+            detail: join_error.to_string(),
+        })??;
     let outcome = shared.state.lock().commit(
         drafter_id,
         open,
@@ -438,5 +422,5 @@ async fn send(outbox: &Outbox, kind: proto::sync_response::Kind) -> Result<(), S
     outbox
         .send(response(kind))
         .await
-        .map_err(|_| Status::cancelled("the drafter closed its session"))
+        .map_err(|_| RpcError::SessionClosed.into())
 }

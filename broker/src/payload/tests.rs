@@ -227,7 +227,10 @@ fn malformed_items_name_the_field() {
         error.to_string(),
         "Tensor.data declares 1000 bytes, but only 3 remain in its message"
     );
-    let status = error.into_status(4);
+    let status = tonic::Status::from(crate::rpc_error::RpcError::InvalidProduceMessage {
+        message_number: 4,
+        failure: error,
+    });
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(status
         .message()

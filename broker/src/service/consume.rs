@@ -10,6 +10,7 @@ use tracing::{debug, info, warn};
 
 use crate::convert::{self};
 use crate::queue::{ConnectionId, QueueError};
+use crate::rpc_error::RpcError;
 
 use super::{
     check_run_id, first_message, is_oversized_message, next_request, validate_id, BrokerService,
@@ -30,9 +31,11 @@ impl BrokerService {
         {
             Some(proto::consume_request::Kind::Hello(hello)) => hello,
             _ => {
-                return Err(Status::invalid_argument(
-                    "the first Consume message must be a hello with drafter_id",
-                ))
+                return Err(RpcError::FirstMessageNotHello {
+                    stream: "Consume",
+                    id_field: "drafter_id",
+                }
+                .into())
             }
         };
         validate_id("drafter_id", &hello.drafter_id)?;
@@ -85,12 +88,11 @@ impl BrokerService {
     /// drafter gets RESOURCE_EXHAUSTED with the limit (its leases go back
     /// when the stream closes).
     pub(super) fn refuse_oversized_control(&self, connection: ConnectionId, status: &Status) {
-        let reason = format!(
-            "Consume message over the control limit of {} bytes (acks, nacks, credit and stats only): {}",
-            dflash_proto::transport::CONTROL_MESSAGE_BYTES,
-            status.message()
-        );
-        self.refuse_consumer(connection, Status::resource_exhausted(reason));
+        let reason = RpcError::ControlMessageOverLimit {
+            limit: dflash_proto::transport::CONTROL_MESSAGE_BYTES,
+            detail: status.message().to_string(),
+        };
+        self.refuse_consumer(connection, reason.into());
     }
 
     /// Ends a Consume stream with `status` (the caller stops reading it;
@@ -134,10 +136,12 @@ impl BrokerService {
                 if ids > dflash_proto::transport::MAX_IDS_PER_MESSAGE {
                     self.refuse_consumer(
                         connection,
-                        Status::invalid_argument(format!(
-                            "{what} names {ids} delivery ids, more than the {} one message may: send them in several",
-                            dflash_proto::transport::MAX_IDS_PER_MESSAGE
-                        )),
+                        RpcError::TooManyDeliveryIds {
+                            what,
+                            ids,
+                            limit: dflash_proto::transport::MAX_IDS_PER_MESSAGE,
+                        }
+                        .into(),
                     );
                     break;
                 }

@@ -26,6 +26,7 @@
 //!   (acks, nacks, credit, lease extension, stats).
 
 use crate::roles::{validate_id, Principal, Role};
+use crate::rpc_error::RpcError;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -123,9 +124,9 @@ where
     S: Stream<Item = Result<T, Status>> + Unpin,
 {
     match tokio::time::timeout(timeout, futures::StreamExt::next(inbound)).await {
-        Err(_) => Err(crate::roles::no_hello_within(timeout)),
+        Err(_) => Err(RpcError::NoHello(timeout).into()),
         Ok(Some(Err(status))) => Err(status),
-        Ok(None) => Err(Status::invalid_argument("stream ended before its hello")),
+        Ok(None) => Err(RpcError::StreamEndedBeforeHello.into()),
         Ok(Some(Ok(message))) => Ok(message),
     }
 }
@@ -160,15 +161,15 @@ fn is_oversized_message(status: &Status) -> bool {
 
 /// Why a hello or ReportDone from an earlier run is refused: this broker
 /// does not have that run's state, so resuming into it would hide loss.
-fn check_run_id(caller: &str, remembered: &str, current: &str) -> Result<(), Status> {
+fn check_run_id(caller: &str, remembered: &str, current: &str) -> Result<(), RpcError> {
     if remembered.is_empty() || remembered == current {
         return Ok(());
     }
-    Err(Status::failed_precondition(format!(
-        "{caller} was in run {remembered:?}, this broker serves run {current:?}: \
-         the broker lost that run's state (restarted without --state-dir?); \
-         what was accepted there cannot be accounted for"
-    )))
+    Err(RpcError::OtherRun {
+        caller: caller.to_string(),
+        remembered: remembered.to_string(),
+        current: current.to_string(),
+    })
 }
 
 #[tonic::async_trait]
@@ -226,11 +227,8 @@ impl Broker for BrokerService {
             })?;
         // Answered once `done` is as durable as `--fsync` promises: a
         // target that hears it never reports again.
-        logged.await.map_err(|_| {
-            Status::unavailable(format!(
-                "ReportDone for target {:?} was not logged: the broker's write-ahead log failed",
-                request.target_id
-            ))
+        logged.await.map_err(|_| RpcError::DoneNotLogged {
+            target_id: request.target_id.clone(),
         })?;
         info!(
             target_id = %request.target_id,

@@ -14,6 +14,7 @@ use tracing::{info, warn, Instrument};
 use crate::convert;
 use crate::payload::{ProduceIn, WireItem};
 use crate::queue::{ConnectionId, QueueError, RejectReason};
+use crate::rpc_error::RpcError;
 
 use super::{
     check_run_id, first_message, is_oversized_message, next_request, validate_id, BrokerService,
@@ -31,9 +32,11 @@ impl BrokerService {
         let hello = match first_message(&mut inbound, self.shared.config.hello_timeout).await? {
             ProduceIn::Hello(hello) => hello,
             _ => {
-                return Err(Status::invalid_argument(
-                    "the first Produce message must be a hello with target_id",
-                ))
+                return Err(RpcError::FirstMessageNotHello {
+                    stream: "Produce",
+                    id_field: "target_id",
+                }
+                .into())
             }
         };
         validate_id("target_id", &hello.target_id)?;
@@ -192,21 +195,17 @@ impl BrokerService {
         connection: ConnectionId,
         status: &Status,
     ) {
-        let reason = format!(
-            "item over the broker's message limit (--max-item-bytes {} plus framing): {}",
-            self.shared.config.max_item_bytes,
-            status.message()
-        );
+        let reason = RpcError::ItemOverLimit {
+            max_item_bytes: self.shared.config.max_item_bytes,
+            detail: status.message().to_string(),
+        };
         warn!(target_id, connection, %reason, "item rejected; Produce stream ended");
         self.shared.with_queue(|locked, now| {
             locked
                 .queue
                 .count_rejected(connection, RejectReason::TooLarge, now);
             if let Some(outbox) = locked.remove_producer_outbox(connection) {
-                locked.post(Outgoing::Producer(
-                    outbox,
-                    Err(Status::resource_exhausted(reason)),
-                ));
+                locked.post(Outgoing::Producer(outbox, Err(reason.into())));
             }
         });
     }

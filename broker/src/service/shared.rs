@@ -20,6 +20,7 @@ use crate::config::BrokerConfig;
 use crate::convert;
 use crate::payload::WireItem;
 use crate::queue::{ConnectionId, Delivery, Effect, ItemAccepted, Queue, QueueError, RunStatus};
+use crate::rpc_error::RpcError;
 use crate::wal::writer::{LogWriter, Release};
 use crate::wal::{Wal, WalError};
 
@@ -527,7 +528,7 @@ impl Shared {
     /// elsewhere (after the messages still waiting for the log).
     pub(crate) fn end_all_streams(&self) {
         self.with_queue(|locked, _now| {
-            let shutting_down = || Status::unavailable("broker is shutting down");
+            let shutting_down = || Status::from(RpcError::ShuttingDown);
             let consumers: Vec<_> = locked.consumer_outboxes.drain().collect();
             for (_, outbox) in consumers {
                 locked.post(Outgoing::Consumer(outbox, Err(shutting_down())));

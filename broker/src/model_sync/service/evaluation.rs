@@ -20,25 +20,8 @@ use tracing::{info, warn};
 
 use super::{center_chunks, ModelSyncShared};
 use crate::roles::{validate_id, Principal, Role};
+use crate::rpc_error::RpcError;
 use crate::run_model::checkpoint::write_center;
-use crate::run_model::evaluation::ReportError;
-
-impl From<ReportError> for Status {
-    fn from(error: ReportError) -> Self {
-        match error {
-            ReportError::NotServed { .. } | ReportError::AlreadyReported { .. } => {
-                Status::failed_precondition(error.to_string())
-            }
-            ReportError::MissingPoint
-            | ReportError::NotFinite(_)
-            | ReportError::BelowOne(_)
-            | ReportError::AboveBlockSize { .. }
-            | ReportError::Empty { .. }
-            | ReportError::BadSeconds(_)
-            | ReportError::SamplesMismatch { .. } => Status::invalid_argument(error.to_string()),
-        }
-    }
-}
 
 /// The best center's directory: `<name>-best` beside `--model-output`
 /// (`center-best/` beside `center/`), so it is never the center itself.
@@ -51,9 +34,15 @@ pub fn best_center_dir(model_output: &Path) -> PathBuf {
 
 /// Checks the evaluator's id and credential (the evaluator role, for that
 /// id), before anything else.
-fn authorize(principal: &Principal, evaluator_id: &str, action: &str) -> Result<(), Status> {
+fn authorize(
+    principal: &Principal,
+    evaluator_id: &str,
+    action: &'static str,
+) -> Result<(), RpcError> {
     if evaluator_id.is_empty() {
-        return Err(Status::invalid_argument("evaluator_id is empty"));
+        return Err(RpcError::EmptyId {
+            field: "evaluator_id",
+        });
     }
     validate_id("evaluator_id", evaluator_id)?;
     principal.authorize(Role::Evaluator, evaluator_id, action)
@@ -64,11 +53,9 @@ fn authorize(principal: &Principal, evaluator_id: &str, action: &str) -> Result<
 fn authorize_drafter(
     principal: &Principal,
     request: &proto::ReadCenterRequest,
-) -> Result<(), Status> {
+) -> Result<(), RpcError> {
     if !request.evaluator_id.is_empty() || request.center_version.is_some() {
-        return Err(Status::invalid_argument(
-            "a drafter's ReadCenter names drafter_id alone (no evaluator_id, no center_version)",
-        ));
+        return Err(RpcError::DrafterReadNamesEvaluator);
     }
     validate_id("drafter_id", &request.drafter_id)?;
     principal.authorize(Role::Drafter, &request.drafter_id, "ModelSync.ReadCenter")
@@ -94,19 +81,17 @@ pub(super) async fn read_center(
     let served = match request.center_version {
         Some(version) => {
             let evaluations = shared.evaluations.lock();
-            evaluations.kept(version).ok_or_else(|| {
-                Status::failed_precondition(format!(
-                    "center version {version} is not kept for evaluation (kept: {:?}); read the current center",
-                    evaluations.pending_versions()
-                ))
-            })?
+            evaluations
+                .kept(version)
+                .ok_or_else(|| RpcError::VersionNotKept {
+                    version,
+                    kept: evaluations.pending_versions(),
+                })?
         }
         None => {
             let served = {
                 let state = shared.state.lock();
-                let center = state.center().ok_or_else(|| {
-                    Status::failed_precondition("no center yet: no drafter has sent a snapshot")
-                })?;
+                let center = state.center().ok_or(RpcError::NoCenterToRead)?;
                 center.clone()
             };
             if !for_drafter {
@@ -150,7 +135,7 @@ pub(super) async fn read_center(
         for kind in messages {
             tokio::select! {
                 _ = shutdown.cancelled() => {
-                    let _ = outbox.try_send(Err(Status::unavailable("broker is shutting down")));
+                    let _ = outbox.try_send(Err(Status::from(RpcError::ShuttingDown)));
                     return;
                 }
                 sent = outbox.send(message(kind)) => if sent.is_err() {
@@ -175,10 +160,11 @@ pub(super) async fn report_tau(
     authorize(&principal, &report.evaluator_id, "ModelSync.ReportTau")?;
     if let Some(point) = &report.point {
         if point.evaluator_id != report.evaluator_id && !point.evaluator_id.is_empty() {
-            return Err(Status::invalid_argument(format!(
-                "the point's evaluator_id {:?} is not the report's {:?}",
-                point.evaluator_id, report.evaluator_id
-            )));
+            return Err(RpcError::PointOfOtherEvaluator {
+                point: point.evaluator_id.clone(),
+                report: report.evaluator_id.clone(),
+            }
+            .into());
         }
     }
     let _one_report_at_a_time = shared.report_lock.lock().await;
@@ -195,12 +181,13 @@ pub(super) async fn report_tau(
             let target = dir.clone();
             tokio::task::spawn_blocking(move || write_center(&target, &center))
                 .await
-                .map_err(|join_error| {
-                    Status::internal(format!("writing the best center: {join_error}"))
+                .map_err(|join_error| RpcError::TaskFailed {
+                    what: "writing the best center",
+                    detail: join_error.to_string(),
                 })?
                 .map_err(|error| {
                     warn!(%error, version, "writing the best center failed; the report is not recorded");
-                    Status::unavailable(format!("writing the best center failed: {error}"))
+                    RpcError::BestCenterNotWritten(error)
                 })?;
             info!(path = %dir.display(), version, tau, seconds = started.elapsed().as_secs_f64(), "best center written");
             written = Some(dir.display().to_string());
