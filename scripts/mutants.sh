@@ -150,8 +150,12 @@ regressions=broker/proptest-regressions/queue/proptests.txt
 cp "$regressions" "$backup/regressions"
 trap 'restore; cp "$backup/regressions" "$regressions"; rm -rf "$backup"' EXIT
 
+# Incremental compilation on, whatever the caller's CARGO_INCREMENTAL (CI
+# turns it off for the one workspace build): each mutant changes one line of
+# the broker, and an incremental rebuild of its unit tests takes about 4 s
+# on the 2-core machine against 20 s from scratch (37 mutants: 9 minutes).
 run_tests() {
-  timeout "$timeout_s" nice -n 10 "$cargo" test -q -p dflash-broker --lib -- queue lighthouse >"$1" 2>&1
+  CARGO_INCREMENTAL=1 timeout "$timeout_s" nice -n 10 "$cargo" test -q -p dflash-broker --lib -- queue lighthouse >"$1" 2>&1
 }
 
 started=$SECONDS
