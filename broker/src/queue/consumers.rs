@@ -89,10 +89,22 @@ impl<P: Payload> Queue<P> {
         }
     }
 
+    /// Takes a drafter's stats from its current stream, or from its stream
+    /// that was sent end-of-stream (the stats of its last step come after
+    /// the commit that ended the run) while it has no newer one.
     pub fn consumer_stats(&mut self, connection: ConnectionId, stats: ConsumerStats, now: Instant) {
         if let Some(entry) = self.drafter_of_connection(connection) {
             entry.stats = Some(stats);
             entry.last_seen = now;
+            return;
+        }
+        let Some(drafter_id) = self.ended_consumers.get(&connection) else {
+            return;
+        };
+        if let Some(entry) = self.drafters.get_mut(drafter_id) {
+            if entry.connection.is_none() {
+                entry.stats = Some(stats);
+            }
         }
     }
 
@@ -204,6 +216,7 @@ impl<P: Payload> Queue<P> {
     /// A consumer stream ended: all its leases go back to the head of the
     /// queue at once. Idempotent.
     pub fn close_consumer(&mut self, connection: ConnectionId, now: Instant) {
+        self.ended_consumers.remove(&connection);
         if self.consumer_connections.contains_key(&connection) {
             self.release_consumer(connection);
             self.dispatch(now);

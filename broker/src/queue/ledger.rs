@@ -268,6 +268,9 @@ impl<P: Payload> Queue<P> {
             BrokerState::Complete => (RunStatus::Complete, String::new()),
             _ => (RunStatus::Aborted, self.abort_reason.clone()),
         };
+        if let Some(drafter_id) = self.consumer_connections.get(&connection) {
+            self.ended_consumers.insert(connection, drafter_id.clone());
+        }
         self.release_consumer(connection);
         let summary = self.summary();
         self.effects.push(Effect::EndConsumer {

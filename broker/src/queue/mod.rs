@@ -153,6 +153,10 @@ pub struct Queue<P: Payload> {
     producer_connections: HashMap<ConnectionId, Arc<str>>,
     drafters: BTreeMap<String, DrafterEntry>,
     consumer_connections: HashMap<ConnectionId, String>,
+    /// Streams sent their end-of-stream, by drafter, until they close: a
+    /// drafter's stats of its last step may still come on them (its final
+    /// stats; nothing else is taken from an ended stream).
+    ended_consumers: HashMap<ConnectionId, String>,
     /// Drafter id after which the round robin looks for the next consumer.
     round_robin_after: Option<String>,
     items: HashMap<ItemId, StoredItem<P>>,
@@ -202,6 +206,7 @@ impl<P: Payload> Queue<P> {
             producer_connections: HashMap::new(),
             drafters: BTreeMap::new(),
             consumer_connections: HashMap::new(),
+            ended_consumers: HashMap::new(),
             round_robin_after: None,
             items: HashMap::new(),
             queue: VecDeque::new(),

@@ -910,3 +910,36 @@ fn a_frozen_target_fails_one_grace_after_its_last_message_not_after_keepalive() 
     queue.tick(start + Duration::from_secs(189));
     assert_eq!(queue.state(), BrokerState::Running);
 }
+
+/// The stats a drafter sends after its end-of-stream (those of the step
+/// whose commit ended the run) are taken while that stream is open, and
+/// only until it closes or the drafter has a newer stream.
+#[test]
+fn final_stats_on_an_ended_stream_are_taken_until_it_closes() {
+    let now = Instant::now();
+    let (mut queue, producer) = one_target(now);
+    let drafter = queue.open_consumer("a", credit(4), now).unwrap();
+    accept_all(&mut queue, producer, 0..1, now);
+    let delivered = deliveries(&queue.take_effects());
+    queue.ack(drafter, &[delivered[0].1], now);
+    queue
+        .report_done("target-0", 1, current_epoch(&queue, "target-0"), now)
+        .unwrap();
+    assert_eq!(
+        ended(&queue.take_effects()),
+        vec![(drafter, RunStatus::Complete)]
+    );
+    let stats = |steps| ConsumerStats {
+        steps,
+        ..ConsumerStats::default()
+    };
+    let steps_of = |queue: &Queue<TestPayload>| {
+        let snapshot = queue.snapshot(now);
+        snapshot.drafters[0].stats.as_ref().map(|stats| stats.steps)
+    };
+    queue.consumer_stats(drafter, stats(5), now);
+    assert_eq!(steps_of(&queue), Some(5), "the last step's stats");
+    queue.close_consumer(drafter, now);
+    queue.consumer_stats(drafter, stats(6), now);
+    assert_eq!(steps_of(&queue), Some(5), "nothing from a closed stream");
+}

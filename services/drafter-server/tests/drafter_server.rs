@@ -337,6 +337,9 @@ async fn resume_continues_from_the_latest_checkpoint() {
         let broker = TestBroker::start(broker_config).await;
         let mut config =
             test_drafter_config("drafter-0", &broker.address, output.path().to_path_buf());
+        // An independent drafter: with data parallelism `--resume` is
+        // refused (the run resumes from the broker's state dir).
+        config.model_sync.model_sync = dflash_drafter_server::model_sync::ModelSyncMode::Off;
         config.resume = resume;
         let drafter = tokio::spawn(run(config, CancellationToken::new()));
         produce(
