@@ -91,7 +91,9 @@ impl<P: Payload> Queue<P> {
 
     /// Takes a drafter's stats from its current stream, or from its stream
     /// that was sent end-of-stream (the stats of its last step come after
-    /// the commit that ended the run) while it has no newer one.
+    /// the commit that ended the run) until the drafter closes that
+    /// stream's request side ([`Queue::consumer_requests_ended`]), while it
+    /// has no newer stream.
     pub fn consumer_stats(&mut self, connection: ConnectionId, stats: ConsumerStats, now: Instant) {
         if let Some(entry) = self.drafter_of_connection(connection) {
             entry.stats = Some(stats);
@@ -216,11 +218,16 @@ impl<P: Payload> Queue<P> {
     /// A consumer stream ended: all its leases go back to the head of the
     /// queue at once. Idempotent.
     pub fn close_consumer(&mut self, connection: ConnectionId, now: Instant) {
-        self.ended_consumers.remove(&connection);
         if self.consumer_connections.contains_key(&connection) {
             self.release_consumer(connection);
             self.dispatch(now);
         }
+    }
+
+    /// Nothing more comes from a consumer stream (its request side ended):
+    /// stats sent after its end-of-stream are no longer taken.
+    pub fn consumer_requests_ended(&mut self, connection: ConnectionId) {
+        self.ended_consumers.remove(&connection);
     }
 
     /// The drafter a consumer stream belongs to, while that stream is its current one.

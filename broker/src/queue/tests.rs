@@ -912,10 +912,10 @@ fn a_frozen_target_fails_one_grace_after_its_last_message_not_after_keepalive() 
 }
 
 /// The stats a drafter sends after its end-of-stream (those of the step
-/// whose commit ended the run) are taken while that stream is open, and
-/// only until it closes or the drafter has a newer stream.
+/// whose commit ended the run) are taken until the drafter closes its side
+/// of that stream.
 #[test]
-fn final_stats_on_an_ended_stream_are_taken_until_it_closes() {
+fn final_stats_on_an_ended_stream_are_taken_until_the_drafter_closes_it() {
     let now = Instant::now();
     let (mut queue, producer) = one_target(now);
     let drafter = queue.open_consumer("a", credit(4), now).unwrap();
@@ -937,9 +937,16 @@ fn final_stats_on_an_ended_stream_are_taken_until_it_closes() {
         let snapshot = queue.snapshot(now);
         snapshot.drafters[0].stats.as_ref().map(|stats| stats.steps)
     };
+    // The response side is gone with the end-of-stream (the transport
+    // closes the connection): the request side is still read.
+    queue.close_consumer(drafter, now);
     queue.consumer_stats(drafter, stats(5), now);
     assert_eq!(steps_of(&queue), Some(5), "the last step's stats");
-    queue.close_consumer(drafter, now);
+    queue.consumer_requests_ended(drafter);
     queue.consumer_stats(drafter, stats(6), now);
-    assert_eq!(steps_of(&queue), Some(5), "nothing from a closed stream");
+    assert_eq!(
+        steps_of(&queue),
+        Some(5),
+        "nothing once the drafter closed its side"
+    );
 }

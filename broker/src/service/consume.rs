@@ -190,6 +190,7 @@ impl BrokerService {
         }
         let gone = shared.with_queue(|locked, now| {
             locked.consumer_outboxes.remove(&connection);
+            locked.queue.consumer_requests_ended(connection);
             locked.queue.close_consumer_of(connection, now)
         });
         shared.drafter_gone(gone);
