@@ -39,7 +39,7 @@ pub enum ServeError {
     #[error(transparent)]
     Security(#[from] crate::auth::SecurityError),
     #[error("model sync: {0}")]
-    ModelSync(#[from] crate::model_sync::checkpoint::CheckpointError),
+    ModelSync(#[from] crate::run_model::checkpoint::CheckpointError),
     #[error("write-ahead log: {0}")]
     StateDir(#[from] crate::wal::WalError),
     #[error("cannot listen for metrics on {address}: {source}")]

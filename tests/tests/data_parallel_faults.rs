@@ -33,7 +33,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use dflash_broker::model_sync::checkpoint::read_center;
+use dflash_broker::run_model::checkpoint::read_center;
 use dflash_client::BrokerClient;
 use dflash_proto::v1 as proto;
 use dflash_testkit::{
@@ -360,9 +360,7 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     })
     .await;
     assert!(final_saved, "final model written; log: {}", broker.log());
-    let model = read_center(&model_dir, false)
-        .unwrap()
-        .expect("a model on disk");
+    let model = read_center(&model_dir).unwrap().expect("a model on disk");
     assert_eq!(model.version, parallel.committed_step, "{parallel:?}");
     let sync = client
         .status()

@@ -15,10 +15,5 @@
 
 pub mod service;
 
-/// The center's checkpoint, at the path the data-parallel fault test
-/// imports it from (`tests/tests/data_parallel_faults.rs`); it lives in
-/// [`crate::run_model::checkpoint`].
-pub use crate::run_model::checkpoint;
-
 pub use crate::config::ModelSyncConfig;
 pub use service::{ModelSyncService, ModelSyncShared, CHUNK_BYTES};

@@ -244,13 +244,7 @@ pub struct DecodedCenter {
 
 /// Reads a center written by [`write_center`] and decodes its weights to
 /// f32, for tests and tools; `None` when `dir` holds no center yet.
-/// `_outer_state` is ignored: it asked for local SGD's outer optimizer
-/// state, which is gone; the argument stays until the callers that still
-/// pass it (the data-parallel fault test) drop it.
-pub fn read_center(
-    dir: &Path,
-    _outer_state: bool,
-) -> Result<Option<DecodedCenter>, CheckpointError> {
+pub fn read_center(dir: &Path) -> Result<Option<DecodedCenter>, CheckpointError> {
     let Some(center) = read_stored_center(dir)? else {
         return Ok(None);
     };
