@@ -5,7 +5,8 @@
 //! (scripts/check_spec_generate.py); these check what needs no Python.
 
 use dflash_model::draft::{
-    Dflash2Config, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads, TargetDimensions,
+    BlockInputs, Dflash2Config, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads,
+    TargetDimensions,
 };
 use dflash_model::eval::{
     greedy_generate, speculative_generate, speculative_generate_sampled,
@@ -91,6 +92,55 @@ fn dflash2_decoding_goes_through_the_selector_and_stays_lossless() -> anyhow::Re
         !path.tokens.equal(&unary),
         "selector path {:?} equals the unary argmax",
         Vec::<i64>::try_from(path.tokens.view([-1]))?
+    );
+    Ok(())
+}
+
+/// The proposal of the first block, as decoding made it, is the selector's
+/// path from the anchor, computed here from the drafter's own block hidden
+/// states, and not the unary argmax of the same states: the test fails if
+/// decoding proposed with the plain argmax instead of the selector.
+#[test]
+fn the_first_block_is_the_selectors_path_not_the_unary_argmax() -> anyhow::Result<()> {
+    let directory = tempfile::tempdir()?;
+    let (target, [_, dflash2]) = setup(directory.path())?;
+    let mut differs = false;
+    for prompt in prompts() {
+        let trace = speculative_generate(&target, &dflash2, &prompt, MAX_NEW_TOKENS, &[])?;
+        let anchor_token = trace.token_ids[prompt.len()];
+        let block_size = dflash2.config().block_size;
+        let (selected, unary) = tch::no_grad(|| -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
+            let layer_ids: Vec<usize> = dflash2
+                .config()
+                .target_layer_ids
+                .iter()
+                .map(|&id| id as usize)
+                .collect();
+            let ids = Tensor::from_slice(&prompt).view([1, -1]);
+            let context = target.capture_hidden_states(&ids, &ids.ones_like(), &layer_ids)?;
+            let mut block = vec![dflash2.config().mask_token_id; block_size as usize];
+            block[0] = anchor_token;
+            // Slot 0 is the anchor; slots 1.. draft.
+            let hidden = dflash2
+                .forward_blocks(&BlockInputs {
+                    target_hidden: &context,
+                    block_token_ids: &Tensor::from_slice(&block).view([1, 1, block_size]),
+                    anchor_positions: &Tensor::from_slice(&[prompt.len() as i64]).view([1, 1]),
+                })?
+                .get(0)
+                .get(0)
+                .narrow(0, 1, block_size - 1);
+            let unary = Vec::<i64>::try_from(dflash2.logits(&hidden).argmax(-1, false))?;
+            let path = dflash2
+                .select_greedy(&hidden.unsqueeze(0), &Tensor::from_slice(&[anchor_token]))?;
+            Ok((Vec::<i64>::try_from(path.tokens.get(0))?, unary))
+        })?;
+        assert_eq!(trace.proposed_tokens[0], selected, "prompt {prompt:?}");
+        differs |= selected != unary;
+    }
+    assert!(
+        differs,
+        "the selector's path equals the unary argmax for every prompt: the test has no power"
     );
     Ok(())
 }

@@ -12,7 +12,7 @@ use dflash_model::eval::{
     greedy_generate, speculative_generate, speculative_generate_sampled,
     speculative_generate_scheduled, speculative_generate_uncached,
 };
-use dflash_model::sampling::SamplingOptions;
+use dflash_model::sampling::{sampling_probabilities, SamplingOptions};
 use dflash_model::target_model::TargetModel;
 use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
 use tch::{Device, Kind, Tensor};
@@ -268,6 +268,136 @@ fn the_confidence_threshold_schedules_the_verify_length_and_stays_lossless() -> 
     assert!(
         error.contains("confidence threshold must lie in [0, 1], got 1.5"),
         "{error}"
+    );
+    Ok(())
+}
+
+/// The target's next-token distribution after `tokens` at `options`'s
+/// temperature, as the sampler computes it.
+fn target_distribution(
+    target: &TargetModel,
+    tokens: &[i64],
+    options: &SamplingOptions,
+) -> anyhow::Result<Vec<f64>> {
+    let ids = Tensor::from_slice(tokens).view([1, -1]);
+    let logits = target.logits(&ids, &ids.ones_like())?;
+    let last = logits.get(0).get(tokens.len() as i64 - 1);
+    let probabilities = sampling_probabilities(&last, options).to_kind(Kind::Double);
+    Ok(Vec::<f64>::try_from(probabilities)?)
+}
+
+/// Speculative sampling through a DSpark drafter keeps the target's
+/// distribution. Each draw generates two tokens: t1 from the target's
+/// prefill, t2 through the first draft block (the Markov walk proposes, the
+/// target accepts or resamples from the residual). The pairs must follow
+/// p(t1 | prompt) · p(t2 | prompt, t1): Pearson's χ² over the cells whose
+/// expected count is at least 5 (the others pooled into one cell), against
+/// the Laurent–Massart bound P(X ≥ d + 2√(d·x) + 2x) ≤ e^(−x) of a χ² with d
+/// degrees of freedom, x = ln 10^6: a sampler that keeps the target's
+/// distribution fails it with probability below 10^-6 (and the draws are
+/// seeded, so the test is deterministic). A sampler that accepted every
+/// draft would follow the drafter's distribution, whose total variation
+/// from the target's is asserted to be large.
+#[test]
+fn speculative_sampling_keeps_the_targets_distribution() -> anyhow::Result<()> {
+    const DRAWS: u64 = 3000;
+    let directory = tempfile::tempdir()?;
+    let (target, drafter) = setup(directory.path(), MarkovHeadType::Vanilla)?;
+    let prompt = prompts()[1].clone();
+    let options = SamplingOptions {
+        temperature: 0.3,
+        top_p: 1.0,
+        seed: 17,
+    };
+    let mut pairs: std::collections::BTreeMap<(i64, i64), u64> = Default::default();
+    let mut drafted_first: Vec<i64> = Vec::new();
+    for draw in 0..DRAWS {
+        let trace =
+            speculative_generate_sampled(&target, &drafter, &prompt, 2, &[], &options, draw)?;
+        let generated = &trace.token_ids[prompt.len()..];
+        anyhow::ensure!(generated.len() == 2, "draw {draw} generated {generated:?}");
+        *pairs.entry((generated[0], generated[1])).or_default() += 1;
+        if let Some(first) = trace
+            .proposed_tokens
+            .first()
+            .and_then(|block| block.first())
+        {
+            drafted_first.push(*first);
+        }
+    }
+    let first = target_distribution(&target, &prompt, &options)?;
+    let mut seconds: std::collections::BTreeMap<i64, Vec<f64>> = Default::default();
+    for &(t1, _) in pairs.keys() {
+        if !seconds.contains_key(&t1) {
+            let mut context = prompt.clone();
+            context.push(t1);
+            seconds.insert(t1, target_distribution(&target, &context, &options)?);
+        }
+    }
+    let draws = DRAWS as f64;
+    let (mut statistic, mut cells) = (0.0f64, 0usize);
+    let (mut pooled_observed, mut pooled_expected) = (0.0f64, 0.0f64);
+    let mut covered = 0.0f64;
+    for (&t1, second) in &seconds {
+        for (t2, &p2) in second.iter().enumerate() {
+            let expected = draws * first[t1 as usize] * p2;
+            let observed = pairs.get(&(t1, t2 as i64)).copied().unwrap_or(0) as f64;
+            covered += first[t1 as usize] * p2;
+            if expected >= 5.0 {
+                statistic += (observed - expected).powi(2) / expected;
+                cells += 1;
+            } else {
+                pooled_observed += observed;
+                pooled_expected += expected;
+            }
+        }
+    }
+    // The first tokens never drawn: their mass, observed 0 times.
+    pooled_expected += draws * (1.0 - covered).max(0.0);
+    if pooled_expected > 0.0 {
+        statistic += (pooled_observed - pooled_expected).powi(2) / pooled_expected;
+        cells += 1;
+    }
+    let freedom = (cells - 1) as f64;
+    let x = (1e6f64).ln();
+    let bound = freedom + 2.0 * (freedom * x).sqrt() + 2.0 * x;
+    eprintln!(
+        "χ² {statistic:.1} over {cells} cells (bound {bound:.1}); {} distinct pairs",
+        pairs.len()
+    );
+    assert!(cells >= 10, "only {cells} cells: the test has no power");
+    assert!(
+        statistic <= bound,
+        "χ² {statistic:.1} over {cells} cells is above {bound:.1}: the sampled tokens do not follow the target"
+    );
+    // The drafter's first proposal does not follow the target: a sampler
+    // that kept every draft would fail the test above.
+    let mut drafted: std::collections::BTreeMap<i64, f64> = Default::default();
+    for token in &drafted_first {
+        *drafted.entry(*token).or_default() += 1.0 / drafted_first.len() as f64;
+    }
+    let mut target_second: std::collections::BTreeMap<i64, f64> = Default::default();
+    for (&t1, second) in &seconds {
+        for (t2, &p2) in second.iter().enumerate() {
+            *target_second.entry(t2 as i64).or_default() += first[t1 as usize] * p2;
+        }
+    }
+    let total_variation: f64 = 0.5
+        * target_second
+            .keys()
+            .chain(drafted.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|token| {
+                (drafted.get(token).copied().unwrap_or(0.0)
+                    - target_second.get(token).copied().unwrap_or(0.0))
+                .abs()
+            })
+            .sum::<f64>();
+    eprintln!("total variation of the first proposal from the target's t2: {total_variation:.3}");
+    assert!(
+        total_variation > 0.3,
+        "the drafter proposes nearly the target's distribution ({total_variation:.3}): the test has no power"
     );
     Ok(())
 }
