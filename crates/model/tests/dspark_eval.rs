@@ -304,8 +304,11 @@ fn speculative_sampling_keeps_the_targets_distribution() -> anyhow::Result<()> {
     let directory = tempfile::tempdir()?;
     let (target, drafter) = setup(directory.path(), MarkovHeadType::Vanilla)?;
     let prompt = prompts()[1].clone();
+    // The tiny target's logits are peaked: at temperature 1, 3000 draws
+    // gave 15 distinct (t1, t2) pairs and 8 cells; at 3, 518 pairs and 49
+    // cells of expected count 5 or more.
     let options = SamplingOptions {
-        temperature: 0.3,
+        temperature: 3.0,
         top_p: 1.0,
         seed: 17,
     };
