@@ -331,10 +331,10 @@ fn speculative_sampling_keeps_the_targets_distribution() -> anyhow::Result<()> {
     let first = target_distribution(&target, &prompt, &options)?;
     let mut seconds: std::collections::BTreeMap<i64, Vec<f64>> = Default::default();
     for &(t1, _) in pairs.keys() {
-        if !seconds.contains_key(&t1) {
+        if let std::collections::btree_map::Entry::Vacant(entry) = seconds.entry(t1) {
             let mut context = prompt.clone();
             context.push(t1);
-            seconds.insert(t1, target_distribution(&target, &context, &options)?);
+            entry.insert(target_distribution(&target, &context, &options)?);
         }
     }
     let draws = DRAWS as f64;
