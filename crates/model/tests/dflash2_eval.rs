@@ -5,8 +5,7 @@
 //! (scripts/check_spec_generate.py); these check what needs no Python.
 
 use dflash_model::draft::{
-    BlockInputs, Dflash2Config, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads,
-    TargetDimensions,
+    Dflash2Config, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads, TargetDimensions,
 };
 use dflash_model::eval::{
     greedy_generate, speculative_generate, speculative_generate_sampled,
@@ -16,6 +15,8 @@ use dflash_model::sampling::SamplingOptions;
 use dflash_model::target_model::TargetModel;
 use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
 use tch::{Device, Kind, Tensor};
+
+mod common;
 
 const MAX_NEW_TOKENS: usize = 20;
 
@@ -110,25 +111,8 @@ fn the_first_block_is_the_selectors_path_not_the_unary_argmax() -> anyhow::Resul
         let anchor_token = trace.token_ids[prompt.len()];
         let block_size = dflash2.config().block_size;
         let (selected, unary) = tch::no_grad(|| -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
-            let layer_ids: Vec<usize> = dflash2
-                .config()
-                .target_layer_ids
-                .iter()
-                .map(|&id| id as usize)
-                .collect();
-            let ids = Tensor::from_slice(&prompt).view([1, -1]);
-            let context = target.capture_hidden_states(&ids, &ids.ones_like(), &layer_ids)?;
-            let mut block = vec![dflash2.config().mask_token_id; block_size as usize];
-            block[0] = anchor_token;
             // Slot 0 is the anchor; slots 1.. draft.
-            let hidden = dflash2
-                .forward_blocks(&BlockInputs {
-                    target_hidden: &context,
-                    block_token_ids: &Tensor::from_slice(&block).view([1, 1, block_size]),
-                    anchor_positions: &Tensor::from_slice(&[prompt.len() as i64]).view([1, 1]),
-                })?
-                .get(0)
-                .get(0)
+            let hidden = common::first_block_hidden(&target, &dflash2, &prompt, anchor_token)?
                 .narrow(0, 1, block_size - 1);
             let unary = Vec::<i64>::try_from(dflash2.logits(&hidden).argmax(-1, false))?;
             let path = dflash2

@@ -5,8 +5,8 @@
 //! equals greedy, and the confidence threshold schedules the verify length.
 
 use dflash_model::draft::{
-    BlockInputs, DraftConfig, DraftModel, DraftOptions, DsparkConfig, FrozenTargetHeads,
-    MarkovHeadType, TargetDimensions,
+    DraftConfig, DraftModel, DraftOptions, DsparkConfig, FrozenTargetHeads, MarkovHeadType,
+    TargetDimensions,
 };
 use dflash_model::eval::{
     greedy_generate, speculative_generate, speculative_generate_sampled,
@@ -16,6 +16,8 @@ use dflash_model::sampling::{sampling_probabilities, SamplingOptions};
 use dflash_model::target_model::TargetModel;
 use dflash_model::tiny::{write_tiny_model, TinyModelSpec};
 use tch::{Device, Kind, Tensor};
+
+mod common;
 
 const MAX_NEW_TOKENS: usize = 20;
 const BLOCK_SIZE: i64 = 5;
@@ -115,24 +117,7 @@ fn the_first_block_is_the_markov_biased_walk_not_the_unbiased_argmax() -> anyhow
         let trace = speculative_generate(&target, &drafter, &prompt, MAX_NEW_TOKENS, &[])?;
         let anchor_token = trace.token_ids[prompt.len()];
         let (biased, unbiased) = tch::no_grad(|| -> anyhow::Result<(Vec<i64>, Vec<i64>)> {
-            let layer_ids: Vec<usize> = drafter
-                .config()
-                .target_layer_ids
-                .iter()
-                .map(|&id| id as usize)
-                .collect();
-            let ids = Tensor::from_slice(&prompt).view([1, -1]);
-            let context = target.capture_hidden_states(&ids, &ids.ones_like(), &layer_ids)?;
-            let mut block = vec![drafter.config().mask_token_id; BLOCK_SIZE as usize];
-            block[0] = anchor_token;
-            let hidden = drafter
-                .forward_blocks(&BlockInputs {
-                    target_hidden: &context,
-                    block_token_ids: &Tensor::from_slice(&block).view([1, 1, BLOCK_SIZE]),
-                    anchor_positions: &Tensor::from_slice(&[prompt.len() as i64]).view([1, 1]),
-                })?
-                .get(0)
-                .get(0);
+            let hidden = common::first_block_hidden(&target, &drafter, &prompt, anchor_token)?;
             let unbiased: Vec<i64> =
                 Vec::<i64>::try_from(drafter.logits(&hidden).argmax(-1, false))?;
             let mut state = drafter.markov_start();

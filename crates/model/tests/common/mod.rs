@@ -3,8 +3,9 @@
 
 #![allow(dead_code)]
 
-use dflash_model::draft::{DraftConfig, FrozenTargetHeads};
+use dflash_model::draft::{BlockInputs, DraftConfig, DraftModel, FrozenTargetHeads};
 use dflash_model::layers::RopeParams;
+use dflash_model::target_model::TargetModel;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
@@ -78,4 +79,36 @@ pub fn take(tensors: &mut HashMap<String, Tensor>, name: &str) -> anyhow::Result
     tensors
         .remove(name)
         .ok_or_else(|| anyhow::anyhow!("the fixture lacks {name:?}"))
+}
+
+/// The drafter's hidden states `[block_size, hidden]` of the first block
+/// after `prompt`: the anchor `anchor_token` in slot 0, mask tokens after
+/// it, the target's hidden states of the prompt as context (what decoding
+/// computes for its first proposal).
+pub fn first_block_hidden(
+    target: &TargetModel,
+    drafter: &DraftModel,
+    prompt: &[i64],
+    anchor_token: i64,
+) -> anyhow::Result<Tensor> {
+    tch::no_grad(|| {
+        let config = drafter.config();
+        let layer_ids: Vec<usize> = config
+            .target_layer_ids
+            .iter()
+            .map(|&id| id as usize)
+            .collect();
+        let ids = Tensor::from_slice(prompt).view([1, -1]);
+        let context = target.capture_hidden_states(&ids, &ids.ones_like(), &layer_ids)?;
+        let mut block = vec![config.mask_token_id; config.block_size as usize];
+        block[0] = anchor_token;
+        Ok(drafter
+            .forward_blocks(&BlockInputs {
+                target_hidden: &context,
+                block_token_ids: &Tensor::from_slice(&block).view([1, 1, config.block_size]),
+                anchor_positions: &Tensor::from_slice(&[prompt.len() as i64]).view([1, 1]),
+            })?
+            .get(0)
+            .get(0))
+    })
 }
