@@ -114,6 +114,15 @@ mutants:
 bench: setup
 	$(CARGO) bench -p dflash-broker --bench throughput
 
+## An operator's bad minute on the demo (#48), with the `local` build:
+## 3 data-parallel drafters, one SIGKILLed, one SIGSTOPped past the quorum
+## timeout, a fourth joining, the broker kill -9'd and restarted on its
+## state dir; every (target, seq) must be in exactly one committed step
+## (scripts/operator-faults.py). Not in `test`: about 3 minutes.
+.PHONY: operator-faults
+operator-faults: local-build
+	$(PYTHON) scripts/operator-faults.py --bin-dir $(or $(CARGO_TARGET_DIR),target)/local --work runs/operator-faults-$$(date +%s)
+
 ## c10d's Gloo all-reduce on loopback (crates/collective): W = 2 and 4
 ## processes, 16 M, 64 M and 277 M f32. Not in `test`: tens of seconds, GBs.
 ## The dev profile is enough (the work is libtorch's; dependencies are built

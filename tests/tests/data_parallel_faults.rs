@@ -26,6 +26,10 @@
 //!
 //! Items are produced phase by phase, so the run cannot end before the
 //! faults happened; every wait polls the broker's status.
+//!
+//! A second run stops one of a pair (SIGSTOP) while the queue holds more
+//! than the other's credit: the survivor commits alone once keepalive ends
+//! the frozen stream, and the stopped one heals back after SIGCONT.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -149,6 +153,14 @@ fn assert_one_history(status: &proto::DataParallelStatus, phase: &str) {
     assert_eq!(status.rollbacks, 0, "{phase}: {status:?}");
 }
 
+/// The broker's log lines that drop a member, for failure messages.
+fn dropped_lines(log: &str) -> String {
+    log.lines()
+        .filter(|line| line.contains("dropped"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 fn tail(log: &str) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(30)..].join("\n")
@@ -171,6 +183,27 @@ fn signal(child: &Child, signal: &str) {
         .status()
         .expect("run kill");
     assert!(status.success(), "kill -{signal} {}", child.id());
+}
+
+/// Every produced (target-0, seq) in exactly one committed step, read from
+/// the broker's per-step record (its log line of each durable commit).
+fn assert_each_sample_in_one_committed_step(broker_log: &str, produced: u64) {
+    let trained = committed_samples(broker_log);
+    let missing: Vec<u64> = (0..produced)
+        .filter(|seq| !trained.contains_key(&("target-0".to_string(), *seq)))
+        .collect();
+    let twice: Vec<(&(String, u64), &Vec<u64>)> = trained
+        .iter()
+        .filter(|(_, steps)| steps.len() > 1)
+        .collect();
+    let strangers: Vec<&(String, u64)> = trained
+        .keys()
+        .filter(|(target_id, seq)| target_id != "target-0" || *seq >= produced)
+        .collect();
+    assert!(
+        missing.is_empty() && twice.is_empty() && strangers.is_empty(),
+        "samples in no committed step: {missing:?}; in more than one: {twice:?}; never produced: {strangers:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -276,7 +309,8 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     assert_eq!(
         status.members_dropped,
         dropped_before + 1,
-        "only the killed member was dropped: {status:?}"
+        "only the killed member was dropped: {status:?}; the broker's drops: {}",
+        dropped_lines(&broker.log())
     );
     assert_one_history(&status, "the survivors after the kill");
 
@@ -332,22 +366,7 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     assert_one_history(&parallel, "the end");
 
     // Every produced sample in exactly one committed step.
-    let trained = committed_samples(&broker.log());
-    let missing: Vec<u64> = (0..produced)
-        .filter(|seq| !trained.contains_key(&("target-0".to_string(), *seq)))
-        .collect();
-    let twice: Vec<(&(String, u64), &Vec<u64>)> = trained
-        .iter()
-        .filter(|(_, steps)| steps.len() > 1)
-        .collect();
-    let strangers: Vec<&(String, u64)> = trained
-        .keys()
-        .filter(|(target_id, seq)| target_id != "target-0" || *seq >= produced)
-        .collect();
-    assert!(
-        missing.is_empty() && twice.is_empty() && strangers.is_empty(),
-        "samples in no committed step: {missing:?}; in more than one: {twice:?}; never produced: {strangers:?}"
-    );
+    assert_each_sample_in_one_committed_step(&broker.log(), produced);
 
     // The run's model on disk is the last committed step's, whole and finite.
     let final_saved = wait_until(Duration::from_secs(60), || async {
@@ -382,4 +401,126 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
             tensor.name
         );
     }
+}
+
+/// A pair whose one member hangs (SIGSTOP) while the queue holds more than
+/// the other's credit. The survivor's step finds no majority while the
+/// stopped member's stream lives; once keepalive ends that stream, the
+/// survivor must ask again by itself, since no delivery comes to wake it
+/// (its credit is all in the step), and commit alone. Continued, the
+/// stopped member heals back. Found by `scripts/operator-faults.py` on the
+/// demo: the survivor waited for a delivery that never came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_survivor_with_its_credit_in_its_step_asks_again_when_its_partner_hangs() {
+    let work = tempfile::tempdir().unwrap();
+    let tiny = init_tiny(work.path());
+    let broker = BrokerProcess::start(
+        &[
+            "--expected-targets",
+            "1",
+            "--quorum-timeout",
+            FAULT_TIMEOUT,
+            "--lease-timeout",
+            "60s",
+            // The stopped member's stream ends 15 to 20 s after it froze:
+            // after the survivor's quorum call gave up on it (its wait
+            // bound, the collective timeout plus two steps, counted from
+            // the survivor's ask, which comes at most a collective timeout
+            // after the freeze), as with the default 10 s + 20 s.
+            "--keepalive-interval",
+            "5s",
+            "--keepalive-timeout",
+            "15s",
+        ],
+        work.path().join("broker.log"),
+    )
+    .await;
+    let client = broker.client().await;
+    let mut drafters: Vec<Child> = (0..2)
+        .map(|index| spawn_drafter(work.path(), &broker.address, &tiny, index))
+        .collect();
+    let mut producer = client.produce("target-0").await.unwrap();
+    let mut produced = 0u64;
+    wait_connected(&client, work.path(), &[0, 1]).await;
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(&client, work.path(), &[0, 1], 0, "the pair").await;
+    assert_one_history(&status, "the pair");
+
+    signal(&drafters[1], "STOP");
+    // Far more than drafter-0's credit: what it cannot hold stays queued,
+    // and drafter-1's leases come back to the queue, not to drafter-0.
+    produce(&mut producer, produced, 4 * ITEMS_PER_PHASE).await;
+    produced += 4 * ITEMS_PER_PHASE;
+    // Keepalive ends the frozen stream within 20 s, and the survivor's ask
+    // is held at most half a second: 90 s is ample, and without the
+    // survivor asking again it never comes.
+    let reached = wait_until(Duration::from_secs(90), || async {
+        let now = data_parallel_status(&client).await;
+        members_are(&now, &[0]) && now.steps_committed > status.steps_committed + 1
+    })
+    .await;
+    let status = data_parallel_status(&client).await;
+    assert!(
+        reached,
+        "the survivor alone once its partner's stream is gone: {status:?}; drafter-0 log tail: {}",
+        tail(&drafter_log(work.path(), 0))
+    );
+    assert_one_history(&status, "the survivor alone");
+
+    signal(&drafters[1], "CONT");
+    let heals_before = status.heals;
+    produce(&mut producer, produced, ITEMS_PER_PHASE).await;
+    produced += ITEMS_PER_PHASE;
+    let status = wait_for_quorum(
+        &client,
+        work.path(),
+        &[0, 1],
+        status.steps_committed,
+        "the continued member back in",
+    )
+    .await;
+    assert!(status.heals > heals_before, "it healed back: {status:?}");
+    assert_one_history(&status, "the continued member back in");
+
+    let report = producer.finish().await.unwrap();
+    assert_eq!(report.accepted, produced, "{report:?}");
+    client.report_done("target-0", produced).await.unwrap();
+    for (index, drafter) in drafters.iter_mut().enumerate() {
+        let exit = wait_for_exit(drafter, PHASE_TIMEOUT).await;
+        assert!(
+            exit.is_some_and(|status| status.success()),
+            "{} exited {exit:?}; log: {}",
+            drafter_id(index),
+            tail(&drafter_log(work.path(), index))
+        );
+    }
+    let status = client.status().await.unwrap();
+    assert_eq!(status.state, proto::BrokerState::Complete as i32);
+    let summary = status.summary.clone().unwrap_or_default();
+    assert_eq!(summary.acked_items, produced, "{summary:?}");
+    assert_eq!(summary.dead_letters, 0, "{summary:?}");
+    let sync = status.model_sync.unwrap_or_default();
+    assert_one_history(&sync.data_parallel.unwrap_or_default(), "the end");
+    assert_each_sample_in_one_committed_step(&broker.log(), produced);
+    // The members' last snapshots reach the broker as they stop.
+    let counted = wait_until(Duration::from_secs(60), || async {
+        client
+            .status()
+            .await
+            .ok()
+            .and_then(|status| status.model_sync)
+            .is_some_and(|sync| sync.center_samples == produced)
+    })
+    .await;
+    let sync = client
+        .status()
+        .await
+        .unwrap()
+        .model_sync
+        .unwrap_or_default();
+    assert!(
+        counted,
+        "the run's model trained every produced sample once: {sync:?}"
+    );
 }

@@ -166,6 +166,10 @@ struct TrainingLoop {
     /// Membership in the run's data-parallel trainer (`None`: an
     /// independent drafter, or a synthetic engine with no model).
     data_parallel: Option<DataParallel>,
+    /// The accumulated step found no quorum yet: it is asked for again
+    /// whenever no command is waiting, not only when the next delivery
+    /// comes (none may come: this member's credit can be all in the step).
+    awaiting_quorum: bool,
     started: Instant,
 }
 
@@ -194,18 +198,27 @@ pub fn run_training_loop(
         last_checkpoint_step: None,
         sync,
         data_parallel,
+        awaiting_quorum: false,
         started: Instant::now(),
     };
     state.join();
     let hang_after_steps = crate::test_hooks::hang_trainer_after_steps();
     loop {
         // A data-parallel member holding nothing takes part in the others'
-        // steps (with zeros) while it waits, so that nobody waits for it.
-        let command = if state.data_parallel.is_some() && state.held_samples() == 0 {
+        // steps (with zeros) while it waits, so that nobody waits for it; a
+        // member whose step found no quorum asks again (the broker holds
+        // each ask a moment, so this does not spin).
+        let command = if state.data_parallel.is_some()
+            && (state.held_samples() == 0 || state.awaiting_quorum)
+        {
             match commands.try_recv() {
                 Ok(command) => command,
                 Err(mpsc::error::TryRecvError::Empty) => {
-                    state.idle();
+                    if state.awaiting_quorum {
+                        state.run_data_parallel_step();
+                    } else {
+                        state.idle();
+                    }
                     continue;
                 }
                 Err(mpsc::error::TryRecvError::Disconnected) => break,
@@ -410,6 +423,7 @@ impl TrainingLoop {
             Err(error) => {
                 warn!(%error, samples = delivery_ids.len(), "micro-batch failed; its items and the unstepped ones go back to the queue");
                 let mut failed = std::mem::take(&mut self.accumulated_ids);
+                self.awaiting_quorum = false;
                 self.accumulated_keys.clear();
                 failed.extend(delivery_ids);
                 self.accumulated_micro_batches = 0;
@@ -479,6 +493,7 @@ impl TrainingLoop {
     }
 
     fn discard(&mut self) {
+        self.awaiting_quorum = false;
         self.pending.clear();
         self.accumulated_ids.clear();
         self.accumulated_keys.clear();

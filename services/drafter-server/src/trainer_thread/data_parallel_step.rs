@@ -38,10 +38,11 @@ impl TrainingLoop {
         let outcome = span.in_scope(|| data_parallel.step(trainer, &samples));
         let elapsed = started.elapsed();
         self.busy += elapsed;
+        self.awaiting_quorum = matches!(outcome, StepOutcome::NoQuorum);
         match &outcome {
             StepOutcome::NoQuorum => {
                 // Too few members: keep what is accumulated (and the span
-                // that names it) and try again.
+                // that names it) and ask again (`run_training_loop`).
                 self.step_span = Some(span);
                 return;
             }
