@@ -123,6 +123,8 @@ mutant commit-answered-before-durable "$lighthouse/votes.rs" \
   's/if round\.durable \{/if true {/'
 mutant wait-bound-ignores-collective-timeout "$lighthouse/types.rs" \
   's/\.max\(collective_timeout \+ longest_step\.saturating_mul\(2\)\)//'
+mutant lateness-ignores-the-members-last-ask "$lighthouse/state.rs" \
+  's/let since = started\.max\(clock\.seen_at\);/let since = started;/'
 
 selected=("$@")
 wanted() {

@@ -227,19 +227,26 @@ impl Lighthouse {
                 "data parallelism: member's stream is gone; dropped from the membership"
             );
         }
-        // Live members past their bound are dropped, with the reason.
+        // Live members past their bound are dropped, with the reason. The
+        // wait counts from the round's start, or from the member's own
+        // last ask in this round: a member between an idle answer and its
+        // next ask is asking, not late.
         let longest = self.longest_recent_step();
         let overdue: Vec<(String, Duration)> = self
             .expected
             .iter()
             .filter(|(drafter_id, _)| !self.waiting.contains_key(*drafter_id))
+            .filter(|(_, clock)| {
+                let since = started.max(clock.seen_at);
+                now.saturating_duration_since(since)
+                    >= self.settings.wait_bound(clock.collective_timeout, longest)
+            })
             .map(|(drafter_id, clock)| {
                 (
                     drafter_id.clone(),
                     self.settings.wait_bound(clock.collective_timeout, longest),
                 )
             })
-            .filter(|(_, bound)| waited >= *bound)
             .collect();
         for (drafter_id, bound) in overdue {
             self.expected.remove(&drafter_id);

@@ -459,6 +459,56 @@ fn a_live_member_is_waited_for_up_to_its_collective_timeout_plus_two_steps() {
 }
 
 #[test]
+fn a_member_between_an_idle_answer_and_its_next_ask_is_not_late() {
+    let mut lighthouse = lighthouse();
+    let now = Instant::now();
+    let genesis = CommitRecord::GENESIS;
+    let formed = formed_together(
+        &mut lighthouse,
+        now,
+        &[("d0", genesis), ("d1", genesis), ("d2", genesis)],
+    );
+    let record = commit_all(&mut lighthouse, now, &formed);
+    // d2 hangs. d0 and d1 hold nothing: each asks, is answered idle after
+    // the idle wait and asks again 100 ms later; the broker ticks every
+    // 50 ms, so some ticks find one of them between two asks. The round
+    // goes on past every bound (max(10 s, 4 s + 0) = 10 s), and only the
+    // silent d2 is late.
+    let tick = Duration::from_millis(50);
+    let again = Duration::from_millis(100);
+    let mut next_ask: Vec<(&str, Instant)> = vec![("d0", now), ("d1", now + IDLE / 2)];
+    let mut t = now;
+    while t < now + 3 * TIMEOUT {
+        for (drafter_id, at) in next_ask.iter_mut() {
+            if *at <= t {
+                lighthouse.ask(t, ask(drafter_id, record, 0));
+                *at = t + Duration::from_secs(3600);
+            }
+        }
+        t += tick;
+        let answers = lighthouse.tick(t);
+        for (drafter_id, answer) in &answers.quorums {
+            assert_eq!(*answer, QuorumAnswer::Idle, "{drafter_id}: nothing to step");
+            if let Some((_, at)) = next_ask.iter_mut().find(|(id, _)| id == drafter_id) {
+                *at = t + again;
+            }
+        }
+    }
+    assert_eq!(
+        lighthouse.counters.members_dropped, 1,
+        "d2 alone is dropped, d0 and d1 kept asking"
+    );
+    // Samples come to d0: it steps with d1 (whose idle ask is held or
+    // comes next), without waiting for d2.
+    let mut formed = formed_for(&lighthouse.ask(t, ask("d0", record, 4)), "d0");
+    if formed.is_none() {
+        formed = formed_for(&lighthouse.ask(t, ask("d1", record, 0)), "d0");
+    }
+    let formed = formed.expect("d0 and d1 step");
+    assert_eq!(formed.members.len(), 2, "{formed:?}");
+}
+
+#[test]
 fn a_quorum_needs_a_majority_of_the_last_quorums_live_members() {
     let mut lighthouse = lighthouse();
     let now = Instant::now();
