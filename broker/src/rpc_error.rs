@@ -9,8 +9,9 @@
 //! and do not change.
 //!
 //! It sits beneath every module that answers an RPC (`roles`, `auth`,
-//! `lighthouse`, `model_sync`, `service`, `zero_copy`) and imports only the
-//! domain errors it folds in (`queue`, `run_model`, `payload`).
+//! `lighthouse`, `run_model`, `service`, `zero_copy`) and imports only the
+//! domain errors it folds in (`queue`, `payload`); the run model's are
+//! defined beneath it (`run_model` here) and re-exported by that room.
 
 use std::time::Duration;
 
@@ -18,9 +19,10 @@ use tonic::{Code, Status};
 
 use crate::payload::DecodeFailure;
 use crate::queue::QueueError;
-use crate::run_model::center::SyncError;
-use crate::run_model::checkpoint::CheckpointError;
-use crate::run_model::evaluation::ReportError;
+
+mod run_model;
+
+pub use run_model::{CheckpointError, ReportError, SyncError};
 
 /// Why an RPC (or a stream of one) is refused or ended. Messages are
 /// lowercase, without a trailing period, and name the offending value.

@@ -80,8 +80,8 @@ pub async fn serve_with_metrics(
     let internal = CancellationToken::new();
     let shared = Shared::new(config.clone(), internal.clone())?;
     let service = BrokerService::new(shared.clone());
-    let model_sync = crate::model_sync::ModelSyncShared::start(
-        config.model_sync.clone(),
+    let model_sync = crate::run_model::service::ModelSyncShared::start(
+        config.model_sync.run_model_settings(),
         config.lighthouse.settings(),
         config.hello_timeout,
         internal.clone(),
@@ -178,7 +178,7 @@ async fn report_serving(health_reporter: &HealthReporter) {
         .set_serving::<BrokerServer<BrokerService>>()
         .await;
     health_reporter
-        .set_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
+        .set_serving::<ModelSyncServer<crate::run_model::service::ModelSyncService>>()
         .await;
 }
 
@@ -218,7 +218,7 @@ async fn report_not_serving(health_reporter: &HealthReporter) {
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;
     health_reporter
-        .set_not_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
+        .set_not_serving::<ModelSyncServer<crate::run_model::service::ModelSyncService>>()
         .await;
     health_reporter
         .set_service_status("", ServingStatus::NotServing)
@@ -262,7 +262,7 @@ impl Background {
     /// `metrics_listener`, when there is one).
     fn spawn(
         shared: &Arc<Shared>,
-        model_sync: &Arc<crate::model_sync::ModelSyncShared>,
+        model_sync: &Arc<crate::run_model::service::ModelSyncShared>,
         metrics_listener: Option<TcpListener>,
     ) -> Background {
         let ticker = tokio::spawn(shared.clone().run_ticker());
@@ -315,7 +315,7 @@ fn grpc_router<H, V1, V1Alpha>(
     security: &ServerSecurity,
     health_service: HealthServer<H>,
     (reflection_v1, reflection_v1alpha): ReflectionServices<V1, V1Alpha>,
-    model_sync: &Arc<crate::model_sync::ModelSyncShared>,
+    model_sync: &Arc<crate::run_model::service::ModelSyncShared>,
     service: BrokerService,
 ) -> Result<Router, ServeError>
 where
@@ -415,7 +415,7 @@ async fn stop_center_writer(mut center_writer: JoinHandle<()>, deadline: Duratio
 /// `deadline`.
 async fn save_center_on_shutdown(
     shared: &Shared,
-    model_sync: &crate::model_sync::ModelSyncShared,
+    model_sync: &crate::run_model::service::ModelSyncShared,
     deadline: Duration,
 ) {
     let final_center = shared.broker_state() == crate::queue::BrokerState::Complete;
@@ -430,7 +430,7 @@ async fn save_center_on_shutdown(
 
 /// Closes the model sync sessions' and the stream readers' task trackers and
 /// waits for each, two seconds at the most.
-async fn wait_for_tasks(model_sync: &crate::model_sync::ModelSyncShared, shared: &Shared) {
+async fn wait_for_tasks(model_sync: &crate::run_model::service::ModelSyncShared, shared: &Shared) {
     let sessions = model_sync.tasks().clone();
     sessions.close();
     if tokio::time::timeout(Duration::from_secs(2), sessions.wait())

@@ -15,7 +15,7 @@ pub(super) const SESSIONS: usize = 4;
 /// The config every fuzzed snapshot is pinned to when the settings pin one.
 pub(super) const PINNED_CONFIG: &str = r#"{"model_type": "dflash", "hidden_size": 4}"#;
 
-/// One open session: what `model_sync::service` keeps per stream.
+/// One open session: what `run_model::service` keeps per stream.
 pub(super) struct FuzzSession {
     drafter_id: String,
     model_config_json: String,
@@ -41,7 +41,7 @@ pub fn model_sync_input(settings: u8, records: &[(u8, proto::SyncRequest)]) -> V
 }
 
 /// Fuzz body: sessions' messages (layout: [`model_sync_input`]) against
-/// one center, each handled as `model_sync::service` handles it: a hello
+/// one center, each handled as `run_model::service` handles it: a hello
 /// first (drafter id and config checked), then begin, chunks and commit;
 /// an error ends the session.
 ///
@@ -145,7 +145,7 @@ pub(super) fn center_image(state: &ModelSyncState) -> CenterImage {
     })
 }
 
-/// One message of an open session, as `model_sync::service::handle_request`
+/// One message of an open session, as `run_model::service::handle_request`
 /// and `commit_snapshot` handle it.
 pub(super) fn handle_request(
     state: &mut ModelSyncState,

@@ -13,7 +13,7 @@
 //!   [`decode_produce_request`]), each item checked as the service checks
 //!   it and sent on as a delivery.
 //! - [`model_sync`]: ModelSync snapshot sessions' messages, interleaved,
-//!   against one center, as the session adapter (`model_sync::service`)
+//!   against one center, as the session adapter (`run_model::service`)
 //!   applies them.
 //! - [`center_checkpoint`]: a center checkpoint's files through the reader
 //!   a restarted broker resumes the center with.

@@ -14,9 +14,9 @@
 //!
 //! - `upload`: the [`Upload`] a session stages, and the wire enums.
 //! - `weights`: the [`Center`]'s tensors, their snapshots, and the checks
-//!   an upload must pass against them; `error`: [`SyncError`].
+//!   an upload must pass against them. [`SyncError`] is defined beneath
+//!   `crate::rpc_error`, its gRPC table.
 
-mod error;
 mod upload;
 mod weights;
 
@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
 
-pub use error::SyncError;
+pub use crate::rpc_error::SyncError;
 pub use upload::{
     check_finite, first_non_finite, FiniteUpload, SnapshotKind, Upload, UploadedTensor,
 };

@@ -10,7 +10,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use bytes::Bytes;
 use safetensors::tensor::View;
@@ -18,31 +18,11 @@ use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
 use super::center::{first_non_finite, Center, CenterTensor};
+pub use crate::rpc_error::CheckpointError;
 
 pub const CONFIG_FILE_NAME: &str = "config.json";
 pub const MODEL_FILE_NAME: &str = "model.safetensors";
 pub const STATE_FILE_NAME: &str = "center_state.json";
-
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: {detail}")]
-    Format { path: PathBuf, detail: String },
-}
-
-impl From<dflash_shell::DurableError> for CheckpointError {
-    fn from(error: dflash_shell::DurableError) -> Self {
-        CheckpointError::Io {
-            path: error.path,
-            source: error.source,
-        }
-    }
-}
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {

@@ -23,6 +23,7 @@ use std::collections::VecDeque;
 use dflash_proto::v1 as proto;
 
 use super::center::Center;
+pub use crate::rpc_error::ReportError;
 
 /// Reports kept in memory (and in the status): the last 1,024.
 pub const TAU_HISTORY: usize = 1024;
@@ -30,29 +31,6 @@ pub const TAU_HISTORY: usize = 1024;
 /// Versions served and not yet reported that the broker keeps by default;
 /// reading a newer one lets the oldest go.
 pub const DEFAULT_MAX_PENDING_READS: u32 = 4;
-
-/// Why a report was refused. Messages name the bad value.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ReportError {
-    #[error("the report carries no point (center version, τ, ...)")]
-    MissingPoint,
-    #[error("τ {0} is not finite")]
-    NotFinite(f64),
-    #[error("τ {0} is below 1 (the target's own token is always accepted)")]
-    BelowOne(f64),
-    #[error("τ {tau} exceeds the drafter's block size {block_size}")]
-    AboveBlockSize { tau: f64, block_size: u64 },
-    #[error("{field} is 0: an evaluation covers at least one prompt and one verification")]
-    Empty { field: &'static str },
-    #[error("eval_seconds {0} is not a finite duration >= 0")]
-    BadSeconds(f64),
-    #[error("center version {version} was not served to an evaluator (pending: {pending:?}); read it with ReadCenter first")]
-    NotServed { version: u64, pending: Vec<u64> },
-    #[error("center version {version} is already reported (τ {tau})")]
-    AlreadyReported { version: u64, tau: f64 },
-    #[error("center_samples {got} is not the served version {version}'s {served}")]
-    SamplesMismatch { version: u64, got: u64, served: u64 },
-}
 
 /// A report that passed every check: what recording it will do.
 #[derive(Debug, Clone)]

@@ -1,14 +1,15 @@
-//! The run's one draft model as the broker keeps it, apart from how it
-//! travels (`crate::model_sync` serves it) and from the lighthouse that
-//! decides the steps (`model_sync::quorum`).
+//! The run's one draft model as the broker keeps it, and the
+//! `dflash.v1.ModelSync` service that serves it; the lighthouse that
+//! decides the steps is [`crate::lighthouse`] (this service forwards its
+//! two RPCs to `lighthouse::rpc`).
 //!
 //! The drafters are one data-parallel trainer: rank 0 sends the trained
 //! weights every `--snapshot-every` committed steps and every member sends
 //! its own when it stops; the broker keeps the latest step's (the
 //! "center"), writes it to `--model-output`, serves it to the online
 //! evaluator and to drafters that start, and keeps the evaluator's τ curve.
-//! Everything here is synchronous and does no gRPC (the checkpoint's files
-//! are its only I/O).
+//! Everything but `service` is synchronous and does no gRPC (the
+//! checkpoint's files are its only I/O).
 //!
 //! # Layout
 //! - `settings`: [`RunModelSettings`], the typed part of the broker's flags
@@ -24,12 +25,22 @@
 //! - `evaluation`: online evaluation's τ curve, the best report, and the
 //!   registry of the versions kept for the evaluator between its read
 //!   (`ReadCenter`) and its report (`ReportTau`).
+//! - `mod.rs`: [`resume`], the state a broker starts with.
+//! - `service`: the gRPC adapter ([`service::ModelSyncShared`], the
+//!   snapshot sessions), then `service::writer` (the task that writes the
+//!   center to disk) and `service::evaluation` (`ReadCenter`, `ReportTau`,
+//!   the best version's write), which import `service`.
 //!
-//! Must not depend on: `crate::model_sync`, `crate::config`; no gRPC.
+//! Its errors (`SyncError`, `ReportError`, `CheckpointError`) are defined
+//! beneath `crate::rpc_error`, the one table of gRPC codes, and re-exported
+//! here: `service` imports that table, so the table must not import this
+//! room. Must not depend on: `crate::config` (it gets [`RunModelSettings`]),
+//! `crate::service`.
 
 pub mod center;
 pub mod checkpoint;
 pub mod evaluation;
+pub mod service;
 pub mod settings;
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
-use super::error::SyncError;
+use crate::rpc_error::SyncError;
 
 /// What kind of snapshot a drafter began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,8 +11,8 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 
-use super::error::SyncError;
 use super::upload::Upload;
+use crate::rpc_error::SyncError;
 
 /// One tensor of the center: its f32 little-endian bytes, in the chunks
 /// they arrived in (or the one slice a checkpoint was read into).

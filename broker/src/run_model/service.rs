@@ -1,16 +1,19 @@
 //! The gRPC adapter of the `dflash.v1.ModelSync` service: the state its
 //! sessions share, and each drafter's session (hello, then snapshots of
 //! begin, chunks and commit, each answered with its result). All rules
-//! live in [`crate::run_model`]; the task that writes the center to disk is
-//! [`center_writer`].
+//! live in the rest of [`crate::run_model`]; the task that writes the
+//! center to disk is [`writer`], the evaluator's RPCs are [`evaluation`],
+//! and the lighthouse's two (`Quorum`, `Commit`) are forwarded to
+//! [`crate::lighthouse::rpc`].
 //!
 //! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
-//! per session without it, and decoded under it at the commit. Checkpoints
+//! per session without it, and their handles moved in under it at the
+//! commit. Checkpoints
 //! copy the center's pointers under the lock and write it on a blocking
 //! thread.
 
-mod center_writer;
 mod evaluation;
+mod writer;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,7 +28,6 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-use crate::config::ModelSyncConfig;
 use crate::rpc_error::RpcError;
 use crate::run_model::center::{CenterTensor, ModelSyncState, Upload};
 use crate::run_model::checkpoint::CheckpointError;
@@ -67,12 +69,11 @@ impl ModelSyncShared {
     /// The service state, with the center resumed from `--model-output`
     /// when a center was written there before.
     pub fn start(
-        config: ModelSyncConfig,
+        settings: RunModelSettings,
         lighthouse: crate::lighthouse::LighthouseSettings,
         hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
-        let settings = config.run_model_settings();
         let state = crate::run_model::resume(&settings)?;
         info!(output = ?settings.model_output, "model sync ready");
         let evaluations = Evaluations::new(settings.max_pending_evaluations);
