@@ -28,7 +28,7 @@
 //! | Consume | drafter | the hello's `drafter_id` |
 //! | ModelSync.Session | drafter | the hello's `drafter_id` |
 //! | ModelSync.Quorum, ModelSync.Commit | drafter | the request's `drafter_id` |
-//! | ModelSync.ReadCenter, ModelSync.ReportTau | evaluator | the request's `evaluator_id` |
+//! | ModelSync.ReadModel, ModelSync.ReportTau | evaluator | the request's `evaluator_id` |
 //! | GetStatus, WatchStatus | any | — |
 //!
 //! A refusal is PERMISSION_DENIED and names only the caller's own role and

@@ -146,7 +146,7 @@ pub enum RpcError {
     #[error("quorum {quorum_id} answered to {drafter_id} which is not one of its members")]
     AnsweredToNonMember { quorum_id: u64, drafter_id: String },
 
-    // The run's model (`ModelSync.Session`, `ReadCenter`, `ReportTau`).
+    // The run's model (`ModelSync.Session`, `ReadModel`, `ReportTau`).
     #[error("model_config_json is not valid JSON: {0}")]
     ModelConfigNotJson(serde_json::Error),
     #[error("begin while a snapshot is open: commit it first")]
@@ -158,7 +158,7 @@ pub enum RpcError {
     UnexpectedSessionMessage,
     #[error("the drafter closed its session")]
     SessionClosed,
-    #[error("a drafter's ReadCenter names drafter_id alone (no evaluator_id, no center_version)")]
+    #[error("a drafter's ReadModel names drafter_id alone (no evaluator_id, no model_version)")]
     DrafterReadNamesEvaluator,
     #[error("center version {version} is not kept for evaluation (kept: {kept:?}); read the current center")]
     VersionNotKept { version: u64, kept: Vec<u64> },
@@ -213,8 +213,7 @@ impl From<RpcError> for Status {
                 | SyncError::Dtype(_)
                 | SyncError::Kind(_)
                 | SyncError::RemovedKind(_)
-                | SyncError::Config(_)
-                | SyncError::GradientStepRemoved => Code::InvalidArgument,
+                | SyncError::Config(_) => Code::InvalidArgument,
             },
             E::Report(report) => match report {
                 ReportError::NotServed { .. } | ReportError::AlreadyReported { .. } => {

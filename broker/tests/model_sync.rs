@@ -87,7 +87,6 @@ fn begin(kind: proto::SyncKind, steps: u64) -> proto::SyncBegin {
         steps,
         samples: SAMPLES_PER_STEP * steps,
         tokens: 10 * SAMPLES_PER_STEP * steps,
-        ..proto::SyncBegin::default()
     }
 }
 
@@ -185,15 +184,15 @@ async fn model_sync_status(broker: &TestBroker) -> proto::ModelSyncStatus {
         .expect("status carries the model sync")
 }
 
-/// The run's model as a starting drafter reads it (`ReadCenter` with its
+/// The run's model as a starting drafter reads it (`ReadModel` with its
 /// `drafter_id`: nothing kept).
 async fn read_as_drafter(
     address: &str,
     drafter_id: &str,
-) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
     read_center_with(
         address,
-        proto::ReadCenterRequest {
+        proto::ReadModelRequest {
             drafter_id: drafter_id.to_string(),
             ..Default::default()
         },
@@ -209,7 +208,7 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
-    assert!(!first.welcome.has_center);
+    assert!(!first.welcome.has_model);
     let result = first
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
@@ -217,9 +216,9 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
 
     // A second drafter starts from the run's model, not its own weights.
     let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
-    assert!(second.welcome.has_center);
+    assert!(second.welcome.has_model);
     let (header, model) = read_as_drafter(&broker.address, "drafter-b").await.unwrap();
-    assert_eq!((header.center_version, header.center_samples), (0, 0));
+    assert_eq!((header.model_version, header.model_samples), (0, 0));
     assert_eq!(header.model_config_json, CONFIG_JSON);
     assert_eq!(model, as_read(&initial()));
 
@@ -229,7 +228,7 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
         .snapshot(proto::SyncKind::Snapshot, 2, &shifted(0.75))
         .await;
     assert!(result.applied);
-    assert_eq!((result.center_version, result.center_samples), (2, 24));
+    assert_eq!((result.model_version, result.model_samples), (2, 24));
     let result = second
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.25))
         .await;
@@ -242,10 +241,10 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
     );
 
     let status = model_sync_status(&broker).await;
-    assert!(status.has_center);
-    assert_eq!(status.center_version, 2);
+    assert!(status.has_model);
+    assert_eq!(status.model_version, 2);
     assert_eq!(status.parameters, 8);
-    assert_eq!(status.center_samples, 24);
+    assert_eq!(status.model_samples, 24);
     assert!(
         status.evaluations_pending.is_empty(),
         "a drafter's read keeps nothing"
@@ -290,7 +289,7 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
     )
     .await
     .expect("a half-finished upload blocks nobody");
-    assert_eq!(result.center_version, 1);
+    assert_eq!(result.model_version, 1);
 
     // Kill it: the task and its connection go away without a word.
     victim.abort();
@@ -308,7 +307,7 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
     );
     // The center is exactly the survivor's snapshot: nothing of the victim.
     let status = model_sync_status(&broker).await;
-    assert_eq!(status.center_version, 1);
+    assert_eq!(status.model_version, 1);
     let (_, center) = read_as_drafter(&broker.address, "late").await.unwrap();
     assert_eq!(center, as_read(&shifted(1.0)));
     broker.stop().await;
@@ -337,13 +336,14 @@ async fn a_refused_snapshot_names_the_problem_and_changes_nothing() {
         "{}",
         status.message()
     );
-    assert_eq!(model_sync_status(&broker).await.center_version, 0);
+    assert_eq!(model_sync_status(&broker).await.model_version, 0);
     broker.stop().await;
 }
 
 /// Asynchronous local SGD was retired: a drafter of it (JOIN, UPDATE,
-/// FINAL) or of the broker's AdamW (`gradient_step`) is refused on the
-/// wire, naming what it sent, and the run goes on as before.
+/// FINAL, numbers reserved) is refused on the wire, naming what it sent,
+/// and the run goes on as before. (The broker's AdamW, `gradient_step`, is
+/// a reserved field now, ignored as unknown: `run_model::tests`.)
 #[tokio::test]
 async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() {
     let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
@@ -351,13 +351,6 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
-    let gradient = proto::SyncBegin {
-        gradient_step: Some(proto::GradientStep {
-            learning_rate: 0.01,
-            ..proto::GradientStep::default()
-        }),
-        ..begin(proto::SyncKind::Snapshot, 1)
-    };
     let retired = |kind: i32| proto::SyncBegin {
         kind,
         ..begin(proto::SyncKind::Snapshot, 1)
@@ -366,7 +359,6 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
         (retired(1), "SYNC_KIND_JOIN"),
         (retired(2), "SYNC_KIND_UPDATE"),
         (retired(3), "SYNC_KIND_FINAL"),
-        (gradient, "gradient_step"),
     ] {
         let mut old = TestDrafter::open(&broker.address, "old").await;
         // The begin alone: the broker ends the session at it.
@@ -382,7 +374,7 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
             status.message()
         );
     }
-    assert_eq!(model_sync_status(&broker).await.center_version, 0);
+    assert_eq!(model_sync_status(&broker).await.model_version, 0);
     let result = drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(1.0))
         .await;
@@ -432,7 +424,7 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
         "the final center is written once the connected drafter's final snapshot is in"
     );
     let status = model_sync_status(&broker).await;
-    assert_eq!((status.saved_version, status.center_version), (1, 1));
+    assert_eq!((status.saved_version, status.model_version), (1, 1));
 
     // The files are the reference format: config.json as the drafter sent
     // it, every weight in f32 in model.safetensors, nothing else in it.
@@ -460,10 +452,10 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
     // A restarted broker on the same folder resumes that center.
     let restarted = TestBroker::start(config).await;
     let status = model_sync_status(&restarted).await;
-    assert!(status.has_center);
-    assert_eq!((status.center_version, status.center_samples), (1, 12));
+    assert!(status.has_model);
+    assert_eq!((status.model_version, status.model_samples), (1, 12));
     let rejoined = TestDrafter::open(&restarted.address, "drafter-0").await;
-    assert!(rejoined.welcome.has_center);
+    assert!(rejoined.welcome.has_model);
     let (_, center) = read_as_drafter(&restarted.address, "drafter-0")
         .await
         .unwrap();
@@ -476,15 +468,15 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
 
 // ---------------------------------------------------------------- Online evaluation
 
-/// One `ReadCenter` of the current center: the header and the center
+/// One `ReadModel` of the current center: the header and the center
 /// (name → values).
-async fn read_center(
+async fn read_model(
     address: &str,
     evaluator_id: &str,
-) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
     read_center_with(
         address,
-        proto::ReadCenterRequest {
+        proto::ReadModelRequest {
             evaluator_id: evaluator_id.to_string(),
             ..Default::default()
         },
@@ -492,16 +484,16 @@ async fn read_center(
     .await
 }
 
-/// One `ReadCenter` as `request` asks it.
+/// One `ReadModel` as `request` asks it.
 async fn read_center_with(
     address: &str,
-    request: proto::ReadCenterRequest,
-) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
-    use proto::read_center_response::Kind;
+    request: proto::ReadModelRequest,
+) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    use proto::read_model_response::Kind;
     let mut client = ModelSyncClient::connect(address.to_string())
         .await
         .expect("connect");
-    let mut stream = client.read_center(request).await?.into_inner();
+    let mut stream = client.read_model(request).await?.into_inner();
     let header = match stream.message().await?.and_then(|message| message.kind) {
         Some(Kind::Header(header)) => header,
         other => panic!("expected the header, got {other:?}"),
@@ -520,7 +512,7 @@ async fn read_center_with(
                 }
             }
             Some(Kind::Done(done)) => {
-                assert_eq!(done.center_version, header.center_version);
+                assert_eq!(done.model_version, header.model_version);
                 assert_eq!(done.tensors as usize, center.len());
                 break;
             }
@@ -543,8 +535,8 @@ fn f32_values(bytes: &[u8]) -> Vec<f32> {
 
 fn tau_point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
     proto::TauPoint {
-        center_version: version,
-        center_samples: samples,
+        model_version: version,
+        model_samples: samples,
         tau,
         prompts: 8,
         generated_tokens: 320,
@@ -602,9 +594,9 @@ async fn train_with_optional_reads(
     let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
     for step in 0..6u64 {
         if evaluator_reads {
-            let (header, read) = read_center(&broker.address, "evaluator").await.unwrap();
+            let (header, read) = read_model(&broker.address, "evaluator").await.unwrap();
             assert_eq!(
-                header.center_version, step,
+                header.model_version, step,
                 "a read sees the center as it is"
             );
             assert_eq!(header.model_config_json, CONFIG_JSON);
@@ -681,7 +673,7 @@ async fn the_final_center_does_not_wait_for_an_evaluator() {
         .await
         .unwrap();
     let _held = client
-        .read_center(proto::ReadCenterRequest {
+        .read_model(proto::ReadModelRequest {
             evaluator_id: "evaluator".to_string(),
             ..Default::default()
         })
@@ -753,21 +745,21 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
-    let (_, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
+    let (_, version_0) = read_model(&broker.address, "evaluator").await.unwrap();
     drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
-    let request = |header_only, center_version| proto::ReadCenterRequest {
+    let request = |header_only, model_version| proto::ReadModelRequest {
         evaluator_id: "evaluator".to_string(),
         header_only,
-        center_version,
+        model_version,
         ..Default::default()
     };
 
     let (header, weights) = read_center_with(&broker.address, request(true, None))
         .await
         .unwrap();
-    assert_eq!((header.center_version, header.center_samples), (1, 12));
+    assert_eq!((header.model_version, header.model_samples), (1, 12));
     assert!(weights.is_empty(), "a header-only read sends no weights");
     assert_eq!(
         model_sync_status(&broker).await.evaluations_pending,
@@ -780,9 +772,9 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     let (header, version_1) = read_center_with(&broker.address, request(false, Some(1)))
         .await
         .unwrap();
-    assert_eq!((header.center_version, header.center_samples), (1, 12));
-    let (current, now) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!(current.center_version, 2);
+    assert_eq!((header.model_version, header.model_samples), (1, 12));
+    let (current, now) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!(current.model_version, 2);
     assert_ne!(version_1, now, "the kept version, not the current one");
     assert_ne!(version_1, version_0);
     let (_, again) = read_center_with(&broker.address, request(false, Some(0)))
@@ -829,8 +821,8 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
         .await;
 
     // Version 0 is read, then the center moves on twice before its report.
-    let (header, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!((header.center_version, header.center_samples), (0, 0));
+    let (header, version_0) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!((header.model_version, header.model_samples), (0, 0));
     drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
@@ -858,14 +850,14 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
     let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
 
     // A worse τ of a later version leaves the best center as it was.
-    let (header, _) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!((header.center_version, header.center_samples), (2, 24));
+    let (header, _) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!((header.model_version, header.model_samples), (2, 24));
     let result = report_tau(&broker.address, "evaluator", Some(tau_point(2, 24, 1.25)))
         .await
         .unwrap();
     assert!(!result.best);
     assert_eq!(
-        result.best_point.as_ref().map(|best| best.center_version),
+        result.best_point.as_ref().map(|best| best.model_version),
         Some(0)
     );
     assert_eq!(
@@ -877,8 +869,8 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
     drafter
         .snapshot(proto::SyncKind::Snapshot, 3, &shifted(1.75))
         .await;
-    let (header, version_3) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!(header.center_version, 3);
+    let (header, version_3) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!(header.model_version, 3);
     drafter
         .snapshot(proto::SyncKind::Snapshot, 4, &shifted(2.75))
         .await;
@@ -894,18 +886,18 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
     let history: Vec<(u64, u64, f64)> = status
         .tau_history
         .iter()
-        .map(|point| (point.center_version, point.center_samples, point.tau))
+        .map(|point| (point.model_version, point.model_samples, point.tau))
         .collect();
     assert_eq!(history, vec![(0, 0, 1.5), (2, 24, 1.25), (3, 36, 2.0)]);
     assert_eq!(
-        status.best_tau.map(|best| (best.center_version, best.tau)),
+        status.best_tau.map(|best| (best.model_version, best.tau)),
         Some((3, 2.0))
     );
     assert_eq!(
         (status.best_saved_version, status.best_path),
         (3, best_dir.display().to_string())
     );
-    assert_eq!(status.center_version, 4, "the center itself went on");
+    assert_eq!(status.model_version, 4, "the center itself went on");
     assert!(status.evaluations_pending.is_empty());
     broker.stop().await;
 }
@@ -920,7 +912,7 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     let address = broker.address.clone();
 
     // Before any drafter: there is no center to read.
-    let refused = read_center(&address, "evaluator").await.unwrap_err();
+    let refused = read_model(&address, "evaluator").await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     assert!(
         refused.message().contains("no center yet"),
@@ -932,14 +924,14 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
-    read_center(&address, "evaluator").await.unwrap();
+    read_model(&address, "evaluator").await.unwrap();
     report_tau(&address, "evaluator", Some(tau_point(0, 0, 1.5)))
         .await
         .unwrap();
     drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
-    read_center(&address, "evaluator").await.unwrap();
+    read_model(&address, "evaluator").await.unwrap();
     let before = model_sync_status(&broker).await;
     let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
 
@@ -982,7 +974,7 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
             "evaluator",
             Some(tau_point(1, 13, 2.0)),
             tonic::Code::InvalidArgument,
-            "center_samples 13 is not the served version 1's 12",
+            "model_samples 13 is not the served version 1's 12",
         ),
         (
             "evaluator",

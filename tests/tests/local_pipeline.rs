@@ -144,7 +144,7 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
         .as_array()
         .unwrap()
         .iter()
-        .map(|point| point["center_version"].as_u64().unwrap())
+        .map(|point| point["model_version"].as_u64().unwrap())
         .collect();
     assert!(
         curve.windows(2).all(|pair| pair[0] < pair[1]),

@@ -185,7 +185,7 @@ pub(super) fn handle_request(
                 Err(_) => assert!(before == after, "a refused snapshot changed the center"),
                 Ok(outcome) if outcome.initialised => assert_eq!(before_version, None),
                 Ok(outcome) if outcome.applied => {
-                    assert!(before_version.is_some_and(|version| version < outcome.center_version));
+                    assert!(before_version.is_some_and(|version| version < outcome.model_version));
                 }
                 Ok(_) => assert!(
                     before == after,

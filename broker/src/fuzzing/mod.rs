@@ -207,10 +207,10 @@ mod tests {
             if seed.name == "sessions-refused" {
                 // The first snapshot made the center; the other shape, the
                 // retired kind and the other model changed nothing.
-                assert_eq!((status.center_version, status.has_center), (0, true));
+                assert_eq!((status.model_version, status.has_model), (0, true));
                 continue;
             }
-            assert_eq!(status.center_version, 3, "{}", seed.name);
+            assert_eq!(status.model_version, 3, "{}", seed.name);
             assert!(
                 status.drafters.iter().all(|drafter| drafter.finished),
                 "{}",

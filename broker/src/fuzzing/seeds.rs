@@ -48,7 +48,6 @@ pub(super) fn begin(kind: proto::SyncKind, steps: u64, samples: u64) -> proto::S
             steps,
             samples,
             tokens: samples * 16,
-            ..proto::SyncBegin::default()
         })),
     }
 }

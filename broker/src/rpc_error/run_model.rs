@@ -40,10 +40,6 @@ pub enum SyncError {
     Config(String),
     #[error("model config {got} is not the run's {expected} (--model-config)")]
     ConfigMismatch { expected: String, got: String },
-    /// A SyncBegin that sets `gradient_step` (field 7, kept on the wire so
-    /// its number is never reused): the mode that sent it is gone.
-    #[error("gradient_step: the broker's AdamW (--sync-gradients) was removed; drafters are data-parallel by default")]
-    GradientStepRemoved,
 }
 
 /// Why a report was refused. Messages name the bad value.
@@ -61,11 +57,11 @@ pub enum ReportError {
     Empty { field: &'static str },
     #[error("eval_seconds {0} is not a finite duration >= 0")]
     BadSeconds(f64),
-    #[error("center version {version} was not served to an evaluator (pending: {pending:?}); read it with ReadCenter first")]
+    #[error("center version {version} was not served to an evaluator (pending: {pending:?}); read it with ReadModel first")]
     NotServed { version: u64, pending: Vec<u64> },
     #[error("center version {version} is already reported (τ {tau})")]
     AlreadyReported { version: u64, tau: f64 },
-    #[error("center_samples {got} is not the served version {version}'s {served}")]
+    #[error("model_samples {got} is not the served version {version}'s {served}")]
     SamplesMismatch { version: u64, got: u64, served: u64 },
 }
 

@@ -281,7 +281,7 @@ fn own_cases() -> Vec<(RpcError, Code, String)> {
         case(
             RpcError::DrafterReadNamesEvaluator,
             Code::InvalidArgument,
-            "a drafter's ReadCenter names drafter_id alone (no evaluator_id, no center_version)",
+            "a drafter's ReadModel names drafter_id alone (no evaluator_id, no model_version)",
         ),
         case(
             RpcError::VersionNotKept {
@@ -465,7 +465,6 @@ fn domain_cases() -> Vec<(RpcError, Code)> {
             },
             Code::FailedPrecondition,
         ),
-        (SyncError::GradientStepRemoved, Code::InvalidArgument),
     ];
     let report = [
         (ReportError::MissingPoint, Code::InvalidArgument),

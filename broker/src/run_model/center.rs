@@ -35,7 +35,7 @@ pub use weights::{Center, CenterTensor};
 /// What a committed snapshot did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommitOutcome {
-    pub center_version: u64,
+    pub model_version: u64,
     /// The snapshot became the center (false: it holds that step or a
     /// later one already).
     pub applied: bool,
@@ -43,7 +43,7 @@ pub struct CommitOutcome {
     pub reason: String,
     /// This snapshot made the first center.
     pub initialised: bool,
-    pub center_samples: u64,
+    pub model_samples: u64,
 }
 
 /// One drafter as the center knows it (by drafter id, across sessions).
@@ -187,14 +187,14 @@ impl ModelSyncState {
             check_upload_against_center(center, &upload)?;
             if upload.steps <= center.version {
                 return Ok(CommitOutcome {
-                    center_version: center.version,
+                    model_version: center.version,
                     applied: false,
                     reason: format!(
                         "the center holds step {} already; this snapshot is of step {}",
                         center.version, upload.steps
                     ),
                     initialised: false,
-                    center_samples: center.samples,
+                    model_samples: center.samples,
                 });
             }
         } else if upload.tensors.is_empty() {
@@ -204,11 +204,11 @@ impl ModelSyncState {
         let mut center = Center::new(model_config_json.to_string(), tensors, upload.steps)?;
         center.samples = upload.samples;
         let outcome = CommitOutcome {
-            center_version: center.version,
+            model_version: center.version,
             applied: true,
             reason: String::new(),
             initialised: self.center.is_none(),
-            center_samples: center.samples,
+            model_samples: center.samples,
         };
         self.center = Some(center);
         Ok(outcome)
@@ -230,11 +230,11 @@ impl ModelSyncState {
             })
             .collect();
         proto::ModelSyncStatus {
-            has_center: self.center.is_some(),
-            center_version: self.version().unwrap_or(0),
-            center_bytes: self.center.as_ref().map_or(0, Center::memory_bytes),
+            has_model: self.center.is_some(),
+            model_version: self.version().unwrap_or(0),
+            model_bytes: self.center.as_ref().map_or(0, Center::memory_bytes),
             parameters: self.center.as_ref().map_or(0, Center::parameters),
-            center_samples: self.center.as_ref().map_or(0, |center| center.samples),
+            model_samples: self.center.as_ref().map_or(0, |center| center.samples),
             saved_version: self.saved_version.unwrap_or(0),
             saved_path: self.saved_path.clone(),
             final_saved: self.final_saved,

@@ -214,7 +214,7 @@ pub struct DecodedTensor {
     pub values: Vec<f32>,
 }
 
-/// A center checkpoint decoded to f32: [`read_center`]'s answer.
+/// A center checkpoint decoded to f32: [`read_model`]'s answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DecodedCenter {
     pub version: u64,
@@ -224,7 +224,7 @@ pub struct DecodedCenter {
 
 /// Reads a center written by [`write_center`] and decodes its weights to
 /// f32, for tests and tools; `None` when `dir` holds no center yet.
-pub fn read_center(dir: &Path) -> Result<Option<DecodedCenter>, CheckpointError> {
+pub fn read_model(dir: &Path) -> Result<Option<DecodedCenter>, CheckpointError> {
     let Some(center) = read_stored_center(dir)? else {
         return Ok(None);
     };

@@ -1,7 +1,7 @@
 //! Online evaluation: the τ history of the center, as a synchronous state
 //! machine (no gRPC, no tokio, no clock of its own).
 //!
-//! An evaluator reads the center with `ReadCenter` (a read-only RPC apart
+//! An evaluator reads the center with `ReadModel` (a read-only RPC apart
 //! from the drafters' sessions: it opens no session, so the final center
 //! never waits for it) and later reports that version's τ with
 //! `ReportTau`. Between the two the broker keeps the version it served as a
@@ -126,11 +126,11 @@ impl Evaluations {
         if !point.eval_seconds.is_finite() || point.eval_seconds < 0.0 {
             return Err(ReportError::BadSeconds(point.eval_seconds));
         }
-        let version = point.center_version;
+        let version = point.model_version;
         if let Some(earlier) = self
             .history
             .iter()
-            .find(|earlier| earlier.center_version == version)
+            .find(|earlier| earlier.model_version == version)
         {
             return Err(ReportError::AlreadyReported {
                 version,
@@ -150,10 +150,10 @@ impl Evaluations {
                 return Err(ReportError::AboveBlockSize { tau, block_size });
             }
         }
-        if point.center_samples != center.samples {
+        if point.model_samples != center.samples {
             return Err(ReportError::SamplesMismatch {
                 version,
-                got: point.center_samples,
+                got: point.model_samples,
                 served: center.samples,
             });
         }
@@ -169,7 +169,7 @@ impl Evaluations {
     /// weights were written (`best_path`, empty when not written); the
     /// version is no longer kept.
     pub fn record(&mut self, report: CheckedReport, best_path: Option<String>) {
-        let version = report.point.center_version;
+        let version = report.point.model_version;
         self.pending.retain(|pending| pending.version != version);
         if report.best {
             self.best = Some(report.point.clone());
@@ -210,8 +210,8 @@ impl Evaluations {
     /// What `/metrics` shows of it.
     pub fn gauges(&self) -> TauGauges {
         TauGauges {
-            latest: self.latest().map(|point| (point.center_version, point.tau)),
-            best: self.best().map(|point| (point.center_version, point.tau)),
+            latest: self.latest().map(|point| (point.model_version, point.tau)),
+            best: self.best().map(|point| (point.model_version, point.tau)),
             reports: self.reports,
         }
     }
@@ -270,8 +270,8 @@ mod tests {
 
     fn point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
         proto::TauPoint {
-            center_version: version,
-            center_samples: samples,
+            model_version: version,
+            model_samples: samples,
             tau,
             prompts: 4,
             generated_tokens: 64,
@@ -298,7 +298,7 @@ mod tests {
         }
         assert_eq!(report(&mut book, point(1, 10, 2.0)), Ok(true));
         assert_eq!(report(&mut book, point(2, 20, 1.5)), Ok(false));
-        assert_eq!(book.best().map(|best| best.center_version), Some(1));
+        assert_eq!(book.best().map(|best| best.model_version), Some(1));
         book.served(center(3, 30, 1.0));
         assert_eq!(report(&mut book, point(3, 30, 2.0)), Ok(false), "a tie");
         book.served(center(4, 40, 1.0));
@@ -308,7 +308,7 @@ mod tests {
         let versions: Vec<u64> = status
             .tau_history
             .iter()
-            .map(|point| point.center_version)
+            .map(|point| point.model_version)
             .collect();
         assert_eq!(versions, vec![1, 2, 3, 4]);
         assert_eq!(status.best_saved_version, 4);
@@ -344,7 +344,7 @@ mod tests {
             ),
             (
                 Some(point(6, 61, 3.0)),
-                "center_samples 61 is not the served version 6's 60",
+                "model_samples 61 is not the served version 6's 60",
             ),
         ];
         let before = format!("{book:?}");
@@ -370,7 +370,7 @@ mod tests {
         let mut status = proto::ModelSyncStatus::default();
         book.fill_status(&mut status);
         assert_eq!(status.tau_history.len(), TAU_HISTORY);
-        assert_eq!(status.tau_history[0].center_version, 10);
+        assert_eq!(status.tau_history[0].model_version, 10);
         assert_eq!(book.reports(), TAU_HISTORY as u64 + 10);
         for version in 0..6 {
             book.served(center(10_000 + version, 0, 1.0));

@@ -24,11 +24,11 @@
 //!   (safetensors, no libtorch), and reading it back on restart.
 //! - `evaluation`: online evaluation's τ curve, the best report, and the
 //!   registry of the versions kept for the evaluator between its read
-//!   (`ReadCenter`) and its report (`ReportTau`).
+//!   (`ReadModel`) and its report (`ReportTau`).
 //! - `mod.rs`: [`resume`], the state a broker starts with.
 //! - `service`: the gRPC adapter ([`service::ModelSyncShared`], the
 //!   snapshot sessions), then `service::writer` (the task that writes the
-//!   center to disk) and `service::evaluation` (`ReadCenter`, `ReportTau`,
+//!   center to disk) and `service::evaluation` (`ReadModel`, `ReportTau`,
 //!   the best version's write), which import `service`.
 //!
 //! Its errors (`SyncError`, `ReportError`, `CheckpointError`) are defined

@@ -148,13 +148,13 @@ fn response(kind: proto::sync_response::Kind) -> Result<proto::SyncResponse, Sta
 #[tonic::async_trait]
 impl ModelSync for ModelSyncService {
     type SessionStream = ReceiverStream<Result<proto::SyncResponse, Status>>;
-    type ReadCenterStream = ReceiverStream<Result<proto::ReadCenterResponse, Status>>;
+    type ReadModelStream = ReceiverStream<Result<proto::ReadModelResponse, Status>>;
 
-    async fn read_center(
+    async fn read_model(
         &self,
-        request: Request<proto::ReadCenterRequest>,
-    ) -> Result<Response<Self::ReadCenterStream>, Status> {
-        evaluation::read_center(&self.shared, request).await
+        request: Request<proto::ReadModelRequest>,
+    ) -> Result<Response<Self::ReadModelStream>, Status> {
+        evaluation::read_model(&self.shared, request).await
     }
 
     async fn report_tau(
@@ -218,8 +218,8 @@ impl ModelSync for ModelSyncService {
             let mut state = self.shared.state.lock();
             state.open_session(&hello.drafter_id);
             proto::SyncWelcome {
-                has_center: state.center().is_some(),
-                center_version: state.version().unwrap_or(0),
+                has_model: state.center().is_some(),
+                model_version: state.version().unwrap_or(0),
             }
         };
         let guard = SessionGuard {
@@ -365,7 +365,7 @@ async fn commit_snapshot(
     debug!(
         drafter_id,
         ?kind,
-        version = outcome.center_version,
+        version = outcome.model_version,
         applied = outcome.applied,
         "model snapshot"
     );
@@ -376,11 +376,11 @@ async fn commit_snapshot(
         );
     }
     let result = proto::SyncResult {
-        center_version: outcome.center_version,
+        model_version: outcome.model_version,
         applied: outcome.applied,
         reason: outcome.reason,
         initialised: outcome.initialised,
-        center_samples: outcome.center_samples,
+        model_samples: outcome.model_samples,
     };
     send(outbox, proto::sync_response::Kind::Result(result)).await
 }

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use dflash_proto::v1 as proto;
+use prost::Message;
 
 use super::center::{CommitOutcome, FiniteUpload, ModelSyncState, SyncError, Upload};
 
@@ -144,7 +145,7 @@ fn the_first_snapshot_makes_the_center_of_its_bytes_and_bf16_is_refused() {
         )
         .unwrap();
     assert!(outcome.initialised);
-    assert_eq!((outcome.center_version, outcome.center_samples), (3, 24));
+    assert_eq!((outcome.model_version, outcome.model_samples), (3, 24));
     assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
     assert_eq!(center_values(&state, "b"), vec![0.5, -0.5, 8.0]);
     // The center holds the bytes as they arrived: the chunks of three
@@ -172,8 +173,8 @@ fn a_snapshot_of_a_later_step_becomes_the_center_and_an_older_one_changes_nothin
         )
         .unwrap();
     assert!(outcome.applied);
-    assert_eq!(outcome.center_version, 7);
-    assert_eq!(outcome.center_samples, 56);
+    assert_eq!(outcome.model_version, 7);
+    assert_eq!(outcome.model_samples, 56);
     assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
     assert_eq!(center_values(&state, "b"), vec![0.0, 1.0, 2.0]);
     // A member behind the others (step 6) changes nothing.
@@ -419,8 +420,10 @@ fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_center() {
 }
 
 /// Asynchronous local SGD was retired: its kinds (JOIN 1, UPDATE 2, FINAL
-/// 3) and the broker's AdamW (`gradient_step`, field 7) are refused by
-/// name with INVALID_ARGUMENT before anything is staged.
+/// 3, reserved on the wire) are refused by name with INVALID_ARGUMENT
+/// before anything is staged. The broker's AdamW (`gradient_step`, field
+/// 7, reserved too) is an unknown field now: a begin that still carries it
+/// reads as the same begin without it, and its kind decides.
 #[test]
 fn the_kinds_of_retired_methods_are_refused_by_name_and_change_nothing() {
     let state = initialised_state();
@@ -443,23 +446,26 @@ fn the_kinds_of_retired_methods_are_refused_by_name_and_change_nothing() {
             status.message()
         );
     }
-    let step = proto::GradientStep {
-        learning_rate: 1e-3,
-        ..proto::GradientStep::default()
-    };
-    let refused = proto::SyncBegin {
-        gradient_step: Some(step),
+    // An old drafter of the broker's AdamW: kind UPDATE and a
+    // `gradient_step` (field 7: a message whose learning_rate, field 1, is
+    // 1e-3), as the wire carried them.
+    let mut wire = proto::SyncBegin {
+        kind: 2,
         ..begin(proto::SyncKind::Snapshot, 1, 8)
-    };
-    let error = Upload::new(&refused).unwrap_err();
-    assert_eq!(error, SyncError::GradientStepRemoved);
-    let status = tonic::Status::from(error);
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
-    assert!(
-        status.message().starts_with("gradient_step: "),
-        "{}",
-        status.message()
+    }
+    .encode_to_vec();
+    wire.extend_from_slice(&[(7 << 3) | 2, 9, (1 << 3) | 1]);
+    wire.extend_from_slice(&1e-3f64.to_le_bytes());
+    let decoded = proto::SyncBegin::decode(wire.as_slice()).unwrap();
+    assert_eq!(
+        decoded,
+        proto::SyncBegin {
+            kind: 2,
+            ..begin(proto::SyncKind::Snapshot, 1, 8)
+        }
     );
+    let error = Upload::new(&decoded).unwrap_err();
+    assert_eq!(error, SyncError::RemovedKind("SYNC_KIND_UPDATE"));
     assert_eq!(state.version(), Some(0));
     assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
 }

@@ -153,7 +153,7 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
     assert_eq!(report.points.len(), 1);
     assert!(report.points[0].best, "the first report is the best so far");
     let point = &report.points[0].point;
-    assert_eq!(point.center_version, 0);
+    assert_eq!(point.model_version, 0);
     assert_eq!(report.refused_reports, 0);
 
     // `dflash eval`'s code on the checkpoint the broker wrote of it.

@@ -372,7 +372,7 @@ pub fn trace_export_line(snapshot: &proto::StatusSnapshot) -> String {
 /// before the first snapshot).
 pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
     let mut out = String::new();
-    let Some(sync) = snapshot.model_sync.as_ref().filter(|sync| sync.has_center) else {
+    let Some(sync) = snapshot.model_sync.as_ref().filter(|sync| sync.has_model) else {
         return out;
     };
     let saved = if sync.saved_path.is_empty() {
@@ -388,10 +388,10 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
     let _ = writeln!(
         out,
         "model  center v{}  {} parameters ({} held)  {} samples  {saved}",
-        sync.center_version,
+        sync.model_version,
         human_count(sync.parameters as f64),
-        human_bytes(sync.center_bytes as f64),
-        sync.center_samples,
+        human_bytes(sync.model_bytes as f64),
+        sync.model_samples,
     );
     out.push_str(&tau_line(sync));
     out.push_str(&data_parallel_line(sync));
@@ -483,11 +483,11 @@ pub fn tau_line(sync: &proto::ModelSyncStatus) -> String {
         } else {
             format!(" in {}", sync.best_path)
         };
-        format!("  best {:.2} (v{}){place}", best.tau, best.center_version)
+        format!("  best {:.2} (v{}){place}", best.tau, best.model_version)
     });
     format!(
         "tau    v{} {:.2}  trend {} ({} points, {:.2}..{:.2}){best}\n",
-        latest.center_version,
+        latest.model_version,
         latest.tau,
         sparkline(&taus),
         sync.tau_history.len(),
@@ -539,12 +539,12 @@ mod tests {
     #[test]
     fn the_latest_tau_its_trend_and_the_best_are_shown() {
         let point = |version: u64, tau: f64| proto::TauPoint {
-            center_version: version,
+            model_version: version,
             tau,
             ..Default::default()
         };
         let mut sync = proto::ModelSyncStatus {
-            has_center: true,
+            has_model: true,
             ..Default::default()
         };
         assert_eq!(tau_line(&sync), "", "nothing before the first report");
@@ -573,10 +573,10 @@ mod tests {
         let mut snapshot = snapshot();
         assert!(!render(&snapshot, "b", RenderOptions { color: false }).contains("center v"));
         snapshot.model_sync = Some(proto::ModelSyncStatus {
-            has_center: true,
-            center_version: 42,
+            has_model: true,
+            model_version: 42,
             parameters: 1_500_000,
-            center_samples: 640,
+            model_samples: 640,
             drafters: vec![proto::DrafterSyncStatus {
                 drafter_id: "drafter-1".into(),
                 connected: true,
@@ -601,7 +601,7 @@ mod tests {
     #[test]
     fn the_data_parallel_quorum_and_its_failures_are_shown() {
         let mut sync = proto::ModelSyncStatus {
-            has_center: true,
+            has_model: true,
             ..Default::default()
         };
         assert_eq!(data_parallel_line(&sync), "", "nothing before a quorum");

@@ -131,12 +131,9 @@ pub struct Upload {
 }
 
 impl Upload {
-    /// The snapshot `begin` opens, checked; a begin that sets the removed
-    /// `gradient_step` (a drafter of the broker's AdamW) is refused.
+    /// The snapshot `begin` opens, checked (a retired kind is refused by
+    /// name).
     pub fn new(begin: &proto::SyncBegin) -> Result<Self, SyncError> {
-        if begin.gradient_step.is_some() {
-            return Err(SyncError::GradientStepRemoved);
-        }
         let kind = SnapshotKind::from_proto(begin.kind)?;
         Ok(Upload {
             kind,

@@ -1,9 +1,9 @@
-//! The evaluator's two RPCs: `ReadCenter` (the center's weights, read-only;
+//! The evaluator's two RPCs: `ReadModel` (the center's weights, read-only;
 //! also how a starting drafter reads the run's model) and `ReportTau` (a
 //! version's τ; the best one is written to the best center's directory). The rules are [`crate::run_model::evaluation`]'s;
 //! this is the adapter: authorization, the locks, the stream, the write.
 //!
-//! `ReadCenter` takes the state's lock once, to copy the center's pointers
+//! `ReadModel` takes the state's lock once, to copy the center's pointers
 //! (a clone of the [`Center`](crate::run_model::center::Center), its buffers shared), and touches nothing else of it: no session opens,
 //! no drafter record, no counter. The weights go out as slices of the
 //! stored bytes, after the lock.
@@ -52,33 +52,33 @@ fn authorize(
 /// role, for that id), and nothing of an evaluator's read in it.
 fn authorize_drafter(
     principal: &Principal,
-    request: &proto::ReadCenterRequest,
+    request: &proto::ReadModelRequest,
 ) -> Result<(), RpcError> {
-    if !request.evaluator_id.is_empty() || request.center_version.is_some() {
+    if !request.evaluator_id.is_empty() || request.model_version.is_some() {
         return Err(RpcError::DrafterReadNamesEvaluator);
     }
     validate_id("drafter_id", &request.drafter_id)?;
-    principal.authorize(Role::Drafter, &request.drafter_id, "ModelSync.ReadCenter")
+    principal.authorize(Role::Drafter, &request.drafter_id, "ModelSync.ReadModel")
 }
 
-/// `ReadCenter`: the header, the weights in f32 chunks (none with
+/// `ReadModel`: the header, the weights in f32 chunks (none with
 /// `header_only`), then `done`; of the current center, kept until its
-/// report, or of a version kept since an earlier read (`center_version`).
+/// report, or of a version kept since an earlier read (`model_version`).
 /// A drafter's read (`drafter_id`) gets the current center and keeps
 /// nothing.
-pub(super) async fn read_center(
+pub(super) async fn read_model(
     shared: &Arc<ModelSyncShared>,
-    request: Request<proto::ReadCenterRequest>,
-) -> Result<Response<ReceiverStream<Result<proto::ReadCenterResponse, Status>>>, Status> {
+    request: Request<proto::ReadModelRequest>,
+) -> Result<Response<ReceiverStream<Result<proto::ReadModelResponse, Status>>>, Status> {
     let principal = Principal::of(request.extensions());
     let request = request.into_inner();
     let for_drafter = !request.drafter_id.is_empty();
     if for_drafter {
         authorize_drafter(&principal, &request)?;
     } else {
-        authorize(&principal, &request.evaluator_id, "ModelSync.ReadCenter")?;
+        authorize(&principal, &request.evaluator_id, "ModelSync.ReadModel")?;
     }
-    let served = match request.center_version {
+    let served = match request.model_version {
         Some(version) => {
             let evaluations = shared.evaluations.lock();
             evaluations
@@ -105,13 +105,13 @@ pub(super) async fn read_center(
         drafter_id = %request.drafter_id,
         version = served.version,
         samples = served.samples,
-        kept_version = request.center_version.is_some(),
+        kept_version = request.model_version.is_some(),
         header_only = request.header_only,
         "center read"
     );
-    let header = proto::CenterHeader {
-        center_version: served.version,
-        center_samples: served.samples,
+    let header = proto::ModelHeader {
+        model_version: served.version,
+        model_samples: served.samples,
         model_config_json: served.config_json.clone(),
     };
     let weights = if request.header_only {
@@ -124,12 +124,12 @@ pub(super) async fn read_center(
     let (outbox, receiver) = mpsc::channel(16);
     let shutdown = shared.shutdown.clone();
     shared.tasks.spawn(async move {
-        use proto::read_center_response::Kind;
-        let message = |kind| Ok(proto::ReadCenterResponse { kind: Some(kind) });
+        use proto::read_model_response::Kind;
+        let message = |kind| Ok(proto::ReadModelResponse { kind: Some(kind) });
         let messages = std::iter::once(Kind::Header(header))
             .chain(center_chunks(weights).map(Kind::Chunk))
             .chain(std::iter::once(Kind::Done(proto::SyncDone {
-                center_version: version,
+                model_version: version,
                 tensors: count,
             })));
         for kind in messages {
@@ -170,7 +170,7 @@ pub(super) async fn report_tau(
     let _one_report_at_a_time = shared.report_lock.lock().await;
     let mut checked = shared.evaluations.lock().check(report.point.as_ref())?;
     checked.point.evaluator_id = report.evaluator_id.clone();
-    let version = checked.point.center_version;
+    let version = checked.point.model_version;
     let tau = checked.point.tau;
     let mut written = None;
     if checked.best {

@@ -81,10 +81,10 @@ impl ModelSyncShared {
         loop {
             let (final_pending, center_changed) = {
                 let state = self.state.lock();
-                let center_version = state.center().map(|center| center.version);
+                let model_version = state.center().map(|center| center.version);
                 (
-                    center_version.is_some() && !state.final_saved,
-                    center_version.is_some() && center_version != state.saved_version,
+                    model_version.is_some() && !state.final_saved,
+                    model_version.is_some() && model_version != state.saved_version,
                 )
             };
             let complete = *run_state.borrow_and_update() == BrokerState::Complete;

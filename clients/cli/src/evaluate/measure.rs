@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::broker::{center_model, unix_time_ms, Evaluator, ReadCenter, ReadError};
+use super::broker::{center_model, unix_time_ms, Evaluator, ReadError, ReadModel};
 use super::report::{EvaluatorReport, Point};
 use anyhow::Context as _;
 use dflash_model::target_model::TargetModel;
@@ -23,7 +23,7 @@ pub(super) struct Bench {
 
 /// A center version read whole, to measure.
 pub(super) struct Read {
-    pub(super) center: ReadCenter,
+    pub(super) center: ReadModel,
     pub(super) read_unix_time_ms: u64,
 }
 
@@ -31,7 +31,7 @@ pub(super) struct Read {
 /// waiting for its measurement: the weights are read when it is measured,
 /// so versions waiting cost the evaluator no memory.
 pub(super) struct Kept {
-    pub(super) header: proto::CenterHeader,
+    pub(super) header: proto::ModelHeader,
     pub(super) read_unix_time_ms: u64,
 }
 
@@ -53,7 +53,7 @@ impl Kept {
         evaluator: &mut Evaluator,
         poll: Duration,
     ) -> Result<Read, ReadError> {
-        let version = self.header.center_version;
+        let version = self.header.model_version;
         let mut tries = 0;
         loop {
             tries += 1;
@@ -82,7 +82,7 @@ pub(super) const KEPT_READ_TRIES: u32 = 3;
 /// A measurement's end: the target back, what was measured and of what.
 pub(super) struct Measured {
     pub(super) target: TargetModel,
-    pub(super) header: proto::CenterHeader,
+    pub(super) header: proto::ModelHeader,
     pub(super) read_unix_time_ms: u64,
     pub(super) result: anyhow::Result<dflash_model::eval::EvalReport>,
 }
@@ -101,13 +101,13 @@ impl Bench {
                 read_unix_time_ms,
             } = read;
             let header = center.header.clone();
-            let version = header.center_version;
+            let version = header.model_version;
             // Exported when OTLP is configured (`dflash_telemetry::init`).
             let span = tracing::debug_span!(
                 target: dflash_telemetry::TRACE_TARGET,
                 "evaluator.measure",
-                center_version = version,
-                center_samples = header.center_samples,
+                model_version = version,
+                model_samples = header.model_samples,
                 tau = tracing::field::Empty,
             );
             let _measuring = span.enter();
@@ -147,13 +147,13 @@ impl Bench {
             )
         })?;
         self.target = Some(measured.target);
-        let version = measured.header.center_version;
-        let samples = measured.header.center_samples;
+        let version = measured.header.model_version;
+        let samples = measured.header.model_samples;
         let measured_report = measured.result.map_err(|error| (Some(version), error))?;
         report.evaluating_seconds += measured_report.seconds;
         let point = proto::TauPoint {
-            center_version: version,
-            center_samples: samples,
+            model_version: version,
+            model_samples: samples,
             tau: measured_report.mean_acceptance_length,
             prompts: u32::try_from(measured_report.prompts).unwrap_or(u32::MAX),
             generated_tokens: measured_report.generated_tokens as u64,
@@ -171,7 +171,7 @@ impl Bench {
             Ok(result) => {
                 local.best = result.best;
                 if let Some(best) = result.best_point {
-                    report.best_version = Some(best.center_version);
+                    report.best_version = Some(best.model_version);
                     report.best_tau = Some(best.tau);
                 }
                 report.best_path = Some(result.best_path).filter(|path| !path.is_empty());

@@ -1,6 +1,6 @@
 //! `dflash evaluate`: τ of the run's shared model while the run trains.
 //!
-//! The evaluator reads the center with `ModelSync.ReadCenter` (read-only:
+//! The evaluator reads the center with `ModelSync.ReadModel` (read-only:
 //! it opens no sync session, so it never counts as a drafter, changes
 //! nothing of the center and is never waited for), builds the drafter from
 //! the tensors read (in memory: nothing is written), measures τ on held-out
@@ -34,7 +34,7 @@
 //! - `args`: the flags (`EvaluateArgs`, and `SamplingArgs`, shared with
 //!   `dflash eval`).
 //! - `report`: what was measured (`EvaluatorReport`, `Point`).
-//! - `broker`: the connection (`Evaluator`: status, `ReadCenter`,
+//! - `broker`: the connection (`Evaluator`: status, `ReadModel`,
 //!   `ReportTau`) and the drafter a center's tensors make.
 //! - `measure`: the measurements (`Bench`: the target and prompts, one
 //!   version at a time on a blocking thread).
@@ -57,7 +57,7 @@ mod report;
 mod watch;
 
 pub use args::{EvaluateArgs, SamplingArgs};
-pub use broker::{center_model, Evaluator, ReadCenter, ReadError};
+pub use broker::{center_model, Evaluator, ReadError, ReadModel};
 use measure::Bench;
 pub use report::{EvaluatorReport, Point};
 use watch::watch;

@@ -174,7 +174,7 @@ fn the_run_is_over_once_complete_with_the_final_center_or_aborted() {
     let mut snapshot = proto::StatusSnapshot {
         state: proto::BrokerState::Complete as i32,
         model_sync: Some(proto::ModelSyncStatus {
-            has_center: true,
+            has_model: true,
             final_saved: false,
             ..Default::default()
         }),

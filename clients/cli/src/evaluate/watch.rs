@@ -41,7 +41,7 @@ pub(super) fn run_over(snapshot: &proto::StatusSnapshot) -> bool {
     let final_saved = snapshot
         .model_sync
         .as_ref()
-        .is_some_and(|sync| sync.final_saved || !sync.has_center);
+        .is_some_and(|sync| sync.final_saved || !sync.has_model);
     match snapshot.state() {
         proto::BrokerState::Complete => final_saved,
         proto::BrokerState::Aborted => true,
@@ -193,7 +193,7 @@ pub(super) async fn watch(
             return Ok(());
         }
         if let Some(next) = watcher.next_to_measure() {
-            let version = next.header.center_version;
+            let version = next.header.model_version;
             match next.read(evaluator, args.poll).await {
                 Ok(read) => measuring = Some(bench.start(read)?),
                 Err(error) => {
@@ -211,9 +211,9 @@ pub(super) async fn watch(
         match evaluator.status.status().await {
             Ok(snapshot) => {
                 failures = 0;
-                let sync = snapshot.model_sync.as_ref().filter(|sync| sync.has_center);
+                let sync = snapshot.model_sync.as_ref().filter(|sync| sync.has_model);
                 let next = watcher.on_status(
-                    sync.map(|sync| sync.center_version),
+                    sync.map(|sync| sync.model_version),
                     sync.map_or(0, |sync| sync.max_pending_evaluations),
                     run_over(&snapshot),
                     Instant::now(),
@@ -228,7 +228,7 @@ pub(super) async fn watch(
                     }
                     Next::Read => match Kept::from(evaluator).await {
                         Ok(kept) => {
-                            let version = kept.header.center_version;
+                            let version = kept.header.model_version;
                             watcher.read(version, kept, Instant::now());
                             continue;
                         }

@@ -91,8 +91,8 @@ pub struct LocalSummary {
 /// The best center the broker kept.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct BestCenter {
-    pub center_version: u64,
-    pub center_samples: u64,
+    pub model_version: u64,
+    pub model_samples: u64,
     pub tau: f64,
     /// Empty when the broker wrote no checkpoint.
     pub path: String,
@@ -105,8 +105,8 @@ fn tau_curve(snapshot: &proto::StatusSnapshot) -> (Vec<proto::TauPoint>, Option<
     };
     let curve = sync.tau_history.clone();
     let best = sync.best_tau.as_ref().map(|best| BestCenter {
-        center_version: best.center_version,
-        center_samples: best.center_samples,
+        model_version: best.model_version,
+        model_samples: best.model_samples,
         tau: best.tau,
         path: sync.best_path.clone(),
     });
@@ -458,7 +458,7 @@ fn print_tau_curve(summary: &LocalSummary) {
     let points: Vec<String> = summary
         .tau_curve
         .iter()
-        .map(|point| format!("v{} {:.2}", point.center_version, point.tau))
+        .map(|point| format!("v{} {:.2}", point.model_version, point.tau))
         .collect();
     println!(
         "  τ while training (online evaluator, {} prompts each, {} points): {}",
@@ -469,8 +469,8 @@ fn print_tau_curve(summary: &LocalSummary) {
     if let Some(best) = &summary.best_center {
         println!(
             "  best center: v{} ({} samples) τ {:.2}{}",
-            best.center_version,
-            best.center_samples,
+            best.model_version,
+            best.model_samples,
             best.tau,
             if best.path.is_empty() {
                 String::new()
@@ -540,8 +540,8 @@ mod tests {
         let mut snapshot = complete();
         assert_eq!(tau_curve(&snapshot), (Vec::new(), None));
         let point = |version: u64, tau: f64| proto::TauPoint {
-            center_version: version,
-            center_samples: version * 16,
+            model_version: version,
+            model_samples: version * 16,
             tau,
             prompts: 32,
             ..Default::default()
@@ -555,11 +555,11 @@ mod tests {
         let (curve, best) = tau_curve(&snapshot);
         let versions: Vec<(u64, f64)> = curve
             .iter()
-            .map(|point| (point.center_version, point.tau))
+            .map(|point| (point.model_version, point.tau))
             .collect();
         assert_eq!(versions, vec![(0, 1.1), (30, 2.4), (60, 2.2)]);
         let best = best.unwrap();
-        assert_eq!((best.center_version, best.center_samples), (30, 480));
+        assert_eq!((best.model_version, best.model_samples), (30, 480));
         assert_eq!(best.path, "/runs/x/center-best");
     }
 
