@@ -53,7 +53,7 @@
 //!   two RPCs are `lighthouse::rpc`).
 //! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
 //!   untrusted bytes (Produce bodies, ModelSync snapshot sessions, the
-//!   center checkpoint reader, write-ahead log segments) and
+//!   model checkpoint reader, write-ahead log segments) and
 //!   their seeds; run by
 //!   `tests/fuzz` and, over the committed corpus, by `tests/fuzz_corpus.rs`.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).

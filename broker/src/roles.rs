@@ -52,7 +52,7 @@ use crate::rpc_error::RpcError;
 pub enum Role {
     Target,
     Drafter,
-    /// Reads the center and reports its τ (online evaluation); takes no
+    /// Reads the model and reports its τ (online evaluation); takes no
     /// part in training.
     Evaluator,
     Operator,

@@ -160,14 +160,14 @@ pub enum RpcError {
     SessionClosed,
     #[error("a drafter's ReadModel names drafter_id alone (no evaluator_id, no model_version)")]
     DrafterReadNamesEvaluator,
-    #[error("center version {version} is not kept for evaluation (kept: {kept:?}); read the current center")]
+    #[error("model version {version} is not kept for evaluation (kept: {kept:?}); read the current model")]
     VersionNotKept { version: u64, kept: Vec<u64> },
-    #[error("no center yet: no drafter has sent a snapshot")]
-    NoCenterToRead,
+    #[error("no model yet: no drafter has sent a snapshot")]
+    NoModelToRead,
     #[error("the point's evaluator_id {point:?} is not the report's {report:?}")]
     PointOfOtherEvaluator { point: String, report: String },
-    #[error("writing the best center failed: {0}")]
-    BestCenterNotWritten(CheckpointError),
+    #[error("writing the best model failed: {0}")]
+    BestModelNotWritten(CheckpointError),
     /// A blocking task of the broker's that panicked or was cancelled:
     /// `what` it did, `detail` the join error's message.
     #[error("{what}: {detail}")]
@@ -203,7 +203,7 @@ impl From<RpcError> for Status {
                 QueueError::StaleConnection { .. } => Code::Aborted,
             },
             E::Sync(sync) => match sync {
-                SyncError::NoCenter | SyncError::ConfigMismatch { .. } => Code::FailedPrecondition,
+                SyncError::NoModel | SyncError::ConfigMismatch { .. } => Code::FailedPrecondition,
                 SyncError::BadTensor { .. }
                 | SyncError::UnknownTensor(_)
                 | SyncError::ShapeMismatch { .. }
@@ -249,8 +249,8 @@ impl From<RpcError> for Status {
             | E::BeginWhileSnapshotOpen
             | E::OutsideSnapshot { .. }
             | E::VersionNotKept { .. }
-            | E::NoCenterToRead => Code::FailedPrecondition,
-            E::ShuttingDown | E::DoneNotLogged { .. } | E::BestCenterNotWritten(_) => {
+            | E::NoModelToRead => Code::FailedPrecondition,
+            E::ShuttingDown | E::DoneNotLogged { .. } | E::BestModelNotWritten(_) => {
                 Code::Unavailable
             }
             E::CompressedStream { .. } => Code::Unimplemented,

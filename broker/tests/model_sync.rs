@@ -165,8 +165,8 @@ impl TestDrafter {
     }
 }
 
-fn values(center: &[(String, Vec<f32>)], name: &str) -> Vec<f32> {
-    center
+fn values(model: &[(String, Vec<f32>)], name: &str) -> Vec<f32> {
+    model
         .iter()
         .find(|(tensor, _)| tensor == name)
         .map(|(_, values)| values.clone())
@@ -190,7 +190,7 @@ async fn read_as_drafter(
     address: &str,
     drafter_id: &str,
 ) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
-    read_center_with(
+    read_model_with(
         address,
         proto::ReadModelRequest {
             drafter_id: drafter_id.to_string(),
@@ -260,7 +260,7 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
 }
 
 #[tokio::test]
-async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
+async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_model() {
     let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
     let mut survivor = TestDrafter::open(&broker.address, "survivor").await;
     survivor
@@ -305,11 +305,11 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
         .await,
         "the victim's session is seen closed"
     );
-    // The center is exactly the survivor's snapshot: nothing of the victim.
+    // The run's model is exactly the survivor's snapshot: nothing of the victim.
     let status = model_sync_status(&broker).await;
     assert_eq!(status.model_version, 1);
-    let (_, center) = read_as_drafter(&broker.address, "late").await.unwrap();
-    assert_eq!(center, as_read(&shifted(1.0)));
+    let (_, model) = read_as_drafter(&broker.address, "late").await.unwrap();
+    assert_eq!(model, as_read(&shifted(1.0)));
     broker.stop().await;
 }
 
@@ -383,9 +383,9 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
 }
 
 #[tokio::test]
-async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart() {
+async fn the_final_model_is_written_after_complete_and_resumed_after_a_restart() {
     let work = tempfile::tempdir().unwrap();
-    let output = work.path().join("center");
+    let output = work.path().join("model");
     let mut config = BrokerConfig::for_targets(1);
     config.model_sync.model_output = Some(output.clone());
     config.model_sync.model_save_every = Duration::ZERO;
@@ -396,7 +396,7 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
     // A drafter that dies without its final snapshot must not hold the
-    // final center for the whole timeout.
+    // final model for the whole timeout.
     let killed = TestDrafter::open(&broker.address, "killed").await;
     drop(killed);
 
@@ -411,7 +411,7 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
         })
         .await
     );
-    // The final snapshot arrives after COMPLETE; the final center is it.
+    // The final snapshot arrives after COMPLETE; the final model is it.
     let result = drafter
         .snapshot(proto::SyncKind::FinalSnapshot, 1, &shifted(0.5))
         .await;
@@ -421,7 +421,7 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
             model_sync_status(&broker).await.final_saved
         })
         .await,
-        "the final center is written once the connected drafter's final snapshot is in"
+        "the final model is written once the connected drafter's final snapshot is in"
     );
     let status = model_sync_status(&broker).await;
     assert_eq!((status.saved_version, status.model_version), (1, 1));
@@ -449,18 +449,18 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
     assert_eq!(fc_values, vec![1.5, 2.5, 3.5, 4.5, 5.5, 6.5]);
     broker.stop().await;
 
-    // A restarted broker on the same folder resumes that center.
+    // A restarted broker on the same folder resumes that model.
     let restarted = TestBroker::start(config).await;
     let status = model_sync_status(&restarted).await;
     assert!(status.has_model);
     assert_eq!((status.model_version, status.model_samples), (1, 12));
     let rejoined = TestDrafter::open(&restarted.address, "drafter-0").await;
     assert!(rejoined.welcome.has_model);
-    let (_, center) = read_as_drafter(&restarted.address, "drafter-0")
+    let (_, model) = read_as_drafter(&restarted.address, "drafter-0")
         .await
         .unwrap();
     assert_eq!(
-        values(&center, "fc.weight"),
+        values(&model, "fc.weight"),
         vec![1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
     );
     restarted.stop().await;
@@ -468,13 +468,13 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
 
 // ---------------------------------------------------------------- Online evaluation
 
-/// One `ReadModel` of the current center: the header and the center
+/// One `ReadModel` of the current model: the header and the run's model
 /// (name → values).
 async fn read_model(
     address: &str,
     evaluator_id: &str,
 ) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
-    read_center_with(
+    read_model_with(
         address,
         proto::ReadModelRequest {
             evaluator_id: evaluator_id.to_string(),
@@ -485,7 +485,7 @@ async fn read_model(
 }
 
 /// One `ReadModel` as `request` asks it.
-async fn read_center_with(
+async fn read_model_with(
     address: &str,
     request: proto::ReadModelRequest,
 ) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
@@ -498,28 +498,28 @@ async fn read_center_with(
         Some(Kind::Header(header)) => header,
         other => panic!("expected the header, got {other:?}"),
     };
-    let mut center: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut model: Vec<(String, Vec<u8>)> = Vec::new();
     loop {
         match stream.message().await?.and_then(|message| message.kind) {
             Some(Kind::Chunk(chunk)) => {
                 assert_eq!(chunk.dtype, proto::Dtype::F32 as i32);
-                match center.last_mut() {
+                match model.last_mut() {
                     Some((name, bytes)) if *name == chunk.name => {
                         assert_eq!(chunk.offset, bytes.len() as u64);
                         bytes.extend_from_slice(&chunk.data);
                     }
-                    _ => center.push((chunk.name, chunk.data.to_vec())),
+                    _ => model.push((chunk.name, chunk.data.to_vec())),
                 }
             }
             Some(Kind::Done(done)) => {
                 assert_eq!(done.model_version, header.model_version);
-                assert_eq!(done.tensors as usize, center.len());
+                assert_eq!(done.tensors as usize, model.len());
                 break;
             }
             other => panic!("expected chunks, got {other:?}"),
         }
     }
-    let decoded = center
+    let decoded = model
         .into_iter()
         .map(|(name, bytes)| (name, f32_values(&bytes)))
         .collect();
@@ -581,7 +581,7 @@ fn training_status(mut status: proto::ModelSyncStatus) -> proto::ModelSyncStatus
 }
 
 /// Two drafters' snapshots of six steps, with or without an evaluator
-/// reading the center between every two of them; the final center's
+/// reading the run's model between every two of them; the final model's
 /// values and the status.
 async fn train_with_optional_reads(
     evaluator_reads: bool,
@@ -597,13 +597,13 @@ async fn train_with_optional_reads(
             let (header, read) = read_model(&broker.address, "evaluator").await.unwrap();
             assert_eq!(
                 header.model_version, step,
-                "a read sees the center as it is"
+                "a read sees the run's model as it is"
             );
             assert_eq!(header.model_config_json, CONFIG_JSON);
             assert_eq!(
                 read,
                 as_read(&shifted(0.125 * step as f32)),
-                "a read returns the center's exact values"
+                "a read returns the model's exact values"
             );
         }
         let drafter = if step % 2 == 0 {
@@ -620,18 +620,18 @@ async fn train_with_optional_reads(
             .await;
         assert!(result.applied);
     }
-    let (_, center) = read_as_drafter(&broker.address, "drafter-c").await.unwrap();
+    let (_, model) = read_as_drafter(&broker.address, "drafter-c").await.unwrap();
     let status = model_sync_status(&broker).await;
     broker.stop().await;
-    (center, status)
+    (model, status)
 }
 
 #[tokio::test]
-async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
+async fn an_evaluator_reading_the_model_changes_nothing_of_the_run() {
     let (alone, alone_status) = train_with_optional_reads(false).await;
     let (read, read_status) = train_with_optional_reads(true).await;
-    let bits = |center: &[(String, Vec<f32>)]| -> Vec<(String, Vec<u32>)> {
-        center
+    let bits = |model: &[(String, Vec<f32>)]| -> Vec<(String, Vec<u32>)> {
+        model
             .iter()
             .map(|(name, values)| {
                 (
@@ -641,7 +641,7 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
             })
             .collect()
     };
-    assert_eq!(bits(&read), bits(&alone), "the same center, bit for bit");
+    assert_eq!(bits(&read), bits(&alone), "the same model, bit for bit");
     // Six versions read, none reported: the last ones the broker keeps.
     assert_eq!(
         read_status.evaluations_pending.len(),
@@ -656,12 +656,12 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
 }
 
 #[tokio::test]
-async fn the_final_center_does_not_wait_for_an_evaluator() {
+async fn the_final_model_does_not_wait_for_an_evaluator() {
     let work = tempfile::tempdir().unwrap();
     let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.model_output = Some(work.path().join("center"));
+    config.model_sync.model_output = Some(work.path().join("model"));
     config.model_sync.model_save_every = Duration::ZERO;
-    // Were the evaluator waited for, the final center would take an hour.
+    // Were the evaluator waited for, the final model would take an hour.
     config.model_sync.model_final_sync_timeout = Duration::from_secs(3600);
     let broker = TestBroker::start(config).await;
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
@@ -705,12 +705,12 @@ async fn the_final_center_does_not_wait_for_an_evaluator() {
             model_sync_status(&broker).await.final_saved
         })
         .await,
-        "the final center is written once the drafter's final snapshot is in"
+        "the final model is written once the drafter's final snapshot is in"
     );
     broker.stop().await;
 }
 
-/// The tensors of a center checkpoint's `model.safetensors`.
+/// The tensors of a model checkpoint's `model.safetensors`.
 fn checkpoint_values(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -736,7 +736,7 @@ fn checkpoint_version(dir: &std::path::Path) -> u64 {
 
 /// An evaluator that measures later than it reads: a header-only read
 /// keeps the version (no weights sent), a read of that version later sends
-/// exactly its weights though the center moved on, and takes nothing new;
+/// exactly its weights though the run's model moved on, and takes nothing new;
 /// a version not kept is refused, naming the versions kept.
 #[tokio::test]
 async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
@@ -756,7 +756,7 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
         ..Default::default()
     };
 
-    let (header, weights) = read_center_with(&broker.address, request(true, None))
+    let (header, weights) = read_model_with(&broker.address, request(true, None))
         .await
         .unwrap();
     assert_eq!((header.model_version, header.model_samples), (1, 12));
@@ -769,7 +769,7 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     drafter
         .snapshot(proto::SyncKind::Snapshot, 2, &shifted(0.75))
         .await;
-    let (header, version_1) = read_center_with(&broker.address, request(false, Some(1)))
+    let (header, version_1) = read_model_with(&broker.address, request(false, Some(1)))
         .await
         .unwrap();
     assert_eq!((header.model_version, header.model_samples), (1, 12));
@@ -777,7 +777,7 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     assert_eq!(current.model_version, 2);
     assert_ne!(version_1, now, "the kept version, not the current one");
     assert_ne!(version_1, version_0);
-    let (_, again) = read_center_with(&broker.address, request(false, Some(0)))
+    let (_, again) = read_model_with(&broker.address, request(false, Some(0)))
         .await
         .unwrap();
     assert_eq!(again, version_0, "version 0 as it was read");
@@ -787,12 +787,12 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
         "each version read is kept once"
     );
 
-    let refused = read_center_with(&broker.address, request(false, Some(7)))
+    let refused = read_model_with(&broker.address, request(false, Some(7)))
         .await
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     assert!(
-        refused.message().contains("center version 7 is not kept")
+        refused.message().contains("model version 7 is not kept")
             && refused.message().contains("[0, 1, 2]"),
         "{}",
         refused.message()
@@ -801,7 +801,7 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     report_tau(&broker.address, "evaluator", Some(tau_point(1, 12, 1.5)))
         .await
         .unwrap();
-    let gone = read_center_with(&broker.address, request(false, Some(1)))
+    let gone = read_model_with(&broker.address, request(false, Some(1)))
         .await
         .unwrap_err();
     assert_eq!(gone.code(), tonic::Code::FailedPrecondition);
@@ -809,18 +809,18 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
 }
 
 #[tokio::test]
-async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces_it() {
+async fn the_best_model_is_the_evaluated_version_and_only_a_better_tau_replaces_it() {
     let work = tempfile::tempdir().unwrap();
     let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.model_output = Some(work.path().join("center"));
+    config.model_sync.model_output = Some(work.path().join("model"));
     let broker = TestBroker::start(config).await;
-    let best_dir = work.path().join("center-best");
+    let best_dir = work.path().join("model-best");
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
 
-    // Version 0 is read, then the center moves on twice before its report.
+    // Version 0 is read, then the run's model moves on twice before its report.
     let (header, version_0) = read_model(&broker.address, "evaluator").await.unwrap();
     assert_eq!((header.model_version, header.model_samples), (0, 0));
     drafter
@@ -849,7 +849,7 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
     );
     let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
 
-    // A worse τ of a later version leaves the best center as it was.
+    // A worse τ of a later version leaves the best model as it was.
     let (header, _) = read_model(&broker.address, "evaluator").await.unwrap();
     assert_eq!((header.model_version, header.model_samples), (2, 24));
     let result = report_tau(&broker.address, "evaluator", Some(tau_point(2, 24, 1.25)))
@@ -897,7 +897,7 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
         (status.best_saved_version, status.best_path),
         (3, best_dir.display().to_string())
     );
-    assert_eq!(status.model_version, 4, "the center itself went on");
+    assert_eq!(status.model_version, 4, "the run's model itself went on");
     assert!(status.evaluations_pending.is_empty());
     broker.stop().await;
 }
@@ -906,16 +906,16 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
 async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     let work = tempfile::tempdir().unwrap();
     let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.model_output = Some(work.path().join("center"));
+    config.model_sync.model_output = Some(work.path().join("model"));
     let broker = TestBroker::start(config).await;
-    let best_dir = work.path().join("center-best");
+    let best_dir = work.path().join("model-best");
     let address = broker.address.clone();
 
-    // Before any drafter: there is no center to read.
+    // Before any drafter: there is no model to read.
     let refused = read_model(&address, "evaluator").await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     assert!(
-        refused.message().contains("no center yet"),
+        refused.message().contains("no model yet"),
         "{}",
         refused.message()
     );
@@ -980,13 +980,13 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
             "evaluator",
             Some(tau_point(7, 12, 2.0)),
             tonic::Code::FailedPrecondition,
-            "center version 7 was not served",
+            "model version 7 was not served",
         ),
         (
             "evaluator",
             Some(tau_point(0, 0, 2.0)),
             tonic::Code::FailedPrecondition,
-            "center version 0 is already reported (τ 1.5)",
+            "model version 0 is already reported (τ 1.5)",
         ),
         (
             "evaluator",

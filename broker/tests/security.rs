@@ -638,14 +638,14 @@ fn code_of<T>(result: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code 
     }
 }
 
-/// #23 the evaluator role: an evaluator credential may read the center and
+/// #23 the evaluator role: an evaluator credential may read the run's model and
 /// report τ for its own evaluator_id only, and nothing else (no Produce,
 /// ReportDone, Consume or ModelSync.Session); no other role may read the
-/// center or report τ. Every refusal is PERMISSION_DENIED and changes
+/// model or report τ. Every refusal is PERMISSION_DENIED and changes
 /// nothing; the evaluator's own calls pass authorization (they fail later
-/// for want of a center, FAILED_PRECONDITION, or of a served version).
+/// for want of a model, FAILED_PRECONDITION, or of a served version).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_else() {
+async fn only_an_evaluator_reads_the_model_or_reports_tau_and_it_does_nothing_else() {
     let folder = tempfile::tempdir().unwrap();
     let write = |name: &str, text: &str| write_in(folder.path(), name, text);
     let broker = broker_with_credentials(
@@ -684,7 +684,7 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
         }),
     };
 
-    // Other roles may neither read the center nor report τ.
+    // Other roles may neither read the run's model nor report τ.
     for (name, token) in [
         ("t0", "token-of-target-zero"),
         ("d", "token-of-every-drafter"),
@@ -694,7 +694,7 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
         assert_eq!(
             code_of(client.read_model(read("eval-0")).await),
             tonic::Code::PermissionDenied,
-            "{name} read the center"
+            "{name} read the run's model"
         );
         assert_eq!(
             code_of(client.report_tau(report("eval-0")).await),
@@ -714,7 +714,7 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
         code_of(evaluator_sync.report_tau(report("eval-1")).await),
         tonic::Code::PermissionDenied
     );
-    // As itself it passes authorization: no center yet, no version served.
+    // As itself it passes authorization: no model yet, no version served.
     assert_eq!(
         code_of(evaluator_sync.read_model(read("eval-0")).await),
         tonic::Code::FailedPrecondition

@@ -11,17 +11,17 @@ use std::path::PathBuf;
 /// Why a snapshot or a chunk was refused. Messages name the bad value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SyncError {
-    #[error("no center yet: the first snapshot must carry the model's weights")]
-    NoCenter,
+    #[error("no model yet: the first snapshot must carry the model's weights")]
+    NoModel,
     #[error("tensor {name:?}: {detail}")]
     BadTensor { name: String, detail: String },
-    #[error("the center has no tensor {0:?}")]
+    #[error("the model has no tensor {0:?}")]
     UnknownTensor(String),
-    #[error("tensor {name:?} has shape {got:?}, the center has {center:?}")]
+    #[error("tensor {name:?} has shape {got:?}, the model has {model:?}")]
     ShapeMismatch {
         name: String,
         got: Vec<u64>,
-        center: Vec<u64>,
+        model: Vec<u64>,
     },
     #[error("the snapshot sent {sent} tensors, the commit says {declared}")]
     CountMismatch { sent: usize, declared: u32 },
@@ -45,7 +45,7 @@ pub enum SyncError {
 /// Why a report was refused. Messages name the bad value.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ReportError {
-    #[error("the report carries no point (center version, τ, ...)")]
+    #[error("the report carries no point (model version, τ, ...)")]
     MissingPoint,
     #[error("τ {0} is not finite")]
     NotFinite(f64),
@@ -57,9 +57,9 @@ pub enum ReportError {
     Empty { field: &'static str },
     #[error("eval_seconds {0} is not a finite duration >= 0")]
     BadSeconds(f64),
-    #[error("center version {version} was not served to an evaluator (pending: {pending:?}); read it with ReadModel first")]
+    #[error("model version {version} was not served to an evaluator (pending: {pending:?}); read it with ReadModel first")]
     NotServed { version: u64, pending: Vec<u64> },
-    #[error("center version {version} is already reported (τ {tau})")]
+    #[error("model version {version} is already reported (τ {tau})")]
     AlreadyReported { version: u64, tau: f64 },
     #[error("model_samples {got} is not the served version {version}'s {served}")]
     SamplesMismatch { version: u64, got: u64, served: u64 },

@@ -1,18 +1,18 @@
-//! Online evaluation: the τ history of the center, as a synchronous state
+//! Online evaluation: the τ history of the model, as a synchronous state
 //! machine (no gRPC, no tokio, no clock of its own).
 //!
-//! An evaluator reads the center with `ReadModel` (a read-only RPC apart
-//! from the drafters' sessions: it opens no session, so the final center
+//! An evaluator reads the model with `ReadModel` (a read-only RPC apart
+//! from the drafters' sessions: it opens no session, so the final model
 //! never waits for it) and later reports that version's τ with
 //! `ReportTau`. Between the two the broker keeps the version it served as a
-//! [`Center`] whose chunks are the center's own `Bytes` (handles cloned
-//! under the lock; a newer snapshot replaces the center's chunks and
+//! [`StoredModel`] whose chunks are the model's own `Bytes` (handles cloned
+//! under the lock; a newer snapshot replaces the model's chunks and
 //! leaves these alone), so a best τ writes exactly the weights that were
-//! evaluated, whatever the center did meanwhile. At most
+//! evaluated, whatever the model did meanwhile. At most
 //! `--max-pending-evaluations` versions are kept (default
 //! [`DEFAULT_MAX_PENDING_READS`]): an evaluator on a busy CPU reads versions
 //! when they are due and measures them later, in order, and each kept
-//! version holds its own copy of the weights once the center moved on.
+//! version holds its own copy of the weights once the model moved on.
 //!
 //! A report is checked before anything changes ([`Evaluations::check`]):
 //! a refused report leaves the history, the best and the kept versions as
@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 
 use dflash_proto::v1 as proto;
 
-use super::center::Center;
+use super::store::StoredModel;
 pub use crate::rpc_error::ReportError;
 
 /// Reports kept in memory (and in the status): the last 1,024.
@@ -39,20 +39,20 @@ pub struct CheckedReport {
     /// Its τ beats every earlier report's (strictly: a tie keeps the
     /// earlier version).
     pub best: bool,
-    /// The version's weights, to write as the best center.
-    pub center: Center,
+    /// The version's weights, to write as the best model.
+    pub model: StoredModel,
 }
 
 /// The τ history, the best report, and the versions served and not yet
 /// reported.
 #[derive(Debug)]
 pub struct Evaluations {
-    pending: VecDeque<Center>,
+    pending: VecDeque<StoredModel>,
     /// The most versions `pending` keeps.
     max_pending: usize,
     history: VecDeque<proto::TauPoint>,
     best: Option<proto::TauPoint>,
-    /// The version written to the best center's directory, and where.
+    /// The version written to the best model's directory, and where.
     best_saved_version: Option<u64>,
     best_path: String,
     reports: u64,
@@ -79,17 +79,17 @@ impl Evaluations {
         }
     }
 
-    /// Keeps `center` (a weights-only copy sharing the buffers, see
-    /// [`Center::clone`], buffers shared) as served to an evaluator.
-    pub fn served(&mut self, center: Center) {
+    /// Keeps `model` (a weights-only copy sharing the buffers, see
+    /// [`StoredModel::clone`], buffers shared) as served to an evaluator.
+    pub fn served(&mut self, model: StoredModel) {
         if self
             .pending
             .iter()
-            .any(|pending| pending.version == center.version)
+            .any(|pending| pending.version == model.version)
         {
             return;
         }
-        self.pending.push_back(center);
+        self.pending.push_back(model);
         while self.pending.len() > self.max_pending {
             self.pending.pop_front();
         }
@@ -97,7 +97,7 @@ impl Evaluations {
 
     /// The version `version` as served and kept (its buffers shared), if
     /// it is still kept.
-    pub fn kept(&self, version: u64) -> Option<Center> {
+    pub fn kept(&self, version: u64) -> Option<StoredModel> {
         self.pending
             .iter()
             .find(|pending| pending.version == version)
@@ -137,7 +137,7 @@ impl Evaluations {
                 tau: earlier.tau,
             });
         }
-        let center = self
+        let model = self
             .pending
             .iter()
             .find(|pending| pending.version == version)
@@ -145,22 +145,22 @@ impl Evaluations {
                 version,
                 pending: self.pending_versions(),
             })?;
-        if let Some(block_size) = block_size(&center.config_json) {
+        if let Some(block_size) = block_size(&model.config_json) {
             if tau > block_size as f64 {
                 return Err(ReportError::AboveBlockSize { tau, block_size });
             }
         }
-        if point.model_samples != center.samples {
+        if point.model_samples != model.samples {
             return Err(ReportError::SamplesMismatch {
                 version,
                 got: point.model_samples,
-                served: center.samples,
+                served: model.samples,
             });
         }
         Ok(CheckedReport {
             point: point.clone(),
             best: self.best.as_ref().is_none_or(|best| tau > best.tau),
-            center: center.clone(),
+            model: model.clone(),
         })
     }
 
@@ -227,7 +227,7 @@ impl Evaluations {
     }
 }
 
-/// The evaluation's series in `/metrics`: (center version, τ) of the
+/// The evaluation's series in `/metrics`: (model version, τ) of the
 /// latest and of the best report, and the reports recorded.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct TauGauges {
@@ -249,10 +249,10 @@ fn block_size(config_json: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run_model::center::CenterTensor;
+    use crate::run_model::store::StoredTensor;
 
-    fn center(version: u64, samples: u64, value: f32) -> Center {
-        let tensor = CenterTensor {
+    fn model(version: u64, samples: u64, value: f32) -> StoredModel {
+        let tensor = StoredTensor {
             name: "fc.weight".to_string(),
             shape: vec![2],
             data: vec![bytes::Bytes::from(
@@ -262,10 +262,10 @@ mod tests {
                     .collect::<Vec<u8>>(),
             )],
         };
-        let mut center =
-            Center::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();
-        center.samples = samples;
-        center
+        let mut model =
+            StoredModel::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();
+        model.samples = samples;
+        model
     }
 
     fn point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
@@ -286,7 +286,7 @@ mod tests {
     fn report(book: &mut Evaluations, point: proto::TauPoint) -> Result<bool, ReportError> {
         let checked = book.check(Some(&point))?;
         let best = checked.best;
-        book.record(checked, Some("/runs/center-best".to_string()));
+        book.record(checked, Some("/runs/model-best".to_string()));
         Ok(best)
     }
 
@@ -294,14 +294,14 @@ mod tests {
     fn only_a_strictly_better_tau_becomes_the_best() {
         let mut book = Evaluations::default();
         for (version, samples) in [(1, 10), (2, 20)] {
-            book.served(center(version, samples, 1.0));
+            book.served(model(version, samples, 1.0));
         }
         assert_eq!(report(&mut book, point(1, 10, 2.0)), Ok(true));
         assert_eq!(report(&mut book, point(2, 20, 1.5)), Ok(false));
         assert_eq!(book.best().map(|best| best.model_version), Some(1));
-        book.served(center(3, 30, 1.0));
+        book.served(model(3, 30, 1.0));
         assert_eq!(report(&mut book, point(3, 30, 2.0)), Ok(false), "a tie");
-        book.served(center(4, 40, 1.0));
+        book.served(model(4, 40, 1.0));
         assert_eq!(report(&mut book, point(4, 40, 2.5)), Ok(true));
         let mut status = proto::ModelSyncStatus::default();
         book.fill_status(&mut status);
@@ -319,9 +319,9 @@ mod tests {
     #[test]
     fn bad_reports_are_refused_naming_the_value_and_change_nothing() {
         let mut book = Evaluations::default();
-        book.served(center(5, 50, 1.0));
+        book.served(model(5, 50, 1.0));
         assert_eq!(report(&mut book, point(5, 50, 2.0)), Ok(true));
-        book.served(center(6, 60, 1.0));
+        book.served(model(6, 60, 1.0));
         let mut no_prompts = point(6, 60, 3.0);
         no_prompts.prompts = 0;
         let mut bad_seconds = point(6, 60, 3.0);
@@ -337,10 +337,10 @@ mod tests {
             ),
             (Some(no_prompts), "prompts is 0"),
             (Some(bad_seconds), "eval_seconds NaN"),
-            (Some(point(7, 70, 3.0)), "center version 7 was not served"),
+            (Some(point(7, 70, 3.0)), "model version 7 was not served"),
             (
                 Some(point(5, 50, 3.0)),
-                "center version 5 is already reported (τ 2)",
+                "model version 5 is already reported (τ 2)",
             ),
             (
                 Some(point(6, 61, 3.0)),
@@ -360,7 +360,7 @@ mod tests {
     fn history_and_kept_versions_are_bounded() {
         let mut book = Evaluations::default();
         for version in 0..(TAU_HISTORY as u64 + 10) {
-            book.served(center(version, version, 1.0));
+            book.served(model(version, version, 1.0));
             report(
                 &mut book,
                 point(version, version, 1.0 + version as f64 / 1e4),
@@ -373,7 +373,7 @@ mod tests {
         assert_eq!(status.tau_history[0].model_version, 10);
         assert_eq!(book.reports(), TAU_HISTORY as u64 + 10);
         for version in 0..6 {
-            book.served(center(10_000 + version, 0, 1.0));
+            book.served(model(10_000 + version, 0, 1.0));
         }
         assert_eq!(
             book.pending_versions(),
@@ -382,7 +382,7 @@ mod tests {
         );
         let mut one = Evaluations::new(1);
         for version in 0..3 {
-            one.served(center(version, 0, 1.0));
+            one.served(model(version, 0, 1.0));
         }
         assert_eq!(one.pending_versions(), vec![2]);
         let error = book.check(Some(&point(10_000, 0, 2.0))).unwrap_err();

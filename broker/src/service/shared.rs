@@ -292,7 +292,7 @@ pub(crate) struct Shared {
     /// Woken when an operation created a deadline earlier than the ticker's
     /// planned wake.
     pub(super) deadline_changed: Notify,
-    /// The run state, published on every change (the center writer waits
+    /// The run state, published on every change (the model writer waits
     /// on it instead of polling).
     pub(super) run_state: tokio::sync::watch::Sender<crate::queue::BrokerState>,
     /// Why the write-ahead log cannot write right now (no space, EIO), or

@@ -367,7 +367,7 @@ pub fn trace_export_line(snapshot: &proto::StatusSnapshot) -> String {
     )
 }
 
-/// The run's draft model: its step (the center's version), where it is
+/// The run's draft model: its step (the model's version), where it is
 /// written, τ, the last quorum, and each drafter's last snapshot (nothing
 /// before the first snapshot).
 pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
@@ -387,7 +387,7 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
     };
     let _ = writeln!(
         out,
-        "model  center v{}  {} parameters ({} held)  {} samples  {saved}",
+        "model  v{}  {} parameters ({} held)  {} samples  {saved}",
         sync.model_version,
         human_count(sync.parameters as f64),
         human_bytes(sync.model_bytes as f64),
@@ -555,14 +555,14 @@ mod tests {
             point(30, 1.75),
         ];
         sync.best_tau = Some(point(20, 2.0));
-        sync.best_path = "/runs/center-best".to_string();
+        sync.best_path = "/runs/model-best".to_string();
         let line = tau_line(&sync);
         assert!(
             line.starts_with("tau    v30 1.75  trend ▁▅█▆ (4 points, 1.00..2.00)"),
             "{line}"
         );
         assert!(
-            line.contains("best 2.00 (v20) in /runs/center-best"),
+            line.contains("best 2.00 (v20) in /runs/model-best"),
             "{line}"
         );
         assert_eq!(sparkline(&[3.0, 3.0]), "▁▁");
@@ -571,7 +571,7 @@ mod tests {
     #[test]
     fn the_runs_model_and_each_drafters_last_snapshot_are_shown() {
         let mut snapshot = snapshot();
-        assert!(!render(&snapshot, "b", RenderOptions { color: false }).contains("center v"));
+        assert!(!render(&snapshot, "b", RenderOptions { color: false }).contains("model  v"));
         snapshot.model_sync = Some(proto::ModelSyncStatus {
             has_model: true,
             model_version: 42,
@@ -586,7 +586,7 @@ mod tests {
             ..Default::default()
         });
         let text = render(&snapshot, "b", RenderOptions { color: false });
-        assert!(text.contains("model  center v42"), "{text}");
+        assert!(text.contains("model  v42"), "{text}");
         assert!(text.contains("640 samples"), "{text}");
         let line = text
             .lines()

@@ -1,11 +1,11 @@
-//! Measuring τ of center versions: the target and prompts kept between
+//! Measuring τ of model versions: the target and prompts kept between
 //! versions, a version's weights read when its measurement starts, and
 //! each measurement on its own blocking thread.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::broker::{center_model, unix_time_ms, Evaluator, ReadError, ReadModel};
+use super::broker::{draft_of_read, unix_time_ms, Evaluator, ReadError, ReadModel};
 use super::report::{EvaluatorReport, Point};
 use anyhow::Context as _;
 use dflash_model::target_model::TargetModel;
@@ -21,13 +21,13 @@ pub(super) struct Bench {
     pub(super) options: dflash_model::eval::EvalOptions,
 }
 
-/// A center version read whole, to measure.
+/// A model version read whole, to measure.
 pub(super) struct Read {
-    pub(super) center: ReadModel,
+    pub(super) model: ReadModel,
     pub(super) read_unix_time_ms: u64,
 }
 
-/// A center version the broker keeps for the evaluator (its header only),
+/// A model version the broker keeps for the evaluator (its header only),
 /// waiting for its measurement: the weights are read when it is measured,
 /// so versions waiting cost the evaluator no memory.
 pub(super) struct Kept {
@@ -37,7 +37,7 @@ pub(super) struct Kept {
 
 impl Kept {
     pub(super) async fn from(evaluator: &mut Evaluator) -> anyhow::Result<Kept> {
-        let header = evaluator.keep_center().await?;
+        let header = evaluator.keep_model().await?;
         Ok(Kept {
             header,
             read_unix_time_ms: unix_time_ms(),
@@ -47,7 +47,7 @@ impl Kept {
     /// Its weights, from the broker: a few tries, `poll` apart, since a
     /// broker that does not answer once may the next time; one only when
     /// the answer says another cannot help (the version no longer kept, or
-    /// not a center).
+    /// not a model).
     pub(super) async fn read(
         self,
         evaluator: &mut Evaluator,
@@ -58,9 +58,9 @@ impl Kept {
         loop {
             tries += 1;
             match evaluator.read_kept(version).await {
-                Ok(center) => {
+                Ok(model) => {
                     return Ok(Read {
-                        center,
+                        model,
                         read_unix_time_ms: self.read_unix_time_ms,
                     })
                 }
@@ -97,10 +97,10 @@ impl Bench {
         let (prompts, options) = (Arc::clone(&self.prompts), self.options.clone());
         Ok(tokio::task::spawn_blocking(move || {
             let Read {
-                center,
+                model,
                 read_unix_time_ms,
             } = read;
-            let header = center.header.clone();
+            let header = model.header.clone();
             let version = header.model_version;
             // Exported when OTLP is configured (`dflash_telemetry::init`).
             let span = tracing::debug_span!(
@@ -111,15 +111,15 @@ impl Bench {
                 tau = tracing::field::Empty,
             );
             let _measuring = span.enter();
-            let result = center_model(center)
+            let result = draft_of_read(model)
                 .and_then(|(config, tensors)| {
-                    let origin = format!("center version {version}");
+                    let origin = format!("model version {version}");
                     dflash_model::eval::evaluate_tensors(
                         &target, config, tensors, &origin, &prompts, &options,
                     )
                     .map_err(anyhow::Error::from)
                 })
-                .with_context(|| format!("evaluating center version {version}"));
+                .with_context(|| format!("evaluating model version {version}"));
             if let Ok(measured) = &result {
                 span.record("tau", measured.mean_acceptance_length);
             }
@@ -192,10 +192,10 @@ impl Bench {
             seconds = local.point.eval_seconds,
             read_seconds_ago = waited_ms as f64 / 1e3,
             best = local.best,
-            "center evaluated"
+            "model evaluated"
         );
         println!(
-            "center v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s (read {:.1}s before){}",
+            "model v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s (read {:.1}s before){}",
             local.point.tau,
             local.point.prompts,
             local.point.eval_seconds,
@@ -206,7 +206,7 @@ impl Bench {
         Ok(version)
     }
 
-    /// Reads the current center and measures it, now: kept at the broker
+    /// Reads the current model and measures it, now: kept at the broker
     /// until its report, as a `--watch` read is.
     pub(super) async fn evaluate_now(
         &mut self,

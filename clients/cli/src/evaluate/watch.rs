@@ -36,7 +36,7 @@ impl Schedule {
 }
 
 /// Whether the run is over for the evaluator: COMPLETE with the final
-/// center written, or ABORTED.
+/// model written, or ABORTED.
 pub(super) fn run_over(snapshot: &proto::StatusSnapshot) -> bool {
     let final_saved = snapshot
         .model_sync
@@ -52,7 +52,7 @@ pub(super) fn run_over(snapshot: &proto::StatusSnapshot) -> bool {
 /// What the watch loop does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
-    /// Read the current center (it is due and the backlog has room).
+    /// Read the current model (it is due and the backlog has room).
     Read,
     /// Poll again later (or when a measurement ends).
     Wait,
@@ -90,15 +90,15 @@ impl<T> Watcher<T> {
         }
     }
 
-    /// After a status: the center's version (`None` before the first
+    /// After a status: the model's version (`None` before the first
     /// JOIN), how many unreported versions the broker keeps (0: not
     /// said), and whether the run is over.
-    pub fn on_status(&mut self, center: Option<u64>, kept: u32, over: bool, now: Instant) -> Next {
+    pub fn on_status(&mut self, model: Option<u64>, kept: u32, over: bool, now: Instant) -> Next {
         let backlog = match kept {
             0 => self.backlog,
             kept => self.backlog.min(kept as usize),
         };
-        if let Some(version) = center {
+        if let Some(version) = model {
             if over {
                 self.final_version = Some(version);
             }
@@ -170,7 +170,7 @@ impl<T> Watcher<T> {
 
 /// `--watch`: polls the status, reads a version when due (while fewer
 /// than the backlog wait), measures what was read in order, and once the
-/// run is over the final center, then returns (see [`Watcher`]).
+/// run is over the final model, then returns (see [`Watcher`]).
 pub(super) async fn watch(
     args: &EvaluateArgs,
     bench: &mut Bench,
@@ -198,12 +198,12 @@ pub(super) async fn watch(
                 Ok(read) => measuring = Some(bench.start(read)?),
                 Err(error) => {
                     if watcher.measured(version, false).is_err() {
-                        return Err(anyhow::Error::from(error).context("reading the final center"));
+                        return Err(anyhow::Error::from(error).context("reading the final model"));
                     }
                     warn!(
                         version,
                         error = format!("{error:#}"),
-                        "reading a kept version failed; the center is read again when due"
+                        "reading a kept version failed; the run's model is read again when due"
                     );
                 }
             }
@@ -234,7 +234,7 @@ pub(super) async fn watch(
                         }
                         Err(error) => warn!(
                             error = format!("{error:#}"),
-                            "reading the center failed; retrying at the next poll"
+                            "reading the run's model failed; retrying at the next poll"
                         ),
                     },
                     Next::Wait => {}

@@ -48,7 +48,7 @@ pub struct SyncTotals {
     pub failures: u64,
     /// Wall time the training thread spent in calls to the broker.
     pub time_in_sync: Duration,
-    /// The run model's step at the last answer (the center's version).
+    /// The run model's step at the last answer (the model's version).
     pub model_version: u64,
     /// Samples in the run's model at the last answer.
     pub model_samples: u64,
