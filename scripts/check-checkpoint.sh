@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Loads the drafter checkpoints and the broker's center checkpoint (the
-# drafters' shared model) that the system test's `dflash local` run
+# Loads the drafter checkpoints and the broker's checkpoint of the run's
+# model (the drafters' shared model) that the system test's `dflash local` run
 # wrote (real drafter-server binaries, real pipeline) with the reference
 # implementation: PyPI `dflash` 0.1.0's DFlashDraftModel.from_pretrained,
 # which must report no missing, unexpected or mismatched keys. The Python
@@ -28,16 +28,16 @@ for output in "$run_dir"/checkpoints/*/; do
     failed=$((failed + 1))
   fi
 done
-# The run's shared model: the broker's center checkpoint (model sync), in
+# The run's shared model: the broker's checkpoint of it (`run-model/`), in
 # the same reference format as the drafters' own checkpoints.
-if [[ -f "$run_dir/center/model.safetensors" ]]; then
-  if "$python" "$repo_root/scripts/check_dflash_checkpoint.py" "$run_dir/center"; then
+if [[ -f "$run_dir/run-model/model.safetensors" ]]; then
+  if "$python" "$repo_root/scripts/check_dflash_checkpoint.py" "$run_dir/run-model"; then
     passed=$((passed + 1))
   else
     failed=$((failed + 1))
   fi
-elif [[ "${DFLASH_EXPECT_CENTER:-1}" == 1 ]]; then
-  echo "check-checkpoint: no center checkpoint at $run_dir/center (the system test's drafters sync by default)" >&2
+elif [[ "${DFLASH_EXPECT_MODEL:-1}" == 1 ]]; then
+  echo "check-checkpoint: no checkpoint of the run's model at $run_dir/run-model (the system test's drafters sync by default)" >&2
   failed=$((failed + 1))
 fi
 if (( passed + failed == 0 )); then

@@ -337,7 +337,7 @@ containers_hardened() {
   ((count >= 9)) && return $ok
 }
 check "every container runs as 10001:10001 with a read-only root (/tmp a tmpfs), no capabilities, no new privileges" containers_hardened
-# Only the broker mounts its state and center volumes, and it writes both.
+# Only the broker mounts its state and model volumes, and it writes both.
 broker_volumes_alone() {
   local id name mounts broker ok=0
   broker="$(container_of broker)"
@@ -355,7 +355,7 @@ broker_volumes_alone() {
     { say "    the broker did not write /state or cannot write /center"; ok=1; }
   return $ok
 }
-check "only the broker mounts broker-state and broker-center (write-ahead log, center), and writes both" broker_volumes_alone
+check "only the broker mounts broker-state and broker-center (write-ahead log, run's model), and writes both" broker_volumes_alone
 drafter_checkpoints_owned() {
   local id ok=0
   for id in $(compose ps -q drafter); do

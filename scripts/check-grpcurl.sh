@@ -54,7 +54,9 @@ for rpc in Produce ReportDone Consume GetStatus WatchStatus; do
   grep -q "rpc $rpc" <<<"$description" || fail "describe lacks rpc $rpc"
 done
 sync_description="$("$grpcurl" -plaintext "127.0.0.1:$port" describe dflash.v1.ModelSync)" || fail "describe ModelSync failed"
-grep -q "rpc Session" <<<"$sync_description" || fail "describe lacks rpc Session: $sync_description"
+for rpc in Session ReadModel ReportTau Quorum Commit; do
+  grep -q "rpc $rpc" <<<"$sync_description" || fail "describe lacks rpc $rpc: $sync_description"
+done
 status="$("$grpcurl" -plaintext "127.0.0.1:$port" dflash.v1.Broker/GetStatus)" || fail "GetStatus failed"
 grep -q '"state": "BROKER_STATE_RUNNING"' <<<"$status" || fail "GetStatus: $status"
 grep -q '"expectedTargets": 2' <<<"$status" || fail "GetStatus: $status"

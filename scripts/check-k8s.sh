@@ -17,7 +17,7 @@
 #     token Secret per role, each pod mounting only its own; the broker
 #     authorizes by role with --credentials from dflash-broker-credentials
 #     and mounts no role token, no token file, and no rendered object
-#     carries a token or a credential; the center and the write-ahead log
+#     carries a token or a credential; the run's model and the write-ahead log
 #     on claims only the broker mounts read-write; no Secret or token
 #     literal anywhere in deploy/;
 #   - deploy/make-certs.sh, run into temporary folders (the test fixtures):
@@ -521,7 +521,7 @@ def tokens(path):
                 need(secrets == {TOKEN_SECRETS[w.role]}, f"{where}: its token file comes from {sorted(secrets)}")
     finish()
 
-# --- the center and the write-ahead log: the broker's alone -----------------------
+# --- the run's model and the write-ahead log: the broker's alone ------------------
 def broker_volumes(path):
     _, workloads = rendered(path)
     broker = by_role(workloads, "broker")[0]
@@ -544,7 +544,7 @@ def broker_volumes(path):
             for flag, broker_claim in claims.items():
                 need(claim != broker_claim or read_only,
                      f"{w.name} container {container_name} mounts the broker's --{flag} claim {claim} read-write at {mount_path}")
-    print(f"    center on {claims.get('model-output')}, write-ahead log on {claims.get('state-dir')}: read-write in the broker only")
+    print(f"    the run's model on {claims.get('model-output')}, write-ahead log on {claims.get('state-dir')}: read-write in the broker only")
     finish()
 
 # --- deploy/ holds no secret ------------------------------------------------------
@@ -713,7 +713,7 @@ for name in "${variants[@]}"; do
   check "$name: the broker serves TLS from dflash-broker-tls; every client uses https and the dflash-ca CA" py tls "$file"
   check "$name: one token Secret per role, each pod mounts only its own; the broker only --credentials from dflash-broker-credentials (no role token, no token file); no Secret, token or digest rendered" \
     py tokens "$file"
-  check "$name: the center and the write-ahead log on claims only the broker mounts read-write" py broker_volumes "$file"
+  check "$name: the run's model and the write-ahead log on claims only the broker mounts read-write" py broker_volumes "$file"
 done
 check "deploy/ holds no Secret data, token literal, private key or committed secretGenerator source" \
   py no_literal_secrets "$repo_root/deploy"

@@ -13,7 +13,8 @@
 //! - `auth`: TLS (optionally mutual) and the bearer token checked on every
 //!   RPC, from files or the environment; the token is never printed.
 //! - `rpc_error`: [`rpc_error::RpcError`], everything an RPC refuses (the
-//!   queue's, the run model's and the τ reports' errors folded in), and
+//!   queue's, the run model's and the τ reports' errors folded in; the run
+//!   model's are defined beneath it, so that the room can import it), and
 //!   the one table of its gRPC codes and messages: no other code of the
 //!   crate builds a `tonic::Status`.
 //! - `roles`: credentials with a role (target, drafter, operator) and an
@@ -46,14 +47,13 @@
 //!   are pinned in the queue at its vote and acked in the journal entry
 //!   that records its commit.
 //! - `run_model`: the run's one draft model as rank 0 last sent it (the
-//!   store, its checkpoints, the online evaluator's τ curve and registry),
-//!   synchronous, with its own settings.
-//! - `model_sync`: the `ModelSync` service beside the queue: its flags and
-//!   the gRPC adapter that serves the run's model (the lighthouse's two
-//!   RPCs are `lighthouse::rpc`).
+//!   store, its checkpoints, the online evaluator's τ curve and registry,
+//!   synchronous, with its own settings) and `run_model::service`, the
+//!   `ModelSync` service beside the queue that serves it (the lighthouse's
+//!   two RPCs are `lighthouse::rpc`).
 //! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
 //!   untrusted bytes (Produce bodies, ModelSync snapshot sessions, the
-//!   center checkpoint reader, write-ahead log segments) and
+//!   model checkpoint reader, write-ahead log segments) and
 //!   their seeds; run by
 //!   `tests/fuzz` and, over the committed corpus, by `tests/fuzz_corpus.rs`.
 //! - `main.rs`: the `broker` binary (flags, telemetry, signals, bind).
@@ -71,7 +71,6 @@ pub mod convert;
 pub mod fuzzing;
 pub mod lighthouse;
 pub mod metrics;
-pub mod model_sync;
 pub mod payload;
 pub mod queue;
 pub mod roles;

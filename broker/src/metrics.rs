@@ -45,29 +45,29 @@ pub fn render_with(
     out.finish()
 }
 
-/// Online evaluation: τ of the center as the evaluator last reported it,
+/// Online evaluation: τ of the model as the evaluator last reported it,
 /// the best so far, and the versions they are of (absent before the first
 /// report: no τ is not τ 0).
 fn write_tau(out: &mut Exposition, tau: TauGauges) {
     out.counter(
-        &name("center_tau_reports_total"),
-        "Evaluations of the center reported (ModelSync.ReportTau)",
+        &name("model_tau_reports_total"),
+        "Evaluations of the model reported (ModelSync.ReportTau)",
         tau.reports as f64,
     );
     let series = [
         (
             tau.latest,
-            "center_tau",
-            "center_tau_version",
-            "tau (mean acceptance length, bonus token counted) of the center version last evaluated",
-            "The center version the last tau is of",
+            "model_tau",
+            "model_tau_version",
+            "tau (mean acceptance length, bonus token counted) of the model version last evaluated",
+            "The model version the last tau is of",
         ),
         (
             tau.best,
-            "center_best_tau",
-            "center_best_tau_version",
-            "The best tau reported so far (that version is written to center-best/)",
-            "The center version of the best tau",
+            "model_best_tau",
+            "model_best_tau_version",
+            "The best tau reported so far (that version is written to model-best/)",
+            "The model version of the best tau",
         ),
     ];
     for (point, tau_suffix, version_suffix, tau_help, version_help) in series {
@@ -573,7 +573,7 @@ mod tests {
     }
 
     #[test]
-    fn the_center_tau_series_appear_once_reported() {
+    fn the_model_tau_series_appear_once_reported() {
         let queue: Queue<TestPayload> = Queue::new(config(1), Instant::now());
         let snapshot = queue.snapshot(Instant::now());
         let none = parse(&render_with(
@@ -583,10 +583,10 @@ mod tests {
             Some(TauGauges::default()),
         ));
         assert_eq!(
-            none.get("dflash_broker_center_tau_reports_total"),
+            none.get("dflash_broker_model_tau_reports_total"),
             Some(&0.0)
         );
-        assert!(!none.contains_key("dflash_broker_center_tau"), "{none:?}");
+        assert!(!none.contains_key("dflash_broker_model_tau"), "{none:?}");
         let tau = TauGauges {
             latest: Some((12, 2.25)),
             best: Some((9, 2.5)),
@@ -594,11 +594,11 @@ mod tests {
         };
         let text = render_with(&snapshot, ReceivedCounts::default(), None, Some(tau));
         let values = parse(&text);
-        assert_eq!(values["dflash_broker_center_tau"], 2.25);
-        assert_eq!(values["dflash_broker_center_tau_version"], 12.0);
-        assert_eq!(values["dflash_broker_center_best_tau"], 2.5);
-        assert_eq!(values["dflash_broker_center_best_tau_version"], 9.0);
-        assert_eq!(values["dflash_broker_center_tau_reports_total"], 3.0);
+        assert_eq!(values["dflash_broker_model_tau"], 2.25);
+        assert_eq!(values["dflash_broker_model_tau_version"], 12.0);
+        assert_eq!(values["dflash_broker_model_best_tau"], 2.5);
+        assert_eq!(values["dflash_broker_model_best_tau_version"], 9.0);
+        assert_eq!(values["dflash_broker_model_tau_reports_total"], 3.0);
     }
 
     #[test]

@@ -28,7 +28,7 @@
 //! | Consume | drafter | the hello's `drafter_id` |
 //! | ModelSync.Session | drafter | the hello's `drafter_id` |
 //! | ModelSync.Quorum, ModelSync.Commit | drafter | the request's `drafter_id` |
-//! | ModelSync.ReadCenter, ModelSync.ReportTau | evaluator | the request's `evaluator_id` |
+//! | ModelSync.ReadModel, ModelSync.ReportTau | evaluator | the request's `evaluator_id` |
 //! | GetStatus, WatchStatus | any | — |
 //!
 //! A refusal is PERMISSION_DENIED and names only the caller's own role and
@@ -52,7 +52,7 @@ use crate::rpc_error::RpcError;
 pub enum Role {
     Target,
     Drafter,
-    /// Reads the center and reports its τ (online evaluation); takes no
+    /// Reads the model and reports its τ (online evaluation); takes no
     /// part in training.
     Evaluator,
     Operator,

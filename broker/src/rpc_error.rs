@@ -9,8 +9,9 @@
 //! and do not change.
 //!
 //! It sits beneath every module that answers an RPC (`roles`, `auth`,
-//! `lighthouse`, `model_sync`, `service`, `zero_copy`) and imports only the
-//! domain errors it folds in (`queue`, `run_model`, `payload`).
+//! `lighthouse`, `run_model`, `service`, `zero_copy`) and imports only the
+//! domain errors it folds in (`queue`, `payload`); the run model's are
+//! defined beneath it (`run_model` here) and re-exported by that room.
 
 use std::time::Duration;
 
@@ -18,9 +19,10 @@ use tonic::{Code, Status};
 
 use crate::payload::DecodeFailure;
 use crate::queue::QueueError;
-use crate::run_model::center::SyncError;
-use crate::run_model::checkpoint::CheckpointError;
-use crate::run_model::evaluation::ReportError;
+
+mod run_model;
+
+pub use run_model::{CheckpointError, ReportError, SyncError};
 
 /// Why an RPC (or a stream of one) is refused or ended. Messages are
 /// lowercase, without a trailing period, and name the offending value.
@@ -144,7 +146,7 @@ pub enum RpcError {
     #[error("quorum {quorum_id} answered to {drafter_id} which is not one of its members")]
     AnsweredToNonMember { quorum_id: u64, drafter_id: String },
 
-    // The run's model (`ModelSync.Session`, `ReadCenter`, `ReportTau`).
+    // The run's model (`ModelSync.Session`, `ReadModel`, `ReportTau`).
     #[error("model_config_json is not valid JSON: {0}")]
     ModelConfigNotJson(serde_json::Error),
     #[error("begin while a snapshot is open: commit it first")]
@@ -156,16 +158,16 @@ pub enum RpcError {
     UnexpectedSessionMessage,
     #[error("the drafter closed its session")]
     SessionClosed,
-    #[error("a drafter's ReadCenter names drafter_id alone (no evaluator_id, no center_version)")]
+    #[error("a drafter's ReadModel names drafter_id alone (no evaluator_id, no model_version)")]
     DrafterReadNamesEvaluator,
-    #[error("center version {version} is not kept for evaluation (kept: {kept:?}); read the current center")]
+    #[error("model version {version} is not kept for evaluation (kept: {kept:?}); read the current model")]
     VersionNotKept { version: u64, kept: Vec<u64> },
-    #[error("no center yet: no drafter has sent a snapshot")]
-    NoCenterToRead,
+    #[error("no model yet: no drafter has sent a snapshot")]
+    NoModelToRead,
     #[error("the point's evaluator_id {point:?} is not the report's {report:?}")]
     PointOfOtherEvaluator { point: String, report: String },
-    #[error("writing the best center failed: {0}")]
-    BestCenterNotWritten(CheckpointError),
+    #[error("writing the best model failed: {0}")]
+    BestModelNotWritten(CheckpointError),
     /// A blocking task of the broker's that panicked or was cancelled:
     /// `what` it did, `detail` the join error's message.
     #[error("{what}: {detail}")]
@@ -201,7 +203,7 @@ impl From<RpcError> for Status {
                 QueueError::StaleConnection { .. } => Code::Aborted,
             },
             E::Sync(sync) => match sync {
-                SyncError::NoCenter | SyncError::ConfigMismatch { .. } => Code::FailedPrecondition,
+                SyncError::NoModel | SyncError::ConfigMismatch { .. } => Code::FailedPrecondition,
                 SyncError::BadTensor { .. }
                 | SyncError::UnknownTensor(_)
                 | SyncError::ShapeMismatch { .. }
@@ -211,8 +213,7 @@ impl From<RpcError> for Status {
                 | SyncError::Dtype(_)
                 | SyncError::Kind(_)
                 | SyncError::RemovedKind(_)
-                | SyncError::Config(_)
-                | SyncError::GradientStepRemoved => Code::InvalidArgument,
+                | SyncError::Config(_) => Code::InvalidArgument,
             },
             E::Report(report) => match report {
                 ReportError::NotServed { .. } | ReportError::AlreadyReported { .. } => {
@@ -248,8 +249,8 @@ impl From<RpcError> for Status {
             | E::BeginWhileSnapshotOpen
             | E::OutsideSnapshot { .. }
             | E::VersionNotKept { .. }
-            | E::NoCenterToRead => Code::FailedPrecondition,
-            E::ShuttingDown | E::DoneNotLogged { .. } | E::BestCenterNotWritten(_) => {
+            | E::NoModelToRead => Code::FailedPrecondition,
+            E::ShuttingDown | E::DoneNotLogged { .. } | E::BestModelNotWritten(_) => {
                 Code::Unavailable
             }
             E::CompressedStream { .. } => Code::Unimplemented,

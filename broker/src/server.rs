@@ -80,8 +80,8 @@ pub async fn serve_with_metrics(
     let internal = CancellationToken::new();
     let shared = Shared::new(config.clone(), internal.clone())?;
     let service = BrokerService::new(shared.clone());
-    let model_sync = crate::model_sync::ModelSyncShared::start(
-        config.model_sync.clone(),
+    let model_sync = crate::run_model::service::ModelSyncShared::start(
+        config.model_sync.run_model_settings(),
         config.lighthouse.settings(),
         config.hello_timeout,
         internal.clone(),
@@ -150,8 +150,8 @@ pub async fn serve_with_metrics(
     // log synced, before the process can exit.
     shared.close_log();
     background.ticker.abort();
-    stop_center_writer(background.center_writer, deadline).await;
-    save_center_on_shutdown(&shared, &model_sync, deadline).await;
+    stop_model_writer(background.model_writer, deadline).await;
+    save_model_on_shutdown(&shared, &model_sync, deadline).await;
     stop_metrics(background.metrics, &background.metrics_stop).await;
     wait_for_tasks(&model_sync, &shared).await;
     drop::<Arc<Shared>>(shared);
@@ -178,7 +178,7 @@ async fn report_serving(health_reporter: &HealthReporter) {
         .set_serving::<BrokerServer<BrokerService>>()
         .await;
     health_reporter
-        .set_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
+        .set_serving::<ModelSyncServer<crate::run_model::service::ModelSyncService>>()
         .await;
 }
 
@@ -218,7 +218,7 @@ async fn report_not_serving(health_reporter: &HealthReporter) {
         .set_not_serving::<BrokerServer<BrokerService>>()
         .await;
     health_reporter
-        .set_not_serving::<ModelSyncServer<crate::model_sync::ModelSyncService>>()
+        .set_not_serving::<ModelSyncServer<crate::run_model::service::ModelSyncService>>()
         .await;
     health_reporter
         .set_service_status("", ServingStatus::NotServing)
@@ -249,24 +249,24 @@ fn reflection_services() -> Result<
 }
 
 /// The tasks that run beside the gRPC server: the queue's ticker, the model
-/// sync center writer and, when asked for, the metrics endpoint.
+/// sync model writer and, when asked for, the metrics endpoint.
 struct Background {
     ticker: JoinHandle<()>,
-    center_writer: JoinHandle<()>,
+    model_writer: JoinHandle<()>,
     metrics: Option<JoinHandle<()>>,
     metrics_stop: CancellationToken,
 }
 
 impl Background {
-    /// Spawns the ticker, the center writer and the metrics endpoint (on
+    /// Spawns the ticker, the model writer and the metrics endpoint (on
     /// `metrics_listener`, when there is one).
     fn spawn(
         shared: &Arc<Shared>,
-        model_sync: &Arc<crate::model_sync::ModelSyncShared>,
+        model_sync: &Arc<crate::run_model::service::ModelSyncShared>,
         metrics_listener: Option<TcpListener>,
     ) -> Background {
         let ticker = tokio::spawn(shared.clone().run_ticker());
-        let center_writer =
+        let model_writer =
             tokio::spawn(model_sync.clone().run_background(shared.watch_run_state()));
         let metrics_stop = CancellationToken::new();
         let metrics = metrics_listener.map(|metrics_listener| {
@@ -280,18 +280,18 @@ impl Background {
         });
         Background {
             ticker,
-            center_writer,
+            model_writer,
             metrics,
             metrics_stop,
         }
     }
 
     /// Stops everything at once, for a server that ended on its own: the
-    /// ticker and the center writer are aborted, the metrics endpoint is
+    /// ticker and the model writer are aborted, the metrics endpoint is
     /// stopped (bounded).
     async fn abort(self) {
         self.ticker.abort();
-        self.center_writer.abort();
+        self.model_writer.abort();
         stop_metrics(self.metrics, &self.metrics_stop).await;
     }
 }
@@ -315,7 +315,7 @@ fn grpc_router<H, V1, V1Alpha>(
     security: &ServerSecurity,
     health_service: HealthServer<H>,
     (reflection_v1, reflection_v1alpha): ReflectionServices<V1, V1Alpha>,
-    model_sync: &Arc<crate::model_sync::ModelSyncShared>,
+    model_sync: &Arc<crate::run_model::service::ModelSyncShared>,
     service: BrokerService,
 ) -> Result<Router, ServeError>
 where
@@ -397,40 +397,40 @@ async fn drain_server(
     }
 }
 
-/// Waits up to `deadline` for the center writer: it stops at the cancelled
+/// Waits up to `deadline` for the model writer: it stops at the cancelled
 /// token, and a write it started finishes (bounded) before the last one
-/// [`save_center_on_shutdown`] makes.
-async fn stop_center_writer(mut center_writer: JoinHandle<()>, deadline: Duration) {
-    if tokio::time::timeout(deadline, &mut center_writer)
+/// [`save_model_on_shutdown`] makes.
+async fn stop_model_writer(mut model_writer: JoinHandle<()>, deadline: Duration) {
+    if tokio::time::timeout(deadline, &mut model_writer)
         .await
         .is_err()
     {
-        warn!("the center writer did not stop in time");
-        center_writer.abort();
+        warn!("the model writer did not stop in time");
+        model_writer.abort();
     }
 }
 
-/// Writes the center as it is now, so a restart resumes from it (the final
+/// Writes the model as it is now, so a restart resumes from it (the final
 /// one when the run completed and it was not written yet), bounded by
 /// `deadline`.
-async fn save_center_on_shutdown(
+async fn save_model_on_shutdown(
     shared: &Shared,
-    model_sync: &crate::model_sync::ModelSyncShared,
+    model_sync: &crate::run_model::service::ModelSyncShared,
     deadline: Duration,
 ) {
-    let final_center = shared.broker_state() == crate::queue::BrokerState::Complete;
-    match tokio::time::timeout(deadline, model_sync.save(final_center)).await {
+    let final_model = shared.broker_state() == crate::queue::BrokerState::Complete;
+    match tokio::time::timeout(deadline, model_sync.save(final_model)).await {
         Ok(Ok(_)) => {}
-        Ok(Err(error)) => warn!(%error, "writing the center on shutdown failed"),
+        Ok(Err(error)) => warn!(%error, "writing the model on shutdown failed"),
         Err(_) => {
-            warn!(timeout = ?deadline, "writing the center on shutdown did not finish in time")
+            warn!(timeout = ?deadline, "writing the model on shutdown did not finish in time")
         }
     }
 }
 
 /// Closes the model sync sessions' and the stream readers' task trackers and
 /// waits for each, two seconds at the most.
-async fn wait_for_tasks(model_sync: &crate::model_sync::ModelSyncShared, shared: &Shared) {
+async fn wait_for_tasks(model_sync: &crate::run_model::service::ModelSyncShared, shared: &Shared) {
     let sessions = model_sync.tasks().clone();
     sessions.close();
     if tokio::time::timeout(Duration::from_secs(2), sessions.wait())

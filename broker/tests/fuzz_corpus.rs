@@ -20,8 +20,8 @@ fn the_model_sync_corpus_replays_without_a_crash() {
 }
 
 #[test]
-fn the_center_checkpoint_corpus_replays_without_a_crash() {
-    assert!(replay_corpus("center_checkpoint", fuzzing::center_checkpoint) >= 3);
+fn the_model_checkpoint_corpus_replays_without_a_crash() {
+    assert!(replay_corpus("model_checkpoint", fuzzing::model_checkpoint) >= 3);
 }
 
 #[test]

@@ -87,7 +87,6 @@ fn begin(kind: proto::SyncKind, steps: u64) -> proto::SyncBegin {
         steps,
         samples: SAMPLES_PER_STEP * steps,
         tokens: 10 * SAMPLES_PER_STEP * steps,
-        ..proto::SyncBegin::default()
     }
 }
 
@@ -166,8 +165,8 @@ impl TestDrafter {
     }
 }
 
-fn values(center: &[(String, Vec<f32>)], name: &str) -> Vec<f32> {
-    center
+fn values(model: &[(String, Vec<f32>)], name: &str) -> Vec<f32> {
+    model
         .iter()
         .find(|(tensor, _)| tensor == name)
         .map(|(_, values)| values.clone())
@@ -185,15 +184,15 @@ async fn model_sync_status(broker: &TestBroker) -> proto::ModelSyncStatus {
         .expect("status carries the model sync")
 }
 
-/// The run's model as a starting drafter reads it (`ReadCenter` with its
+/// The run's model as a starting drafter reads it (`ReadModel` with its
 /// `drafter_id`: nothing kept).
 async fn read_as_drafter(
     address: &str,
     drafter_id: &str,
-) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
-    read_center_with(
+) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    read_model_with(
         address,
-        proto::ReadCenterRequest {
+        proto::ReadModelRequest {
             drafter_id: drafter_id.to_string(),
             ..Default::default()
         },
@@ -209,7 +208,7 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     let mut first = TestDrafter::open(&broker.address, "drafter-a").await;
-    assert!(!first.welcome.has_center);
+    assert!(!first.welcome.has_model);
     let result = first
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
@@ -217,9 +216,9 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
 
     // A second drafter starts from the run's model, not its own weights.
     let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
-    assert!(second.welcome.has_center);
+    assert!(second.welcome.has_model);
     let (header, model) = read_as_drafter(&broker.address, "drafter-b").await.unwrap();
-    assert_eq!((header.center_version, header.center_samples), (0, 0));
+    assert_eq!((header.model_version, header.model_samples), (0, 0));
     assert_eq!(header.model_config_json, CONFIG_JSON);
     assert_eq!(model, as_read(&initial()));
 
@@ -229,7 +228,7 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
         .snapshot(proto::SyncKind::Snapshot, 2, &shifted(0.75))
         .await;
     assert!(result.applied);
-    assert_eq!((result.center_version, result.center_samples), (2, 24));
+    assert_eq!((result.model_version, result.model_samples), (2, 24));
     let result = second
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.25))
         .await;
@@ -242,10 +241,10 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
     );
 
     let status = model_sync_status(&broker).await;
-    assert!(status.has_center);
-    assert_eq!(status.center_version, 2);
+    assert!(status.has_model);
+    assert_eq!(status.model_version, 2);
     assert_eq!(status.parameters, 8);
-    assert_eq!(status.center_samples, 24);
+    assert_eq!(status.model_samples, 24);
     assert!(
         status.evaluations_pending.is_empty(),
         "a drafter's read keeps nothing"
@@ -261,7 +260,7 @@ async fn the_latest_steps_snapshot_is_the_runs_model_and_a_starting_drafter_read
 }
 
 #[tokio::test]
-async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
+async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_model() {
     let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
     let mut survivor = TestDrafter::open(&broker.address, "survivor").await;
     survivor
@@ -290,7 +289,7 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
     )
     .await
     .expect("a half-finished upload blocks nobody");
-    assert_eq!(result.center_version, 1);
+    assert_eq!(result.model_version, 1);
 
     // Kill it: the task and its connection go away without a word.
     victim.abort();
@@ -306,11 +305,11 @@ async fn a_drafter_killed_mid_upload_neither_corrupts_nor_blocks_the_center() {
         .await,
         "the victim's session is seen closed"
     );
-    // The center is exactly the survivor's snapshot: nothing of the victim.
+    // The run's model is exactly the survivor's snapshot: nothing of the victim.
     let status = model_sync_status(&broker).await;
-    assert_eq!(status.center_version, 1);
-    let (_, center) = read_as_drafter(&broker.address, "late").await.unwrap();
-    assert_eq!(center, as_read(&shifted(1.0)));
+    assert_eq!(status.model_version, 1);
+    let (_, model) = read_as_drafter(&broker.address, "late").await.unwrap();
+    assert_eq!(model, as_read(&shifted(1.0)));
     broker.stop().await;
 }
 
@@ -337,13 +336,14 @@ async fn a_refused_snapshot_names_the_problem_and_changes_nothing() {
         "{}",
         status.message()
     );
-    assert_eq!(model_sync_status(&broker).await.center_version, 0);
+    assert_eq!(model_sync_status(&broker).await.model_version, 0);
     broker.stop().await;
 }
 
 /// Asynchronous local SGD was retired: a drafter of it (JOIN, UPDATE,
-/// FINAL) or of the broker's AdamW (`gradient_step`) is refused on the
-/// wire, naming what it sent, and the run goes on as before.
+/// FINAL, numbers reserved) is refused on the wire, naming what it sent,
+/// and the run goes on as before. (The broker's AdamW, `gradient_step`, is
+/// a reserved field now, ignored as unknown: `run_model::tests`.)
 #[tokio::test]
 async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() {
     let broker = TestBroker::start(BrokerConfig::for_targets(1)).await;
@@ -351,13 +351,6 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
-    let gradient = proto::SyncBegin {
-        gradient_step: Some(proto::GradientStep {
-            learning_rate: 0.01,
-            ..proto::GradientStep::default()
-        }),
-        ..begin(proto::SyncKind::Snapshot, 1)
-    };
     let retired = |kind: i32| proto::SyncBegin {
         kind,
         ..begin(proto::SyncKind::Snapshot, 1)
@@ -366,7 +359,6 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
         (retired(1), "SYNC_KIND_JOIN"),
         (retired(2), "SYNC_KIND_UPDATE"),
         (retired(3), "SYNC_KIND_FINAL"),
-        (gradient, "gradient_step"),
     ] {
         let mut old = TestDrafter::open(&broker.address, "old").await;
         // The begin alone: the broker ends the session at it.
@@ -382,7 +374,7 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
             status.message()
         );
     }
-    assert_eq!(model_sync_status(&broker).await.center_version, 0);
+    assert_eq!(model_sync_status(&broker).await.model_version, 0);
     let result = drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(1.0))
         .await;
@@ -391,9 +383,9 @@ async fn a_drafter_of_a_retired_method_is_refused_by_name_and_changes_nothing() 
 }
 
 #[tokio::test]
-async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart() {
+async fn the_final_model_is_written_after_complete_and_resumed_after_a_restart() {
     let work = tempfile::tempdir().unwrap();
-    let output = work.path().join("center");
+    let output = work.path().join("model");
     let mut config = BrokerConfig::for_targets(1);
     config.model_sync.model_output = Some(output.clone());
     config.model_sync.model_save_every = Duration::ZERO;
@@ -404,7 +396,7 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
     // A drafter that dies without its final snapshot must not hold the
-    // final center for the whole timeout.
+    // final model for the whole timeout.
     let killed = TestDrafter::open(&broker.address, "killed").await;
     drop(killed);
 
@@ -419,7 +411,7 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
         })
         .await
     );
-    // The final snapshot arrives after COMPLETE; the final center is it.
+    // The final snapshot arrives after COMPLETE; the final model is it.
     let result = drafter
         .snapshot(proto::SyncKind::FinalSnapshot, 1, &shifted(0.5))
         .await;
@@ -429,10 +421,10 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
             model_sync_status(&broker).await.final_saved
         })
         .await,
-        "the final center is written once the connected drafter's final snapshot is in"
+        "the final model is written once the connected drafter's final snapshot is in"
     );
     let status = model_sync_status(&broker).await;
-    assert_eq!((status.saved_version, status.center_version), (1, 1));
+    assert_eq!((status.saved_version, status.model_version), (1, 1));
 
     // The files are the reference format: config.json as the drafter sent
     // it, every weight in f32 in model.safetensors, nothing else in it.
@@ -457,18 +449,18 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
     assert_eq!(fc_values, vec![1.5, 2.5, 3.5, 4.5, 5.5, 6.5]);
     broker.stop().await;
 
-    // A restarted broker on the same folder resumes that center.
+    // A restarted broker on the same folder resumes that model.
     let restarted = TestBroker::start(config).await;
     let status = model_sync_status(&restarted).await;
-    assert!(status.has_center);
-    assert_eq!((status.center_version, status.center_samples), (1, 12));
+    assert!(status.has_model);
+    assert_eq!((status.model_version, status.model_samples), (1, 12));
     let rejoined = TestDrafter::open(&restarted.address, "drafter-0").await;
-    assert!(rejoined.welcome.has_center);
-    let (_, center) = read_as_drafter(&restarted.address, "drafter-0")
+    assert!(rejoined.welcome.has_model);
+    let (_, model) = read_as_drafter(&restarted.address, "drafter-0")
         .await
         .unwrap();
     assert_eq!(
-        values(&center, "fc.weight"),
+        values(&model, "fc.weight"),
         vec![1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
     );
     restarted.stop().await;
@@ -476,15 +468,15 @@ async fn the_final_center_is_written_after_complete_and_resumed_after_a_restart(
 
 // ---------------------------------------------------------------- Online evaluation
 
-/// One `ReadCenter` of the current center: the header and the center
+/// One `ReadModel` of the current model: the header and the run's model
 /// (name → values).
-async fn read_center(
+async fn read_model(
     address: &str,
     evaluator_id: &str,
-) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
-    read_center_with(
+) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    read_model_with(
         address,
-        proto::ReadCenterRequest {
+        proto::ReadModelRequest {
             evaluator_id: evaluator_id.to_string(),
             ..Default::default()
         },
@@ -492,42 +484,42 @@ async fn read_center(
     .await
 }
 
-/// One `ReadCenter` as `request` asks it.
-async fn read_center_with(
+/// One `ReadModel` as `request` asks it.
+async fn read_model_with(
     address: &str,
-    request: proto::ReadCenterRequest,
-) -> Result<(proto::CenterHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
-    use proto::read_center_response::Kind;
+    request: proto::ReadModelRequest,
+) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    use proto::read_model_response::Kind;
     let mut client = ModelSyncClient::connect(address.to_string())
         .await
         .expect("connect");
-    let mut stream = client.read_center(request).await?.into_inner();
+    let mut stream = client.read_model(request).await?.into_inner();
     let header = match stream.message().await?.and_then(|message| message.kind) {
         Some(Kind::Header(header)) => header,
         other => panic!("expected the header, got {other:?}"),
     };
-    let mut center: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut model: Vec<(String, Vec<u8>)> = Vec::new();
     loop {
         match stream.message().await?.and_then(|message| message.kind) {
             Some(Kind::Chunk(chunk)) => {
                 assert_eq!(chunk.dtype, proto::Dtype::F32 as i32);
-                match center.last_mut() {
+                match model.last_mut() {
                     Some((name, bytes)) if *name == chunk.name => {
                         assert_eq!(chunk.offset, bytes.len() as u64);
                         bytes.extend_from_slice(&chunk.data);
                     }
-                    _ => center.push((chunk.name, chunk.data.to_vec())),
+                    _ => model.push((chunk.name, chunk.data.to_vec())),
                 }
             }
             Some(Kind::Done(done)) => {
-                assert_eq!(done.center_version, header.center_version);
-                assert_eq!(done.tensors as usize, center.len());
+                assert_eq!(done.model_version, header.model_version);
+                assert_eq!(done.tensors as usize, model.len());
                 break;
             }
             other => panic!("expected chunks, got {other:?}"),
         }
     }
-    let decoded = center
+    let decoded = model
         .into_iter()
         .map(|(name, bytes)| (name, f32_values(&bytes)))
         .collect();
@@ -543,8 +535,8 @@ fn f32_values(bytes: &[u8]) -> Vec<f32> {
 
 fn tau_point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
     proto::TauPoint {
-        center_version: version,
-        center_samples: samples,
+        model_version: version,
+        model_samples: samples,
         tau,
         prompts: 8,
         generated_tokens: 320,
@@ -589,7 +581,7 @@ fn training_status(mut status: proto::ModelSyncStatus) -> proto::ModelSyncStatus
 }
 
 /// Two drafters' snapshots of six steps, with or without an evaluator
-/// reading the center between every two of them; the final center's
+/// reading the run's model between every two of them; the final model's
 /// values and the status.
 async fn train_with_optional_reads(
     evaluator_reads: bool,
@@ -602,16 +594,16 @@ async fn train_with_optional_reads(
     let mut second = TestDrafter::open(&broker.address, "drafter-b").await;
     for step in 0..6u64 {
         if evaluator_reads {
-            let (header, read) = read_center(&broker.address, "evaluator").await.unwrap();
+            let (header, read) = read_model(&broker.address, "evaluator").await.unwrap();
             assert_eq!(
-                header.center_version, step,
-                "a read sees the center as it is"
+                header.model_version, step,
+                "a read sees the run's model as it is"
             );
             assert_eq!(header.model_config_json, CONFIG_JSON);
             assert_eq!(
                 read,
                 as_read(&shifted(0.125 * step as f32)),
-                "a read returns the center's exact values"
+                "a read returns the model's exact values"
             );
         }
         let drafter = if step % 2 == 0 {
@@ -628,18 +620,18 @@ async fn train_with_optional_reads(
             .await;
         assert!(result.applied);
     }
-    let (_, center) = read_as_drafter(&broker.address, "drafter-c").await.unwrap();
+    let (_, model) = read_as_drafter(&broker.address, "drafter-c").await.unwrap();
     let status = model_sync_status(&broker).await;
     broker.stop().await;
-    (center, status)
+    (model, status)
 }
 
 #[tokio::test]
-async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
+async fn an_evaluator_reading_the_model_changes_nothing_of_the_run() {
     let (alone, alone_status) = train_with_optional_reads(false).await;
     let (read, read_status) = train_with_optional_reads(true).await;
-    let bits = |center: &[(String, Vec<f32>)]| -> Vec<(String, Vec<u32>)> {
-        center
+    let bits = |model: &[(String, Vec<f32>)]| -> Vec<(String, Vec<u32>)> {
+        model
             .iter()
             .map(|(name, values)| {
                 (
@@ -649,7 +641,7 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
             })
             .collect()
     };
-    assert_eq!(bits(&read), bits(&alone), "the same center, bit for bit");
+    assert_eq!(bits(&read), bits(&alone), "the same model, bit for bit");
     // Six versions read, none reported: the last ones the broker keeps.
     assert_eq!(
         read_status.evaluations_pending.len(),
@@ -664,12 +656,12 @@ async fn an_evaluator_reading_the_center_changes_nothing_of_the_run() {
 }
 
 #[tokio::test]
-async fn the_final_center_does_not_wait_for_an_evaluator() {
+async fn the_final_model_does_not_wait_for_an_evaluator() {
     let work = tempfile::tempdir().unwrap();
     let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.model_output = Some(work.path().join("center"));
+    config.model_sync.model_output = Some(work.path().join("model"));
     config.model_sync.model_save_every = Duration::ZERO;
-    // Were the evaluator waited for, the final center would take an hour.
+    // Were the evaluator waited for, the final model would take an hour.
     config.model_sync.model_final_sync_timeout = Duration::from_secs(3600);
     let broker = TestBroker::start(config).await;
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
@@ -681,7 +673,7 @@ async fn the_final_center_does_not_wait_for_an_evaluator() {
         .await
         .unwrap();
     let _held = client
-        .read_center(proto::ReadCenterRequest {
+        .read_model(proto::ReadModelRequest {
             evaluator_id: "evaluator".to_string(),
             ..Default::default()
         })
@@ -713,12 +705,12 @@ async fn the_final_center_does_not_wait_for_an_evaluator() {
             model_sync_status(&broker).await.final_saved
         })
         .await,
-        "the final center is written once the drafter's final snapshot is in"
+        "the final model is written once the drafter's final snapshot is in"
     );
     broker.stop().await;
 }
 
-/// The tensors of a center checkpoint's `model.safetensors`.
+/// The tensors of a model checkpoint's `model.safetensors`.
 fn checkpoint_values(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -744,7 +736,7 @@ fn checkpoint_version(dir: &std::path::Path) -> u64 {
 
 /// An evaluator that measures later than it reads: a header-only read
 /// keeps the version (no weights sent), a read of that version later sends
-/// exactly its weights though the center moved on, and takes nothing new;
+/// exactly its weights though the run's model moved on, and takes nothing new;
 /// a version not kept is refused, naming the versions kept.
 #[tokio::test]
 async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
@@ -753,21 +745,21 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
-    let (_, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
+    let (_, version_0) = read_model(&broker.address, "evaluator").await.unwrap();
     drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
-    let request = |header_only, center_version| proto::ReadCenterRequest {
+    let request = |header_only, model_version| proto::ReadModelRequest {
         evaluator_id: "evaluator".to_string(),
         header_only,
-        center_version,
+        model_version,
         ..Default::default()
     };
 
-    let (header, weights) = read_center_with(&broker.address, request(true, None))
+    let (header, weights) = read_model_with(&broker.address, request(true, None))
         .await
         .unwrap();
-    assert_eq!((header.center_version, header.center_samples), (1, 12));
+    assert_eq!((header.model_version, header.model_samples), (1, 12));
     assert!(weights.is_empty(), "a header-only read sends no weights");
     assert_eq!(
         model_sync_status(&broker).await.evaluations_pending,
@@ -777,15 +769,15 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     drafter
         .snapshot(proto::SyncKind::Snapshot, 2, &shifted(0.75))
         .await;
-    let (header, version_1) = read_center_with(&broker.address, request(false, Some(1)))
+    let (header, version_1) = read_model_with(&broker.address, request(false, Some(1)))
         .await
         .unwrap();
-    assert_eq!((header.center_version, header.center_samples), (1, 12));
-    let (current, now) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!(current.center_version, 2);
+    assert_eq!((header.model_version, header.model_samples), (1, 12));
+    let (current, now) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!(current.model_version, 2);
     assert_ne!(version_1, now, "the kept version, not the current one");
     assert_ne!(version_1, version_0);
-    let (_, again) = read_center_with(&broker.address, request(false, Some(0)))
+    let (_, again) = read_model_with(&broker.address, request(false, Some(0)))
         .await
         .unwrap();
     assert_eq!(again, version_0, "version 0 as it was read");
@@ -795,12 +787,12 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
         "each version read is kept once"
     );
 
-    let refused = read_center_with(&broker.address, request(false, Some(7)))
+    let refused = read_model_with(&broker.address, request(false, Some(7)))
         .await
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     assert!(
-        refused.message().contains("center version 7 is not kept")
+        refused.message().contains("model version 7 is not kept")
             && refused.message().contains("[0, 1, 2]"),
         "{}",
         refused.message()
@@ -809,7 +801,7 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
     report_tau(&broker.address, "evaluator", Some(tau_point(1, 12, 1.5)))
         .await
         .unwrap();
-    let gone = read_center_with(&broker.address, request(false, Some(1)))
+    let gone = read_model_with(&broker.address, request(false, Some(1)))
         .await
         .unwrap_err();
     assert_eq!(gone.code(), tonic::Code::FailedPrecondition);
@@ -817,20 +809,20 @@ async fn a_version_kept_by_a_header_only_read_is_read_later_as_it_was() {
 }
 
 #[tokio::test]
-async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces_it() {
+async fn the_best_model_is_the_evaluated_version_and_only_a_better_tau_replaces_it() {
     let work = tempfile::tempdir().unwrap();
     let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.model_output = Some(work.path().join("center"));
+    config.model_sync.model_output = Some(work.path().join("model"));
     let broker = TestBroker::start(config).await;
-    let best_dir = work.path().join("center-best");
+    let best_dir = work.path().join("model-best");
     let mut drafter = TestDrafter::open(&broker.address, "drafter-0").await;
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
 
-    // Version 0 is read, then the center moves on twice before its report.
-    let (header, version_0) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!((header.center_version, header.center_samples), (0, 0));
+    // Version 0 is read, then the run's model moves on twice before its report.
+    let (header, version_0) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!((header.model_version, header.model_samples), (0, 0));
     drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
@@ -857,15 +849,15 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
     );
     let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
 
-    // A worse τ of a later version leaves the best center as it was.
-    let (header, _) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!((header.center_version, header.center_samples), (2, 24));
+    // A worse τ of a later version leaves the best model as it was.
+    let (header, _) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!((header.model_version, header.model_samples), (2, 24));
     let result = report_tau(&broker.address, "evaluator", Some(tau_point(2, 24, 1.25)))
         .await
         .unwrap();
     assert!(!result.best);
     assert_eq!(
-        result.best_point.as_ref().map(|best| best.center_version),
+        result.best_point.as_ref().map(|best| best.model_version),
         Some(0)
     );
     assert_eq!(
@@ -877,8 +869,8 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
     drafter
         .snapshot(proto::SyncKind::Snapshot, 3, &shifted(1.75))
         .await;
-    let (header, version_3) = read_center(&broker.address, "evaluator").await.unwrap();
-    assert_eq!(header.center_version, 3);
+    let (header, version_3) = read_model(&broker.address, "evaluator").await.unwrap();
+    assert_eq!(header.model_version, 3);
     drafter
         .snapshot(proto::SyncKind::Snapshot, 4, &shifted(2.75))
         .await;
@@ -894,18 +886,18 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
     let history: Vec<(u64, u64, f64)> = status
         .tau_history
         .iter()
-        .map(|point| (point.center_version, point.center_samples, point.tau))
+        .map(|point| (point.model_version, point.model_samples, point.tau))
         .collect();
     assert_eq!(history, vec![(0, 0, 1.5), (2, 24, 1.25), (3, 36, 2.0)]);
     assert_eq!(
-        status.best_tau.map(|best| (best.center_version, best.tau)),
+        status.best_tau.map(|best| (best.model_version, best.tau)),
         Some((3, 2.0))
     );
     assert_eq!(
         (status.best_saved_version, status.best_path),
         (3, best_dir.display().to_string())
     );
-    assert_eq!(status.center_version, 4, "the center itself went on");
+    assert_eq!(status.model_version, 4, "the run's model itself went on");
     assert!(status.evaluations_pending.is_empty());
     broker.stop().await;
 }
@@ -914,16 +906,16 @@ async fn the_best_center_is_the_evaluated_version_and_only_a_better_tau_replaces
 async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     let work = tempfile::tempdir().unwrap();
     let mut config = BrokerConfig::for_targets(1);
-    config.model_sync.model_output = Some(work.path().join("center"));
+    config.model_sync.model_output = Some(work.path().join("model"));
     let broker = TestBroker::start(config).await;
-    let best_dir = work.path().join("center-best");
+    let best_dir = work.path().join("model-best");
     let address = broker.address.clone();
 
-    // Before any drafter: there is no center to read.
-    let refused = read_center(&address, "evaluator").await.unwrap_err();
+    // Before any drafter: there is no model to read.
+    let refused = read_model(&address, "evaluator").await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
     assert!(
-        refused.message().contains("no center yet"),
+        refused.message().contains("no model yet"),
         "{}",
         refused.message()
     );
@@ -932,14 +924,14 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
     drafter
         .snapshot(proto::SyncKind::Snapshot, 0, &initial())
         .await;
-    read_center(&address, "evaluator").await.unwrap();
+    read_model(&address, "evaluator").await.unwrap();
     report_tau(&address, "evaluator", Some(tau_point(0, 0, 1.5)))
         .await
         .unwrap();
     drafter
         .snapshot(proto::SyncKind::Snapshot, 1, &shifted(0.5))
         .await;
-    read_center(&address, "evaluator").await.unwrap();
+    read_model(&address, "evaluator").await.unwrap();
     let before = model_sync_status(&broker).await;
     let best_bytes = std::fs::read(best_dir.join("model.safetensors")).unwrap();
 
@@ -982,19 +974,19 @@ async fn bad_tau_reports_are_refused_naming_the_value_and_change_nothing() {
             "evaluator",
             Some(tau_point(1, 13, 2.0)),
             tonic::Code::InvalidArgument,
-            "center_samples 13 is not the served version 1's 12",
+            "model_samples 13 is not the served version 1's 12",
         ),
         (
             "evaluator",
             Some(tau_point(7, 12, 2.0)),
             tonic::Code::FailedPrecondition,
-            "center version 7 was not served",
+            "model version 7 was not served",
         ),
         (
             "evaluator",
             Some(tau_point(0, 0, 2.0)),
             tonic::Code::FailedPrecondition,
-            "center version 0 is already reported (τ 1.5)",
+            "model version 0 is already reported (τ 1.5)",
         ),
         (
             "evaluator",

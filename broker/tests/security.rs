@@ -509,7 +509,7 @@ async fn each_role_may_call_only_its_own_rpcs_and_a_refusal_changes_nothing() {
     assert_eq!(status.done_targets, 0);
     assert!(status.targets.is_empty(), "{:?}", status.targets);
     assert!(status.drafters.is_empty(), "{:?}", status.drafters);
-    assert!(!status.model_sync.unwrap_or_default().has_center);
+    assert!(!status.model_sync.unwrap_or_default().has_model);
 
     // Each role doing its own part completes the run.
     let consumer = spawn_drafter(drafter.clone(), "drafter-0", Duration::from_secs(30));
@@ -638,14 +638,14 @@ fn code_of<T>(result: Result<tonic::Response<T>, tonic::Status>) -> tonic::Code 
     }
 }
 
-/// #23 the evaluator role: an evaluator credential may read the center and
+/// #23 the evaluator role: an evaluator credential may read the run's model and
 /// report τ for its own evaluator_id only, and nothing else (no Produce,
 /// ReportDone, Consume or ModelSync.Session); no other role may read the
-/// center or report τ. Every refusal is PERMISSION_DENIED and changes
+/// model or report τ. Every refusal is PERMISSION_DENIED and changes
 /// nothing; the evaluator's own calls pass authorization (they fail later
-/// for want of a center, FAILED_PRECONDITION, or of a served version).
+/// for want of a model, FAILED_PRECONDITION, or of a served version).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_else() {
+async fn only_an_evaluator_reads_the_model_or_reports_tau_and_it_does_nothing_else() {
     let folder = tempfile::tempdir().unwrap();
     let write = |name: &str, text: &str| write_in(folder.path(), name, text);
     let broker = broker_with_credentials(
@@ -669,14 +669,14 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
             )
         }
     };
-    let read = |evaluator_id: &str| proto::ReadCenterRequest {
+    let read = |evaluator_id: &str| proto::ReadModelRequest {
         evaluator_id: evaluator_id.to_string(),
         ..Default::default()
     };
     let report = |evaluator_id: &str| proto::TauReport {
         evaluator_id: evaluator_id.to_string(),
         point: Some(proto::TauPoint {
-            center_version: 1,
+            model_version: 1,
             tau: 2.0,
             prompts: 1,
             verification_steps: 1,
@@ -684,7 +684,7 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
         }),
     };
 
-    // Other roles may neither read the center nor report τ.
+    // Other roles may neither read the run's model nor report τ.
     for (name, token) in [
         ("t0", "token-of-target-zero"),
         ("d", "token-of-every-drafter"),
@@ -692,9 +692,9 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
     ] {
         let mut client = sync_client(options(name, token)).await;
         assert_eq!(
-            code_of(client.read_center(read("eval-0")).await),
+            code_of(client.read_model(read("eval-0")).await),
             tonic::Code::PermissionDenied,
-            "{name} read the center"
+            "{name} read the run's model"
         );
         assert_eq!(
             code_of(client.report_tau(report("eval-0")).await),
@@ -707,16 +707,16 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
     let mut evaluator_sync = sync_client(evaluator_options.clone()).await;
     // Not as another evaluator.
     assert_eq!(
-        code_of(evaluator_sync.read_center(read("eval-1")).await),
+        code_of(evaluator_sync.read_model(read("eval-1")).await),
         tonic::Code::PermissionDenied
     );
     assert_eq!(
         code_of(evaluator_sync.report_tau(report("eval-1")).await),
         tonic::Code::PermissionDenied
     );
-    // As itself it passes authorization: no center yet, no version served.
+    // As itself it passes authorization: no model yet, no version served.
     assert_eq!(
-        code_of(evaluator_sync.read_center(read("eval-0")).await),
+        code_of(evaluator_sync.read_model(read("eval-0")).await),
         tonic::Code::FailedPrecondition
     );
     let refused = evaluator_sync
@@ -763,7 +763,7 @@ async fn only_an_evaluator_reads_the_center_or_reports_tau_and_it_does_nothing_e
     assert_eq!(status.done_targets, 0);
     assert!(status.drafters.is_empty(), "{:?}", status.drafters);
     let model_sync = status.model_sync.unwrap_or_default();
-    assert!(!model_sync.has_center);
+    assert!(!model_sync.has_model);
     assert!(
         model_sync.tau_history.is_empty(),
         "{:?}",

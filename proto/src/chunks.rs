@@ -1,5 +1,5 @@
-//! Named tensors sent as `TensorChunk`s (the center in a ModelSync reply
-//! or a `ReadCenter` stream), put back together: each tensor's chunks in
+//! Named tensors sent as `TensorChunk`s (the run's model in a ModelSync reply
+//! or a `ReadModel` stream), put back together: each tensor's chunks in
 //! order and contiguous, one tensor after the other, then a count that
 //! must match. One reader for the drafter's sync link and the evaluator.
 

@@ -7,7 +7,7 @@
 //!   (`dflash/v1/broker.proto`), `model_sync_client` and `model_sync_server`
 //!   (`dflash/v1/model_sync.proto`: the shared draft model).
 //! - `chunks`: named tensors sent as `TensorChunk`s put back together
-//!   ([`chunks::TensorAssembler`]), for every receiver of the center.
+//!   ([`chunks::TensorAssembler`]), for every receiver of the run's model.
 //! - `codec`: the gRPC codec of every generated client and server (prost's,
 //!   encoding each message into one exact-size buffer).
 //! - `frames`: gRPC messages read from HTTP/2 DATA frames as slices of

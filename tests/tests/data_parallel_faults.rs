@@ -37,7 +37,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use dflash_broker::run_model::checkpoint::read_center;
+use dflash_broker::run_model::checkpoint::read_model;
 use dflash_client::BrokerClient;
 use dflash_proto::v1 as proto;
 use dflash_testkit::{
@@ -379,7 +379,7 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     })
     .await;
     assert!(final_saved, "final model written; log: {}", broker.log());
-    let model = read_center(&model_dir).unwrap().expect("a model on disk");
+    let model = read_model(&model_dir).unwrap().expect("a model on disk");
     assert_eq!(model.version, parallel.committed_step, "{parallel:?}");
     let sync = client
         .status()
@@ -388,7 +388,7 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
         .model_sync
         .unwrap_or_default();
     assert_eq!(
-        sync.center_samples, produced,
+        sync.model_samples, produced,
         "the run's model trained every produced sample once: {sync:?}"
     );
     assert!(!model.tensors.is_empty());

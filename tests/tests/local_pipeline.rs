@@ -117,7 +117,10 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
     );
     // The drafters trained one shared model; the broker wrote it and its τ
     // was measured (scripts/check-checkpoint.sh loads it in the reference).
-    assert!(workdir.join("center").join("model.safetensors").is_file());
+    assert!(workdir
+        .join("run-model")
+        .join("model.safetensors")
+        .is_file());
     // τ counts the bonus token, so every model has τ >= 1 and that says
     // nothing. Training must buy acceptance: the trained drafter and the
     // shared model beat a freshly initialised drafter by TAU_MARGIN.
@@ -127,24 +130,24 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
             .unwrap_or_else(|| panic!("no {key}: {summary}"))
     };
     let untrained = tau("untrained_acceptance_length");
-    for key in ["acceptance_length", "center_acceptance_length"] {
+    for key in ["acceptance_length", "model_acceptance_length"] {
         assert!(
             tau(key) >= untrained + TAU_MARGIN,
             "{key} {} is not {TAU_MARGIN} above the untrained drafter's {untrained}: {summary}",
             tau(key)
         );
     }
-    // The online evaluator measured the center while it trained, in version
-    // order, and the final center last, whatever the CPU left it.
+    // The online evaluator measured the run's model while it trained, in version
+    // order, and the final model last, whatever the CPU left it.
     let state: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(workdir.join("center").join("center_state.json")).unwrap(),
+        &std::fs::read(workdir.join("run-model").join("center_state.json")).unwrap(),
     )
     .unwrap();
     let curve: Vec<u64> = summary["tau_curve"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|point| point["center_version"].as_u64().unwrap())
+        .map(|point| point["model_version"].as_u64().unwrap())
         .collect();
     assert!(
         curve.windows(2).all(|pair| pair[0] < pair[1]),
@@ -155,10 +158,7 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
         state["version"].as_u64().as_ref(),
         "{summary}"
     );
-    assert!(
-        summary["best_center"]["tau"].as_f64().is_some(),
-        "{summary}"
-    );
+    assert!(summary["best_model"]["tau"].as_f64().is_some(), "{summary}");
     assert!(
         stdout.contains("end-of-stream: COMPLETE") && stdout.contains("result: OK"),
         "{stdout}"

@@ -12,30 +12,30 @@ use dflash_shell::parse_duration;
 
 #[derive(Debug, Clone, Args)]
 pub struct ModelSyncConfig {
-    /// Folder the run's one draft model (the center) is written to, in the
+    /// Folder the run's one draft model is written to, in the
     /// reference dflash format, every --model-save-every and at the end; a
-    /// restarted broker resumes the center from it. Without it the center
+    /// restarted broker resumes the model from it. Without it the model
     /// lives in memory only.
     #[arg(long, env = "DFLASH_MODEL_OUTPUT")]
     pub model_output: Option<PathBuf>,
 
-    /// How often a changed center is written (0: only at the end).
+    /// How often a changed model is written (0: only at the end).
     #[arg(long, env = "DFLASH_MODEL_SAVE_EVERY", default_value = "5m", value_parser = parse_duration)]
     pub model_save_every: Duration,
 
-    /// After end-of-stream COMPLETE, how long the final center waits for the
+    /// After end-of-stream COMPLETE, how long the final model waits for the
     /// final snapshot of every drafter that still has a session open.
     #[arg(long, env = "DFLASH_MODEL_FINAL_SYNC_TIMEOUT", default_value = "2m", value_parser = parse_duration)]
     pub model_final_sync_timeout: Duration,
 
     /// The draft model's `config.json` this run trains: every drafter's
-    /// snapshot (the first, which defines the center, included) must carry
+    /// snapshot (the first, which defines the model, included) must carry
     /// it, or is refused naming both. Without it the first snapshot defines
     /// the model and later ones must match its tensors' shapes.
     #[arg(long, env = "DFLASH_MODEL_CONFIG")]
     pub model_config: Option<PathBuf>,
 
-    /// Center versions read by evaluators and not yet reported that the
+    /// Versions of the run's model read by evaluators and not yet reported that the
     /// broker keeps (reading one more lets the oldest go). An evaluator
     /// that measures slower than it reads (a busy CPU) queues this many;
     /// each kept version may cost one f32 copy of the weights once a newer

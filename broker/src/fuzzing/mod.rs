@@ -13,17 +13,17 @@
 //!   [`decode_produce_request`]), each item checked as the service checks
 //!   it and sent on as a delivery.
 //! - [`model_sync`]: ModelSync snapshot sessions' messages, interleaved,
-//!   against one center, as the session adapter (`model_sync::service`)
+//!   against one model, as the session adapter (`run_model::service`)
 //!   applies them.
-//! - [`center_checkpoint`]: a center checkpoint's files through the reader
-//!   a restarted broker resumes the center with.
+//! - [`model_checkpoint`]: a model checkpoint's files through the reader
+//!   a restarted broker resumes the model with.
 //! - [`wal_segment`]: a write-ahead log segment (header and frames)
 //!   replayed as a restarted broker replays its newest one, and the queue
 //!   rebuilt from what it recovered.
 //!
 //! # Layout
 //! - `mod.rs`: [`produce`] and [`wal_segment`], and the seeds' test.
-//! - `center`: [`model_sync`] and [`center_checkpoint`], the center's
+//! - `run_model`: [`model_sync`] and [`model_checkpoint`], the model's
 //!   bodies, and the input layouts they read.
 //! - `seeds`: [`seeds`], every target's seed inputs from the broker's own
 //!   encoders.
@@ -41,10 +41,10 @@ use crate::queue::Delivery;
 use crate::service::ConsumeOut;
 use crate::zero_copy::grpc_frame;
 
-mod center;
+mod run_model;
 mod seeds;
 
-pub use center::{center_checkpoint, center_checkpoint_input, model_sync, model_sync_input};
+pub use run_model::{model_checkpoint, model_checkpoint_input, model_sync, model_sync_input};
 pub use seeds::seeds;
 
 /// Fuzz body: a Produce request body (the layout of
@@ -164,14 +164,14 @@ pub fn wal_segment(data: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::center::run_sessions;
-    use super::seeds::seed_center_files;
+    use super::run_model::run_sessions;
+    use super::seeds::seed_model_files;
     use super::*;
-    use crate::run_model::checkpoint::{self, CenterFiles};
+    use crate::run_model::checkpoint::{self, ModelFiles};
     use std::path::Path;
 
     /// Every seed passes its fuzz body, and the seeds reach the decoders'
-    /// insides: the sessions make and replace a center, the checkpoints
+    /// insides: the sessions make and replace a model, the checkpoints
     /// read back.
     #[test]
     fn every_seed_passes_and_reaches_past_the_first_checks() {
@@ -180,7 +180,7 @@ mod tests {
             match seed.target {
                 "broker_produce" => produce(&seed.bytes),
                 "model_sync" => model_sync(&seed.bytes),
-                "center_checkpoint" => center_checkpoint(&seed.bytes),
+                "model_checkpoint" => model_checkpoint(&seed.bytes),
                 "wal_segment" => {
                     wal_segment(&seed.bytes);
                     // Past the header: every seed's records are read.
@@ -196,7 +196,7 @@ mod tests {
             (
                 count("broker_produce"),
                 count("model_sync"),
-                count("center_checkpoint"),
+                count("model_checkpoint"),
                 count("wal_segment")
             ),
             (5, 3, 3, 3)
@@ -205,19 +205,19 @@ mod tests {
             let state = run_sessions(&seed.bytes).unwrap();
             let status = state.status(Instant::now());
             if seed.name == "sessions-refused" {
-                // The first snapshot made the center; the other shape, the
+                // The first snapshot made the model; the other shape, the
                 // retired kind and the other model changed nothing.
-                assert_eq!((status.center_version, status.has_center), (0, true));
+                assert_eq!((status.model_version, status.has_model), (0, true));
                 continue;
             }
-            assert_eq!(status.center_version, 3, "{}", seed.name);
+            assert_eq!(status.model_version, 3, "{}", seed.name);
             assert!(
                 status.drafters.iter().all(|drafter| drafter.finished),
                 "{}",
                 seed.name
             );
         }
-        let files = seed_center_files(7).unwrap();
+        let files = seed_model_files(7).unwrap();
         assert_eq!(files.len(), 3);
         let file = |name: &str| {
             files
@@ -229,15 +229,15 @@ mod tests {
             String::from_utf8(file(checkpoint::CONFIG_FILE_NAME).unwrap().to_vec()).unwrap();
         let state = String::from_utf8(file(checkpoint::STATE_FILE_NAME).unwrap().to_vec()).unwrap();
         let model = bytes::Bytes::copy_from_slice(file(checkpoint::MODEL_FILE_NAME).unwrap());
-        let center = checkpoint::decode_center(
-            Path::new("center"),
-            CenterFiles {
+        let model = checkpoint::decode_model(
+            Path::new("model"),
+            ModelFiles {
                 config_json: &config,
                 model: &model,
                 state_json: Some(&state),
             },
         )
         .unwrap();
-        assert_eq!((center.version, center.tensors.len()), (7, 2));
+        assert_eq!((model.version, model.tensors.len()), (7, 2));
     }
 }

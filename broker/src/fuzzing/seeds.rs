@@ -8,10 +8,10 @@ use dflash_proto::fuzzing::{schema_sample, ReceivedBody, Seed};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
-use super::center::{center_checkpoint_input, model_sync_input, PINNED_CONFIG};
+use super::run_model::{model_checkpoint_input, model_sync_input, PINNED_CONFIG};
 use crate::payload::WireItem;
-use crate::run_model::center::{ModelSyncState, Upload};
 use crate::run_model::checkpoint;
+use crate::run_model::store::{ModelSyncState, Upload};
 
 /// A chunk of tensor `name` (`dtype`, `shape`) at `offset`.
 pub(super) fn chunk(
@@ -48,7 +48,6 @@ pub(super) fn begin(kind: proto::SyncKind, steps: u64, samples: u64) -> proto::S
             steps,
             samples,
             tokens: samples * 16,
-            ..proto::SyncBegin::default()
         })),
     }
 }
@@ -106,7 +105,7 @@ pub(super) fn snapshot_messages(
 /// prost's (the drafter's encoder of sync messages): Produce bodies of real
 /// items cut several ways; sessions that send snapshots (a later and an
 /// older step) and final snapshots, and ones that are refused (a bf16
-/// snapshot among them); checkpoints written by the center's writer.
+/// snapshot among them); checkpoints written by the model's writer.
 /// Seed segments for [`wal_segment`]: what a run's log holds (epochs,
 /// accepted items, deliveries, acks, a dead letter, done), a snapshot, and
 /// an aborted run.
@@ -301,11 +300,11 @@ pub fn seeds() -> Vec<Seed> {
     });
 
     for (name, steps, with_state) in [
-        ("center-plain", 1, true),
-        ("center-later-step", 7, true),
-        ("center-without-state", 1, false),
+        ("model-plain", 1, true),
+        ("model-later-step", 7, true),
+        ("model-without-state", 1, false),
     ] {
-        let Some(files) = seed_center_files(steps) else {
+        let Some(files) = seed_model_files(steps) else {
             continue;
         };
         let file = |wanted: &str| {
@@ -322,9 +321,9 @@ pub fn seeds() -> Vec<Seed> {
             parts.push(file(checkpoint::STATE_FILE_NAME));
         }
         seeds.push(Seed {
-            target: "center_checkpoint",
+            target: "model_checkpoint",
             name: name.to_string(),
-            bytes: center_checkpoint_input(&parts),
+            bytes: model_checkpoint_input(&parts),
         });
     }
     seeds
@@ -334,9 +333,9 @@ pub fn seeds() -> Vec<Seed> {
 /// bf16: 16 KiB and more).
 pub(super) const LARGE_WIDTH: usize = 4200;
 
-/// A center made by a snapshot of step 0 and one of `steps` through the
+/// A model made by a snapshot of step 0 and one of `steps` through the
 /// state machine, as its checkpoint writer encodes it.
-pub(super) fn seed_center_files(steps: u64) -> Option<Vec<(&'static str, Vec<u8>)>> {
+pub(super) fn seed_model_files(steps: u64) -> Option<Vec<(&'static str, Vec<u8>)>> {
     let mut state = ModelSyncState::new(None);
     let now = Instant::now();
     for (steps, dtype, scale) in [(0, proto::Dtype::F32, 1.0), (steps, proto::Dtype::F32, 0.5)] {
@@ -363,6 +362,6 @@ pub(super) fn seed_center_files(steps: u64) -> Option<Vec<(&'static str, Vec<u8>
             }
         }
     }
-    let center = state.center()?;
-    checkpoint::encode_center_files(center).ok()
+    let model = state.model()?;
+    checkpoint::encode_model_files(model).ok()
 }

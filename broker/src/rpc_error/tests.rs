@@ -9,9 +9,9 @@ use tonic::{Code, Status};
 use super::RpcError;
 use crate::payload::DecodeFailure;
 use crate::queue::{BrokerState, QueueError};
-use crate::run_model::center::SyncError;
 use crate::run_model::checkpoint::CheckpointError;
 use crate::run_model::evaluation::ReportError;
+use crate::run_model::store::SyncError;
 
 /// The variant's name. Exhaustive on purpose: a new variant does not
 /// compile here until it is named, and [`every_variant_has_its_code_and_message`]
@@ -53,9 +53,9 @@ fn variant(error: &RpcError) -> &'static str {
         E::SessionClosed => "SessionClosed",
         E::DrafterReadNamesEvaluator => "DrafterReadNamesEvaluator",
         E::VersionNotKept { .. } => "VersionNotKept",
-        E::NoCenterToRead => "NoCenterToRead",
+        E::NoModelToRead => "NoModelToRead",
         E::PointOfOtherEvaluator { .. } => "PointOfOtherEvaluator",
-        E::BestCenterNotWritten(_) => "BestCenterNotWritten",
+        E::BestModelNotWritten(_) => "BestModelNotWritten",
         E::TaskFailed { .. } => "TaskFailed",
     }
 }
@@ -281,7 +281,7 @@ fn own_cases() -> Vec<(RpcError, Code, String)> {
         case(
             RpcError::DrafterReadNamesEvaluator,
             Code::InvalidArgument,
-            "a drafter's ReadCenter names drafter_id alone (no evaluator_id, no center_version)",
+            "a drafter's ReadModel names drafter_id alone (no evaluator_id, no model_version)",
         ),
         case(
             RpcError::VersionNotKept {
@@ -289,12 +289,12 @@ fn own_cases() -> Vec<(RpcError, Code, String)> {
                 kept: vec![4, 5],
             },
             Code::FailedPrecondition,
-            "center version 3 is not kept for evaluation (kept: [4, 5]); read the current center",
+            "model version 3 is not kept for evaluation (kept: [4, 5]); read the current model",
         ),
         case(
-            RpcError::NoCenterToRead,
+            RpcError::NoModelToRead,
             Code::FailedPrecondition,
-            "no center yet: no drafter has sent a snapshot",
+            "no model yet: no drafter has sent a snapshot",
         ),
         case(
             RpcError::PointOfOtherEvaluator {
@@ -305,12 +305,12 @@ fn own_cases() -> Vec<(RpcError, Code, String)> {
             "the point's evaluator_id \"e1\" is not the report's \"e0\"",
         ),
         case(
-            RpcError::BestCenterNotWritten(CheckpointError::Format {
-                path: "/runs/center-best".into(),
+            RpcError::BestModelNotWritten(CheckpointError::Format {
+                path: "/runs/model-best".into(),
                 detail: "no space left".to_string(),
             }),
             Code::Unavailable,
-            "writing the best center failed: /runs/center-best: no space left",
+            "writing the best model failed: /runs/model-best: no space left",
         ),
         case(
             RpcError::TaskFailed {
@@ -416,7 +416,7 @@ fn domain_cases() -> Vec<(RpcError, Code)> {
         ),
     ];
     let sync = [
-        (SyncError::NoCenter, Code::FailedPrecondition),
+        (SyncError::NoModel, Code::FailedPrecondition),
         (
             SyncError::BadTensor {
                 name: "fc.weight".to_string(),
@@ -432,7 +432,7 @@ fn domain_cases() -> Vec<(RpcError, Code)> {
             SyncError::ShapeMismatch {
                 name: "fc.weight".to_string(),
                 got: vec![2, 3],
-                center: vec![3, 2],
+                model: vec![3, 2],
             },
             Code::InvalidArgument,
         ),
@@ -465,7 +465,6 @@ fn domain_cases() -> Vec<(RpcError, Code)> {
             },
             Code::FailedPrecondition,
         ),
-        (SyncError::GradientStepRemoved, Code::InvalidArgument),
     ];
     let report = [
         (ReportError::MissingPoint, Code::InvalidArgument),
@@ -554,7 +553,7 @@ fn domain_errors_answer_through_the_table() {
     let sync = SyncError::UnknownTensor("fc.bias".to_string());
     let status = Status::from(sync);
     assert_eq!(status.code(), Code::InvalidArgument);
-    assert_eq!(status.message(), "the center has no tensor \"fc.bias\"");
+    assert_eq!(status.message(), "the model has no tensor \"fc.bias\"");
 
     let report = ReportError::AlreadyReported {
         version: 3,
@@ -564,6 +563,6 @@ fn domain_errors_answer_through_the_table() {
     assert_eq!(status.code(), Code::FailedPrecondition);
     assert_eq!(
         status.message(),
-        "center version 3 is already reported (τ 2.5)"
+        "model version 3 is already reported (τ 2.5)"
     );
 }

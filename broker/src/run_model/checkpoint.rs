@@ -1,4 +1,4 @@
-//! The center on disk, in the same reference `dflash` format as a drafter's
+//! The model on disk, in the same reference `dflash` format as a drafter's
 //! checkpoint (`config.json` + `model.safetensors` with the draft parameters
 //! in f32, `{"format": "pt"}` metadata), so `DFlashDraftModel.from_pretrained`
 //! loads it with no missing or unexpected keys. Beside them, for resuming
@@ -6,43 +6,23 @@
 //!
 //! Written with the `safetensors` crate, not libtorch, into a hidden
 //! temporary sibling directory that is renamed into place: a reader sees the
-//! whole previous center or the whole new one.
+//! whole previous model or the whole new one.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use bytes::Bytes;
 use safetensors::tensor::View;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use super::center::{first_non_finite, Center, CenterTensor};
+use super::store::{first_non_finite, StoredModel, StoredTensor};
+pub use crate::rpc_error::CheckpointError;
 
 pub const CONFIG_FILE_NAME: &str = "config.json";
 pub const MODEL_FILE_NAME: &str = "model.safetensors";
 pub const STATE_FILE_NAME: &str = "center_state.json";
-
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{path}: {detail}")]
-    Format { path: PathBuf, detail: String },
-}
-
-impl From<dflash_shell::DurableError> for CheckpointError {
-    fn from(error: dflash_shell::DurableError) -> Self {
-        CheckpointError::Io {
-            path: error.path,
-            source: error.source,
-        }
-    }
-}
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
@@ -51,76 +31,73 @@ fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ 
     }
 }
 
-/// The counters that make a resumed center continue where it stopped (a
+/// The counters that make a resumed model continue where it stopped (a
 /// file written by an older broker, with local SGD's counters beside
 /// these, reads the same).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct CenterState {
+pub struct ModelState {
     /// The committed steps the weights are trained for.
     pub version: u64,
     pub samples: u64,
 }
 
-/// Writes `center` to `dir` atomically, replacing what was there: every
+/// Writes `model` to `dir` atomically, replacing what was there: every
 /// file goes into a hidden staging sibling first, which then takes `dir`'s
 /// place.
-pub fn write_center(dir: &Path, center: &Center) -> Result<(), CheckpointError> {
-    // Never written unless finite: a saved center is what every later
+pub fn write_model(dir: &Path, model: &StoredModel) -> Result<(), CheckpointError> {
+    // Never written unless finite: a saved model is what every later
     // resume and every user of the run trusts.
-    for tensor in &center.tensors {
+    for tensor in &model.tensors {
         if let Some((index, value)) = first_non_finite(&tensor.data) {
             return Err(CheckpointError::Format {
                 path: dir.to_path_buf(),
                 detail: format!(
-                    "tensor {:?} is not finite ({value} at element {index}); the center is not written",
+                    "tensor {:?} is not finite ({value} at element {index}); the model is not written",
                     tensor.name
                 ),
             });
         }
     }
-    dflash_shell::replace_directory(dir, |staging| write_center_files(staging, center))
+    dflash_shell::replace_directory(dir, |staging| write_model_files(staging, model))
 }
 
-/// Writes the center's files into `staging`: the model config, the weights
+/// Writes the model's files into `staging`: the model config, the weights
 /// and the counters.
-fn write_center_files(staging: &Path, center: &Center) -> Result<(), CheckpointError> {
+fn write_model_files(staging: &Path, model: &StoredModel) -> Result<(), CheckpointError> {
     let config_path = staging.join(CONFIG_FILE_NAME);
-    write_text(&config_path, &config_text(&config_path, center)?)?;
+    write_text(&config_path, &config_text(&config_path, model)?)?;
     let model_path = staging.join(MODEL_FILE_NAME);
     safetensors::serialize_to_file(
-        f32_views(&model_path, center)?,
+        f32_views(&model_path, model)?,
         Some(safetensors_metadata()),
         &model_path,
     )
     .map_err(|error| format_error(&model_path, error.to_string()))?;
     let state_path = staging.join(STATE_FILE_NAME);
-    write_text(&state_path, &state_text(&state_path, center)?)
+    write_text(&state_path, &state_text(&state_path, model)?)
 }
 
-/// The files [`write_center`] writes, in memory, as (file name, bytes):
+/// The files [`write_model`] writes, in memory, as (file name, bytes):
 /// the same encoders, without the disk (the fuzz seeds and round trips;
-/// small centers only, the whole checkpoint is held twice).
-pub fn encode_center_files(
-    center: &Center,
+/// small models only, the whole checkpoint is held twice).
+pub fn encode_model_files(
+    model: &StoredModel,
 ) -> Result<Vec<(&'static str, Vec<u8>)>, CheckpointError> {
     let config_path = Path::new(CONFIG_FILE_NAME);
     let model_path = Path::new(MODEL_FILE_NAME);
     let mut files = vec![
         (
             CONFIG_FILE_NAME,
-            config_text(config_path, center)?.into_bytes(),
+            config_text(config_path, model)?.into_bytes(),
         ),
         (
             MODEL_FILE_NAME,
-            safetensors::serialize(f32_views(model_path, center)?, Some(safetensors_metadata()))
+            safetensors::serialize(f32_views(model_path, model)?, Some(safetensors_metadata()))
                 .map_err(|error| format_error(model_path, error.to_string()))?,
         ),
     ];
     let state_path = Path::new(STATE_FILE_NAME);
-    files.push((
-        STATE_FILE_NAME,
-        state_text(state_path, center)?.into_bytes(),
-    ));
+    files.push((STATE_FILE_NAME, state_text(state_path, model)?.into_bytes()));
     Ok(files)
 }
 
@@ -132,26 +109,26 @@ fn format_error(path: &Path, detail: String) -> CheckpointError {
 }
 
 /// `config.json`: the model config, pretty-printed.
-fn config_text(config_path: &Path, center: &Center) -> Result<String, CheckpointError> {
-    let config: serde_json::Value = serde_json::from_str(&center.config_json)
+fn config_text(config_path: &Path, model: &StoredModel) -> Result<String, CheckpointError> {
+    let config: serde_json::Value = serde_json::from_str(&model.config_json)
         .map_err(|error| format_error(config_path, format!("model config: {error}")))?;
     Ok(pretty(&config))
 }
 
-/// `center_state.json`: the counters a resumed center continues from.
-fn state_text(state_path: &Path, center: &Center) -> Result<String, CheckpointError> {
-    let state = CenterState {
-        version: center.version,
-        samples: center.samples,
+/// `center_state.json`: the counters a resumed model continues from.
+fn state_text(state_path: &Path, model: &StoredModel) -> Result<String, CheckpointError> {
+    let state = ModelState {
+        version: model.version,
+        samples: model.samples,
     };
     let state_json = serde_json::to_value(&state)
         .map_err(|error| format_error(state_path, error.to_string()))?;
     Ok(pretty(&state_json))
 }
 
-/// A center tensor as safetensors writes it: its f32 bytes as they are,
+/// A model tensor as safetensors writes it: its f32 bytes as they are,
 /// borrowed when they are one chunk, joined (one tensor at a time, never
-/// under the center's lock) when they arrived in several.
+/// under the model's lock) when they arrived in several.
 struct ChunkedF32<'a> {
     shape: Vec<usize>,
     data: &'a [Bytes],
@@ -183,13 +160,13 @@ fn safetensors_metadata() -> HashMap<String, String> {
     HashMap::from([("format".to_string(), "pt".to_string())])
 }
 
-/// The safetensors views of the center's tensors (f32), each checked
+/// The safetensors views of the model's tensors (f32), each checked
 /// against its shape.
 fn f32_views<'a>(
     path: &Path,
-    center: &'a Center,
+    model: &'a StoredModel,
 ) -> Result<Vec<(String, ChunkedF32<'a>)>, CheckpointError> {
-    center
+    model
         .tensors
         .iter()
         .map(|tensor| {
@@ -215,12 +192,12 @@ fn f32_views<'a>(
         .collect()
 }
 
-/// A center checkpoint's files as read from its directory; the optional
+/// A model checkpoint's files as read from its directory; the optional
 /// ones `None` when absent.
 #[derive(Debug, Clone, Copy)]
-pub struct CenterFiles<'a> {
+pub struct ModelFiles<'a> {
     pub config_json: &'a str,
-    /// `model.safetensors`: the center's tensors are slices of it.
+    /// `model.safetensors`: the model's tensors are slices of it.
     pub model: &'a Bytes,
     pub state_json: Option<&'a str>,
 }
@@ -234,21 +211,21 @@ pub struct DecodedTensor {
     pub values: Vec<f32>,
 }
 
-/// A center checkpoint decoded to f32: [`read_center`]'s answer.
+/// A model checkpoint decoded to f32: [`read_model`]'s answer.
 #[derive(Debug, Clone, PartialEq)]
-pub struct DecodedCenter {
+pub struct DecodedModel {
     pub version: u64,
     pub samples: u64,
     pub tensors: Vec<DecodedTensor>,
 }
 
-/// Reads a center written by [`write_center`] and decodes its weights to
-/// f32, for tests and tools; `None` when `dir` holds no center yet.
-pub fn read_center(dir: &Path) -> Result<Option<DecodedCenter>, CheckpointError> {
-    let Some(center) = read_stored_center(dir)? else {
+/// Reads a model written by [`write_model`] and decodes its weights to
+/// f32, for tests and tools; `None` when `dir` holds no model yet.
+pub fn read_model(dir: &Path) -> Result<Option<DecodedModel>, CheckpointError> {
+    let Some(model) = read_stored_model(dir)? else {
         return Ok(None);
     };
-    let tensors = center
+    let tensors = model
         .tensors
         .into_iter()
         .map(|tensor| DecodedTensor {
@@ -262,17 +239,17 @@ pub fn read_center(dir: &Path) -> Result<Option<DecodedCenter>, CheckpointError>
             shape: tensor.shape,
         })
         .collect();
-    Ok(Some(DecodedCenter {
-        version: center.version,
-        samples: center.samples,
+    Ok(Some(DecodedModel {
+        version: model.version,
+        samples: model.samples,
         tensors,
     }))
 }
 
-/// Reads a center written by [`write_center`] as the broker keeps it (each
+/// Reads a model written by [`write_model`] as the broker keeps it (each
 /// tensor a slice of the file's bytes, nothing decoded); `None` when `dir`
-/// holds no center yet.
-pub fn read_stored_center(dir: &Path) -> Result<Option<Center>, CheckpointError> {
+/// holds no model yet.
+pub fn read_stored_model(dir: &Path) -> Result<Option<StoredModel>, CheckpointError> {
     let model_path = dir.join(MODEL_FILE_NAME);
     if !model_path.is_file() {
         return Ok(None);
@@ -291,35 +268,35 @@ pub fn read_stored_center(dir: &Path) -> Result<Option<Center>, CheckpointError>
         }
     };
     let model = Bytes::from(std::fs::read(&model_path).map_err(io_error(&model_path))?);
-    let files = CenterFiles {
+    let files = ModelFiles {
         config_json: &config_json,
         model: &model,
         state_json: state_json.as_deref(),
     };
-    decode_center(dir, files).map(Some)
+    decode_model(dir, files).map(Some)
 }
 
-/// The center in `files` (read from `dir`, which errors name): the
+/// The model in `files` (read from `dir`, which errors name): the
 /// counters and the weights, each tensor a slice of the file's bytes,
 /// checked finite. Every length in the files is checked before anything is
-/// taken from it (the fuzz target `center_checkpoint` feeds it any bytes).
-pub fn decode_center(dir: &Path, files: CenterFiles<'_>) -> Result<Center, CheckpointError> {
+/// taken from it (the fuzz target `model_checkpoint` feeds it any bytes).
+pub fn decode_model(dir: &Path, files: ModelFiles<'_>) -> Result<StoredModel, CheckpointError> {
     let state = decode_state(&dir.join(STATE_FILE_NAME), files.state_json)?;
     let tensors = f32_tensors(&dir.join(MODEL_FILE_NAME), files.model)?;
-    let mut center = Center::new(files.config_json.to_string(), tensors, state.version)
+    let mut model = StoredModel::new(files.config_json.to_string(), tensors, state.version)
         .map_err(|error| format_error(dir, error.to_string()))?;
-    center.samples = state.samples;
-    Ok(center)
+    model.samples = state.samples;
+    Ok(model)
 }
 
-/// The center's counters; zero when the checkpoint has none (a drafter's
-/// checkpoint used as the starting center).
-fn decode_state(state_path: &Path, text: Option<&str>) -> Result<CenterState, CheckpointError> {
+/// The model's counters; zero when the checkpoint has none (a drafter's
+/// checkpoint used as the starting model).
+fn decode_state(state_path: &Path, text: Option<&str>) -> Result<ModelState, CheckpointError> {
     match text {
         Some(text) => {
             serde_json::from_str(text).map_err(|error| format_error(state_path, error.to_string()))
         }
-        None => Ok(CenterState {
+        None => Ok(ModelState {
             version: 0,
             samples: 0,
         }),
@@ -330,7 +307,7 @@ fn decode_state(state_path: &Path, text: Option<&str>) -> Result<CenterState, Ch
 /// only: the reference format's master weights), each checked finite.
 /// safetensors checks the header against the data (offsets, and shapes
 /// against byte lengths, without overflow) before any slice is taken.
-fn f32_tensors(path: &Path, bytes: &Bytes) -> Result<Vec<CenterTensor>, CheckpointError> {
+fn f32_tensors(path: &Path, bytes: &Bytes) -> Result<Vec<StoredTensor>, CheckpointError> {
     let file =
         SafeTensors::deserialize(bytes).map_err(|error| format_error(path, error.to_string()))?;
     let mut tensors = Vec::new();
@@ -342,10 +319,10 @@ fn f32_tensors(path: &Path, bytes: &Bytes) -> Result<Vec<CenterTensor>, Checkpoi
             ));
         }
         let data = bytes.slice_ref(view.data());
-        super::center::check_finite(&name, std::slice::from_ref(&data))
+        super::store::check_finite(&name, std::slice::from_ref(&data))
             .map_err(|error| format_error(path, error.to_string()))?;
         let shape: Vec<u64> = view.shape().iter().map(|&dim| dim as u64).collect();
-        tensors.push(CenterTensor {
+        tensors.push(StoredTensor {
             name,
             shape,
             data: vec![data],

@@ -1,18 +1,18 @@
-//! Online evaluation: the τ history of the center, as a synchronous state
+//! Online evaluation: the τ history of the model, as a synchronous state
 //! machine (no gRPC, no tokio, no clock of its own).
 //!
-//! An evaluator reads the center with `ReadCenter` (a read-only RPC apart
-//! from the drafters' sessions: it opens no session, so the final center
+//! An evaluator reads the model with `ReadModel` (a read-only RPC apart
+//! from the drafters' sessions: it opens no session, so the final model
 //! never waits for it) and later reports that version's τ with
 //! `ReportTau`. Between the two the broker keeps the version it served as a
-//! [`Center`] whose chunks are the center's own `Bytes` (handles cloned
-//! under the lock; a newer snapshot replaces the center's chunks and
+//! [`StoredModel`] whose chunks are the model's own `Bytes` (handles cloned
+//! under the lock; a newer snapshot replaces the model's chunks and
 //! leaves these alone), so a best τ writes exactly the weights that were
-//! evaluated, whatever the center did meanwhile. At most
+//! evaluated, whatever the model did meanwhile. At most
 //! `--max-pending-evaluations` versions are kept (default
 //! [`DEFAULT_MAX_PENDING_READS`]): an evaluator on a busy CPU reads versions
 //! when they are due and measures them later, in order, and each kept
-//! version holds its own copy of the weights once the center moved on.
+//! version holds its own copy of the weights once the model moved on.
 //!
 //! A report is checked before anything changes ([`Evaluations::check`]):
 //! a refused report leaves the history, the best and the kept versions as
@@ -22,7 +22,8 @@ use std::collections::VecDeque;
 
 use dflash_proto::v1 as proto;
 
-use super::center::Center;
+use super::store::StoredModel;
+pub use crate::rpc_error::ReportError;
 
 /// Reports kept in memory (and in the status): the last 1,024.
 pub const TAU_HISTORY: usize = 1024;
@@ -31,29 +32,6 @@ pub const TAU_HISTORY: usize = 1024;
 /// reading a newer one lets the oldest go.
 pub const DEFAULT_MAX_PENDING_READS: u32 = 4;
 
-/// Why a report was refused. Messages name the bad value.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum ReportError {
-    #[error("the report carries no point (center version, τ, ...)")]
-    MissingPoint,
-    #[error("τ {0} is not finite")]
-    NotFinite(f64),
-    #[error("τ {0} is below 1 (the target's own token is always accepted)")]
-    BelowOne(f64),
-    #[error("τ {tau} exceeds the drafter's block size {block_size}")]
-    AboveBlockSize { tau: f64, block_size: u64 },
-    #[error("{field} is 0: an evaluation covers at least one prompt and one verification")]
-    Empty { field: &'static str },
-    #[error("eval_seconds {0} is not a finite duration >= 0")]
-    BadSeconds(f64),
-    #[error("center version {version} was not served to an evaluator (pending: {pending:?}); read it with ReadCenter first")]
-    NotServed { version: u64, pending: Vec<u64> },
-    #[error("center version {version} is already reported (τ {tau})")]
-    AlreadyReported { version: u64, tau: f64 },
-    #[error("center_samples {got} is not the served version {version}'s {served}")]
-    SamplesMismatch { version: u64, got: u64, served: u64 },
-}
-
 /// A report that passed every check: what recording it will do.
 #[derive(Debug, Clone)]
 pub struct CheckedReport {
@@ -61,20 +39,20 @@ pub struct CheckedReport {
     /// Its τ beats every earlier report's (strictly: a tie keeps the
     /// earlier version).
     pub best: bool,
-    /// The version's weights, to write as the best center.
-    pub center: Center,
+    /// The version's weights, to write as the best model.
+    pub model: StoredModel,
 }
 
 /// The τ history, the best report, and the versions served and not yet
 /// reported.
 #[derive(Debug)]
 pub struct Evaluations {
-    pending: VecDeque<Center>,
+    pending: VecDeque<StoredModel>,
     /// The most versions `pending` keeps.
     max_pending: usize,
     history: VecDeque<proto::TauPoint>,
     best: Option<proto::TauPoint>,
-    /// The version written to the best center's directory, and where.
+    /// The version written to the best model's directory, and where.
     best_saved_version: Option<u64>,
     best_path: String,
     reports: u64,
@@ -101,17 +79,17 @@ impl Evaluations {
         }
     }
 
-    /// Keeps `center` (a weights-only copy sharing the buffers, see
-    /// [`Center::clone`], buffers shared) as served to an evaluator.
-    pub fn served(&mut self, center: Center) {
+    /// Keeps `model` (a weights-only copy sharing the buffers, see
+    /// [`StoredModel::clone`], buffers shared) as served to an evaluator.
+    pub fn served(&mut self, model: StoredModel) {
         if self
             .pending
             .iter()
-            .any(|pending| pending.version == center.version)
+            .any(|pending| pending.version == model.version)
         {
             return;
         }
-        self.pending.push_back(center);
+        self.pending.push_back(model);
         while self.pending.len() > self.max_pending {
             self.pending.pop_front();
         }
@@ -119,7 +97,7 @@ impl Evaluations {
 
     /// The version `version` as served and kept (its buffers shared), if
     /// it is still kept.
-    pub fn kept(&self, version: u64) -> Option<Center> {
+    pub fn kept(&self, version: u64) -> Option<StoredModel> {
         self.pending
             .iter()
             .find(|pending| pending.version == version)
@@ -148,18 +126,18 @@ impl Evaluations {
         if !point.eval_seconds.is_finite() || point.eval_seconds < 0.0 {
             return Err(ReportError::BadSeconds(point.eval_seconds));
         }
-        let version = point.center_version;
+        let version = point.model_version;
         if let Some(earlier) = self
             .history
             .iter()
-            .find(|earlier| earlier.center_version == version)
+            .find(|earlier| earlier.model_version == version)
         {
             return Err(ReportError::AlreadyReported {
                 version,
                 tau: earlier.tau,
             });
         }
-        let center = self
+        let model = self
             .pending
             .iter()
             .find(|pending| pending.version == version)
@@ -167,22 +145,22 @@ impl Evaluations {
                 version,
                 pending: self.pending_versions(),
             })?;
-        if let Some(block_size) = block_size(&center.config_json) {
+        if let Some(block_size) = block_size(&model.config_json) {
             if tau > block_size as f64 {
                 return Err(ReportError::AboveBlockSize { tau, block_size });
             }
         }
-        if point.center_samples != center.samples {
+        if point.model_samples != model.samples {
             return Err(ReportError::SamplesMismatch {
                 version,
-                got: point.center_samples,
-                served: center.samples,
+                got: point.model_samples,
+                served: model.samples,
             });
         }
         Ok(CheckedReport {
             point: point.clone(),
             best: self.best.as_ref().is_none_or(|best| tau > best.tau),
-            center: center.clone(),
+            model: model.clone(),
         })
     }
 
@@ -191,7 +169,7 @@ impl Evaluations {
     /// weights were written (`best_path`, empty when not written); the
     /// version is no longer kept.
     pub fn record(&mut self, report: CheckedReport, best_path: Option<String>) {
-        let version = report.point.center_version;
+        let version = report.point.model_version;
         self.pending.retain(|pending| pending.version != version);
         if report.best {
             self.best = Some(report.point.clone());
@@ -232,8 +210,8 @@ impl Evaluations {
     /// What `/metrics` shows of it.
     pub fn gauges(&self) -> TauGauges {
         TauGauges {
-            latest: self.latest().map(|point| (point.center_version, point.tau)),
-            best: self.best().map(|point| (point.center_version, point.tau)),
+            latest: self.latest().map(|point| (point.model_version, point.tau)),
+            best: self.best().map(|point| (point.model_version, point.tau)),
             reports: self.reports,
         }
     }
@@ -249,7 +227,7 @@ impl Evaluations {
     }
 }
 
-/// The evaluation's series in `/metrics`: (center version, τ) of the
+/// The evaluation's series in `/metrics`: (model version, τ) of the
 /// latest and of the best report, and the reports recorded.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct TauGauges {
@@ -271,10 +249,10 @@ fn block_size(config_json: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run_model::center::CenterTensor;
+    use crate::run_model::store::StoredTensor;
 
-    fn center(version: u64, samples: u64, value: f32) -> Center {
-        let tensor = CenterTensor {
+    fn model(version: u64, samples: u64, value: f32) -> StoredModel {
+        let tensor = StoredTensor {
             name: "fc.weight".to_string(),
             shape: vec![2],
             data: vec![bytes::Bytes::from(
@@ -284,16 +262,16 @@ mod tests {
                     .collect::<Vec<u8>>(),
             )],
         };
-        let mut center =
-            Center::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();
-        center.samples = samples;
-        center
+        let mut model =
+            StoredModel::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();
+        model.samples = samples;
+        model
     }
 
     fn point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {
         proto::TauPoint {
-            center_version: version,
-            center_samples: samples,
+            model_version: version,
+            model_samples: samples,
             tau,
             prompts: 4,
             generated_tokens: 64,
@@ -308,7 +286,7 @@ mod tests {
     fn report(book: &mut Evaluations, point: proto::TauPoint) -> Result<bool, ReportError> {
         let checked = book.check(Some(&point))?;
         let best = checked.best;
-        book.record(checked, Some("/runs/center-best".to_string()));
+        book.record(checked, Some("/runs/model-best".to_string()));
         Ok(best)
     }
 
@@ -316,21 +294,21 @@ mod tests {
     fn only_a_strictly_better_tau_becomes_the_best() {
         let mut book = Evaluations::default();
         for (version, samples) in [(1, 10), (2, 20)] {
-            book.served(center(version, samples, 1.0));
+            book.served(model(version, samples, 1.0));
         }
         assert_eq!(report(&mut book, point(1, 10, 2.0)), Ok(true));
         assert_eq!(report(&mut book, point(2, 20, 1.5)), Ok(false));
-        assert_eq!(book.best().map(|best| best.center_version), Some(1));
-        book.served(center(3, 30, 1.0));
+        assert_eq!(book.best().map(|best| best.model_version), Some(1));
+        book.served(model(3, 30, 1.0));
         assert_eq!(report(&mut book, point(3, 30, 2.0)), Ok(false), "a tie");
-        book.served(center(4, 40, 1.0));
+        book.served(model(4, 40, 1.0));
         assert_eq!(report(&mut book, point(4, 40, 2.5)), Ok(true));
         let mut status = proto::ModelSyncStatus::default();
         book.fill_status(&mut status);
         let versions: Vec<u64> = status
             .tau_history
             .iter()
-            .map(|point| point.center_version)
+            .map(|point| point.model_version)
             .collect();
         assert_eq!(versions, vec![1, 2, 3, 4]);
         assert_eq!(status.best_saved_version, 4);
@@ -341,9 +319,9 @@ mod tests {
     #[test]
     fn bad_reports_are_refused_naming_the_value_and_change_nothing() {
         let mut book = Evaluations::default();
-        book.served(center(5, 50, 1.0));
+        book.served(model(5, 50, 1.0));
         assert_eq!(report(&mut book, point(5, 50, 2.0)), Ok(true));
-        book.served(center(6, 60, 1.0));
+        book.served(model(6, 60, 1.0));
         let mut no_prompts = point(6, 60, 3.0);
         no_prompts.prompts = 0;
         let mut bad_seconds = point(6, 60, 3.0);
@@ -359,14 +337,14 @@ mod tests {
             ),
             (Some(no_prompts), "prompts is 0"),
             (Some(bad_seconds), "eval_seconds NaN"),
-            (Some(point(7, 70, 3.0)), "center version 7 was not served"),
+            (Some(point(7, 70, 3.0)), "model version 7 was not served"),
             (
                 Some(point(5, 50, 3.0)),
-                "center version 5 is already reported (τ 2)",
+                "model version 5 is already reported (τ 2)",
             ),
             (
                 Some(point(6, 61, 3.0)),
-                "center_samples 61 is not the served version 6's 60",
+                "model_samples 61 is not the served version 6's 60",
             ),
         ];
         let before = format!("{book:?}");
@@ -382,7 +360,7 @@ mod tests {
     fn history_and_kept_versions_are_bounded() {
         let mut book = Evaluations::default();
         for version in 0..(TAU_HISTORY as u64 + 10) {
-            book.served(center(version, version, 1.0));
+            book.served(model(version, version, 1.0));
             report(
                 &mut book,
                 point(version, version, 1.0 + version as f64 / 1e4),
@@ -392,10 +370,10 @@ mod tests {
         let mut status = proto::ModelSyncStatus::default();
         book.fill_status(&mut status);
         assert_eq!(status.tau_history.len(), TAU_HISTORY);
-        assert_eq!(status.tau_history[0].center_version, 10);
+        assert_eq!(status.tau_history[0].model_version, 10);
         assert_eq!(book.reports(), TAU_HISTORY as u64 + 10);
         for version in 0..6 {
-            book.served(center(10_000 + version, 0, 1.0));
+            book.served(model(10_000 + version, 0, 1.0));
         }
         assert_eq!(
             book.pending_versions(),
@@ -404,7 +382,7 @@ mod tests {
         );
         let mut one = Evaluations::new(1);
         for version in 0..3 {
-            one.served(center(version, 0, 1.0));
+            one.served(model(version, 0, 1.0));
         }
         assert_eq!(one.pending_versions(), vec![2]);
         let error = book.check(Some(&point(10_000, 0, 2.0))).unwrap_err();

@@ -1,49 +1,61 @@
-//! The run's one draft model as the broker keeps it, apart from how it
-//! travels (`crate::model_sync` serves it) and from the lighthouse that
-//! decides the steps (`model_sync::quorum`).
+//! The run's one draft model as the broker keeps it, and the
+//! `dflash.v1.ModelSync` service that serves it; the lighthouse that
+//! decides the steps is [`crate::lighthouse`] (this service forwards its
+//! two RPCs to `lighthouse::rpc`).
 //!
 //! The drafters are one data-parallel trainer: rank 0 sends the trained
 //! weights every `--snapshot-every` committed steps and every member sends
-//! its own when it stops; the broker keeps the latest step's (the
-//! "center"), writes it to `--model-output`, serves it to the online
+//! its own when it stops; the broker keeps the latest step's (the run's
+//! model), writes it to `--model-output`, serves it to the online
 //! evaluator and to drafters that start, and keeps the evaluator's τ curve.
-//! Everything here is synchronous and does no gRPC (the checkpoint's files
-//! are its only I/O).
+//! Everything but `service` is synchronous and does no gRPC (the
+//! checkpoint's files are its only I/O).
 //!
 //! # Layout
+//! Bottom first:
 //! - `settings`: [`RunModelSettings`], the typed part of the broker's flags
 //!   this room takes.
-//! - `center`: [`ModelSyncState`], the synchronous state machine (the
-//!   center, the snapshot sessions' drafters, status) with no I/O or
-//!   clock. Beneath it: `center::upload` (a snapshot as a session stages
-//!   it, chunk by chunk), `center::weights` (the center's tensors: the f32
+//! - `store`: [`ModelSyncState`], the synchronous state machine (the
+//!   model, the snapshot sessions' drafters, status) with no I/O or
+//!   clock. Beneath it: `store::upload` (a snapshot as a session stages
+//!   it, chunk by chunk), `store::weights` (the model's tensors: the f32
 //!   bytes as they arrived, shared, never decoded; the checks against
-//!   them), `center::error`.
-//! - `checkpoint`: the center on disk in the reference dflash format
+//!   them).
+//! - `checkpoint`: the model on disk in the reference dflash format
 //!   (safetensors, no libtorch), and reading it back on restart.
 //! - `evaluation`: online evaluation's τ curve, the best report, and the
 //!   registry of the versions kept for the evaluator between its read
-//!   (`ReadCenter`) and its report (`ReportTau`).
+//!   (`ReadModel`) and its report (`ReportTau`).
+//! - `mod.rs`: [`resume`], the state a broker starts with.
+//! - `service`: the gRPC adapter ([`service::ModelSyncShared`], the
+//!   snapshot sessions), then `service::writer` (the task that writes the
+//!   model to disk) and `service::evaluation` (`ReadModel`, `ReportTau`,
+//!   the best version's write), which import `service`.
 //!
-//! Must not depend on: `crate::model_sync`, `crate::config`; no gRPC.
+//! Its errors (`SyncError`, `ReportError`, `CheckpointError`) are defined
+//! beneath `crate::rpc_error`, the one table of gRPC codes, and re-exported
+//! here: `service` imports that table, so the table must not import this
+//! room. Must not depend on: `crate::config` (it gets [`RunModelSettings`]),
+//! `crate::service`.
 
-pub mod center;
 pub mod checkpoint;
 pub mod evaluation;
+pub mod service;
 pub mod settings;
+pub mod store;
 
 #[cfg(test)]
 mod tests;
 
-pub use center::{ModelSyncState, SyncError};
 pub use settings::RunModelSettings;
+pub use store::{ModelSyncState, SyncError};
 
-/// The state a broker starts with: the center resumed from
+/// The state a broker starts with: the model resumed from
 /// `--model-output` when one was written there, pinned to `--model-config`
-/// when given (a resumed center of another model is refused).
+/// when given (a resumed model of another config is refused).
 pub fn resume(settings: &RunModelSettings) -> Result<ModelSyncState, checkpoint::CheckpointError> {
     let resumed = match &settings.model_output {
-        Some(dir) => checkpoint::read_stored_center(dir)?,
+        Some(dir) => checkpoint::read_stored_model(dir)?,
         None => None,
     };
     let mut state = ModelSyncState::new(resumed);
@@ -60,9 +72,9 @@ pub fn resume(settings: &RunModelSettings) -> Result<ModelSyncState, checkpoint:
                 detail: format!("--model-config: {error}"),
             })?;
     }
-    if let (Some(center), Some(dir)) = (state.center(), &settings.model_output) {
-        tracing::info!(path = %dir.display(), version = center.version, parameters = center.parameters(), "center resumed from its last checkpoint");
-        state.saved_version = Some(center.version);
+    if let (Some(model), Some(dir)) = (state.model(), &settings.model_output) {
+        tracing::info!(path = %dir.display(), version = model.version, parameters = model.parameters(), "model resumed from its last checkpoint");
+        state.saved_version = Some(model.version);
         state.saved_path = dir.display().to_string();
     }
     Ok(state)

@@ -8,14 +8,14 @@ use std::time::Duration;
 /// evaluator may have kept.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunModelSettings {
-    /// `--model-output`: the folder the center is written to and resumed
+    /// `--model-output`: the folder the model is written to and resumed
     /// from; `None`: in memory only.
     pub model_output: Option<PathBuf>,
-    /// `--model-save-every`: how often a changed center is written (zero:
+    /// `--model-save-every`: how often a changed model is written (zero:
     /// only at the end).
     pub save_every: Duration,
     /// `--model-final-sync-timeout`: after COMPLETE, how long the final
-    /// center waits for the final snapshots of open sessions.
+    /// model waits for the final snapshots of open sessions.
     pub final_snapshot_timeout: Duration,
     /// `--model-config`: the `config.json` every snapshot must carry.
     pub model_config: Option<PathBuf>,

@@ -1,4 +1,4 @@
-//! The center's rules on known buffers: snapshots of later and older
+//! The model's rules on known buffers: snapshots of later and older
 //! steps, torn uploads, refused kinds, the final-snapshot bookkeeping. No
 //! I/O.
 
@@ -6,8 +6,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use dflash_proto::v1 as proto;
+use prost::Message;
 
-use super::center::{CommitOutcome, FiniteUpload, ModelSyncState, SyncError, Upload};
+use super::store::{CommitOutcome, FiniteUpload, ModelSyncState, SyncError, Upload};
 
 const CONFIG: &str = r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 4}"#;
 
@@ -88,16 +89,16 @@ fn commit_snapshot(
         .unwrap()
 }
 
-fn center_values(state: &ModelSyncState, name: &str) -> Vec<f32> {
-    let center = state.center().unwrap();
-    let joined = center.tensors[center.by_name[name]].data.concat();
+fn model_values(state: &ModelSyncState, name: &str) -> Vec<f32> {
+    let model = state.model().unwrap();
+    let joined = model.tensors[model.by_name[name]].data.concat();
     joined
         .chunks_exact(4)
         .map(|raw| f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
         .collect()
 }
 
-/// A state whose center is `d0`'s snapshot of step 0.
+/// A state whose model is `d0`'s snapshot of step 0.
 fn initialised_state() -> ModelSyncState {
     let mut state = ModelSyncState::new(None);
     state.open_session("d0");
@@ -108,9 +109,9 @@ fn initialised_state() -> ModelSyncState {
 }
 
 #[test]
-fn the_first_snapshot_makes_the_center_of_its_bytes_and_bf16_is_refused() {
+fn the_first_snapshot_makes_the_model_of_its_bytes_and_bf16_is_refused() {
     let mut state = ModelSyncState::new(None);
-    // An empty snapshot cannot make a center.
+    // An empty snapshot cannot make a model.
     let error = state
         .commit(
             "d0",
@@ -120,7 +121,7 @@ fn the_first_snapshot_makes_the_center_of_its_bytes_and_bf16_is_refused() {
             Instant::now(),
         )
         .unwrap_err();
-    assert_eq!(error, SyncError::NoCenter);
+    assert_eq!(error, SyncError::NoModel);
     // A snapshot is the f32 master weights: a bf16 chunk is refused.
     let mut bf16 = Upload::new(&begin(proto::SyncKind::Snapshot, 3, 24)).unwrap();
     let error = bf16
@@ -144,13 +145,13 @@ fn the_first_snapshot_makes_the_center_of_its_bytes_and_bf16_is_refused() {
         )
         .unwrap();
     assert!(outcome.initialised);
-    assert_eq!((outcome.center_version, outcome.center_samples), (3, 24));
-    assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
-    assert_eq!(center_values(&state, "b"), vec![0.5, -0.5, 8.0]);
-    // The center holds the bytes as they arrived: the chunks of three
+    assert_eq!((outcome.model_version, outcome.model_samples), (3, 24));
+    assert_eq!(model_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(model_values(&state, "b"), vec![0.5, -0.5, 8.0]);
+    // The model holds the bytes as they arrived: the chunks of three
     // elements, not a copy.
-    let center = state.center().unwrap();
-    let chunk_lengths: Vec<usize> = center.tensors[center.by_name["a"]]
+    let model = state.model().unwrap();
+    let chunk_lengths: Vec<usize> = model.tensors[model.by_name["a"]]
         .data
         .iter()
         .map(|chunk| chunk.len())
@@ -159,7 +160,7 @@ fn the_first_snapshot_makes_the_center_of_its_bytes_and_bf16_is_refused() {
 }
 
 #[test]
-fn a_snapshot_of_a_later_step_becomes_the_center_and_an_older_one_changes_nothing() {
+fn a_snapshot_of_a_later_step_becomes_the_model_and_an_older_one_changes_nothing() {
     let mut state = initialised_state();
     let trained = weights([1.5, 2.5, -3.0, 4.25], [0.0, 1.0, 2.0]);
     let outcome = state
@@ -172,10 +173,10 @@ fn a_snapshot_of_a_later_step_becomes_the_center_and_an_older_one_changes_nothin
         )
         .unwrap();
     assert!(outcome.applied);
-    assert_eq!(outcome.center_version, 7);
-    assert_eq!(outcome.center_samples, 56);
-    assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
-    assert_eq!(center_values(&state, "b"), vec![0.0, 1.0, 2.0]);
+    assert_eq!(outcome.model_version, 7);
+    assert_eq!(outcome.model_samples, 56);
+    assert_eq!(model_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
+    assert_eq!(model_values(&state, "b"), vec![0.0, 1.0, 2.0]);
     // A member behind the others (step 6) changes nothing.
     let older = weights([9.0; 4], [9.0; 3]);
     let outcome = state
@@ -190,7 +191,7 @@ fn a_snapshot_of_a_later_step_becomes_the_center_and_an_older_one_changes_nothin
     assert!(!outcome.applied);
     assert!(outcome.reason.contains("step 7"), "{}", outcome.reason);
     assert_eq!(state.version(), Some(7));
-    assert_eq!(center_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
+    assert_eq!(model_values(&state, "a"), vec![1.5, 2.5, -3.0, 4.25]);
     assert!(state.drafter("d1").unwrap().finished);
 }
 
@@ -217,17 +218,17 @@ fn a_snapshot_with_a_non_finite_weight_or_a_missing_tensor_is_refused() {
         .unwrap_err();
     assert_eq!(error, SyncError::MissingTensor("b".to_string()));
     assert_eq!(state.version(), Some(0));
-    assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(model_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
 }
 
 #[test]
 fn torn_or_inconsistent_uploads_change_nothing() {
     let mut state = initialised_state();
-    let before_a = center_values(&state, "a");
-    let before_b = center_values(&state, "b");
+    let before_a = model_values(&state, "a");
+    let before_b = model_values(&state, "b");
     let now = Instant::now();
     // A drafter that dies mid-upload never commits: its staged chunks are
-    // dropped with its session and the center is untouched. Shown here by
+    // dropped with its session and the model is untouched. Shown here by
     // staging half an upload and dropping it.
     let half = || proto::TensorChunk {
         name: "a".into(),
@@ -279,8 +280,8 @@ fn torn_or_inconsistent_uploads_change_nothing() {
         )
         .unwrap_err();
     assert!(matches!(error, SyncError::ShapeMismatch { .. }), "{error}");
-    assert_eq!(center_values(&state, "a"), before_a);
-    assert_eq!(center_values(&state, "b"), before_b);
+    assert_eq!(model_values(&state, "a"), before_a);
+    assert_eq!(model_values(&state, "b"), before_b);
     assert_eq!(state.version(), Some(0));
 }
 
@@ -343,7 +344,7 @@ fn a_shape_whose_bytes_overflow_is_refused_at_its_first_chunk() {
 }
 
 #[test]
-fn the_final_center_waits_only_for_open_sessions_without_a_final_snapshot() {
+fn the_final_model_waits_only_for_open_sessions_without_a_final_snapshot() {
     let mut state = initialised_state();
     state.open_session("d1");
     state.open_session("killed");
@@ -372,11 +373,11 @@ fn the_final_center_waits_only_for_open_sessions_without_a_final_snapshot() {
 }
 
 /// #22: with `--model-config` the run's model is fixed: the first snapshot
-/// (which defines an empty center) and every later one must carry that
-/// config, or are refused naming both; a resumed center of another model is
+/// (which defines an empty model) and every later one must carry that
+/// config, or are refused naming both; a resumed model of another config is
 /// refused.
 #[test]
-fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_center() {
+fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_model() {
     let mut state = ModelSyncState::new(None);
     state.pin_config(CONFIG).unwrap();
     state.open_session("squatter");
@@ -396,7 +397,7 @@ fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_center() {
             if expected.contains("\"hidden_size\":4") && got.contains("\"hidden_size\":8")),
         "{error}"
     );
-    assert!(state.center().is_none(), "nothing was defined");
+    assert!(state.model().is_none(), "nothing was defined");
     // The same config, spelled with other spacing, is the same model.
     let spaced = r#"{ "hidden_size": 4, "architectures": [ "DFlashDraftModel" ] }"#;
     let outcome = state
@@ -409,9 +410,9 @@ fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_center() {
         )
         .unwrap();
     assert!(outcome.initialised);
-    // A resumed center of another model cannot be pinned to this one.
-    let center = state.center().unwrap().clone();
-    let mut resumed = ModelSyncState::new(Some(center));
+    // A resumed model of another config cannot be pinned to this one.
+    let model = state.model().unwrap().clone();
+    let mut resumed = ModelSyncState::new(Some(model));
     assert!(matches!(
         resumed.pin_config(other),
         Err(SyncError::ConfigMismatch { .. })
@@ -419,8 +420,10 @@ fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_center() {
 }
 
 /// Asynchronous local SGD was retired: its kinds (JOIN 1, UPDATE 2, FINAL
-/// 3) and the broker's AdamW (`gradient_step`, field 7) are refused by
-/// name with INVALID_ARGUMENT before anything is staged.
+/// 3, reserved on the wire) are refused by name with INVALID_ARGUMENT
+/// before anything is staged. The broker's AdamW (`gradient_step`, field
+/// 7, reserved too) is an unknown field now: a begin that still carries it
+/// reads as the same begin without it, and its kind decides.
 #[test]
 fn the_kinds_of_retired_methods_are_refused_by_name_and_change_nothing() {
     let state = initialised_state();
@@ -443,23 +446,26 @@ fn the_kinds_of_retired_methods_are_refused_by_name_and_change_nothing() {
             status.message()
         );
     }
-    let step = proto::GradientStep {
-        learning_rate: 1e-3,
-        ..proto::GradientStep::default()
-    };
-    let refused = proto::SyncBegin {
-        gradient_step: Some(step),
+    // An old drafter of the broker's AdamW: kind UPDATE and a
+    // `gradient_step` (field 7: a message whose learning_rate, field 1, is
+    // 1e-3), as the wire carried them.
+    let mut wire = proto::SyncBegin {
+        kind: 2,
         ..begin(proto::SyncKind::Snapshot, 1, 8)
-    };
-    let error = Upload::new(&refused).unwrap_err();
-    assert_eq!(error, SyncError::GradientStepRemoved);
-    let status = tonic::Status::from(error);
-    assert_eq!(status.code(), tonic::Code::InvalidArgument);
-    assert!(
-        status.message().starts_with("gradient_step: "),
-        "{}",
-        status.message()
+    }
+    .encode_to_vec();
+    wire.extend_from_slice(&[(7 << 3) | 2, 9, (1 << 3) | 1]);
+    wire.extend_from_slice(&1e-3f64.to_le_bytes());
+    let decoded = proto::SyncBegin::decode(wire.as_slice()).unwrap();
+    assert_eq!(
+        decoded,
+        proto::SyncBegin {
+            kind: 2,
+            ..begin(proto::SyncKind::Snapshot, 1, 8)
+        }
     );
+    let error = Upload::new(&decoded).unwrap_err();
+    assert_eq!(error, SyncError::RemovedKind("SYNC_KIND_UPDATE"));
     assert_eq!(state.version(), Some(0));
-    assert_eq!(center_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(model_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
 }

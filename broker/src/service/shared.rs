@@ -292,7 +292,7 @@ pub(crate) struct Shared {
     /// Woken when an operation created a deadline earlier than the ticker's
     /// planned wake.
     pub(super) deadline_changed: Notify,
-    /// The run state, published on every change (the center writer waits
+    /// The run state, published on every change (the model writer waits
     /// on it instead of polling).
     pub(super) run_state: tokio::sync::watch::Sender<crate::queue::BrokerState>,
     /// Why the write-ahead log cannot write right now (no space, EIO), or
@@ -308,7 +308,7 @@ pub(crate) struct Shared {
     /// How the large payloads of accepted items arrived (in `/metrics`).
     pub(crate) received: crate::payload::ReceivedPayloads,
     /// The model-sync service, whose status joins every snapshot.
-    pub(super) model_sync: std::sync::OnceLock<Arc<crate::model_sync::ModelSyncShared>>,
+    pub(super) model_sync: std::sync::OnceLock<Arc<crate::run_model::service::ModelSyncShared>>,
 }
 
 impl Shared {
@@ -421,7 +421,10 @@ impl Shared {
         self.locked.lock().queue.commit_record()
     }
 
-    pub(crate) fn set_model_sync(&self, model_sync: Arc<crate::model_sync::ModelSyncShared>) {
+    pub(crate) fn set_model_sync(
+        &self,
+        model_sync: Arc<crate::run_model::service::ModelSyncShared>,
+    ) {
         let _ = self.model_sync.set(model_sync);
     }
 

@@ -27,8 +27,8 @@ enum Command {
     /// Speculative decoding with a trained drafter; prints the mean acceptance length τ.
     Eval(EvalArgs),
     /// τ of the run's shared model while it trains: reads the broker's
-    /// center (read-only), measures τ as `eval` does and reports it to the
-    /// broker, which keeps the history and the best center (`--watch`:
+    /// model (read-only), measures τ as `eval` does and reports it to the
+    /// broker, which keeps the history and the best model (`--watch`:
     /// follow the run to its end).
     Evaluate(evaluate::EvaluateArgs),
     /// Regenerate the assistant turns of a chat JSONL with the target (batched,

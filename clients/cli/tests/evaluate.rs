@@ -1,6 +1,6 @@
 //! `dflash evaluate` against the real broker in-process: the τ the
-//! evaluator reports for a center version equals `dflash eval` on the
-//! checkpoint the broker wrote of that version (`center-best/`), and the
+//! evaluator reports for a model version equals `dflash eval` on the
+//! checkpoint the broker wrote of that version (`model-best/`), and the
 //! broker's history holds it.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -24,7 +24,7 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
     proto::SyncRequest { kind: Some(kind) }
 }
 
-/// Initialises the broker's center from a drafter checkpoint with one
+/// Initialises the run's model from a drafter checkpoint with one
 /// snapshot of step 0, as a data-parallel drafter's first one.
 async fn snapshot_from(address: &str, checkpoint: &Path) {
     let config_json = std::fs::read_to_string(checkpoint.join("config.json")).unwrap();
@@ -84,7 +84,7 @@ async fn snapshot_from(address: &str, checkpoint: &Path) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
+async fn the_reported_tau_equals_dflash_eval_on_the_saved_model() {
     let work = tempfile::tempdir().unwrap();
     let target_dir = work.path().join("target");
     dflash_model::tiny::write_tiny_model(
@@ -122,7 +122,7 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
     std::fs::write(&prompts, lines).unwrap();
 
     let mut broker_config = dflash_broker::BrokerConfig::for_targets(1);
-    broker_config.model_sync.model_output = Some(work.path().join("center"));
+    broker_config.model_sync.model_output = Some(work.path().join("model"));
     let broker = TestBroker::start(broker_config).await;
     snapshot_from(&broker.address, &initial).await;
 
@@ -153,11 +153,11 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_center() {
     assert_eq!(report.points.len(), 1);
     assert!(report.points[0].best, "the first report is the best so far");
     let point = &report.points[0].point;
-    assert_eq!(point.center_version, 0);
+    assert_eq!(point.model_version, 0);
     assert_eq!(report.refused_reports, 0);
 
     // `dflash eval`'s code on the checkpoint the broker wrote of it.
-    let best_dir = work.path().join("center-best");
+    let best_dir = work.path().join("model-best");
     let eval_prompts = dflash_cli::demo::read_prompts(&prompts, &target_dir).unwrap();
     let (target, best) = (target_dir.clone(), best_dir.clone());
     let measured = tokio::task::spawn_blocking(move || {

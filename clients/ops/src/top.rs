@@ -367,12 +367,12 @@ pub fn trace_export_line(snapshot: &proto::StatusSnapshot) -> String {
     )
 }
 
-/// The run's draft model: its step (the center's version), where it is
+/// The run's draft model: its step (the model's version), where it is
 /// written, τ, the last quorum, and each drafter's last snapshot (nothing
 /// before the first snapshot).
 pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
     let mut out = String::new();
-    let Some(sync) = snapshot.model_sync.as_ref().filter(|sync| sync.has_center) else {
+    let Some(sync) = snapshot.model_sync.as_ref().filter(|sync| sync.has_model) else {
         return out;
     };
     let saved = if sync.saved_path.is_empty() {
@@ -387,11 +387,11 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
     };
     let _ = writeln!(
         out,
-        "model  center v{}  {} parameters ({} held)  {} samples  {saved}",
-        sync.center_version,
+        "model  v{}  {} parameters ({} held)  {} samples  {saved}",
+        sync.model_version,
         human_count(sync.parameters as f64),
-        human_bytes(sync.center_bytes as f64),
-        sync.center_samples,
+        human_bytes(sync.model_bytes as f64),
+        sync.model_samples,
     );
     out.push_str(&tau_line(sync));
     out.push_str(&data_parallel_line(sync));
@@ -483,11 +483,11 @@ pub fn tau_line(sync: &proto::ModelSyncStatus) -> String {
         } else {
             format!(" in {}", sync.best_path)
         };
-        format!("  best {:.2} (v{}){place}", best.tau, best.center_version)
+        format!("  best {:.2} (v{}){place}", best.tau, best.model_version)
     });
     format!(
         "tau    v{} {:.2}  trend {} ({} points, {:.2}..{:.2}){best}\n",
-        latest.center_version,
+        latest.model_version,
         latest.tau,
         sparkline(&taus),
         sync.tau_history.len(),
@@ -539,12 +539,12 @@ mod tests {
     #[test]
     fn the_latest_tau_its_trend_and_the_best_are_shown() {
         let point = |version: u64, tau: f64| proto::TauPoint {
-            center_version: version,
+            model_version: version,
             tau,
             ..Default::default()
         };
         let mut sync = proto::ModelSyncStatus {
-            has_center: true,
+            has_model: true,
             ..Default::default()
         };
         assert_eq!(tau_line(&sync), "", "nothing before the first report");
@@ -555,14 +555,14 @@ mod tests {
             point(30, 1.75),
         ];
         sync.best_tau = Some(point(20, 2.0));
-        sync.best_path = "/runs/center-best".to_string();
+        sync.best_path = "/runs/model-best".to_string();
         let line = tau_line(&sync);
         assert!(
             line.starts_with("tau    v30 1.75  trend ▁▅█▆ (4 points, 1.00..2.00)"),
             "{line}"
         );
         assert!(
-            line.contains("best 2.00 (v20) in /runs/center-best"),
+            line.contains("best 2.00 (v20) in /runs/model-best"),
             "{line}"
         );
         assert_eq!(sparkline(&[3.0, 3.0]), "▁▁");
@@ -571,12 +571,12 @@ mod tests {
     #[test]
     fn the_runs_model_and_each_drafters_last_snapshot_are_shown() {
         let mut snapshot = snapshot();
-        assert!(!render(&snapshot, "b", RenderOptions { color: false }).contains("center v"));
+        assert!(!render(&snapshot, "b", RenderOptions { color: false }).contains("model  v"));
         snapshot.model_sync = Some(proto::ModelSyncStatus {
-            has_center: true,
-            center_version: 42,
+            has_model: true,
+            model_version: 42,
             parameters: 1_500_000,
-            center_samples: 640,
+            model_samples: 640,
             drafters: vec![proto::DrafterSyncStatus {
                 drafter_id: "drafter-1".into(),
                 connected: true,
@@ -586,7 +586,7 @@ mod tests {
             ..Default::default()
         });
         let text = render(&snapshot, "b", RenderOptions { color: false });
-        assert!(text.contains("model  center v42"), "{text}");
+        assert!(text.contains("model  v42"), "{text}");
         assert!(text.contains("640 samples"), "{text}");
         let line = text
             .lines()
@@ -601,7 +601,7 @@ mod tests {
     #[test]
     fn the_data_parallel_quorum_and_its_failures_are_shown() {
         let mut sync = proto::ModelSyncStatus {
-            has_center: true,
+            has_model: true,
             ..Default::default()
         };
         assert_eq!(data_parallel_line(&sync), "", "nothing before a quorum");

@@ -2,7 +2,7 @@
 //! files and entries fsynced, and a checkpoint directory replaced as a whole
 //! (written into a staging sibling, fsynced, swapped in, the parent fsynced),
 //! so a reader finds the whole old directory or the whole new one. The draft
-//! model's checkpoints and the broker's center both write this way.
+//! model's checkpoints and the run's model both write this way.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -103,7 +103,7 @@ mod tests {
     #[test]
     fn replace_directory_swaps_in_the_whole_new_contents() {
         let root = scratch("swap");
-        let dir = root.join("center");
+        let dir = root.join("model");
         replace_directory::<DurableError>(&dir, |staging| {
             write_synced(&staging.join("a.txt"), b"old a")?;
             write_synced(&staging.join("b.txt"), b"old b")
@@ -122,7 +122,7 @@ mod tests {
             .unwrap()
             .map(|entry| entry.unwrap().file_name())
             .collect();
-        assert_eq!(leftovers, vec![std::ffi::OsString::from("center")]);
+        assert_eq!(leftovers, vec![std::ffi::OsString::from("model")]);
         std::fs::remove_dir_all(&root).unwrap();
     }
 

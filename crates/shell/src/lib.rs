@@ -16,7 +16,7 @@
 //! - [`exit`]: [`Exit`], the exit-code table of every binary.
 //! - [`durable`]: files that survive a crash: [`write_synced`],
 //!   [`sync_directory`], and [`replace_directory`], a checkpoint directory
-//!   replaced as a whole (the draft model's and the broker's center).
+//!   replaced as a whole (the draft model's and the run's model).
 //!
 //! Must not depend on libtorch, tonic or any other crate of ours, and on
 //! tokio only through the `signal` feature: the broker and the operator CLI

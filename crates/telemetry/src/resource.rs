@@ -16,7 +16,7 @@ use opentelemetry_sdk::Resource;
 /// The kind of dflash process: its `service.name`, one scheme for all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Service {
-    /// `broker`: the queue (and the shared model's center).
+    /// `broker`: the queue (and the shared model).
     Broker,
     /// `target-server`: produces hidden-state samples.
     TargetServer,

@@ -579,7 +579,7 @@ impl TrainingLoop {
             info!(
                 snapshots = sync.totals.snapshots,
                 failures = sync.totals.failures,
-                center_version = sync.totals.center_version,
+                model_version = sync.totals.model_version,
                 seconds_in_sync = sync.totals.time_in_sync.as_secs_f64(),
                 sync_fraction = sync.totals.time_in_sync.as_secs_f64() / wall,
                 "model sync totals"

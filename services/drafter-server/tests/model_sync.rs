@@ -94,8 +94,8 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
         late_link.snapshot(&late, 4, 32, true);
         assert_eq!(
             (
-                late_link.totals.center_version,
-                late_link.totals.center_samples
+                late_link.totals.model_version,
+                late_link.totals.model_samples
             ),
             (5, 40)
         );
@@ -114,7 +114,7 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
     }
     let model_sync = broker.status().await.model_sync.unwrap();
     assert_eq!(
-        (model_sync.center_version, model_sync.center_samples),
+        (model_sync.model_version, model_sync.model_samples),
         (5, 40)
     );
     assert!(

@@ -1,4 +1,4 @@
-//! ModelSync sessions' messages against one center
+//! ModelSync sessions' messages against one model
 //! (`dflash_broker::fuzzing::model_sync`).
 
 #![no_main]

@@ -14,7 +14,7 @@ pub struct EvaluateArgs {
     #[arg(long, env = "DFLASH_BROKER", default_value = DEFAULT_BROKER)]
     pub broker: String,
     /// Follow the run: evaluate every --every-versions versions or --every,
-    /// and the final center, then exit. Without it: the current center once.
+    /// and the final model, then exit. Without it: the current model once.
     #[arg(long)]
     pub watch: bool,
     /// The target model directory (Hugging Face layout).
@@ -30,10 +30,10 @@ pub struct EvaluateArgs {
     pub max_new_tokens: usize,
     #[command(flatten)]
     pub sampling: SamplingArgs,
-    /// Evaluate when the center is this many versions past the last one evaluated.
+    /// Evaluate when the run's model is this many versions past the last one evaluated.
     #[arg(long, default_value_t = 20)]
     pub every_versions: u64,
-    /// Evaluate at least this often while the center changes (`90s`, `5m`).
+    /// Evaluate at least this often while the run's model changes (`90s`, `5m`).
     #[arg(long, default_value = "5m", value_parser = dflash_shell::parse_duration)]
     pub every: Duration,
     /// Versions read and not yet measured at most (capped by the broker's

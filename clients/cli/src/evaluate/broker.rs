@@ -1,6 +1,6 @@
-//! The evaluator's connection to the broker: the status, `ReadCenter`
+//! The evaluator's connection to the broker: the status, `ReadModel`
 //! (whole or header first, then the weights) and `ReportTau`, and the
-//! drafter a center's tensors make.
+//! drafter a model's tensors make.
 
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -12,35 +12,33 @@ use dflash_proto::chunks::TensorAssembler;
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 
-/// A center version read with `ReadCenter`: its header and every tensor
+/// A model version read with `ReadModel`: its header and every tensor
 /// (name, shape, f32 little-endian bytes).
-pub struct ReadCenter {
-    pub header: proto::CenterHeader,
+pub struct ReadModel {
+    pub header: proto::ModelHeader,
     pub tensors: Vec<(String, Vec<u64>, Vec<u8>)>,
 }
 
-/// Why a `ModelSync.ReadCenter` failed: whether another try can help
+/// Why a `ModelSync.ReadModel` failed: whether another try can help
 /// depends on it.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadError {
     /// The broker no longer keeps the version asked for
     /// (FAILED_PRECONDITION: reported, released, or the broker restarted):
     /// another try cannot help.
-    #[error(
-        "ModelSync.ReadCenter: the broker no longer keeps center version {version}: {message}"
-    )]
+    #[error("ModelSync.ReadModel: the broker no longer keeps model version {version}: {message}")]
     NotKept { version: u64, message: String },
     /// The call failed or broke off (the broker down, restarting or
     /// refusing): another try may succeed.
-    #[error("ModelSync.ReadCenter: {0}")]
+    #[error("ModelSync.ReadModel: {0}")]
     Call(tonic::Status),
-    /// The broker's answer is not a center.
-    #[error("ReadCenter: {0}")]
+    /// The broker's answer is not a model.
+    #[error("ReadModel: {0}")]
     Malformed(String),
 }
 
 impl ReadError {
-    /// The error of a read of `version` (`None`: the current center) that
+    /// The error of a read of `version` (`None`: the current model) that
     /// ended with `status`.
     pub fn from_status(status: tonic::Status, version: Option<u64>) -> ReadError {
         match version {
@@ -61,7 +59,7 @@ impl ReadError {
 }
 
 /// The evaluator's connection: status through the broker client, the
-/// center and the reports through ModelSync.
+/// model and the reports through ModelSync.
 pub struct Evaluator {
     pub status: BrokerClient,
     model_sync: ModelSyncClient<dflash_client::AuthChannel>,
@@ -94,20 +92,20 @@ impl Evaluator {
     /// Keeps the current version at the broker until its report and
     /// returns its header only (no weights: [`Self::read_kept`] reads them
     /// when it is measured).
-    pub async fn keep_center(&mut self) -> Result<proto::CenterHeader, ReadError> {
+    pub async fn keep_model(&mut self) -> Result<proto::ModelHeader, ReadError> {
         Ok(self.read(true, None).await?.header)
     }
 
-    /// A version the broker keeps since [`Self::keep_center`], whole:
+    /// A version the broker keeps since [`Self::keep_model`], whole:
     /// header, then every tensor's chunks in order, then `done` (whose
     /// count must match).
-    pub async fn read_kept(&mut self, version: u64) -> Result<ReadCenter, ReadError> {
+    pub async fn read_kept(&mut self, version: u64) -> Result<ReadModel, ReadError> {
         let read = self.read(false, Some(version)).await?;
-        if read.header.center_version != version {
-            // A broker that predates kept reads answers the current center.
+        if read.header.model_version != version {
+            // A broker that predates kept reads answers the current model.
             return Err(ReadError::Malformed(format!(
                 "asked for kept version {version}, got {} (a broker without kept reads?)",
-                read.header.center_version
+                read.header.model_version
             )));
         }
         Ok(read)
@@ -116,16 +114,16 @@ impl Evaluator {
     async fn read(
         &mut self,
         header_only: bool,
-        center_version: Option<u64>,
-    ) -> Result<ReadCenter, ReadError> {
-        use proto::read_center_response::Kind;
-        let failed = |status| ReadError::from_status(status, center_version);
+        model_version: Option<u64>,
+    ) -> Result<ReadModel, ReadError> {
+        use proto::read_model_response::Kind;
+        let failed = |status| ReadError::from_status(status, model_version);
         let mut stream = self
             .model_sync
-            .read_center(proto::ReadCenterRequest {
+            .read_model(proto::ReadModelRequest {
                 evaluator_id: self.evaluator_id.clone(),
                 header_only,
-                center_version,
+                model_version,
                 ..Default::default()
             })
             .await
@@ -156,16 +154,16 @@ impl Evaluator {
                     .push(chunk)
                     .map_err(|error| ReadError::Malformed(error.to_string()))?,
                 Some(Kind::Done(done)) => {
-                    if done.center_version != header.center_version {
+                    if done.model_version != header.model_version {
                         return Err(ReadError::Malformed(format!(
                             "the header says version {}, done says {}",
-                            header.center_version, done.center_version
+                            header.model_version, done.model_version
                         )));
                     }
                     let tensors = tensors
                         .finish(done.tensors)
                         .map_err(|error| ReadError::Malformed(error.to_string()))?;
-                    return Ok(ReadCenter { header, tensors });
+                    return Ok(ReadModel { header, tensors });
                 }
                 other => {
                     return Err(ReadError::Malformed(format!(
@@ -190,18 +188,18 @@ impl Evaluator {
     }
 }
 
-/// A center read as the evaluator measures it: its configuration (the
+/// A model read as the evaluator measures it: its configuration (the
 /// header's `config.json`) and its parameters as f32 tensors, in memory.
 /// Each tensor's bytes are freed once copied, so the weights are held
 /// once and a half at most.
-pub fn center_model(
-    center: ReadCenter,
+pub fn draft_of_read(
+    model: ReadModel,
 ) -> anyhow::Result<(DraftConfig, HashMap<String, tch::Tensor>)> {
-    let config_json: serde_json::Value = serde_json::from_str(&center.header.model_config_json)
-        .context("the center's model config is not JSON")?;
+    let config_json: serde_json::Value = serde_json::from_str(&model.header.model_config_json)
+        .context("the model's config is not JSON")?;
     let config = DraftConfig::from_hf_json(&config_json)?;
-    let mut tensors = HashMap::with_capacity(center.tensors.len());
-    for (name, shape, bytes) in center.tensors {
+    let mut tensors = HashMap::with_capacity(model.tensors.len());
+    for (name, shape, bytes) in model.tensors {
         let shape: Vec<i64> = shape.iter().map(|&dim| dim as i64).collect();
         let elements: i64 = shape.iter().product();
         if bytes.len() as i64 != 4 * elements {

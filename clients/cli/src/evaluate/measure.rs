@@ -1,11 +1,11 @@
-//! Measuring τ of center versions: the target and prompts kept between
+//! Measuring τ of model versions: the target and prompts kept between
 //! versions, a version's weights read when its measurement starts, and
 //! each measurement on its own blocking thread.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::broker::{center_model, unix_time_ms, Evaluator, ReadCenter, ReadError};
+use super::broker::{draft_of_read, unix_time_ms, Evaluator, ReadError, ReadModel};
 use super::report::{EvaluatorReport, Point};
 use anyhow::Context as _;
 use dflash_model::target_model::TargetModel;
@@ -21,23 +21,23 @@ pub(super) struct Bench {
     pub(super) options: dflash_model::eval::EvalOptions,
 }
 
-/// A center version read whole, to measure.
+/// A model version read whole, to measure.
 pub(super) struct Read {
-    pub(super) center: ReadCenter,
+    pub(super) model: ReadModel,
     pub(super) read_unix_time_ms: u64,
 }
 
-/// A center version the broker keeps for the evaluator (its header only),
+/// A model version the broker keeps for the evaluator (its header only),
 /// waiting for its measurement: the weights are read when it is measured,
 /// so versions waiting cost the evaluator no memory.
 pub(super) struct Kept {
-    pub(super) header: proto::CenterHeader,
+    pub(super) header: proto::ModelHeader,
     pub(super) read_unix_time_ms: u64,
 }
 
 impl Kept {
     pub(super) async fn from(evaluator: &mut Evaluator) -> anyhow::Result<Kept> {
-        let header = evaluator.keep_center().await?;
+        let header = evaluator.keep_model().await?;
         Ok(Kept {
             header,
             read_unix_time_ms: unix_time_ms(),
@@ -47,20 +47,20 @@ impl Kept {
     /// Its weights, from the broker: a few tries, `poll` apart, since a
     /// broker that does not answer once may the next time; one only when
     /// the answer says another cannot help (the version no longer kept, or
-    /// not a center).
+    /// not a model).
     pub(super) async fn read(
         self,
         evaluator: &mut Evaluator,
         poll: Duration,
     ) -> Result<Read, ReadError> {
-        let version = self.header.center_version;
+        let version = self.header.model_version;
         let mut tries = 0;
         loop {
             tries += 1;
             match evaluator.read_kept(version).await {
-                Ok(center) => {
+                Ok(model) => {
                     return Ok(Read {
-                        center,
+                        model,
                         read_unix_time_ms: self.read_unix_time_ms,
                     })
                 }
@@ -82,7 +82,7 @@ pub(super) const KEPT_READ_TRIES: u32 = 3;
 /// A measurement's end: the target back, what was measured and of what.
 pub(super) struct Measured {
     pub(super) target: TargetModel,
-    pub(super) header: proto::CenterHeader,
+    pub(super) header: proto::ModelHeader,
     pub(super) read_unix_time_ms: u64,
     pub(super) result: anyhow::Result<dflash_model::eval::EvalReport>,
 }
@@ -97,29 +97,29 @@ impl Bench {
         let (prompts, options) = (Arc::clone(&self.prompts), self.options.clone());
         Ok(tokio::task::spawn_blocking(move || {
             let Read {
-                center,
+                model,
                 read_unix_time_ms,
             } = read;
-            let header = center.header.clone();
-            let version = header.center_version;
+            let header = model.header.clone();
+            let version = header.model_version;
             // Exported when OTLP is configured (`dflash_telemetry::init`).
             let span = tracing::debug_span!(
                 target: dflash_telemetry::TRACE_TARGET,
                 "evaluator.measure",
-                center_version = version,
-                center_samples = header.center_samples,
+                model_version = version,
+                model_samples = header.model_samples,
                 tau = tracing::field::Empty,
             );
             let _measuring = span.enter();
-            let result = center_model(center)
+            let result = draft_of_read(model)
                 .and_then(|(config, tensors)| {
-                    let origin = format!("center version {version}");
+                    let origin = format!("model version {version}");
                     dflash_model::eval::evaluate_tensors(
                         &target, config, tensors, &origin, &prompts, &options,
                     )
                     .map_err(anyhow::Error::from)
                 })
-                .with_context(|| format!("evaluating center version {version}"));
+                .with_context(|| format!("evaluating model version {version}"));
             if let Ok(measured) = &result {
                 span.record("tau", measured.mean_acceptance_length);
             }
@@ -147,13 +147,13 @@ impl Bench {
             )
         })?;
         self.target = Some(measured.target);
-        let version = measured.header.center_version;
-        let samples = measured.header.center_samples;
+        let version = measured.header.model_version;
+        let samples = measured.header.model_samples;
         let measured_report = measured.result.map_err(|error| (Some(version), error))?;
         report.evaluating_seconds += measured_report.seconds;
         let point = proto::TauPoint {
-            center_version: version,
-            center_samples: samples,
+            model_version: version,
+            model_samples: samples,
             tau: measured_report.mean_acceptance_length,
             prompts: u32::try_from(measured_report.prompts).unwrap_or(u32::MAX),
             generated_tokens: measured_report.generated_tokens as u64,
@@ -171,7 +171,7 @@ impl Bench {
             Ok(result) => {
                 local.best = result.best;
                 if let Some(best) = result.best_point {
-                    report.best_version = Some(best.center_version);
+                    report.best_version = Some(best.model_version);
                     report.best_tau = Some(best.tau);
                 }
                 report.best_path = Some(result.best_path).filter(|path| !path.is_empty());
@@ -192,10 +192,10 @@ impl Bench {
             seconds = local.point.eval_seconds,
             read_seconds_ago = waited_ms as f64 / 1e3,
             best = local.best,
-            "center evaluated"
+            "model evaluated"
         );
         println!(
-            "center v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s (read {:.1}s before){}",
+            "model v{version} ({samples} samples): τ {:.3} on {} prompts in {:.1}s (read {:.1}s before){}",
             local.point.tau,
             local.point.prompts,
             local.point.eval_seconds,
@@ -206,7 +206,7 @@ impl Bench {
         Ok(version)
     }
 
-    /// Reads the current center and measures it, now: kept at the broker
+    /// Reads the current model and measures it, now: kept at the broker
     /// until its report, as a `--watch` read is.
     pub(super) async fn evaluate_now(
         &mut self,

@@ -1,19 +1,19 @@
 //! `dflash evaluate`: τ of the run's shared model while the run trains.
 //!
-//! The evaluator reads the center with `ModelSync.ReadCenter` (read-only:
+//! The evaluator reads the run's model with `ModelSync.ReadModel` (read-only:
 //! it opens no sync session, so it never counts as a drafter, changes
-//! nothing of the center and is never waited for), builds the drafter from
+//! nothing of the run's model and is never waited for), builds the drafter from
 //! the tensors read (in memory: nothing is written), measures τ on held-out
 //! prompts with `dflash_model::eval` (the same code as `dflash eval`: greedy, the
 //! target's KV cache, the bonus token counted; the target is loaded once),
 //! and reports it with `ModelSync.ReportTau`; the broker keeps the history
-//! and writes the best version to `center-best/`.
+//! and writes the best version to `model-best/`.
 //!
 //! With `--watch` it follows the run: it polls the broker's status and
-//! reads the center every `--every-versions` center versions or every
+//! reads the run's model every `--every-versions` model versions or every
 //! `--every` (whichever comes first, and only a version not read yet), and
-//! when the run is over (COMPLETE with the final center written, or
-//! ABORTED) it reads the final center if it has not, measures what it has
+//! when the run is over (COMPLETE with the final model written, or
+//! ABORTED) it reads the final model if it has not, measures what it has
 //! read, then exits. Reading and measuring are apart: a version is read
 //! when it is due and measured in turn, up to `--backlog` versions ahead
 //! (at most the broker's `--max-pending-evaluations`, which keeps their
@@ -24,7 +24,7 @@
 //! evaluator at the lowest priority still has a point per due version: it
 //! measures them when the CPU has time, at the latest after the run. Each
 //! point carries when its version was read. Without `--watch` it evaluates
-//! the current center once.
+//! the current model once.
 //!
 //! It must not slow the drafters: on the CPU it runs with its own libtorch
 //! thread budget (`--threads`, 1 by default), on a GPU on its own
@@ -34,8 +34,8 @@
 //! - `args`: the flags (`EvaluateArgs`, and `SamplingArgs`, shared with
 //!   `dflash eval`).
 //! - `report`: what was measured (`EvaluatorReport`, `Point`).
-//! - `broker`: the connection (`Evaluator`: status, `ReadCenter`,
-//!   `ReportTau`) and the drafter a center's tensors make.
+//! - `broker`: the connection (`Evaluator`: status, `ReadModel`,
+//!   `ReportTau`) and the drafter a model's tensors make.
 //! - `measure`: the measurements (`Bench`: the target and prompts, one
 //!   version at a time on a blocking thread).
 //! - `watch`: `--watch` (`Schedule`, `Watcher`, the loop).
@@ -57,7 +57,7 @@ mod report;
 mod watch;
 
 pub use args::{EvaluateArgs, SamplingArgs};
-pub use broker::{center_model, Evaluator, ReadCenter, ReadError};
+pub use broker::{draft_of_read, Evaluator, ReadError, ReadModel};
 use measure::Bench;
 pub use report::{EvaluatorReport, Point};
 use watch::watch;

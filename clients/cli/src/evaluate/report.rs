@@ -18,7 +18,7 @@ pub struct EvaluatorReport {
 }
 
 /// One evaluation: the point as reported to the broker, and whether the
-/// broker made it the best so far (and wrote it to `center-best/`).
+/// broker made it the best so far (and wrote it to `model-best/`).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Point {
     #[serde(flatten)]

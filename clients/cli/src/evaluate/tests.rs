@@ -14,7 +14,7 @@ fn an_evaluation_is_due_every_k_versions_or_t_and_never_twice() {
         every: Duration::from_secs(60),
     };
     let start = Instant::now();
-    assert!(schedule.due(0, None, start), "the first center");
+    assert!(schedule.due(0, None, start), "the first model");
     let last = Some((3, start));
     assert!(
         !schedule.due(3, last, start + Duration::from_secs(600)),
@@ -62,7 +62,7 @@ fn due_versions_are_read_while_measuring_up_to_the_backlog_then_the_final_one() 
     assert_eq!(
         watcher.on_status(None, 4, false, start),
         Next::Wait,
-        "no center yet"
+        "no model yet"
     );
     assert_eq!(watcher.next_to_measure(), None, "nothing read");
     assert_eq!(watcher.on_status(Some(0), 4, false, start), Next::Read);
@@ -139,7 +139,7 @@ fn a_failed_measurement_is_read_again_unless_it_is_the_final_one() {
 fn a_version_no_longer_kept_is_told_apart_from_a_broker_that_did_not_answer() {
     let refusal = || {
         tonic::Status::failed_precondition(
-            "center version 7 is not kept for evaluation (kept: [8]); read the current center",
+            "model version 7 is not kept for evaluation (kept: [8]); read the current model",
         )
     };
     let refused = ReadError::from_status(refusal(), Some(7));
@@ -147,11 +147,11 @@ fn a_version_no_longer_kept_is_told_apart_from_a_broker_that_did_not_answer() {
     assert!(
         refused
             .to_string()
-            .contains("no longer keeps center version 7")
+            .contains("no longer keeps model version 7")
             && refused.to_string().contains("kept: [8]"),
         "{refused}"
     );
-    // Refused while reading the current center ("no center yet"): a
+    // Refused while reading the current model ("no model yet"): a
     // drafter may join, so a later read may pass.
     assert!(ReadError::from_status(refusal(), None).may_pass_again());
     let unanswered = tonic::Status::unavailable("connection refused");
@@ -160,7 +160,7 @@ fn a_version_no_longer_kept_is_told_apart_from_a_broker_that_did_not_answer() {
 }
 
 #[test]
-fn a_run_over_without_a_center_stops_at_once() {
+fn a_run_over_without_a_model_stops_at_once() {
     let schedule = Schedule {
         every_versions: 1,
         every: Duration::from_secs(1),
@@ -170,17 +170,17 @@ fn a_run_over_without_a_center_stops_at_once() {
 }
 
 #[test]
-fn the_run_is_over_once_complete_with_the_final_center_or_aborted() {
+fn the_run_is_over_once_complete_with_the_final_model_or_aborted() {
     let mut snapshot = proto::StatusSnapshot {
         state: proto::BrokerState::Complete as i32,
         model_sync: Some(proto::ModelSyncStatus {
-            has_center: true,
+            has_model: true,
             final_saved: false,
             ..Default::default()
         }),
         ..Default::default()
     };
-    assert!(!run_over(&snapshot), "the final center is not written yet");
+    assert!(!run_over(&snapshot), "the final model is not written yet");
     if let Some(sync) = snapshot.model_sync.as_mut() {
         sync.final_saved = true;
     }

@@ -36,12 +36,12 @@ impl Schedule {
 }
 
 /// Whether the run is over for the evaluator: COMPLETE with the final
-/// center written, or ABORTED.
+/// model written, or ABORTED.
 pub(super) fn run_over(snapshot: &proto::StatusSnapshot) -> bool {
     let final_saved = snapshot
         .model_sync
         .as_ref()
-        .is_some_and(|sync| sync.final_saved || !sync.has_center);
+        .is_some_and(|sync| sync.final_saved || !sync.has_model);
     match snapshot.state() {
         proto::BrokerState::Complete => final_saved,
         proto::BrokerState::Aborted => true,
@@ -52,7 +52,7 @@ pub(super) fn run_over(snapshot: &proto::StatusSnapshot) -> bool {
 /// What the watch loop does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Next {
-    /// Read the current center (it is due and the backlog has room).
+    /// Read the current model (it is due and the backlog has room).
     Read,
     /// Poll again later (or when a measurement ends).
     Wait,
@@ -90,15 +90,15 @@ impl<T> Watcher<T> {
         }
     }
 
-    /// After a status: the center's version (`None` before the first
+    /// After a status: the model's version (`None` before the first
     /// JOIN), how many unreported versions the broker keeps (0: not
     /// said), and whether the run is over.
-    pub fn on_status(&mut self, center: Option<u64>, kept: u32, over: bool, now: Instant) -> Next {
+    pub fn on_status(&mut self, model: Option<u64>, kept: u32, over: bool, now: Instant) -> Next {
         let backlog = match kept {
             0 => self.backlog,
             kept => self.backlog.min(kept as usize),
         };
-        if let Some(version) = center {
+        if let Some(version) = model {
             if over {
                 self.final_version = Some(version);
             }
@@ -170,7 +170,7 @@ impl<T> Watcher<T> {
 
 /// `--watch`: polls the status, reads a version when due (while fewer
 /// than the backlog wait), measures what was read in order, and once the
-/// run is over the final center, then returns (see [`Watcher`]).
+/// run is over the final model, then returns (see [`Watcher`]).
 pub(super) async fn watch(
     args: &EvaluateArgs,
     bench: &mut Bench,
@@ -193,17 +193,17 @@ pub(super) async fn watch(
             return Ok(());
         }
         if let Some(next) = watcher.next_to_measure() {
-            let version = next.header.center_version;
+            let version = next.header.model_version;
             match next.read(evaluator, args.poll).await {
                 Ok(read) => measuring = Some(bench.start(read)?),
                 Err(error) => {
                     if watcher.measured(version, false).is_err() {
-                        return Err(anyhow::Error::from(error).context("reading the final center"));
+                        return Err(anyhow::Error::from(error).context("reading the final model"));
                     }
                     warn!(
                         version,
                         error = format!("{error:#}"),
-                        "reading a kept version failed; the center is read again when due"
+                        "reading a kept version failed; the run's model is read again when due"
                     );
                 }
             }
@@ -211,9 +211,9 @@ pub(super) async fn watch(
         match evaluator.status.status().await {
             Ok(snapshot) => {
                 failures = 0;
-                let sync = snapshot.model_sync.as_ref().filter(|sync| sync.has_center);
+                let sync = snapshot.model_sync.as_ref().filter(|sync| sync.has_model);
                 let next = watcher.on_status(
-                    sync.map(|sync| sync.center_version),
+                    sync.map(|sync| sync.model_version),
                     sync.map_or(0, |sync| sync.max_pending_evaluations),
                     run_over(&snapshot),
                     Instant::now(),
@@ -228,13 +228,13 @@ pub(super) async fn watch(
                     }
                     Next::Read => match Kept::from(evaluator).await {
                         Ok(kept) => {
-                            let version = kept.header.center_version;
+                            let version = kept.header.model_version;
                             watcher.read(version, kept, Instant::now());
                             continue;
                         }
                         Err(error) => warn!(
                             error = format!("{error:#}"),
-                            "reading the center failed; retrying at the next poll"
+                            "reading the run's model failed; retrying at the next poll"
                         ),
                     },
                     Next::Wait => {}

@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 
 use crate::demo::DemoSpec;
 
-/// The evaluator's schedule on the demo: about 240 center versions in a
+/// The evaluator's schedule on the demo: about 240 model versions in a
 /// minute of training; every 30 versions (or 15 s) gives 5 to 8 points.
 const EVALUATOR_EVERY_VERSIONS: u64 = 30;
 const EVALUATOR_EVERY: &str = "15s";
@@ -122,7 +122,7 @@ pub struct LocalArgs {
     #[arg(long)]
     pub no_evaluator: bool,
 
-    /// The evaluator evaluates when the center is this many versions past
+    /// The evaluator evaluates when the run's model is this many versions past
     /// the last evaluation...
     #[arg(long, default_value_t = EVALUATOR_EVERY_VERSIONS)]
     pub evaluate_every_versions: u64,

@@ -157,9 +157,9 @@ pub(super) async fn start_broker(
             args.targets.to_string(),
             "--target-grace".into(),
             "30s".into(),
-            // The drafters train one shared model; its final center lands here.
+            // The drafters train one shared model; its final model lands here.
             "--model-output".into(),
-            workdir.join("center").display().to_string(),
+            workdir.join("run-model").display().to_string(),
         ],
         logs,
         None,
@@ -277,7 +277,7 @@ pub(super) fn start_drafters(
 }
 
 /// The online evaluator (`dflash evaluate --watch`, this binary): τ of
-/// the center while the run trains, on the held-out prompts, with one
+/// the run's model while the run trains, on the held-out prompts, with one
 /// libtorch thread of its own (or its own `--evaluator-device`). None in
 /// synthetic runs, without held-out prompts, or with `--no-evaluator`.
 pub(super) fn start_evaluator(

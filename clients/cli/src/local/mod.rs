@@ -13,11 +13,11 @@
 //!   one), the drafters' mask token and the data (given or generated).
 //! - `launch`: what each child runs with (binaries, flags, threads) and
 //!   starting the broker, the targets, the drafters and the online
-//!   evaluator (`dflash evaluate --watch`: τ of the center while it trains).
+//!   evaluator (`dflash evaluate --watch`: τ of the run's model while it trains).
 //! - `supervise`: the children as processes: spawning, the live view
 //!   while they run, and stopping them (SIGTERM, then SIGKILL).
 //! - `quality`: τ of the trained drafter, its untrained baseline and the
-//!   shared center, and whether the center's weights are finite.
+//!   shared model, and whether the model's weights are finite.
 //! - `summary`: the end-of-run report (`summary.json` and the printed
 //!   table), the per-process figures and the list of failures.
 

@@ -1,7 +1,7 @@
 //! The trained model's quality after the pipeline: τ (mean acceptance
 //! length) of the first drafter's final checkpoint and of an untrained
 //! drafter of the same configuration on the held-out prompts, τ of the
-//! broker's center when the drafters synced, and whether the center's
+//! broker's model when the drafters synced, and whether the model's
 //! weights are finite. Apart from `summary`, which only reports these
 //! figures: the evaluation runs libtorch, on blocking threads.
 
@@ -18,7 +18,7 @@ pub(super) struct Taus {
     pub(super) acceptance_length: Option<f64>,
     pub(super) untrained_acceptance_length: Option<f64>,
     pub(super) acceptance_length_drafter: Option<String>,
-    pub(super) center_acceptance_length: Option<f64>,
+    pub(super) model_acceptance_length: Option<f64>,
     pub(super) tokens_per_target_forward: Option<f64>,
     pub(super) held_out_prompts: usize,
 }
@@ -72,15 +72,15 @@ pub(super) async fn measure_taus(
         taus.acceptance_length_drafter = Some(checkpoint.display().to_string());
     }
     // τ of the one model the drafters trained together (model sync).
-    taus.center_acceptance_length =
-        center_tau(model_dir, held_out, &workdir.join("center")).await?;
+    taus.model_acceptance_length =
+        model_tau(model_dir, held_out, &workdir.join("run-model")).await?;
     Ok(taus)
 }
 
-/// Whether every weight of the center checkpoint is finite; `None` when no
-/// center was written (independent drafters).
-pub(super) fn center_is_finite(center: &Path) -> anyhow::Result<Option<bool>> {
-    let weights = center.join("model.safetensors");
+/// Whether every weight of the run's model checkpoint is finite; `None` when no
+/// model was written (independent drafters).
+pub(super) fn model_is_finite(model: &Path) -> anyhow::Result<Option<bool>> {
+    let weights = model.join("model.safetensors");
     if !weights.is_file() {
         return Ok(None);
     }
@@ -91,23 +91,19 @@ pub(super) fn center_is_finite(center: &Path) -> anyhow::Result<Option<bool>> {
     })))
 }
 
-/// τ of the broker's center checkpoint on the held-out prompts; `None` when
-/// the drafters did not sync (no center written).
-async fn center_tau(
-    model_dir: &Path,
-    held_out: &Path,
-    center: &Path,
-) -> anyhow::Result<Option<f64>> {
-    if !center.join("model.safetensors").is_file() {
+/// τ of the broker's checkpoint of the run's model on the held-out prompts; `None` when
+/// the drafters did not sync (no model written).
+async fn model_tau(model_dir: &Path, held_out: &Path, model: &Path) -> anyhow::Result<Option<f64>> {
+    if !model.join("model.safetensors").is_file() {
         return Ok(None);
     }
     let prompts = demo::read_prompts(held_out, model_dir)?;
-    let (model_dir, center) = (model_dir.to_path_buf(), center.to_path_buf());
+    let (model_dir, model) = (model_dir.to_path_buf(), model.to_path_buf());
     let report = tokio::task::spawn_blocking(move || {
-        dflash_model::eval::evaluate(&model_dir, &center, &prompts, 40, tch::Device::Cpu)
+        dflash_model::eval::evaluate(&model_dir, &model, &prompts, 40, tch::Device::Cpu)
     })
     .await
     .context("evaluation thread")?
-    .context("evaluating the shared model (center)")?;
+    .context("evaluating the run's model")?;
     Ok(Some(report.mean_acceptance_length))
 }

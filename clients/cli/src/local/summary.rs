@@ -9,7 +9,7 @@ use dflash_proto::v1 as proto;
 use serde::Serialize;
 
 use super::inputs::Inputs;
-use super::quality::{center_is_finite, Taus};
+use super::quality::{model_is_finite, Taus};
 use super::supervise::{Managed, Role, StopReason};
 
 #[derive(Debug, Clone, Serialize)]
@@ -42,7 +42,7 @@ pub struct LocalSummary {
     /// From the broker's start until every target and drafter exited: the
     /// time the throughput figures are computed over.
     pub pipeline_seconds: f64,
-    /// After the pipeline, the online evaluator measuring the center
+    /// After the pipeline, the online evaluator measuring the run's model
     /// versions it read during the run and had not measured yet.
     pub evaluator_tail_seconds: f64,
     /// The τ measurements after the pipeline.
@@ -61,17 +61,17 @@ pub struct LocalSummary {
     /// baseline that shows what training bought.
     pub untrained_acceptance_length: Option<f64>,
     pub acceptance_length_drafter: Option<String>,
-    /// τ of the run's shared model (the broker's center checkpoint), when
+    /// τ of the run's shared model (the broker's checkpoint of it), when
     /// the drafters synced.
-    pub center_acceptance_length: Option<f64>,
+    pub model_acceptance_length: Option<f64>,
     pub held_out_prompts: usize,
-    /// τ of the center while the run trained (the online evaluator's
+    /// τ of the run's model while the run trained (the online evaluator's
     /// reports, as the broker kept them), oldest first. Each point says
     /// when its version was read as well as when it was measured: the
     /// evaluator measures later what it read while the CPUs were busy.
     pub tau_curve: Vec<proto::TauPoint>,
-    /// The center version with the best τ, written to `center-best/`.
-    pub best_center: Option<BestCenter>,
+    /// The run's model version with the best τ, written to `model-best/`.
+    pub best_model: Option<BestModel>,
     /// Generated tokens per target forward of the trained drafter's
     /// speculative decoding (prefills included).
     pub tokens_per_target_forward: Option<f64>,
@@ -88,25 +88,25 @@ pub struct LocalSummary {
     pub failures: Vec<String>,
 }
 
-/// The best center the broker kept.
+/// The best model the broker kept.
 #[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct BestCenter {
-    pub center_version: u64,
-    pub center_samples: u64,
+pub struct BestModel {
+    pub model_version: u64,
+    pub model_samples: u64,
     pub tau: f64,
     /// Empty when the broker wrote no checkpoint.
     pub path: String,
 }
 
-/// The τ curve and the best center from the broker's final status.
-fn tau_curve(snapshot: &proto::StatusSnapshot) -> (Vec<proto::TauPoint>, Option<BestCenter>) {
+/// The τ curve and the best model from the broker's final status.
+fn tau_curve(snapshot: &proto::StatusSnapshot) -> (Vec<proto::TauPoint>, Option<BestModel>) {
     let Some(sync) = snapshot.model_sync.as_ref() else {
         return (Vec::new(), None);
     };
     let curve = sync.tau_history.clone();
-    let best = sync.best_tau.as_ref().map(|best| BestCenter {
-        center_version: best.center_version,
-        center_samples: best.center_samples,
+    let best = sync.best_tau.as_ref().map(|best| BestModel {
+        model_version: best.model_version,
+        model_samples: best.model_samples,
         tau: best.tau,
         path: sync.best_path.clone(),
     });
@@ -157,11 +157,11 @@ pub(super) fn summarize(
         &processes,
         final_loss,
         &stop,
-        &workdir.join("center"),
+        &workdir.join("run-model"),
     );
     let ok = failures.is_empty();
     let pipeline_seconds = timings.pipeline_seconds;
-    let (tau_curve, best_center) = tau_curve(snapshot);
+    let (tau_curve, best_model) = tau_curve(snapshot);
     LocalSummary {
         end_of_stream: end_of_stream.to_string(),
         abort_reason: snapshot.abort_reason.clone(),
@@ -186,10 +186,10 @@ pub(super) fn summarize(
         acceptance_length: taus.acceptance_length,
         untrained_acceptance_length: taus.untrained_acceptance_length,
         acceptance_length_drafter: taus.acceptance_length_drafter,
-        center_acceptance_length: taus.center_acceptance_length,
+        model_acceptance_length: taus.model_acceptance_length,
         held_out_prompts: taus.held_out_prompts,
         tau_curve,
-        best_center,
+        best_model,
         tokens_per_target_forward: taus.tokens_per_target_forward,
         mask_token_id: inputs.mask_token.as_ref().map(|(id, _)| *id),
         mask_token_source: inputs.mask_token.as_ref().map(|(_, source)| source.clone()),
@@ -208,7 +208,7 @@ fn failures(
     processes: &[ProcessSummary],
     final_loss: Option<f64>,
     stop: &StopReason,
-    center: &Path,
+    model: &Path,
 ) -> Vec<String> {
     let mut failures = Vec::new();
     if stop.interrupted {
@@ -262,14 +262,15 @@ fn failures(
     if final_loss.is_some_and(|loss| !loss.is_finite()) {
         failures.push("the drafters' final loss is not finite".to_string());
     }
-    match center_is_finite(center) {
+    match model_is_finite(model) {
         Ok(None | Some(true)) => {}
-        Ok(Some(false)) => {
-            failures.push(format!("the center at {} is not finite", center.display()))
-        }
+        Ok(Some(false)) => failures.push(format!(
+            "the run's model at {} is not finite",
+            model.display()
+        )),
         Err(error) => failures.push(format!(
-            "the center at {} cannot be read: {error}",
-            center.display()
+            "the run's model at {} cannot be read: {error}",
+            model.display()
         )),
     }
     failures
@@ -436,10 +437,8 @@ pub(super) fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out
     if let Some(tokens) = summary.tokens_per_target_forward {
         println!("  accepted tokens per target forward (trained, prefills included): {tokens:.2}");
     }
-    if let Some(tau) = summary.center_acceptance_length {
-        println!(
-            "  τ of the shared model (the broker's center, one model for all drafters): {tau:.2}"
-        );
+    if let Some(tau) = summary.model_acceptance_length {
+        println!("  τ of the shared model (the run's model, one model for all drafters): {tau:.2}");
     }
     print_tau_curve(summary);
     println!("  logs: {}", summary.workdir.join("logs").display());
@@ -450,7 +449,7 @@ pub(super) fn print_summary(summary: &LocalSummary, interrupted: bool, timed_out
 }
 
 /// The online evaluator's τ curve (version: τ, oldest first) and the best
-/// center.
+/// model.
 fn print_tau_curve(summary: &LocalSummary) {
     let Some(first) = summary.tau_curve.first() else {
         return;
@@ -458,7 +457,7 @@ fn print_tau_curve(summary: &LocalSummary) {
     let points: Vec<String> = summary
         .tau_curve
         .iter()
-        .map(|point| format!("v{} {:.2}", point.center_version, point.tau))
+        .map(|point| format!("v{} {:.2}", point.model_version, point.tau))
         .collect();
     println!(
         "  τ while training (online evaluator, {} prompts each, {} points): {}",
@@ -466,11 +465,11 @@ fn print_tau_curve(summary: &LocalSummary) {
         summary.tau_curve.len(),
         points.join(" → ")
     );
-    if let Some(best) = &summary.best_center {
+    if let Some(best) = &summary.best_model {
         println!(
-            "  best center: v{} ({} samples) τ {:.2}{}",
-            best.center_version,
-            best.center_samples,
+            "  best model: v{} ({} samples) τ {:.2}{}",
+            best.model_version,
+            best.model_samples,
             best.tau,
             if best.path.is_empty() {
                 String::new()
@@ -534,14 +533,14 @@ mod tests {
         assert_eq!(summary.loss, Some(2.5));
     }
 
-    /// #23: the summary's τ curve and best center are the broker's.
+    /// #23: the summary's τ curve and best model are the broker's.
     #[test]
-    fn the_tau_curve_and_the_best_center_come_from_the_broker() {
+    fn the_tau_curve_and_the_best_model_come_from_the_broker() {
         let mut snapshot = complete();
         assert_eq!(tau_curve(&snapshot), (Vec::new(), None));
         let point = |version: u64, tau: f64| proto::TauPoint {
-            center_version: version,
-            center_samples: version * 16,
+            model_version: version,
+            model_samples: version * 16,
             tau,
             prompts: 32,
             ..Default::default()
@@ -549,32 +548,32 @@ mod tests {
         snapshot.model_sync = Some(proto::ModelSyncStatus {
             tau_history: vec![point(0, 1.1), point(30, 2.4), point(60, 2.2)],
             best_tau: Some(point(30, 2.4)),
-            best_path: "/runs/x/center-best".to_string(),
+            best_path: "/runs/x/model-best".to_string(),
             ..Default::default()
         });
         let (curve, best) = tau_curve(&snapshot);
         let versions: Vec<(u64, f64)> = curve
             .iter()
-            .map(|point| (point.center_version, point.tau))
+            .map(|point| (point.model_version, point.tau))
             .collect();
         assert_eq!(versions, vec![(0, 1.1), (30, 2.4), (60, 2.2)]);
         let best = best.unwrap();
-        assert_eq!((best.center_version, best.center_samples), (30, 480));
-        assert_eq!(best.path, "/runs/x/center-best");
+        assert_eq!((best.model_version, best.model_samples), (30, 480));
+        assert_eq!(best.path, "/runs/x/model-best");
     }
 
     /// #22: a run is OK only when nothing failed, and each failure is said:
-    /// a drafter's non-zero exit, dead letters, a non-finite center.
+    /// a drafter's non-zero exit, dead letters, a non-finite model.
     #[test]
     fn a_run_reports_success_only_when_nothing_failed_and_says_why_otherwise() {
         let folder = tempfile::tempdir().unwrap();
-        let center = folder.path().join("center");
-        let ok = failures(&complete(), &[drafter(Some(0))], Some(1.0), &CLEAN, &center);
+        let model = folder.path().join("model");
+        let ok = failures(&complete(), &[drafter(Some(0))], Some(1.0), &CLEAN, &model);
         assert!(ok.is_empty(), "{ok:?}");
 
         let mut lossy = complete();
         lossy.dead_letters = 2;
-        let failed = failures(&lossy, &[drafter(Some(1))], Some(1.0), &CLEAN, &center);
+        let failed = failures(&lossy, &[drafter(Some(1))], Some(1.0), &CLEAN, &model);
         assert!(
             failed
                 .iter()
@@ -588,14 +587,14 @@ mod tests {
             "{failed:?}"
         );
 
-        std::fs::create_dir_all(&center).unwrap();
+        std::fs::create_dir_all(&model).unwrap();
         let poisoned = tch::Tensor::from_slice(&[1.0f32, f32::NAN]);
         tch::Tensor::write_safetensors(
             &[("fc.weight", &poisoned)],
-            center.join("model.safetensors"),
+            model.join("model.safetensors"),
         )
         .unwrap();
-        let failed = failures(&complete(), &[drafter(Some(0))], Some(1.0), &CLEAN, &center);
+        let failed = failures(&complete(), &[drafter(Some(0))], Some(1.0), &CLEAN, &model);
         assert_eq!(failed.len(), 1, "{failed:?}");
         assert!(failed[0].contains("is not finite"), "{}", failed[0]);
 
@@ -606,7 +605,7 @@ mod tests {
             final_status_stale: true,
             ..CLEAN
         };
-        let empty = folder.path().join("no-center");
+        let empty = folder.path().join("no-model");
         let failed = failures(
             &complete(),
             &[drafter(Some(0))],

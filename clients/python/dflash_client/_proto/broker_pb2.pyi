@@ -533,15 +533,15 @@ class DrafterSyncStatus(_message.Message):
     def __init__(self, drafter_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_sync_ms_ago: _Optional[int] = ..., base_version: _Optional[int] = ..., staleness: _Optional[int] = ..., last_update_staleness: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., finished: _Optional[bool] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class ModelSyncStatus(_message.Message):
-    __slots__ = ("has_center", "center_version", "method", "center_bytes", "parameters", "updates_applied", "updates_discarded", "center_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending", "max_pending_evaluations", "data_parallel")
-    HAS_CENTER_FIELD_NUMBER: _ClassVar[int]
-    CENTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("has_model", "model_version", "method", "model_bytes", "parameters", "updates_applied", "updates_discarded", "model_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending", "max_pending_evaluations", "data_parallel")
+    HAS_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
-    CENTER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
     UPDATES_DISCARDED_FIELD_NUMBER: _ClassVar[int]
-    CENTER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAVED_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAVED_PATH_FIELD_NUMBER: _ClassVar[int]
     FINAL_SAVED_FIELD_NUMBER: _ClassVar[int]
@@ -555,14 +555,14 @@ class ModelSyncStatus(_message.Message):
     EVALUATIONS_PENDING_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_FIELD_NUMBER: _ClassVar[int]
-    has_center: bool
-    center_version: int
+    has_model: bool
+    model_version: int
     method: str
-    center_bytes: int
+    model_bytes: int
     parameters: int
     updates_applied: int
     updates_discarded: int
-    center_samples: int
+    model_samples: int
     saved_version: int
     saved_path: str
     final_saved: bool
@@ -576,7 +576,7 @@ class ModelSyncStatus(_message.Message):
     evaluations_pending: _containers.RepeatedScalarFieldContainer[int]
     max_pending_evaluations: int
     data_parallel: DataParallelStatus
-    def __init__(self, has_center: _Optional[bool] = ..., center_version: _Optional[int] = ..., method: _Optional[str] = ..., center_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., center_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ..., data_parallel: _Optional[_Union[DataParallelStatus, _Mapping]] = ...) -> None: ...
+    def __init__(self, has_model: _Optional[bool] = ..., model_version: _Optional[int] = ..., method: _Optional[str] = ..., model_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., model_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ..., data_parallel: _Optional[_Union[DataParallelStatus, _Mapping]] = ...) -> None: ...
 
 class DataParallelStatus(_message.Message):
     __slots__ = ("quorum_id", "step", "members", "quorums_formed", "steps_committed", "steps_failed", "heals", "checksum_mismatches", "members_dropped", "committed_step", "committed_by_quorum", "splits", "unknown_decisions", "rollbacks", "steps_rolled_back", "waiting_for_holder")
@@ -615,9 +615,9 @@ class DataParallelStatus(_message.Message):
     def __init__(self, quorum_id: _Optional[int] = ..., step: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., quorums_formed: _Optional[int] = ..., steps_committed: _Optional[int] = ..., steps_failed: _Optional[int] = ..., heals: _Optional[int] = ..., checksum_mismatches: _Optional[int] = ..., members_dropped: _Optional[int] = ..., committed_step: _Optional[int] = ..., committed_by_quorum: _Optional[int] = ..., splits: _Optional[int] = ..., unknown_decisions: _Optional[int] = ..., rollbacks: _Optional[int] = ..., steps_rolled_back: _Optional[int] = ..., waiting_for_holder: _Optional[bool] = ...) -> None: ...
 
 class TauPoint(_message.Message):
-    __slots__ = ("center_version", "center_samples", "tau", "prompts", "generated_tokens", "verification_steps", "eval_seconds", "unix_time_ms", "evaluator_id", "read_unix_time_ms")
-    CENTER_VERSION_FIELD_NUMBER: _ClassVar[int]
-    CENTER_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("model_version", "model_samples", "tau", "prompts", "generated_tokens", "verification_steps", "eval_seconds", "unix_time_ms", "evaluator_id", "read_unix_time_ms")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -626,8 +626,8 @@ class TauPoint(_message.Message):
     UNIX_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     EVALUATOR_ID_FIELD_NUMBER: _ClassVar[int]
     READ_UNIX_TIME_MS_FIELD_NUMBER: _ClassVar[int]
-    center_version: int
-    center_samples: int
+    model_version: int
+    model_samples: int
     tau: float
     prompts: int
     generated_tokens: int
@@ -636,4 +636,4 @@ class TauPoint(_message.Message):
     unix_time_ms: int
     evaluator_id: str
     read_unix_time_ms: int
-    def __init__(self, center_version: _Optional[int] = ..., center_samples: _Optional[int] = ..., tau: _Optional[float] = ..., prompts: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verification_steps: _Optional[int] = ..., eval_seconds: _Optional[float] = ..., unix_time_ms: _Optional[int] = ..., evaluator_id: _Optional[str] = ..., read_unix_time_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_version: _Optional[int] = ..., model_samples: _Optional[int] = ..., tau: _Optional[float] = ..., prompts: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., verification_steps: _Optional[int] = ..., eval_seconds: _Optional[float] = ..., unix_time_ms: _Optional[int] = ..., evaluator_id: _Optional[str] = ..., read_unix_time_ms: _Optional[int] = ...) -> None: ...

@@ -137,7 +137,7 @@ pub fn load_draft_model(
 }
 
 /// A draft model from its parameters in memory (the online evaluator's
-/// center, read over the network): every parameter of `config` with its
+/// model, read over the network): every parameter of `config` with its
 /// shape, and nothing else, as [`load_draft_model`] requires of a file.
 /// `origin` names where the tensors came from in errors.
 pub fn draft_model_from_tensors(

@@ -85,7 +85,7 @@ pub fn evaluate_loaded(
 }
 
 /// [`evaluate_loaded`] of a drafter whose parameters are in memory (the
-/// online evaluator's center as read over the network; `origin` names it
+/// online evaluator's model as read over the network; `origin` names it
 /// in errors): the same τ as of the checkpoint those tensors would make,
 /// without writing it.
 pub fn evaluate_tensors(

@@ -3,7 +3,7 @@
 //!
 //! The drafters are one data-parallel trainer ([`crate::data_parallel`]);
 //! this link is what each has to do with the broker's copy of the model:
-//! - when it starts, it reads the run's model (`ReadCenter` as a drafter)
+//! - when it starts, it reads the run's model (`ReadModel` as a drafter)
 //!   and continues from it, or, when the broker holds none yet, sends its
 //!   own initial weights as the snapshot of step 0;
 //! - rank 0 sends the trained weights every `--snapshot-every` committed
@@ -48,10 +48,10 @@ pub struct SyncTotals {
     pub failures: u64,
     /// Wall time the training thread spent in calls to the broker.
     pub time_in_sync: Duration,
-    /// The run model's step at the last answer (the center's version).
-    pub center_version: u64,
+    /// The run model's step at the last answer (the model's version).
+    pub model_version: u64,
     /// Samples in the run's model at the last answer.
-    pub center_samples: u64,
+    pub model_samples: u64,
 }
 
 /// The model-sync client of one drafter (lives on its training thread).
@@ -124,8 +124,8 @@ impl ModelSyncLink {
         let Some(run_model) = self.block_on(self.timeout(), read)? else {
             // No model yet: this drafter's weights become the run's.
             let result = self.try_snapshot(model, 0, 0, false)?;
-            self.totals.center_version = result.center_version;
-            self.totals.center_samples = result.center_samples;
+            self.totals.model_version = result.model_version;
+            self.totals.model_samples = result.model_samples;
             info!(
                 initialised = result.initialised,
                 "model sync: this drafter's initial weights sent as the run's model"
@@ -133,8 +133,8 @@ impl ModelSyncLink {
             return Ok((0, 0));
         };
         load_model(&sorted_parameters(model), run_model.tensors)?;
-        self.totals.center_version = run_model.step;
-        self.totals.center_samples = run_model.samples;
+        self.totals.model_version = run_model.step;
+        self.totals.model_samples = run_model.samples;
         info!(
             step = run_model.step,
             samples = run_model.samples,
@@ -155,8 +155,8 @@ impl ModelSyncLink {
         match outcome {
             Ok(result) => {
                 self.totals.snapshots += 1;
-                self.totals.center_version = result.center_version;
-                self.totals.center_samples = result.center_samples;
+                self.totals.model_version = result.model_version;
+                self.totals.model_samples = result.model_samples;
             }
             Err(error) => {
                 self.totals.failures += 1;

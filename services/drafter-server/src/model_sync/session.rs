@@ -1,7 +1,7 @@
 //! The `dflash.v1.ModelSync` streams on the wire: the `Session` (the hello
 //! and the broker's welcome, then snapshots: BEGIN, the tensors in chunks
 //! of at most `MODEL_SYNC_CHUNK_BYTES`, COMMIT; the result) and the read of
-//! the run's model (`ReadCenter` as a drafter: the header, the tensors in
+//! the run's model (`ReadModel` as a drafter: the header, the tensors in
 //! chunks until DONE). Async, driven on the server's runtime by
 //! [`super::ModelSyncLink`]; apart from it so the link reads as the
 //! training thread's decisions and this as the protocol.
@@ -153,7 +153,7 @@ async fn upload(
     .await
 }
 
-/// Reads the run's model as a starting drafter (`ReadCenter` with its
+/// Reads the run's model as a starting drafter (`ReadModel` with its
 /// `drafter_id`: the broker keeps nothing for it); `None` when the broker
 /// holds none yet.
 pub(super) async fn read_model(
@@ -161,12 +161,12 @@ pub(super) async fn read_model(
     drafter_id: String,
     security: dflash_client::ClientSecurityArgs,
 ) -> Result<Option<RunModel>, SyncClientError> {
-    use proto::read_center_response::Kind;
+    use proto::read_model_response::Kind;
     let mut client = connect(&broker, security).await?;
     let read = client
-        .read_center(proto::ReadCenterRequest {
+        .read_model(proto::ReadModelRequest {
             drafter_id,
-            ..proto::ReadCenterRequest::default()
+            ..proto::ReadModelRequest::default()
         })
         .await;
     let mut stream = match read {
@@ -193,8 +193,8 @@ pub(super) async fn read_model(
                     .finish(done.tensors)
                     .map_err(|error| SyncClientError::Protocol(error.to_string()))?;
                 return Ok(Some(RunModel {
-                    step: header.center_version,
-                    samples: header.center_samples,
+                    step: header.model_version,
+                    samples: header.model_samples,
                     tensors,
                 }));
             }

@@ -4,19 +4,19 @@
 //!
 //! Rank 0 of the data-parallel drafters sends the trained model's weights
 //! (a snapshot) every `--snapshot-every` committed steps and every member
-//! sends its own when it stops; the center becomes the snapshot of the
+//! sends its own when it stops; the model becomes the snapshot of the
 //! latest step, with no arithmetic. A snapshot is staged chunk by chunk in
-//! an [`Upload`] that belongs to the session, not to the center; only
-//! [`ModelSyncState::commit`] touches the center, all at once and after
+//! an [`Upload`] that belongs to the session, not to the model; only
+//! [`ModelSyncState::commit`] touches the model, all at once and after
 //! every check passed. A drafter that dies mid-upload therefore leaves the
-//! center exactly as it was. The center keeps the snapshot's bytes as they
+//! model exactly as it was. The model keeps the snapshot's bytes as they
 //! arrived (f32, never decoded): the commit moves the chunks' handles in.
 //!
 //! - `upload`: the [`Upload`] a session stages, and the wire enums.
-//! - `weights`: the [`Center`]'s tensors, their snapshots, and the checks
-//!   an upload must pass against them; `error`: [`SyncError`].
+//! - `weights`: the [`StoredModel`]'s tensors, their snapshots, and the checks
+//!   an upload must pass against them. [`SyncError`] is defined beneath
+//!   `crate::rpc_error`, its gRPC table.
 
-mod error;
 mod upload;
 mod weights;
 
@@ -25,28 +25,28 @@ use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
 
-pub use error::SyncError;
+pub use crate::rpc_error::SyncError;
 pub use upload::{
     check_finite, first_non_finite, FiniteUpload, SnapshotKind, Upload, UploadedTensor,
 };
-use weights::check_upload_against_center;
-pub use weights::{Center, CenterTensor};
+use weights::check_upload_against_model;
+pub use weights::{StoredModel, StoredTensor};
 
 /// What a committed snapshot did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CommitOutcome {
-    pub center_version: u64,
-    /// The snapshot became the center (false: it holds that step or a
+    pub model_version: u64,
+    /// The snapshot became the model (false: it holds that step or a
     /// later one already).
     pub applied: bool,
     /// Why a snapshot was not applied ("" when it was).
     pub reason: String,
-    /// This snapshot made the first center.
+    /// This snapshot made the first model.
     pub initialised: bool,
-    pub center_samples: u64,
+    pub model_samples: u64,
 }
 
-/// One drafter as the center knows it (by drafter id, across sessions).
+/// One drafter as the model knows it (by drafter id, across sessions).
 #[derive(Debug, Clone, Default)]
 pub struct DrafterRecord {
     pub open_sessions: u32,
@@ -55,10 +55,10 @@ pub struct DrafterRecord {
     pub finished: bool,
 }
 
-/// The center (once a snapshot made it) and the drafters that sent them.
+/// The model (once a snapshot made it) and the drafters that sent them.
 #[derive(Debug, Default)]
 pub struct ModelSyncState {
-    center: Option<Center>,
+    model: Option<StoredModel>,
     /// `--model-config`: the one `config.json` every snapshot must carry.
     pinned_config: Option<serde_json::Value>,
     drafters: BTreeMap<String, DrafterRecord>,
@@ -69,24 +69,24 @@ pub struct ModelSyncState {
 }
 
 impl ModelSyncState {
-    pub fn new(center: Option<Center>) -> Self {
+    pub fn new(model: Option<StoredModel>) -> Self {
         ModelSyncState {
-            center,
+            model,
             ..ModelSyncState::default()
         }
     }
 
     /// Fixes the run's model: every snapshot (the first one, which defines
-    /// an empty center, included) must carry this `config.json` (compared
-    /// as JSON values), so no drafter can make the center another model.
+    /// an empty model, included) must carry this `config.json` (compared
+    /// as JSON values), so no drafter can make the run's model another one.
     pub fn pin_config(&mut self, config_json: &str) -> Result<(), SyncError> {
         let value = serde_json::from_str::<serde_json::Value>(config_json)
             .map_err(|error| SyncError::Config(error.to_string()))?;
         self.pinned_config = Some(value);
-        // A center resumed from --model-output must be that model too.
-        match &self.center {
-            Some(center) => {
-                let resumed = center.config_json.clone();
+        // A model resumed from --model-output must be that model too.
+        match &self.model {
+            Some(model) => {
+                let resumed = model.config_json.clone();
                 self.check_pinned_config(&resumed)
             }
             None => Ok(()),
@@ -115,12 +115,12 @@ impl ModelSyncState {
         })
     }
 
-    pub fn center(&self) -> Option<&Center> {
-        self.center.as_ref()
+    pub fn model(&self) -> Option<&StoredModel> {
+        self.model.as_ref()
     }
 
     pub fn version(&self) -> Option<u64> {
-        self.center.as_ref().map(|center| center.version)
+        self.model.as_ref().map(|model| model.version)
     }
 
     pub fn drafter(&self, drafter_id: &str) -> Option<&DrafterRecord> {
@@ -141,7 +141,7 @@ impl ModelSyncState {
     }
 
     /// Drafters with an open session that have not sent their
-    /// FINAL_SNAPSHOT: the final center waits for them (bounded).
+    /// FINAL_SNAPSHOT: the final model waits for them (bounded).
     pub fn awaiting_final(&self) -> Vec<String> {
         self.drafters
             .iter()
@@ -174,8 +174,8 @@ impl ModelSyncState {
     }
 
     /// The trained model's weights after `upload.steps` committed steps
-    /// become the center, unless it already holds that step or a later one
-    /// (a member behind the others, or a repeat). The center's version is
+    /// become the model, unless it already holds that step or a later one
+    /// (a member behind the others, or a repeat). The model's version is
     /// the step; no arithmetic.
     fn snapshot(
         &mut self,
@@ -183,34 +183,34 @@ impl ModelSyncState {
         model_config_json: &str,
     ) -> Result<CommitOutcome, SyncError> {
         self.check_pinned_config(model_config_json)?;
-        if let Some(center) = &self.center {
-            check_upload_against_center(center, &upload)?;
-            if upload.steps <= center.version {
+        if let Some(model) = &self.model {
+            check_upload_against_model(model, &upload)?;
+            if upload.steps <= model.version {
                 return Ok(CommitOutcome {
-                    center_version: center.version,
+                    model_version: model.version,
                     applied: false,
                     reason: format!(
-                        "the center holds step {} already; this snapshot is of step {}",
-                        center.version, upload.steps
+                        "the model holds step {} already; this snapshot is of step {}",
+                        model.version, upload.steps
                     ),
                     initialised: false,
-                    center_samples: center.samples,
+                    model_samples: model.samples,
                 });
             }
         } else if upload.tensors.is_empty() {
-            return Err(SyncError::NoCenter);
+            return Err(SyncError::NoModel);
         }
-        let tensors = center_tensors(upload.tensors);
-        let mut center = Center::new(model_config_json.to_string(), tensors, upload.steps)?;
-        center.samples = upload.samples;
+        let tensors = model_tensors(upload.tensors);
+        let mut model = StoredModel::new(model_config_json.to_string(), tensors, upload.steps)?;
+        model.samples = upload.samples;
         let outcome = CommitOutcome {
-            center_version: center.version,
+            model_version: model.version,
             applied: true,
             reason: String::new(),
-            initialised: self.center.is_none(),
-            center_samples: center.samples,
+            initialised: self.model.is_none(),
+            model_samples: model.samples,
         };
-        self.center = Some(center);
+        self.model = Some(model);
         Ok(outcome)
     }
 
@@ -230,27 +230,27 @@ impl ModelSyncState {
             })
             .collect();
         proto::ModelSyncStatus {
-            has_center: self.center.is_some(),
-            center_version: self.version().unwrap_or(0),
-            center_bytes: self.center.as_ref().map_or(0, Center::memory_bytes),
-            parameters: self.center.as_ref().map_or(0, Center::parameters),
-            center_samples: self.center.as_ref().map_or(0, |center| center.samples),
+            has_model: self.model.is_some(),
+            model_version: self.version().unwrap_or(0),
+            model_bytes: self.model.as_ref().map_or(0, StoredModel::memory_bytes),
+            parameters: self.model.as_ref().map_or(0, StoredModel::parameters),
+            model_samples: self.model.as_ref().map_or(0, |model| model.samples),
             saved_version: self.saved_version.unwrap_or(0),
             saved_path: self.saved_path.clone(),
             final_saved: self.final_saved,
             drafters,
             // Online evaluation's fields: the service fills them from its
-            // own book (`run_model::evaluation`), not the center's state.
+            // own book (`run_model::evaluation`), not the model's state.
             ..proto::ModelSyncStatus::default()
         }
     }
 }
 
-/// The center's tensors from a complete snapshot: its chunks, moved.
-fn center_tensors(uploaded: Vec<UploadedTensor>) -> Vec<CenterTensor> {
+/// The model's tensors from a complete snapshot: its chunks, moved.
+fn model_tensors(uploaded: Vec<UploadedTensor>) -> Vec<StoredTensor> {
     uploaded
         .into_iter()
-        .map(|uploaded| CenterTensor {
+        .map(|uploaded| StoredTensor {
             name: uploaded.name,
             shape: uploaded.shape,
             data: uploaded.chunks,

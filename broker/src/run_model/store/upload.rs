@@ -2,21 +2,21 @@
 //! chunk (each chunk checked to continue its tensor exactly), and the wire
 //! enums it is declared with, and the finite check on f32 bytes in place
 //! ([`check_finite`]). The chunks are kept as they arrived: they become
-//! the center's bytes as they are.
+//! the model's bytes as they are.
 //!
 //! Apart from [`super::ModelSyncState`] because an upload belongs to the
-//! session, not to the center: it is built without the center's lock, and
-//! a drafter that dies mid-upload drops it without the center noticing.
+//! session, not to the model: it is built without the model's lock, and
+//! a drafter that dies mid-upload drops it without the model noticing.
 
 use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
-use super::error::SyncError;
+use crate::rpc_error::SyncError;
 
 /// What kind of snapshot a drafter began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SnapshotKind {
-    /// The trained model's weights, replacing the center.
+    /// The trained model's weights, replacing the run's model.
     Snapshot,
     /// A snapshot that is also the drafter's last (it stops).
     FinalSnapshot,
@@ -131,12 +131,9 @@ pub struct Upload {
 }
 
 impl Upload {
-    /// The snapshot `begin` opens, checked; a begin that sets the removed
-    /// `gradient_step` (a drafter of the broker's AdamW) is refused.
+    /// The snapshot `begin` opens, checked (a retired kind is refused by
+    /// name).
     pub fn new(begin: &proto::SyncBegin) -> Result<Self, SyncError> {
-        if begin.gradient_step.is_some() {
-            return Err(SyncError::GradientStepRemoved);
-        }
         let kind = SnapshotKind::from_proto(begin.kind)?;
         Ok(Upload {
             kind,
@@ -243,9 +240,9 @@ impl Upload {
     }
 }
 
-/// An [`Upload`] whose every value is finite: the only kind the center
+/// An [`Upload`] whose every value is finite: the only kind the model
 /// takes, so the check (a pass over 4 bytes a parameter) runs before the
-/// center's lock, never under it.
+/// model's lock, never under it.
 #[derive(Debug)]
 pub struct FiniteUpload(Upload);
 

@@ -1,10 +1,10 @@
-//! The evaluator's two RPCs: `ReadCenter` (the center's weights, read-only;
+//! The evaluator's two RPCs: `ReadModel` (the model's weights, read-only;
 //! also how a starting drafter reads the run's model) and `ReportTau` (a
-//! version's τ; the best one is written to the best center's directory). The rules are [`crate::run_model::evaluation`]'s;
+//! version's τ; the best one is written to the best model's directory). The rules are [`crate::run_model::evaluation`]'s;
 //! this is the adapter: authorization, the locks, the stream, the write.
 //!
-//! `ReadCenter` takes the state's lock once, to copy the center's pointers
-//! (a clone of the [`Center`](crate::run_model::center::Center), its buffers shared), and touches nothing else of it: no session opens,
+//! `ReadModel` takes the state's lock once, to copy the model's pointers
+//! (a clone of the [`StoredModel`](crate::run_model::store::StoredModel), its buffers shared), and touches nothing else of it: no session opens,
 //! no drafter record, no counter. The weights go out as slices of the
 //! stored bytes, after the lock.
 
@@ -18,17 +18,17 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use super::{center_chunks, ModelSyncShared};
+use super::{model_chunks, ModelSyncShared};
 use crate::roles::{validate_id, Principal, Role};
 use crate::rpc_error::RpcError;
-use crate::run_model::checkpoint::write_center;
+use crate::run_model::checkpoint::write_model;
 
-/// The best center's directory: `<name>-best` beside `--model-output`
-/// (`center-best/` beside `center/`), so it is never the center itself.
-pub fn best_center_dir(model_output: &Path) -> PathBuf {
+/// The best model's directory: `<name>-best` beside `--model-output`
+/// (`model-best/` beside `model/`), so it is never the model itself.
+pub fn best_model_dir(model_output: &Path) -> PathBuf {
     let name = model_output
         .file_name()
-        .map_or_else(|| "center".into(), |name| name.to_string_lossy());
+        .map_or_else(|| "model".into(), |name| name.to_string_lossy());
     model_output.with_file_name(format!("{name}-best"))
 }
 
@@ -52,33 +52,33 @@ fn authorize(
 /// role, for that id), and nothing of an evaluator's read in it.
 fn authorize_drafter(
     principal: &Principal,
-    request: &proto::ReadCenterRequest,
+    request: &proto::ReadModelRequest,
 ) -> Result<(), RpcError> {
-    if !request.evaluator_id.is_empty() || request.center_version.is_some() {
+    if !request.evaluator_id.is_empty() || request.model_version.is_some() {
         return Err(RpcError::DrafterReadNamesEvaluator);
     }
     validate_id("drafter_id", &request.drafter_id)?;
-    principal.authorize(Role::Drafter, &request.drafter_id, "ModelSync.ReadCenter")
+    principal.authorize(Role::Drafter, &request.drafter_id, "ModelSync.ReadModel")
 }
 
-/// `ReadCenter`: the header, the weights in f32 chunks (none with
-/// `header_only`), then `done`; of the current center, kept until its
-/// report, or of a version kept since an earlier read (`center_version`).
-/// A drafter's read (`drafter_id`) gets the current center and keeps
+/// `ReadModel`: the header, the weights in f32 chunks (none with
+/// `header_only`), then `done`; of the current model, kept until its
+/// report, or of a version kept since an earlier read (`model_version`).
+/// A drafter's read (`drafter_id`) gets the current model and keeps
 /// nothing.
-pub(super) async fn read_center(
+pub(super) async fn read_model(
     shared: &Arc<ModelSyncShared>,
-    request: Request<proto::ReadCenterRequest>,
-) -> Result<Response<ReceiverStream<Result<proto::ReadCenterResponse, Status>>>, Status> {
+    request: Request<proto::ReadModelRequest>,
+) -> Result<Response<ReceiverStream<Result<proto::ReadModelResponse, Status>>>, Status> {
     let principal = Principal::of(request.extensions());
     let request = request.into_inner();
     let for_drafter = !request.drafter_id.is_empty();
     if for_drafter {
         authorize_drafter(&principal, &request)?;
     } else {
-        authorize(&principal, &request.evaluator_id, "ModelSync.ReadCenter")?;
+        authorize(&principal, &request.evaluator_id, "ModelSync.ReadModel")?;
     }
-    let served = match request.center_version {
+    let served = match request.model_version {
         Some(version) => {
             let evaluations = shared.evaluations.lock();
             evaluations
@@ -91,8 +91,8 @@ pub(super) async fn read_center(
         None => {
             let served = {
                 let state = shared.state.lock();
-                let center = state.center().ok_or(RpcError::NoCenterToRead)?;
-                center.clone()
+                let model = state.model().ok_or(RpcError::NoModelToRead)?;
+                model.clone()
             };
             if !for_drafter {
                 shared.evaluations.lock().served(served.clone());
@@ -105,13 +105,13 @@ pub(super) async fn read_center(
         drafter_id = %request.drafter_id,
         version = served.version,
         samples = served.samples,
-        kept_version = request.center_version.is_some(),
+        kept_version = request.model_version.is_some(),
         header_only = request.header_only,
-        "center read"
+        "model read"
     );
-    let header = proto::CenterHeader {
-        center_version: served.version,
-        center_samples: served.samples,
+    let header = proto::ModelHeader {
+        model_version: served.version,
+        model_samples: served.samples,
         model_config_json: served.config_json.clone(),
     };
     let weights = if request.header_only {
@@ -124,12 +124,12 @@ pub(super) async fn read_center(
     let (outbox, receiver) = mpsc::channel(16);
     let shutdown = shared.shutdown.clone();
     shared.tasks.spawn(async move {
-        use proto::read_center_response::Kind;
-        let message = |kind| Ok(proto::ReadCenterResponse { kind: Some(kind) });
+        use proto::read_model_response::Kind;
+        let message = |kind| Ok(proto::ReadModelResponse { kind: Some(kind) });
         let messages = std::iter::once(Kind::Header(header))
-            .chain(center_chunks(weights).map(Kind::Chunk))
+            .chain(model_chunks(weights).map(Kind::Chunk))
             .chain(std::iter::once(Kind::Done(proto::SyncDone {
-                center_version: version,
+                model_version: version,
                 tensors: count,
             })));
         for kind in messages {
@@ -149,7 +149,7 @@ pub(super) async fn read_center(
     Ok(Response::new(ReceiverStream::new(receiver)))
 }
 
-/// `ReportTau`: checks the report, writes the version as the best center
+/// `ReportTau`: checks the report, writes the version as the best model
 /// when its τ is the best so far (before answering), and records it.
 pub(super) async fn report_tau(
     shared: &Arc<ModelSyncShared>,
@@ -170,26 +170,26 @@ pub(super) async fn report_tau(
     let _one_report_at_a_time = shared.report_lock.lock().await;
     let mut checked = shared.evaluations.lock().check(report.point.as_ref())?;
     checked.point.evaluator_id = report.evaluator_id.clone();
-    let version = checked.point.center_version;
+    let version = checked.point.model_version;
     let tau = checked.point.tau;
     let mut written = None;
     if checked.best {
         if let Some(model_output) = &shared.settings.model_output {
-            let dir = best_center_dir(model_output);
-            let center = checked.center.clone();
+            let dir = best_model_dir(model_output);
+            let model = checked.model.clone();
             let started = Instant::now();
             let target = dir.clone();
-            tokio::task::spawn_blocking(move || write_center(&target, &center))
+            tokio::task::spawn_blocking(move || write_model(&target, &model))
                 .await
                 .map_err(|join_error| RpcError::TaskFailed {
-                    what: "writing the best center",
+                    what: "writing the best model",
                     detail: join_error.to_string(),
                 })?
                 .map_err(|error| {
-                    warn!(%error, version, "writing the best center failed; the report is not recorded");
-                    RpcError::BestCenterNotWritten(error)
+                    warn!(%error, version, "writing the best model failed; the report is not recorded");
+                    RpcError::BestModelNotWritten(error)
                 })?;
-            info!(path = %dir.display(), version, tau, seconds = started.elapsed().as_secs_f64(), "best center written");
+            info!(path = %dir.display(), version, tau, seconds = started.elapsed().as_secs_f64(), "best model written");
             written = Some(dir.display().to_string());
         }
     }
@@ -203,7 +203,7 @@ pub(super) async fn report_tau(
             best_path: evaluations.best_path().to_string(),
         }
     };
-    info!(evaluator_id = %report.evaluator_id, version, tau, best, "center τ reported");
+    info!(evaluator_id = %report.evaluator_id, version, tau, best, "model τ reported");
     Ok(Response::new(result))
 }
 
@@ -212,13 +212,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_best_center_lies_beside_the_center_never_in_it() {
+    fn the_best_model_lies_beside_the_model_never_in_it() {
         assert_eq!(
-            best_center_dir(Path::new("/runs/x/center")),
-            PathBuf::from("/runs/x/center-best")
+            best_model_dir(Path::new("/runs/x/model")),
+            PathBuf::from("/runs/x/model-best")
         );
         assert_eq!(
-            best_center_dir(Path::new("model")),
+            best_model_dir(Path::new("model")),
             PathBuf::from("model-best")
         );
     }

@@ -1,16 +1,19 @@
 //! The gRPC adapter of the `dflash.v1.ModelSync` service: the state its
 //! sessions share, and each drafter's session (hello, then snapshots of
 //! begin, chunks and commit, each answered with its result). All rules
-//! live in [`crate::run_model`]; the task that writes the center to disk is
-//! [`center_writer`].
+//! live in the rest of [`crate::run_model`]; the task that writes the
+//! model to disk is [`writer`], the evaluator's RPCs are [`evaluation`],
+//! and the lighthouse's two (`Quorum`, `Commit`) are forwarded to
+//! [`crate::lighthouse::rpc`].
 //!
 //! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
-//! per session without it, and decoded under it at the commit. Checkpoints
-//! copy the center's pointers under the lock and write it on a blocking
+//! per session without it, and their handles moved in under it at the
+//! commit. Checkpoints
+//! copy the model's pointers under the lock and write it on a blocking
 //! thread.
 
-mod center_writer;
 mod evaluation;
+mod writer;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,11 +28,10 @@ use tokio_util::task::TaskTracker;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info, warn};
 
-use crate::config::ModelSyncConfig;
 use crate::rpc_error::RpcError;
-use crate::run_model::center::{CenterTensor, ModelSyncState, Upload};
 use crate::run_model::checkpoint::CheckpointError;
 use crate::run_model::evaluation::Evaluations;
+use crate::run_model::store::{ModelSyncState, StoredTensor, Upload};
 use crate::run_model::RunModelSettings;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
@@ -48,7 +50,7 @@ pub struct ModelSyncShared {
     /// write, so a caller that stops waiting (an aborted task) does not let
     /// a second write start while the first is still renaming files.
     save_lock: Arc<tokio::sync::Mutex<()>>,
-    /// Woken when a snapshot commits or a session closes: the center
+    /// Woken when a snapshot commits or a session closes: the model
     /// writer re-checks what it waits for.
     sync_changed: Notify,
     /// Online evaluation: the τ history, the best report and the versions
@@ -56,7 +58,7 @@ pub struct ModelSyncShared {
     /// held with the state's: an evaluator never delays a snapshot.
     evaluations: Mutex<Evaluations>,
     /// One report at a time, from its checks to its record (the best
-    /// center's write included), so two reports never race for the best.
+    /// model's write included), so two reports never race for the best.
     report_lock: tokio::sync::Mutex<()>,
     /// Data-parallel drafters' lighthouse: each step's quorum and commit
     /// vote ([`crate::lighthouse`]). Its own lock.
@@ -64,15 +66,14 @@ pub struct ModelSyncShared {
 }
 
 impl ModelSyncShared {
-    /// The service state, with the center resumed from `--model-output`
-    /// when a center was written there before.
+    /// The service state, with the model resumed from `--model-output`
+    /// when a model was written there before.
     pub fn start(
-        config: ModelSyncConfig,
+        settings: RunModelSettings,
         lighthouse: crate::lighthouse::LighthouseSettings,
         hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
-        let settings = config.run_model_settings();
         let state = crate::run_model::resume(&settings)?;
         info!(output = ?settings.model_output, "model sync ready");
         let evaluations = Evaluations::new(settings.max_pending_evaluations);
@@ -147,13 +148,13 @@ fn response(kind: proto::sync_response::Kind) -> Result<proto::SyncResponse, Sta
 #[tonic::async_trait]
 impl ModelSync for ModelSyncService {
     type SessionStream = ReceiverStream<Result<proto::SyncResponse, Status>>;
-    type ReadCenterStream = ReceiverStream<Result<proto::ReadCenterResponse, Status>>;
+    type ReadModelStream = ReceiverStream<Result<proto::ReadModelResponse, Status>>;
 
-    async fn read_center(
+    async fn read_model(
         &self,
-        request: Request<proto::ReadCenterRequest>,
-    ) -> Result<Response<Self::ReadCenterStream>, Status> {
-        evaluation::read_center(&self.shared, request).await
+        request: Request<proto::ReadModelRequest>,
+    ) -> Result<Response<Self::ReadModelStream>, Status> {
+        evaluation::read_model(&self.shared, request).await
     }
 
     async fn report_tau(
@@ -217,8 +218,8 @@ impl ModelSync for ModelSyncService {
             let mut state = self.shared.state.lock();
             state.open_session(&hello.drafter_id);
             proto::SyncWelcome {
-                has_center: state.center().is_some(),
-                center_version: state.version().unwrap_or(0),
+                has_model: state.model().is_some(),
+                model_version: state.version().unwrap_or(0),
             }
         };
         let guard = SessionGuard {
@@ -336,7 +337,7 @@ async fn handle_request(
 
 /// Commits a complete snapshot: checks every value finite on a blocking
 /// thread (a read-only pass over the bytes, before the lock), applies it to
-/// the center under the lock (its chunks moved in, nothing copied), logs
+/// the model under the lock (its chunks moved in, nothing copied), logs
 /// it, and sends the result.
 async fn commit_snapshot(
     shared: &ModelSyncShared,
@@ -364,33 +365,30 @@ async fn commit_snapshot(
     debug!(
         drafter_id,
         ?kind,
-        version = outcome.center_version,
+        version = outcome.model_version,
         applied = outcome.applied,
         "model snapshot"
     );
     if outcome.initialised {
-        info!(
-            drafter_id,
-            "center initialised from this drafter's snapshot"
-        );
+        info!(drafter_id, "model initialised from this drafter's snapshot");
     }
     let result = proto::SyncResult {
-        center_version: outcome.center_version,
+        model_version: outcome.model_version,
         applied: outcome.applied,
         reason: outcome.reason,
         initialised: outcome.initialised,
-        center_samples: outcome.center_samples,
+        model_samples: outcome.model_samples,
     };
     send(outbox, proto::sync_response::Kind::Result(result)).await
 }
 
-/// The center's tensors as the chunks that carry them, in order: each
+/// The model's tensors as the chunks that carry them, in order: each
 /// stored chunk cut to at most [`CHUNK_BYTES`] (an empty tensor as one
 /// empty chunk), each a slice of the stored bytes (no copy, no encoding).
-fn center_chunks(tensors: Vec<CenterTensor>) -> impl Iterator<Item = proto::TensorChunk> {
+fn model_chunks(tensors: Vec<StoredTensor>) -> impl Iterator<Item = proto::TensorChunk> {
     let dtype = proto::Dtype::F32 as i32;
     tensors.into_iter().flat_map(move |tensor| {
-        let CenterTensor { name, shape, data } = tensor;
+        let StoredTensor { name, shape, data } = tensor;
         let mut pieces = Vec::new();
         let mut offset = 0u64;
         for chunk in data {

@@ -1,6 +1,6 @@
-//! The background writer of the center: when to write it to
+//! The background writer of the model: when to write it to
 //! `--model-output` (periodically while it changes, and once more as the
-//! final center after the run is COMPLETE and every open session's
+//! final model after the run is COMPLETE and every open session's
 //! FINAL_SNAPSHOT arrived, or its bound passed), the write itself on a blocking
 //! thread, and the back-off of a failed write.
 //!
@@ -16,33 +16,33 @@ use tracing::{info, warn};
 
 use super::ModelSyncShared;
 use crate::queue::BrokerState;
-use crate::run_model::checkpoint::{write_center, CheckpointError};
+use crate::run_model::checkpoint::{write_model, CheckpointError};
 
 impl ModelSyncShared {
-    /// Writes the center to `--model-output` when it changed since the last
-    /// write (or when `final_center` and the final one is not written yet).
+    /// Writes the model to `--model-output` when it changed since the last
+    /// write (or when `final_model` and the final one is not written yet).
     /// `None` when nothing was written.
-    pub async fn save(&self, final_center: bool) -> Result<Option<PathBuf>, CheckpointError> {
+    pub async fn save(&self, final_model: bool) -> Result<Option<PathBuf>, CheckpointError> {
         let Some(dir) = self.settings.model_output.clone() else {
             return Ok(None);
         };
         let writing = self.save_lock.clone().lock_owned().await;
-        let center = {
+        let model = {
             let state = self.state.lock();
-            let Some(center) = state.center() else {
+            let Some(model) = state.model() else {
                 return Ok(None);
             };
-            let unchanged = state.saved_version == Some(center.version);
-            if unchanged && (!final_center || state.final_saved) {
+            let unchanged = state.saved_version == Some(model.version);
+            if unchanged && (!final_model || state.final_saved) {
                 return Ok(None);
             }
-            center.clone()
+            model.clone()
         };
-        let version = center.version;
+        let version = model.version;
         let started = Instant::now();
         let target = dir.clone();
         tokio::task::spawn_blocking(move || {
-            let outcome = write_center(&target, &center);
+            let outcome = write_model(&target, &model);
             drop(writing);
             outcome
         })
@@ -54,20 +54,20 @@ impl ModelSyncShared {
         let mut state = self.state.lock();
         state.saved_version = Some(version);
         state.saved_path = dir.display().to_string();
-        if final_center {
+        if final_model {
             state.final_saved = true;
         }
-        info!(path = %dir.display(), version, final_center, seconds = started.elapsed().as_secs_f64(), "center written");
+        info!(path = %dir.display(), version, final_model, seconds = started.elapsed().as_secs_f64(), "model written");
         Ok(Some(dir))
     }
 
-    /// Writes the center periodically and, once the run is COMPLETE, waits
+    /// Writes the model periodically and, once the run is COMPLETE, waits
     /// (bounded by --model-final-sync-timeout) for the final snapshot of every
-    /// drafter with an open session, then writes the final center.
+    /// drafter with an open session, then writes the final model.
     ///
     /// It sleeps until something it waits for can have happened: the run
     /// state changed, a snapshot committed or a session closed
-    /// (`sync_changed`), the periodic save of a changed center is due, the
+    /// (`sync_changed`), the periodic save of a changed model is due, the
     /// final-sync bound passed, or a failed save's retry is due. An idle
     /// broker does not wake it.
     pub async fn run_background(
@@ -79,12 +79,12 @@ impl ModelSyncShared {
         let mut warned_final = false;
         let mut retry = SaveRetry::default();
         loop {
-            let (final_pending, center_changed) = {
+            let (final_pending, model_changed) = {
                 let state = self.state.lock();
-                let center_version = state.center().map(|center| center.version);
+                let model_version = state.model().map(|model| model.version);
                 (
-                    center_version.is_some() && !state.final_saved,
-                    center_version.is_some() && center_version != state.saved_version,
+                    model_version.is_some() && !state.final_saved,
+                    model_version.is_some() && model_version != state.saved_version,
                 )
             };
             let complete = *run_state.borrow_and_update() == BrokerState::Complete;
@@ -99,13 +99,13 @@ impl ModelSyncShared {
                 let ready = awaiting.is_empty() || now >= deadline;
                 if ready && retry_due {
                     if !awaiting.is_empty() && !warned_final {
-                        warn!(?awaiting, timeout = ?self.settings.final_snapshot_timeout, "writing the final center without these drafters' final snapshot");
+                        warn!(?awaiting, timeout = ?self.settings.final_snapshot_timeout, "writing the final model without these drafters' final snapshot");
                         warned_final = true;
                     }
                     match self.save(true).await {
                         Ok(_) => {
                             // Without --model-output there is nothing to
-                            // write; the final center is the one in memory.
+                            // write; the final model is the one in memory.
                             self.state.lock().final_saved = true;
                             retry = SaveRetry::default();
                         }
@@ -114,7 +114,7 @@ impl ModelSyncShared {
                     continue;
                 }
                 wake_at = if ready { retry.due } else { Some(deadline) };
-            } else if center_changed
+            } else if model_changed
                 && self.settings.model_output.is_some()
                 && !self.settings.save_every.is_zero()
             {
@@ -151,7 +151,7 @@ impl ModelSyncShared {
     }
 }
 
-/// Back-off of a failed center save: 1 s, doubling to at most 60 s, each
+/// Back-off of a failed model save: 1 s, doubling to at most 60 s, each
 /// failure logged with the next attempt's delay (no copy, no write until
 /// then).
 #[derive(Default)]
@@ -170,6 +170,6 @@ impl SaveRetry {
             .saturating_mul(1 << self.failures.saturating_sub(1).min(6))
             .min(Self::LONGEST);
         self.due = Some(Instant::now() + delay);
-        warn!(%error, which, failures = self.failures, retry_in = ?delay, "writing the center failed; retrying");
+        warn!(%error, which, failures = self.failures, retry_in = ?delay, "writing the model failed; retrying");
     }
 }

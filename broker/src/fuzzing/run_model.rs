@@ -1,5 +1,5 @@
-//! The center's fuzz bodies: [`model_sync`] (sessions against one
-//! center) and [`center_checkpoint`] (the checkpoint reader).
+//! The model's fuzz bodies: [`model_sync`] (sessions against one
+//! model) and [`model_checkpoint`] (the checkpoint reader).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -7,15 +7,15 @@ use std::time::{Duration, Instant};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
-use crate::run_model::center::{first_non_finite, ModelSyncState, Upload};
-use crate::run_model::checkpoint::{self, CenterFiles};
+use crate::run_model::checkpoint::{self, ModelFiles};
+use crate::run_model::store::{first_non_finite, ModelSyncState, Upload};
 
 /// Drafter sessions one [`model_sync`] input can hold open at once.
 pub(super) const SESSIONS: usize = 4;
 /// The config every fuzzed snapshot is pinned to when the settings pin one.
 pub(super) const PINNED_CONFIG: &str = r#"{"model_type": "dflash", "hidden_size": 4}"#;
 
-/// One open session: what `model_sync::service` keeps per stream.
+/// One open session: what `run_model::service` keeps per stream.
 pub(super) struct FuzzSession {
     drafter_id: String,
     model_config_json: String,
@@ -41,13 +41,13 @@ pub fn model_sync_input(settings: u8, records: &[(u8, proto::SyncRequest)]) -> V
 }
 
 /// Fuzz body: sessions' messages (layout: [`model_sync_input`]) against
-/// one center, each handled as `model_sync::service` handles it: a hello
+/// one model, each handled as `run_model::service` handles it: a hello
 /// first (drafter id and config checked), then begin, chunks and commit;
 /// an error ends the session.
 ///
-/// Checks after every message: the center is finite and each tensor
+/// Checks after every message: the model is finite and each tensor
 /// holds its shape's bytes; a refused snapshot, and one that was not
-/// applied, left the center as it was; an applied one moved the version
+/// applied, left the model as it was; an applied one moved the version
 /// forward.
 pub fn model_sync(data: &[u8]) {
     let _ = run_sessions(data);
@@ -131,21 +131,21 @@ pub(super) fn open_session(
     })
 }
 
-/// The center's weights as bytes, and its version.
-pub(super) type CenterImage = Option<(u64, Vec<Vec<u8>>)>;
+/// The model's weights as bytes, and its version.
+pub(super) type ModelImage = Option<(u64, Vec<Vec<u8>>)>;
 
-pub(super) fn center_image(state: &ModelSyncState) -> CenterImage {
-    state.center().map(|center| {
-        let buffers = center
+pub(super) fn model_image(state: &ModelSyncState) -> ModelImage {
+    state.model().map(|model| {
+        let buffers = model
             .tensors
             .iter()
             .map(|tensor| tensor.data.concat())
             .collect();
-        (center.version, buffers)
+        (model.version, buffers)
     })
 }
 
-/// One message of an open session, as `model_sync::service::handle_request`
+/// One message of an open session, as `run_model::service::handle_request`
 /// and `commit_snapshot` handle it.
 pub(super) fn handle_request(
     state: &mut ModelSyncState,
@@ -170,7 +170,7 @@ pub(super) fn handle_request(
             let open = session.upload.take().ok_or(())?;
             // As the service: the finite check before the lock.
             let open = open.into_finite().map_err(drop)?;
-            let before = center_image(state);
+            let before = model_image(state);
             let outcome = state.commit(
                 &session.drafter_id,
                 open,
@@ -178,18 +178,18 @@ pub(super) fn handle_request(
                 &session.model_config_json,
                 now,
             );
-            check_center(state);
-            let after = center_image(state);
+            check_model(state);
+            let after = model_image(state);
             let before_version = before.as_ref().map(|(version, _)| *version);
             match &outcome {
-                Err(_) => assert!(before == after, "a refused snapshot changed the center"),
+                Err(_) => assert!(before == after, "a refused snapshot changed the model"),
                 Ok(outcome) if outcome.initialised => assert_eq!(before_version, None),
                 Ok(outcome) if outcome.applied => {
-                    assert!(before_version.is_some_and(|version| version < outcome.center_version));
+                    assert!(before_version.is_some_and(|version| version < outcome.model_version));
                 }
                 Ok(_) => assert!(
                     before == after,
-                    "a snapshot that was not applied changed the center"
+                    "a snapshot that was not applied changed the model"
                 ),
             }
             outcome.map(drop).map_err(drop)
@@ -198,16 +198,16 @@ pub(super) fn handle_request(
     }
 }
 
-/// The center is finite, and each tensor holds exactly its shape's f32
+/// The model is finite, and each tensor holds exactly its shape's f32
 /// bytes.
-pub(super) fn check_center(state: &ModelSyncState) {
-    let Some(center) = state.center() else {
+pub(super) fn check_model(state: &ModelSyncState) {
+    let Some(model) = state.model() else {
         return;
     };
-    for tensor in &center.tensors {
+    for tensor in &model.tensors {
         if let Some((index, value)) = first_non_finite(&tensor.data) {
             panic!(
-                "the center's weights of {:?} are not finite: {value} at {index}",
+                "the model's weights of {:?} are not finite: {value} at {index}",
                 tensor.name
             );
         }
@@ -216,12 +216,12 @@ pub(super) fn check_center(state: &ModelSyncState) {
     }
 }
 
-/// The input layout of [`center_checkpoint`]: `[flags]` then the files
+/// The input layout of [`model_checkpoint`]: `[flags]` then the files
 /// `config.json`, `model.safetensors` and `center_state.json`, each as
 /// `[length: u32 little-endian] [bytes]` (the length cut to what remains);
 /// a file the input ends before is absent. The flags and a fourth file (local
 /// SGD's outer optimizer, retired) are ignored; the corpus keeps them.
-pub fn center_checkpoint_input(files: &[&[u8]]) -> Vec<u8> {
+pub fn model_checkpoint_input(files: &[&[u8]]) -> Vec<u8> {
     let mut input = vec![0];
     for file in files {
         input.extend_from_slice(&(file.len() as u32).to_le_bytes());
@@ -230,13 +230,13 @@ pub fn center_checkpoint_input(files: &[&[u8]]) -> Vec<u8> {
     input
 }
 
-/// Fuzz body: a center checkpoint's files (layout:
-/// [`center_checkpoint_input`]) through [`checkpoint::decode_center`], the
+/// Fuzz body: a model checkpoint's files (layout:
+/// [`model_checkpoint_input`]) through [`checkpoint::decode_model`], the
 /// reader of a restarted broker.
 ///
-/// Checks: a center read is finite, and written again by the checkpoint's
+/// Checks: a model read is finite, and written again by the checkpoint's
 /// encoders it reads back the same, bit for bit.
-pub fn center_checkpoint(data: &[u8]) {
+pub fn model_checkpoint(data: &[u8]) {
     let Some((_, mut rest)) = data.split_first() else {
         return;
     };
@@ -261,21 +261,21 @@ pub fn center_checkpoint(data: &[u8]) {
         None => None,
     };
     let model = bytes::Bytes::copy_from_slice(model);
-    let files = CenterFiles {
+    let files = ModelFiles {
         config_json,
         model: &model,
         state_json,
     };
-    let dir = Path::new("center");
-    let Ok(center) = checkpoint::decode_center(dir, files) else {
+    let dir = Path::new("model");
+    let Ok(model) = checkpoint::decode_model(dir, files) else {
         return;
     };
-    for tensor in &center.tensors {
+    for tensor in &model.tensors {
         assert!(first_non_finite(&tensor.data).is_none());
     }
-    let written = match checkpoint::encode_center_files(&center) {
+    let written = match checkpoint::encode_model_files(&model) {
         Ok(written) => written,
-        Err(error) => panic!("a center read could not be written again: {error}"),
+        Err(error) => panic!("a model read could not be written again: {error}"),
     };
     let file = |name: &str| {
         written
@@ -287,9 +287,9 @@ pub fn center_checkpoint(data: &[u8]) {
     let state_again = file(checkpoint::STATE_FILE_NAME).map(String::from_utf8_lossy);
     let model_again =
         bytes::Bytes::copy_from_slice(file(checkpoint::MODEL_FILE_NAME).unwrap_or_default());
-    let again = checkpoint::decode_center(
+    let again = checkpoint::decode_model(
         dir,
-        CenterFiles {
+        ModelFiles {
             config_json: config_again.as_deref().unwrap_or_default(),
             model: &model_again,
             state_json: state_again.as_deref(),
@@ -297,18 +297,18 @@ pub fn center_checkpoint(data: &[u8]) {
     );
     let again = match again {
         Ok(again) => again,
-        Err(error) => panic!("a center written again did not read back: {error}"),
+        Err(error) => panic!("a model written again did not read back: {error}"),
     };
     assert_eq!(
         (again.version, again.samples),
-        (center.version, center.samples)
+        (model.version, model.samples)
     );
-    assert_eq!(again.tensors.len(), center.tensors.len());
-    for (left, right) in again.tensors.iter().zip(&center.tensors) {
+    assert_eq!(again.tensors.len(), model.tensors.len());
+    for (left, right) in again.tensors.iter().zip(&model.tensors) {
         assert_eq!((&left.name, &left.shape), (&right.name, &right.shape));
         assert!(
             left.data.concat() == right.data.concat(),
-            "a center tensor changed in its round trip"
+            "a model tensor changed in its round trip"
         );
     }
 }
