@@ -55,6 +55,7 @@ impl BrokerService {
                 accepted_items: opened.accepted_items,
                 epoch: opened.epoch,
                 run_id: self.shared.run_id.clone(),
+                capture: Vec::new(),
             });
             let message = proto::ProduceResponse {
                 kind: Some(welcome),
