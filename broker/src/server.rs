@@ -302,6 +302,7 @@ fn log_listening(listener: &TcpListener, config: &BrokerConfig, security: &Serve
     info!(
         address = ?local_address,
         target_ids = %config.target_ids().join(","),
+        target_capture = ?config.target_capture,
         tls = security.tls.is_some(),
         token = security.token.is_some(),
         "broker listening"

@@ -530,6 +530,65 @@ async fn bad_inputs_get_clear_errors_and_change_nothing() {
     broker.stop().await;
 }
 
+/// The welcome of every Produce stream carries the run's `--target-capture`
+/// (each tensor once), and nothing without it: the run decides what its
+/// targets capture, on the first hello and on every later one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_welcome_carries_the_runs_target_capture() {
+    use dflash_broker::config::CapturedTensor;
+    use dflash_proto::v1::broker_client::BrokerClient as RawClient;
+    async fn welcome_capture(address: &str, target_id: &str) -> Vec<i32> {
+        let mut raw = RawClient::connect(address.to_string()).await.unwrap();
+        let hello = proto::ProduceRequest {
+            kind: Some(proto::produce_request::Kind::Hello(proto::ProducerHello {
+                target_id: target_id.to_string(),
+                run_id: String::new(),
+            })),
+        };
+        let mut responses = raw
+            .produce(tokio_stream::iter(vec![hello]))
+            .await
+            .unwrap()
+            .into_inner();
+        match responses.message().await.unwrap() {
+            Some(proto::ProduceResponse {
+                kind: Some(proto::produce_response::Kind::Welcome(welcome)),
+            }) => welcome.capture,
+            other => panic!("expected a welcome, got {other:?}"),
+        }
+    }
+    let last_hidden_states = vec![proto::CapturedTensor::LastHiddenStates as i32];
+    let broker = TestBroker::start(BrokerConfig {
+        target_capture: vec![
+            CapturedTensor::LastHiddenStates,
+            CapturedTensor::LastHiddenStates,
+        ],
+        ..BrokerConfig::for_targets(2)
+    })
+    .await;
+    assert_eq!(
+        welcome_capture(&broker.address, "target-0").await,
+        last_hidden_states
+    );
+    // A reconnecting target (a new hello, the next epoch) is told again.
+    assert_eq!(
+        welcome_capture(&broker.address, "target-0").await,
+        last_hidden_states
+    );
+    assert_eq!(
+        welcome_capture(&broker.address, "target-1").await,
+        last_hidden_states
+    );
+    broker.stop().await;
+
+    let broker = TestBroker::for_targets(1).await;
+    assert_eq!(
+        welcome_capture(&broker.address, "target-0").await,
+        Vec::<i32>::new()
+    );
+    broker.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_without_hello_are_refused() {
     use dflash_proto::v1::broker_client::BrokerClient as RawClient;

@@ -10,9 +10,10 @@
 //! | `last_hidden_states` (optional) | bf16 (f16, f32 accepted) | `[T, hidden]` |
 //!
 //! `last_hidden_states` is the target's last hidden state after its final
-//! norm (its LM head's input), sent only by a target asked for it
-//! (`--capture-last-hidden-state`): a DSpark drafter makes the target's
-//! distribution from it with the LM head it holds.
+//! norm (its LM head's input), sent only when the run asks for it
+//! (`ProducerWelcome.capture`, the broker's `--target-capture
+//! last-hidden-states`): a DSpark drafter makes the target's distribution
+//! from it with the LM head it holds.
 //!
 //! Pure functions on bytes; no libtorch.
 

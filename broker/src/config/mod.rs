@@ -33,6 +33,19 @@ impl ValueEnum for FailurePolicy {
 
 pub use dflash_shell::{parse_bytes, parse_duration};
 
+/// A tensor every target of the run adds to each sample beyond DFlash's
+/// `input_ids`, `loss_mask` and `hidden_states` (`--target-capture`). The
+/// broker tells each target in its welcome (`ProducerWelcome.capture`), so
+/// the run decides what its samples carry, not each target's flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, ValueEnum)]
+pub enum CapturedTensor {
+    /// `last_hidden_states` (bf16 [T, hidden]): the target's last hidden
+    /// state after its final norm, which a DSpark drafter
+    /// (`--draft-architecture dspark`) distils the target's distribution from.
+    #[value(name = "last-hidden-states", alias = "last_hidden_states")]
+    LastHiddenStates,
+}
+
 /// Everything the broker is configured with.
 #[derive(Debug, Clone, Args)]
 pub struct BrokerConfig {
@@ -173,6 +186,14 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_ADOPT_STATE_DIR")]
     pub adopt_state_dir: bool,
 
+    /// Tensors every target adds to each sample beyond DFlash's three,
+    /// comma-separated: `last-hidden-states` (the target's last hidden state,
+    /// `hidden × 2` bytes per token) for DSpark drafters. Each target is told
+    /// in its welcome and captures them from its first sample on. Default
+    /// none: DFlash and DFlash2 runs do not pay those bytes.
+    #[arg(long, env = "DFLASH_TARGET_CAPTURE", value_enum, value_delimiter = ',')]
+    pub target_capture: Vec<CapturedTensor>,
+
     /// Address for the Prometheus text endpoint (`GET /metrics`), e.g.
     /// 0.0.0.0:9090. No endpoint when not given.
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
@@ -215,6 +236,7 @@ impl BrokerConfig {
             state_dir: None,
             fsync: crate::wal::FsyncPolicy::Batch,
             adopt_state_dir: false,
+            target_capture: Vec::new(),
             max_concurrent_streams: 64,
             max_connections: 1024,
             max_connections_per_peer: 0,
@@ -330,6 +352,36 @@ fn non_zero(duration: Duration) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn target_capture_takes_a_comma_list_of_tensor_names() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            config: BrokerConfig,
+        }
+        let parse = |arguments: &[&str]| {
+            <Cli as clap::Parser>::try_parse_from(
+                ["broker", "--expected-targets", "1"]
+                    .iter()
+                    .chain(arguments),
+            )
+            .map(|cli| cli.config.target_capture)
+        };
+        assert_eq!(parse(&[]).unwrap(), Vec::new());
+        assert_eq!(
+            parse(&["--target-capture", "last-hidden-states"]).unwrap(),
+            vec![CapturedTensor::LastHiddenStates]
+        );
+        assert_eq!(
+            parse(&["--target-capture=last-hidden-states,last_hidden_states"]).unwrap(),
+            vec![CapturedTensor::LastHiddenStates; 2]
+        );
+        let error = parse(&["--target-capture", "logits"])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("last-hidden-states"), "{error}");
+    }
 
     #[test]
     fn validation_names_the_flag() {

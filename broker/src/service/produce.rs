@@ -11,6 +11,7 @@ use dflash_telemetry::TRACE_TARGET;
 use tonic::Status;
 use tracing::{info, warn, Instrument};
 
+use crate::config::CapturedTensor;
 use crate::convert;
 use crate::payload::{ProduceIn, WireItem};
 use crate::queue::{ConnectionId, QueueError, RejectReason};
@@ -20,6 +21,20 @@ use super::{
     check_run_id, first_message, is_oversized_message, next_request, validate_id, BrokerService,
     ConnectionGuard, GuardedStream, InboundProduce, Outgoing, StreamKind,
 };
+
+/// `--target-capture` as the welcome's `capture`: each tensor once, in the
+/// proto's order, whatever the flag's order or repeats.
+fn captured_tensors_to_proto(capture: &[CapturedTensor]) -> Vec<i32> {
+    let mut values: Vec<i32> = capture
+        .iter()
+        .map(|tensor| match tensor {
+            CapturedTensor::LastHiddenStates => proto::CapturedTensor::LastHiddenStates as i32,
+        })
+        .collect();
+    values.sort_unstable();
+    values.dedup();
+    values
+}
 
 impl BrokerService {
     /// Opens a Produce stream on `inbound` (however it is decoded): the
@@ -55,6 +70,7 @@ impl BrokerService {
                 accepted_items: opened.accepted_items,
                 epoch: opened.epoch,
                 run_id: self.shared.run_id.clone(),
+                capture: captured_tensors_to_proto(&self.shared.config.target_capture),
             });
             let message = proto::ProduceResponse {
                 kind: Some(welcome),

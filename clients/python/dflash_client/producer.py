@@ -19,12 +19,32 @@ import grpc.aio
 from ._proto import broker_pb2 as pb
 from .errors import BrokerCallError, BrokerUnavailable, InvalidSample, ProtocolError, StreamClosed
 from .records import message_to_dict
-from .tensors import check_trace_context, make_sample
+from .tensors import LAST_HIDDEN_STATES, check_trace_context, make_sample
 
 if TYPE_CHECKING:
     from .aio import AsyncBrokerClient
 
 logger = logging.getLogger("dflash_client")
+
+#: `ProducerWelcome.capture` values → the sample tensor each asks for.
+CAPTURED_TENSORS: Dict[int, str] = {
+    pb.CAPTURED_TENSOR_LAST_HIDDEN_STATES: LAST_HIDDEN_STATES,
+}
+
+
+def captured_tensor_names(values: Any) -> Tuple[str, ...]:
+    """The tensor names a welcome's `capture` asks for, each once, sorted;
+    ProtocolError for a value this client does not know (a sample without
+    that tensor would fail on every drafter)."""
+    names = set()
+    for value in values:
+        if value not in CAPTURED_TENSORS:
+            raise ProtocolError(
+                f"Produce: the broker's welcome asks for captured tensor {value} (ProducerWelcome.capture), "
+                "which this client does not know: upgrade dflash-broker-client to the broker's version"
+            )
+        names.add(CAPTURED_TENSORS[value])
+    return tuple(sorted(names))
 
 
 @dataclasses.dataclass
@@ -62,6 +82,9 @@ class AsyncProducer:
         #: nothing), accepted_items, epoch, run_id.
         self.welcome: Optional[Dict[str, Any]] = None
         self._run_id = ""
+        #: The first welcome's `capture` as tensor names; every later
+        #: welcome must ask the same.
+        self._capture: Optional[Tuple[str, ...]] = None
         self._channel: Optional[grpc.aio.Channel] = None
         self._call: Any = None
         self._reader: Optional[asyncio.Task] = None
@@ -98,6 +121,20 @@ class AsyncProducer:
         return self._run_id
 
     @property
+    def capture(self) -> Tuple[str, ...]:
+        """The tensors the run asks every sample to carry beyond DFlash's
+        three, by name (the welcome's `capture`, the broker's
+        `--target-capture`): `("last_hidden_states",)` in a DSpark run, `()`
+        otherwise. `send` refuses an item without one of them."""
+        return self._capture or ()
+
+    @property
+    def capture_last_hidden_states(self) -> bool:
+        """The run asks for `last_hidden_states` (bf16 [T, hidden], the
+        target's last hidden state after its final norm): pass it to `send`."""
+        return LAST_HIDDEN_STATES in self.capture
+
+    @property
     def report(self) -> ProduceReport:
         self._report.accepted_total = self._accepted_before + self._accepted_on_stream
         return dataclasses.replace(self._report, rejected=list(self._report.rejected))
@@ -120,6 +157,11 @@ class AsyncProducer:
             raise InvalidSample(f"seq {seq!r} is not an integer in [0, 2^64)")
         if self._last_seq is not None and seq <= self._last_seq:
             raise InvalidSample(f"seq {seq} does not increase (the last seq sent was {self._last_seq})")
+        if last_hidden_states is None and self.capture_last_hidden_states:
+            raise InvalidSample(
+                f"seq {seq}: the run asks every sample for {LAST_HIDDEN_STATES!r} "
+                "(the broker's --target-capture last-hidden-states) and this one has none"
+            )
         sample = make_sample(input_ids, loss_mask, hidden_states, self.hidden_width, last_hidden_states)
         trace = check_trace_context(trace_context)
         return pb.ProduceRequest(item=pb.Item(seq=seq, sample=sample, trace_context=trace))
@@ -218,6 +260,16 @@ class AsyncProducer:
         if kind != "welcome":
             raise ProtocolError(f"Produce: expected welcome, got {kind}")
         welcome = response.welcome
+        capture = captured_tensor_names(welcome.capture)
+        if self._capture is not None and capture != self._capture:
+            # The items waiting to be re-sent were made for the old one.
+            self._fatal = ProtocolError(
+                f"Produce: the run's capture changed under {self.target_id}: the first welcome asked for "
+                f"{list(self._capture)}, the welcome after a reconnect for {list(capture)} (was the broker "
+                "restarted with another --target-capture?); the items made so far do not match it"
+            )
+            raise self._fatal
+        self._capture = capture
         if self.welcome is not None and welcome.accepted_items > self._accepted_before:
             # The broken stream had items accepted whose answers were lost:
             # that was progress, so this outage is over.

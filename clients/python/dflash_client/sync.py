@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any, Coroutine, Dict, Iterable, Iterator, List, Mapping, Optional, TypeVar, Union
+from typing import Any, Coroutine, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, TypeVar, Union
 
 from .aio import AsyncBrokerClient, AsyncConsumer, AsyncProducer, ClientOptions, Delivery, ProduceReport, UnsentAck
 
@@ -143,6 +143,14 @@ class Producer:
     @property
     def run_id(self) -> str:
         return self._producer.run_id
+
+    @property
+    def capture(self) -> Tuple[str, ...]:
+        return self._producer.capture
+
+    @property
+    def capture_last_hidden_states(self) -> bool:
+        return self._producer.capture_last_hidden_states
 
     @property
     def report(self) -> ProduceReport:

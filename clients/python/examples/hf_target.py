@@ -12,6 +12,11 @@ What it sends matches the Rust target-server, sample for sample:
   the end-of-turn token closing each (the same span rule as
   services/target-server/src/data.rs); pre-tokenized lines
   (`input_ids`/`loss_mask`) pass through;
+- when the run asks for it (the broker's `--target-capture last-hidden-states`,
+  told in the welcome: `producer.capture_last_hidden_states`), also the last
+  hidden state after the final norm (transformers' last `hidden_states` entry,
+  the LM head's input) as `last_hidden_states` bf16 [T, hidden], what a DSpark
+  drafter trains on;
 - line i belongs to shard i mod --num-shards; `seq` is the sample's position
   in the shard (the Rust target-server numbers samples the same way when its
   --sort-window is 1; by default it sorts each window of 512 by length), and a
@@ -145,11 +150,13 @@ def shard_lines(path: str, shard_index: int, num_shards: int) -> Iterator[Tuple[
 
 
 @torch.inference_mode()
-def hidden_states_for(model: Any, input_ids: List[int], layer_ids: List[int], device: torch.device) -> torch.Tensor:
-    """bf16 [T, len(layer_ids) * hidden] on the CPU."""
+def hidden_states_for(model: Any, input_ids: List[int], layer_ids: List[int], device: torch.device, last: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """bf16 [T, len(layer_ids) * hidden] on the CPU and, with `last`, the
+    last hidden state after the final norm, bf16 [T, hidden] (else None)."""
     output = model(input_ids=torch.tensor([input_ids], device=device), output_hidden_states=True, logits_to_keep=1)
     selected = torch.cat([output.hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
-    return selected[0].to(torch.bfloat16).cpu()
+    last_hidden = output.hidden_states[-1][0].to(torch.bfloat16).cpu() if last else None
+    return selected[0].to(torch.bfloat16).cpu(), last_hidden
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -191,7 +198,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with BrokerClient(arguments.broker, ClientOptions(**security_options(arguments))) as client:
         producer = client.producer(arguments.target_id, hidden_width=width)
         resume = producer.resume_after_seq
-        logging.info("welcome: resume after seq %s, run %r, epoch %d", resume, producer.run_id, producer.epoch)
+        # The run decides what each sample carries beyond DFlash's tensors.
+        capture_last = producer.capture_last_hidden_states
+        logging.info("welcome: resume after seq %s, run %r, epoch %d, capture %s", resume, producer.run_id, producer.epoch, list(producer.capture))
         seq, bad_lines, tokens_done, sent = 0, 0, 0, 0
         started = last_stats = time.monotonic()
         for line_number, line in shard_lines(arguments.data, arguments.shard_index, arguments.num_shards):
@@ -207,8 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise SystemExit(f"{arguments.data}: {bad_lines} malformed lines, more than --max-bad-lines {arguments.max_bad_lines}") from error
                 continue
             if resume is None or seq > resume:
-                hidden = hidden_states_for(model, input_ids, layer_ids, device)
-                producer.send(seq, torch.tensor(input_ids), torch.tensor(loss_mask, dtype=torch.uint8), hidden)
+                hidden, last_hidden = hidden_states_for(model, input_ids, layer_ids, device, capture_last)
+                producer.send(seq, torch.tensor(input_ids), torch.tensor(loss_mask, dtype=torch.uint8), hidden, last_hidden_states=last_hidden)
                 sent += 1
             seq += 1
             tokens_done += len(input_ids)

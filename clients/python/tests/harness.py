@@ -291,6 +291,12 @@ class CuttableRelay:
 
         await asyncio.gather(pipe(client_reader, upstream_writer), pipe(upstream_reader, client_writer))
 
+    def retarget(self, upstream: str) -> None:
+        """New connections go to `upstream` (a broker restarted on another
+        port); those open now stay where they are until `cut()`."""
+        host, port = upstream.rsplit(":", 1)
+        self._upstream = (host, int(port))
+
     def cut(self) -> None:
         async def cut_all() -> None:
             writers, self._writers = self._writers, []

@@ -214,6 +214,32 @@ def test_bad_inputs_are_rejected_before_anything_is_sent(start_broker):
         assert client.status()["accepted_items"] == 2
 
 
+def test_the_welcome_says_what_the_run_captures_and_send_holds_to_it(start_broker):
+    """The broker's --target-capture reaches the producer in its welcome; in
+    such a run an item without the tensor is refused before it is sent."""
+    broker = start_broker(1, "--target-capture", "last-hidden-states")
+    with BrokerClient(broker.address) as client:
+        producer = client.producer("target-0", hidden_width=WIDTH)
+        assert producer.capture == ("last_hidden_states",) and producer.capture_last_hidden_states
+        assert producer.welcome["capture"] == ["CAPTURED_TENSOR_LAST_HIDDEN_STATES"]
+        ids, mask, hidden = synthetic_sample(0, WIDTH)
+        with pytest.raises(InvalidSample, match="--target-capture last-hidden-states"):
+            producer.send(0, ids, mask, hidden)
+        assert client.status()["accepted_items"] == 0, "nothing reached the broker"
+        producer.send(0, ids, mask, hidden, last_hidden_states=bytes(len(ids) * 8 * 2))
+        assert producer.finish().accepted == 1
+        producer.close()
+
+    plain = start_broker(1)
+    with BrokerClient(plain.address) as client:
+        producer = client.producer("target-0", hidden_width=WIDTH)
+        assert producer.capture == () and not producer.capture_last_hidden_states
+        assert producer.welcome["capture"] == []
+        producer.send(0, ids, mask, hidden)
+        assert producer.finish().accepted == 1
+        producer.close()
+
+
 def test_wrong_total_is_failed_precondition_raised_at_once(start_broker):
     broker = start_broker(1)
     with BrokerClient(broker.address) as client:

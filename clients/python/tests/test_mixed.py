@@ -129,7 +129,11 @@ def bf16_to_float(data: bytes, shape) -> np.ndarray:
 
 
 def test_hf_target_hidden_states_match_the_rust_target_server(start_broker, tiny, data, tmp_path):
-    """Both targets compute the tiny model in float32 and round to bf16 once
+    """The run asks for the last hidden state too (the broker's
+    --target-capture, as a DSpark run does): both targets send it, read from
+    their welcome, and it must agree as the tapped layers do.
+
+    Both targets compute the tiny model in float32 and round to bf16 once
     (round to nearest even). Let x_r, x_p be the two float32 results for one
     value: they differ only by float32 reassociation error e (different
     matmul blocking, fused kernels), far below a bf16 step. Rounding moves
@@ -142,7 +146,7 @@ def test_hf_target_hidden_states_match_the_rust_target_server(start_broker, tiny
     e stays well under 2^-12 of that largest value (4096 float32 ulps, still
     1/32 of a bf16 ulp there). Any real divergence (a wrong layer, a wrong
     position, a different chat rendering) is orders of magnitude larger."""
-    broker = start_broker(2)
+    broker = start_broker(2, "--target-capture", "last-hidden-states")
     rust = rust_target(tmp_path, broker, tiny, data, "target-0", "--sort-window", "1", "--dtype", "f32")
     python = python_process(
         "hf-target",
@@ -190,4 +194,19 @@ def test_hf_target_hidden_states_match_the_rust_target_server(start_broker, tiny
         worst_ulps = max(worst_ulps, float((difference / bf16_ulp).max()))
         identical += int((difference == 0).sum())
         total += difference.size
+
+        # The last hidden state (after the final norm): one "layer" of HIDDEN, same bound.
+        last_shape = rust_sample["last_hidden_states"][0]
+        assert last_shape == python_sample["last_hidden_states"][0] == (len(rust_ids), HIDDEN)
+        rust_last = bf16_to_float(rust_sample["last_hidden_states"][1], last_shape)
+        python_last = bf16_to_float(python_sample["last_hidden_states"][1], last_shape)
+        magnitude = np.maximum(np.abs(rust_last), np.abs(python_last))
+        bf16_ulp = np.exp2(np.floor(np.log2(np.maximum(magnitude, np.finfo(np.float32).tiny))) - 7)
+        float32_error = np.abs(rust_last).max(axis=1, keepdims=True) * 2.0**-12
+        difference = np.abs(rust_last - python_last)
+        over = difference > bf16_ulp + float32_error
+        assert not over.any(), (
+            f"seq {seq} last_hidden_states: {int(over.sum())} values differ by more than one bf16 ulp + e, "
+            f"worst {difference[over].max()} at {np.argwhere(over)[0].tolist()}"
+        )
     print(f"hf_target vs target-server: {identical}/{total} bf16 values identical, worst difference {worst_ulps:.2f} bf16 ulps")

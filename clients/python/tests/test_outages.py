@@ -12,7 +12,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from dflash_client import AsyncBrokerClient, BrokerClient, BrokerUnavailable, ClientOptions, make_sample
+from dflash_client import AsyncBrokerClient, BrokerClient, BrokerUnavailable, ClientOptions, ProtocolError, make_sample
 from dflash_client._proto import broker_pb2 as pb
 from harness import CuttableRelay, wait_until
 
@@ -53,6 +53,38 @@ def test_the_producer_budget_is_per_outage_so_routine_restarts_never_add_up(star
             producer.close()
             status = direct.status()
             assert status["targets"][0]["accepted_items"] == seq and status["targets"][0]["state"] == "TARGET_STATE_DONE"
+    finally:
+        relay.close()
+
+
+def test_a_reconnect_whose_welcome_changes_the_capture_raises_before_resending(start_broker, tmp_path):
+    """The run's capture comes with every welcome: a broker restarted on its
+    state dir with another --target-capture is noticed at the reconnect, and
+    the producer raises, naming both, before it re-sends an item made for
+    the old one."""
+    state = tmp_path / "state"
+    first = start_broker(1, "--state-dir", str(state), "--target-grace", "60s")
+    relay = CuttableRelay(first.address)
+    try:
+        with BrokerClient(relay.address, ClientOptions(producer_window_items=2)) as client:
+            producer = client.producer("target-0", hidden_width=WIDTH)
+            assert producer.capture == ()
+            producer.send(0, *synthetic_sample(0, WIDTH))
+            wait_until(lambda: answered(producer.report) == 1, 30, "the first item to be answered")
+            first.stop()
+            second = start_broker(1, "--state-dir", str(state), "--target-capture", "last-hidden-states")
+            relay.retarget(second.address)
+            relay.cut()
+            expected = r"first welcome asked for \[\], the welcome after a reconnect for \['last_hidden_states'\]"
+            with pytest.raises(ProtocolError, match=expected):
+                for seq in range(1, 100):
+                    producer.send(seq, *synthetic_sample(seq, WIDTH))
+                producer.finish()
+            with pytest.raises(ProtocolError, match=expected):
+                producer.send(100, *synthetic_sample(100, WIDTH))
+            producer.close()
+        with BrokerClient(second.address) as direct:
+            assert direct.status()["accepted_items"] == 1, "nothing was re-sent"
     finally:
         relay.close()
 

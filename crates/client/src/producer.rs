@@ -39,6 +39,9 @@ pub struct Producer {
     run_id: String,
     resume_after_seq: Option<u64>,
     accepted_before: u64,
+    /// The welcome's `capture`: values of `proto::CapturedTensor`, unknown
+    /// ones kept.
+    capture: Vec<i32>,
     requests: Option<mpsc::Sender<proto::ProduceRequest>>,
     /// One permit per item that may be unanswered.
     window: Arc<Semaphore>,
@@ -121,6 +124,7 @@ impl Producer {
             run_id: welcome.run_id,
             resume_after_seq: welcome.resume_after_seq,
             accepted_before: welcome.accepted_items,
+            capture: welcome.capture,
             requests: Some(requests),
             window,
             window_items: window_items.max(1),
@@ -158,6 +162,14 @@ impl Producer {
     /// Items the broker had accepted from this target before this stream.
     pub fn accepted_before(&self) -> u64 {
         self.accepted_before
+    }
+
+    /// The tensors the run asks this target to add to every sample (the
+    /// welcome's `capture`, the broker's `--target-capture`): values of
+    /// [`proto::CapturedTensor`] as they arrived, a value this build does
+    /// not know included, so that the caller can refuse to produce without it.
+    pub fn capture(&self) -> &[i32] {
+        &self.capture
     }
 
     async fn failure(&self) -> Option<ClientError> {
@@ -343,6 +355,7 @@ mod tests {
             run_id: "run".to_string(),
             resume_after_seq: None,
             accepted_before: 0,
+            capture: Vec::new(),
             requests: Some(requests),
             window: Arc::new(Semaphore::new(0)),
             window_items: 1,

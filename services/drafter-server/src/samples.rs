@@ -34,7 +34,7 @@ pub enum SampleError {
     NonFinite { count: u64, token: u64, column: u64 },
     #[error("tensor \"last_hidden_states\": {count} non-finite values (NaN or infinity), the first at token {token}, column {column}: never trained on")]
     LastHiddenNonFinite { count: u64, token: u64, column: u64 },
-    #[error("sample has no tensor \"last_hidden_states\": a DSpark drafter trains on the target's last hidden state (run the target-server with --capture-last-hidden-state)")]
+    #[error("sample has no tensor \"last_hidden_states\": a DSpark drafter trains on the target's last hidden state (run the broker with --target-capture last-hidden-states: it tells its targets to send it)")]
     MissingLastHidden,
     #[error("tensor \"last_hidden_states\": width {actual}, the drafter expects the target's hidden size {expected}")]
     LastHiddenWidth { actual: i64, expected: i64 },
@@ -222,9 +222,14 @@ mod tests {
     #[test]
     fn the_last_hidden_state_decodes_and_a_dspark_drafter_requires_it() {
         let plain = decode_sample(&sample(&[1, 2, 3], 4), EXPECT).unwrap();
-        assert_eq!(
-            require_last_hidden(&plain, 2).unwrap_err(),
-            SampleError::MissingLastHidden
+        let missing = require_last_hidden(&plain, 2).unwrap_err();
+        assert_eq!(missing, SampleError::MissingLastHidden);
+        // The error names the tensor and the broker flag that turns it on.
+        let message = missing.to_string();
+        assert!(
+            message.contains("\"last_hidden_states\"")
+                && message.contains("--target-capture last-hidden-states"),
+            "{message}"
         );
         let mut with_last = sample(&[1, 2, 3], 4);
         let mut last = vec![0u8; 3 * 2 * 2];

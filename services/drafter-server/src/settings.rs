@@ -78,7 +78,7 @@ pub enum DraftArchitecture {
     Dflash2,
     /// speculators' `DSparkDraftModel`: the Markov and confidence heads,
     /// trained by distillation from the target's distribution (needs the
-    /// targets' `--capture-last-hidden-state`; speculators' defaults: rank
+    /// broker's `--target-capture last-hidden-states`; speculators' defaults: rank
     /// 256, vanilla head, confidence head on `[h, W1[prev]]`, α 1).
     Dspark,
 }

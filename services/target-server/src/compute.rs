@@ -14,6 +14,7 @@
 //! growing memory.
 
 use crate::batching::PlannedBatch;
+use crate::capture::{Capture, CaptureError};
 use crate::metrics::TargetMetrics;
 use crate::settings::{NonFiniteAction, SyntheticSpec};
 use bytes::Bytes;
@@ -37,6 +38,8 @@ pub enum ComputeError {
     Invalid(String),
     #[error("seq {seq}: the captured hidden states hold {count} non-finite values (NaN or infinity); not sent (--on-non-finite fail)")]
     NonFinite { seq: u64, count: u64 },
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
 }
 
 /// What produces hidden states.
@@ -44,9 +47,6 @@ pub enum Backend {
     Target {
         model: Box<TargetModel>,
         layer_ids: Vec<usize>,
-        /// `--capture-last-hidden-state`: also the last hidden state after
-        /// the final norm, sent as `last_hidden_states`.
-        capture_last_hidden_state: bool,
     },
     Synthetic(SyntheticBackend),
 }
@@ -214,7 +214,7 @@ pub struct ComputedBatch {
     pub batch: PlannedBatch,
     pub hidden: HiddenStates,
     /// `[B, T, hidden]` bf16 last hidden states after the final norm, when
-    /// the backend captures them (`--capture-last-hidden-state`).
+    /// the run asks for them ([`Capture::last_hidden_states`]).
     pub last_hidden: Option<Tensor>,
     /// When the forward started (for the busy-time estimate).
     pub forward_started: Instant,
@@ -250,13 +250,15 @@ pub struct PipelineCounters {
 }
 
 /// Runs forwards until the input channel closes, the output channel closes
-/// or `stop` is cancelled.
+/// or `stop` is cancelled, each capturing what the run asks for (`capture`,
+/// from the broker's welcome: known before the first batch).
 /// `hang_after_batches` is a test hook: after that many batches the thread
 /// stops computing (until `stop`), as a stuck device call would; always
 /// `None` in a build without the cargo feature `test-hooks`
 /// ([`crate::test_hooks`]).
 pub fn run_compute_thread(
     mut backend: Backend,
+    capture: Capture,
     mut batches: tokio::sync::mpsc::Receiver<PlannedBatch>,
     computed: tokio::sync::mpsc::Sender<ComputedBatch>,
     stop: CancellationToken,
@@ -292,14 +294,13 @@ pub fn run_compute_thread(
         let (hidden, last_hidden) = {
             let _entered = span.enter();
             match &mut backend {
-                Backend::Target {
-                    model,
-                    layer_ids,
-                    capture_last_hidden_state,
-                } => {
+                Backend::Target { model, layer_ids } => {
                     let (hidden, last_hidden) =
-                        forward(model, layer_ids, *capture_last_hidden_state, &batch)?;
+                        forward(model, layer_ids, capture.last_hidden_states, &batch)?;
                     (HiddenStates::Batched(hidden), last_hidden)
+                }
+                Backend::Synthetic(_) if capture.last_hidden_states => {
+                    return Err(CaptureError::SyntheticLastHiddenStates.into());
                 }
                 Backend::Synthetic(synthetic) => {
                     (HiddenStates::PerSample(synthetic.produce(&batch)), None)

@@ -71,14 +71,6 @@ pub struct TargetServerConfig {
     #[arg(long, env = "DFLASH_LAYER_IDS", value_delimiter = ',')]
     pub layer_ids: Option<Vec<usize>>,
 
-    /// Also send each token's last hidden state after the final norm (the LM
-    /// head's input, `hidden_size` bf16 values per token, tensor
-    /// `last_hidden_states`): what a DSpark drafter
-    /// (`--draft-architecture dspark`) distils the target's distribution
-    /// from. Off by default: DFlash and DFlash2 drafters do not read it.
-    #[arg(long, env = "DFLASH_CAPTURE_LAST_HIDDEN_STATE")]
-    pub capture_last_hidden_state: bool,
-
     /// Draft layers of the drafter being trained (picks the default layer ids).
     #[arg(long, env = "DFLASH_NUM_DRAFT_LAYERS", default_value_t = DEFAULT_NUM_DRAFT_LAYERS)]
     pub num_draft_layers: usize,
@@ -185,7 +177,6 @@ impl TargetServerConfig {
             device: DeviceChoice::Auto,
             dtype: None,
             layer_ids: None,
-            capture_last_hidden_state: false,
             num_draft_layers: DEFAULT_NUM_DRAFT_LAYERS,
             max_length: DEFAULT_MAX_LENGTH,
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
@@ -265,7 +256,6 @@ impl TargetServerConfig {
                 device: self.device,
                 dtype: self.dtype,
                 layer_ids: self.layer_ids,
-                capture_last_hidden_state: self.capture_last_hidden_state,
                 num_draft_layers: self.num_draft_layers,
                 on_non_finite: self.on_non_finite,
             },

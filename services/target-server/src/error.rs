@@ -1,6 +1,7 @@
 //! [`TargetServerError`]: why a target-server run failed. At the bottom of
 //! the crate: every step may fail, none of them is imported here.
 
+use crate::capture::CaptureError;
 use crate::compute::ComputeError;
 use crate::reader::ReaderError;
 use crate::shard::ShardError;
@@ -26,6 +27,8 @@ pub enum TargetServerError {
     Shard(#[from] ShardError),
     #[error("broker: {0}")]
     Broker(#[from] ClientError),
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
     #[error("compute: {0}")]
     Compute(#[from] ComputeError),
     #[error(transparent)]

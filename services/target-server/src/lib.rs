@@ -24,6 +24,9 @@
 //! - `pump`: the async loop: ready samples to the broker, progress stats,
 //!   the watchdog, the stream's close with the report.
 //! - `stream`: the Produce stream with reconnect-and-resume.
+//! - `capture`: what the run asks each sample to carry beyond DFlash's
+//!   tensors (the broker's welcome, `ProducerWelcome.capture`), known
+//!   before the compute thread takes its first batch.
 //! - `shard`: which records belong to this target, and the defaults from the
 //!   target id and the broker.
 //! - `batching`: length-sorted windows, `seq` numbering, token-budget batches.
@@ -51,6 +54,7 @@
 //! a hook fail with "built without feature test-hooks" otherwise.
 
 pub mod batching;
+pub mod capture;
 pub mod compute;
 pub mod config;
 pub mod error;
@@ -65,6 +69,7 @@ pub mod stream;
 pub mod test_hooks;
 pub mod threads;
 
+pub use capture::{Capture, CaptureError};
 pub use config::{DeviceChoice, DtypeChoice, TargetServerConfig};
 pub use error::TargetServerError;
 pub use metrics::TargetMetrics;

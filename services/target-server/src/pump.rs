@@ -117,7 +117,11 @@ impl Pump<'_> {
             self.producer
                 .send_item(ready.item)
                 .await
-                .inspect_err(|error| count_refused_item(self.metrics, error))?;
+                .inspect_err(|error| {
+                    if let TargetServerError::Broker(error) = error {
+                        count_refused_item(self.metrics, error);
+                    }
+                })?;
             self.samples_sent += 1;
             self.tokens_sent += ready.tokens;
             self.metrics.samples_sent.increment();

@@ -1,9 +1,11 @@
 //! [`run`]: one target-server from flags to ReportDone, in its steps:
 //! check the flags, register the metrics, start the threads
-//! ([`crate::threads`]), connect and stream the shard ([`crate::pump`]
-//! over [`crate::stream`]), join every thread within `--finish-timeout`,
+//! ([`crate::threads`]), connect, tell the compute thread what the run
+//! captures ([`crate::capture`]), stream the shard ([`crate::pump`] over
+//! [`crate::stream`]), join every thread within `--finish-timeout`,
 //! then ReportDone. Also the run's error and report types.
 
+use crate::capture::CaptureError;
 use crate::compute::{run_host_copy_thread, PipelineCounters, ReadyItem};
 use crate::config::TargetServerConfig;
 use crate::error::TargetServerError;
@@ -176,6 +178,13 @@ async fn stream_shard(
         connection.max_reconnects,
     )
     .await?;
+    // The run decides what each sample carries: the compute thread learns it
+    // from the welcome before the reader (started below) hands it a batch.
+    let capture = producer.capture();
+    if capture.last_hidden_states && matches!(settings.compute.model, ModelSource::Synthetic(_)) {
+        return Err(CaptureError::SyntheticLastHiddenStates.into());
+    }
+    threads.set_capture(capture);
     let resume_after_seq = producer.resume_after_seq();
     let samples_total = shard.records_in_shard(record_count);
     tracing::info!(
@@ -185,6 +194,7 @@ async fn stream_shard(
         samples_in_shard = samples_total,
         resume_after_seq = ?resume_after_seq,
         layer_ids = ?info.layer_ids,
+        %capture,
         device = %info.device_label,
         "target-server starting"
     );

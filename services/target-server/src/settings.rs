@@ -172,8 +172,6 @@ pub struct ComputeSettings {
     pub dtype: Option<DtypeChoice>,
     /// `--layer-ids`, else chosen from `--num-draft-layers`.
     pub layer_ids: Option<Vec<usize>>,
-    /// `--capture-last-hidden-state`.
-    pub capture_last_hidden_state: bool,
     pub num_draft_layers: usize,
     pub on_non_finite: NonFiniteAction,
     /// The compute thread hangs after this many batches (test hook; always

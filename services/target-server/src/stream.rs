@@ -10,6 +10,8 @@
 //! items (n among them) are unanswered, and when the send of n fails, the
 //! `window` items before it may still be.
 
+use crate::capture::{Capture, CaptureError};
+use crate::error::TargetServerError;
 use dflash_client::{Backoff, BrokerClient, ClientError, ProduceReport, Producer};
 use dflash_proto::v1::{Item, ProducerStats};
 use std::collections::VecDeque;
@@ -43,19 +45,24 @@ pub struct ResilientProducer {
     /// What the broker had accepted from this target when the current
     /// stream opened (its welcome).
     accepted_at_open: u64,
+    /// What the run asked this target to capture in the first welcome;
+    /// every later welcome must ask the same.
+    capture: Capture,
     /// Every reopening over the process's life (reported, not limited).
     pub reconnects: u32,
 }
 
 impl ResilientProducer {
     /// Opens the stream; its window is the client's
-    /// (`ClientOptions::producer_window_items`).
+    /// (`ClientOptions::producer_window_items`). Fails when the welcome asks
+    /// for a tensor this build does not know ([`Capture::from_welcome`]).
     pub async fn open(
         client: BrokerClient,
         target_id: &str,
         max_reconnects: u32,
-    ) -> Result<Self, ClientError> {
+    ) -> Result<Self, TargetServerError> {
         let producer = client.produce(target_id).await?;
+        let capture = Capture::from_welcome(producer.capture())?;
         let accepted_at_open = producer.accepted_before();
         let window = producer.window_items();
         Ok(ResilientProducer {
@@ -68,8 +75,14 @@ impl ResilientProducer {
             outage_attempts: 0,
             backoff: Backoff::new(FIRST_RECONNECT_DELAY, MAX_RECONNECT_DELAY),
             accepted_at_open,
+            capture,
             reconnects: 0,
         })
+    }
+
+    /// What the run asks each sample to carry (the first welcome's).
+    pub fn capture(&self) -> Capture {
+        self.capture
     }
 
     /// Highest seq the broker had when the current stream opened.
@@ -85,7 +98,7 @@ impl ResilientProducer {
 
     /// Sends one item (its `trace_context` is the W3C context of the span
     /// that made it).
-    pub async fn send_item(&mut self, item: Item) -> Result<(), ClientError> {
+    pub async fn send_item(&mut self, item: Item) -> Result<(), TargetServerError> {
         self.recent.push_back(item.clone());
         while self.recent.len() > self.window + 1 {
             self.recent.pop_front();
@@ -118,11 +131,13 @@ impl ResilientProducer {
     /// item over the limit, a fenced stream) or this outage has spent the
     /// reconnect budget. The budget is per outage: a reopened stream whose
     /// welcome shows more items accepted than when the broken stream opened
-    /// ends the outage, and the next break starts counting from zero.
-    async fn reconnect(&mut self, error: ClientError) -> Result<(), ClientError> {
+    /// ends the outage, and the next break starts counting from zero. A
+    /// welcome that asks for another capture than the first ends the run
+    /// before anything is re-sent: the items made so far do not match it.
+    async fn reconnect(&mut self, error: ClientError) -> Result<(), TargetServerError> {
         if !error.is_retryable() || self.outage_attempts >= self.max_reconnects {
             tracing::error!(target_id = %self.target_id, %error, attempts = self.outage_attempts, "produce stream ended; not retrying");
-            return Err(error);
+            return Err(error.into());
         }
         let mut last_error = error;
         while self.outage_attempts < self.max_reconnects {
@@ -134,6 +149,14 @@ impl ResilientProducer {
             match self.client.produce(&self.target_id).await {
                 Ok(producer) => {
                     tracing::info!(target_id = %self.target_id, resume_after_seq = ?producer.resume_after_seq(), "produce stream reopened");
+                    let capture = Capture::from_welcome(producer.capture())?;
+                    if capture != self.capture {
+                        return Err(CaptureError::Changed {
+                            before: self.capture,
+                            after: capture,
+                        }
+                        .into());
+                    }
                     if producer.accepted_before() > self.accepted_at_open {
                         self.outage_attempts = 0;
                         self.backoff.reset();
@@ -143,11 +166,11 @@ impl ResilientProducer {
                     self.producer = producer;
                     return Ok(());
                 }
-                Err(error) if !error.is_retryable() => return Err(error),
+                Err(error) if !error.is_retryable() => return Err(error.into()),
                 Err(error) => last_error = error,
             }
         }
-        Err(last_error)
+        Err(last_error.into())
     }
 
     /// Stats are best effort: a failure shows up on the next send.

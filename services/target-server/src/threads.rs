@@ -6,6 +6,7 @@
 //! however the run ends.
 
 use crate::batching::PlannedBatch;
+use crate::capture::Capture;
 use crate::compute::{
     run_compute_thread, Backend, BackendInfo, ComputeError, ComputedBatch, SyntheticBackend,
 };
@@ -31,11 +32,6 @@ pub(crate) const BATCH_CHANNEL_DEPTH: usize = 2;
 fn load_backend(config: &ComputeSettings, device: Device) -> Result<Backend, TargetServerError> {
     match &config.model {
         ModelSource::Synthetic(spec) => {
-            if config.capture_last_hidden_state {
-                return Err(TargetServerError::Config(
-                    "--capture-last-hidden-state needs a model directory: a synthetic model has no last hidden state".to_string(),
-                ));
-            }
             if config
                 .layer_ids
                 .as_ref()
@@ -69,7 +65,6 @@ fn load_backend(config: &ComputeSettings, device: Device) -> Result<Backend, Tar
             Ok(Backend::Target {
                 model: Box::new(model),
                 layer_ids,
-                capture_last_hidden_state: config.capture_last_hidden_state,
             })
         }
     }
@@ -91,6 +86,10 @@ pub(crate) struct PipelineThreads {
     /// batch.
     pub(crate) stop: CancellationToken,
     pub(crate) compute: ComputeWorker,
+    /// Tells the compute thread what the run captures (the broker's
+    /// welcome) once it is known; the thread waits for it after loading the
+    /// model and before its first batch. Dropped unsent, the thread ends.
+    capture: Option<tokio::sync::oneshot::Sender<Capture>>,
     pub(crate) reader: Option<std::thread::JoinHandle<Result<ReaderSummary, ReaderError>>>,
     pub(crate) host_copy: Option<std::thread::JoinHandle<Result<(), ComputeError>>>,
 }
@@ -113,6 +112,7 @@ impl PipelineThreads {
         let stop = shutdown.child_token();
         let config = config.clone();
         let compute_stop = stop.clone();
+        let (capture_sender, capture_receiver) = tokio::sync::oneshot::channel();
         let channels = WorkerChannels {
             commands: BATCH_CHANNEL_DEPTH,
             events: 1,
@@ -128,9 +128,15 @@ impl PipelineThreads {
             if !side.ready(Ok(backend.info())) {
                 return Ok(());
             }
+            // The model loads while the target connects; no batch comes
+            // before the welcome has said what the run captures.
+            let Ok(capture) = capture_receiver.blocking_recv() else {
+                return Ok(());
+            };
             let (batches, computed) = side.into_channels();
             run_compute_thread(
                 backend,
+                capture,
                 batches,
                 computed,
                 compute_stop,
@@ -140,15 +146,27 @@ impl PipelineThreads {
         Ok(Self {
             stop,
             compute,
+            capture: Some(capture_sender),
             reader: None,
             host_copy: None,
         })
     }
 
+    /// Tells the compute thread what the run captures (the broker's first
+    /// welcome): before the reader starts, once. A compute thread that has
+    /// already ended reports why when it is joined.
+    pub(crate) fn set_capture(&mut self, capture: Capture) {
+        if let Some(sender) = self.capture.take() {
+            let _ended = sender.send(capture);
+        }
+    }
+
     /// Stops and joins every thread, each within `bound`: the reader, the
     /// host copy, then the compute thread.
-    pub(crate) async fn join(self, bound: Duration) -> JoinedThreads {
+    pub(crate) async fn join(mut self, bound: Duration) -> JoinedThreads {
         self.stop.cancel();
+        // A compute thread still waiting for the run's capture ends.
+        drop(self.capture.take());
         let reader = match self.reader {
             Some(reader) => Some(join_within("reader", reader, bound).await),
             None => None,

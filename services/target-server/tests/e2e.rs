@@ -457,12 +457,15 @@ async fn interrupted_target_does_not_report_done_and_its_restart_completes_the_s
     Ok(())
 }
 
-/// `--capture-last-hidden-state` (DSpark's teacher): every sample also
-/// carries `last_hidden_states` `[T, hidden]` bf16, the final-normed last
-/// hidden state, whose LM head output is the target's own logits; without
-/// the flag no sample carries it (DFlash runs do not pay its bytes).
+/// The run decides (DSpark's teacher): under a broker with
+/// `--target-capture last-hidden-states` every sample, the first included,
+/// also carries `last_hidden_states` `[T, hidden]` bf16, the final-normed
+/// last hidden state, whose LM head output is the target's own logits; under
+/// a broker without it no sample carries it (DFlash runs do not pay its
+/// bytes). The target itself has no flag for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_last_hidden_state_is_sent_only_when_asked_and_gives_the_target_logits() -> Result<()> {
+async fn the_last_hidden_state_is_sent_only_when_the_run_asks_and_gives_the_target_logits(
+) -> Result<()> {
     let scratch = tempfile::tempdir()?;
     let model = write_model(scratch.path())?;
     let lines: Vec<String> = mixed_data_lines().into_iter().take(4).collect();
@@ -470,10 +473,17 @@ async fn the_last_hidden_state_is_sent_only_when_asked_and_gives_the_target_logi
     write_lines(&data, &lines)?;
     let reference = TargetModel::load(&model, tch::Device::Cpu, tch::Kind::Float)?;
     for capture in [true, false] {
-        let broker = TestBroker::for_targets(1).await;
+        let broker = TestBroker::start(dflash_broker::BrokerConfig {
+            target_capture: if capture {
+                vec![dflash_broker::config::CapturedTensor::LastHiddenStates]
+            } else {
+                Vec::new()
+            },
+            ..dflash_broker::BrokerConfig::for_targets(1)
+        })
+        .await;
         let drafter = spawn_drafter(broker.client().await, "drafter-0", DRAIN_TIMEOUT);
-        let mut config = target_config(&broker.address, "target-0", &model, &data);
-        config.capture_last_hidden_state = capture;
+        let config = target_config(&broker.address, "target-0", &model, &data);
         let report = run(config, CancellationToken::new()).await?;
         ensure!(report.completed, "{report:?}");
         let drained = drafter.await??;
@@ -491,7 +501,7 @@ async fn the_last_hidden_state_is_sent_only_when_asked_and_gives_the_target_logi
             };
             ensure!(
                 capture,
-                "seq {}: last_hidden_states without the flag",
+                "seq {}: last_hidden_states in a run that did not ask for it",
                 delivery.seq
             );
             ensure!(last.width == 64 && last.dtype == proto::Dtype::Bf16);

@@ -1,7 +1,8 @@
 //! The Produce stream across broker restarts (defects (b) and (c) of #24):
 //! the reconnect budget is per outage, so routine restarts of a long run
-//! never add up to it; and SIGTERM (the run's shutdown token) is honoured
-//! while the broker holds the target back.
+//! never add up to it; SIGTERM (the run's shutdown token) is honoured
+//! while the broker holds the target back; and the run's capture, told in
+//! every welcome, must not change under a running target.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -178,5 +179,90 @@ async fn a_non_finite_capture_is_never_sent_and_skip_or_fail_is_honoured() {
         .expect_err("the target stops");
     assert!(error.to_string().contains("seq 3"), "{error}");
     assert_eq!(broker.status().await.done_targets, 0);
+    broker.stop().await;
+}
+
+/// The run's capture comes with every welcome and must not change under a
+/// running target: a broker restarted on its state dir with another
+/// `--target-capture` is noticed at the reconnect, and the target stops
+/// naming both values before it re-sends anything made for the old one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_whose_welcome_changes_the_capture_stops_the_target_naming_both() {
+    use dflash_broker::config::CapturedTensor;
+    let work = tempfile::tempdir().unwrap();
+    let first_config = BrokerConfig {
+        state_dir: Some(work.path().join("state")),
+        ..BrokerConfig::for_targets(1)
+    };
+    let broker = TestBroker::start(first_config.clone()).await;
+    let mut producer = ResilientProducer::open(broker.client().await, "target-0", 3)
+        .await
+        .unwrap();
+    assert!(!producer.capture().last_hidden_states);
+    producer.send_item(item(0)).await.unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || async {
+            broker.status().await.accepted_items == 1
+        })
+        .await,
+        "seq 0 was never accepted"
+    );
+    let broker = broker
+        .restart(BrokerConfig {
+            target_capture: vec![CapturedTensor::LastHiddenStates],
+            ..first_config
+        })
+        .await;
+    // Sends on the broken stream fail once its end is seen, at the latest
+    // when the window of unanswered items is spent.
+    let mut failure = None;
+    for seq in 1..64 {
+        if let Err(error) = producer.send_item(item(seq)).await {
+            failure = Some(error);
+            break;
+        }
+    }
+    let error = failure
+        .expect("every send went through: the changed capture went unnoticed")
+        .to_string();
+    assert!(
+        error.contains("first welcome asked for none")
+            && error.contains("after a reconnect for last-hidden-states"),
+        "{error}"
+    );
+    let status = broker.status().await;
+    assert_eq!(status.accepted_items, 1, "nothing was re-sent: {status:?}");
+    broker.stop().await;
+}
+
+/// A synthetic model has no last hidden state: a run that asks for it gets
+/// an error naming the broker's flag, and not one sample.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synthetic_target_refuses_a_run_that_asks_for_the_last_hidden_state() {
+    use dflash_broker::config::CapturedTensor;
+    let broker = TestBroker::start(BrokerConfig {
+        target_capture: vec![CapturedTensor::LastHiddenStates],
+        ..BrokerConfig::for_targets(1)
+    })
+    .await;
+    let model: ModelSource = "synthetic:hidden=16,layers=2,tokens_per_s=0,samples=8,seq_len=16"
+        .parse()
+        .unwrap();
+    let mut config = TargetServerConfig::new(&broker.address, "target-0", model, None);
+    config.device = DeviceChoice::Cpu;
+    let error = run(config, CancellationToken::new())
+        .await
+        .expect_err("the target refuses")
+        .to_string();
+    assert!(
+        error.contains("--target-capture last-hidden-states") && error.contains("synthetic"),
+        "{error}"
+    );
+    let status = broker.status().await;
+    assert_eq!(
+        (status.accepted_items, status.done_targets),
+        (0, 0),
+        "{status:?}"
+    );
     broker.stop().await;
 }

@@ -143,24 +143,32 @@ pub(super) async fn start_broker(
 ) -> anyhow::Result<(Managed, String, BrokerClient)> {
     let ready_file = workdir.join("broker.address");
     let _ = std::fs::remove_file(&ready_file);
+    let mut flags = vec![
+        "--listen".to_string(),
+        "127.0.0.1:0".into(),
+        "--ready-file".into(),
+        ready_file.display().to_string(),
+        "--expected-targets".into(),
+        args.targets.to_string(),
+        "--target-grace".into(),
+        "30s".into(),
+        // The drafters train one shared model; its final model lands here.
+        "--model-output".into(),
+        workdir.join("run-model").display().to_string(),
+    ];
+    // A DSpark drafter distils the target's distribution from its last
+    // hidden state: the run asks every target for it (the broker's welcome
+    // tells them), other runs do not pay its bytes. `--synthetic` drafters
+    // train on nothing of it.
+    if args.draft_architecture == "dspark" && !args.synthetic {
+        flags.extend(["--target-capture".into(), "last-hidden-states".into()]);
+    }
     let mut broker = spawn(
         "broker",
         Role::Broker,
         "-",
         &sibling_binary("broker")?,
-        &[
-            "--listen".into(),
-            "127.0.0.1:0".into(),
-            "--ready-file".into(),
-            ready_file.display().to_string(),
-            "--expected-targets".into(),
-            args.targets.to_string(),
-            "--target-grace".into(),
-            "30s".into(),
-            // The drafters train one shared model; its final model lands here.
-            "--model-output".into(),
-            workdir.join("run-model").display().to_string(),
-        ],
+        &flags,
         logs,
         None,
     )?;
@@ -213,13 +221,6 @@ pub(super) fn start_targets(
             _ if sets_flag(&extra_flags, "--model") => {}
             (Some(model), false) => {
                 flags.extend(["--model".into(), model.display().to_string()]);
-                // A DSpark drafter distils the target's distribution from
-                // its last hidden state; other drafters do not pay its bytes.
-                if args.draft_architecture == "dspark"
-                    && !sets_flag(&extra_flags, "--capture-last-hidden-state")
-                {
-                    flags.push("--capture-last-hidden-state".into());
-                }
             }
             _ => flags.extend([
                 "--model".into(),

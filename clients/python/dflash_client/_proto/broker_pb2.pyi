@@ -18,6 +18,11 @@ class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_U8: _ClassVar[Dtype]
     DTYPE_BOOL: _ClassVar[Dtype]
 
+class CapturedTensor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAPTURED_TENSOR_UNSPECIFIED: _ClassVar[CapturedTensor]
+    CAPTURED_TENSOR_LAST_HIDDEN_STATES: _ClassVar[CapturedTensor]
+
 class NackDisposition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NACK_DISPOSITION_REQUEUE: _ClassVar[NackDisposition]
@@ -52,6 +57,8 @@ DTYPE_I32: Dtype
 DTYPE_I64: Dtype
 DTYPE_U8: Dtype
 DTYPE_BOOL: Dtype
+CAPTURED_TENSOR_UNSPECIFIED: CapturedTensor
+CAPTURED_TENSOR_LAST_HIDDEN_STATES: CapturedTensor
 NACK_DISPOSITION_REQUEUE: NackDisposition
 NACK_DISPOSITION_DEAD_LETTER: NackDisposition
 RUN_STATUS_UNSPECIFIED: RunStatus
@@ -164,16 +171,18 @@ class ProduceResponse(_message.Message):
     def __init__(self, welcome: _Optional[_Union[ProducerWelcome, _Mapping]] = ..., accepted: _Optional[_Union[ItemAccepted, _Mapping]] = ..., rejected: _Optional[_Union[ItemRejected, _Mapping]] = ..., closed: _Optional[_Union[StreamClosed, _Mapping]] = ...) -> None: ...
 
 class ProducerWelcome(_message.Message):
-    __slots__ = ("resume_after_seq", "accepted_items", "epoch", "run_id")
+    __slots__ = ("resume_after_seq", "accepted_items", "epoch", "run_id", "capture")
     RESUME_AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_ITEMS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_FIELD_NUMBER: _ClassVar[int]
     resume_after_seq: int
     accepted_items: int
     epoch: int
     run_id: str
-    def __init__(self, resume_after_seq: _Optional[int] = ..., accepted_items: _Optional[int] = ..., epoch: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    capture: _containers.RepeatedScalarFieldContainer[CapturedTensor]
+    def __init__(self, resume_after_seq: _Optional[int] = ..., accepted_items: _Optional[int] = ..., epoch: _Optional[int] = ..., run_id: _Optional[str] = ..., capture: _Optional[_Iterable[_Union[CapturedTensor, str]]] = ...) -> None: ...
 
 class ItemAccepted(_message.Message):
     __slots__ = ("seq", "duplicate")
