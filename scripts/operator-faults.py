@@ -16,7 +16,7 @@ the broker's status (never by sleeping for a state):
 It then requires: the run COMPLETE, 0 dead letters, 0 checksum mismatches
 (no split, no rollback) on both broker instances, every produced (target, seq) in exactly one
 committed step (read from both broker instances' commit log lines), the
-run's model trained on exactly the produced samples (center_samples), every
+run's model trained on exactly the produced samples (model_samples), every
 live process exit 0. Exit status 0 when all hold; the figures are printed.
 
 Usage: scripts/operator-faults.py --bin-dir target/local --work DIR
@@ -307,7 +307,7 @@ def main():
     print(json.dumps({
         "produced": produced, "demo_samples": lines,
         "acked_items": summary.get("acked_items"), "dead_letters": summary.get("dead_letters"),
-        "center_samples": sync.get("center_samples"),
+        "model_samples": sync.get("model_samples"),
         "data_parallel_before_restart": before_restart,
         "data_parallel": parallel,
         "samples_in_committed_steps": len(trained),
@@ -326,8 +326,8 @@ def main():
     if missing or twice or strangers:
         problems.append(f"{len(missing)} samples in no committed step, {len(twice)} in two, "
                         f"{len(strangers)} never produced")
-    if sync.get("center_samples") != total:
-        problems.append(f"center_samples {sync.get('center_samples')} != produced {total}")
+    if sync.get("model_samples") != total:
+        problems.append(f"model_samples {sync.get('model_samples')} != produced {total}")
     bad_exits = {name: code for name, code in exits.items() if code != 0}
     if bad_exits:
         problems.append(f"exits {bad_exits}")

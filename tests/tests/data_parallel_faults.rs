@@ -510,7 +510,7 @@ async fn a_survivor_with_its_credit_in_its_step_asks_again_when_its_partner_hang
             .await
             .ok()
             .and_then(|status| status.model_sync)
-            .is_some_and(|sync| sync.center_samples == produced)
+            .is_some_and(|sync| sync.model_samples == produced)
     })
     .await;
     let sync = client
