@@ -186,24 +186,36 @@ async fn report_serving(health_reporter: &HealthReporter) {
 /// write (no space, EIO: answers are held back until it can), SERVING
 /// again when it can: readiness follows the disk, liveness (the server as
 /// a whole, `""`) does not, since restarting would not make room.
+///
+/// Only a change is reported: every report reaches each health Watch
+/// stream as a message, even one that repeats the status, so a SERVING
+/// repeated at start-up would be a client's next message where it waits
+/// for the next change (NOT_SERVING at shutdown).
 async fn follow_log_stalls(
     mut stalled: tokio::sync::watch::Receiver<Option<String>>,
     health_reporter: HealthReporter,
 ) {
+    // `report_serving` made the service SERVING before this started.
+    let mut serving = true;
     loop {
         let reason = stalled.borrow_and_update().clone();
         match reason {
             Some(reason) => {
                 warn!(%reason, "Broker service NOT_SERVING: the write-ahead log cannot write");
-                health_reporter
-                    .set_not_serving::<BrokerServer<BrokerService>>()
-                    .await;
+                if serving {
+                    health_reporter
+                        .set_not_serving::<BrokerServer<BrokerService>>()
+                        .await;
+                    serving = false;
+                }
             }
-            None => {
+            None if !serving => {
                 health_reporter
                     .set_serving::<BrokerServer<BrokerService>>()
                     .await;
+                serving = true;
             }
+            None => {}
         }
         if stalled.changed().await.is_err() {
             return;
@@ -462,5 +474,58 @@ async fn stop_metrics(metrics: Option<JoinHandle<()>>, stop: &CancellationToken)
             warn!("metrics endpoint did not stop in time");
             metrics.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::StreamExt as _;
+    use tonic_health::pb::health_check_response::ServingStatus as WireStatus;
+    use tonic_health::pb::health_server::Health as _;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::server::{HealthService, WatchStream};
+
+    use super::*;
+
+    async fn next(watch: &mut WatchStream) -> WireStatus {
+        watch
+            .next()
+            .await
+            .expect("a message")
+            .expect("a health response")
+            .status()
+    }
+
+    /// The log follower reports changes only: started on a writable log it
+    /// sends nothing, so a Watch stream's next message after SERVING is the
+    /// stall's NOT_SERVING (a repeated SERVING made the shutdown test's
+    /// NOT_SERVING the second message, once, under load).
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_log_follower_reports_only_changes() {
+        let reporter = HealthReporter::new();
+        report_serving(&reporter).await;
+        let service = HealthService::from_health_reporter(reporter.clone());
+        let mut watch = service
+            .watch(tonic::Request::new(HealthCheckRequest {
+                service: "dflash.v1.Broker".into(),
+            }))
+            .await
+            .expect("the broker service is registered")
+            .into_inner();
+        assert_eq!(next(&mut watch).await, WireStatus::Serving);
+        let (stalls, stalled) = tokio::sync::watch::channel(None);
+        let follower = tokio::spawn(follow_log_stalls(stalled, reporter));
+        // The follower reads the writable log and waits for a change (on
+        // this one thread, it runs to its first wait within these yields).
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        stalls
+            .send(Some("no space left".into()))
+            .expect("the follower listens");
+        assert_eq!(next(&mut watch).await, WireStatus::NotServing);
+        stalls.send(None).expect("the follower listens");
+        assert_eq!(next(&mut watch).await, WireStatus::Serving);
+        follower.abort();
     }
 }
