@@ -206,6 +206,43 @@ fn assert_each_sample_in_one_committed_step(broker_log: &str, produced: u64) {
     );
 }
 
+/// The run ends: the target reports done, the drafters `live` exit 0, the
+/// run is COMPLETE with every produced item acked and no dead letter, on
+/// one history, and every produced (target-0, seq) in exactly one
+/// committed step. The data-parallel status at the end.
+async fn end_the_run(
+    client: &BrokerClient,
+    work: &Path,
+    drafters: &mut [Child],
+    live: &[usize],
+    produced: u64,
+    broker: &BrokerProcess,
+) -> proto::DataParallelStatus {
+    client.report_done("target-0", produced).await.unwrap();
+    for &index in live {
+        let exit = wait_for_exit(&mut drafters[index], PHASE_TIMEOUT).await;
+        assert!(
+            exit.is_some_and(|status| status.success()),
+            "{} exited {exit:?}; log: {}",
+            drafter_id(index),
+            tail(&drafter_log(work, index))
+        );
+    }
+    let status = client.status().await.unwrap();
+    assert_eq!(status.state, proto::BrokerState::Complete as i32);
+    let summary = status.summary.clone().unwrap_or_default();
+    assert_eq!(summary.acked_items, produced, "{summary:?}");
+    assert_eq!(summary.dead_letters, 0, "{summary:?}");
+    let parallel = status
+        .model_sync
+        .and_then(|sync| sync.data_parallel)
+        .unwrap_or_default();
+    eprintln!("data parallelism at the end: {parallel:?}");
+    assert_one_history(&parallel, "the end");
+    assert_each_sample_in_one_committed_step(&broker.log(), produced);
+    parallel
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     let work = tempfile::tempdir().unwrap();
@@ -345,28 +382,15 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     // 6. The run ends: every item acked once, the survivors exit 0.
     let report = producer.finish().await.unwrap();
     assert_eq!(report.accepted, produced - resumed_from, "{report:?}");
-    client.report_done("target-0", produced).await.unwrap();
-    for (index, drafter) in drafters.iter_mut().enumerate().skip(1) {
-        let exit = wait_for_exit(drafter, PHASE_TIMEOUT).await;
-        assert!(
-            exit.is_some_and(|status| status.success()),
-            "{} exited {exit:?}; log: {}",
-            drafter_id(index),
-            tail(&drafter_log(work.path(), index))
-        );
-    }
-    let status = client.status().await.unwrap();
-    assert_eq!(status.state, proto::BrokerState::Complete as i32);
-    let summary = status.summary.clone().unwrap_or_default();
-    assert_eq!(summary.acked_items, produced, "{summary:?}");
-    assert_eq!(summary.dead_letters, 0, "{summary:?}");
-    let sync = status.model_sync.clone().unwrap_or_default();
-    let parallel = sync.data_parallel.clone().unwrap_or_default();
-    eprintln!("data parallelism at the end: {parallel:?}");
-    assert_one_history(&parallel, "the end");
-
-    // Every produced sample in exactly one committed step.
-    assert_each_sample_in_one_committed_step(&broker.log(), produced);
+    let parallel = end_the_run(
+        &client,
+        work.path(),
+        &mut drafters,
+        &[1, 2, 3],
+        produced,
+        &broker,
+    )
+    .await;
 
     // The run's model on disk is the last committed step's, whole and finite.
     let final_saved = wait_until(Duration::from_secs(60), || async {
@@ -485,24 +509,15 @@ async fn a_survivor_with_its_credit_in_its_step_asks_again_when_its_partner_hang
 
     let report = producer.finish().await.unwrap();
     assert_eq!(report.accepted, produced, "{report:?}");
-    client.report_done("target-0", produced).await.unwrap();
-    for (index, drafter) in drafters.iter_mut().enumerate() {
-        let exit = wait_for_exit(drafter, PHASE_TIMEOUT).await;
-        assert!(
-            exit.is_some_and(|status| status.success()),
-            "{} exited {exit:?}; log: {}",
-            drafter_id(index),
-            tail(&drafter_log(work.path(), index))
-        );
-    }
-    let status = client.status().await.unwrap();
-    assert_eq!(status.state, proto::BrokerState::Complete as i32);
-    let summary = status.summary.clone().unwrap_or_default();
-    assert_eq!(summary.acked_items, produced, "{summary:?}");
-    assert_eq!(summary.dead_letters, 0, "{summary:?}");
-    let sync = status.model_sync.unwrap_or_default();
-    assert_one_history(&sync.data_parallel.unwrap_or_default(), "the end");
-    assert_each_sample_in_one_committed_step(&broker.log(), produced);
+    end_the_run(
+        &client,
+        work.path(),
+        &mut drafters,
+        &[0, 1],
+        produced,
+        &broker,
+    )
+    .await;
     // The members' last snapshots reach the broker as they stop.
     let counted = wait_until(Duration::from_secs(60), || async {
         client
