@@ -1,9 +1,9 @@
 //! Writes what `scripts/check_spec_generate.py` compares with the
 //! reference's `spec_generate`: the tiny target (`OUTPUT_DIR/target`), a
-//! DFlash and a DFlash2 drafter trained on the target's own greedy
+//! DFlash, a DFlash2 and a DSpark drafter trained on the target's own greedy
 //! continuations of 960 prompts (4 epochs: enough to learn the target, not
 //! to memorise a few sequences; the check requires a τ well above 1)
-//! (`OUTPUT_DIR/dflash`, `OUTPUT_DIR/dflash2`, reference
+//! (`OUTPUT_DIR/dflash`, `OUTPUT_DIR/dflash2`, `OUTPUT_DIR/dspark`, reference
 //! layout), and for each drafter `eval.json`: the held-out prompts, this
 //! crate's greedy evaluation of them (the same `eval::evaluate_with_options`
 //! that `dflash eval` and `dflash evaluate` run, the DFlash2 drafter
@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use dflash_model::draft::{
-    Dflash2Config, DraftConfig, DraftModel, DraftOptions, DraftTrainer, FrozenTargetHeads,
-    TargetDimensions, TrainerSettings, TrainingSequence,
+    Dflash2Config, DraftConfig, DraftModel, DraftOptions, DraftTrainer, DsparkConfig,
+    FrozenTargetHeads, TargetDimensions, TrainerSettings, TrainingSequence,
 };
 use dflash_model::eval::{evaluate_with_options, greedy_generate, EvalOptions};
 use dflash_model::sampling::SamplingOptions;
@@ -63,17 +63,18 @@ fn self_generated(
         .map(|prompt| {
             let tokens = greedy_generate(target, prompt, CONTINUATION, &[])?;
             let ids = Tensor::from_slice(&tokens).view([1, -1]);
-            let target_hidden = target
-                .capture_hidden_states(&ids, &ids.ones_like(), layer_ids)?
-                .get(0);
+            // The last hidden state too: the DSpark drafter distils from it
+            // (DFlash and DFlash2 leave it unread).
+            let (target_hidden, last_hidden) =
+                target.capture_hidden_states_and_last(&ids, &ids.ones_like(), layer_ids)?;
             let loss_mask = (0..tokens.len())
                 .map(|position| u8::from(position >= PROMPT_LENGTH))
                 .collect();
             Ok(TrainingSequence {
-                target_last_hidden: None,
+                target_last_hidden: Some(last_hidden.get(0)),
                 input_ids: tokens,
                 loss_mask,
-                target_hidden,
+                target_hidden: target_hidden.get(0),
             })
         })
         .collect()
@@ -172,6 +173,10 @@ fn main() -> anyhow::Result<()> {
         selector_top_k: 8,
         ..Dflash2Config::default()
     })?;
+    let dspark = dflash.clone().with_dspark(DsparkConfig {
+        markov_rank: 16,
+        ..DsparkConfig::default()
+    })?;
     let layer_ids: Vec<usize> = dflash
         .target_layer_ids
         .iter()
@@ -186,5 +191,6 @@ fn main() -> anyhow::Result<()> {
         &data,
         &output.join("dflash2"),
     )?;
+    train_and_evaluate(&target_dir, &target, dspark, &data, &output.join("dspark"))?;
     Ok(())
 }
