@@ -206,6 +206,37 @@ fn assert_each_sample_in_one_committed_step(broker_log: &str, produced: u64) {
     );
 }
 
+/// A broker process (one target, the fault timeouts, `extra` flags), its
+/// client, `drafters` drafter-server processes and target-0's producer.
+async fn start_run(
+    work: &Path,
+    tiny: &Path,
+    extra: &[&str],
+    drafters: usize,
+) -> (
+    BrokerProcess,
+    BrokerClient,
+    Vec<Child>,
+    dflash_client::Producer,
+) {
+    let mut flags = vec![
+        "--expected-targets",
+        "1",
+        "--quorum-timeout",
+        FAULT_TIMEOUT,
+        "--lease-timeout",
+        "60s",
+    ];
+    flags.extend_from_slice(extra);
+    let broker = BrokerProcess::start(&flags, work.join("broker.log")).await;
+    let client = broker.client().await;
+    let children = (0..drafters)
+        .map(|index| spawn_drafter(work, &broker.address, tiny, index))
+        .collect();
+    let producer = client.produce("target-0").await.unwrap();
+    (broker, client, children, producer)
+}
+
 /// The run ends: the target reports done, the drafters `live` exit 0, the
 /// run is COMPLETE with every produced item acked and no dead letter, on
 /// one history, and every produced (target-0, seq) in exactly one
@@ -250,27 +281,13 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     let model_dir = work.path().join("model");
     let model_arg = model_dir.to_str().unwrap().to_string();
     let state_arg = work.path().join("state").to_str().unwrap().to_string();
-    let mut broker = BrokerProcess::start(
-        &[
-            "--expected-targets",
-            "1",
-            "--state-dir",
-            &state_arg,
-            "--model-output",
-            &model_arg,
-            "--quorum-timeout",
-            FAULT_TIMEOUT,
-            "--lease-timeout",
-            "60s",
-        ],
-        work.path().join("broker.log"),
+    let (mut broker, client, mut drafters, mut producer) = start_run(
+        work.path(),
+        &tiny,
+        &["--state-dir", &state_arg, "--model-output", &model_arg],
+        3,
     )
     .await;
-    let client = broker.client().await;
-    let mut drafters: Vec<Child> = (0..3)
-        .map(|index| spawn_drafter(work.path(), &broker.address, &tiny, index))
-        .collect();
-    let mut producer = client.produce("target-0").await.unwrap();
     let mut produced = 0u64;
 
     // 1. Three members commit steps together.
@@ -438,32 +455,18 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
 async fn a_survivor_with_its_credit_in_its_step_asks_again_when_its_partner_hangs() {
     let work = tempfile::tempdir().unwrap();
     let tiny = init_tiny(work.path());
-    let broker = BrokerProcess::start(
-        &[
-            "--expected-targets",
-            "1",
-            "--quorum-timeout",
-            FAULT_TIMEOUT,
-            "--lease-timeout",
-            "60s",
-            // The stopped member's stream ends 15 to 20 s after it froze:
-            // after the survivor's quorum call gave up on it (its wait
-            // bound, the collective timeout plus two steps, counted from
-            // the survivor's ask, which comes at most a collective timeout
-            // after the freeze), as with the default 10 s + 20 s.
-            "--keepalive-interval",
-            "5s",
-            "--keepalive-timeout",
-            "15s",
-        ],
-        work.path().join("broker.log"),
+    // The stopped member's stream ends 15 to 20 s after it froze: after
+    // the survivor's quorum call gave up on it (its wait bound, the
+    // collective timeout plus two steps, counted from the survivor's ask,
+    // which comes at most a collective timeout after the freeze), as with
+    // the default 10 s + 20 s.
+    let (broker, client, mut drafters, mut producer) = start_run(
+        work.path(),
+        &tiny,
+        &["--keepalive-interval", "5s", "--keepalive-timeout", "15s"],
+        2,
     )
     .await;
-    let client = broker.client().await;
-    let mut drafters: Vec<Child> = (0..2)
-        .map(|index| spawn_drafter(work.path(), &broker.address, &tiny, index))
-        .collect();
-    let mut producer = client.produce("target-0").await.unwrap();
     let mut produced = 0u64;
     wait_connected(&client, work.path(), &[0, 1]).await;
     produce(&mut producer, produced, ITEMS_PER_PHASE).await;
