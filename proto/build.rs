@@ -17,12 +17,16 @@ const STATUS_MESSAGES: [&str; 13] = [
     "dflash.v1.ModelSyncStatus",
     "dflash.v1.DrafterSyncStatus",
     "dflash.v1.TauPoint",
-    "dflash.v1.DataParallelStatus",
+    "dflash.v1.LighthouseStatus",
     "dflash.v1.TraceExportStats",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto_files = ["dflash/v1/broker.proto", "dflash/v1/model_sync.proto"];
+    let proto_files = [
+        "dflash/v1/broker.proto",
+        "dflash/v1/model_sync.proto",
+        "dflash/v1/lighthouse.proto",
+    ];
     for file in proto_files {
         println!("cargo:rerun-if-changed={file}");
     }

@@ -458,7 +458,7 @@ class DeadLetter(_message.Message):
     def __init__(self, target_id: _Optional[str] = ..., seq: _Optional[int] = ..., deliveries: _Optional[int] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatusSnapshot(_message.Message):
-    __slots__ = ("state", "expected_targets", "done_targets", "queued_items", "queued_bytes", "leased_items", "dead_letters", "targets", "drafters", "accepted_items", "accepted_bytes", "delivered_items", "acked_items", "redelivered_items", "rejected_items", "items_per_second", "bytes_per_second", "leased_bytes", "max_queue_bytes", "abort_reason", "dead_letter_items", "uptime_ms", "summary", "accepted_items_per_second", "accepted_bytes_per_second", "run_id", "model_sync", "trace_export")
+    __slots__ = ("state", "expected_targets", "done_targets", "queued_items", "queued_bytes", "leased_items", "dead_letters", "targets", "drafters", "accepted_items", "accepted_bytes", "delivered_items", "acked_items", "redelivered_items", "rejected_items", "items_per_second", "bytes_per_second", "leased_bytes", "max_queue_bytes", "abort_reason", "dead_letter_items", "uptime_ms", "summary", "accepted_items_per_second", "accepted_bytes_per_second", "run_id", "model_sync", "trace_export", "lighthouse")
     STATE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     DONE_TARGETS_FIELD_NUMBER: _ClassVar[int]
@@ -487,6 +487,7 @@ class StatusSnapshot(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SYNC_FIELD_NUMBER: _ClassVar[int]
     TRACE_EXPORT_FIELD_NUMBER: _ClassVar[int]
+    LIGHTHOUSE_FIELD_NUMBER: _ClassVar[int]
     state: BrokerState
     expected_targets: int
     done_targets: int
@@ -515,79 +516,56 @@ class StatusSnapshot(_message.Message):
     run_id: str
     model_sync: ModelSyncStatus
     trace_export: TraceExportStats
-    def __init__(self, state: _Optional[_Union[BrokerState, str]] = ..., expected_targets: _Optional[int] = ..., done_targets: _Optional[int] = ..., queued_items: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., leased_items: _Optional[int] = ..., dead_letters: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., accepted_items: _Optional[int] = ..., accepted_bytes: _Optional[int] = ..., delivered_items: _Optional[int] = ..., acked_items: _Optional[int] = ..., redelivered_items: _Optional[int] = ..., rejected_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., leased_bytes: _Optional[int] = ..., max_queue_bytes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., dead_letter_items: _Optional[_Iterable[_Union[DeadLetter, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ..., accepted_items_per_second: _Optional[float] = ..., accepted_bytes_per_second: _Optional[float] = ..., run_id: _Optional[str] = ..., model_sync: _Optional[_Union[ModelSyncStatus, _Mapping]] = ..., trace_export: _Optional[_Union[TraceExportStats, _Mapping]] = ...) -> None: ...
+    lighthouse: LighthouseStatus
+    def __init__(self, state: _Optional[_Union[BrokerState, str]] = ..., expected_targets: _Optional[int] = ..., done_targets: _Optional[int] = ..., queued_items: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., leased_items: _Optional[int] = ..., dead_letters: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[TargetStatus, _Mapping]]] = ..., drafters: _Optional[_Iterable[_Union[DrafterStatus, _Mapping]]] = ..., accepted_items: _Optional[int] = ..., accepted_bytes: _Optional[int] = ..., delivered_items: _Optional[int] = ..., acked_items: _Optional[int] = ..., redelivered_items: _Optional[int] = ..., rejected_items: _Optional[int] = ..., items_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., leased_bytes: _Optional[int] = ..., max_queue_bytes: _Optional[int] = ..., abort_reason: _Optional[str] = ..., dead_letter_items: _Optional[_Iterable[_Union[DeadLetter, _Mapping]]] = ..., uptime_ms: _Optional[int] = ..., summary: _Optional[_Union[RunSummary, _Mapping]] = ..., accepted_items_per_second: _Optional[float] = ..., accepted_bytes_per_second: _Optional[float] = ..., run_id: _Optional[str] = ..., model_sync: _Optional[_Union[ModelSyncStatus, _Mapping]] = ..., trace_export: _Optional[_Union[TraceExportStats, _Mapping]] = ..., lighthouse: _Optional[_Union[LighthouseStatus, _Mapping]] = ...) -> None: ...
 
 class DrafterSyncStatus(_message.Message):
-    __slots__ = ("drafter_id", "connected", "last_sync_ms_ago", "base_version", "staleness", "last_update_staleness", "updates_applied", "updates_discarded", "finished", "samples")
+    __slots__ = ("drafter_id", "connected", "last_sync_ms_ago", "finished")
     DRAFTER_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     LAST_SYNC_MS_AGO_FIELD_NUMBER: _ClassVar[int]
-    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
-    STALENESS_FIELD_NUMBER: _ClassVar[int]
-    LAST_UPDATE_STALENESS_FIELD_NUMBER: _ClassVar[int]
-    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
-    UPDATES_DISCARDED_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
-    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     drafter_id: str
     connected: bool
     last_sync_ms_ago: int
-    base_version: int
-    staleness: int
-    last_update_staleness: int
-    updates_applied: int
-    updates_discarded: int
     finished: bool
-    samples: int
-    def __init__(self, drafter_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_sync_ms_ago: _Optional[int] = ..., base_version: _Optional[int] = ..., staleness: _Optional[int] = ..., last_update_staleness: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., finished: _Optional[bool] = ..., samples: _Optional[int] = ...) -> None: ...
+    def __init__(self, drafter_id: _Optional[str] = ..., connected: _Optional[bool] = ..., last_sync_ms_ago: _Optional[int] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class ModelSyncStatus(_message.Message):
-    __slots__ = ("has_model", "model_version", "method", "model_bytes", "parameters", "updates_applied", "updates_discarded", "model_samples", "saved_version", "saved_path", "final_saved", "drafters", "non_finite_deltas", "outlier_deltas", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending", "max_pending_evaluations", "data_parallel")
+    __slots__ = ("has_model", "model_version", "model_bytes", "parameters", "model_samples", "saved_version", "saved_path", "final_saved", "drafters", "tau_history", "best_tau", "best_path", "best_saved_version", "evaluations_pending", "max_pending_evaluations")
     HAS_MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
-    METHOD_FIELD_NUMBER: _ClassVar[int]
     MODEL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
-    UPDATES_APPLIED_FIELD_NUMBER: _ClassVar[int]
-    UPDATES_DISCARDED_FIELD_NUMBER: _ClassVar[int]
     MODEL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     SAVED_VERSION_FIELD_NUMBER: _ClassVar[int]
     SAVED_PATH_FIELD_NUMBER: _ClassVar[int]
     FINAL_SAVED_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
-    NON_FINITE_DELTAS_FIELD_NUMBER: _ClassVar[int]
-    OUTLIER_DELTAS_FIELD_NUMBER: _ClassVar[int]
     TAU_HISTORY_FIELD_NUMBER: _ClassVar[int]
     BEST_TAU_FIELD_NUMBER: _ClassVar[int]
     BEST_PATH_FIELD_NUMBER: _ClassVar[int]
     BEST_SAVED_VERSION_FIELD_NUMBER: _ClassVar[int]
     EVALUATIONS_PENDING_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
-    DATA_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     has_model: bool
     model_version: int
-    method: str
     model_bytes: int
     parameters: int
-    updates_applied: int
-    updates_discarded: int
     model_samples: int
     saved_version: int
     saved_path: str
     final_saved: bool
     drafters: _containers.RepeatedCompositeFieldContainer[DrafterSyncStatus]
-    non_finite_deltas: int
-    outlier_deltas: int
     tau_history: _containers.RepeatedCompositeFieldContainer[TauPoint]
     best_tau: TauPoint
     best_path: str
     best_saved_version: int
     evaluations_pending: _containers.RepeatedScalarFieldContainer[int]
     max_pending_evaluations: int
-    data_parallel: DataParallelStatus
-    def __init__(self, has_model: _Optional[bool] = ..., model_version: _Optional[int] = ..., method: _Optional[str] = ..., model_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., updates_applied: _Optional[int] = ..., updates_discarded: _Optional[int] = ..., model_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., non_finite_deltas: _Optional[int] = ..., outlier_deltas: _Optional[int] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ..., data_parallel: _Optional[_Union[DataParallelStatus, _Mapping]] = ...) -> None: ...
+    def __init__(self, has_model: _Optional[bool] = ..., model_version: _Optional[int] = ..., model_bytes: _Optional[int] = ..., parameters: _Optional[int] = ..., model_samples: _Optional[int] = ..., saved_version: _Optional[int] = ..., saved_path: _Optional[str] = ..., final_saved: _Optional[bool] = ..., drafters: _Optional[_Iterable[_Union[DrafterSyncStatus, _Mapping]]] = ..., tau_history: _Optional[_Iterable[_Union[TauPoint, _Mapping]]] = ..., best_tau: _Optional[_Union[TauPoint, _Mapping]] = ..., best_path: _Optional[str] = ..., best_saved_version: _Optional[int] = ..., evaluations_pending: _Optional[_Iterable[int]] = ..., max_pending_evaluations: _Optional[int] = ...) -> None: ...
 
-class DataParallelStatus(_message.Message):
+class LighthouseStatus(_message.Message):
     __slots__ = ("quorum_id", "step", "members", "quorums_formed", "steps_committed", "steps_failed", "heals", "checksum_mismatches", "members_dropped", "committed_step", "committed_by_quorum", "splits", "unknown_decisions", "rollbacks", "steps_rolled_back", "waiting_for_holder")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
