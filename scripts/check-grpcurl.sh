@@ -46,7 +46,7 @@ done
 
 fail() { echo "check-grpcurl: $*" >&2; cat "$log" >&2; exit 1; }
 services="$("$grpcurl" -plaintext "127.0.0.1:$port" list)" || fail "list failed"
-for service in dflash.v1.Broker dflash.v1.ModelSync grpc.health.v1.Health; do
+for service in dflash.v1.Broker dflash.v1.ModelSync dflash.v1.Lighthouse grpc.health.v1.Health; do
   grep -qx "$service" <<<"$services" || fail "list lacks $service: $services"
 done
 description="$("$grpcurl" -plaintext "127.0.0.1:$port" describe dflash.v1.Broker)" || fail "describe failed"
@@ -54,8 +54,12 @@ for rpc in Produce ReportDone Consume GetStatus WatchStatus; do
   grep -q "rpc $rpc" <<<"$description" || fail "describe lacks rpc $rpc"
 done
 sync_description="$("$grpcurl" -plaintext "127.0.0.1:$port" describe dflash.v1.ModelSync)" || fail "describe ModelSync failed"
-for rpc in Session ReadModel ReportTau Quorum Commit; do
+for rpc in Session ReadModel ReportTau; do
   grep -q "rpc $rpc" <<<"$sync_description" || fail "describe lacks rpc $rpc: $sync_description"
+done
+lighthouse_description="$("$grpcurl" -plaintext "127.0.0.1:$port" describe dflash.v1.Lighthouse)" || fail "describe Lighthouse failed"
+for rpc in Quorum Commit; do
+  grep -q "rpc $rpc" <<<"$lighthouse_description" || fail "describe lacks rpc $rpc: $lighthouse_description"
 done
 status="$("$grpcurl" -plaintext "127.0.0.1:$port" dflash.v1.Broker/GetStatus)" || fail "GetStatus failed"
 grep -q '"state": "BROKER_STATE_RUNNING"' <<<"$status" || fail "GetStatus: $status"
@@ -64,6 +68,8 @@ health="$("$grpcurl" -plaintext -d '{"service":"dflash.v1.Broker"}' "127.0.0.1:$
 grep -q SERVING <<<"$health" || fail "health: $health"
 health="$("$grpcurl" -plaintext -d '{"service":"dflash.v1.ModelSync"}' "127.0.0.1:$port" grpc.health.v1.Health/Check)" || fail "ModelSync health failed"
 grep -q SERVING <<<"$health" || fail "ModelSync health: $health"
+health="$("$grpcurl" -plaintext -d '{"service":"dflash.v1.Lighthouse"}' "127.0.0.1:$port" grpc.health.v1.Health/Check)" || fail "Lighthouse health failed"
+grep -q SERVING <<<"$health" || fail "Lighthouse health: $health"
 # An id outside --target-ids (default target-0, target-1) is NOT_FOUND; a
 # known target without a Produce stream (so without an epoch) is
 # FAILED_PRECONDITION; neither counts as done.

@@ -126,7 +126,7 @@ class Run:
 
     def parallel(self):
         status = self.status() or {}
-        return ((status.get("model_sync") or {}).get("data_parallel")) or {}
+        return status.get("lighthouse") or {}
 
     def wait(self, what, predicate, timeout=PHASE_TIMEOUT_S):
         deadline = time.monotonic() + timeout
@@ -294,7 +294,7 @@ def main():
 
     summary = status.get("summary") or {}
     sync = status.get("model_sync") or {}
-    parallel = sync.get("data_parallel") or {}
+    parallel = status.get("lighthouse") or {}
     produced = {}
     for target in status.get("targets", []):
         produced[target["target_id"]] = target.get("highest_seq", -1) + 1

@@ -161,7 +161,7 @@ fn millis(duration: std::time::Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// The status snapshot on the wire. `run_id` and `model_sync` are left empty
+/// The status snapshot on the wire. `run_id`, `model_sync` and `lighthouse` are left empty
 /// for the service to fill in.
 pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
     proto::StatusSnapshot {
@@ -198,6 +198,7 @@ pub fn snapshot_to_proto(snapshot: &Snapshot) -> proto::StatusSnapshot {
         // Filled in by the service from the model-sync state.
         model_sync: None,
         trace_export: None,
+        lighthouse: None,
     }
 }
 

@@ -42,15 +42,16 @@
 //!   write cut short at its end is cut, other damage refuses to start),
 //!   which the writer thread appends the queue's journal entries to before
 //!   anyone is answered (retried while the disk is full).
-//! - `lighthouse`: data-parallel drafters' quorum and two-phase commit,
+//! - `lighthouse`: data-parallel drafters' quorum and two-phase commit
+//!   (the `Lighthouse` service),
 //!   with the run's commit record (H) as the one truth; a step's samples
 //!   are pinned in the queue at its vote and acked in the journal entry
 //!   that records its commit.
 //! - `run_model`: the run's one draft model as rank 0 last sent it (the
 //!   store, its checkpoints, the online evaluator's τ curve and registry,
 //!   synchronous, with its own settings) and `run_model::service`, the
-//!   `ModelSync` service beside the queue that serves it (the lighthouse's
-//!   two RPCs are `lighthouse::rpc`).
+//!   `ModelSync` service beside the queue that serves it (the lighthouse
+//!   is its own service, `lighthouse::rpc`).
 //! - `fuzzing` (hidden): the fuzz bodies of the broker's decoders of
 //!   untrusted bytes (Produce bodies, ModelSync snapshot sessions, the
 //!   model checkpoint reader, write-ahead log segments) and

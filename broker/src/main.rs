@@ -22,9 +22,6 @@ use dflash_telemetry::LogFormat;
 #[derive(Debug, Parser)]
 #[command(name = "broker", version)]
 struct Cli {
-    #[command(flatten)]
-    config: dflash_broker::BrokerConfig,
-
     /// Log format. Spans are exported over OTLP/gRPC when
     /// OTEL_EXPORTER_OTLP_ENDPOINT is set.
     #[arg(long, env = "DFLASH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
@@ -35,6 +32,10 @@ struct Cli {
     /// reads the port the kernel chose, with no race for a free port.
     #[arg(long)]
     ready_file: Option<std::path::PathBuf>,
+
+    // Last: its own last flags have headings of their own (`--help`).
+    #[command(flatten)]
+    config: dflash_broker::BrokerConfig,
 }
 
 #[tokio::main]

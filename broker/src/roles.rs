@@ -27,7 +27,7 @@
 //! | ReportDone | target | the request's `target_id` |
 //! | Consume | drafter | the hello's `drafter_id` |
 //! | ModelSync.Session | drafter | the hello's `drafter_id` |
-//! | ModelSync.Quorum, ModelSync.Commit | drafter | the request's `drafter_id` |
+//! | Lighthouse.Quorum, Lighthouse.Commit | drafter | the request's `drafter_id` |
 //! | ModelSync.ReadModel, ModelSync.ReportTau | evaluator | the request's `evaluator_id` |
 //! | GetStatus, WatchStatus | any | — |
 //!

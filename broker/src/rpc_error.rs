@@ -126,7 +126,7 @@ pub enum RpcError {
     )]
     DoneNotLogged { target_id: String },
 
-    // The lighthouse (`ModelSync.Quorum`, `ModelSync.Commit`).
+    // The lighthouse (`Lighthouse.Quorum`, `Lighthouse.Commit`).
     #[error("a newer call of the same drafter replaced this one")]
     ReplacedByNewerCall,
     #[error(

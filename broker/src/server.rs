@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dflash_proto::v1::lighthouse_server::LighthouseServer;
 use dflash_proto::v1::model_sync_server::ModelSyncServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -82,17 +83,18 @@ pub async fn serve_with_metrics(
     let service = BrokerService::new(shared.clone());
     let model_sync = crate::run_model::service::ModelSyncShared::start(
         config.model_sync.run_model_settings(),
-        config.lighthouse.settings(),
         config.hello_timeout,
         internal.clone(),
     )?;
     shared.set_model_sync(model_sync.clone());
+    let lighthouse = Arc::new(crate::lighthouse::hub::LighthouseHub::new(
+        config.lighthouse.settings(),
+    ));
     {
         let ledger: Arc<dyn crate::lighthouse::hub::StepLedger> = shared.clone();
-        model_sync
-            .quorum
-            .connect(Arc::downgrade(&ledger), shared.commit_record());
+        lighthouse.connect(Arc::downgrade(&ledger), shared.commit_record());
     }
+    shared.set_lighthouse(lighthouse.clone());
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     report_serving(&health_reporter).await;
@@ -111,6 +113,7 @@ pub async fn serve_with_metrics(
         health_service,
         reflection,
         &model_sync,
+        crate::lighthouse::rpc::LighthouseService::server(lighthouse, internal.clone()),
         service,
     )?;
     let mut server = tokio::spawn(router.serve_with_incoming_shutdown(
@@ -180,6 +183,9 @@ async fn report_serving(health_reporter: &HealthReporter) {
     health_reporter
         .set_serving::<ModelSyncServer<crate::run_model::service::ModelSyncService>>()
         .await;
+    health_reporter
+        .set_serving::<LighthouseServer<crate::lighthouse::rpc::LighthouseService>>()
+        .await;
 }
 
 /// The Broker service is NOT_SERVING while the write-ahead log cannot
@@ -223,7 +229,7 @@ async fn follow_log_stalls(
     }
 }
 
-/// Reports both broker services, and the server as a whole (`""`),
+/// Reports the broker's services, and the server as a whole (`""`),
 /// NOT_SERVING: the first step of a shutdown.
 async fn report_not_serving(health_reporter: &HealthReporter) {
     health_reporter
@@ -231,6 +237,9 @@ async fn report_not_serving(health_reporter: &HealthReporter) {
         .await;
     health_reporter
         .set_not_serving::<ModelSyncServer<crate::run_model::service::ModelSyncService>>()
+        .await;
+    health_reporter
+        .set_not_serving::<LighthouseServer<crate::lighthouse::rpc::LighthouseService>>()
         .await;
     health_reporter
         .set_service_status("", ServingStatus::NotServing)
@@ -329,6 +338,7 @@ fn grpc_router<H, V1, V1Alpha>(
     health_service: HealthServer<H>,
     (reflection_v1, reflection_v1alpha): ReflectionServices<V1, V1Alpha>,
     model_sync: &Arc<crate::run_model::service::ModelSyncShared>,
+    lighthouse: LighthouseServer<crate::lighthouse::rpc::LighthouseService>,
     service: BrokerService,
 ) -> Result<Router, ServeError>
 where
@@ -376,6 +386,7 @@ where
             model_sync.server(),
             broker_check.clone(),
         ))
+        .add_service(InterceptedService::new(lighthouse, broker_check.clone()))
         .add_service(InterceptedService::new(
             BrokerRoutes::new(service, message_limit),
             broker_check,

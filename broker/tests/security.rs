@@ -792,10 +792,10 @@ async fn only_a_drafter_asks_for_a_quorum_or_votes_and_only_as_itself() {
     let address = broker.address.clone();
     let options =
         |name: &str, token: &str| token_file(write(name, token)).client_options().unwrap();
-    let sync_client = |options: ClientOptions| {
+    let lighthouse_client = |options: ClientOptions| {
         let address = address.clone();
         async move {
-            proto::model_sync_client::ModelSyncClient::new(
+            proto::lighthouse_client::LighthouseClient::new(
                 dflash_client::connect_channel(&address, &options)
                     .await
                     .unwrap(),
@@ -820,7 +820,7 @@ async fn only_a_drafter_asks_for_a_quorum_or_votes_and_only_as_itself() {
         ("e", "token-of-evaluators"),
         ("o", "token-of-the-operator"),
     ] {
-        let mut client = sync_client(options(name, token)).await;
+        let mut client = lighthouse_client(options(name, token)).await;
         assert_eq!(
             code_of(client.quorum(ask("drafter-0")).await),
             tonic::Code::PermissionDenied,
@@ -832,7 +832,7 @@ async fn only_a_drafter_asks_for_a_quorum_or_votes_and_only_as_itself() {
             "{name} voted"
         );
     }
-    let mut drafter = sync_client(options("d0", "token-of-drafter-zero")).await;
+    let mut drafter = lighthouse_client(options("d0", "token-of-drafter-zero")).await;
     assert_eq!(
         code_of(drafter.quorum(ask("drafter-1")).await),
         tonic::Code::PermissionDenied,
@@ -856,11 +856,7 @@ async fn only_a_drafter_asks_for_a_quorum_or_votes_and_only_as_itself() {
         .await
         .unwrap();
     let status = operator.status().await.unwrap();
-    let parallel = status
-        .model_sync
-        .unwrap_or_default()
-        .data_parallel
-        .unwrap_or_default();
+    let parallel = status.lighthouse.unwrap_or_default();
     assert_eq!(parallel.quorums_formed, 0, "{parallel:?}");
     // As itself it is answered: a quorum of one once the first round gathered.
     let formed = drafter.quorum(ask("drafter-0")).await.unwrap().into_inner();

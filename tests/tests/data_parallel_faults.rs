@@ -91,7 +91,7 @@ fn drafter_log(work: &Path, index: usize) -> String {
     std::fs::read_to_string(work.join(format!("{}.log", drafter_id(index)))).unwrap_or_default()
 }
 
-fn members_are(status: &proto::DataParallelStatus, indices: &[usize]) -> bool {
+fn members_are(status: &proto::LighthouseStatus, indices: &[usize]) -> bool {
     let mut members = status.members.clone();
     members.sort();
     let mut expected: Vec<String> = indices.iter().map(|&index| drafter_id(index)).collect();
@@ -107,7 +107,7 @@ async fn wait_for_quorum(
     indices: &[usize],
     after: u64,
     what: &str,
-) -> proto::DataParallelStatus {
+) -> proto::LighthouseStatus {
     let reached = wait_until(PHASE_TIMEOUT, || async {
         let status = data_parallel_status(client).await;
         members_are(&status, indices) && status.steps_committed > after + 1
@@ -147,7 +147,7 @@ async fn wait_connected(client: &BrokerClient, work: &Path, indices: &[usize]) {
 
 /// No member ever differed from rank 0 at the same commit, and none was on
 /// another history: the run has one history.
-fn assert_one_history(status: &proto::DataParallelStatus, phase: &str) {
+fn assert_one_history(status: &proto::LighthouseStatus, phase: &str) {
     assert_eq!(status.checksum_mismatches, 0, "{phase}: {status:?}");
     assert_eq!(status.splits, 0, "{phase}: {status:?}");
     assert_eq!(status.rollbacks, 0, "{phase}: {status:?}");
@@ -248,7 +248,7 @@ async fn end_the_run(
     live: &[usize],
     produced: u64,
     broker: &BrokerProcess,
-) -> proto::DataParallelStatus {
+) -> proto::LighthouseStatus {
     client.report_done("target-0", produced).await.unwrap();
     for &index in live {
         let exit = wait_for_exit(&mut drafters[index], PHASE_TIMEOUT).await;
@@ -264,10 +264,7 @@ async fn end_the_run(
     let summary = status.summary.clone().unwrap_or_default();
     assert_eq!(summary.acked_items, produced, "{summary:?}");
     assert_eq!(summary.dead_letters, 0, "{summary:?}");
-    let parallel = status
-        .model_sync
-        .and_then(|sync| sync.data_parallel)
-        .unwrap_or_default();
+    let parallel = status.lighthouse.unwrap_or_default();
     eprintln!("data parallelism at the end: {parallel:?}");
     assert_one_history(&parallel, "the end");
     assert_each_sample_in_one_committed_step(&broker.log(), produced);

@@ -199,17 +199,25 @@ pub struct BrokerConfig {
     #[arg(long, env = "DFLASH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
 
-    /// The shared draft model (`ModelSync` service).
-    #[command(flatten)]
-    pub model_sync: ModelSyncConfig,
-
-    /// Data-parallel drafters' quorum and commit (the lighthouse).
-    #[command(flatten)]
-    pub lighthouse: crate::lighthouse::config::LighthouseConfig,
-
     /// TLS, mutual TLS and the bearer token (`auth`).
     #[command(flatten)]
     pub security: crate::auth::BrokerSecurity,
+
+    // The two rooms' flags come last, each under its own heading of
+    // `--help` (clap keeps a heading for every flag after it).
+    /// The shared draft model (`ModelSync` service).
+    #[command(
+        flatten,
+        next_help_heading = "Run model (the drafters' one model: ModelSync)"
+    )]
+    pub model_sync: ModelSyncConfig,
+
+    /// Data-parallel drafters' quorum and commit (the lighthouse).
+    #[command(
+        flatten,
+        next_help_heading = "Lighthouse (data-parallel drafters' quorum and commit)"
+    )]
+    pub lighthouse: crate::lighthouse::config::LighthouseConfig,
 }
 
 impl BrokerConfig {

@@ -7,7 +7,8 @@ use dflash_shell::parse_duration;
 
 use super::LighthouseSettings;
 
-/// Data-parallel drafters: quorum and commit.
+/// Data-parallel drafters: quorum and commit (their own section of
+/// `--help`, named where [`crate::config::BrokerConfig`] flattens it).
 #[derive(Debug, Clone, PartialEq, Args)]
 pub struct LighthouseConfig {
     /// Data-parallel drafters: the least a round waits for a live member of

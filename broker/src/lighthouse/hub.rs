@@ -152,11 +152,11 @@ impl LighthouseHub {
     }
 
     /// The commit record, the last quorum and the counters, for status.
-    pub fn status(&self) -> proto::DataParallelStatus {
+    pub fn status(&self) -> proto::LighthouseStatus {
         let inner = self.inner.lock();
         let counters = &inner.state.counters;
         let record = inner.state.record();
-        let mut status = proto::DataParallelStatus {
+        let mut status = proto::LighthouseStatus {
             quorums_formed: counters.quorums_formed,
             steps_committed: counters.steps_committed,
             steps_failed: counters.steps_failed,

@@ -1,16 +1,50 @@
-//! `ModelSync.Quorum` and `ModelSync.Commit`: proto ↔ lighthouse types,
-//! the caller's role, and bad input refused naming the value.
+//! The `dflash.v1.Lighthouse` service (`Quorum`, `Commit`): proto ↔
+//! lighthouse types, the caller's role, and bad input refused naming the
+//! value.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use dflash_proto::v1 as proto;
+use dflash_proto::v1::lighthouse_server::{Lighthouse, LighthouseServer};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::hub::{LighthouseHub, StepSample, StepSamples};
 use super::{CommitRecord, Outcome, QuorumAnswer, QuorumAsk, Vote};
 use crate::rpc_error::RpcError;
+
+/// The `dflash.v1.Lighthouse` service: the hub's two RPCs.
+#[derive(Clone)]
+pub struct LighthouseService {
+    hub: Arc<LighthouseHub>,
+    /// Cancelled on broker shutdown: waiting calls end with UNAVAILABLE.
+    shutdown: CancellationToken,
+}
+
+impl LighthouseService {
+    /// The tonic service over `hub`.
+    pub fn server(hub: Arc<LighthouseHub>, shutdown: CancellationToken) -> LighthouseServer<Self> {
+        LighthouseServer::new(LighthouseService { hub, shutdown })
+    }
+}
+
+#[tonic::async_trait]
+impl Lighthouse for LighthouseService {
+    async fn quorum(
+        &self,
+        request: Request<proto::QuorumRequest>,
+    ) -> Result<Response<proto::QuorumResponse>, Status> {
+        quorum(&self.hub, &self.shutdown, request).await
+    }
+
+    async fn commit(
+        &self,
+        request: Request<proto::CommitVote>,
+    ) -> Result<Response<proto::CommitDecision>, Status> {
+        commit(&self.hub, &self.shutdown, request).await
+    }
+}
 
 /// Longest `collective_timeout_ms` an ask may carry (a day): beyond it a
 /// dead member would hold a quorum for ever.
@@ -78,15 +112,15 @@ fn ask_from_proto(request: proto::QuorumRequest) -> Result<QuorumAsk, RpcError> 
     })
 }
 
-/// `ModelSync.Quorum`.
-pub async fn quorum(
+/// `Lighthouse.Quorum`.
+async fn quorum(
     hub: &Arc<LighthouseHub>,
     shutdown: &CancellationToken,
     request: Request<proto::QuorumRequest>,
 ) -> Result<Response<proto::QuorumResponse>, Status> {
     let principal = crate::roles::Principal::of(request.extensions());
     let request = request.into_inner();
-    checked_drafter(&principal, &request.drafter_id, "ModelSync.Quorum")?;
+    checked_drafter(&principal, &request.drafter_id, "Lighthouse.Quorum")?;
     let drafter_id = request.drafter_id.clone();
     let ask = ask_from_proto(request)?;
     let answer = hub.ask(ask, shutdown).await?;
@@ -119,15 +153,15 @@ pub async fn quorum(
     Ok(Response::new(response))
 }
 
-/// `ModelSync.Commit`: a vote, or its retry to fetch the decision.
-pub async fn commit(
+/// `Lighthouse.Commit`. a vote, or its retry to fetch the decision.
+async fn commit(
     hub: &Arc<LighthouseHub>,
     shutdown: &CancellationToken,
     request: Request<proto::CommitVote>,
 ) -> Result<Response<proto::CommitDecision>, Status> {
     let principal = crate::roles::Principal::of(request.extensions());
     let request = request.into_inner();
-    checked_drafter(&principal, &request.drafter_id, "ModelSync.Commit")?;
+    checked_drafter(&principal, &request.drafter_id, "Lighthouse.Commit")?;
     let samples = step_samples(request.samples)?;
     let vote = Vote {
         drafter_id: request.drafter_id,

@@ -2,15 +2,13 @@
 //! sessions share, and each drafter's session (hello, then snapshots of
 //! begin, chunks and commit, each answered with its result). All rules
 //! live in the rest of [`crate::run_model`]; the task that writes the
-//! model to disk is [`writer`], the evaluator's RPCs are [`evaluation`],
-//! and the lighthouse's two (`Quorum`, `Commit`) are forwarded to
-//! [`crate::lighthouse::rpc`].
+//! model to disk is [`writer`], the evaluator's RPCs are [`evaluation`].
+//! The lighthouse is its own service (`crate::lighthouse::rpc`).
 //!
 //! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
 //! per session without it, and their handles moved in under it at the
-//! commit. Checkpoints
-//! copy the model's pointers under the lock and write it on a blocking
-//! thread.
+//! commit. Checkpoints copy the model's pointers under the lock and write
+//! it on a blocking thread.
 
 mod evaluation;
 mod writer;
@@ -60,9 +58,6 @@ pub struct ModelSyncShared {
     /// One report at a time, from its checks to its record (the best
     /// model's write included), so two reports never race for the best.
     report_lock: tokio::sync::Mutex<()>,
-    /// Data-parallel drafters' lighthouse: each step's quorum and commit
-    /// vote ([`crate::lighthouse`]). Its own lock.
-    pub quorum: Arc<crate::lighthouse::hub::LighthouseHub>,
 }
 
 impl ModelSyncShared {
@@ -70,14 +65,12 @@ impl ModelSyncShared {
     /// when a model was written there before.
     pub fn start(
         settings: RunModelSettings,
-        lighthouse: crate::lighthouse::LighthouseSettings,
         hello_timeout: Duration,
         shutdown: CancellationToken,
     ) -> Result<Arc<Self>, CheckpointError> {
         let state = crate::run_model::resume(&settings)?;
         info!(output = ?settings.model_output, "model sync ready");
         let evaluations = Evaluations::new(settings.max_pending_evaluations);
-        let quorum = Arc::new(crate::lighthouse::hub::LighthouseHub::new(lighthouse));
         Ok(Arc::new(ModelSyncShared {
             state: Mutex::new(state),
             settings,
@@ -88,14 +81,12 @@ impl ModelSyncShared {
             sync_changed: Notify::new(),
             evaluations: Mutex::new(evaluations),
             report_lock: tokio::sync::Mutex::new(()),
-            quorum,
         }))
     }
 
     pub fn status(&self) -> proto::ModelSyncStatus {
         let mut status = self.state.lock().status(Instant::now());
         self.evaluations.lock().fill_status(&mut status);
-        status.data_parallel = Some(self.quorum.status());
         status
     }
 
@@ -162,20 +153,6 @@ impl ModelSync for ModelSyncService {
         request: Request<proto::TauReport>,
     ) -> Result<Response<proto::TauReportResult>, Status> {
         evaluation::report_tau(&self.shared, request).await
-    }
-
-    async fn quorum(
-        &self,
-        request: Request<proto::QuorumRequest>,
-    ) -> Result<Response<proto::QuorumResponse>, Status> {
-        crate::lighthouse::rpc::quorum(&self.shared.quorum, &self.shared.shutdown, request).await
-    }
-
-    async fn commit(
-        &self,
-        request: Request<proto::CommitVote>,
-    ) -> Result<Response<proto::CommitDecision>, Status> {
-        crate::lighthouse::rpc::commit(&self.shared.quorum, &self.shared.shutdown, request).await
     }
 
     async fn session(

@@ -226,7 +226,6 @@ impl ModelSyncState {
                     .last_sync
                     .map_or(0, |at| millis(now.saturating_duration_since(at))),
                 finished: record.finished,
-                ..proto::DrafterSyncStatus::default()
             })
             .collect();
         proto::ModelSyncStatus {

@@ -309,6 +309,9 @@ pub(crate) struct Shared {
     pub(crate) received: crate::payload::ReceivedPayloads,
     /// The model-sync service, whose status joins every snapshot.
     pub(super) model_sync: std::sync::OnceLock<Arc<crate::run_model::service::ModelSyncShared>>,
+    /// The data-parallel drafters' lighthouse: told when a drafter's
+    /// Consume stream ends or comes back; its status joins every snapshot.
+    pub(super) lighthouse: std::sync::OnceLock<Arc<crate::lighthouse::hub::LighthouseHub>>,
 }
 
 impl Shared {
@@ -389,6 +392,7 @@ impl Shared {
                 tasks: TaskTracker::new(),
                 received: crate::payload::ReceivedPayloads::default(),
                 model_sync: std::sync::OnceLock::new(),
+                lighthouse: std::sync::OnceLock::new(),
             }
         });
         match spawn_failure {
@@ -404,15 +408,15 @@ impl Shared {
     /// for it (called outside the queue's lock: the lighthouse's lock
     /// comes first).
     pub(super) fn drafter_gone(&self, drafter_id: Option<String>) {
-        if let (Some(drafter_id), Some(model_sync)) = (drafter_id, self.model_sync.get()) {
-            model_sync.quorum.member_gone(&drafter_id);
+        if let (Some(drafter_id), Some(lighthouse)) = (drafter_id, self.lighthouse.get()) {
+            lighthouse.member_gone(&drafter_id);
         }
     }
 
     /// A drafter opened a Consume stream: live again for the lighthouse.
     pub(super) fn drafter_back(&self, drafter_id: &str) {
-        if let Some(model_sync) = self.model_sync.get() {
-            model_sync.quorum.member_back(drafter_id);
+        if let Some(lighthouse) = self.lighthouse.get() {
+            lighthouse.member_back(drafter_id);
         }
     }
 
@@ -426,6 +430,10 @@ impl Shared {
         model_sync: Arc<crate::run_model::service::ModelSyncShared>,
     ) {
         let _ = self.model_sync.set(model_sync);
+    }
+
+    pub(crate) fn set_lighthouse(&self, lighthouse: Arc<crate::lighthouse::hub::LighthouseHub>) {
+        let _ = self.lighthouse.set(lighthouse);
     }
 
     pub(crate) fn tasks(&self) -> &TaskTracker {
@@ -477,6 +485,7 @@ impl Shared {
         let snapshot = self.locked.lock().queue.snapshot(Instant::now());
         let mut snapshot = convert::snapshot_to_proto(&snapshot);
         snapshot.model_sync = self.model_sync.get().map(|model_sync| model_sync.status());
+        snapshot.lighthouse = self.lighthouse.get().map(|lighthouse| lighthouse.status());
         snapshot.run_id = self.run_id.clone();
         snapshot.trace_export = dflash_telemetry::trace_export_stats();
         snapshot

@@ -239,6 +239,7 @@ pub fn render(snapshot: &proto::StatusSnapshot, broker: &str, options: RenderOpt
     }
     out.push_str(&guard_lines(snapshot));
     out.push_str(&model_sync_lines(snapshot));
+    out.push_str(&lighthouse_line(snapshot.lighthouse.as_ref()));
     out.push_str(&trace_export_line(snapshot));
     for dead in snapshot.dead_letter_items.iter().take(5) {
         let _ = writeln!(
@@ -368,8 +369,8 @@ pub fn trace_export_line(snapshot: &proto::StatusSnapshot) -> String {
 }
 
 /// The run's draft model: its step (the model's version), where it is
-/// written, τ, the last quorum, and each drafter's last snapshot (nothing
-/// before the first snapshot).
+/// written, τ, and each drafter's last snapshot (nothing before the first
+/// snapshot).
 pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
     let mut out = String::new();
     let Some(sync) = snapshot.model_sync.as_ref().filter(|sync| sync.has_model) else {
@@ -394,7 +395,6 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
         sync.model_samples,
     );
     out.push_str(&tau_line(sync));
-    out.push_str(&data_parallel_line(sync));
     for drafter in &sync.drafters {
         let state = if drafter.finished {
             "finished"
@@ -416,12 +416,8 @@ pub fn model_sync_lines(snapshot: &proto::StatusSnapshot) -> String {
 
 /// Data-parallel drafters: the last quorum and the lighthouse's counters
 /// (nothing before the first quorum).
-pub fn data_parallel_line(sync: &proto::ModelSyncStatus) -> String {
-    let Some(parallel) = sync
-        .data_parallel
-        .as_ref()
-        .filter(|parallel| parallel.quorum_id > 0)
-    else {
+pub fn lighthouse_line(lighthouse: Option<&proto::LighthouseStatus>) -> String {
+    let Some(parallel) = lighthouse.filter(|parallel| parallel.quorum_id > 0) else {
         return String::new();
     };
     let mut problems = if parallel.steps_failed
@@ -600,12 +596,14 @@ mod tests {
 
     #[test]
     fn the_data_parallel_quorum_and_its_failures_are_shown() {
-        let mut sync = proto::ModelSyncStatus {
-            has_model: true,
-            ..Default::default()
-        };
-        assert_eq!(data_parallel_line(&sync), "", "nothing before a quorum");
-        sync.data_parallel = Some(proto::DataParallelStatus {
+        let mut lighthouse = proto::LighthouseStatus::default();
+        assert_eq!(lighthouse_line(None), "", "nothing without a lighthouse");
+        assert_eq!(
+            lighthouse_line(Some(&lighthouse)),
+            "",
+            "nothing before a quorum"
+        );
+        lighthouse = proto::LighthouseStatus {
             quorum_id: 3,
             step: 120,
             members: vec!["drafter-0".into(), "drafter-1".into()],
@@ -613,27 +611,23 @@ mod tests {
             heals: 1,
             committed_step: 120,
             ..Default::default()
-        });
+        };
         assert_eq!(
-            data_parallel_line(&sync),
+            lighthouse_line(Some(&lighthouse)),
             "dp     H 120 quorum 3 step 120  2 members (drafter-0, drafter-1)  118 steps committed  1 heals\n"
         );
-        if let Some(parallel) = sync.data_parallel.as_mut() {
-            parallel.steps_failed = 2;
-            parallel.members_dropped = 1;
-            parallel.splits = 1;
-        }
-        let line = data_parallel_line(&sync);
+        lighthouse.steps_failed = 2;
+        lighthouse.members_dropped = 1;
+        lighthouse.splits = 1;
+        let line = lighthouse_line(Some(&lighthouse));
         assert!(
             line.contains("failed 2  dropped 1  checksum mismatches 0  splits 1  unknown 0"),
             "{line}"
         );
-        if let Some(parallel) = sync.data_parallel.as_mut() {
-            parallel.rollbacks = 1;
-            parallel.steps_rolled_back = 7;
-            parallel.waiting_for_holder = true;
-        }
-        let line = data_parallel_line(&sync);
+        lighthouse.rollbacks = 1;
+        lighthouse.steps_rolled_back = 7;
+        lighthouse.waiting_for_holder = true;
+        let line = lighthouse_line(Some(&lighthouse));
         assert!(line.contains("ROLLED BACK 7 steps (1 rollbacks)"), "{line}");
         assert!(
             line.contains("WAITING for a drafter holding step 120"),

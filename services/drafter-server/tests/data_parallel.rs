@@ -179,7 +179,7 @@ fn members_against_one_trainer(
     broker_config: BrokerConfig,
     faults: &[Faults],
     restart_at_commit: Option<u64>,
-) -> proto::DataParallelStatus {
+) -> proto::LighthouseStatus {
     let work = tempfile::tempdir().unwrap();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

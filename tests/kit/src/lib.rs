@@ -600,15 +600,14 @@ pub fn init_tiny(work: &Path) -> PathBuf {
     tiny
 }
 
-/// The broker's data-parallel status (the default when it cannot be read,
+/// The broker's lighthouse status (the default when it cannot be read,
 /// so a poll goes on).
-pub async fn data_parallel_status(client: &BrokerClient) -> proto::DataParallelStatus {
+pub async fn data_parallel_status(client: &BrokerClient) -> proto::LighthouseStatus {
     client
         .status()
         .await
         .ok()
-        .and_then(|status| status.model_sync)
-        .and_then(|sync| sync.data_parallel)
+        .and_then(|status| status.lighthouse)
         .unwrap_or_default()
 }
 

@@ -1,11 +1,11 @@
-//! The drafter's link to the broker's lighthouse (`ModelSync.Quorum`,
-//! `ModelSync.Commit`), called from the training thread: one call at a
+//! The drafter's link to the broker's lighthouse (`Lighthouse.Quorum`,
+//! `Lighthouse.Commit`), called from the training thread: one call at a
 //! time, each bounded, the decision fetched again until the broker answers.
 
 use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
-use dflash_proto::v1::model_sync_client::ModelSyncClient;
+use dflash_proto::v1::lighthouse_client::LighthouseClient;
 use tracing::warn;
 
 use super::error::DataParallelError;
@@ -22,7 +22,7 @@ pub(super) struct LighthouseLink {
     runtime: tokio::runtime::Handle,
     broker: String,
     security: dflash_client::ClientSecurityArgs,
-    client: Option<ModelSyncClient<dflash_client::AuthChannel>>,
+    client: Option<LighthouseClient<dflash_client::AuthChannel>>,
     /// Bound on one call: the collective timeout plus [`CALL_MARGIN`].
     call_limit: Duration,
     /// Test hook: the first this many tries of each decision fetch lose
@@ -109,7 +109,9 @@ impl LighthouseLink {
         Ok(decision)
     }
 
-    fn client(&mut self) -> Result<ModelSyncClient<dflash_client::AuthChannel>, DataParallelError> {
+    fn client(
+        &mut self,
+    ) -> Result<LighthouseClient<dflash_client::AuthChannel>, DataParallelError> {
         if let Some(client) = &self.client {
             return Ok(client.clone());
         }
@@ -130,7 +132,7 @@ impl LighthouseLink {
             let channel = dflash_client::connect_channel(&broker, &options)
                 .await
                 .map_err(|error| connect_error(error.to_string()))?;
-            Ok(ModelSyncClient::new(channel))
+            Ok(LighthouseClient::new(channel))
         })?;
         self.client = Some(client.clone());
         Ok(client)

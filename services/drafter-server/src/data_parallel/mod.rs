@@ -3,7 +3,7 @@
 //! their gradients over PyTorch's c10d (Gloo on CPUs; `dflash-collective`),
 //! and every member takes the same AdamW step, so weights and optimizer
 //! state are identical on every member. The broker is the lighthouse
-//! (`ModelSync.Quorum`, `ModelSync.Commit`): it decides which drafters take
+//! (`Lighthouse.Quorum`, `Lighthouse.Commit`): it decides which drafters take
 //! each step, at the run's committed step H only, which member a new or
 //! behind one heals from, and whether the step commits. No gradient passes
 //! through it.
