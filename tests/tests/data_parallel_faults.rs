@@ -145,6 +145,37 @@ async fn wait_connected(client: &BrokerClient, work: &Path, indices: &[usize]) {
     );
 }
 
+/// Waits until each drafter of `indices` grants the broker `items` credit:
+/// its share of the step (`--max-step-samples` 6 over the members) plus
+/// its `--prefetch-samples` 2, so no member leases a whole step's samples.
+async fn wait_for_credit(client: &BrokerClient, work: &Path, indices: &[usize], items: u32) {
+    let credits = || async {
+        let status = client.status().await.unwrap_or_default();
+        indices
+            .iter()
+            .map(|&index| {
+                status
+                    .drafters
+                    .iter()
+                    .find(|drafter| drafter.drafter_id == drafter_id(index))
+                    .and_then(|drafter| drafter.credit)
+                    .map(|credit| credit.items)
+            })
+            .collect::<Vec<_>>()
+    };
+    let sized = wait_until(PHASE_TIMEOUT, || async {
+        credits().await.iter().all(|credit| *credit == Some(items))
+    })
+    .await;
+    assert!(
+        sized,
+        "drafters {indices:?} grant {:?} items, expected {items} each; drafter-{} log tail: {}",
+        credits().await,
+        indices[0],
+        tail(&drafter_log(work, indices[0]))
+    );
+}
+
 /// No member ever differed from rank 0 at the same commit, and none was on
 /// another history: the run has one history.
 fn assert_one_history(status: &proto::LighthouseStatus, phase: &str) {
@@ -293,6 +324,8 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     produced += ITEMS_PER_PHASE;
     let status = wait_for_quorum(&client, work.path(), &[0, 1, 2], 0, "three members").await;
     assert_one_history(&status, "three members");
+    // Each member's credit window is its share of the step, 6 / 3, plus 2.
+    wait_for_credit(&client, work.path(), &[0, 1, 2], 4).await;
 
     // 2. drafter-1 hangs: the others go on without it, then it comes back.
     signal(&drafters[1], "STOP");
@@ -308,6 +341,8 @@ async fn data_parallel_drafters_survive_a_hang_a_join_and_a_death() {
     .await;
     assert!(status.members_dropped >= 1, "{status:?}");
     assert_one_history(&status, "without the stopped member");
+    // Two members: each one's share grows to 6 / 2, and its window with it.
+    wait_for_credit(&client, work.path(), &[0, 2], 5).await;
     signal(&drafters[1], "CONT");
     let heals_before = status.heals;
     produce(&mut producer, produced, ITEMS_PER_PHASE).await;

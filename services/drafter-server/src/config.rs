@@ -140,7 +140,8 @@ pub struct DrafterServerConfig {
     /// Most samples in one optimizer step of the run; a step is taken when
     /// this many are held even if the token budget is not reached, so the
     /// credit window can never stall. Data-parallel members each train
-    /// their share (this over the members of the step).
+    /// their share (this over the members of the step) and each member's
+    /// credit window is its share plus --prefetch-samples.
     #[arg(long, env = "DFLASH_MAX_STEP_SAMPLES", default_value_t = 64)]
     pub max_step_samples: usize,
 
@@ -342,6 +343,7 @@ impl DrafterServerConfig {
             },
             pump: PumpSettings {
                 credit_items,
+                prefetch_items: u32::try_from(self.prefetch_samples).unwrap_or(u32::MAX),
                 credit_bytes: self.credit_bytes,
                 linger: self.linger,
                 stats_period: self.stats_interval.max(Duration::from_millis(10)),

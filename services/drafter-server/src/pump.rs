@@ -65,6 +65,9 @@ pub(crate) struct Pump {
     /// The schedule's length settings, for the estimate from the broker.
     pub(crate) schedule: ScheduleSettings,
     pub(crate) credit: Credit,
+    /// The most items the current stream was ever granted: deliveries the
+    /// broker sent before it read a smaller window are not over credit.
+    pub(crate) granted_items: u32,
     /// The training thread. Its command channel has room for the credit
     /// window and then some, so a control command (Finish above all) is
     /// never dropped and almost never waited for; deliveries are bounded by
@@ -98,6 +101,7 @@ impl Pump {
                 items: settings.credit_items,
                 bytes: settings.credit_bytes,
             },
+            granted_items: settings.credit_items,
             settings,
             connection,
             schedule,
@@ -115,6 +119,7 @@ impl Pump {
         &mut self,
         shutdown: &CancellationToken,
     ) -> Result<Option<ConsumeStream>, DrafterError> {
+        self.granted_items = self.credit.items;
         ConsumeStream::open(&self.connection, self.credit, &mut self.run_id, shutdown).await
     }
 
@@ -249,11 +254,11 @@ impl Pump {
             .get_or_insert_with(Instant::now);
         loop_state.last_delivery_at = tokio::time::Instant::now();
         loop_state.flush_requested = false;
-        if self.held.len() as u64 >= u64::from(self.credit.items) + DELIVERY_SLACK {
+        if self.held.len() as u64 >= u64::from(self.granted_items) + DELIVERY_SLACK {
             warn!(
                 delivery_id,
                 held = self.held.len(),
-                credit_items = self.credit.items,
+                credit_items = self.granted_items,
                 "more deliveries than credit; requeueing"
             );
             stream.handle.nack(
@@ -533,6 +538,23 @@ impl Pump {
                     for delivery_id in delivery_ids {
                         self.held.remove(&delivery_id);
                     }
+                }
+            }
+            TrainerEvent::ShareOfStep { max_step_samples } => {
+                let items = u32::try_from(max_step_samples)
+                    .unwrap_or(u32::MAX)
+                    .saturating_add(self.settings.prefetch_items)
+                    .max(1);
+                if items != self.credit.items {
+                    info!(
+                        drafter_id = %self.connection.drafter_id,
+                        share_of_step = max_step_samples,
+                        credit_items = items,
+                        "credit window follows this member's share of the step"
+                    );
+                    self.credit.items = items;
+                    self.granted_items = self.granted_items.max(items);
+                    handle.set_credit(self.credit);
                 }
             }
             TrainerEvent::CheckpointSaved { step, path } => {

@@ -239,8 +239,13 @@ pub struct LoopSettings {
 /// The async loop's pacing and its bounds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PumpSettings {
-    /// The credit window: one step's worth of items plus the prefetch.
+    /// The credit window at the start: one step's worth of items plus the
+    /// prefetch. A data-parallel member's window follows its share of the
+    /// step once its quorums say how many members share it.
     pub credit_items: u32,
+    /// `--prefetch-samples`: the window beyond a step's (or a share's)
+    /// worth.
+    pub prefetch_items: u32,
     /// `--credit-bytes` (0: no byte bound).
     pub credit_bytes: u64,
     pub linger: Duration,

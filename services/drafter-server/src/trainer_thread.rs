@@ -114,6 +114,13 @@ pub enum TrainerEvent {
         step: u64,
         path: PathBuf,
     },
+    /// Data parallelism: this member's share of the run's step changed
+    /// (its quorums have another number of members): the pump sizes the
+    /// credit window to it, so a member never leases a whole step's samples
+    /// while the others wait for theirs.
+    ShareOfStep {
+        max_step_samples: usize,
+    },
     /// Answer to `Finish`.
     Stopped {
         generation: u64,
@@ -170,6 +177,8 @@ struct TrainingLoop {
     /// whenever no command is waiting, not only when the next delivery
     /// comes (none may come: this member's credit can be all in the step).
     awaiting_quorum: bool,
+    /// The share of the step last told to the pump (`ShareOfStep`).
+    announced_share: usize,
     started: Instant,
 }
 
@@ -182,6 +191,7 @@ pub fn run_training_loop(
     sync: Option<ModelSyncLink>,
     data_parallel: Option<DataParallel>,
 ) {
+    let settings_max_step_samples = settings.max_step_samples;
     let mut state = TrainingLoop {
         engine,
         settings,
@@ -199,6 +209,7 @@ pub fn run_training_loop(
         sync,
         data_parallel,
         awaiting_quorum: false,
+        announced_share: settings_max_step_samples,
         started: Instant::now(),
     };
     state.join();

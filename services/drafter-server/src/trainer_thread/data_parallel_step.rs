@@ -142,6 +142,19 @@ impl TrainingLoop {
                 self.hand_back_excluded(excluded, delivery_ids, step);
             }
         }
+        self.announce_share();
+    }
+
+    /// Tells the pump this member's share of the step when the last
+    /// quorum changed it (its credit window follows).
+    fn announce_share(&mut self) {
+        let share = self.step_limits().max_step_samples;
+        if share != self.announced_share {
+            self.announced_share = share;
+            self.emit(TrainerEvent::ShareOfStep {
+                max_step_samples: share,
+            });
+        }
     }
 
     /// The step's own samples: settled by the broker when this member
