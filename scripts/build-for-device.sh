@@ -23,9 +23,9 @@
 #   DFLASH_GPU_PREBUILT=/tmp/bin DFLASH_GPU_PYTHON=python3 bash scripts/check-gpu.sh
 #
 # A cross-version build: the programs call libtorch through 2.13's C++
-# API compiled against the other version's headers. Stop 34's run on an
-# H200 (BENCHMARKS.md, "The GPU check") saw one unexplained libtorch error
-# that may come from it.
+# API compiled against the other version's headers. The H200 run recorded
+# in e010b21 (BENCHMARKS.md, "The GPU check") saw one unexplained libtorch
+# error that may come from it.
 set -euo pipefail
 torch_version="${1:?usage: build-for-device.sh TORCH_VERSION OUT_DIR}"
 out="${2:?usage: build-for-device.sh TORCH_VERSION OUT_DIR}"

@@ -176,7 +176,7 @@ PY
 drafter_shape=(--anchors 512 --seq-len 3072 --seqs 4 --steps 5)
 # The fused attention, as drafter-server picks on a GPU (`--attention auto`):
 # the split attention's scores at this shape ([4, 32, 8192, 3072] floats per
-# layer) did not fit an H200's 140 GiB (stop 34: out of memory with 131.6
+# layer) did not fit an H200's 140 GiB (recorded in e010b21: out of memory with 131.6
 # GiB allocated). PyTorch eager likewise through SDPA with a dense mask.
 if [[ -f "$model_dir/config.json" ]]; then
   rust_step() {

@@ -166,7 +166,7 @@ fn dflash_local_trains_every_sample_and_ends_complete() {
 }
 
 /// Every drafter fails (here at its start, from a flag it does not know; on
-/// an H200, stop 34, at its first training step): nothing is left to train,
+/// an H200, recorded in e010b21, at its first training step): nothing is left to train,
 /// so `dflash local` stops the targets and the evaluator and reports the
 /// run FAILED, saying why, instead of waiting for `--timeout` (15 min here;
 /// the demo's 6400 samples keep the targets busy well past the drafters'

@@ -42,7 +42,7 @@ fn sigterm_stops_the_children_and_prints_the_summary() {
 }
 
 /// Ctrl-C in a terminal and `timeout` signal dflash's whole process group.
-/// On an H200 (stop 34) `timeout` did, the broker (then in dflash's group)
+/// On an H200 (recorded in e010b21) `timeout` did, the broker (then in dflash's group)
 /// stopped at once, and dflash, left without its final status, printed an
 /// error instead of its summary. The children now have their own groups.
 #[test]

@@ -315,7 +315,7 @@ mod tests {
     fn the_run_stops_only_when_every_drafter_is_gone_and_one_failed_before_completion() {
         use proto::BrokerState::{Complete, Draining, Running};
         let running = Some(Running);
-        // Both drafters died (the H200 run of stop 34: each drafter's
+        // Both drafters died (the H200 run recorded in e010b21: each drafter's
         // training thread failed at its first step; dflash local then waited
         // for --timeout).
         let dead = [
