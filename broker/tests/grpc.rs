@@ -611,10 +611,20 @@ async fn a_restart_on_the_state_dir_with_another_target_capture_is_refused_namin
         .await
         .expect("a refused broker returns at once")
         .unwrap();
+    // What `broker` prints: the error and its sources (`{:#}`), each once.
     let message = match outcome {
-        Err(error) => error.to_string(),
+        Err(error) => {
+            let mut chain = error.to_string();
+            let mut source = std::error::Error::source(&error);
+            while let Some(cause) = source {
+                chain = format!("{chain}: {cause}");
+                source = cause.source();
+            }
+            chain
+        }
         Ok(()) => panic!("a broker without --target-capture started on a last-hidden-states run"),
     };
+    assert_eq!(message.matches("records a run").count(), 1, "{message}");
     assert!(message.contains("last-hidden-states"), "{message}");
     assert!(message.contains("no --target-capture (none)"), "{message}");
     assert!(
