@@ -7,8 +7,9 @@
 # the reference. Then the reference's greedy speculative decoding
 # (`spec_generate`) against this project's evaluation (`dflash eval`'s code,
 # DFlash2 through its candidate selector) with a DFlash and a DFlash2
-# drafter trained on the tiny target: the same outputs, the same accepted
-# length at every verification, the same τ, and τ above a floor; a DSpark
+# drafter trained on the tiny target: the same proposed block and the same
+# accepted length at every verification, the same outputs, the same τ, and
+# τ above a floor; a DSpark
 # drafter trained alike is held to its τ floor (scripts/check_spec_generate.py).
 # The Python packages come from scripts/python-venv.sh.
 set -euo pipefail

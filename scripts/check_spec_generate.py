@@ -12,10 +12,17 @@ selector). For each drafter this loads the target with transformers'
 unexpected keys), decodes every prompt greedily with the reference's
 `spec_generate` (its `dflash_generate`, run with `return_stats=True` for the
 accepted lengths: the same function `spec_generate` calls, timed with a wall
-clock instead of CUDA events on the CPU) and requires the same output
-tokens, the same accepted length at every verification and so the same τ,
-and a τ well above 1 (TAU_FLOOR). The DSpark drafter (`dspark/`) has no
-reference decoder: it is held to its floor alone.
+clock instead of CUDA events on the CPU) and requires, verification by
+verification, the same proposed block (the drafted tokens after the anchor,
+recorded by wrapping the reference's draft call: `DFlash2DraftModel.propose`,
+or for DFlash `compute_logits`, whose argmax `dflash_generate` proposes at
+temperature 0; each recorded block is also checked to be the one the target
+then verified) and the same accepted length; then the same output tokens and
+so the same τ, and a τ well above 1 (TAU_FLOOR). Comparing proposals sees a
+drafter that differs only after the first rejected token, which outputs and
+accepted lengths cannot. A mismatch names the prompt, the verification and
+both blocks. The DSpark drafter (`dspark/`) has no reference decoder: it is
+held to its floor alone.
 
 Usage: python scripts/check_spec_generate.py OUTPUT_DIR
 Exit status: 0 when every drafter matches, 1 otherwise.
@@ -55,7 +62,81 @@ def check_dspark(directory: Path) -> str:
     return f"OK: DSpark, tau {tau:.4f} in this project's evaluation (no reference decoder), floor {floor}"
 
 
-def check(directory: Path, target) -> str | None:
+class ProposalRecorder:
+    """The blocks the reference drafts, one per verification, recorded by
+    wrapping the draft call `dflash_generate` makes on `drafter` (this
+    instance only) and the target's forwards: each block drafted must be
+    the tail of the block the target verifies next, so what is recorded is
+    what the reference verified, not a guess at it."""
+
+    def __init__(self, drafter, target):
+        self.proposed: list[list[int]] = []
+        # Every block the target ran (the prefill's prompt first).
+        self.verified: list[list[int]] = []
+        if isinstance(drafter, DFlash2DraftModel):
+            propose = drafter.propose
+
+            def recording_propose(*args, **kwargs):
+                result = propose(*args, **kwargs)
+                # (path, candidates, q): the path is the proposed block.
+                self.proposed.append(result[0][0].tolist())
+                return result
+
+            drafter.propose = recording_propose
+        else:
+            compute_logits = drafter.compute_logits
+
+            def recording_compute_logits(*args, **kwargs):
+                logits = compute_logits(*args, **kwargs)
+                # dflash_generate at temperature 0 proposes their argmax.
+                self.proposed.append(torch.argmax(logits, dim=-1)[0].tolist())
+                return logits
+
+            drafter.compute_logits = recording_compute_logits
+
+        def record_verified(module, args, kwargs):
+            input_ids = args[0] if args else kwargs["input_ids"]
+            self.verified.append(input_ids[0].tolist())
+
+        self.hook = target.register_forward_pre_hook(record_verified, with_kwargs=True)
+
+    def take(self) -> tuple[list[list[int]], str | None]:
+        """The blocks proposed since the last call, and a problem if they
+        are not what the target verified after its prefill."""
+        proposed, verified = self.proposed, self.verified[1:]
+        self.proposed, self.verified = [], []
+        if len(proposed) != len(verified):
+            return proposed, f"the hook saw {len(proposed)} draft calls for {len(verified)} verifications"
+        for step, (block, checked) in enumerate(zip(proposed, verified)):
+            if block != checked[1:]:
+                return proposed, f"verification {step}: drafted {block}, but the target verified {checked[1:]} after the anchor"
+        return proposed, None
+
+
+def compare_steps(
+    index: int,
+    prompt: list[int],
+    reference: list[list[int]],
+    ours: list[list[int]],
+    reference_lengths: list[int],
+    our_lengths: list[int],
+) -> str | None:
+    """The first verification of prompt `index` whose proposed block or
+    accepted length differs between the reference and this project."""
+    for step in range(max(len(reference), len(ours))):
+        theirs = reference[step] if step < len(reference) else "no verification"
+        mine = ours[step] if step < len(ours) else "no verification"
+        if theirs != mine:
+            return f"prompt {index} {prompt}, verification {step}: reference proposed {theirs}, this project {mine}"
+        if reference_lengths[step] != our_lengths[step]:
+            return (
+                f"prompt {index} {prompt}, verification {step}: both proposed {mine}; reference accepted "
+                f"{reference_lengths[step]}, this project {our_lengths[step]}"
+            )
+    return None
+
+
+def check(directory: Path, target) -> str:
     expected = json.loads((directory / "eval.json").read_text())
     architectures = json.loads((directory / "config.json").read_text()).get("architectures") or []
     model_class = DFlash2DraftModel if "DFlash2DraftModel" in architectures else DFlashDraftModel
@@ -64,6 +145,14 @@ def check(directory: Path, target) -> str | None:
     if problems:
         return f"{model_class.__name__} loading: {problems}"
     drafter.eval()
+    recorder = ProposalRecorder(drafter, target)
+    try:
+        return compare(expected, drafter, target, recorder, model_class.__name__)
+    finally:
+        recorder.hook.remove()
+
+
+def compare(expected, drafter, target, recorder: ProposalRecorder, name: str) -> str:
     lengths = []
     for index, prompt in enumerate(expected["prompts"]):
         stats = dflash.model.dflash_generate(
@@ -75,6 +164,19 @@ def check(directory: Path, target) -> str | None:
             temperature=0.0,
             return_stats=True,
         )
+        proposed, problem = recorder.take()
+        if problem is not None:
+            return f"prompt {index}: recording the reference's proposals: {problem}"
+        mismatch = compare_steps(
+            index,
+            prompt,
+            proposed,
+            expected["proposals"][index],
+            stats.acceptance_lengths,
+            expected["acceptance_lengths"][index],
+        )
+        if mismatch is not None:
+            return mismatch
         output = stats.output_ids[0].tolist()
         if output != expected["outputs"][index]:
             return f"prompt {index}: reference output {output}, this project's {expected['outputs'][index]}"
@@ -87,10 +189,10 @@ def check(directory: Path, target) -> str | None:
     tau = sum(lengths) / len(lengths)
     if abs(tau - expected["tau"]) > 1e-9:
         return f"reference tau {tau}, this project's {expected['tau']}"
-    floor = TAU_FLOOR[model_class.__name__]
+    floor = TAU_FLOOR[name]
     if tau < floor:
-        return f"{model_class.__name__}: tau {tau:.4f} is below its floor {floor}: the drafter did not learn the target"
-    return f"OK: {model_class.__name__}, tau {tau:.4f} from both over {len(lengths)} verifications"
+        return f"{name}: tau {tau:.4f} is below its floor {floor}: the drafter did not learn the target"
+    return f"OK: {name}, tau {tau:.4f} from both, the same proposal at each of {len(lengths)} verifications"
 
 
 def main() -> int:

@@ -41,13 +41,21 @@ pub enum ServeError {
     Security(#[from] crate::auth::SecurityError),
     #[error("model sync: {0}")]
     ModelSync(#[from] crate::run_model::checkpoint::CheckpointError),
+    /// Not the error's source: `main` prints the chain (`{:#}`), which
+    /// would repeat the whole message.
     #[error("write-ahead log: {0}")]
-    StateDir(#[from] crate::wal::WalError),
+    StateDir(crate::wal::WalError),
     #[error("cannot listen for metrics on {address}: {source}")]
     MetricsListen {
         address: SocketAddr,
         source: std::io::Error,
     },
+}
+
+impl From<crate::wal::WalError> for ServeError {
+    fn from(error: crate::wal::WalError) -> Self {
+        ServeError::StateDir(error)
+    }
 }
 
 /// Serves the broker on `listener` until `shutdown` is cancelled, then ends

@@ -3,8 +3,9 @@
 //! every accepted and unacked item, every target's resume point, the done
 //! set and the run id.
 //!
-//! On disk: `run-id` and `run-config` (the target ids the log was written
-//! under; `wal/state_dir.rs`), and `segment-NNNNNNNNNNNNNNNN.wal` files: a
+//! On disk: `run-id`, `run-config` (the target ids the log was written
+//! under), `target-capture` (the run's `--target-capture`; all three in
+//! `wal/state_dir.rs`), and `segment-NNNNNNNNNNNNNNNN.wal` files: a
 //! 32-byte header (magic, format version, the run configuration's
 //! fingerprint; `wal/segment.rs`) then frames `[u32 body length][u32 CRC-32
 //! of body][body]`, little endian; a body is a kind byte and its fields
@@ -15,8 +16,10 @@
 //! the end, a bad last frame, a zero-filled tail) is cut off with a
 //! warning; a bad frame with good bytes after it, a frame that decodes to
 //! nothing, damage in an older segment, a foreign or newer-format segment,
-//! and a state dir written for another set of targets (unless
-//! `--adopt-state-dir`) all refuse to start. A run whose log failed for
+//! a state dir written for another set of targets (unless
+//! `--adopt-state-dir`) and one recording another `--target-capture` (a
+//! state dir from before that record takes the configured one, with a
+//! warning) all refuse to start. A run whose log failed for
 //! good leaves an `aborted` file, so a restart does not resume it.
 //!
 //! Bounded by the queue's byte cap: when the segment grows past
@@ -75,6 +78,8 @@ pub use state_dir::RunShape;
 
 /// The longest `batch` leaves written records unsynced.
 pub const BATCH_SYNC_INTERVAL: Duration = Duration::from_millis(100);
+/// [`LogConfig::target_capture`] of a run without `--target-capture`.
+pub const NO_TARGET_CAPTURE: &str = "none";
 /// Smallest compaction threshold, so small caps do not compact constantly.
 const MIN_COMPACT_ABOVE: u64 = 64 << 20;
 
@@ -103,6 +108,11 @@ pub struct LogConfig {
     pub shape: RunShape,
     /// Keep a log written under another configuration (`--adopt-state-dir`).
     pub adopt: bool,
+    /// What the run's targets capture beyond DFlash's tensors
+    /// (`--target-capture`: `none`, or the flag's values joined by commas).
+    /// Recorded in the state dir when the run starts; a restart with
+    /// another value is refused ([`WalError::CaptureMismatch`]).
+    pub target_capture: String,
 }
 
 impl LogConfig {
@@ -111,6 +121,7 @@ impl LogConfig {
             max_queue_bytes,
             shape,
             adopt: false,
+            target_capture: NO_TARGET_CAPTURE.to_string(),
         }
     }
 }
@@ -168,6 +179,7 @@ impl<P: DurablePayload> Wal<P> {
         let segments = segment::list_segments(dir)?;
         let adopting =
             state_dir::check_run_config(dir, &config.shape, config.adopt, segments.is_empty())?;
+        let capture = state_dir::check_target_capture(dir, &config.target_capture)?;
         let run_id = state_dir::read_or_create_run_id(dir, new_run_id)?;
         let fingerprint = config.shape.fingerprint();
         let check = if adopting {
@@ -200,6 +212,15 @@ impl<P: DurablePayload> Wal<P> {
                 segment::rewrite_fingerprint(path, fingerprint)?;
             }
             state_dir::write_run_config(dir, &config.shape)?;
+        }
+        if capture == state_dir::CaptureRecord::Missing {
+            if !segments.is_empty() {
+                // Written before the broker recorded the capture: what the
+                // run was started with is unknown. The targets still stop
+                // on a reconnect whose welcome changes it.
+                tracing::warn!(state_dir = %dir.display(), target_capture = %config.target_capture, "the state dir has no record of the run's --target-capture (written by an older broker): recording this broker's, which could not be checked against the run's");
+            }
+            state_dir::write_target_capture(dir, &config.target_capture)?;
         }
         if let Some(reason) = state_dir::read_aborted(dir)? {
             recovered.aborted.get_or_insert(reason);

@@ -589,6 +589,54 @@ async fn the_welcome_carries_the_runs_target_capture() {
     broker.stop().await;
 }
 
+/// #50: the run's `--target-capture` is recorded in its state dir; a
+/// broker restarted there with another value refuses to start, naming both
+/// values and the state dir, and one with the same value resumes the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_on_the_state_dir_with_another_target_capture_is_refused_naming_both() {
+    use dflash_broker::config::CapturedTensor;
+    let work = tempfile::tempdir().unwrap();
+    let state_dir = work.path().join("state");
+    let config = |capture: Vec<CapturedTensor>| BrokerConfig {
+        state_dir: Some(state_dir.clone()),
+        target_capture: capture,
+        ..BrokerConfig::for_targets(1)
+    };
+    let broker = TestBroker::start(config(vec![CapturedTensor::LastHiddenStates])).await;
+    let run_id = broker.status().await.run_id;
+    broker.stop_checked().await.unwrap();
+
+    let refused = TestBroker::start(config(Vec::new())).await;
+    let outcome = tokio::time::timeout(Duration::from_secs(15), refused.handle)
+        .await
+        .expect("a refused broker returns at once")
+        .unwrap();
+    // What `broker` prints: the error and its sources (`{:#}`), each once.
+    let message = match outcome {
+        Err(error) => {
+            let mut chain = error.to_string();
+            let mut source = std::error::Error::source(&error);
+            while let Some(cause) = source {
+                chain = format!("{chain}: {cause}");
+                source = cause.source();
+            }
+            chain
+        }
+        Ok(()) => panic!("a broker without --target-capture started on a last-hidden-states run"),
+    };
+    assert_eq!(message.matches("records a run").count(), 1, "{message}");
+    assert!(message.contains("last-hidden-states"), "{message}");
+    assert!(message.contains("no --target-capture (none)"), "{message}");
+    assert!(
+        message.contains(&state_dir.display().to_string()),
+        "{message}"
+    );
+
+    let resumed = TestBroker::start(config(vec![CapturedTensor::LastHiddenStates])).await;
+    assert_eq!(resumed.status().await.run_id, run_id);
+    resumed.stop_checked().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_without_hello_are_refused() {
     use dflash_proto::v1::broker_client::BrokerClient as RawClient;

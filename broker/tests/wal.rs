@@ -578,6 +578,68 @@ fn a_state_dir_of_other_targets_is_refused_unless_adopted() {
     ));
 }
 
+/// #50: the state dir records the run's `--target-capture`. Another value
+/// is refused naming both, `--adopt-state-dir` or not; a state dir written
+/// before the record (segments, no `target-capture` file) takes the
+/// configured value and is held to it from then on.
+#[test]
+fn a_state_dir_recording_another_target_capture_is_refused_even_when_adopting() {
+    let with_capture = |capture: &str| LogConfig {
+        target_capture: capture.to_string(),
+        ..log_config(1 << 20)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    segment_with(dir.path(), &[accepted("target-0", 0, 64)]);
+    // `segment_with` opened it without a capture: `none` is recorded.
+    let record = dir.path().join("target-capture");
+    assert_eq!(std::fs::read_to_string(&record).unwrap(), "none\n");
+    for adopt in [false, true] {
+        let config = LogConfig {
+            adopt,
+            ..with_capture("last-hidden-states")
+        };
+        match Wal::<Blob>::open(dir.path(), &config, || "x".to_string()) {
+            Err(WalError::CaptureMismatch {
+                path,
+                stored,
+                configured,
+            }) => {
+                assert_eq!(path, dir.path());
+                assert_eq!(
+                    (stored.as_str(), configured.as_str()),
+                    ("none", "last-hidden-states")
+                );
+            }
+            Err(other) => panic!("unexpected error {other}"),
+            Ok(_) => panic!("a state dir of a run without capture opened with one (adopt {adopt})"),
+        }
+    }
+    assert_eq!(open(dir.path()).recovered.items().count(), 1);
+
+    // A state dir from an older broker: the configured value is recorded.
+    std::fs::remove_file(&record).unwrap();
+    let legacy = Wal::<Blob>::open(dir.path(), &with_capture("last-hidden-states"), || {
+        panic!("the run id is kept")
+    })
+    .unwrap();
+    assert_eq!(legacy.recovered.items().count(), 1);
+    drop(legacy);
+    assert_eq!(
+        std::fs::read_to_string(&record).unwrap(),
+        "last-hidden-states\n"
+    );
+    let message = match try_open(dir.path()) {
+        Err(error) => error.to_string(),
+        Ok(_) => panic!("the recorded capture was not held to"),
+    };
+    assert!(
+        message.contains("capture last-hidden-states (its file target-capture)")
+            && message.contains("configured with no --target-capture (none)")
+            && message.contains("Restart it with --target-capture last-hidden-states"),
+        "{message}"
+    );
+}
+
 /// A segment copied in from another state dir (its fingerprint another
 /// configuration's) is refused.
 #[test]

@@ -190,7 +190,10 @@ pub struct BrokerConfig {
     /// comma-separated: `last-hidden-states` (the target's last hidden state,
     /// `hidden × 2` bytes per token) for DSpark drafters. Each target is told
     /// in its welcome and captures them from its first sample on. Default
-    /// none: DFlash and DFlash2 runs do not pay those bytes.
+    /// none: DFlash and DFlash2 runs do not pay those bytes. With
+    /// --state-dir the run's value is recorded there when it starts, and a
+    /// restart with another value refuses to start, naming both (a state
+    /// dir from an older broker, without the record, takes this value).
     #[arg(long, env = "DFLASH_TARGET_CAPTURE", value_enum, value_delimiter = ',')]
     pub target_capture: Vec<CapturedTensor>,
 
@@ -325,12 +328,34 @@ impl BrokerConfig {
     }
 
     /// How the write-ahead log is opened: the run's target ids are what a
-    /// state dir must have been written for.
+    /// state dir must have been written for, and its capture what the
+    /// state dir records.
     pub(crate) fn log_config(&self) -> crate::wal::LogConfig {
         crate::wal::LogConfig {
             max_queue_bytes: self.max_queue_bytes,
             shape: crate::wal::RunShape::new(self.target_ids()),
             adopt: self.adopt_state_dir,
+            target_capture: self.target_capture_record(),
+        }
+    }
+
+    /// `--target-capture` as the state dir records it: each tensor's flag
+    /// name once, in a fixed order, joined by commas (so
+    /// `last_hidden_states,last-hidden-states` records as
+    /// `last-hidden-states`), or `none`.
+    pub fn target_capture_record(&self) -> String {
+        let mut tensors = self.target_capture.clone();
+        tensors.sort_unstable();
+        tensors.dedup();
+        let names: Vec<String> = tensors
+            .iter()
+            .filter_map(|tensor| tensor.to_possible_value())
+            .map(|value| value.get_name().to_string())
+            .collect();
+        if names.is_empty() {
+            crate::wal::NO_TARGET_CAPTURE.to_string()
+        } else {
+            names.join(",")
         }
     }
 
@@ -384,6 +409,21 @@ mod tests {
         assert_eq!(
             parse(&["--target-capture=last-hidden-states,last_hidden_states"]).unwrap(),
             vec![CapturedTensor::LastHiddenStates; 2]
+        );
+        let record = |arguments: &[&str]| {
+            <Cli as clap::Parser>::try_parse_from(
+                ["broker", "--expected-targets", "1"]
+                    .iter()
+                    .chain(arguments),
+            )
+            .unwrap()
+            .config
+            .target_capture_record()
+        };
+        assert_eq!(record(&[]), "none");
+        assert_eq!(
+            record(&["--target-capture=last_hidden_states,last-hidden-states"]),
+            "last-hidden-states"
         );
         let error = parse(&["--target-capture", "logits"])
             .unwrap_err()

@@ -38,6 +38,24 @@ pub enum WalError {
         stored: String,
         configured: String,
     },
+    #[error("state dir {path} records a run whose targets capture {stored} (its file target-capture), and this broker is configured with {}: the samples it holds and the run's drafters were made for {stored}. Restart it with {}, or give a new run a new --state-dir (--adopt-state-dir does not change the capture)", capture_flag(configured), capture_flag(stored))]
+    CaptureMismatch {
+        path: PathBuf,
+        /// The state dir's record (`none`, or flag values joined by commas).
+        stored: String,
+        /// This broker's `--target-capture`, in the same form.
+        configured: String,
+    },
+}
+
+/// A recorded capture as the flag that asks for it: `none` is the flag's
+/// absence.
+fn capture_flag(capture: &str) -> String {
+    if capture == "none" {
+        "no --target-capture (none)".to_string()
+    } else {
+        format!("--target-capture {capture}")
+    }
 }
 
 impl WalError {

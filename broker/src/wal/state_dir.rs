@@ -1,6 +1,7 @@
 //! The small files of a state dir beside its segments: `lock` (one broker
 //! per directory), `run-id`, `run-config` (the configuration the log was
-//! written under) and `aborted` (a run the log could not keep going).
+//! written under), `target-capture` (what the run's targets capture beyond
+//! DFlash's tensors) and `aborted` (a run the log could not keep going).
 //!
 //! Each small file is written whole: a temporary file, synced, renamed
 //! into place, and the directory synced.
@@ -14,6 +15,9 @@ use super::error::{io_error, WalError};
 const RUN_ID_FILE: &str = "run-id";
 const RUN_CONFIG_FILE: &str = "run-config";
 const ABORTED_FILE: &str = "aborted";
+/// The run's `--target-capture` (`none`, or the tensors' flag names
+/// joined by commas), recorded when the run starts.
+const TARGET_CAPTURE_FILE: &str = "target-capture";
 /// Held locked (an advisory `flock`) by the broker that owns the state dir.
 /// The kernel drops the lock when that process exits, however it exits
 /// (`kill -9` included), so a stale lock file never blocks a restart.
@@ -131,6 +135,41 @@ pub(super) fn check_run_config(
     }
 }
 
+/// What [`check_target_capture`] found in the state dir.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum CaptureRecord {
+    /// The state dir records the configured capture.
+    Matches,
+    /// No record: a new state dir, or one written before the broker
+    /// recorded the capture. The configured one is to be recorded.
+    Missing,
+}
+
+/// The state dir's `target-capture` against `configured` (the run's
+/// `--target-capture`, as the broker's configuration names it):
+/// another value is refused ([`WalError::CaptureMismatch`]) whatever
+/// `--adopt-state-dir` says, since the samples held and the drafters'
+/// architecture were chosen for the recorded one.
+pub(super) fn check_target_capture(
+    dir: &Path,
+    configured: &str,
+) -> Result<CaptureRecord, WalError> {
+    match read_optional(&dir.join(TARGET_CAPTURE_FILE))? {
+        Some(stored) if stored.trim() == configured => Ok(CaptureRecord::Matches),
+        Some(stored) => Err(WalError::CaptureMismatch {
+            path: dir.to_path_buf(),
+            stored: stored.trim().to_string(),
+            configured: configured.to_string(),
+        }),
+        None => Ok(CaptureRecord::Missing),
+    }
+}
+
+/// Records `capture` as the run's `--target-capture`.
+pub(super) fn write_target_capture(dir: &Path, capture: &str) -> Result<(), WalError> {
+    write_whole(dir, TARGET_CAPTURE_FILE, &format!("{capture}\n"))
+}
+
 /// Records `shape` as the state dir's configuration (after adopting).
 pub(super) fn write_run_config(dir: &Path, shape: &RunShape) -> Result<(), WalError> {
     write_whole(dir, RUN_CONFIG_FILE, &shape.file_text())
@@ -173,7 +212,13 @@ pub(super) fn remove_unfinished(dir: &Path) -> Result<(), WalError> {
             .and_then(|name| name.strip_suffix(".tmp"))
             .is_some_and(|stem| {
                 stem.starts_with("segment-")
-                    || [RUN_ID_FILE, RUN_CONFIG_FILE, ABORTED_FILE].contains(&stem)
+                    || [
+                        RUN_ID_FILE,
+                        RUN_CONFIG_FILE,
+                        TARGET_CAPTURE_FILE,
+                        ABORTED_FILE,
+                    ]
+                    .contains(&stem)
             });
         if unfinished {
             fs::remove_file(&path).map_err(io_error(&path))?;

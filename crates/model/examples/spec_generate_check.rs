@@ -7,8 +7,8 @@
 //! layout), and for each drafter `eval.json`: the held-out prompts, this
 //! crate's greedy evaluation of them (the same `eval::evaluate_with_options`
 //! that `dflash eval` and `dflash evaluate` run, the DFlash2 drafter
-//! through its candidate selector), each prompt's output and accepted
-//! length per verification, and τ.
+//! through its candidate selector), each prompt's output, its proposed
+//! tokens and accepted length per verification, and τ.
 //!
 //!     cargo run -p dflash-model --example spec_generate_check -- OUTPUT_DIR
 
@@ -114,26 +114,25 @@ fn train_and_evaluate(
         confidence_threshold: None,
     };
     let report = evaluate_with_options(target_dir, output, &held_out, &options)?;
-    // Each prompt's accepted lengths, split from the run's list by the
-    // tokens it generated (every token after the prefill's is verified).
-    let mut lengths = report.acceptance_lengths.iter();
-    let mut per_prompt = Vec::new();
-    for (prompt, output_ids) in held_out.iter().zip(&report.outputs) {
-        let mut left = output_ids.len() - prompt.len() - 1;
-        let mut steps = Vec::new();
-        while left > 0 {
-            let length = *lengths
-                .next()
-                .context("fewer accepted lengths than tokens")?;
-            steps.push(length);
-            left -= length;
-        }
-        per_prompt.push(steps);
-    }
+    // Each prompt's accepted lengths, split from the run's list by its
+    // verifications (one proposal each).
+    let mut lengths = report.acceptance_lengths.iter().copied();
+    let per_prompt: Vec<Vec<usize>> = report
+        .proposals
+        .iter()
+        .map(|steps| lengths.by_ref().take(steps.len()).collect())
+        .collect();
+    let proposals: usize = report.proposals.iter().map(Vec::len).sum();
+    anyhow::ensure!(
+        proposals == report.acceptance_lengths.len(),
+        "{proposals} proposals for {} verifications",
+        report.acceptance_lengths.len()
+    );
     let eval = json!({
         "prompts": held_out,
         "outputs": report.outputs,
         "acceptance_lengths": per_prompt,
+        "proposals": report.proposals,
         "tau": report.mean_acceptance_length,
         "max_new_tokens": MAX_NEW_TOKENS,
         "stop_token_ids": options.stop_token_ids,

@@ -177,7 +177,22 @@ fn a_drafter_trained_on_self_generated_data_has_a_clearly_higher_acceptance_leng
             after.outputs[index], reference.token_ids,
             "prompt {index}: cached evaluation differs from the reference"
         );
+        // The report keeps each verification's proposed block
+        // (`check_spec_generate.py` compares them with the reference's).
+        assert_eq!(
+            after.proposals[index], reference.proposed_tokens,
+            "prompt {index}: cached evaluation proposed other blocks than the reference"
+        );
     }
+    assert_eq!(
+        after
+            .proposals
+            .iter()
+            .flatten()
+            .map(Vec::len)
+            .sum::<usize>(),
+        after.proposed_tokens
+    );
     let reference_lengths: Vec<usize> = held_out
         .iter()
         .flat_map(|prompt| {

@@ -142,6 +142,7 @@ fn evaluate_drafter(
         target_forwards: 0,
         proposed_tokens: 0,
         outputs: Vec::with_capacity(prompts.len()),
+        proposals: Vec::with_capacity(prompts.len()),
     };
     for (index, prompt) in prompts.iter().enumerate() {
         if prompt.is_empty() {
@@ -161,6 +162,7 @@ fn evaluate_drafter(
         report.target_forwards += trace.target_forwards;
         report.acceptance_lengths.extend(&trace.acceptance_lengths);
         report.outputs.push(trace.token_ids);
+        report.proposals.push(trace.proposed_tokens);
     }
     report.verification_steps = report.acceptance_lengths.len();
     report.mean_acceptance_length = if report.verification_steps == 0 {

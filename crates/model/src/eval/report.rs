@@ -41,6 +41,12 @@ pub struct EvalReport {
     pub proposed_tokens: usize,
     /// Each prompt followed by its generated tokens.
     pub outputs: Vec<Vec<i64>>,
+    /// Per prompt, each verification's proposed tokens (after the anchor)
+    /// in order: what the drafter proposed and the target verified, so a
+    /// reference decoder can be compared step by step, not only by its
+    /// output (`scripts/check_spec_generate.py`). Moved from each prompt's
+    /// [`GenerationTrace`], not copied; no caller serialises the report.
+    pub proposals: Vec<Vec<Vec<i64>>>,
 }
 
 /// One prompt's speculative generation.
