@@ -12,7 +12,7 @@ use dflash_shell::{parse_bytes, parse_duration, DeviceChoice, DtypeChoice};
 pub use crate::settings::{AttentionChoice, DraftArchitecture, ModelMode};
 use crate::settings::{
     ConfigError, Connection, DrafterSettings, EngineSettings, LoopSettings, OutputSettings,
-    PumpSettings, ScheduleSettings,
+    PumpSettings, ScheduleSettings, TrainingMode,
 };
 
 /// Parses a comma-separated list of layer ids.
@@ -290,9 +290,19 @@ impl DrafterServerConfig {
         if self.dtype == Some(DtypeChoice::F16) {
             return Err(ConfigError::UnsupportedDtype("f16"));
         }
-        if self.resume && self.model_sync.mode() == crate::model_sync::ModelSyncMode::DataParallel {
+        let data_parallel =
+            self.model_sync.model_sync == crate::model_sync::ModelSyncMode::DataParallel;
+        if self.resume && data_parallel {
             return Err(ConfigError::ResumeInDataParallel);
         }
+        let mode = if data_parallel && self.model == ModelMode::DFlash {
+            TrainingMode::DataParallel {
+                model: self.model_sync.clone(),
+                group: self.data_parallel.clone(),
+            }
+        } else {
+            TrainingMode::Independent
+        };
         let credit_items =
             u32::try_from(self.max_step_samples + self.prefetch_samples).unwrap_or(u32::MAX);
         Ok(DrafterSettings {
@@ -351,8 +361,7 @@ impl DrafterServerConfig {
                 trainer_stall_timeout: self.trainer_stall_timeout,
                 max_skipped_steps: self.max_skipped_steps,
             },
-            model_sync: self.model_sync,
-            data_parallel: self.data_parallel,
+            mode,
         })
     }
 
@@ -574,5 +583,30 @@ mod tests {
         );
         config.model_sync.model_sync = crate::model_sync::ModelSyncMode::Off;
         assert_eq!(check(&config), Ok(()));
+    }
+
+    /// The mode is decided once, here: a DFlash drafter is a data-parallel
+    /// member unless `--model-sync off`; a synthetic one (no weights) is
+    /// independent.
+    #[test]
+    fn validation_decides_the_training_mode_once() {
+        let mut config =
+            DrafterServerConfig::with_defaults("d", "http://x", PathBuf::from("/tmp/x"));
+        config.target_model = Some(PathBuf::from("/tmp/target"));
+        let mode = |config: &DrafterServerConfig| config.clone().validate().unwrap().mode;
+        assert_eq!(
+            mode(&config),
+            TrainingMode::DataParallel {
+                model: config.model_sync.clone(),
+                group: config.data_parallel.clone(),
+            }
+        );
+        config.model_sync.model_sync = crate::model_sync::ModelSyncMode::Off;
+        assert_eq!(mode(&config), TrainingMode::Independent);
+        config.model_sync.model_sync = crate::model_sync::ModelSyncMode::DataParallel;
+        config.model = ModelMode::Synthetic {
+            ms_per_1k_tokens: 1.0,
+        };
+        assert_eq!(mode(&config), TrainingMode::Independent);
     }
 }

@@ -76,8 +76,7 @@ async fn run_to_end(
         schedule,
         training_loop,
         pump,
-        model_sync,
-        data_parallel,
+        mode,
     } = settings;
     // The label the engine will report, known before the model loads so the
     // metrics exist (at zero) from the first scrape.
@@ -100,8 +99,7 @@ async fn run_to_end(
             engine,
             schedule,
             training_loop,
-            model_sync: &model_sync,
-            data_parallel: &data_parallel,
+            mode: &mode,
             credit_items: pump.credit_items,
         },
         resume_from,

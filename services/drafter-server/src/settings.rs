@@ -131,8 +131,28 @@ pub struct DrafterSettings {
     pub schedule: ScheduleSettings,
     pub training_loop: LoopSettings,
     pub pump: PumpSettings,
-    pub model_sync: SyncConfig,
-    pub data_parallel: DataParallelConfig,
+    /// How this drafter trains, decided once at validation.
+    pub mode: TrainingMode,
+}
+
+/// How a drafter trains with the run's other drafters. Decided once, at
+/// validation (`DrafterServerConfig::validate`), from `--model-sync` and
+/// the model: nothing after it asks the flags again.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TrainingMode {
+    /// A member of the run's one data-parallel trainer (the default): each
+    /// step's quorum and commit from the broker's lighthouse, its gradient
+    /// all-reduced over c10d, and the run's model read at the start and
+    /// sent as snapshots (rank 0, and every member when it stops).
+    DataParallel {
+        /// The broker's copy of the run's model (`--sync-timeout`).
+        model: SyncConfig,
+        /// The c10d group (`--collective-*`, `--snapshot-every`, ...).
+        group: DataParallelConfig,
+    },
+    /// Trains its own model: `--model-sync off`, or a synthetic model
+    /// (no weights to all-reduce or send).
+    Independent,
 }
 
 /// Who this drafter is and how it reaches the broker.

@@ -9,11 +9,9 @@ use std::time::Duration;
 
 use dflash_device::{DeviceWorker, WorkerChannels, WorkerError};
 
-use crate::data_parallel::DataParallelConfig;
 use crate::engine::{build_engine, EngineError};
 use crate::error::DrafterError;
-use crate::model_sync::SyncConfig;
-use crate::settings::{Connection, EngineSettings, LoopSettings, ModelMode, ScheduleSettings};
+use crate::settings::{Connection, EngineSettings, LoopSettings, ScheduleSettings, TrainingMode};
 use crate::trainer_thread::{run_training_loop, TrainerCommand, TrainerEvent};
 
 /// Deliveries a drafter accepts beyond its credit window before it nacks:
@@ -71,8 +69,7 @@ pub(crate) struct TrainerParts<'a> {
     pub(crate) engine: EngineSettings,
     pub(crate) schedule: ScheduleSettings,
     pub(crate) training_loop: LoopSettings,
-    pub(crate) model_sync: &'a SyncConfig,
-    pub(crate) data_parallel: &'a DataParallelConfig,
+    pub(crate) mode: &'a TrainingMode,
     /// The credit window in items: the command channel holds that many
     /// deliveries and some.
     pub(crate) credit_items: u32,
@@ -90,32 +87,29 @@ pub(crate) fn start_trainer(
         engine: engine_settings,
         schedule,
         training_loop: loop_settings,
-        model_sync: sync_config,
-        data_parallel: data_parallel_config,
+        mode,
         credit_items,
     } = parts;
-    let model_sync = crate::model_sync::ModelSyncLink::new(
-        tokio::runtime::Handle::current(),
-        &connection.broker,
-        &connection.drafter_id,
-        sync_config,
-    )
-    .map(|link| link.with_security(connection.security.clone()));
-    let data_parallel = if sync_config.mode() == crate::model_sync::ModelSyncMode::DataParallel
-        && engine_settings.model == ModelMode::DFlash
-    {
-        Some(
-            crate::data_parallel::DataParallel::start(
+    let (model_sync, data_parallel) = match mode {
+        TrainingMode::Independent => (None, None),
+        TrainingMode::DataParallel { model, group } => {
+            let link = crate::model_sync::ModelSyncLink::new(
+                tokio::runtime::Handle::current(),
+                &connection.broker,
+                &connection.drafter_id,
+                model,
+            )
+            .with_security(connection.security.clone());
+            let member = crate::data_parallel::DataParallel::start(
                 tokio::runtime::Handle::current(),
                 &connection.broker,
                 &connection.drafter_id,
                 connection.security.clone(),
-                data_parallel_config,
+                group,
             )
-            .map_err(|error| DrafterError::DataParallel(Box::new(error)))?,
-        )
-    } else {
-        None
+            .map_err(|error| DrafterError::DataParallel(Box::new(error)))?;
+            (Some(link), Some(member))
+        }
     };
     let initial_total_steps = schedule.initial_total_steps();
     let channels = trainer_channels(credit_items);

@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use dflash_broker::BrokerConfig;
-use dflash_drafter_server::model_sync::{ModelSyncLink, ModelSyncMode, SyncConfig};
+use dflash_drafter_server::model_sync::{ModelSyncLink, SyncConfig};
 use dflash_model::draft::{
     DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads, TargetDimensions,
 };
@@ -61,7 +61,6 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
     // The link runs on a training thread, as in the server.
     let totals = tokio::task::spawn_blocking(move || {
         let config = SyncConfig::default();
-        assert_eq!(config.mode(), ModelSyncMode::DataParallel);
         let first = tiny_draft_model(1);
         let late = tiny_draft_model(2);
         let initial_first = tiny_draft_model(1);
@@ -71,14 +70,13 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
         );
         // The first drafter finds no model: its own weights become the
         // run's (step 0), and it keeps them.
-        let mut first_link =
-            ModelSyncLink::new(runtime.clone(), &address, "first", &config).expect("sync is on");
+        let mut first_link = ModelSyncLink::new(runtime.clone(), &address, "first", &config);
         assert_eq!(first_link.join_run(&first), (0, 0));
         assert_eq!(first_link.totals.failures, 0);
         assert_eq!(max_difference(&first, &initial_first), 0.0);
 
         // A drafter starting now takes the run's model, not its own init.
-        let mut late_link = ModelSyncLink::new(runtime.clone(), &address, "late", &config).unwrap();
+        let mut late_link = ModelSyncLink::new(runtime.clone(), &address, "late", &config);
         assert_eq!(late_link.join_run(&late), (0, 0));
         assert_eq!(late_link.totals.failures, 0);
         assert_eq!(
@@ -100,7 +98,7 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
             (5, 40)
         );
         let third = tiny_draft_model(3);
-        let mut third_link = ModelSyncLink::new(runtime, &address, "third", &config).unwrap();
+        let mut third_link = ModelSyncLink::new(runtime, &address, "third", &config);
         assert_eq!(third_link.join_run(&third), (5, 40));
         assert_eq!(max_difference(&first, &third), 0.0);
         first_link.snapshot(&first, 5, 40, true);
@@ -129,16 +127,4 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
         );
     }
     broker.stop().await;
-}
-
-#[test]
-fn an_independent_drafter_has_no_link() {
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let off = SyncConfig {
-        model_sync: ModelSyncMode::Off,
-        ..SyncConfig::default()
-    };
-    assert!(
-        ModelSyncLink::new(runtime.handle().clone(), "http://127.0.0.1:1", "d", &off).is_none()
-    );
 }

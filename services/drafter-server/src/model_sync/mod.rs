@@ -67,14 +67,15 @@ pub struct ModelSyncLink {
 }
 
 impl ModelSyncLink {
-    /// A link unless the drafter is independent (`--model-sync off`).
+    /// The link of a data-parallel member (an independent drafter has
+    /// none: `crate::settings::TrainingMode`).
     pub fn new(
         runtime: tokio::runtime::Handle,
         broker: &str,
         drafter_id: &str,
         config: &SyncConfig,
-    ) -> Option<Self> {
-        (config.mode() != ModelSyncMode::Off).then(|| ModelSyncLink {
+    ) -> Self {
+        ModelSyncLink {
             runtime,
             broker: broker.to_string(),
             drafter_id: drafter_id.to_string(),
@@ -82,7 +83,7 @@ impl ModelSyncLink {
             session: None,
             security: dflash_client::ClientSecurityArgs::default(),
             totals: SyncTotals::default(),
-        })
+        }
     }
 
     /// Connects with this TLS and token (the broker's flags of the drafter).

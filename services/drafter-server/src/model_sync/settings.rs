@@ -35,13 +35,6 @@ pub struct SyncConfig {
     pub sync_timeout: Duration,
 }
 
-impl SyncConfig {
-    /// The mode in force.
-    pub fn mode(&self) -> ModelSyncMode {
-        self.model_sync
-    }
-}
-
 impl Default for SyncConfig {
     fn default() -> Self {
         SyncConfig {
