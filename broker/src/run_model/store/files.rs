@@ -232,10 +232,7 @@ mod tests {
             .flat_map(|value| value.to_le_bytes())
             .collect();
         // Chunks of 3 bytes: every value straddles a boundary.
-        let chunks: Vec<Bytes> = bytes
-            .chunks(3)
-            .map(Bytes::copy_from_slice)
-            .collect();
+        let chunks: Vec<Bytes> = bytes.chunks(3).map(Bytes::copy_from_slice).collect();
         let found = first_non_finite(&chunks, 0, 12).unwrap();
         assert_eq!(found.0, 1);
         assert!(found.1.is_nan());

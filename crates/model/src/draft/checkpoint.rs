@@ -351,9 +351,11 @@ pub fn read_safetensors_bytes(
             safetensors::Dtype::I64 => Kind::Int64,
             safetensors::Dtype::I32 => Kind::Int,
             safetensors::Dtype::U8 => Kind::Uint8,
-            other => return Err(DraftError::Checkpoint(format!(
+            other => {
+                return Err(DraftError::Checkpoint(format!(
                 "{origin}: tensor {name:?} has dtype {other:?}, which a draft model does not hold"
-            ))),
+            )))
+            }
         };
         let shape: Vec<i64> = view.shape().iter().map(|&dim| dim as i64).collect();
         let tensor = Tensor::f_from_data_size(view.data(), &shape, kind)?;
