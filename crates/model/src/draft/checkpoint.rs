@@ -340,9 +340,42 @@ pub fn read_safetensors_bytes(
     bytes: &[u8],
     origin: &str,
 ) -> Result<HashMap<String, Tensor>, DraftError> {
+    let mut tensors = HashMap::new();
+    visit_safetensors_bytes(bytes, origin, |name, tensor| {
+        tensors.insert(name.to_string(), tensor);
+        Ok(())
+    })?;
+    Ok(tensors)
+}
+
+/// The name and shape of every tensor of a safetensors file held in
+/// memory, read from its header (checked against the bytes): what a caller
+/// checks before it copies anything.
+pub fn safetensors_shapes(
+    bytes: &[u8],
+    origin: &str,
+) -> Result<Vec<(String, Vec<i64>)>, DraftError> {
     let file = safetensors::SafeTensors::deserialize(bytes)
         .map_err(|error| DraftError::Checkpoint(format!("{origin}: {error}")))?;
-    let mut tensors = HashMap::with_capacity(file.len());
+    Ok(file
+        .iter()
+        .map(|(name, view)| {
+            let shape = view.shape().iter().map(|&dim| dim as i64).collect();
+            (name.to_string(), shape)
+        })
+        .collect())
+}
+
+/// Hands each tensor of a safetensors file held in memory to `visit`, one
+/// at a time, as a CPU tensor of its dtype: a caller that copies each into
+/// its place holds the file and one tensor, not the file twice.
+pub fn visit_safetensors_bytes(
+    bytes: &[u8],
+    origin: &str,
+    mut visit: impl FnMut(&str, Tensor) -> Result<(), DraftError>,
+) -> Result<(), DraftError> {
+    let file = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|error| DraftError::Checkpoint(format!("{origin}: {error}")))?;
     for (name, view) in file.iter() {
         let kind = match view.dtype() {
             safetensors::Dtype::F32 => Kind::Float,
@@ -358,10 +391,9 @@ pub fn read_safetensors_bytes(
             }
         };
         let shape: Vec<i64> = view.shape().iter().map(|&dim| dim as i64).collect();
-        let tensor = Tensor::f_from_data_size(view.data(), &shape, kind)?;
-        tensors.insert(name.to_string(), tensor);
+        visit(name, Tensor::f_from_data_size(view.data(), &shape, kind)?)?;
     }
-    Ok(tensors)
+    Ok(())
 }
 
 /// Reads every tensor of a safetensors file onto the CPU.

@@ -5,11 +5,15 @@
 //! model sync, apart from the protocol ([`super::session`]), which never
 //! touches a tensor.
 
-use dflash_model::draft::checkpoint::read_safetensors_bytes;
-use dflash_model::draft::{model_files, sorted_parameters, DraftModel, ModelFiles};
-use tch::Tensor;
+use std::collections::HashMap;
+
+use dflash_model::draft::checkpoint::{safetensors_shapes, visit_safetensors_bytes};
+use dflash_model::draft::{model_files, sorted_parameters, DraftError, DraftModel, ModelFiles};
 
 use super::error::SyncClientError;
+
+/// Where the run's model's tensors come from, in errors.
+const ORIGIN: &str = "the run's model";
 
 /// The model's `config.json` and `model.safetensors` (f32 master weights),
 /// byte for byte what its checkpoint directory would hold.
@@ -18,40 +22,44 @@ pub(super) fn snapshot_files(model: &DraftModel) -> Result<ModelFiles, SyncClien
 }
 
 /// Copies the run's model (its `model.safetensors` bytes) into the model's
-/// parameters, after checking that it holds exactly the model's
-/// parameters, each with its shape.
+/// parameters. First, from the header alone, it checks that the file holds
+/// exactly the model's parameters, each with its shape (a refusal names
+/// the tensor and changes nothing); then it copies one tensor at a time,
+/// so the file and one tensor are held, not the file twice.
 pub(super) fn load_model(model: &DraftModel, weights: &[u8]) -> Result<(), SyncClientError> {
-    let mut received = read_safetensors_bytes(weights, "the run's model")
-        .map_err(|error| SyncClientError::Model(error.to_string()))?;
-    let parameters = sorted_parameters(model);
-    if received.len() != parameters.len() {
+    let model_error = |error: DraftError| SyncClientError::Model(error.to_string());
+    let parameters: HashMap<String, tch::Tensor> = sorted_parameters(model).into_iter().collect();
+    let shapes = safetensors_shapes(weights, ORIGIN).map_err(model_error)?;
+    if shapes.len() != parameters.len() {
         return Err(SyncClientError::Protocol(format!(
             "the run's model has {} tensors, this drafter's {}",
-            received.len(),
+            shapes.len(),
             parameters.len()
         )));
     }
-    for (name, parameter) in &parameters {
-        let values: Tensor = received
-            .remove(name)
+    for (name, shape) in &shapes {
+        let parameter = parameters
+            .get(name)
             .ok_or_else(|| SyncClientError::Tensor {
                 name: name.clone(),
-                detail: "missing from the run's model".to_string(),
+                detail: "not a parameter of this drafter".to_string(),
             })?;
-        if values.size() != parameter.size() {
+        if *shape != parameter.size() {
             return Err(SyncClientError::Tensor {
                 name: name.clone(),
-                detail: format!(
-                    "run's shape {:?}, model shape {:?}",
-                    values.size(),
-                    parameter.size()
-                ),
+                detail: format!("run's shape {shape:?}, model shape {:?}", parameter.size()),
             });
         }
+    }
+    visit_safetensors_bytes(weights, ORIGIN, |name, values| {
+        let Some(parameter) = parameters.get(name) else {
+            return Ok(());
+        };
         let values = values
             .f_to_kind(parameter.kind())?
             .f_to_device(parameter.device())?;
         tch::no_grad(|| parameter.shallow_clone().f_copy_(&values))?;
-    }
-    Ok(())
+        Ok(())
+    })
+    .map_err(model_error)
 }
