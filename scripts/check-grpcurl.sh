@@ -61,6 +61,12 @@ lighthouse_description="$("$grpcurl" -plaintext "127.0.0.1:$port" describe dflas
 for rpc in Quorum Commit; do
   grep -q "rpc $rpc" <<<"$lighthouse_description" || fail "describe lacks rpc $rpc: $lighthouse_description"
 done
+# The run's model travels as its files; the tensor chunks are reserved.
+for message in SyncRequest ReadModelResponse; do
+  described="$("$grpcurl" -plaintext "127.0.0.1:$port" describe "dflash.v1.$message")" || fail "describe $message failed"
+  grep -q "ModelFileChunk file_chunk" <<<"$described" || fail "$message lacks file_chunk: $described"
+  grep -q "TensorChunk" <<<"$described" && fail "$message still has a TensorChunk: $described"
+done
 status="$("$grpcurl" -plaintext "127.0.0.1:$port" dflash.v1.Broker/GetStatus)" || fail "GetStatus failed"
 grep -q '"state": "BROKER_STATE_RUNNING"' <<<"$status" || fail "GetStatus: $status"
 grep -q '"expectedTargets": 2' <<<"$status" || fail "GetStatus: $status"
@@ -93,4 +99,4 @@ done
 kill -0 "$broker_pid" 2>/dev/null && fail "the broker still runs 60 s after SIGTERM"
 wait "$broker_pid" || fail "broker exited non-zero after SIGTERM"
 elapsed_ms=$(( ($(date +%s%N) - started) / 1000000 ))
-echo "check-grpcurl: list, describe, GetStatus, health and ReportDone ok with grpcurl 1.8.6; SIGTERM exit in ${elapsed_ms} ms"
+echo "check-grpcurl: list, describe (the model as file chunks), GetStatus, health and ReportDone ok with grpcurl 1.8.6; SIGTERM exit in ${elapsed_ms} ms"

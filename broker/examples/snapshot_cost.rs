@@ -1,7 +1,9 @@
 //! What a data-parallel snapshot costs the broker: starts a `broker`
 //! binary, sends it snapshots of a synthetic model over one ModelSync
-//! session (as rank 0 does every `--snapshot-every` steps), and prints the
-//! broker's CPU time and peak resident memory (`VmHWM`) before and after.
+//! session (as rank 0 does every `--snapshot-every` steps: the model's
+//! `config.json` and `model.safetensors`, f32, in chunks of
+//! `MODEL_SYNC_CHUNK_BYTES`), and prints the broker's CPU time and peak
+//! resident memory (`VmHWM`) before and after.
 //!
 //! `cargo run -p dflash-broker --example snapshot_cost -- BROKER_BINARY
 //! PARAMETERS SNAPSHOTS [PORT]` (a Linux `/proc` is needed for the figures).
@@ -42,38 +44,60 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
     proto::SyncRequest { kind: Some(kind) }
 }
 
-/// One snapshot of `parameters` f32 values (two tensors) at `step`.
-fn snapshot(step: u64, parameters: usize) -> Vec<proto::SyncRequest> {
-    let chunk_bytes = dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES;
-    let mut messages = vec![request(proto::sync_request::Kind::Begin(
-        proto::SyncBegin {
-            kind: proto::SyncKind::Snapshot as i32,
-            steps: step,
-            samples: 64 * step,
-            ..Default::default()
-        },
-    ))];
-    let halves = [parameters / 2, parameters - parameters / 2];
-    for (index, elements) in halves.into_iter().enumerate() {
-        let value = (step as f32 * 1e-3 + index as f32).to_le_bytes();
-        let bytes = Bytes::from(value.repeat(elements));
-        for offset in (0..bytes.len()).step_by(chunk_bytes) {
-            let end = (offset + chunk_bytes).min(bytes.len());
-            messages.push(request(proto::sync_request::Kind::Chunk(
-                proto::TensorChunk {
-                    name: format!("layer.{index}.weight"),
-                    dtype: proto::Dtype::F32 as i32,
-                    shape: vec![elements as u64],
-                    offset: offset as u64,
-                    data: bytes.slice(offset..end),
-                },
-            )));
-        }
+/// Tensors of the synthetic model: the parameters split evenly.
+const TENSORS: usize = 16;
+
+/// One tensor of the synthetic model, every value the same: its bytes made
+/// only while the safetensors encoder writes them (one tensor at a time).
+struct Constant {
+    value: [u8; 4],
+    shape: Vec<usize>,
+}
+
+impl safetensors::tensor::View for Constant {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
     }
-    messages.push(request(proto::sync_request::Kind::Commit(
-        proto::SyncCommit { tensors: 2 },
-    )));
-    messages
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Owned(self.value.repeat(self.shape[0]))
+    }
+
+    fn data_len(&self) -> usize {
+        self.shape[0] * 4
+    }
+}
+
+/// One snapshot of `parameters` f32 values ([`TENSORS`] tensors) at
+/// `step`: its two files, as a drafter's checkpoint writer lays them out.
+fn snapshot(step: u64, parameters: usize) -> Vec<proto::SyncRequest> {
+    let views = (0..TENSORS).map(|index| {
+        let elements = parameters / TENSORS + usize::from(index < parameters % TENSORS);
+        let value = (step as f32 * 1e-3 + index as f32).to_le_bytes();
+        let view = Constant {
+            value,
+            shape: vec![elements],
+        };
+        (format!("layers.{index:02}.weight"), view)
+    });
+    let metadata = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let weights = Bytes::from(safetensors::serialize(views, Some(metadata)).unwrap());
+    let begin = proto::SyncBegin {
+        kind: proto::SyncKind::Snapshot as i32,
+        steps: step,
+        samples: 64 * step,
+        ..Default::default()
+    };
+    dflash_broker::fuzzing::model_files::snapshot_requests(
+        begin,
+        CONFIG_JSON,
+        weights,
+        dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES,
+    )
 }
 
 #[tokio::main]

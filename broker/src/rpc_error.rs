@@ -151,11 +151,15 @@ pub enum RpcError {
     ModelConfigNotJson(serde_json::Error),
     #[error("begin while a snapshot is open: commit it first")]
     BeginWhileSnapshotOpen,
-    /// A `chunk` or `commit` with no snapshot begun.
+    /// A `file_chunk` or `commit` with no snapshot begun.
     #[error("{what} outside a snapshot")]
     OutsideSnapshot { what: &'static str },
-    #[error("unexpected message: hello was already sent, expected begin, chunk or commit")]
+    #[error("unexpected message: hello was already sent, expected begin, file_chunk or commit")]
     UnexpectedSessionMessage,
+    /// A message whose kind prost does not know: its field is reserved
+    /// (an old drafter's tensor `chunk`, field 3) or it has none.
+    #[error("session message of no kind this broker takes: a tensor `chunk` (TensorChunk, SyncRequest field 3) is retired, send the model's files as `file_chunk`s; or the message is empty")]
+    RetiredTensorChunk,
     #[error("the drafter closed its session")]
     SessionClosed,
     #[error("a drafter's ReadModel names drafter_id alone (no evaluator_id, no model_version)")]
@@ -207,10 +211,12 @@ impl From<RpcError> for Status {
                 SyncError::BadTensor { .. }
                 | SyncError::UnknownTensor(_)
                 | SyncError::ShapeMismatch { .. }
-                | SyncError::CountMismatch { .. }
                 | SyncError::MissingTensor(_)
-                | SyncError::DuplicateTensor(_)
-                | SyncError::Dtype(_)
+                | SyncError::FileName(_)
+                | SyncError::BadFile { .. }
+                | SyncError::DuplicateFile(_)
+                | SyncError::MissingFile(_)
+                | SyncError::FileCountMismatch { .. }
                 | SyncError::Kind(_)
                 | SyncError::RemovedKind(_)
                 | SyncError::Config(_) => Code::InvalidArgument,
@@ -242,6 +248,7 @@ impl From<RpcError> for Status {
             | E::DeliveryListedTwice(_)
             | E::ModelConfigNotJson(_)
             | E::UnexpectedSessionMessage
+            | E::RetiredTensorChunk
             | E::DrafterReadNamesEvaluator
             | E::PointOfOtherEvaluator { .. } => Code::InvalidArgument,
             E::NoHello(_) => Code::DeadlineExceeded,

@@ -17,8 +17,9 @@ use tokio::sync::mpsc;
 const CONFIG_JSON: &str =
     r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 2, "block_size": 4}"#;
 
-/// Bytes per chunk the test drafters send: small, so every tensor is split.
-const TEST_CHUNK_BYTES: usize = 8;
+/// Bytes per chunk the test drafters send: small, so every file, its
+/// header and its values are split.
+const TEST_CHUNK_BYTES: usize = 7;
 
 /// Samples a snapshot of `steps` steps says it trained on.
 const SAMPLES_PER_STEP: u64 = 12;
@@ -59,23 +60,32 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
     proto::SyncRequest { kind: Some(kind) }
 }
 
+/// `model.safetensors` of `tensors`, as a drafter's checkpoint writer
+/// lays it out.
+fn weights_file(tensors: &Named) -> Vec<u8> {
+    let tensors: Vec<(String, Vec<u64>, Vec<f32>)> = tensors
+        .iter()
+        .map(|(name, shape, values)| (name.to_string(), shape.clone(), values.clone()))
+        .collect();
+    dflash_broker::fuzzing::model_files::weights_file(&tensors)
+}
+
+/// The file chunks of a snapshot of `tensors`: `config.json`, then the
+/// weights, in chunks of [`TEST_CHUNK_BYTES`].
 fn chunks_of(tensors: &Named) -> Vec<proto::SyncRequest> {
+    file_chunks_of(CONFIG_JSON, weights_file(tensors))
+}
+
+fn file_chunks_of(config_json: &str, weights: Vec<u8>) -> Vec<proto::SyncRequest> {
     let mut messages = Vec::new();
-    for (name, shape, values) in tensors {
-        let bytes: Vec<u8> = values
-            .iter()
-            .flat_map(|value| value.to_le_bytes())
-            .collect();
-        for (index, piece) in bytes.chunks(TEST_CHUNK_BYTES).enumerate() {
-            messages.push(request(proto::sync_request::Kind::Chunk(
-                proto::TensorChunk {
-                    name: name.to_string(),
-                    dtype: proto::Dtype::F32 as i32,
-                    shape: shape.clone(),
-                    offset: (index * TEST_CHUNK_BYTES) as u64,
-                    data: Bytes::copy_from_slice(piece),
-                },
-            )));
+    for (name, bytes) in [
+        ("config.json", Bytes::from(config_json.as_bytes().to_vec())),
+        ("model.safetensors", Bytes::from(weights)),
+    ] {
+        for chunk in
+            dflash_broker::fuzzing::model_files::file_chunks(name, &bytes, TEST_CHUNK_BYTES)
+        {
+            messages.push(request(proto::sync_request::Kind::FileChunk(chunk)));
         }
     }
     messages
@@ -131,20 +141,23 @@ impl TestDrafter {
             .unwrap();
     }
 
-    /// Sends one whole snapshot: `begin`, the chunks, the commit.
+    /// Sends one whole snapshot: `begin`, the file chunks, the commit.
     async fn send_snapshot(&self, begin: proto::SyncBegin, tensors: &Named) {
+        self.send_messages(begin, chunks_of(tensors)).await;
+    }
+
+    /// Sends `begin`, `chunks`, and a commit of two files.
+    async fn send_messages(&self, begin: proto::SyncBegin, chunks: Vec<proto::SyncRequest>) {
         self.requests
             .send(request(proto::sync_request::Kind::Begin(begin)))
             .await
             .unwrap();
-        for message in chunks_of(tensors) {
+        for message in chunks {
             self.requests.send(message).await.unwrap();
         }
         self.requests
             .send(request(proto::sync_request::Kind::Commit(
-                proto::SyncCommit {
-                    tensors: tensors.len() as u32,
-                },
+                proto::SyncCommit { files: 2 },
             )))
             .await
             .unwrap();
@@ -337,6 +350,74 @@ async fn a_refused_snapshot_names_the_problem_and_changes_nothing() {
         status.message()
     );
     assert_eq!(model_sync_status(&broker).await.model_version, 0);
+
+    // A file of another name, a header whose offsets pass the file's end,
+    // a value that is not finite, and an old drafter's tensor chunk (its
+    // field reserved: it arrives as a message of no kind) are each refused,
+    // INVALID_ARGUMENT naming the value, and change nothing.
+    let mut header_past_end = weights_file(&shifted(1.0));
+    header_past_end.truncate(header_past_end.len() - 4);
+    let mut nan = shifted(1.0);
+    nan[1].2[1] = f32::NAN;
+    let renamed = file_chunks_of(CONFIG_JSON, weights_file(&shifted(1.0)))
+        .into_iter()
+        .map(|mut message| {
+            if let Some(proto::sync_request::Kind::FileChunk(chunk)) = &mut message.kind {
+                if chunk.file == "model.safetensors" {
+                    chunk.file = "optimizer.safetensors".to_string();
+                }
+            }
+            message
+        })
+        .collect();
+    let old_chunk = vec![proto::SyncRequest { kind: None }];
+    for (chunks, expected) in [
+        (
+            renamed,
+            "file \"optimizer.safetensors\" is not one of a snapshot's files",
+        ),
+        (
+            file_chunks_of(CONFIG_JSON, header_past_end),
+            "file \"model.safetensors\": header places the tensors' data in bytes",
+        ),
+        (
+            file_chunks_of(CONFIG_JSON, weights_file(&nan)),
+            "tensor \"norm.weight\": weights are not finite (NaN at element 1)",
+        ),
+        (
+            old_chunk,
+            "a tensor `chunk` (TensorChunk, SyncRequest field 3) is retired",
+        ),
+    ] {
+        let mut sender = TestDrafter::open(&broker.address, "bad").await;
+        sender
+            .send_messages(begin(proto::SyncKind::Snapshot, 5), chunks)
+            .await;
+        let status = sender.responses.message().await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{expected}");
+        assert!(
+            status.message().contains(expected),
+            "{expected}: {}",
+            status.message()
+        );
+    }
+    let (_, files) = read_files_with(
+        &broker.address,
+        proto::ReadModelRequest {
+            drafter_id: "reader".to_string(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(model_sync_status(&broker).await.model_version, 0);
+    assert_eq!(
+        files,
+        vec![
+            ("config.json".to_string(), CONFIG_JSON.as_bytes().to_vec()),
+            ("model.safetensors".to_string(), weights_file(&initial())),
+        ]
+    );
     broker.stop().await;
 }
 
@@ -426,8 +507,16 @@ async fn the_final_model_is_written_after_complete_and_resumed_after_a_restart()
     let status = model_sync_status(&broker).await;
     assert_eq!((status.saved_version, status.model_version), (1, 1));
 
-    // The files are the reference format: config.json as the drafter sent
-    // it, every weight in f32 in model.safetensors, nothing else in it.
+    // The files are the ones the drafter sent, byte for byte (the broker
+    // writes them without decoding), in the reference format: config.json
+    // as the drafter sent it, every weight in f32 in model.safetensors.
+    assert_eq!(
+        std::fs::read(output.join("config.json")).unwrap(),
+        CONFIG_JSON.as_bytes()
+    );
+    assert!(
+        std::fs::read(output.join("model.safetensors")).unwrap() == weights_file(&shifted(0.5))
+    );
     let config_json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(output.join("config.json")).unwrap())
             .unwrap();
@@ -463,6 +552,23 @@ async fn the_final_model_is_written_after_complete_and_resumed_after_a_restart()
         values(&model, "fc.weight"),
         vec![1.5, 2.5, 3.5, 4.5, 5.5, 6.5]
     );
+    // It serves the very bytes it was sent before the restart.
+    let (_, files) = read_files_with(
+        &restarted.address,
+        proto::ReadModelRequest {
+            drafter_id: "drafter-0".to_string(),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        files,
+        vec![
+            ("config.json".to_string(), CONFIG_JSON.as_bytes().to_vec()),
+            ("model.safetensors".to_string(), weights_file(&shifted(0.5))),
+        ]
+    );
     restarted.stop().await;
 }
 
@@ -484,11 +590,35 @@ async fn read_model(
     .await
 }
 
-/// One `ReadModel` as `request` asks it.
+/// One `ReadModel` as `request` asks it: the header and the weights
+/// (name → values, by name).
 async fn read_model_with(
     address: &str,
     request: proto::ReadModelRequest,
 ) -> Result<(proto::ModelHeader, Vec<(String, Vec<f32>)>), tonic::Status> {
+    let (header, files) = read_files_with(address, request).await?;
+    let Some((_, weights)) = files.iter().find(|(name, _)| name == "model.safetensors") else {
+        return Ok((header, Vec::new()));
+    };
+    let file = safetensors::SafeTensors::deserialize(weights).unwrap();
+    let mut decoded: Vec<(String, Vec<f32>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32);
+            (name, f32_values(view.data()))
+        })
+        .collect();
+    decoded.sort_by(|left, right| left.0.cmp(&right.0));
+    Ok((header, decoded))
+}
+
+/// One `ReadModel` as `request` asks it: the header and the files (name →
+/// bytes) as they arrived, each checked whole and in order.
+async fn read_files_with(
+    address: &str,
+    request: proto::ReadModelRequest,
+) -> Result<(proto::ModelHeader, Vec<(String, Vec<u8>)>), tonic::Status> {
     use proto::read_model_response::Kind;
     let mut client = ModelSyncClient::connect(address.to_string())
         .await
@@ -498,32 +628,17 @@ async fn read_model_with(
         Some(Kind::Header(header)) => header,
         other => panic!("expected the header, got {other:?}"),
     };
-    let mut model: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut files = dflash_proto::chunks::FileAssembler::default();
     loop {
         match stream.message().await?.and_then(|message| message.kind) {
-            Some(Kind::Chunk(chunk)) => {
-                assert_eq!(chunk.dtype, proto::Dtype::F32 as i32);
-                match model.last_mut() {
-                    Some((name, bytes)) if *name == chunk.name => {
-                        assert_eq!(chunk.offset, bytes.len() as u64);
-                        bytes.extend_from_slice(&chunk.data);
-                    }
-                    _ => model.push((chunk.name, chunk.data.to_vec())),
-                }
-            }
+            Some(Kind::FileChunk(chunk)) => files.push(chunk).unwrap(),
             Some(Kind::Done(done)) => {
                 assert_eq!(done.model_version, header.model_version);
-                assert_eq!(done.tensors as usize, model.len());
-                break;
+                return Ok((header, files.finish(done.files).unwrap()));
             }
-            other => panic!("expected chunks, got {other:?}"),
+            other => panic!("expected file chunks, got {other:?}"),
         }
     }
-    let decoded = model
-        .into_iter()
-        .map(|(name, bytes)| (name, f32_values(&bytes)))
-        .collect();
-    Ok((header, decoded))
 }
 
 fn f32_values(bytes: &[u8]) -> Vec<f32> {

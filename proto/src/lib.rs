@@ -6,8 +6,9 @@
 //! - `v1`: the generated messages, `broker_client` and `broker_server`
 //!   (`dflash/v1/broker.proto`), `model_sync_client` and `model_sync_server`
 //!   (`dflash/v1/model_sync.proto`: the shared draft model).
-//! - `chunks`: named tensors sent as `TensorChunk`s put back together
-//!   ([`chunks::TensorAssembler`]), for every receiver of the run's model.
+//! - `chunks`: the run's model's files sent as `ModelFileChunk`s put back
+//!   together ([`chunks::FileAssembler`]), for every receiver of the run's
+//!   model.
 //! - `codec`: the gRPC codec of every generated client and server (prost's,
 //!   encoding each message into one exact-size buffer).
 //! - `frames`: gRPC messages read from HTTP/2 DATA frames as slices of

@@ -70,6 +70,6 @@ pub fn bounded_control_string(text: &str) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(format!("{}... ({} bytes, cut)", &text[..end], text.len()))
 }
 
-/// Largest tensor chunk of a model-sync stream, either way (weights are
-/// split into chunks of this size).
+/// Largest file chunk of a model-sync stream, either way (the model's
+/// files are split into chunks of this size).
 pub const MODEL_SYNC_CHUNK_BYTES: usize = 1 << 20;

@@ -25,6 +25,8 @@
 //! - `mod.rs`: [`produce`] and [`wal_segment`], and the seeds' test.
 //! - `run_model`: [`model_sync`] and [`model_checkpoint`], the model's
 //!   bodies, and the input layouts they read.
+//! - `model_files`: a snapshot's files and messages made from f32 values
+//!   (for the seeds, the tests and the snapshot bench).
 //! - `seeds`: [`seeds`], every target's seed inputs from the broker's own
 //!   encoders.
 
@@ -41,6 +43,7 @@ use crate::queue::Delivery;
 use crate::service::ConsumeOut;
 use crate::zero_copy::grpc_frame;
 
+pub mod model_files;
 mod run_model;
 mod seeds;
 
@@ -238,6 +241,6 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!((model.version, model.tensors.len()), (7, 2));
+        assert_eq!((model.version, model.layout.tensors.len()), (7, 2));
     }
 }

@@ -8,7 +8,8 @@ use dflash_proto::v1 as proto;
 use prost::Message;
 
 use crate::run_model::checkpoint::{self, ModelFiles};
-use crate::run_model::store::{first_non_finite, ModelSyncState, Upload};
+use crate::run_model::store::files::first_non_finite_tensor;
+use crate::run_model::store::{ModelSyncState, Upload};
 
 /// Drafter sessions one [`model_sync`] input can hold open at once.
 pub(super) const SESSIONS: usize = 4;
@@ -18,7 +19,6 @@ pub(super) const PINNED_CONFIG: &str = r#"{"model_type": "dflash", "hidden_size"
 /// One open session: what `run_model::service` keeps per stream.
 pub(super) struct FuzzSession {
     drafter_id: String,
-    model_config_json: String,
     upload: Option<Upload>,
 }
 
@@ -42,11 +42,11 @@ pub fn model_sync_input(settings: u8, records: &[(u8, proto::SyncRequest)]) -> V
 
 /// Fuzz body: sessions' messages (layout: [`model_sync_input`]) against
 /// one model, each handled as `run_model::service` handles it: a hello
-/// first (drafter id and config checked), then begin, chunks and commit;
-/// an error ends the session.
+/// first (drafter id and config checked), then begin, file chunks and
+/// commit; an error ends the session.
 ///
-/// Checks after every message: the model is finite and each tensor
-/// holds its shape's bytes; a refused snapshot, and one that was not
+/// Checks after every message: the model is finite and each tensor of its
+/// header lies inside its file; a refused snapshot, and one that was not
 /// applied, left the model as it was; an applied one moved the version
 /// forward.
 pub fn model_sync(data: &[u8]) {
@@ -126,22 +126,20 @@ pub(super) fn open_session(
     state.open_session(&hello.drafter_id);
     Some(FuzzSession {
         drafter_id: hello.drafter_id,
-        model_config_json: hello.model_config_json,
         upload: None,
     })
 }
 
-/// The model's weights as bytes, and its version.
-pub(super) type ModelImage = Option<(u64, Vec<Vec<u8>>)>;
+/// The model's files as bytes, and its version.
+pub(super) type ModelImage = Option<(u64, String, Vec<u8>)>;
 
 pub(super) fn model_image(state: &ModelSyncState) -> ModelImage {
     state.model().map(|model| {
-        let buffers = model
-            .tensors
-            .iter()
-            .map(|tensor| tensor.data.concat())
-            .collect();
-        (model.version, buffers)
+        (
+            model.version,
+            model.config_json.clone(),
+            model.weights.joined(),
+        )
     })
 }
 
@@ -162,25 +160,20 @@ pub(super) fn handle_request(
             session.upload = Some(Upload::new(&begin).map_err(drop)?);
             Ok(())
         }
-        Some(Kind::Chunk(chunk)) => {
+        Some(Kind::FileChunk(chunk)) => {
             let open = session.upload.as_mut().ok_or(())?;
-            open.add_chunk(chunk).map_err(drop)
+            open.add_file_chunk(chunk).map_err(drop)
         }
         Some(Kind::Commit(commit)) => {
             let open = session.upload.take().ok_or(())?;
-            // As the service: the finite check before the lock.
-            let open = open.into_finite().map_err(drop)?;
+            // As the service: the checks of the whole upload and the
+            // finite check before the lock.
+            let open = open.into_finite(commit.files).map_err(drop)?;
             let before = model_image(state);
-            let outcome = state.commit(
-                &session.drafter_id,
-                open,
-                commit.tensors,
-                &session.model_config_json,
-                now,
-            );
+            let outcome = state.commit(&session.drafter_id, open, now);
             check_model(state);
             let after = model_image(state);
-            let before_version = before.as_ref().map(|(version, _)| *version);
+            let before_version = before.as_ref().map(|(version, _, _)| *version);
             match &outcome {
                 Err(_) => assert!(before == after, "a refused snapshot changed the model"),
                 Ok(outcome) if outcome.initialised => assert_eq!(before_version, None),
@@ -198,21 +191,26 @@ pub(super) fn handle_request(
     }
 }
 
-/// The model is finite, and each tensor holds exactly its shape's f32
-/// bytes.
+/// The model is finite, its file holds what its chunks hold, and each
+/// tensor lies inside it with exactly its shape's f32 bytes.
 pub(super) fn check_model(state: &ModelSyncState) {
     let Some(model) = state.model() else {
         return;
     };
-    for tensor in &model.tensors {
-        if let Some((index, value)) = first_non_finite(&tensor.data) {
-            panic!(
-                "the model's weights of {:?} are not finite: {value} at {index}",
-                tensor.name
-            );
-        }
+    if let Some((name, index, value)) = first_non_finite_tensor(&model.weights, &model.layout) {
+        panic!("the model's weights of {name:?} are not finite: {value} at {index}");
+    }
+    let held: u64 = model
+        .weights
+        .chunks
+        .iter()
+        .map(|chunk| chunk.len() as u64)
+        .sum();
+    assert_eq!(held, model.weights.size);
+    for tensor in &model.layout.tensors {
         let expected = tensor.shape.iter().product::<u64>() * 4;
-        assert_eq!(tensor.byte_len(), expected, "{}", tensor.name);
+        assert_eq!(tensor.end - tensor.start, expected, "{}", tensor.name);
+        assert!(tensor.end <= model.weights.size, "{}", tensor.name);
     }
 }
 
@@ -234,8 +232,8 @@ pub fn model_checkpoint_input(files: &[&[u8]]) -> Vec<u8> {
 /// [`model_checkpoint_input`]) through [`checkpoint::decode_model`], the
 /// reader of a restarted broker.
 ///
-/// Checks: a model read is finite, and written again by the checkpoint's
-/// encoders it reads back the same, bit for bit.
+/// Checks: a model read is finite, and written again as the broker
+/// writes it, it reads back the same, bit for bit.
 pub fn model_checkpoint(data: &[u8]) {
     let Some((_, mut rest)) = data.split_first() else {
         return;
@@ -270,9 +268,7 @@ pub fn model_checkpoint(data: &[u8]) {
     let Ok(model) = checkpoint::decode_model(dir, files) else {
         return;
     };
-    for tensor in &model.tensors {
-        assert!(first_non_finite(&tensor.data).is_none());
-    }
+    assert!(first_non_finite_tensor(&model.weights, &model.layout).is_none());
     let written = match checkpoint::encode_model_files(&model) {
         Ok(written) => written,
         Err(error) => panic!("a model read could not be written again: {error}"),
@@ -303,12 +299,10 @@ pub fn model_checkpoint(data: &[u8]) {
         (again.version, again.samples),
         (model.version, model.samples)
     );
-    assert_eq!(again.tensors.len(), model.tensors.len());
-    for (left, right) in again.tensors.iter().zip(&model.tensors) {
-        assert_eq!((&left.name, &left.shape), (&right.name, &right.shape));
-        assert!(
-            left.data.concat() == right.data.concat(),
-            "a model tensor changed in its round trip"
-        );
-    }
+    assert_eq!(again.layout, model.layout);
+    assert_eq!(again.config_json, model.config_json);
+    assert!(
+        again.weights.joined() == model.weights.joined(),
+        "the model's weights changed in their round trip"
+    );
 }

@@ -8,29 +8,11 @@ use dflash_proto::fuzzing::{schema_sample, ReceivedBody, Seed};
 use dflash_proto::v1 as proto;
 use prost::Message;
 
+use super::model_files::{snapshot_requests, weights_file, F32Tensor};
 use super::run_model::{model_checkpoint_input, model_sync_input, PINNED_CONFIG};
 use crate::payload::WireItem;
 use crate::run_model::checkpoint;
 use crate::run_model::store::{ModelSyncState, Upload};
-
-/// A chunk of tensor `name` (`dtype`, `shape`) at `offset`.
-pub(super) fn chunk(
-    name: &str,
-    dtype: proto::Dtype,
-    shape: &[u64],
-    offset: u64,
-    data: Vec<u8>,
-) -> proto::SyncRequest {
-    proto::SyncRequest {
-        kind: Some(proto::sync_request::Kind::Chunk(proto::TensorChunk {
-            name: name.to_string(),
-            dtype: dtype as i32,
-            shape: shape.to_vec(),
-            offset,
-            data: Bytes::from(data),
-        })),
-    }
-}
 
 pub(super) fn hello(drafter_id: &str, config: &str) -> proto::SyncRequest {
     proto::SyncRequest {
@@ -52,16 +34,12 @@ pub(super) fn begin(kind: proto::SyncKind, steps: u64, samples: u64) -> proto::S
     }
 }
 
-pub(super) fn commit(tensors: u32) -> proto::SyncRequest {
+pub(super) fn commit(files: u32) -> proto::SyncRequest {
     proto::SyncRequest {
         kind: Some(proto::sync_request::Kind::Commit(proto::SyncCommit {
-            tensors,
+            files,
         })),
     }
-}
-
-pub(super) fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
-    values.into_iter().flat_map(f32::to_le_bytes).collect()
 }
 
 /// bf16 bytes (truncated): what the broker refuses in a snapshot.
@@ -72,33 +50,53 @@ pub(super) fn bf16_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
         .collect()
 }
 
-/// A snapshot's messages: begin (of `steps`), each tensor of the model
-/// (`weight` [2, 3] and `bias` [3]) in chunks of `chunk_elements`, commit.
+/// A snapshot's messages: begin (of `steps`), `config` and the model's
+/// weights (`weight` [2, 3] and `bias` [3], f32 or, refused, bf16) as
+/// files in chunks of `chunk_bytes`, commit.
 pub(super) fn snapshot_messages(
     kind: proto::SyncKind,
     steps: u64,
-    dtype: proto::Dtype,
+    bf16: bool,
     scale: f32,
-    chunk_elements: usize,
+    chunk_bytes: usize,
+    config: &str,
 ) -> Vec<proto::SyncRequest> {
-    let mut messages = vec![begin(kind, steps, 8 * steps)];
-    for (name, shape) in [("bias", vec![3u64]), ("weight", vec![2, 3])] {
-        let elements = shape.iter().product::<u64>() as usize;
-        let values: Vec<f32> = (0..elements)
-            .map(|index| scale * (index as f32 - 2.5))
+    let tensors: Vec<F32Tensor> = [("bias", vec![3u64]), ("weight", vec![2, 3])]
+        .into_iter()
+        .map(|(name, shape)| {
+            let elements = shape.iter().product::<u64>() as usize;
+            let values = (0..elements)
+                .map(|index| scale * (index as f32 - 2.5))
+                .collect();
+            (name.to_string(), shape, values)
+        })
+        .collect();
+    let weights = if bf16 {
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, _, values)| bf16_bytes(values.iter().copied()))
             .collect();
-        let element_bytes = if dtype == proto::Dtype::Bf16 { 2 } else { 4 };
-        for (index, part) in values.chunks(chunk_elements).enumerate() {
-            let data = match dtype {
-                proto::Dtype::Bf16 => bf16_bytes(part.iter().copied()),
-                _ => f32_bytes(part.iter().copied()),
-            };
-            let offset = (index * chunk_elements * element_bytes) as u64;
-            messages.push(chunk(name, dtype, &shape, offset, data));
-        }
-    }
-    messages.push(commit(2));
-    messages
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .zip(&bytes)
+            .filter_map(|((name, shape, _), bytes)| {
+                let shape = shape.iter().map(|&dim| dim as usize).collect();
+                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape, bytes)
+                    .ok()
+                    .map(|view| (name.clone(), view))
+            })
+            .collect();
+        safetensors::serialize(views, None).unwrap_or_default()
+    } else {
+        weights_file(&tensors)
+    };
+    let begin = proto::SyncBegin {
+        kind: kind as i32,
+        steps,
+        samples: 8 * steps,
+        tokens: 128 * steps,
+    };
+    snapshot_requests(begin, config, Bytes::from(weights), chunk_bytes)
 }
 
 /// Seed inputs for the broker's fuzz bodies, from its own encoders and
@@ -228,28 +226,28 @@ pub fn seeds() -> Vec<Seed> {
         bytes: ReceivedBody::input(0x80, 0, &dflash_proto::fuzzing::framed_body(&[duplicate])),
     });
 
-    use proto::{Dtype, SyncKind};
+    use proto::SyncKind;
     let config = PINNED_CONFIG;
     let mut snapshots = vec![(0, hello("drafter-0", config))];
     snapshots.extend(
-        snapshot_messages(SyncKind::Snapshot, 0, Dtype::F32, 1.0, 2)
+        snapshot_messages(SyncKind::Snapshot, 0, false, 1.0, 40, config)
             .into_iter()
             .map(|message| (0, message)),
     );
     snapshots.push((1, hello("drafter-1", config)));
     snapshots.extend(
-        snapshot_messages(SyncKind::Snapshot, 2, Dtype::F32, 0.5, 4)
+        snapshot_messages(SyncKind::Snapshot, 2, false, 0.5, 16, config)
             .into_iter()
             .map(|message| (0, message)),
     );
     // A member behind the others: not applied.
     snapshots.extend(
-        snapshot_messages(SyncKind::FinalSnapshot, 1, Dtype::F32, -0.25, 9)
+        snapshot_messages(SyncKind::FinalSnapshot, 1, false, -0.25, 7, config)
             .into_iter()
             .map(|message| (1, message)),
     );
     snapshots.extend(
-        snapshot_messages(SyncKind::FinalSnapshot, 3, Dtype::F32, 0.125, 3)
+        snapshot_messages(SyncKind::FinalSnapshot, 3, false, 0.125, 1 << 20, config)
             .into_iter()
             .map(|message| (0, message)),
     );
@@ -263,35 +261,50 @@ pub fn seeds() -> Vec<Seed> {
     }
     let mut refused = vec![(2, hello("drafter-2", config))];
     refused.extend(
-        snapshot_messages(SyncKind::Snapshot, 0, Dtype::F32, 1.0, 6)
+        snapshot_messages(SyncKind::Snapshot, 0, false, 1.0, 24, config)
             .into_iter()
             .map(|message| (2, message)),
     );
     // A bf16 snapshot (refused: a snapshot is the f32 master weights).
     refused.push((0, hello("drafter-0", config)));
     refused.extend(
-        snapshot_messages(SyncKind::Snapshot, 4, Dtype::Bf16, 1.0, 6)
+        snapshot_messages(SyncKind::Snapshot, 4, true, 1.0, 24, config)
             .into_iter()
             .map(|message| (0, message)),
     );
     // A snapshot of another shape, then a retired kind (JOIN, 1).
-    refused.push((2, begin(SyncKind::Snapshot, 1, 8)));
-    refused.push((
-        2,
-        chunk("bias", Dtype::F32, &[4], 0, f32_bytes([1.0, 2.0, 3.0, 4.0])),
-    ));
-    refused.push((2, commit(1)));
+    let reshaped = weights_file(&[("bias".to_string(), vec![4], vec![1.0, 2.0, 3.0, 4.0])]);
+    let reshaped = snapshot_requests(
+        proto::SyncBegin {
+            kind: SyncKind::Snapshot as i32,
+            steps: 1,
+            samples: 8,
+            tokens: 128,
+        },
+        config,
+        Bytes::from(reshaped),
+        1 << 20,
+    );
+    refused.extend(reshaped.into_iter().map(|message| (2, message)));
     refused.push((3, hello("drafter-3", config)));
     let mut retired = begin(SyncKind::Snapshot, 1, 8);
     if let Some(proto::sync_request::Kind::Begin(begin)) = &mut retired.kind {
         begin.kind = 1;
     }
     refused.push((3, retired));
+    // Another model (its config.json is not the pinned one).
     refused.push((1, hello("drafter-1", r#"{"model_type": "other"}"#)));
     refused.extend(
-        snapshot_messages(SyncKind::Snapshot, 5, Dtype::F32, 1.0, 6)
-            .into_iter()
-            .map(|message| (1, message)),
+        snapshot_messages(
+            SyncKind::Snapshot,
+            5,
+            false,
+            1.0,
+            24,
+            r#"{"model_type": "other"}"#,
+        )
+        .into_iter()
+        .map(|message| (1, message)),
     );
     seeds.push(Seed {
         target: "model_sync",
@@ -334,29 +347,29 @@ pub fn seeds() -> Vec<Seed> {
 pub(super) const LARGE_WIDTH: usize = 4200;
 
 /// A model made by a snapshot of step 0 and one of `steps` through the
-/// state machine, as its checkpoint writer encodes it.
+/// state machine, as the broker writes it.
 pub(super) fn seed_model_files(steps: u64) -> Option<Vec<(&'static str, Vec<u8>)>> {
     let mut state = ModelSyncState::new(None);
     let now = Instant::now();
-    for (steps, dtype, scale) in [(0, proto::Dtype::F32, 1.0), (steps, proto::Dtype::F32, 0.5)] {
-        let messages = snapshot_messages(proto::SyncKind::Snapshot, steps, dtype, scale, 4);
+    for (steps, scale) in [(0, 1.0), (steps, 0.5)] {
+        let messages = snapshot_messages(
+            proto::SyncKind::Snapshot,
+            steps,
+            false,
+            scale,
+            16,
+            PINNED_CONFIG,
+        );
         let mut upload = None;
         for message in messages {
             match message.kind {
                 Some(proto::sync_request::Kind::Begin(begin)) => upload = Upload::new(&begin).ok(),
-                Some(proto::sync_request::Kind::Chunk(chunk)) => {
-                    upload.as_mut()?.add_chunk(chunk).ok()?;
+                Some(proto::sync_request::Kind::FileChunk(chunk)) => {
+                    upload.as_mut()?.add_file_chunk(chunk).ok()?;
                 }
                 Some(proto::sync_request::Kind::Commit(commit)) => {
-                    state
-                        .commit(
-                            "drafter-0",
-                            upload.take()?.into_finite().ok()?,
-                            commit.tensors,
-                            PINNED_CONFIG,
-                            now,
-                        )
-                        .ok()?;
+                    let finite = upload.take()?.into_finite(commit.files).ok()?;
+                    state.commit("drafter-0", finite, now).ok()?;
                 }
                 _ => {}
             }

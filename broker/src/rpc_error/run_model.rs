@@ -23,14 +23,18 @@ pub enum SyncError {
         got: Vec<u64>,
         model: Vec<u64>,
     },
-    #[error("the snapshot sent {sent} tensors, the commit says {declared}")]
-    CountMismatch { sent: usize, declared: u32 },
     #[error("the snapshot lacks tensor {0:?}")]
     MissingTensor(String),
-    #[error("tensor {0:?} was sent twice in one snapshot")]
-    DuplicateTensor(String),
-    #[error("unsupported dtype {0} (expected DTYPE_F32: a snapshot is the f32 master weights)")]
-    Dtype(i32),
+    #[error("file {0:?} is not one of a snapshot's files (config.json, model.safetensors)")]
+    FileName(String),
+    #[error("file {file:?}: {detail}")]
+    BadFile { file: String, detail: String },
+    #[error("file {0:?} was sent twice in one snapshot")]
+    DuplicateFile(String),
+    #[error("the snapshot lacks file {0:?}")]
+    MissingFile(&'static str),
+    #[error("the snapshot sent {sent} files, the commit says {declared}")]
+    FileCountMismatch { sent: usize, declared: u32 },
     #[error("sync kind {0} is not SNAPSHOT or FINAL_SNAPSHOT")]
     Kind(i32),
     /// A kind of asynchronous local SGD: the method was retired.

@@ -50,6 +50,7 @@ fn variant(error: &RpcError) -> &'static str {
         E::BeginWhileSnapshotOpen => "BeginWhileSnapshotOpen",
         E::OutsideSnapshot { .. } => "OutsideSnapshot",
         E::UnexpectedSessionMessage => "UnexpectedSessionMessage",
+        E::RetiredTensorChunk => "RetiredTensorChunk",
         E::SessionClosed => "SessionClosed",
         E::DrafterReadNamesEvaluator => "DrafterReadNamesEvaluator",
         E::VersionNotKept { .. } => "VersionNotKept",
@@ -61,7 +62,7 @@ fn variant(error: &RpcError) -> &'static str {
 }
 
 /// How many variants [`variant`] names.
-const VARIANTS: usize = 38;
+const VARIANTS: usize = 39;
 
 fn json_error() -> serde_json::Error {
     serde_json::from_str::<serde_json::Value>("{").unwrap_err()
@@ -271,7 +272,12 @@ fn own_cases() -> Vec<(RpcError, Code, String)> {
         case(
             RpcError::UnexpectedSessionMessage,
             Code::InvalidArgument,
-            "unexpected message: hello was already sent, expected begin, chunk or commit",
+            "unexpected message: hello was already sent, expected begin, file_chunk or commit",
+        ),
+        case(
+            RpcError::RetiredTensorChunk,
+            Code::InvalidArgument,
+            "session message of no kind this broker takes: a tensor `chunk` (TensorChunk, SyncRequest field 3) is retired, send the model's files as `file_chunk`s; or the message is empty",
         ),
         case(
             RpcError::SessionClosed,
@@ -437,21 +443,32 @@ fn domain_cases() -> Vec<(RpcError, Code)> {
             Code::InvalidArgument,
         ),
         (
-            SyncError::CountMismatch {
-                sent: 3,
-                declared: 4,
+            SyncError::FileCountMismatch {
+                sent: 1,
+                declared: 2,
             },
             Code::InvalidArgument,
         ),
         (
-            SyncError::MissingTensor("fc.bias".to_string()),
+            SyncError::FileName("optimizer.safetensors".to_string()),
             Code::InvalidArgument,
         ),
         (
-            SyncError::DuplicateTensor("fc.bias".to_string()),
+            SyncError::BadFile {
+                file: "model.safetensors".to_string(),
+                detail: "chunk at offset 9, expected 8".to_string(),
+            },
             Code::InvalidArgument,
         ),
-        (SyncError::Dtype(2), Code::InvalidArgument),
+        (
+            SyncError::DuplicateFile("config.json".to_string()),
+            Code::InvalidArgument,
+        ),
+        (SyncError::MissingFile("config.json"), Code::InvalidArgument),
+        (
+            SyncError::MissingTensor("fc.bias".to_string()),
+            Code::InvalidArgument,
+        ),
         (SyncError::Kind(9), Code::InvalidArgument),
         (SyncError::RemovedKind("JOIN"), Code::InvalidArgument),
         (

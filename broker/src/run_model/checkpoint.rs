@@ -1,27 +1,25 @@
-//! The model on disk, in the same reference `dflash` format as a drafter's
-//! checkpoint (`config.json` + `model.safetensors` with the draft parameters
-//! in f32, `{"format": "pt"}` metadata), so `DFlashDraftModel.from_pretrained`
-//! loads it with no missing or unexpected keys. Beside them, for resuming
-//! after a broker restart: `center_state.json` (the step and the samples).
+//! The model on disk: its two files as rank 0 sent them (`config.json` and
+//! `model.safetensors`, the reference `dflash` format the drafter's
+//! checkpoint writer makes, so `DFlashDraftModel.from_pretrained` loads it
+//! with no missing or unexpected keys), written verbatim, never decoded.
+//! Beside them, for resuming after a broker restart, the broker's own
+//! `center_state.json` (the step and the samples; the name kept so older
+//! runs resume).
 //!
-//! Written with the `safetensors` crate, not libtorch, into a hidden
-//! temporary sibling directory that is renamed into place: a reader sees the
-//! whole previous model or the whole new one.
+//! Written into a hidden temporary sibling directory that is renamed into
+//! place: a reader sees the whole previous model or the whole new one.
 
-use std::borrow::Cow;
-use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use bytes::Bytes;
-use safetensors::tensor::View;
-use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use super::store::{first_non_finite, StoredModel, StoredTensor};
+use super::store::files::{first_non_finite_tensor, parse_whole_file, ModelFile};
+pub use super::store::files::{CONFIG_FILE_NAME, MODEL_FILE_NAME};
+use super::store::StoredModel;
 pub use crate::rpc_error::CheckpointError;
 
-pub const CONFIG_FILE_NAME: &str = "config.json";
-pub const MODEL_FILE_NAME: &str = "model.safetensors";
 pub const STATE_FILE_NAME: &str = "center_state.json";
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -41,64 +39,41 @@ pub struct ModelState {
     pub samples: u64,
 }
 
-/// Writes `model` to `dir` atomically, replacing what was there: every
-/// file goes into a hidden staging sibling first, which then takes `dir`'s
-/// place.
+/// Writes `model` to `dir` atomically, replacing what was there: its files
+/// as they arrived (the weights chunk after chunk, never joined) and the
+/// counters go into a hidden staging sibling first, which then takes
+/// `dir`'s place. The model is finite by construction (a commit takes only
+/// a checked upload, a resume checks what it reads): nothing is decoded
+/// here.
 pub fn write_model(dir: &Path, model: &StoredModel) -> Result<(), CheckpointError> {
-    // Never written unless finite: a saved model is what every later
-    // resume and every user of the run trusts.
-    for tensor in &model.tensors {
-        if let Some((index, value)) = first_non_finite(&tensor.data) {
-            return Err(CheckpointError::Format {
-                path: dir.to_path_buf(),
-                detail: format!(
-                    "tensor {:?} is not finite ({value} at element {index}); the model is not written",
-                    tensor.name
-                ),
-            });
-        }
-    }
     dflash_shell::replace_directory(dir, |staging| write_model_files(staging, model))
 }
 
-/// Writes the model's files into `staging`: the model config, the weights
-/// and the counters.
+/// Writes the model's files into `staging`: the config and the weights as
+/// they arrived, and the counters.
 fn write_model_files(staging: &Path, model: &StoredModel) -> Result<(), CheckpointError> {
-    let config_path = staging.join(CONFIG_FILE_NAME);
-    write_text(&config_path, &config_text(&config_path, model)?)?;
-    let model_path = staging.join(MODEL_FILE_NAME);
-    safetensors::serialize_to_file(
-        f32_views(&model_path, model)?,
-        Some(safetensors_metadata()),
-        &model_path,
-    )
-    .map_err(|error| format_error(&model_path, error.to_string()))?;
+    dflash_shell::write_synced(
+        &staging.join(CONFIG_FILE_NAME),
+        model.config_json.as_bytes(),
+    )?;
+    dflash_shell::write_parts_synced(&staging.join(MODEL_FILE_NAME), &model.weights.chunks)?;
     let state_path = staging.join(STATE_FILE_NAME);
-    write_text(&state_path, &state_text(&state_path, model)?)
+    dflash_shell::write_synced(&state_path, state_text(&state_path, model)?.as_bytes())?;
+    Ok(())
 }
 
-/// The files [`write_model`] writes, in memory, as (file name, bytes):
-/// the same encoders, without the disk (the fuzz seeds and round trips;
-/// small models only, the whole checkpoint is held twice).
+/// The files [`write_model`] writes, in memory, as (file name, bytes)
+/// (the fuzz seeds and round trips; small models only, the weights are
+/// joined).
 pub fn encode_model_files(
     model: &StoredModel,
 ) -> Result<Vec<(&'static str, Vec<u8>)>, CheckpointError> {
-    let config_path = Path::new(CONFIG_FILE_NAME);
-    let model_path = Path::new(MODEL_FILE_NAME);
-    let mut files = vec![
-        (
-            CONFIG_FILE_NAME,
-            config_text(config_path, model)?.into_bytes(),
-        ),
-        (
-            MODEL_FILE_NAME,
-            safetensors::serialize(f32_views(model_path, model)?, Some(safetensors_metadata()))
-                .map_err(|error| format_error(model_path, error.to_string()))?,
-        ),
-    ];
     let state_path = Path::new(STATE_FILE_NAME);
-    files.push((STATE_FILE_NAME, state_text(state_path, model)?.into_bytes()));
-    Ok(files)
+    Ok(vec![
+        (CONFIG_FILE_NAME, model.config_json.clone().into_bytes()),
+        (MODEL_FILE_NAME, model.weights.joined()),
+        (STATE_FILE_NAME, state_text(state_path, model)?.into_bytes()),
+    ])
 }
 
 fn format_error(path: &Path, detail: String) -> CheckpointError {
@@ -106,13 +81,6 @@ fn format_error(path: &Path, detail: String) -> CheckpointError {
         path: path.to_path_buf(),
         detail,
     }
-}
-
-/// `config.json`: the model config, pretty-printed.
-fn config_text(config_path: &Path, model: &StoredModel) -> Result<String, CheckpointError> {
-    let config: serde_json::Value = serde_json::from_str(&model.config_json)
-        .map_err(|error| format_error(config_path, format!("model config: {error}")))?;
-    Ok(pretty(&config))
 }
 
 /// `center_state.json`: the counters a resumed model continues from.
@@ -123,73 +91,7 @@ fn state_text(state_path: &Path, model: &StoredModel) -> Result<String, Checkpoi
     };
     let state_json = serde_json::to_value(&state)
         .map_err(|error| format_error(state_path, error.to_string()))?;
-    Ok(pretty(&state_json))
-}
-
-/// A model tensor as safetensors writes it: its f32 bytes as they are,
-/// borrowed when they are one chunk, joined (one tensor at a time, never
-/// under the model's lock) when they arrived in several.
-struct ChunkedF32<'a> {
-    shape: Vec<usize>,
-    data: &'a [Bytes],
-    length: usize,
-}
-
-impl View for ChunkedF32<'_> {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        match self.data {
-            [one] => Cow::Borrowed(one),
-            chunks => Cow::Owned(chunks.concat()),
-        }
-    }
-
-    fn data_len(&self) -> usize {
-        self.length
-    }
-}
-
-fn safetensors_metadata() -> HashMap<String, String> {
-    HashMap::from([("format".to_string(), "pt".to_string())])
-}
-
-/// The safetensors views of the model's tensors (f32), each checked
-/// against its shape.
-fn f32_views<'a>(
-    path: &Path,
-    model: &'a StoredModel,
-) -> Result<Vec<(String, ChunkedF32<'a>)>, CheckpointError> {
-    model
-        .tensors
-        .iter()
-        .map(|tensor| {
-            let shape: Vec<usize> = tensor.shape.iter().map(|&dim| dim as usize).collect();
-            let length = tensor.byte_len() as usize;
-            let expected = shape.iter().product::<usize>() * 4;
-            if length != expected {
-                return Err(format_error(
-                    path,
-                    format!(
-                        "tensor {:?}: {length} bytes, expected {expected} for f32 {shape:?}",
-                        tensor.name
-                    ),
-                ));
-            }
-            let view = ChunkedF32 {
-                shape,
-                data: &tensor.data,
-                length,
-            };
-            Ok((tensor.name.clone(), view))
-        })
-        .collect()
+    Ok(serde_json::to_string_pretty(&state_json).unwrap_or_else(|_| state_json.to_string()) + "\n")
 }
 
 /// A model checkpoint's files as read from its directory; the optional
@@ -197,7 +99,7 @@ fn f32_views<'a>(
 #[derive(Debug, Clone, Copy)]
 pub struct ModelFiles<'a> {
     pub config_json: &'a str,
-    /// `model.safetensors`: the model's tensors are slices of it.
+    /// `model.safetensors`: the model keeps it as it is.
     pub model: &'a Bytes,
     pub state_json: Option<&'a str>,
 }
@@ -225,18 +127,18 @@ pub fn read_model(dir: &Path) -> Result<Option<DecodedModel>, CheckpointError> {
     let Some(model) = read_stored_model(dir)? else {
         return Ok(None);
     };
+    let bytes = model.weights.joined();
     let tensors = model
+        .layout
         .tensors
-        .into_iter()
+        .iter()
         .map(|tensor| DecodedTensor {
-            values: tensor
-                .data
-                .iter()
-                .flat_map(|chunk| chunk.chunks_exact(4))
+            values: bytes[tensor.start as usize..tensor.end as usize]
+                .chunks_exact(4)
                 .map(|raw| f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
                 .collect(),
-            name: tensor.name,
-            shape: tensor.shape,
+            name: tensor.name.clone(),
+            shape: tensor.shape.clone(),
         })
         .collect();
     Ok(Some(DecodedModel {
@@ -246,9 +148,9 @@ pub fn read_model(dir: &Path) -> Result<Option<DecodedModel>, CheckpointError> {
     }))
 }
 
-/// Reads a model written by [`write_model`] as the broker keeps it (each
-/// tensor a slice of the file's bytes, nothing decoded); `None` when `dir`
-/// holds no model yet.
+/// Reads a model written by [`write_model`] as the broker keeps it (the
+/// files' bytes as they are, nothing decoded); `None` when `dir` holds no
+/// model yet.
 pub fn read_stored_model(dir: &Path) -> Result<Option<StoredModel>, CheckpointError> {
     let model_path = dir.join(MODEL_FILE_NAME);
     if !model_path.is_file() {
@@ -277,16 +179,33 @@ pub fn read_stored_model(dir: &Path) -> Result<Option<StoredModel>, CheckpointEr
 }
 
 /// The model in `files` (read from `dir`, which errors name): the
-/// counters and the weights, each tensor a slice of the file's bytes,
-/// checked finite. Every length in the files is checked before anything is
-/// taken from it (the fuzz target `model_checkpoint` feeds it any bytes).
+/// counters, the config (JSON) and the weights as they are, their header
+/// checked as an upload's (f32 tensors inside the file) and every value
+/// checked finite. Every length in the files is checked before anything
+/// is taken from it (the fuzz target `model_checkpoint` feeds it any
+/// bytes).
 pub fn decode_model(dir: &Path, files: ModelFiles<'_>) -> Result<StoredModel, CheckpointError> {
     let state = decode_state(&dir.join(STATE_FILE_NAME), files.state_json)?;
-    let tensors = f32_tensors(&dir.join(MODEL_FILE_NAME), files.model)?;
-    let mut model = StoredModel::new(files.config_json.to_string(), tensors, state.version)
-        .map_err(|error| format_error(dir, error.to_string()))?;
-    model.samples = state.samples;
-    Ok(model)
+    let config_path = dir.join(CONFIG_FILE_NAME);
+    serde_json::from_str::<serde_json::Value>(files.config_json)
+        .map_err(|error| format_error(&config_path, format!("model config: {error}")))?;
+    let model_path = dir.join(MODEL_FILE_NAME);
+    let layout =
+        parse_whole_file(files.model).map_err(|detail| format_error(&model_path, detail))?;
+    let weights = ModelFile::whole(files.model.clone());
+    if let Some((name, index, value)) = first_non_finite_tensor(&weights, &layout) {
+        return Err(format_error(
+            &model_path,
+            format!("tensor {name:?}: weights are not finite ({value} at element {index})"),
+        ));
+    }
+    Ok(StoredModel {
+        config_json: files.config_json.to_string(),
+        weights,
+        layout: Arc::new(layout),
+        version: state.version,
+        samples: state.samples,
+    })
 }
 
 /// The model's counters; zero when the checkpoint has none (a drafter's
@@ -301,40 +220,4 @@ fn decode_state(state_path: &Path, text: Option<&str>) -> Result<ModelState, Che
             samples: 0,
         }),
     }
-}
-
-/// Every tensor of a safetensors file as a slice of `bytes` (f32 tensors
-/// only: the reference format's master weights), each checked finite.
-/// safetensors checks the header against the data (offsets, and shapes
-/// against byte lengths, without overflow) before any slice is taken.
-fn f32_tensors(path: &Path, bytes: &Bytes) -> Result<Vec<StoredTensor>, CheckpointError> {
-    let file =
-        SafeTensors::deserialize(bytes).map_err(|error| format_error(path, error.to_string()))?;
-    let mut tensors = Vec::new();
-    for (name, view) in file.tensors() {
-        if view.dtype() != Dtype::F32 {
-            return Err(format_error(
-                path,
-                format!("tensor {name:?} has dtype {:?}, expected F32", view.dtype()),
-            ));
-        }
-        let data = bytes.slice_ref(view.data());
-        super::store::check_finite(&name, std::slice::from_ref(&data))
-            .map_err(|error| format_error(path, error.to_string()))?;
-        let shape: Vec<u64> = view.shape().iter().map(|&dim| dim as u64).collect();
-        tensors.push(StoredTensor {
-            name,
-            shape,
-            data: vec![data],
-        });
-    }
-    Ok(tensors)
-}
-
-fn pretty(value: &serde_json::Value) -> String {
-    serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string()) + "\n"
-}
-
-fn write_text(path: &Path, text: &str) -> Result<(), CheckpointError> {
-    Ok(dflash_shell::write_synced(path, text.as_bytes())?)
 }

@@ -249,23 +249,16 @@ fn block_size(config_json: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run_model::store::StoredTensor;
 
     fn model(version: u64, samples: u64, value: f32) -> StoredModel {
-        let tensor = StoredTensor {
-            name: "fc.weight".to_string(),
-            shape: vec![2],
-            data: vec![bytes::Bytes::from(
-                [value, -value]
-                    .iter()
-                    .flat_map(|value| value.to_le_bytes())
-                    .collect::<Vec<u8>>(),
-            )],
-        };
-        let mut model =
-            StoredModel::new(r#"{"block_size": 4}"#.to_string(), vec![tensor], version).unwrap();
-        model.samples = samples;
-        model
+        let tensor = ("fc.weight".to_string(), vec![2], vec![value, -value]);
+        crate::fuzzing::model_files::stored_model(
+            r#"{"block_size": 4}"#,
+            &[tensor],
+            version,
+            samples,
+        )
+        .unwrap()
     }
 
     fn point(version: u64, samples: u64, tau: f64) -> proto::TauPoint {

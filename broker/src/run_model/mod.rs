@@ -4,12 +4,16 @@
 //! two RPCs to `lighthouse::rpc`).
 //!
 //! The drafters are one data-parallel trainer: rank 0 sends the trained
-//! weights every `--snapshot-every` committed steps and every member sends
-//! its own when it stops; the broker keeps the latest step's (the run's
-//! model), writes it to `--model-output`, serves it to the online
-//! evaluator and to drafters that start, and keeps the evaluator's τ curve.
-//! Everything but `service` is synchronous and does no gRPC (the
-//! checkpoint's files are its only I/O).
+//! model every `--snapshot-every` committed steps and every member sends
+//! its own when it stops, as its checkpoint's files (`config.json`,
+//! `model.safetensors`: the reference layout the drafter's one checkpoint
+//! writer makes); the broker keeps the latest step's files as they arrived
+//! (the run's model, an opaque store: it reads the weights' header and
+//! checks the values finite in place, never decodes them), writes them to
+//! `--model-output` verbatim, serves them to the online evaluator and to
+//! drafters that start, and keeps the evaluator's τ curve. Everything but
+//! `service` is synchronous and does no gRPC (the checkpoint's files are
+//! its only I/O).
 //!
 //! # Layout
 //! Bottom first:
@@ -17,12 +21,13 @@
 //!   this room takes.
 //! - `store`: [`ModelSyncState`], the synchronous state machine (the
 //!   model, the snapshot sessions' drafters, status) with no I/O or
-//!   clock. Beneath it: `store::upload` (a snapshot as a session stages
-//!   it, chunk by chunk), `store::weights` (the model's tensors: the f32
-//!   bytes as they arrived, shared, never decoded; the checks against
-//!   them).
-//! - `checkpoint`: the model on disk in the reference dflash format
-//!   (safetensors, no libtorch), and reading it back on restart.
+//!   clock. Beneath it: `store::files` (the two files as chunks, the
+//!   weights' safetensors header, the finite check in place),
+//!   `store::upload` (a snapshot as a session stages it, chunk by chunk),
+//!   `store::weights` (the model: its files as they arrived, shared, never
+//!   decoded; the checks against them).
+//! - `checkpoint`: the model on disk, its files written verbatim beside
+//!   the broker's `center_state.json`, and read back on restart.
 //! - `evaluation`: online evaluation's τ curve, the best report, and the
 //!   registry of the versions kept for the evaluator between its read
 //!   (`ReadModel`) and its report (`ReportTau`).

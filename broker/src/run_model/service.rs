@@ -1,14 +1,16 @@
 //! The gRPC adapter of the `dflash.v1.ModelSync` service: the state its
 //! sessions share, and each drafter's session (hello, then snapshots of
-//! begin, chunks and commit, each answered with its result). All rules
+//! begin, the model's files in chunks and commit, each answered with its
+//! result). All rules
 //! live in the rest of [`crate::run_model`]; the task that writes the
 //! model to disk is [`writer`], the evaluator's RPCs are [`evaluation`].
 //! The lighthouse is its own service (`crate::lighthouse::rpc`).
 //!
 //! Concurrency: one mutex around the [`ModelSyncState`]. Chunks are staged
-//! per session without it, and their handles moved in under it at the
-//! commit. Checkpoints copy the model's pointers under the lock and write
-//! it on a blocking thread.
+//! per session without it, checked finite on a blocking thread without it,
+//! and their handles moved in under it at the commit. Checkpoints and reads
+//! clone the model's handles under the lock (never its bytes) and write or
+//! stream them after it.
 
 mod evaluation;
 mod writer;
@@ -29,7 +31,8 @@ use tracing::{debug, info, warn};
 use crate::rpc_error::RpcError;
 use crate::run_model::checkpoint::CheckpointError;
 use crate::run_model::evaluation::Evaluations;
-use crate::run_model::store::{ModelSyncState, StoredTensor, Upload};
+use crate::run_model::store::files::{CONFIG_FILE_NAME, MODEL_FILE_NAME};
+use crate::run_model::store::{ModelSyncState, StoredModel, Upload};
 use crate::run_model::RunModelSettings;
 
 pub use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
@@ -205,13 +208,9 @@ impl ModelSync for ModelSyncService {
         };
         let _ = outbox.try_send(response(proto::sync_response::Kind::Welcome(welcome)));
         info!(drafter_id = %hello.drafter_id, "model sync session opened");
-        self.shared.tasks.spawn(run_session(
-            self.shared.clone(),
-            guard,
-            hello.model_config_json,
-            inbound,
-            outbox,
-        ));
+        self.shared
+            .tasks
+            .spawn(run_session(self.shared.clone(), guard, inbound, outbox));
         Ok(Response::new(ReceiverStream::new(receiver)))
     }
 }
@@ -221,7 +220,6 @@ impl ModelSync for ModelSyncService {
 async fn run_session(
     shared: Arc<ModelSyncShared>,
     guard: SessionGuard,
-    model_config_json: String,
     mut inbound: Streaming<proto::SyncRequest>,
     outbox: Outbox,
 ) {
@@ -243,15 +241,7 @@ async fn run_session(
                 break;
             }
         };
-        let outcome = handle_request(
-            &shared,
-            &drafter_id,
-            &model_config_json,
-            &mut upload,
-            request,
-            &outbox,
-        )
-        .await;
+        let outcome = handle_request(&shared, &drafter_id, &mut upload, request, &outbox).await;
         if let Err(status) = outcome {
             warn!(drafter_id, %status, "model snapshot refused; nothing applied");
             let _ = outbox.send(Err(status)).await;
@@ -268,12 +258,11 @@ async fn run_session(
 }
 
 /// Handles one message of an open session: `Begin` opens a snapshot,
-/// `Chunk` adds to it, `Commit` applies it ([`commit_snapshot`]); anything
+/// `FileChunk` adds to it, `Commit` applies it ([`commit_snapshot`]); anything
 /// else is refused.
 async fn handle_request(
     shared: &ModelSyncShared,
     drafter_id: &str,
-    model_config_json: &str,
     upload: &mut Option<Upload>,
     request: proto::SyncRequest,
     outbox: &Outbox,
@@ -287,57 +276,48 @@ async fn handle_request(
             *upload = Some(Upload::new(&begin)?);
             Ok(())
         }
-        Some(Kind::Chunk(chunk)) => {
+        Some(Kind::FileChunk(chunk)) => {
             let open = upload
                 .as_mut()
-                .ok_or(RpcError::OutsideSnapshot { what: "chunk" })?;
-            open.add_chunk(chunk)?;
+                .ok_or(RpcError::OutsideSnapshot { what: "file_chunk" })?;
+            open.add_file_chunk(chunk)?;
             Ok(())
         }
         Some(Kind::Commit(commit)) => {
             let open = upload
                 .take()
                 .ok_or(RpcError::OutsideSnapshot { what: "commit" })?;
-            commit_snapshot(
-                shared,
-                drafter_id,
-                model_config_json,
-                open,
-                commit.tensors,
-                outbox,
-            )
-            .await
+            commit_snapshot(shared, drafter_id, open, commit.files, outbox).await
         }
-        Some(Kind::Hello(_)) | None => Err(RpcError::UnexpectedSessionMessage.into()),
+        Some(Kind::Hello(_)) => Err(RpcError::UnexpectedSessionMessage.into()),
+        // prost drops a field it does not know: an old drafter's tensor
+        // chunk (its number reserved) arrives as a message of no kind.
+        None => Err(RpcError::RetiredTensorChunk.into()),
     }
 }
 
-/// Commits a complete snapshot: checks every value finite on a blocking
-/// thread (a read-only pass over the bytes, before the lock), applies it to
-/// the model under the lock (its chunks moved in, nothing copied), logs
-/// it, and sends the result.
+/// Commits a whole snapshot: checks it whole and every value finite on a
+/// blocking thread (a read-only pass over the bytes, before the lock),
+/// applies it to the model under the lock (its chunks moved in, nothing
+/// copied), logs it, and sends the result.
 async fn commit_snapshot(
     shared: &ModelSyncShared,
     drafter_id: &str,
-    model_config_json: &str,
     open: Upload,
-    declared_tensors: u32,
+    declared_files: u32,
     outbox: &Outbox,
 ) -> Result<(), Status> {
     let kind = open.kind;
-    let open = tokio::task::spawn_blocking(move || open.into_finite())
+    let open = tokio::task::spawn_blocking(move || open.into_finite(declared_files))
         .await
         .map_err(|join_error| RpcError::TaskFailed {
             what: "checking the snapshot",
             detail: join_error.to_string(),
         })??;
-    let outcome = shared.state.lock().commit(
-        drafter_id,
-        open,
-        declared_tensors,
-        model_config_json,
-        Instant::now(),
-    )?;
+    let outcome = shared
+        .state
+        .lock()
+        .commit(drafter_id, open, Instant::now())?;
     shared.sync_changed.notify_one();
     debug!(
         drafter_id,
@@ -359,37 +339,44 @@ async fn commit_snapshot(
     send(outbox, proto::sync_response::Kind::Result(result)).await
 }
 
-/// The model's tensors as the chunks that carry them, in order: each
-/// stored chunk cut to at most [`CHUNK_BYTES`] (an empty tensor as one
-/// empty chunk), each a slice of the stored bytes (no copy, no encoding).
-fn model_chunks(tensors: Vec<StoredTensor>) -> impl Iterator<Item = proto::TensorChunk> {
-    let dtype = proto::Dtype::F32 as i32;
-    tensors.into_iter().flat_map(move |tensor| {
-        let StoredTensor { name, shape, data } = tensor;
+/// The model's files as the chunks that carry them: `config.json`, then
+/// `model.safetensors`, each stored chunk cut to at most [`CHUNK_BYTES`],
+/// each a slice of the stored bytes (no copy of the weights, no encoding).
+fn model_file_chunks(model: &StoredModel) -> Vec<proto::ModelFileChunk> {
+    let config = bytes::Bytes::from(model.config_json.clone().into_bytes());
+    let config = crate::run_model::store::ModelFile::whole(config);
+    [
+        (CONFIG_FILE_NAME, &config),
+        (MODEL_FILE_NAME, &model.weights),
+    ]
+    .into_iter()
+    .flat_map(|(name, file)| {
         let mut pieces = Vec::new();
         let mut offset = 0u64;
-        for chunk in data {
-            let starts = (0..chunk.len()).step_by(CHUNK_BYTES);
-            for start in starts {
-                let piece = chunk.slice(start..(start + CHUNK_BYTES).min(chunk.len()));
-                let length = piece.len() as u64;
-                pieces.push((offset, piece));
+        for chunk in &file.chunks {
+            for start in (0..chunk.len()).step_by(CHUNK_BYTES) {
+                let data = chunk.slice(start..(start + CHUNK_BYTES).min(chunk.len()));
+                let length = data.len() as u64;
+                pieces.push(proto::ModelFileChunk {
+                    file: name.to_string(),
+                    offset,
+                    data,
+                    file_size: file.size,
+                });
                 offset += length;
             }
         }
         if pieces.is_empty() {
-            pieces.push((0, bytes::Bytes::new()));
+            pieces.push(proto::ModelFileChunk {
+                file: name.to_string(),
+                offset: 0,
+                data: bytes::Bytes::new(),
+                file_size: 0,
+            });
         }
         pieces
-            .into_iter()
-            .map(move |(offset, data)| proto::TensorChunk {
-                name: name.clone(),
-                dtype,
-                shape: shape.clone(),
-                offset,
-                data,
-            })
     })
+    .collect()
 }
 
 /// Sends one response; a gone receiver means the drafter left.

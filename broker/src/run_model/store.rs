@@ -2,35 +2,40 @@
 //! state machine: no gRPC, no tokio, no clock of its own (time comes in as
 //! an argument).
 //!
-//! Rank 0 of the data-parallel drafters sends the trained model's weights
-//! (a snapshot) every `--snapshot-every` committed steps and every member
-//! sends its own when it stops; the model becomes the snapshot of the
-//! latest step, with no arithmetic. A snapshot is staged chunk by chunk in
-//! an [`Upload`] that belongs to the session, not to the model; only
+//! Rank 0 of the data-parallel drafters sends the trained model (a
+//! snapshot: its checkpoint's two files, `config.json` and
+//! `model.safetensors`, as the drafter's checkpoint writer made them) every
+//! `--snapshot-every` committed steps and every member sends its own when
+//! it stops; the model becomes the snapshot of the latest step, with no
+//! arithmetic. A snapshot is staged chunk by chunk in an [`Upload`] that
+//! belongs to the session, not to the model; only
 //! [`ModelSyncState::commit`] touches the model, all at once and after
 //! every check passed. A drafter that dies mid-upload therefore leaves the
-//! model exactly as it was. The model keeps the snapshot's bytes as they
-//! arrived (f32, never decoded): the commit moves the chunks' handles in.
+//! model exactly as it was. The model keeps the files as they arrived
+//! (never decoded): the commit moves the chunks' handles in.
 //!
+//! - `files`: the two files, the weights' header ([`WeightsLayout`]) and
+//!   the finite check in place.
 //! - `upload`: the [`Upload`] a session stages, and the wire enums.
-//! - `weights`: the [`StoredModel`]'s tensors, their snapshots, and the checks
-//!   an upload must pass against them. [`SyncError`] is defined beneath
-//!   `crate::rpc_error`, its gRPC table.
+//! - `weights`: the [`StoredModel`], and the checks an upload must pass
+//!   against it. [`SyncError`] is defined beneath `crate::rpc_error`, its
+//!   gRPC table.
 
+pub mod files;
 mod upload;
 mod weights;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
 
 pub use crate::rpc_error::SyncError;
-pub use upload::{
-    check_finite, first_non_finite, FiniteUpload, SnapshotKind, Upload, UploadedTensor,
-};
-use weights::check_upload_against_model;
-pub use weights::{StoredModel, StoredTensor};
+pub use files::{ModelFile, TensorLayout, WeightsLayout};
+pub use upload::{FiniteUpload, SnapshotKind, Upload};
+use weights::check_layout_against_model;
+pub use weights::StoredModel;
 
 /// What a committed snapshot did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -150,21 +155,17 @@ impl ModelSyncState {
             .collect()
     }
 
-    /// Applies a complete snapshot whose values were checked finite
+    /// Applies a whole snapshot whose values were checked finite
     /// ([`Upload::into_finite`], before the lock). Nothing changes when it
     /// is refused; nothing is copied when it is applied.
     pub fn commit(
         &mut self,
         drafter_id: &str,
         upload: FiniteUpload,
-        declared_tensors: u32,
-        model_config_json: &str,
         now: Instant,
     ) -> Result<CommitOutcome, SyncError> {
-        let upload = upload.into_inner();
-        upload.check_complete(declared_tensors)?;
         let kind = upload.kind;
-        let outcome = self.snapshot(upload, model_config_json)?;
+        let outcome = self.snapshot(upload)?;
         let record = self.drafters.entry(drafter_id.to_string()).or_default();
         record.last_sync = Some(now);
         if kind == SnapshotKind::FinalSnapshot {
@@ -173,18 +174,14 @@ impl ModelSyncState {
         Ok(outcome)
     }
 
-    /// The trained model's weights after `upload.steps` committed steps
-    /// become the model, unless it already holds that step or a later one
-    /// (a member behind the others, or a repeat). The model's version is
-    /// the step; no arithmetic.
-    fn snapshot(
-        &mut self,
-        upload: Upload,
-        model_config_json: &str,
-    ) -> Result<CommitOutcome, SyncError> {
-        self.check_pinned_config(model_config_json)?;
+    /// The trained model after `upload.steps` committed steps becomes the
+    /// model, unless it already holds that step or a later one (a member
+    /// behind the others, or a repeat). The model's version is the step;
+    /// no arithmetic.
+    fn snapshot(&mut self, upload: FiniteUpload) -> Result<CommitOutcome, SyncError> {
+        self.check_pinned_config(&upload.config_json)?;
         if let Some(model) = &self.model {
-            check_upload_against_model(model, &upload)?;
+            check_layout_against_model(&model.layout, &upload.layout)?;
             if upload.steps <= model.version {
                 return Ok(CommitOutcome {
                     model_version: model.version,
@@ -197,12 +194,16 @@ impl ModelSyncState {
                     model_samples: model.samples,
                 });
             }
-        } else if upload.tensors.is_empty() {
+        } else if upload.layout.tensors.is_empty() {
             return Err(SyncError::NoModel);
         }
-        let tensors = model_tensors(upload.tensors);
-        let mut model = StoredModel::new(model_config_json.to_string(), tensors, upload.steps)?;
-        model.samples = upload.samples;
+        let model = StoredModel {
+            config_json: upload.config_json,
+            weights: upload.weights,
+            layout: Arc::new(upload.layout),
+            version: upload.steps,
+            samples: upload.samples,
+        };
         let outcome = CommitOutcome {
             model_version: model.version,
             applied: true,
@@ -243,18 +244,6 @@ impl ModelSyncState {
             ..proto::ModelSyncStatus::default()
         }
     }
-}
-
-/// The model's tensors from a complete snapshot: its chunks, moved.
-fn model_tensors(uploaded: Vec<UploadedTensor>) -> Vec<StoredTensor> {
-    uploaded
-        .into_iter()
-        .map(|uploaded| StoredTensor {
-            name: uploaded.name,
-            shape: uploaded.shape,
-            data: uploaded.chunks,
-        })
-        .collect()
 }
 
 fn millis(duration: Duration) -> u64 {

@@ -1,6 +1,6 @@
 //! The model's rules on known buffers: snapshots of later and older
-//! steps, torn uploads, refused kinds, the final-snapshot bookkeeping. No
-//! I/O.
+//! steps, torn uploads, refused files and kinds, the final-snapshot
+//! bookkeeping. No I/O.
 
 use std::time::Instant;
 
@@ -9,12 +9,17 @@ use dflash_proto::v1 as proto;
 use prost::Message;
 
 use super::store::{CommitOutcome, FiniteUpload, ModelSyncState, SyncError, Upload};
+use crate::fuzzing::model_files::{file_chunks, weights_file, weights_file_of_bytes, F32Tensor};
+use crate::run_model::store::files::{CONFIG_FILE_NAME, MODEL_FILE_NAME};
 
 const CONFIG: &str = r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 4}"#;
 
 /// Two tensors: "a" [2, 2] and "b" [3].
-fn weights(a: [f32; 4], b: [f32; 3]) -> Vec<(&'static str, Vec<u64>, Vec<f32>)> {
-    vec![("a", vec![2, 2], a.to_vec()), ("b", vec![3], b.to_vec())]
+fn weights(a: [f32; 4], b: [f32; 3]) -> Vec<F32Tensor> {
+    vec![
+        ("a".to_string(), vec![2, 2], a.to_vec()),
+        ("b".to_string(), vec![3], b.to_vec()),
+    ]
 }
 
 fn begin(kind: proto::SyncKind, steps: u64, samples: u64) -> proto::SyncBegin {
@@ -26,49 +31,40 @@ fn begin(kind: proto::SyncKind, steps: u64, samples: u64) -> proto::SyncBegin {
     }
 }
 
-fn f32_bytes(values: &[f32]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|value| value.to_le_bytes())
-        .collect()
-}
-
-/// An upload of `tensors` in f32 opened by `begin`, each split into chunks
-/// of at most `chunk_elements` elements (so offsets are exercised).
-fn upload_of(
+/// An upload of `config` and the weights file `weights` opened by
+/// `begin`, each file split into chunks of at most `chunk_bytes` (so
+/// offsets, and values across chunk boundaries, are exercised).
+fn upload_of_files(
     begin: &proto::SyncBegin,
-    tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
-    chunk_elements: usize,
-) -> Upload {
-    let mut upload = Upload::new(begin).unwrap();
-    for (name, shape, values) in tensors {
-        let bytes = f32_bytes(values);
-        let chunk_bytes = chunk_elements * 4;
-        for (index, piece) in bytes.chunks(chunk_bytes).enumerate() {
-            upload
-                .add_chunk(proto::TensorChunk {
-                    name: name.to_string(),
-                    dtype: proto::Dtype::F32 as i32,
-                    shape: shape.clone(),
-                    offset: (index * chunk_bytes) as u64,
-                    data: Bytes::copy_from_slice(piece),
-                })
-                .unwrap();
+    config: &str,
+    weights: Vec<u8>,
+    chunk_bytes: usize,
+) -> Result<Upload, SyncError> {
+    let mut upload = Upload::new(begin)?;
+    let config = Bytes::from(config.as_bytes().to_vec());
+    let weights = Bytes::from(weights);
+    for (name, bytes) in [(CONFIG_FILE_NAME, &config), (MODEL_FILE_NAME, &weights)] {
+        for chunk in file_chunks(name, bytes, chunk_bytes) {
+            upload.add_file_chunk(chunk)?;
         }
     }
-    upload
+    Ok(upload)
 }
 
-/// A snapshot of `steps` committed steps and `samples`, in f32 chunks of
-/// three elements.
+fn upload_of(begin: &proto::SyncBegin, tensors: &[F32Tensor], chunk_bytes: usize) -> Upload {
+    upload_of_files(begin, CONFIG, weights_file(tensors), chunk_bytes).unwrap()
+}
+
+/// A snapshot of `steps` committed steps and `samples`, in chunks of 7
+/// bytes.
 fn snapshot_upload(
     kind: proto::SyncKind,
     steps: u64,
     samples: u64,
-    tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
+    tensors: &[F32Tensor],
 ) -> FiniteUpload {
-    upload_of(&begin(kind, steps, samples), tensors, 3)
-        .into_finite()
+    upload_of(&begin(kind, steps, samples), tensors, 7)
+        .into_finite(2)
         .unwrap()
 }
 
@@ -76,14 +72,12 @@ fn commit_snapshot(
     state: &mut ModelSyncState,
     drafter_id: &str,
     steps: u64,
-    tensors: &[(&'static str, Vec<u64>, Vec<f32>)],
+    tensors: &[F32Tensor],
 ) -> CommitOutcome {
     state
         .commit(
             drafter_id,
             snapshot_upload(proto::SyncKind::Snapshot, steps, 8 * steps, tensors),
-            2,
-            CONFIG,
             Instant::now(),
         )
         .unwrap()
@@ -91,8 +85,9 @@ fn commit_snapshot(
 
 fn model_values(state: &ModelSyncState, name: &str) -> Vec<f32> {
     let model = state.model().unwrap();
-    let joined = model.tensors[model.by_name[name]].data.concat();
-    joined
+    let joined = model.weights.joined();
+    let tensor = model.layout.get(name).unwrap();
+    joined[tensor.start as usize..tensor.end as usize]
         .chunks_exact(4)
         .map(|raw| f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
         .collect()
@@ -109,38 +104,22 @@ fn initialised_state() -> ModelSyncState {
 }
 
 #[test]
-fn the_first_snapshot_makes_the_model_of_its_bytes_and_bf16_is_refused() {
+fn the_first_snapshot_makes_the_model_of_its_files_as_they_arrived() {
     let mut state = ModelSyncState::new(None);
     // An empty snapshot cannot make a model.
     let error = state
         .commit(
             "d0",
             snapshot_upload(proto::SyncKind::Snapshot, 1, 8, &[]),
-            0,
-            CONFIG,
             Instant::now(),
         )
         .unwrap_err();
     assert_eq!(error, SyncError::NoModel);
-    // A snapshot is the f32 master weights: a bf16 chunk is refused.
-    let mut bf16 = Upload::new(&begin(proto::SyncKind::Snapshot, 3, 24)).unwrap();
-    let error = bf16
-        .add_chunk(proto::TensorChunk {
-            name: "a".into(),
-            dtype: proto::Dtype::Bf16 as i32,
-            shape: vec![2],
-            offset: 0,
-            data: Bytes::from(vec![0u8; 4]),
-        })
-        .unwrap_err();
-    assert_eq!(error, SyncError::Dtype(proto::Dtype::Bf16 as i32));
     let initial = weights([1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 8.0]);
     let outcome = state
         .commit(
             "d0",
             snapshot_upload(proto::SyncKind::Snapshot, 3, 24, &initial),
-            2,
-            CONFIG,
             Instant::now(),
         )
         .unwrap();
@@ -148,15 +127,13 @@ fn the_first_snapshot_makes_the_model_of_its_bytes_and_bf16_is_refused() {
     assert_eq!((outcome.model_version, outcome.model_samples), (3, 24));
     assert_eq!(model_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
     assert_eq!(model_values(&state, "b"), vec![0.5, -0.5, 8.0]);
-    // The model holds the bytes as they arrived: the chunks of three
-    // elements, not a copy.
+    // The model holds the files as they arrived, byte for byte, in their
+    // chunks of 7 bytes: not a copy, not a re-encoding.
     let model = state.model().unwrap();
-    let chunk_lengths: Vec<usize> = model.tensors[model.by_name["a"]]
-        .data
-        .iter()
-        .map(|chunk| chunk.len())
-        .collect();
-    assert_eq!(chunk_lengths, vec![12, 4]);
+    assert_eq!(model.weights.joined(), weights_file(&initial));
+    assert_eq!(model.config_json, CONFIG);
+    assert!(model.weights.chunks.iter().all(|chunk| chunk.len() <= 7));
+    assert_eq!(model.parameters(), 7);
 }
 
 #[test]
@@ -167,8 +144,6 @@ fn a_snapshot_of_a_later_step_becomes_the_model_and_an_older_one_changes_nothing
         .commit(
             "d0",
             snapshot_upload(proto::SyncKind::Snapshot, 7, 56, &trained),
-            2,
-            CONFIG,
             Instant::now(),
         )
         .unwrap();
@@ -183,8 +158,6 @@ fn a_snapshot_of_a_later_step_becomes_the_model_and_an_older_one_changes_nothing
         .commit(
             "d1",
             snapshot_upload(proto::SyncKind::FinalSnapshot, 6, 48, &older),
-            2,
-            CONFIG,
             Instant::now(),
         )
         .unwrap();
@@ -196,27 +169,47 @@ fn a_snapshot_of_a_later_step_becomes_the_model_and_an_older_one_changes_nothing
 }
 
 #[test]
-fn a_snapshot_with_a_non_finite_weight_or_a_missing_tensor_is_refused() {
+fn a_snapshot_with_a_non_finite_weight_or_a_missing_tensor_is_refused_naming_it() {
     let mut state = initialised_state();
+    // The NaN's bytes straddle two chunks of 7 bytes: read in place.
     let broken = weights([1.0, f32::NAN, 3.0, 4.0], [0.5, -0.5, 8.0]);
-    let error = upload_of(&begin(proto::SyncKind::Snapshot, 3, 8), &broken, 3)
-        .into_finite()
+    let error = upload_of(&begin(proto::SyncKind::Snapshot, 3, 8), &broken, 7)
+        .into_finite(2)
         .unwrap_err();
     assert!(
         error.to_string().contains("\"a\"") && error.to_string().contains("NaN at element 1"),
         "{error}"
     );
-    let partial = vec![("a", vec![2, 2], vec![1.0, 2.0, 3.0, 4.0])];
+    let infinite = weights([1.0, 2.0, 3.0, 4.0], [0.5, f32::INFINITY, 8.0]);
+    let error = upload_of(&begin(proto::SyncKind::Snapshot, 3, 8), &infinite, 1 << 20)
+        .into_finite(2)
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("\"b\"") && error.to_string().contains("inf at element 1"),
+        "{error}"
+    );
+    let partial = vec![("a".to_string(), vec![2, 2], vec![1.0, 2.0, 3.0, 4.0])];
     let error = state
         .commit(
             "d0",
             snapshot_upload(proto::SyncKind::Snapshot, 3, 8, &partial),
-            1,
-            CONFIG,
             Instant::now(),
         )
         .unwrap_err();
     assert_eq!(error, SyncError::MissingTensor("b".to_string()));
+    let extra = vec![
+        ("a".to_string(), vec![2, 2], vec![1.0; 4]),
+        ("b".to_string(), vec![3], vec![1.0; 3]),
+        ("c".to_string(), vec![1], vec![1.0]),
+    ];
+    let error = state
+        .commit(
+            "d0",
+            snapshot_upload(proto::SyncKind::Snapshot, 3, 8, &extra),
+            Instant::now(),
+        )
+        .unwrap_err();
+    assert_eq!(error, SyncError::UnknownTensor("c".to_string()));
     assert_eq!(state.version(), Some(0));
     assert_eq!(model_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
 }
@@ -224,123 +217,200 @@ fn a_snapshot_with_a_non_finite_weight_or_a_missing_tensor_is_refused() {
 #[test]
 fn torn_or_inconsistent_uploads_change_nothing() {
     let mut state = initialised_state();
-    let before_a = model_values(&state, "a");
-    let before_b = model_values(&state, "b");
+    let before = state.model().unwrap().weights.joined();
     let now = Instant::now();
-    // A drafter that dies mid-upload never commits: its staged chunks are
-    // dropped with its session and the model is untouched. Shown here by
-    // staging half an upload and dropping it.
-    let half = || proto::TensorChunk {
-        name: "a".into(),
-        dtype: proto::Dtype::F32 as i32,
-        shape: vec![2, 2],
-        offset: 0,
-        data: Bytes::from(f32_bytes(&[100.0, 100.0])),
-    };
-    let mut torn = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
-    torn.add_chunk(half()).unwrap();
-    drop(torn);
-    // A commit whose tensor is incomplete is refused.
-    let mut short = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
-    short.add_chunk(half()).unwrap();
-    let error = state
-        .commit("d0", short.into_finite().unwrap(), 1, CONFIG, now)
-        .unwrap_err();
-    assert!(error.to_string().contains("8 of 16 bytes"), "{error}");
-    // The commit's count must match what was sent.
     let all = weights([1.0; 4], [1.0; 3]);
-    let error = state
-        .commit(
-            "d0",
-            snapshot_upload(proto::SyncKind::Snapshot, 1, 8, &all),
-            3,
-            CONFIG,
-            now,
+    let file = weights_file(&all);
+    // A drafter that dies mid-upload never commits: its staged chunks are
+    // dropped with its session and the model is untouched.
+    let mut torn = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
+    let config = Bytes::from(CONFIG.as_bytes().to_vec());
+    for chunk in file_chunks(CONFIG_FILE_NAME, &config, 1 << 20) {
+        torn.add_file_chunk(chunk).unwrap();
+    }
+    let first = file_chunks(MODEL_FILE_NAME, &Bytes::from(file.clone()), 40);
+    torn.add_file_chunk(first[0].clone()).unwrap();
+    // Its commit is refused: the weights are not whole.
+    let error = torn.into_finite(2).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "file \"model.safetensors\": 40 of {} bytes received",
+            file.len()
         )
+    );
+    // The commit's count must match what was sent.
+    let error = upload_of(&begin(proto::SyncKind::Snapshot, 1, 8), &all, 7)
+        .into_finite(3)
         .unwrap_err();
     assert_eq!(
         error,
-        SyncError::CountMismatch {
+        SyncError::FileCountMismatch {
             sent: 2,
             declared: 3
         }
     );
     // A tensor of another shape is another model.
     let reshaped = vec![
-        ("a", vec![4u64], vec![1.0f32; 4]),
-        ("b", vec![3], vec![1.0; 3]),
+        ("a".to_string(), vec![4u64], vec![1.0f32; 4]),
+        ("b".to_string(), vec![3], vec![1.0; 3]),
     ];
     let error = state
         .commit(
             "d0",
             snapshot_upload(proto::SyncKind::Snapshot, 1, 8, &reshaped),
-            2,
-            CONFIG,
             now,
         )
         .unwrap_err();
     assert!(matches!(error, SyncError::ShapeMismatch { .. }), "{error}");
-    assert_eq!(model_values(&state, "a"), before_a);
-    assert_eq!(model_values(&state, "b"), before_b);
+    assert_eq!(state.model().unwrap().weights.joined(), before);
     assert_eq!(state.version(), Some(0));
 }
 
 #[test]
-fn chunks_out_of_order_or_too_long_are_refused() {
+fn a_file_of_another_name_or_chunks_out_of_order_are_refused_naming_them() {
     let mut upload = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
-    let chunk = |offset: u64, elements: usize| proto::TensorChunk {
-        name: "a".into(),
-        dtype: proto::Dtype::F32 as i32,
-        shape: vec![2, 2],
+    let chunk = |file: &str, offset: u64, length: usize, size: u64| proto::ModelFileChunk {
+        file: file.to_string(),
         offset,
-        data: Bytes::from(vec![0u8; elements * 4]),
+        data: Bytes::from(vec![b' '; length]),
+        file_size: size,
     };
-    assert!(
-        upload.add_chunk(chunk(4, 1)).is_err(),
-        "first chunk not at 0"
-    );
-    upload.add_chunk(chunk(0, 2)).unwrap();
-    let error = upload.add_chunk(chunk(12, 1)).unwrap_err();
-    assert!(error.to_string().contains("expected 8"), "{error}");
-    let error = upload.add_chunk(chunk(8, 3)).unwrap_err();
-    assert!(error.to_string().contains("more than the 16"), "{error}");
-    let mut odd = chunk(8, 1);
-    odd.data = Bytes::from(vec![0u8; 3]);
-    assert!(upload.add_chunk(odd).is_err(), "not whole elements");
-    let mut wrong_dtype = chunk(8, 1);
-    wrong_dtype.dtype = proto::Dtype::I32 as i32;
-    assert_eq!(
-        upload.add_chunk(wrong_dtype).unwrap_err(),
-        SyncError::Dtype(proto::Dtype::I32 as i32)
-    );
-}
-
-/// A shape whose element count fits a u64 but whose bytes do not is
-/// refused at its first chunk, naming the tensor (fuzz target `model_sync`
-/// found the byte count overflowing: tests/fuzz/corpus/model_sync/crash-*).
-#[test]
-fn a_shape_whose_bytes_overflow_is_refused_at_its_first_chunk() {
-    for (dtype, shape) in [
-        (proto::Dtype::F32, vec![1u64 << 62]),
-        (proto::Dtype::F32, vec![1u64 << 32, 1 << 31]),
-        (proto::Dtype::F32, vec![u64::MAX, 2]),
-    ] {
-        let mut upload = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
-        let error = upload
-            .add_chunk(proto::TensorChunk {
-                name: "huge".into(),
-                dtype: dtype as i32,
-                shape: shape.clone(),
-                offset: 0,
-                data: Bytes::from(vec![0u8; 8]),
-            })
-            .unwrap_err();
-        assert!(
-            matches!(&error, SyncError::BadTensor { name, detail }
-                if name == "huge" && detail.contains("overflow")),
-            "{shape:?}: {error}"
+    for name in ["optimizer.safetensors", "../config.json", "", "CONFIG.JSON"] {
+        assert_eq!(
+            upload.add_file_chunk(chunk(name, 0, 1, 1)).unwrap_err(),
+            SyncError::FileName(name.to_string())
         );
     }
+    let error = upload
+        .add_file_chunk(chunk(CONFIG_FILE_NAME, 4, 1, 8))
+        .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("first chunk at offset 4, expected 0"),
+        "{error}"
+    );
+    upload
+        .add_file_chunk(chunk(CONFIG_FILE_NAME, 0, 2, 8))
+        .unwrap();
+    let error = upload
+        .add_file_chunk(chunk(CONFIG_FILE_NAME, 3, 1, 8))
+        .unwrap_err();
+    assert!(error.to_string().contains("expected 2"), "{error}");
+    let error = upload
+        .add_file_chunk(chunk(CONFIG_FILE_NAME, 2, 7, 8))
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("more than its size 8"),
+        "{error}"
+    );
+    let error = upload
+        .add_file_chunk(chunk(CONFIG_FILE_NAME, 2, 1, 9))
+        .unwrap_err();
+    assert!(error.to_string().contains("chunk says size 9"), "{error}");
+    // The next file begins only once this one is whole.
+    let error = upload
+        .add_file_chunk(chunk(MODEL_FILE_NAME, 0, 8, 100))
+        .unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "file \"config.json\": 2 of 8 bytes received"
+    );
+    let mut huge = Upload::new(&begin(proto::SyncKind::Snapshot, 1, 8)).unwrap();
+    let error = huge
+        .add_file_chunk(chunk(CONFIG_FILE_NAME, 0, 1, 1 << 40))
+        .unwrap_err();
+    assert!(error.to_string().contains("a config may have"), "{error}");
+}
+
+/// The weights' header is read from their first bytes as they arrive (8
+/// bytes of length, then JSON), with the `safetensors` crate's metadata
+/// reader: a header whose tensors do not end at the file's end, or that
+/// overlap or leave a gap, a dtype other than F32, or a length past the
+/// file, is refused naming the value before the rest is staged.
+#[test]
+fn a_weights_header_that_does_not_fit_its_file_is_refused_naming_it() {
+    let begin = begin(proto::SyncKind::Snapshot, 1, 8);
+    let refuse = |weights: Vec<u8>| {
+        upload_of_files(&begin, CONFIG, weights, 5)
+            .and_then(|upload| upload.into_finite(2).map(drop))
+            .unwrap_err()
+            .to_string()
+    };
+    let header_file = |header: &str, data: usize| {
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend(std::iter::repeat_n(0u8, data));
+        file
+    };
+    // Offsets past the file's end.
+    let error = refuse(header_file(
+        r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+        8,
+    ));
+    assert!(
+        error.contains("model.safetensors") && error.contains("the file has"),
+        "{error}"
+    );
+    // Offsets that do not match the shape.
+    let error = refuse(header_file(
+        r#"{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,16]}}"#,
+        16,
+    ));
+    assert!(
+        error.contains("model.safetensors") && error.contains("header"),
+        "{error}"
+    );
+    // Another dtype.
+    let error = refuse(header_file(
+        r#"{"a":{"dtype":"BF16","shape":[4],"data_offsets":[0,8]}}"#,
+        8,
+    ));
+    assert!(
+        error.contains("\"a\" has dtype BF16, expected F32"),
+        "{error}"
+    );
+    // A header length past the file.
+    let mut long = header_file("{}", 0);
+    long[..8].copy_from_slice(&1000u64.to_le_bytes());
+    let error = refuse(long);
+    assert!(
+        error.contains("header of 1000 bytes does not fit the file's 10"),
+        "{error}"
+    );
+    // Too short for the length itself.
+    let error = refuse(vec![1, 2, 3]);
+    assert!(
+        error.contains("end before the safetensors header"),
+        "{error}"
+    );
+    // Not JSON.
+    let error = refuse(header_file("{not json", 0));
+    assert!(error.contains("header:"), "{error}");
+    // Any bytes as values are staged as they are: the finite check reads
+    // them (here a NaN), not a decoder.
+    let nan = f32::NAN.to_le_bytes();
+    let file = weights_file_of_bytes([("x", &[1u64][..], &nan[..])]);
+    let error = refuse(file);
+    assert!(error.contains("\"x\"") && error.contains("NaN"), "{error}");
+}
+
+#[test]
+fn a_config_that_is_not_json_is_refused() {
+    let begin = begin(proto::SyncKind::Snapshot, 1, 8);
+    let upload = upload_of_files(
+        &begin,
+        "{oops",
+        weights_file(&weights([1.0; 4], [1.0; 3])),
+        64,
+    )
+    .unwrap();
+    let error = upload.into_finite(2).unwrap_err();
+    assert!(
+        matches!(&error, SyncError::Config(detail) if detail.starts_with("config.json")),
+        "{error}"
+    );
 }
 
 #[test]
@@ -362,8 +432,6 @@ fn the_final_model_waits_only_for_open_sessions_without_a_final_snapshot() {
                     16,
                     &weights([1.0; 4], [1.0; 3]),
                 ),
-                2,
-                CONFIG,
                 Instant::now(),
             )
             .unwrap();
@@ -383,14 +451,19 @@ fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_model() {
     state.open_session("squatter");
     let initial = weights([1.0, 2.0, 3.0, 4.0], [0.5, -0.5, 8.0]);
     let other = r#"{"architectures": ["DFlashDraftModel"], "hidden_size": 8}"#;
-    let error = state
-        .commit(
-            "squatter",
-            snapshot_upload(proto::SyncKind::Snapshot, 1, 8, &initial),
-            2,
-            other,
-            Instant::now(),
+    let with_config = |config: &str| {
+        upload_of_files(
+            &begin(proto::SyncKind::Snapshot, 1, 8),
+            config,
+            weights_file(&initial),
+            64,
         )
+        .unwrap()
+        .into_finite(2)
+        .unwrap()
+    };
+    let error = state
+        .commit("squatter", with_config(other), Instant::now())
         .unwrap_err();
     assert!(
         matches!(&error, SyncError::ConfigMismatch { expected, got }
@@ -401,13 +474,7 @@ fn a_pinned_model_config_refuses_any_other_model_even_for_an_empty_model() {
     // The same config, spelled with other spacing, is the same model.
     let spaced = r#"{ "hidden_size": 4, "architectures": [ "DFlashDraftModel" ] }"#;
     let outcome = state
-        .commit(
-            "d0",
-            snapshot_upload(proto::SyncKind::Snapshot, 1, 8, &initial),
-            2,
-            spaced,
-            Instant::now(),
-        )
+        .commit("d0", with_config(spaced), Instant::now())
         .unwrap();
     assert!(outcome.initialised);
     // A resumed model of another config cannot be pinned to this one.
@@ -468,4 +535,44 @@ fn the_kinds_of_retired_methods_are_refused_by_name_and_change_nothing() {
     assert_eq!(error, SyncError::RemovedKind("SYNC_KIND_UPDATE"));
     assert_eq!(state.version(), Some(0));
     assert_eq!(model_values(&state, "a"), vec![1.0, 2.0, 3.0, 4.0]);
+}
+
+/// The model's tensor chunks (`TensorChunk`, SyncRequest field 3) were
+/// retired for its files: an old drafter's chunk, as the wire carried it,
+/// decodes as a message of no kind (prost drops the reserved field), which
+/// the session refuses naming it, INVALID_ARGUMENT, before anything is
+/// staged.
+#[test]
+fn an_old_drafters_tensor_chunk_decodes_as_no_kind_and_is_refused_by_name() {
+    // TensorChunk { name: "a" (1), dtype: F32 (2), shape: [1] (3), offset
+    // 0 (4), data: 4 bytes (5) } as field 3 of a SyncRequest.
+    let chunk = [
+        (1 << 3) | 2,
+        1,
+        b'a',
+        2 << 3,
+        1,
+        (3 << 3) | 2,
+        1,
+        1,
+        (5 << 3) | 2,
+        4,
+        0,
+        0,
+        128,
+        63,
+    ];
+    let mut wire = vec![(3 << 3) | 2, chunk.len() as u8];
+    wire.extend_from_slice(&chunk);
+    let decoded = proto::SyncRequest::decode(wire.as_slice()).unwrap();
+    assert_eq!(decoded.kind, None);
+    let status = tonic::Status::from(crate::rpc_error::RpcError::RetiredTensorChunk);
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status
+            .message()
+            .contains("tensor `chunk` (TensorChunk, SyncRequest field 3) is retired"),
+        "{}",
+        status.message()
+    );
 }

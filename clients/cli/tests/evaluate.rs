@@ -9,7 +9,7 @@ use std::path::Path;
 
 use dflash_cli::evaluate::{run, EvaluateArgs};
 use dflash_model::draft::{
-    save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads,
+    model_files, save_draft_checkpoint, DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads,
     TargetDimensions,
 };
 use dflash_proto::v1 as proto;
@@ -25,40 +25,39 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
 }
 
 /// Initialises the run's model from a drafter checkpoint with one
-/// snapshot of step 0, as a data-parallel drafter's first one.
+/// snapshot of step 0, as a data-parallel drafter's first one: the
+/// checkpoint's two files as they are, in chunks.
 async fn snapshot_from(address: &str, checkpoint: &Path) {
     let config_json = std::fs::read_to_string(checkpoint.join("config.json")).unwrap();
-    let tensors = tch::Tensor::read_safetensors(checkpoint.join("model.safetensors")).unwrap();
+    let weights = std::fs::read(checkpoint.join("model.safetensors")).unwrap();
     let mut messages = vec![
         request(proto::sync_request::Kind::Hello(proto::SyncHello {
             drafter_id: "drafter-0".to_string(),
-            model_config_json: config_json,
+            model_config_json: config_json.clone(),
         })),
         request(proto::sync_request::Kind::Begin(proto::SyncBegin {
             kind: proto::SyncKind::Snapshot as i32,
             ..Default::default()
         })),
     ];
-    for (name, tensor) in &tensors {
-        let values: Vec<f32> = Vec::try_from(tensor.to_kind(Kind::Float).flatten(0, -1)).unwrap();
-        let bytes: Vec<u8> = values
-            .iter()
-            .flat_map(|value| value.to_le_bytes())
-            .collect();
-        messages.push(request(proto::sync_request::Kind::Chunk(
-            proto::TensorChunk {
-                name: name.clone(),
-                dtype: proto::Dtype::F32 as i32,
-                shape: tensor.size().iter().map(|&dim| dim as u64).collect(),
-                offset: 0,
-                data: bytes.into(),
-            },
-        )));
+    for (name, bytes) in [
+        ("config.json", bytes::Bytes::from(config_json.into_bytes())),
+        ("model.safetensors", bytes::Bytes::from(weights)),
+    ] {
+        // Chunks of 1000 bytes: values and the header cut across them.
+        for start in (0..bytes.len()).step_by(1000) {
+            messages.push(request(proto::sync_request::Kind::FileChunk(
+                proto::ModelFileChunk {
+                    file: name.to_string(),
+                    offset: start as u64,
+                    data: bytes.slice(start..(start + 1000).min(bytes.len())),
+                    file_size: bytes.len() as u64,
+                },
+            )));
+        }
     }
     messages.push(request(proto::sync_request::Kind::Commit(
-        proto::SyncCommit {
-            tensors: tensors.len() as u32,
-        },
+        proto::SyncCommit { files: 2 },
     )));
     let mut client = ModelSyncClient::connect(address.to_string()).await.unwrap();
     let mut responses = client
@@ -105,6 +104,17 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_model() {
     let drafter = DraftModel::new(config, frozen, Device::Cpu, Kind::Float, 11).unwrap();
     let initial = work.path().join("initial");
     save_draft_checkpoint(&initial, &drafter, None).unwrap();
+    // The drafter's one writer: the files a snapshot sends are the
+    // checkpoint's, byte for byte.
+    let files = model_files(&drafter).unwrap();
+    assert_eq!(
+        files.weights,
+        std::fs::read(initial.join("model.safetensors")).unwrap()
+    );
+    assert_eq!(
+        files.config_json,
+        std::fs::read_to_string(initial.join("config.json")).unwrap()
+    );
     let prompts = work.path().join("held_out.jsonl");
     let mut lines = String::new();
     for (index, prompt) in dflash_model::tiny::random_token_sequences(
@@ -156,8 +166,19 @@ async fn the_reported_tau_equals_dflash_eval_on_the_saved_model() {
     assert_eq!(point.model_version, 0);
     assert_eq!(report.refused_reports, 0);
 
-    // `dflash eval`'s code on the checkpoint the broker wrote of it.
+    // The broker wrote the files it was sent, byte for byte, without
+    // decoding them (and its counters beside them).
     let best_dir = work.path().join("model-best");
+    for file in ["config.json", "model.safetensors"] {
+        assert!(
+            std::fs::read(best_dir.join(file)).unwrap()
+                == std::fs::read(initial.join(file)).unwrap(),
+            "{file} differs from the drafter's"
+        );
+    }
+    assert!(best_dir.join("center_state.json").is_file());
+
+    // `dflash eval`'s code on the checkpoint the broker wrote of it.
     let eval_prompts = dflash_cli::demo::read_prompts(&prompts, &target_dir).unwrap();
     let (target, best) = (target_dir.clone(), best_dir.clone());
     let measured = tokio::task::spawn_blocking(move || {

@@ -14,7 +14,7 @@
 //!   `CancellationToken` cancelled on SIGINT or SIGTERM, or when the parent
 //!   named by `STOP_WITH_PARENT_ENV` dies (`dflash local`'s children).
 //! - [`exit`]: [`Exit`], the exit-code table of every binary.
-//! - [`durable`]: files that survive a crash: [`write_synced`],
+//! - [`durable`]: files that survive a crash: [`write_synced`], [`write_parts_synced`],
 //!   [`sync_directory`], and [`replace_directory`], a checkpoint directory
 //!   replaced as a whole (the draft model's and the run's model).
 //!
@@ -31,7 +31,9 @@ pub mod signal;
 pub mod units;
 
 pub use device::{DeviceChoice, DtypeChoice};
-pub use durable::{replace_directory, sync_directory, write_synced, DurableError};
+pub use durable::{
+    replace_directory, sync_directory, write_parts_synced, write_synced, DurableError,
+};
 pub use exit::Exit;
 #[cfg(feature = "signal")]
 pub use signal::{shutdown_signal, STOP_WITH_PARENT_ENV};

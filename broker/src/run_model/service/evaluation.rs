@@ -18,7 +18,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 use tracing::{info, warn};
 
-use super::{model_chunks, ModelSyncShared};
+use super::{model_file_chunks, ModelSyncShared};
 use crate::roles::{validate_id, Principal, Role};
 use crate::rpc_error::RpcError;
 use crate::run_model::checkpoint::write_model;
@@ -61,7 +61,7 @@ fn authorize_drafter(
     principal.authorize(Role::Drafter, &request.drafter_id, "ModelSync.ReadModel")
 }
 
-/// `ReadModel`: the header, the weights in f32 chunks (none with
+/// `ReadModel`: the header, the model's files in chunks (none with
 /// `header_only`), then `done`; of the current model, kept until its
 /// report, or of a version kept since an earlier read (`model_version`).
 /// A drafter's read (`drafter_id`) gets the current model and keeps
@@ -114,23 +114,26 @@ pub(super) async fn read_model(
         model_samples: served.samples,
         model_config_json: served.config_json.clone(),
     };
-    let weights = if request.header_only {
+    // The chunks are slices of the stored files: made after the lock, no
+    // copy of the weights.
+    let chunks = if request.header_only {
         Vec::new()
     } else {
-        served.tensors
+        model_file_chunks(&served)
     };
-    let count = weights.len() as u32;
+    let files = if request.header_only { 0 } else { 2 };
     let version = served.version;
+    drop(served);
     let (outbox, receiver) = mpsc::channel(16);
     let shutdown = shared.shutdown.clone();
     shared.tasks.spawn(async move {
         use proto::read_model_response::Kind;
         let message = |kind| Ok(proto::ReadModelResponse { kind: Some(kind) });
         let messages = std::iter::once(Kind::Header(header))
-            .chain(model_chunks(weights).map(Kind::Chunk))
+            .chain(chunks.into_iter().map(Kind::FileChunk))
             .chain(std::iter::once(Kind::Done(proto::SyncDone {
                 model_version: version,
-                tensors: count,
+                files,
             })));
         for kind in messages {
             tokio::select! {

@@ -1,8 +1,9 @@
 //! One snapshot as a session receives it: the [`Upload`] staged chunk by
-//! chunk (each chunk checked to continue its tensor exactly), and the wire
-//! enums it is declared with, and the finite check on f32 bytes in place
-//! ([`check_finite`]). The chunks are kept as they arrived: they become
-//! the model's bytes as they are.
+//! chunk (each chunk checked to continue its file exactly, the weights'
+//! header parsed from their first bytes as they arrive), the wire enums it
+//! is declared with, and the finite check on the weights in place
+//! ([`Upload::into_finite`]). The chunks are kept as they arrived: they
+//! become the model's files as they are.
 //!
 //! Apart from [`super::ModelSyncState`] because an upload belongs to the
 //! session, not to the model: it is built without the model's lock, and
@@ -11,6 +12,10 @@
 use bytes::Bytes;
 use dflash_proto::v1 as proto;
 
+use super::files::{
+    first_non_finite_tensor, header_length, parse_header, ModelFile, WeightsLayout,
+    CONFIG_FILE_LIMIT, CONFIG_FILE_NAME, HEADER_LENGTH_BYTES, MODEL_FILE_NAME, MODEL_FILE_NAMES,
+};
 use crate::rpc_error::SyncError;
 
 /// What kind of snapshot a drafter began.
@@ -41,81 +46,75 @@ impl SnapshotKind {
     }
 }
 
-/// Bytes of one element: a snapshot is the f32 master weights.
-const ELEMENT_BYTES: u64 = 4;
-
-/// A chunk's dtype, checked: DTYPE_F32 alone.
-fn check_dtype(value: i32) -> Result<(), SyncError> {
-    match proto::Dtype::try_from(value) {
-        Ok(proto::Dtype::F32) => Ok(()),
-        _ => Err(SyncError::Dtype(value)),
-    }
-}
-
-/// One tensor of a snapshot being received: its chunks, unchanged.
+/// One file of a snapshot being received: its chunks, unchanged.
 #[derive(Debug)]
-pub struct UploadedTensor {
-    pub name: String,
-    pub shape: Vec<u64>,
-    /// Chunks in offset order; together exactly the tensor's bytes at commit.
-    pub chunks: Vec<Bytes>,
-    pub received_bytes: u64,
+struct UploadedFile {
+    name: &'static str,
+    /// The size its first chunk declared.
+    size: u64,
+    chunks: Vec<Bytes>,
+    received: u64,
 }
 
-impl UploadedTensor {
-    fn expected_bytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * ELEMENT_BYTES
+impl UploadedFile {
+    fn error(&self, detail: String) -> SyncError {
+        SyncError::BadFile {
+            file: self.name.to_string(),
+            detail,
+        }
     }
 
-    /// Checks that `chunk` continues this tensor exactly: the same shape as
-    /// its first chunk, at the next offset, whole elements, and not past the
-    /// tensor's end.
-    fn check_continued_by(&self, chunk: &proto::TensorChunk) -> Result<(), SyncError> {
-        if self.shape != chunk.shape {
-            return Err(bad_chunk(
-                chunk,
-                format!(
-                    "chunk says {:?}, the tensor's first chunk said {:?}",
-                    chunk.shape, self.shape
-                ),
-            ));
+    fn check_whole(&self) -> Result<(), SyncError> {
+        if self.received == self.size {
+            return Ok(());
         }
-        if chunk.offset != self.received_bytes {
-            return Err(bad_chunk(
-                chunk,
-                format!(
-                    "chunk at offset {}, expected {}",
-                    chunk.offset, self.received_bytes
-                ),
-            ));
-        }
-        let length = chunk.data.len() as u64;
-        if !length.is_multiple_of(ELEMENT_BYTES) {
-            return Err(bad_chunk(
-                chunk,
-                format!("chunk of {length} bytes is not a whole number of f32 elements"),
-            ));
-        }
-        if self.received_bytes + length > self.expected_bytes() {
-            return Err(bad_chunk(
-                chunk,
-                format!(
-                    "{} bytes received, more than the {} of f32 {:?}",
-                    self.received_bytes + length,
-                    self.expected_bytes(),
-                    self.shape
-                ),
-            ));
+        Err(self.error(format!("{} of {} bytes received", self.received, self.size)))
+    }
+}
+
+/// The weights' header as its bytes arrive: the 8-byte length, then the
+/// JSON, parsed as soon as it is whole (a copy of the header only).
+#[derive(Debug, Default)]
+struct HeaderReader {
+    bytes: Vec<u8>,
+    /// The header's length once its prefix arrived.
+    length: Option<u64>,
+    layout: Option<WeightsLayout>,
+}
+
+impl HeaderReader {
+    /// Takes what of `data` (the next bytes of a file of `file_size`) is
+    /// the header's, and parses the header once it is whole.
+    fn feed(&mut self, mut data: &[u8], file_size: u64) -> Result<(), String> {
+        while self.layout.is_none() && !data.is_empty() {
+            let wanted = match self.length {
+                None => HEADER_LENGTH_BYTES,
+                Some(length) => HEADER_LENGTH_BYTES + length,
+            };
+            let missing = (wanted - self.bytes.len() as u64) as usize;
+            let take = missing.min(data.len());
+            self.bytes.extend_from_slice(&data[..take]);
+            data = &data[take..];
+            if self.bytes.len() as u64 != wanted {
+                continue;
+            }
+            match self.length {
+                None => {
+                    let mut prefix = [0u8; 8];
+                    prefix.copy_from_slice(&self.bytes);
+                    self.length = Some(header_length(prefix, file_size)?);
+                    if self.length == Some(0) {
+                        self.layout = Some(parse_header(&[], file_size)?);
+                    }
+                }
+                Some(_) => {
+                    let header = &self.bytes[HEADER_LENGTH_BYTES as usize..];
+                    self.layout = Some(parse_header(header, file_size)?);
+                    self.bytes = Vec::new();
+                }
+            }
         }
         Ok(())
-    }
-}
-
-/// A [`SyncError::BadTensor`] naming `chunk`'s tensor.
-fn bad_chunk(chunk: &proto::TensorChunk, detail: String) -> SyncError {
-    SyncError::BadTensor {
-        name: chunk.name.clone(),
-        detail,
     }
 }
 
@@ -127,7 +126,16 @@ pub struct Upload {
     pub steps: u64,
     /// Samples those steps trained on (every member's).
     pub samples: u64,
-    pub tensors: Vec<UploadedTensor>,
+    files: Vec<UploadedFile>,
+    header: HeaderReader,
+}
+
+/// The file name `name` if it is one of a snapshot's two.
+fn allowed_name(name: &str) -> Result<&'static str, SyncError> {
+    MODEL_FILE_NAMES
+        .into_iter()
+        .find(|allowed| *allowed == name)
+        .ok_or_else(|| SyncError::FileName(name.to_string()))
 }
 
 impl Upload {
@@ -139,155 +147,167 @@ impl Upload {
             kind,
             steps: begin.steps,
             samples: begin.samples,
-            tensors: Vec::new(),
+            files: Vec::new(),
+            header: HeaderReader::default(),
         })
     }
 
-    /// Adds one chunk after checking it continues its tensor exactly.
-    pub fn add_chunk(&mut self, chunk: proto::TensorChunk) -> Result<(), SyncError> {
-        check_dtype(chunk.dtype)?;
-        let continues_last = self
-            .tensors
-            .last()
-            .is_some_and(|last| last.name == chunk.name);
+    /// Adds one chunk after checking it continues its file exactly (or
+    /// begins the next one at offset 0, the one before it whole), within
+    /// the size its file declared; the weights' header is parsed as soon
+    /// as its bytes are in.
+    pub fn add_file_chunk(&mut self, chunk: proto::ModelFileChunk) -> Result<(), SyncError> {
+        let name = allowed_name(&chunk.file)?;
+        let continues_last = self.files.last().is_some_and(|last| last.name == name);
         if !continues_last {
-            self.begin_tensor(&chunk)?;
+            self.begin_file(name, &chunk)?;
         }
-        let Some(tensor) = self.tensors.last_mut() else {
-            return Err(bad_chunk(&chunk, "no tensor".to_string()));
+        let Some(file) = self.files.last_mut() else {
+            return Err(SyncError::FileName(chunk.file));
         };
-        tensor.check_continued_by(&chunk)?;
-        tensor.received_bytes += chunk.data.len() as u64;
-        tensor.chunks.push(chunk.data);
-        Ok(())
-    }
-
-    /// Starts a new tensor with `chunk`, its first: the chunk is at offset 0,
-    /// the name is new, the tensor before it is complete, and the shape is
-    /// valid.
-    fn begin_tensor(&mut self, chunk: &proto::TensorChunk) -> Result<(), SyncError> {
-        if chunk.offset != 0 {
-            return Err(bad_chunk(
-                chunk,
-                format!("first chunk at offset {}, expected 0", chunk.offset),
-            ));
+        if chunk.file_size != file.size {
+            return Err(file.error(format!(
+                "chunk says size {}, the file's first chunk said {}",
+                chunk.file_size, file.size
+            )));
         }
-        if self.tensors.iter().any(|tensor| tensor.name == chunk.name) {
-            return Err(SyncError::DuplicateTensor(chunk.name.clone()));
+        if chunk.offset != file.received {
+            return Err(file.error(format!(
+                "chunk at offset {}, expected {}",
+                chunk.offset, file.received
+            )));
         }
-        if let Some(last) = self.tensors.last() {
-            if last.received_bytes != last.expected_bytes() {
-                return Err(SyncError::BadTensor {
-                    name: last.name.clone(),
-                    detail: format!(
-                        "{} of {} bytes before the next tensor began",
-                        last.received_bytes,
-                        last.expected_bytes()
-                    ),
-                });
+        let received = file.received + chunk.data.len() as u64;
+        if received > file.size {
+            return Err(file.error(format!(
+                "{received} bytes received, more than its size {}",
+                file.size
+            )));
+        }
+        if name == MODEL_FILE_NAME {
+            self.header
+                .feed(&chunk.data, file.size)
+                .map_err(|detail| file.error(detail))?;
+            if received == file.size && self.header.layout.is_none() {
+                return Err(file.error(format!(
+                    "{received} bytes end before the safetensors header does"
+                )));
             }
         }
-        // The byte count must fit a u64, not only the element count:
-        // `expected_bytes` multiplies by the element size unchecked (a
-        // shape of 2^62 f32 elements overflowed it: fuzz target
-        // `model_sync`, tests/fuzz/corpus/model_sync/crash-*).
-        let bytes = chunk
-            .shape
-            .iter()
-            .try_fold(ELEMENT_BYTES, |product, &dim| product.checked_mul(dim));
-        if chunk.shape.is_empty() {
-            return Err(bad_chunk(chunk, "invalid shape []".to_string()));
-        }
-        if bytes.is_none() {
-            return Err(bad_chunk(
-                chunk,
-                format!(
-                    "invalid shape {:?}: its bytes as f32 overflow a u64",
-                    chunk.shape
-                ),
-            ));
-        }
-        self.tensors.push(UploadedTensor {
-            name: chunk.name.clone(),
-            shape: chunk.shape.clone(),
-            chunks: Vec::new(),
-            received_bytes: 0,
-        });
+        file.received = received;
+        file.chunks.push(chunk.data);
         Ok(())
     }
 
-    /// Every tensor is complete and their number is the declared one.
-    pub(super) fn check_complete(&self, declared: u32) -> Result<(), SyncError> {
-        if self.tensors.len() != declared as usize {
-            return Err(SyncError::CountMismatch {
-                sent: self.tensors.len(),
-                declared,
+    /// Starts file `name` with `chunk`, its first: at offset 0, not sent
+    /// before, the file before it whole, a size within the file's bound.
+    fn begin_file(
+        &mut self,
+        name: &'static str,
+        chunk: &proto::ModelFileChunk,
+    ) -> Result<(), SyncError> {
+        let file = UploadedFile {
+            name,
+            size: chunk.file_size,
+            chunks: Vec::new(),
+            received: 0,
+        };
+        if chunk.offset != 0 {
+            return Err(file.error(format!(
+                "first chunk at offset {}, expected 0",
+                chunk.offset
+            )));
+        }
+        if self.files.iter().any(|sent| sent.name == name) {
+            return Err(SyncError::DuplicateFile(name.to_string()));
+        }
+        if let Some(last) = self.files.last() {
+            last.check_whole()?;
+        }
+        if name == CONFIG_FILE_NAME && chunk.file_size > CONFIG_FILE_LIMIT {
+            return Err(file.error(format!(
+                "{} bytes, more than the {CONFIG_FILE_LIMIT} a config may have",
+                chunk.file_size
+            )));
+        }
+        self.files.push(file);
+        Ok(())
+    }
+
+    /// Every file whole, both present, and their number the declared one.
+    fn check_complete(&self, declared_files: u32) -> Result<(), SyncError> {
+        if self.files.len() != declared_files as usize {
+            return Err(SyncError::FileCountMismatch {
+                sent: self.files.len(),
+                declared: declared_files,
             });
         }
-        for tensor in &self.tensors {
-            if tensor.received_bytes != tensor.expected_bytes() {
-                return Err(SyncError::BadTensor {
-                    name: tensor.name.clone(),
-                    detail: format!(
-                        "{} of {} bytes received",
-                        tensor.received_bytes,
-                        tensor.expected_bytes()
-                    ),
-                });
+        for name in MODEL_FILE_NAMES {
+            if !self.files.iter().any(|file| file.name == name) {
+                return Err(SyncError::MissingFile(name));
             }
+        }
+        for file in &self.files {
+            file.check_whole()?;
         }
         Ok(())
     }
-}
 
-/// An [`Upload`] whose every value is finite: the only kind the model
-/// takes, so the check (a pass over 4 bytes a parameter) runs before the
-/// model's lock, never under it.
-#[derive(Debug)]
-pub struct FiniteUpload(Upload);
-
-impl FiniteUpload {
-    pub(super) fn into_inner(self) -> Upload {
-        self.0
-    }
-}
-
-impl Upload {
-    /// Refuses a snapshot with a value that is not finite, naming the
-    /// tensor and the value: one read-only pass over its bytes.
-    pub fn into_finite(self) -> Result<FiniteUpload, SyncError> {
-        for tensor in &self.tensors {
-            check_finite(&tensor.name, &tensor.chunks)?;
-        }
-        Ok(FiniteUpload(self))
-    }
-}
-
-/// The first value of `data` (f32 little-endian, in chunks) that is not
-/// finite, and its element index; read in place, nothing copied.
-pub fn first_non_finite(data: &[Bytes]) -> Option<(usize, f32)> {
-    let mut index = 0usize;
-    for chunk in data {
-        for raw in chunk.chunks_exact(4) {
-            let value = f32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]);
-            if !value.is_finite() {
-                return Some((index, value));
+    fn take_file(&mut self, name: &str) -> ModelFile {
+        let index = self.files.iter().position(|file| file.name == name);
+        index.map_or_else(ModelFile::default, |index| {
+            let file = self.files.swap_remove(index);
+            ModelFile {
+                chunks: file.chunks,
+                size: file.size,
             }
-            index += 1;
-        }
+        })
     }
-    None
+
+    /// Checks the snapshot whole (`declared_files` as its commit says),
+    /// its config UTF-8 JSON, and every weight finite (one read-only pass
+    /// over the chunks, naming the tensor and the value), then hands its
+    /// files over as they arrived. Runs before the model's lock.
+    pub fn into_finite(mut self, declared_files: u32) -> Result<FiniteUpload, SyncError> {
+        self.check_complete(declared_files)?;
+        let layout = self.header.layout.take().unwrap_or_default();
+        let weights = self.take_file(MODEL_FILE_NAME);
+        let config = self.take_file(CONFIG_FILE_NAME);
+        let config_json = String::from_utf8(config.joined())
+            .map_err(|error| SyncError::Config(format!("{CONFIG_FILE_NAME}: {error}")))?;
+        serde_json::from_str::<serde_json::Value>(&config_json)
+            .map_err(|error| SyncError::Config(format!("{CONFIG_FILE_NAME}: {error}")))?;
+        if let Some((name, index, value)) = first_non_finite_tensor(&weights, &layout) {
+            return Err(SyncError::BadTensor {
+                name,
+                detail: format!(
+                    "weights are not finite ({value} at element {index}): refused as the run's model"
+                ),
+            });
+        }
+        Ok(FiniteUpload {
+            kind: self.kind,
+            steps: self.steps,
+            samples: self.samples,
+            config_json,
+            weights,
+            layout,
+        })
+    }
 }
 
-/// Refuses a tensor with a value that is not finite as the run's model.
-pub fn check_finite(name: &str, data: &[Bytes]) -> Result<(), SyncError> {
-    match first_non_finite(data) {
-        None => Ok(()),
-        Some((index, value)) => Err(SyncError::BadTensor {
-            name: name.to_string(),
-            detail: format!(
-                "weights are not finite ({value} at element {index}): refused as the run's model"
-            ),
-        }),
-    }
+/// A whole [`Upload`] whose every weight is finite: the only kind the
+/// model takes, so the check (a pass over 4 bytes a parameter) runs before
+/// the model's lock, never under it.
+#[derive(Debug)]
+pub struct FiniteUpload {
+    pub kind: SnapshotKind,
+    pub steps: u64,
+    pub samples: u64,
+    /// `config.json`, as it arrived.
+    pub config_json: String,
+    /// `model.safetensors`, its chunks as they arrived.
+    pub weights: ModelFile,
+    /// What its header says of the tensors.
+    pub layout: WeightsLayout,
 }

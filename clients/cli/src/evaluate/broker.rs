@@ -1,6 +1,6 @@
 //! The evaluator's connection to the broker: the status, `ReadModel`
-//! (whole or header first, then the weights) and `ReportTau`, and the
-//! drafter a model's tensors make.
+//! (whole or header first, then the model's files) and `ReportTau`, and
+//! the drafter a model's files make.
 
 use std::collections::HashMap;
 use std::time::SystemTime;
@@ -8,15 +8,16 @@ use std::time::SystemTime;
 use anyhow::{bail, Context as _};
 use dflash_client::{BrokerClient, ClientSecurityArgs};
 use dflash_model::draft::DraftConfig;
-use dflash_proto::chunks::TensorAssembler;
+use dflash_model::draft::{CONFIG_FILE_NAME, MODEL_FILE_NAME};
+use dflash_proto::chunks::{take_file, FileAssembler, ReceivedFile};
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 
-/// A model version read with `ReadModel`: its header and every tensor
-/// (name, shape, f32 little-endian bytes).
+/// A model version read with `ReadModel`: its header and its files
+/// (`config.json`, `model.safetensors`; none for a header-only read).
 pub struct ReadModel {
     pub header: proto::ModelHeader,
-    pub tensors: Vec<(String, Vec<u64>, Vec<u8>)>,
+    pub files: Vec<ReceivedFile>,
 }
 
 /// Why a `ModelSync.ReadModel` failed: whether another try can help
@@ -97,8 +98,8 @@ impl Evaluator {
     }
 
     /// A version the broker keeps since [`Self::keep_model`], whole:
-    /// header, then every tensor's chunks in order, then `done` (whose
-    /// count must match).
+    /// header, then each file's chunks in order, then `done` (whose count
+    /// must match).
     pub async fn read_kept(&mut self, version: u64) -> Result<ReadModel, ReadError> {
         let read = self.read(false, Some(version)).await?;
         if read.header.model_version != version {
@@ -142,7 +143,7 @@ impl Evaluator {
                 )))
             }
         };
-        let mut tensors = TensorAssembler::default();
+        let mut files = FileAssembler::default();
         loop {
             match stream
                 .message()
@@ -150,7 +151,7 @@ impl Evaluator {
                 .map_err(failed)?
                 .and_then(|message| message.kind)
             {
-                Some(Kind::Chunk(chunk)) => tensors
+                Some(Kind::FileChunk(chunk)) => files
                     .push(chunk)
                     .map_err(|error| ReadError::Malformed(error.to_string()))?,
                 Some(Kind::Done(done)) => {
@@ -160,14 +161,14 @@ impl Evaluator {
                             header.model_version, done.model_version
                         )));
                     }
-                    let tensors = tensors
-                        .finish(done.tensors)
+                    let files = files
+                        .finish(done.files)
                         .map_err(|error| ReadError::Malformed(error.to_string()))?;
-                    return Ok(ReadModel { header, tensors });
+                    return Ok(ReadModel { header, files });
                 }
                 other => {
                     return Err(ReadError::Malformed(format!(
-                        "expected chunks then done, got {other:?}"
+                        "expected file chunks then done, got {other:?}"
                     )))
                 }
             }
@@ -188,30 +189,24 @@ impl Evaluator {
     }
 }
 
-/// A model read as the evaluator measures it: its configuration (the
-/// header's `config.json`) and its parameters as f32 tensors, in memory.
-/// Each tensor's bytes are freed once copied, so the weights are held
-/// once and a half at most.
+/// A model read as the evaluator measures it: its configuration (its
+/// `config.json`) and its parameters (its `model.safetensors`, read from
+/// the bytes received, no file), in memory. The file's bytes are freed
+/// once the tensors are made of them.
 pub fn draft_of_read(
-    model: ReadModel,
+    mut model: ReadModel,
 ) -> anyhow::Result<(DraftConfig, HashMap<String, tch::Tensor>)> {
-    let config_json: serde_json::Value = serde_json::from_str(&model.header.model_config_json)
-        .context("the model's config is not JSON")?;
+    let (Some(config_json), Some(weights)) = (
+        take_file(&mut model.files, CONFIG_FILE_NAME),
+        take_file(&mut model.files, MODEL_FILE_NAME),
+    ) else {
+        bail!("the model read lacks {CONFIG_FILE_NAME} or {MODEL_FILE_NAME}");
+    };
+    let config_json: serde_json::Value =
+        serde_json::from_slice(&config_json).context("the model's config.json is not JSON")?;
     let config = DraftConfig::from_hf_json(&config_json)?;
-    let mut tensors = HashMap::with_capacity(model.tensors.len());
-    for (name, shape, bytes) in model.tensors {
-        let shape: Vec<i64> = shape.iter().map(|&dim| dim as i64).collect();
-        let elements: i64 = shape.iter().product();
-        if bytes.len() as i64 != 4 * elements {
-            bail!(
-                "tensor {name:?}: {} bytes, expected {} for f32 {shape:?}",
-                bytes.len(),
-                4 * elements
-            );
-        }
-        let tensor = tch::Tensor::f_from_data_size(&bytes, &shape, tch::Kind::Float)?;
-        tensors.insert(name, tensor);
-    }
+    let origin = format!("model version {}", model.header.model_version);
+    let tensors = dflash_model::draft::checkpoint::read_safetensors_bytes(&weights, &origin)?;
     Ok((config, tensors))
 }
 

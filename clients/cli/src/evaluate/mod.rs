@@ -3,7 +3,8 @@
 //! The evaluator reads the run's model with `ModelSync.ReadModel` (read-only:
 //! it opens no sync session, so it never counts as a drafter, changes
 //! nothing of the run's model and is never waited for), builds the drafter from
-//! the tensors read (in memory: nothing is written), measures τ on held-out
+//! the model's files read (`config.json`, `model.safetensors`: read from the
+//! bytes in memory, nothing is written), measures τ on held-out
 //! prompts with `dflash_model::eval` (the same code as `dflash eval`: greedy, the
 //! target's KV cache, the bonus token counted; the target is loaded once),
 //! and reports it with `ModelSync.ReportTau`; the broker keeps the history
@@ -35,7 +36,7 @@
 //!   `dflash eval`).
 //! - `report`: what was measured (`EvaluatorReport`, `Point`).
 //! - `broker`: the connection (`Evaluator`: status, `ReadModel`,
-//!   `ReportTau`) and the drafter a model's tensors make.
+//!   `ReportTau`) and the drafter a model's files make.
 //! - `measure`: the measurements (`Bench`: the target and prompts, one
 //!   version at a time on a blocking thread).
 //! - `watch`: `--watch` (`Schedule`, `Watcher`, the loop).

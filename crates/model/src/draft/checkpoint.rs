@@ -6,11 +6,20 @@
 //! A checkpoint is written into a hidden temporary sibling directory and
 //! renamed into place, so a reader (or `--resume` after a crash) sees either
 //! the whole previous checkpoint or the whole new one, never a torn one.
+//!
+//! One writer: [`model_files`] makes the model's two files in memory
+//! (`config.json`, `model.safetensors`), byte for byte what a checkpoint
+//! directory holds; a checkpoint writes them, and a drafter sends them as
+//! the run's model (the broker keeps and writes them as they are). Beside
+//! the path reader, [`read_safetensors_bytes`] reads the weights back from
+//! bytes (the run's model as the broker serves it).
 
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use safetensors::tensor::TensorView;
+use safetensors::tensor::View;
 use serde::{Deserialize, Serialize};
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
@@ -75,21 +84,48 @@ pub fn save_draft_checkpoint(
     })
 }
 
+/// A model's two files in the reference format, in memory: what a
+/// checkpoint directory holds of it, byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelFiles {
+    /// `config.json`: the model config, pretty-printed.
+    pub config_json: String,
+    /// `model.safetensors`: the parameters (f32 master weights), sorted by
+    /// name, with the `{"format": "pt"}` metadata.
+    pub weights: Vec<u8>,
+}
+
+/// The model's trainable parameters, sorted by name (the checkpoint order).
+pub fn sorted_parameters(model: &DraftModel) -> Vec<(String, Tensor)> {
+    let mut variables: Vec<(String, Tensor)> = model.var_store().variables().into_iter().collect();
+    variables.sort_by(|left, right| left.0.cmp(&right.0));
+    variables
+}
+
+/// The model's `config.json` and `model.safetensors`, in memory: the one
+/// encoding of the reference format, which a checkpoint writes to disk
+/// and a drafter sends as the run's model. The weights are encoded into
+/// one buffer, each parameter copied to the host only as it is written.
+pub fn model_files(model: &DraftModel) -> Result<ModelFiles, DraftError> {
+    Ok(ModelFiles {
+        config_json: json_text(&model.config().to_hf_json("float32"))?,
+        weights: safetensors_bytes(&sorted_parameters(model))?,
+    })
+}
+
 /// Writes a checkpoint's files into the empty directory `staging`.
 fn write_checkpoint_files(
     staging: &Path,
     model: &DraftModel,
     training: Option<(&AdamW, &TrainingProgress)>,
 ) -> Result<(), DraftError> {
-    let config_json = model.config().to_hf_json("float32");
-    write_json(&staging.join(CONFIG_FILE_NAME), &config_json)?;
-    let parameters: Vec<(String, Tensor)> = {
-        let mut variables: Vec<(String, Tensor)> =
-            model.var_store().variables().into_iter().collect();
-        variables.sort_by(|left, right| left.0.cmp(&right.0));
-        variables
-    };
-    write_safetensors(&staging.join(MODEL_FILE_NAME), &parameters)?;
+    let files = model_files(model)?;
+    dflash_shell::write_synced(
+        &staging.join(CONFIG_FILE_NAME),
+        files.config_json.as_bytes(),
+    )?;
+    dflash_shell::write_synced(&staging.join(MODEL_FILE_NAME), &files.weights)?;
+    drop(files);
     if let Some((optimizer, progress)) = training {
         write_safetensors(
             &staging.join(OPTIMIZER_FILE_NAME),
@@ -198,41 +234,166 @@ pub fn load_training_state(
 }
 
 /// Writes named tensors with the `{"format": "pt"}` metadata transformers
-/// checks for.
+/// checks for ([`safetensors_bytes`], then the file, synced).
 pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<(), DraftError> {
-    let mut buffers = Vec::with_capacity(tensors.len());
-    for (name, tensor) in tensors {
-        let tensor = tensor.detach().to_device(Device::Cpu).contiguous();
-        let dtype = match tensor.kind() {
-            Kind::Float => safetensors::Dtype::F32,
-            Kind::BFloat16 => safetensors::Dtype::BF16,
-            Kind::Half => safetensors::Dtype::F16,
-            Kind::Int64 => safetensors::Dtype::I64,
-            Kind::Int => safetensors::Dtype::I32,
-            Kind::Uint8 => safetensors::Dtype::U8,
-            other => {
-                return Err(DraftError::Checkpoint(format!(
-                    "tensor {name:?}: cannot store kind {other:?}"
-                )));
-            }
-        };
-        let byte_count = tensor.numel() * tensor.kind().elt_size_in_bytes();
-        let mut bytes = vec![0u8; byte_count];
-        tensor.f_copy_data_u8(&mut bytes, tensor.numel())?;
-        let shape: Vec<usize> = tensor.size().iter().map(|&dim| dim as usize).collect();
-        buffers.push((name.clone(), dtype, shape, bytes));
-    }
-    let views = buffers
+    let bytes = safetensors_bytes(tensors)?;
+    Ok(dflash_shell::write_synced(path, &bytes)?)
+}
+
+/// The safetensors encoding of named tensors (f32, bf16, f16, i64, i32 or
+/// u8, as they are), with the `{"format": "pt"}` metadata transformers
+/// checks for. Each tensor is copied to the host only while the encoder
+/// writes it: the encoding is the only whole copy.
+pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, DraftError> {
+    let failure = RefCell::new(None);
+    let views = tensors
         .iter()
-        .map(|(name, dtype, shape, bytes)| {
-            TensorView::new(*dtype, shape.clone(), bytes)
-                .map(|view| (name.clone(), view))
-                .map_err(|error| DraftError::Checkpoint(format!("tensor {name:?}: {error}")))
+        .map(|(name, tensor)| {
+            let dtype = match tensor.kind() {
+                Kind::Float => safetensors::Dtype::F32,
+                Kind::BFloat16 => safetensors::Dtype::BF16,
+                Kind::Half => safetensors::Dtype::F16,
+                Kind::Int64 => safetensors::Dtype::I64,
+                Kind::Int => safetensors::Dtype::I32,
+                Kind::Uint8 => safetensors::Dtype::U8,
+                other => {
+                    return Err(DraftError::Checkpoint(format!(
+                        "tensor {name:?}: cannot store kind {other:?}"
+                    )));
+                }
+            };
+            let view = HostTensor {
+                name,
+                tensor: tensor.detach(),
+                dtype,
+                shape: tensor.size().iter().map(|&dim| dim as usize).collect(),
+                length: tensor.numel() * tensor.kind().elt_size_in_bytes(),
+                failure: &failure,
+            };
+            Ok((name.clone(), view))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(metadata), path)
-        .map_err(|error| DraftError::Checkpoint(format!("{}: {error}", path.display())))
+    let bytes = safetensors::serialize(views, Some(metadata))
+        .map_err(|error| DraftError::Checkpoint(format!("safetensors: {error}")))?;
+    match failure.into_inner() {
+        Some(error) => Err(error),
+        None => Ok(bytes),
+    }
+}
+
+/// A tensor as the safetensors encoder takes it: its bytes copied to the
+/// host when the encoder asks for them (one tensor at a time), a failed
+/// copy kept in `failure` (the encoder's view cannot fail) and returned.
+struct HostTensor<'a> {
+    name: &'a str,
+    tensor: Tensor,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    length: usize,
+    failure: &'a RefCell<Option<DraftError>>,
+}
+
+impl HostTensor<'_> {
+    fn host_bytes(&self) -> Result<Vec<u8>, DraftError> {
+        let host = self.tensor.f_to_device(Device::Cpu)?.contiguous();
+        let mut bytes = vec![0u8; self.length];
+        host.f_copy_data_u8(&mut bytes, host.numel())?;
+        Ok(bytes)
+    }
+}
+
+impl View for HostTensor<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        self.dtype
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self.host_bytes() {
+            Ok(bytes) => Cow::Owned(bytes),
+            Err(error) => {
+                let mut failure = self.failure.borrow_mut();
+                if failure.is_none() {
+                    *failure = Some(DraftError::Checkpoint(format!(
+                        "tensor {:?}: {error}",
+                        self.name
+                    )));
+                }
+                Cow::Owned(vec![0u8; self.length])
+            }
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.length
+    }
+}
+
+/// Every tensor of a safetensors file held in memory, as CPU tensors of
+/// their dtype (`origin` names the bytes in errors): the header checked
+/// against the bytes by the `safetensors` crate before any is read.
+pub fn read_safetensors_bytes(
+    bytes: &[u8],
+    origin: &str,
+) -> Result<HashMap<String, Tensor>, DraftError> {
+    let mut tensors = HashMap::new();
+    visit_safetensors_bytes(bytes, origin, |name, tensor| {
+        tensors.insert(name.to_string(), tensor);
+        Ok(())
+    })?;
+    Ok(tensors)
+}
+
+/// The name and shape of every tensor of a safetensors file held in
+/// memory, read from its header (checked against the bytes): what a caller
+/// checks before it copies anything.
+pub fn safetensors_shapes(
+    bytes: &[u8],
+    origin: &str,
+) -> Result<Vec<(String, Vec<i64>)>, DraftError> {
+    let file = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|error| DraftError::Checkpoint(format!("{origin}: {error}")))?;
+    Ok(file
+        .iter()
+        .map(|(name, view)| {
+            let shape = view.shape().iter().map(|&dim| dim as i64).collect();
+            (name.to_string(), shape)
+        })
+        .collect())
+}
+
+/// Hands each tensor of a safetensors file held in memory to `visit`, one
+/// at a time, as a CPU tensor of its dtype: a caller that copies each into
+/// its place holds the file and one tensor, not the file twice.
+pub fn visit_safetensors_bytes(
+    bytes: &[u8],
+    origin: &str,
+    mut visit: impl FnMut(&str, Tensor) -> Result<(), DraftError>,
+) -> Result<(), DraftError> {
+    let file = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|error| DraftError::Checkpoint(format!("{origin}: {error}")))?;
+    for (name, view) in file.iter() {
+        let kind = match view.dtype() {
+            safetensors::Dtype::F32 => Kind::Float,
+            safetensors::Dtype::BF16 => Kind::BFloat16,
+            safetensors::Dtype::F16 => Kind::Half,
+            safetensors::Dtype::I64 => Kind::Int64,
+            safetensors::Dtype::I32 => Kind::Int,
+            safetensors::Dtype::U8 => Kind::Uint8,
+            other => {
+                return Err(DraftError::Checkpoint(format!(
+                "{origin}: tensor {name:?} has dtype {other:?}, which a draft model does not hold"
+            )))
+            }
+        };
+        let shape: Vec<i64> = view.shape().iter().map(|&dim| dim as i64).collect();
+        visit(name, Tensor::f_from_data_size(view.data(), &shape, kind)?)?;
+    }
+    Ok(())
 }
 
 /// Reads every tensor of a safetensors file onto the CPU.
@@ -248,4 +409,13 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<(), DraftError> 
         source,
     })?;
     Ok(dflash_shell::write_synced(path, (text + "\n").as_bytes())?)
+}
+
+/// A JSON file's text as the checkpoint writes it: pretty, one newline.
+fn json_text(value: &serde_json::Value) -> Result<String, DraftError> {
+    let text = serde_json::to_string_pretty(value).map_err(|source| DraftError::Json {
+        path: Path::new(CONFIG_FILE_NAME).to_path_buf(),
+        source,
+    })?;
+    Ok(text + "\n")
 }

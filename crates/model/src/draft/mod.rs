@@ -57,9 +57,9 @@ pub mod step_dirs;
 pub mod trainer;
 
 pub use checkpoint::{
-    draft_model_from_tensors, load_draft_model, load_training_state, save_draft_checkpoint,
-    TrainingProgress, CONFIG_FILE_NAME, MODEL_FILE_NAME, OPTIMIZER_FILE_NAME,
-    TRAINER_STATE_FILE_NAME,
+    draft_model_from_tensors, load_draft_model, load_training_state, model_files,
+    save_draft_checkpoint, sorted_parameters, ModelFiles, TrainingProgress, CONFIG_FILE_NAME,
+    MODEL_FILE_NAME, OPTIMIZER_FILE_NAME, TRAINER_STATE_FILE_NAME,
 };
 pub use config::{
     build_target_layer_ids, Dflash2Config, DraftConfig, DraftOptions, TargetDimensions,

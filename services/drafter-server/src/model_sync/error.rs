@@ -17,6 +17,9 @@ pub enum SyncClientError {
     Timeout(Duration),
     #[error("tensor {name:?}: {detail}")]
     Tensor { name: String, detail: String },
+    /// The model's files: writing them, or reading the run's.
+    #[error("model files: {0}")]
+    Model(String),
     #[error(transparent)]
     Torch(#[from] tch::TchError),
 }

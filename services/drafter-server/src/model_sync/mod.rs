@@ -19,9 +19,11 @@
 //! - this module: the errors, the flags and [`ModelSyncLink`], the
 //!   training thread's side.
 //! - `session`: the streams on the wire (the `Session`: hello and welcome,
-//!   a snapshot in chunks, the result; the read of the run's model), async,
-//!   run on the server's runtime.
-//! - `tensors`: the model's parameters to and from wire bytes (libtorch).
+//!   a snapshot's files in chunks, the result; the read of the run's
+//!   model's files), async, run on the server's runtime.
+//! - `tensors`: the model to and from its checkpoint's files in memory
+//!   (the drafter's one checkpoint writer and its from-bytes reader;
+//!   libtorch).
 
 mod session;
 mod tensors;
@@ -38,7 +40,7 @@ mod settings;
 pub use error::SyncClientError;
 use session::{open, read_model, Session};
 pub use settings::{ModelSyncMode, SyncConfig};
-use tensors::{load_model, sorted_parameters, tensor_to_wire};
+use tensors::{load_model, snapshot_files};
 
 /// What the link's calls cost and did, for the log.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -133,7 +135,7 @@ impl ModelSyncLink {
             );
             return Ok((0, 0));
         };
-        load_model(&sorted_parameters(model), run_model.tensors)?;
+        load_model(model, &run_model.weights)?;
         self.totals.model_version = run_model.step;
         self.totals.model_samples = run_model.samples;
         info!(
@@ -181,10 +183,7 @@ impl ModelSyncLink {
             let config_json = model.config().to_hf_json("float32").to_string();
             self.open_session(config_json)?;
         }
-        let tensors = sorted_parameters(model)
-            .iter()
-            .map(|(name, tensor)| tensor_to_wire(name, tensor))
-            .collect::<Result<Vec<_>, _>>()?;
+        let files = snapshot_files(model)?;
         let kind = if last {
             proto::SyncKind::FinalSnapshot
         } else {
@@ -198,7 +197,7 @@ impl ModelSyncLink {
         };
         let timeout = self.timeout();
         let mut session = self.session.take().ok_or(SyncClientError::Closed)?;
-        let outcome = self.block_on(timeout, session::snapshot(&mut session, begin, tensors));
+        let outcome = self.block_on(timeout, session::snapshot(&mut session, begin, files));
         if outcome.is_ok() {
             self.session = Some(session);
         }

@@ -1,18 +1,18 @@
 //! The `dflash.v1.ModelSync` streams on the wire: the `Session` (the hello
-//! and the broker's welcome, then snapshots: BEGIN, the tensors in chunks
-//! of at most `MODEL_SYNC_CHUNK_BYTES`, COMMIT; the result) and the read of
-//! the run's model (`ReadModel` as a drafter: the header, the tensors in
-//! chunks until DONE). Async, driven on the server's runtime by
+//! and the broker's welcome, then snapshots: BEGIN, the model's two files
+//! in chunks of at most `MODEL_SYNC_CHUNK_BYTES`, COMMIT; the result) and
+//! the read of the run's model (`ReadModel` as a drafter: the header, the
+//! files in chunks until DONE). Async, driven on the server's runtime by
 //! [`super::ModelSyncLink`]; apart from it so the link reads as the
 //! training thread's decisions and this as the protocol.
 
-use dflash_proto::chunks::TensorAssembler;
+use dflash_model::draft::{ModelFiles, CONFIG_FILE_NAME, MODEL_FILE_NAME};
+use dflash_proto::chunks::{take_file, FileAssembler};
 use dflash_proto::v1 as proto;
 use dflash_proto::v1::model_sync_client::ModelSyncClient;
 use tokio::sync::mpsc;
 
 use super::error::SyncClientError;
-use super::tensors::WireTensor;
 
 use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 
@@ -28,7 +28,8 @@ pub(super) struct RunModel {
     pub(super) step: u64,
     /// Samples those steps trained on.
     pub(super) samples: u64,
-    pub(super) tensors: Vec<WireTensor>,
+    /// Its `model.safetensors`, as the broker keeps it.
+    pub(super) weights: Vec<u8>,
 }
 
 /// A ModelSync client on the broker, with the transport settings and the
@@ -88,14 +89,14 @@ fn request(kind: proto::sync_request::Kind) -> proto::SyncRequest {
     proto::SyncRequest { kind: Some(kind) }
 }
 
-/// One snapshot on an open session: the upload (BEGIN, chunks, COMMIT)
-/// and the broker's result.
+/// One snapshot on an open session: the upload (BEGIN, the files' chunks,
+/// COMMIT) and the broker's result.
 pub(super) async fn snapshot(
     session: &mut Session,
     begin: proto::SyncBegin,
-    tensors: Vec<WireTensor>,
+    files: ModelFiles,
 ) -> Result<proto::SyncResult, SyncClientError> {
-    upload(session, begin, tensors).await?;
+    upload(session, begin, files).await?;
     let next = session
         .responses
         .message()
@@ -110,12 +111,13 @@ pub(super) async fn snapshot(
     }
 }
 
-/// Sends BEGIN, every tensor (f32) in chunks of at most `CHUNK_BYTES`,
-/// then COMMIT with the tensor count.
+/// Sends BEGIN, `config.json` then `model.safetensors` in chunks of at
+/// most `CHUNK_BYTES` (slices of one buffer each, no copy), then COMMIT
+/// with the file count.
 async fn upload(
     session: &Session,
     begin: proto::SyncBegin,
-    tensors: Vec<WireTensor>,
+    files: ModelFiles,
 ) -> Result<(), SyncClientError> {
     let send = |kind| {
         let requests = session.requests.clone();
@@ -127,19 +129,20 @@ async fn upload(
         }
     };
     send(proto::sync_request::Kind::Begin(begin)).await?;
-    let count = tensors.len() as u32;
-    for (name, shape, bytes) in tensors {
-        let bytes = bytes::Bytes::from(bytes);
+    let config = bytes::Bytes::from(files.config_json.into_bytes());
+    let weights = bytes::Bytes::from(files.weights);
+    for (name, bytes) in [(CONFIG_FILE_NAME, config), (MODEL_FILE_NAME, weights)] {
         let mut offset = 0usize;
         loop {
             let end = (offset + CHUNK_BYTES).min(bytes.len());
-            send(proto::sync_request::Kind::Chunk(proto::TensorChunk {
-                name: name.clone(),
-                dtype: proto::Dtype::F32 as i32,
-                shape: shape.clone(),
-                offset: offset as u64,
-                data: bytes.slice(offset..end),
-            }))
+            send(proto::sync_request::Kind::FileChunk(
+                proto::ModelFileChunk {
+                    file: name.to_string(),
+                    offset: offset as u64,
+                    data: bytes.slice(offset..end),
+                    file_size: bytes.len() as u64,
+                },
+            ))
             .await?;
             offset = end;
             if offset >= bytes.len() {
@@ -148,7 +151,7 @@ async fn upload(
         }
     }
     send(proto::sync_request::Kind::Commit(proto::SyncCommit {
-        tensors: count,
+        files: 2,
     }))
     .await
 }
@@ -182,25 +185,28 @@ pub(super) async fn read_model(
             )))
         }
     };
-    let mut tensors = TensorAssembler::default();
+    let mut files = FileAssembler::default();
     loop {
         match stream.message().await?.and_then(|message| message.kind) {
-            Some(Kind::Chunk(chunk)) => tensors
+            Some(Kind::FileChunk(chunk)) => files
                 .push(chunk)
                 .map_err(|error| SyncClientError::Protocol(error.to_string()))?,
             Some(Kind::Done(done)) => {
-                let tensors = tensors
-                    .finish(done.tensors)
+                let mut files = files
+                    .finish(done.files)
                     .map_err(|error| SyncClientError::Protocol(error.to_string()))?;
+                let weights = take_file(&mut files, MODEL_FILE_NAME).ok_or_else(|| {
+                    SyncClientError::Protocol(format!("the run's model lacks {MODEL_FILE_NAME}"))
+                })?;
                 return Ok(Some(RunModel {
                     step: header.model_version,
                     samples: header.model_samples,
-                    tensors,
+                    weights,
                 }));
             }
             other => {
                 return Err(SyncClientError::Protocol(format!(
-                    "expected the run model's chunks, got {other:?}"
+                    "expected the run model's file chunks, got {other:?}"
                 )))
             }
         }

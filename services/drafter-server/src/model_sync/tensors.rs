@@ -1,74 +1,65 @@
-//! The model's parameters to and from wire bytes: sorted by name, copied
-//! to the host as f32, and the run's model loaded into the model.
-//! Everything libtorch of model sync, apart from the protocol
-//! ([`super::session`]), which never touches a tensor.
+//! The model to and from its checkpoint's files in memory: the files the
+//! drafter's one checkpoint writer makes (`dflash_model::draft::model_files`)
+//! are what a snapshot sends, and the run's model's files, read from the
+//! broker, are loaded into the model's parameters. Everything libtorch of
+//! model sync, apart from the protocol ([`super::session`]), which never
+//! touches a tensor.
 
-use dflash_model::draft::DraftModel;
-use tch::{Device, Kind, Tensor};
+use std::collections::HashMap;
+
+use dflash_model::draft::checkpoint::{safetensors_shapes, visit_safetensors_bytes};
+use dflash_model::draft::{model_files, sorted_parameters, DraftError, DraftModel, ModelFiles};
 
 use super::error::SyncClientError;
 
-/// One tensor in transit: name, shape, raw little-endian bytes.
-pub(super) type WireTensor = dflash_proto::chunks::ReceivedTensor;
+/// Where the run's model's tensors come from, in errors.
+const ORIGIN: &str = "the run's model";
 
-/// The model's trainable parameters, sorted by name (the checkpoint order).
-pub(super) fn sorted_parameters(model: &DraftModel) -> Vec<(String, Tensor)> {
-    let mut parameters: Vec<(String, Tensor)> = model.var_store().variables().into_iter().collect();
-    parameters.sort_by(|left, right| left.0.cmp(&right.0));
-    parameters
+/// The model's `config.json` and `model.safetensors` (f32 master weights),
+/// byte for byte what its checkpoint directory would hold.
+pub(super) fn snapshot_files(model: &DraftModel) -> Result<ModelFiles, SyncClientError> {
+    model_files(model).map_err(|error| SyncClientError::Model(error.to_string()))
 }
 
-/// One parameter as f32 bytes on the host (the master weights are f32).
-pub(super) fn tensor_to_wire(name: &str, tensor: &Tensor) -> Result<WireTensor, SyncClientError> {
-    let host = tensor
-        .detach()
-        .f_to_device(Device::Cpu)?
-        .f_to_kind(Kind::Float)?
-        .contiguous();
-    let elements = host.numel();
-    let mut bytes = vec![0u8; elements * Kind::Float.elt_size_in_bytes()];
-    host.f_copy_data_u8(&mut bytes, elements)?;
-    let shape = host.size().iter().map(|&dim| dim as u64).collect();
-    Ok((name.to_string(), shape, bytes))
-}
-
-/// Copies the run's model (f32 tensors, sorted by name) into the model's
-/// parameters, after checking every name and shape.
-pub(super) fn load_model(
-    parameters: &[(String, Tensor)],
-    received: Vec<WireTensor>,
-) -> Result<(), SyncClientError> {
-    if received.len() != parameters.len() {
+/// Copies the run's model (its `model.safetensors` bytes) into the model's
+/// parameters. First, from the header alone, it checks that the file holds
+/// exactly the model's parameters, each with its shape (a refusal names
+/// the tensor and changes nothing); then it copies one tensor at a time,
+/// so the file and one tensor are held, not the file twice.
+pub(super) fn load_model(model: &DraftModel, weights: &[u8]) -> Result<(), SyncClientError> {
+    let model_error = |error: DraftError| SyncClientError::Model(error.to_string());
+    let parameters: HashMap<String, tch::Tensor> = sorted_parameters(model).into_iter().collect();
+    let shapes = safetensors_shapes(weights, ORIGIN).map_err(model_error)?;
+    if shapes.len() != parameters.len() {
         return Err(SyncClientError::Protocol(format!(
             "the run's model has {} tensors, this drafter's {}",
-            received.len(),
+            shapes.len(),
             parameters.len()
         )));
     }
-    for ((name, parameter), (received_name, shape, bytes)) in parameters.iter().zip(received) {
-        if *name != received_name {
-            return Err(SyncClientError::Tensor {
+    for (name, shape) in &shapes {
+        let parameter = parameters
+            .get(name)
+            .ok_or_else(|| SyncClientError::Tensor {
                 name: name.clone(),
-                detail: format!("the run's model has {received_name:?} at its place"),
-            });
-        }
-        let shape: Vec<i64> = shape.iter().map(|&dim| dim as i64).collect();
-        if shape != parameter.size() {
+                detail: "not a parameter of this drafter".to_string(),
+            })?;
+        if *shape != parameter.size() {
             return Err(SyncClientError::Tensor {
                 name: name.clone(),
                 detail: format!("run's shape {shape:?}, model shape {:?}", parameter.size()),
             });
         }
-        let elements: i64 = shape.iter().product();
-        if bytes.len() as i64 != elements * 4 {
-            return Err(SyncClientError::Tensor {
-                name: name.clone(),
-                detail: format!("{} bytes for {elements} f32 elements", bytes.len()),
-            });
-        }
-        let values = Tensor::f_from_data_size(&bytes, &shape, Kind::Float)?
+    }
+    visit_safetensors_bytes(weights, ORIGIN, |name, values| {
+        let Some(parameter) = parameters.get(name) else {
+            return Ok(());
+        };
+        let values = values
+            .f_to_kind(parameter.kind())?
             .f_to_device(parameter.device())?;
         tch::no_grad(|| parameter.shallow_clone().f_copy_(&values))?;
-    }
-    Ok(())
+        Ok(())
+    })
+    .map_err(model_error)
 }
