@@ -186,6 +186,8 @@ async fn a_non_finite_capture_is_never_sent_and_skip_or_fail_is_honoured() {
 /// running target: a broker restarted on its state dir with another
 /// `--target-capture` is noticed at the reconnect, and the target stops
 /// naming both values before it re-sends anything made for the old one.
+/// (A broker refuses such a restart when its state dir records the run's
+/// capture; one written by an older broker does not, as here.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_whose_welcome_changes_the_capture_stops_the_target_naming_both() {
     use dflash_broker::config::CapturedTensor;
@@ -207,11 +209,15 @@ async fn a_reconnect_whose_welcome_changes_the_capture_stops_the_target_naming_b
         .await,
         "seq 0 was never accepted"
     );
+    let state_dir = work.path().join("state");
     let broker = broker
-        .restart(BrokerConfig {
-            target_capture: vec![CapturedTensor::LastHiddenStates],
-            ..first_config
-        })
+        .restart_after(
+            BrokerConfig {
+                target_capture: vec![CapturedTensor::LastHiddenStates],
+                ..first_config
+            },
+            || std::fs::remove_file(state_dir.join("target-capture")).unwrap(),
+        )
         .await;
     // Sends on the broken stream fail once its end is seen, at the latest
     // when the window of unanswered items is spent.

@@ -77,10 +77,18 @@ impl TestBroker {
     /// the same address, so its clients reconnect to it. A port still held
     /// by the old listener's last moments is tried again for up to 60 s.
     pub async fn restart(self, config: BrokerConfig) -> TestBroker {
+        self.restart_after(config, || {}).await
+    }
+
+    /// [`TestBroker::restart`], calling `between` once the old broker has
+    /// stopped and before the new one starts (to change its state dir as an
+    /// operator or an older broker would).
+    pub async fn restart_after(self, config: BrokerConfig, between: impl FnOnce()) -> TestBroker {
         let address = self.address.clone();
         self.stop_checked()
             .await
             .expect("the broker stopped cleanly");
+        between();
         let bound = address.trim_start_matches("http://").to_string();
         let deadline = Instant::now() + Duration::from_secs(60);
         let listener = loop {
