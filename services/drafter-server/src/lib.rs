@@ -44,6 +44,8 @@
 //!   read a starting drafter continues from, rank 0's snapshots, every
 //!   member's final one), run from the training thread; its wire streams
 //!   and tensor conversion are submodules.
+//! - [`broker_link`]: a data-parallel member's one connection to the broker,
+//!   shared by [`data_parallel`]'s lighthouse calls and [`model_sync`].
 //! - [`test_hooks`]: test-only behaviour, compiled in only with the cargo
 //!   feature `test-hooks` (below).
 //!
@@ -59,6 +61,7 @@
 //! otherwise.
 
 pub mod books;
+pub mod broker_link;
 pub mod config;
 pub mod data_parallel;
 pub mod engine;

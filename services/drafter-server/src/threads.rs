@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use dflash_device::{DeviceWorker, WorkerChannels, WorkerError};
 
+use crate::broker_link::BrokerLink;
 use crate::engine::{build_engine, EngineError};
 use crate::error::DrafterError;
 use crate::settings::{Connection, EngineSettings, LoopSettings, ScheduleSettings, TrainingMode};
@@ -93,22 +94,22 @@ pub(crate) fn start_trainer(
     let (model_sync, data_parallel) = match mode {
         TrainingMode::Independent => (None, None),
         TrainingMode::DataParallel { model, group } => {
-            let link = crate::model_sync::ModelSyncLink::new(
+            // One connection for the lighthouse and the run's model.
+            let link = BrokerLink::new(&connection.broker, connection.security.clone());
+            let model_sync = crate::model_sync::ModelSyncLink::new(
                 tokio::runtime::Handle::current(),
-                &connection.broker,
+                link.clone(),
                 &connection.drafter_id,
                 model,
-            )
-            .with_security(connection.security.clone());
+            );
             let member = crate::data_parallel::DataParallel::start(
                 tokio::runtime::Handle::current(),
-                &connection.broker,
+                link,
                 &connection.drafter_id,
-                connection.security.clone(),
                 group,
             )
             .map_err(|error| DrafterError::DataParallel(Box::new(error)))?;
-            (Some(link), Some(member))
+            (Some(model_sync), Some(member))
         }
     };
     let initial_total_steps = schedule.initial_total_steps();

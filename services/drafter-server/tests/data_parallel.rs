@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use common::*;
 use dflash_broker::BrokerConfig;
+use dflash_drafter_server::broker_link::BrokerLink;
 use dflash_drafter_server::data_parallel::{DataParallel, DataParallelConfig, StepOutcome};
 use dflash_drafter_server::engine::{build_engine, TrainingEngine};
 use dflash_drafter_server::DrafterServerConfig;
@@ -116,9 +117,8 @@ fn run_member(
     }
     let mut member = DataParallel::start(
         runtime,
-        &config.broker,
+        BrokerLink::new(&config.broker, Default::default()),
         &config.drafter_id,
-        Default::default(),
         &parallel_config,
     )
     .expect("a member");

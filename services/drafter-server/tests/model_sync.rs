@@ -9,6 +9,7 @@ mod common;
 
 use common::*;
 use dflash_broker::BrokerConfig;
+use dflash_drafter_server::broker_link::BrokerLink;
 use dflash_drafter_server::model_sync::{ModelSyncLink, SyncConfig};
 use dflash_model::draft::{
     DraftConfig, DraftModel, DraftOptions, FrozenTargetHeads, TargetDimensions,
@@ -70,13 +71,23 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
         );
         // The first drafter finds no model: its own weights become the
         // run's (step 0), and it keeps them.
-        let mut first_link = ModelSyncLink::new(runtime.clone(), &address, "first", &config);
+        let mut first_link = ModelSyncLink::new(
+            runtime.clone(),
+            BrokerLink::new(&address, Default::default()),
+            "first",
+            &config,
+        );
         assert_eq!(first_link.join_run(&first), (0, 0));
         assert_eq!(first_link.totals.failures, 0);
         assert_eq!(max_difference(&first, &initial_first), 0.0);
 
         // A drafter starting now takes the run's model, not its own init.
-        let mut late_link = ModelSyncLink::new(runtime.clone(), &address, "late", &config);
+        let mut late_link = ModelSyncLink::new(
+            runtime.clone(),
+            BrokerLink::new(&address, Default::default()),
+            "late",
+            &config,
+        );
         assert_eq!(late_link.join_run(&late), (0, 0));
         assert_eq!(late_link.totals.failures, 0);
         assert_eq!(
@@ -98,7 +109,12 @@ async fn a_starting_drafter_makes_the_runs_model_or_continues_from_the_latest_sn
             (5, 40)
         );
         let third = tiny_draft_model(3);
-        let mut third_link = ModelSyncLink::new(runtime, &address, "third", &config);
+        let mut third_link = ModelSyncLink::new(
+            runtime,
+            BrokerLink::new(&address, Default::default()),
+            "third",
+            &config,
+        );
         assert_eq!(third_link.join_run(&third), (5, 40));
         assert_eq!(max_difference(&first, &third), 0.0);
         first_link.snapshot(&first, 5, 40, true);

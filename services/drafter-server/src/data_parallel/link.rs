@@ -2,6 +2,7 @@
 //! `Lighthouse.Commit`), called from the training thread: one call at a
 //! time, each bounded, the decision fetched again until the broker answers.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_proto::v1 as proto;
@@ -10,6 +11,7 @@ use tracing::warn;
 
 use super::error::DataParallelError;
 use super::settings::DataParallelConfig;
+use crate::broker_link::BrokerLink;
 
 /// Bound on a Quorum or Commit call beyond the broker's own waits.
 pub(super) const CALL_MARGIN: Duration = Duration::from_secs(30);
@@ -20,8 +22,9 @@ const MAX_RETRY_PAUSE: Duration = Duration::from_secs(5);
 
 pub(super) struct LighthouseLink {
     runtime: tokio::runtime::Handle,
-    broker: String,
-    security: dflash_client::ClientSecurityArgs,
+    /// The member's one connection to the broker, shared with its
+    /// run-model link.
+    link: Arc<BrokerLink>,
     client: Option<LighthouseClient<dflash_client::AuthChannel>>,
     /// Bound on one call: the collective timeout plus [`CALL_MARGIN`].
     call_limit: Duration,
@@ -33,8 +36,7 @@ pub(super) struct LighthouseLink {
 impl LighthouseLink {
     pub(super) fn new(
         runtime: tokio::runtime::Handle,
-        broker: &str,
-        security: dflash_client::ClientSecurityArgs,
+        link: Arc<BrokerLink>,
         config: &DataParallelConfig,
     ) -> Self {
         #[cfg(feature = "test-hooks")]
@@ -43,8 +45,7 @@ impl LighthouseLink {
         let lose_decisions = 0;
         LighthouseLink {
             runtime,
-            broker: broker.to_string(),
-            security,
+            link,
             client: None,
             call_limit: config.collective_timeout + CALL_MARGIN,
             lose_decisions,
@@ -115,23 +116,15 @@ impl LighthouseLink {
         if let Some(client) = &self.client {
             return Ok(client.clone());
         }
-        let broker = self.broker.clone();
-        let security = self.security.clone();
+        let link = self.link.clone();
         let client = self.block_on("connecting to the broker", CALL_MARGIN, async move {
-            let connect_error = |detail: String| DataParallelError::Connect {
-                address: broker.clone(),
-                detail,
-            };
-            let security = security
-                .load()
-                .map_err(|error| connect_error(error.to_string()))?;
-            let options = dflash_client::ClientOptions {
-                security,
-                ..dflash_client::ClientOptions::default()
-            };
-            let channel = dflash_client::connect_channel(&broker, &options)
+            let channel = link
+                .channel()
                 .await
-                .map_err(|error| connect_error(error.to_string()))?;
+                .map_err(|error| DataParallelError::Connect {
+                    address: error.address,
+                    detail: error.detail,
+                })?;
             Ok(LighthouseClient::new(channel))
         })?;
         self.client = Some(client.clone());

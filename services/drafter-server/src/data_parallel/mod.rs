@@ -114,12 +114,12 @@ pub struct DataParallel {
 }
 
 impl DataParallel {
-    /// Hosts this drafter's c10d store.
+    /// Hosts this drafter's c10d store; `link` is the member's one broker
+    /// connection (shared with its run-model link).
     pub fn start(
         runtime: tokio::runtime::Handle,
-        broker: &str,
+        link: std::sync::Arc<crate::broker_link::BrokerLink>,
         drafter_id: &str,
-        security: dflash_client::ClientSecurityArgs,
         config: &DataParallelConfig,
     ) -> Result<Self, DataParallelError> {
         let store = Store::host(
@@ -137,7 +137,7 @@ impl DataParallel {
         Ok(DataParallel {
             drafter_id: drafter_id.to_string(),
             config: config.clone(),
-            link: LighthouseLink::new(runtime, broker, security, config),
+            link: LighthouseLink::new(runtime, link, config),
             store,
             store_address,
             membership: Membership::default(),

@@ -28,11 +28,14 @@
 mod session;
 mod tensors;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_model::draft::DraftModel;
 use dflash_proto::v1 as proto;
 use tracing::{info, warn};
+
+use crate::broker_link::BrokerLink;
 
 mod error;
 mod settings;
@@ -59,12 +62,12 @@ pub struct SyncTotals {
 /// The model-sync client of one drafter (lives on its training thread).
 pub struct ModelSyncLink {
     runtime: tokio::runtime::Handle,
-    broker: String,
+    /// The member's one connection to the broker, shared with its
+    /// lighthouse link.
+    link: Arc<BrokerLink>,
     drafter_id: String,
     config: SyncConfig,
     session: Option<Session>,
-    /// TLS and the bearer token of the sync connection (as the Consume one).
-    security: dflash_client::ClientSecurityArgs,
     pub totals: SyncTotals,
 }
 
@@ -73,25 +76,18 @@ impl ModelSyncLink {
     /// none: `crate::settings::TrainingMode`).
     pub fn new(
         runtime: tokio::runtime::Handle,
-        broker: &str,
+        link: Arc<BrokerLink>,
         drafter_id: &str,
         config: &SyncConfig,
     ) -> Self {
         ModelSyncLink {
             runtime,
-            broker: broker.to_string(),
+            link,
             drafter_id: drafter_id.to_string(),
             config: config.clone(),
             session: None,
-            security: dflash_client::ClientSecurityArgs::default(),
             totals: SyncTotals::default(),
         }
-    }
-
-    /// Connects with this TLS and token (the broker's flags of the drafter).
-    pub fn with_security(mut self, security: dflash_client::ClientSecurityArgs) -> Self {
-        self.security = security;
-        self
     }
 
     fn timeout(&self) -> Duration {
@@ -119,11 +115,7 @@ impl ModelSyncLink {
     }
 
     fn try_join(&mut self, model: &DraftModel) -> Result<(u64, u64), SyncClientError> {
-        let read = read_model(
-            self.broker.clone(),
-            self.drafter_id.clone(),
-            self.security.clone(),
-        );
+        let read = read_model(self.link.clone(), self.drafter_id.clone());
         let Some(run_model) = self.block_on(self.timeout(), read)? else {
             // No model yet: this drafter's weights become the run's.
             let result = self.try_snapshot(model, 0, 0, false)?;
@@ -205,14 +197,12 @@ impl ModelSyncLink {
     }
 
     fn open_session(&mut self, config_json: String) -> Result<(), SyncClientError> {
-        let broker = self.broker.clone();
         let hello = proto::SyncHello {
             drafter_id: self.drafter_id.clone(),
             model_config_json: config_json,
         };
         let timeout = self.timeout();
-        let security = self.security.clone();
-        let session = self.block_on(timeout, open(broker, hello, security))?;
+        let session = self.block_on(timeout, open(self.link.clone(), hello))?;
         self.session = Some(session);
         Ok(())
     }

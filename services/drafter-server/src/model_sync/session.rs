@@ -6,6 +6,8 @@
 //! [`super::ModelSyncLink`]; apart from it so the link reads as the
 //! training thread's decisions and this as the protocol.
 
+use std::sync::Arc;
+
 use dflash_model::draft::{ModelFiles, CONFIG_FILE_NAME, MODEL_FILE_NAME};
 use dflash_proto::chunks::{take_file, FileAssembler};
 use dflash_proto::v1 as proto;
@@ -13,6 +15,7 @@ use dflash_proto::v1::model_sync_client::ModelSyncClient;
 use tokio::sync::mpsc;
 
 use super::error::SyncClientError;
+use crate::broker_link::BrokerLink;
 
 use dflash_proto::transport::MODEL_SYNC_CHUNK_BYTES as CHUNK_BYTES;
 
@@ -32,39 +35,27 @@ pub(super) struct RunModel {
     pub(super) weights: Vec<u8>,
 }
 
-/// A ModelSync client on the broker, with the transport settings and the
-/// security of every other stream of the drafter.
+/// A ModelSync client on the member's one broker connection.
 async fn connect(
-    broker: &str,
-    security: dflash_client::ClientSecurityArgs,
+    link: &BrokerLink,
 ) -> Result<ModelSyncClient<dflash_client::AuthChannel>, SyncClientError> {
-    let connect_error = |detail: String| SyncClientError::Connect {
-        address: broker.to_string(),
-        detail,
-    };
-    let security = security
-        .load()
-        .map_err(|error| connect_error(error.to_string()))?;
-    // The same transport settings as every other stream of the client
-    // (windows, frame size, keepalive: `dflash_proto::transport`).
-    let options = dflash_client::ClientOptions {
-        security,
-        ..dflash_client::ClientOptions::default()
-    };
-    let channel = dflash_client::connect_channel(broker, &options)
+    let channel = link
+        .channel()
         .await
-        .map_err(|error| connect_error(error.to_string()))?;
+        .map_err(|error| SyncClientError::Connect {
+            address: error.address,
+            detail: error.detail,
+        })?;
     Ok(ModelSyncClient::new(channel)
         .max_decoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES)
         .max_encoding_message_size(dflash_proto::transport::MODEL_SYNC_MESSAGE_BYTES))
 }
 
 pub(super) async fn open(
-    broker: String,
+    link: Arc<BrokerLink>,
     hello: proto::SyncHello,
-    security: dflash_client::ClientSecurityArgs,
 ) -> Result<Session, SyncClientError> {
-    let mut client = connect(&broker, security).await?;
+    let mut client = connect(&link).await?;
     let (requests, receiver) = mpsc::channel(4);
     requests
         .send(request(proto::sync_request::Kind::Hello(hello)))
@@ -160,12 +151,11 @@ async fn upload(
 /// `drafter_id`: the broker keeps nothing for it); `None` when the broker
 /// holds none yet.
 pub(super) async fn read_model(
-    broker: String,
+    link: Arc<BrokerLink>,
     drafter_id: String,
-    security: dflash_client::ClientSecurityArgs,
 ) -> Result<Option<RunModel>, SyncClientError> {
     use proto::read_model_response::Kind;
-    let mut client = connect(&broker, security).await?;
+    let mut client = connect(&link).await?;
     let read = client
         .read_model(proto::ReadModelRequest {
             drafter_id,
