@@ -72,6 +72,10 @@ def test_a_reconnect_whose_welcome_changes_the_capture_raises_before_resending(s
             producer.send(0, *synthetic_sample(0, WIDTH))
             wait_until(lambda: answered(producer.report) == 1, 30, "the first item to be answered")
             first.stop()
+            # A broker refuses a restart on a state dir that records another
+            # capture; one written by an older broker (no record, as here)
+            # starts, and the producer must notice.
+            (state / "target-capture").unlink()
             second = start_broker(1, "--state-dir", str(state), "--target-capture", "last-hidden-states")
             relay.retarget(second.address)
             relay.cut()
