@@ -43,6 +43,7 @@ test: setup lint check-grpcurl test-rust mutants check-checkpoint check-dflash2 
 
 lint:
 	$(PYTHON) scripts/check-module-cycles.py
+	$(PYTHON) scripts/check-feature-pins.py
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets $(TEST_FEATURES) -- -D warnings
