@@ -55,7 +55,7 @@ LINTING := RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc
 
 lint: setup
 	$(PYTHON) scripts/check-module-cycles.py
-	$(PYTHON) scripts/check-feature-pins.py
+	$(PYTHON) scripts/check-feature-pins.py $(TEST_FEATURES)
 	$(CARGO) fmt --all -- --check
 	$(LINTING) $(CARGO) build --workspace --all-targets
 	$(TEST_BUILD)

@@ -6,7 +6,8 @@ Cargo resolves dependencies' features for the packages a command names, so
 a build of the broker alone (the mutants, a developer's run) can compile a
 dependency, and everything above it, a second way. This compares cargo's
 two unit graphs, without building anything: the workspace's test build and
-`cargo test -p dflash-broker --lib`. Every unit of the second (a package
+`cargo test -p dflash-broker --lib`. Its arguments are the test build's
+feature flags (the Makefile's TEST_FEATURES). Every unit of the second (a package
 with its features, its profile and, recursively, its dependencies' units)
 must be a unit of the first. A unit that is not, but whose dependencies
 all are, is where they part: the check names its package, its features and
@@ -21,7 +22,6 @@ import os
 import subprocess
 import sys
 
-TEST_FEATURES = "dflash-target-server/test-hooks,dflash-drafter-server/test-hooks"
 PACKAGE = "dflash-broker"
 
 
@@ -58,7 +58,7 @@ def package(unit):
 
 
 def main():
-    workspace = unit_graph(["build", "--workspace", "--all-targets", "--features", TEST_FEATURES])
+    workspace = unit_graph(["build", "--workspace", "--all-targets", *sys.argv[1:]])
     own = unit_graph(["test", "-p", PACKAGE, "--lib", "--no-run"])
     known = set(signatures(workspace))
     own_signatures = signatures(own)
