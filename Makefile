@@ -56,6 +56,7 @@ LINTING := RUSTC_WORKSPACE_WRAPPER=$(CURDIR)/scripts/clippy-rustc
 lint: setup
 	$(PYTHON) scripts/check-module-cycles.py
 	$(PYTHON) scripts/check-feature-pins.py $(TEST_FEATURES)
+	$(PYTHON) scripts/check-build-profile.py $(TEST_FEATURES)
 	$(CARGO) fmt --all -- --check
 	$(LINTING) $(CARGO) build --workspace --all-targets
 	$(TEST_BUILD)
