@@ -29,10 +29,11 @@ release: setup
 ## a quicker build for what runs little; #51) and only the binaries (no test
 ## kit), then run as is: `cargo run -p dflash-cli` would resolve the
 ## dependencies' features for that one package and rebuild many of them
-## (3 min 22 s on the 2-core machine).
+## (3 min 22 s on the 2-core machine). Without default features: the
+## broker's jemalloc is the only one (broker/Cargo.toml says why).
 .PHONY: local-build
 local-build: setup
-	$(CARGO) build --profile local --workspace --bins
+	$(CARGO) build --profile local --workspace --bins --no-default-features
 
 run: local-build
 	$(or $(CARGO_TARGET_DIR),target)/local/dflash local $(ARGS)

@@ -11,7 +11,10 @@ use clap::Parser;
 /// 32 MiB) to the kernel at once: with glibc every received item of tens of
 /// MiB is a fresh mapping that faults in page by page (43 % of the broker's
 /// time at 16 MiB items, measured), with jemalloc it reuses a block that is
-/// already mapped. `make bench` prints the minor faults per GiB.
+/// already mapped. `make bench` prints the minor faults per GiB. Feature
+/// `jemalloc`, on by default; off only in `make run`'s build
+/// (broker/Cargo.toml says why).
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 use dflash_shell::Exit;
