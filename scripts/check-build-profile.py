@@ -21,19 +21,9 @@ Makefile's TEST_FEATURES), and fails naming:
 on the stable toolchain. Prints `check-build-profile: OK (N build-time
 packages unoptimised, M run-time units optimised)`.
 """
-import json
-import os
-import subprocess
 import sys
 
-
-def unit_graph(args):
-    command = ["cargo", *args, "-Z", "unstable-options", "--unit-graph"]
-    env = dict(os.environ, RUSTC_BOOTSTRAP="1")
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        sys.exit(f"check-build-profile: `{' '.join(command)}` failed:\n{done.stderr}")
-    return json.loads(done.stdout)
+import cargo_units
 
 
 def name(unit):
@@ -45,7 +35,7 @@ def is_ours(unit):
 
 
 def main():
-    graph = unit_graph(["build", "--workspace", "--all-targets", *sys.argv[1:]])
+    graph = cargo_units.unit_graph("check-build-profile", ["build", "--workspace", "--all-targets", *sys.argv[1:]])
     units = graph["units"]
     run_time = set()
     stack = list(graph["roots"])

@@ -18,20 +18,15 @@ run on the stable toolchain (it builds nothing). Prints
 `check-feature-pins: OK (N units)`.
 """
 import json
-import os
-import subprocess
 import sys
+
+import cargo_units
 
 PACKAGE = "dflash-broker"
 
 
 def unit_graph(args):
-    command = ["cargo", *args, "-Z", "unstable-options", "--unit-graph"]
-    env = dict(os.environ, RUSTC_BOOTSTRAP="1")
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        sys.exit(f"check-feature-pins: `{' '.join(command)}` failed:\n{done.stderr}")
-    return json.loads(done.stdout)["units"]
+    return cargo_units.unit_graph("check-feature-pins", args)["units"]
 
 
 def signatures(units):
