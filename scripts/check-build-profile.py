@@ -17,8 +17,7 @@ Makefile's TEST_FEATURES), and fails naming:
     dependencies) that is compiled unoptimised: it was listed, and is now
     also a dependency of the code under test, so it must come off the list.
 
-`--unit-graph` is unstable; RUSTC_BOOTSTRAP=1 lets this read-only query run
-on the stable toolchain. Prints `check-build-profile: OK (N build-time
+The graph comes from scripts/cargo_units.py. Prints `check-build-profile: OK (N build-time
 packages unoptimised, M run-time units optimised)`.
 """
 import sys
@@ -35,7 +34,8 @@ def is_ours(unit):
 
 
 def main():
-    graph = cargo_units.unit_graph("check-build-profile", ["build", "--workspace", "--all-targets", *sys.argv[1:]])
+    graph = cargo_units.unit_graph(
+        "check-build-profile", ["build", "--workspace", "--all-targets", *sys.argv[1:]])
     units = graph["units"]
     run_time = set()
     stack = list(graph["roots"])
